@@ -1,0 +1,137 @@
+"""isotui's streaming pass vs the plain way papers use (keep every hidden state, then compute).
+
+Each measurement runs in its own process, so peak memory (ru_maxrss) is not shared.
+1. Speed at equal n (500 samples): plain = keep all hidden states, then all-pairs cosine by
+   blocked U U^T, drift, mean norm and covariance eigenvalues; ours = the full metric set.
+2. Peak memory from 500 to 5,000 samples: ours stays flat; the plain way grows with the corpus
+   (measured on its keep-everything phase plus O(n d) metrics; its O(n^2) step adds time only).
+
+    python benchmarks/memory.py [--model minilm] [--max-length 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _corpus(n: int, path: Path) -> None:
+    from isotui.data.sources import load_samples, parse_data
+
+    base = load_samples(parse_data("builtin"))
+    pairs = [f"{a} {b}" for a, b in itertools.pairwise(base)]
+    path.write_text("\n".join((base + pairs)[:n]) + "\n", encoding="utf-8")
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _worker(mode: str, n: int, path: Path, model: str, max_length: int, pairs: bool) -> dict:
+    import numpy as np
+    import torch
+
+    from isotui.data.sources import load_samples, parse_data
+    from isotui.extract.runner import ExtractOptions, _Runner, extract
+    from isotui.models.loading import load_model
+    from isotui.models.naming import parse_model
+
+    samples = load_samples(parse_data(f"text:{path}"), n)
+    loaded = load_model(parse_model(model), device="cpu", dtype="float32", seed=0, trust_remote_code=False)
+    opts = ExtractOptions(max_length=max_length)
+    base_rss = _rss_mb()
+    start = time.perf_counter()
+    if mode == "ours":
+        ex = extract(loaded, samples, device="cpu", opts=opts)
+        avg = [layer.avg_cos for layer in ex.layers]
+    else:
+        runner = _Runner(loaded, "cpu", opts, lambda _e: None, lambda: False)
+        enc = runner.tokenize(samples, max_length)
+        lengths = [len(x) for x in enc["input_ids"]]
+        kept: list[list[np.ndarray]] | None = None
+        for idx in runner.batches(lengths):
+            width = max(lengths[i] for i in idx)
+            ids = torch.full((len(idx), width), runner.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            keep = torch.zeros((len(idx), width), dtype=torch.bool)
+            for row, i in enumerate(idx):
+                ids[row, : lengths[i]] = torch.tensor(enc["input_ids"][i])
+                mask[row, : lengths[i]] = 1
+                keep[row, : lengths[i]] = ~torch.tensor(enc["special"][i], dtype=torch.bool)
+            with torch.inference_mode():
+                hs = loaded.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+            kept = kept or [[] for _ in hs]
+            for layer, h in enumerate(hs):
+                kept[layer].append(h[keep].numpy().copy())
+        avg = []
+        for chunks in kept:
+            x = np.concatenate(chunks).astype(np.float64)
+            u = x / np.linalg.norm(x, axis=1, keepdims=True)
+            if pairs:  # all pairs, blocked, as an exact plain script would
+                total = sum(float((u[i : i + 2048] @ u.T).sum()) for i in range(0, len(u), 2048))
+            else:
+                total = float(u.sum(0) @ u.sum(0))
+            avg.append((total - len(u)) / (len(u) * (len(u) - 1)))
+            np.linalg.norm(x.mean(0)), np.linalg.norm(x, axis=1).mean()
+            np.linalg.eigvalsh(np.cov(x, rowvar=False))
+    return {"seconds": time.perf_counter() - start, "peak_mb": _rss_mb(), "base_mb": base_rss, "avg_cos": avg}
+
+
+def _measure(mode: str, n: int, path: Path, args, pairs: bool) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        mode,
+        str(n),
+        str(path),
+        "--model",
+        args.model,
+        "--max-length",
+        str(args.max_length),
+    ] + (["--pairs"] if pairs else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="minilm")
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--worker", nargs=3, metavar=("MODE", "N", "PATH"))
+    parser.add_argument("--pairs", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        mode, n, path = args.worker
+        print(json.dumps(_worker(mode, int(n), Path(path), args.model, args.max_length, args.pairs)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "corpus.txt"
+        _corpus(5000, path)
+        ours, plain = _measure("ours", 500, path, args, False), _measure("plain", 500, path, args, True)
+        diff = max(abs(a - b) for a, b in zip(ours["avg_cos"], plain["avg_cos"], strict=True))
+        print(f"speed at 500 samples ({args.model}, max length {args.max_length}):")
+        print(
+            f"  plain (keep all, all pairs): {plain['seconds']:.1f} s   ours: {ours['seconds']:.1f} s   "
+            f"plain/ours = {plain['seconds'] / ours['seconds']:.2f}   max |avg_cos diff| = {diff:.1e}"
+        )
+        print("peak memory above the loaded model (MB):")
+        used = {}
+        for n in (500, 5000):
+            for mode in ("ours", "plain"):
+                r = _measure(mode, n, path, args, False)
+                used[mode, n] = r["peak_mb"] - r["base_mb"]
+            print(f"  {n:>5} samples: ours {used['ours', n]:7.0f}   plain {used['plain', n]:7.0f}")
+        grow = {m: used[m, 5000] - used[m, 500] for m in ("ours", "plain")}
+        print(f"growth 500 -> 5000: ours {grow['ours']:+.0f} MB, plain {grow['plain']:+.0f} MB")
+
+
+if __name__ == "__main__":
+    main()

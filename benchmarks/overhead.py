@@ -1,0 +1,77 @@
+"""Overhead of isotui's full metric set over a bare forward pass, on the same batches.
+
+Target (issue 2): ours / bare <= 1.15 on CPU for minilm, 2,000 builtin samples, max length 128.
+Both sides get identical, pre-built, length-sorted batches; runs alternate to share any drift.
+
+    python benchmarks/overhead.py [--samples 2000] [--max-length 128] [--repeats 2] [--model minilm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="minilm")
+    parser.add_argument("--samples", type=int, default=2000)
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    import torch
+
+    from isotui.data.sources import load_samples, parse_data
+    from isotui.extract.runner import ExtractOptions, _Runner, extract
+    from isotui.models.loading import load_model
+    from isotui.models.naming import parse_model
+
+    samples = load_samples(parse_data("builtin"), args.samples)
+    loaded = load_model(
+        parse_model(args.model), device="cpu", dtype="float32", seed=0, trust_remote_code=False
+    )
+    opts = ExtractOptions(max_length=args.max_length)
+    runner = _Runner(loaded, "cpu", opts, lambda _e: None, lambda: False)
+    enc = runner.tokenize(samples, args.max_length)
+    lengths = [len(x) for x in enc["input_ids"]]
+    batches = []
+    for idx in runner.batches(lengths):
+        width = max(lengths[i] for i in idx)
+        ids = torch.full((len(idx), width), runner.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            ids[row, : lengths[i]] = torch.tensor(enc["input_ids"][i])
+            mask[row, : lengths[i]] = 1
+        batches.append({"input_ids": ids, "attention_mask": mask})
+
+    def bare() -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for batch in batches:
+                loaded.model(**batch, output_hidden_states=True)
+        return time.perf_counter() - start
+
+    def ours() -> float:
+        start = time.perf_counter()
+        extract(loaded, samples, device="cpu", opts=opts)
+        return time.perf_counter() - start
+
+    bare()  # warm-up: first-call allocations and kernel selection
+    t_bare, t_ours = [], []
+    for _ in range(args.repeats):
+        t_bare.append(bare())
+        t_ours.append(ours())
+    b, o = min(t_bare), min(t_ours)
+    tokens = sum(lengths)
+    print(
+        f"model={args.model} samples={len(samples)} tokens={tokens} batches={len(batches)} "
+        f"threads={torch.get_num_threads()}"
+    )
+    print(f"bare forward (output_hidden_states=True): {b:.2f} s  ({tokens / b:.0f} tok/s)")
+    print(f"isotui full metric set:                   {o:.2f} s  ({tokens / o:.0f} tok/s)")
+    print(f"overhead ratio ours/bare: {o / b:.3f}  (target <= 1.15)")
+
+
+if __name__ == "__main__":
+    main()

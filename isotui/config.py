@@ -1,0 +1,80 @@
+"""Run settings from a TOML file (``isotui run CONFIG.toml``); command-line flags win over it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from isotui.errors import IsotuiError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+# Setting name -> the Python types a TOML value may have.
+RUN_SETTINGS: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "description": (str,),
+    "model": (str,),
+    "models": (list,),
+    "data": (str,),
+    "max_samples": (int,),
+    "max_length": (int,),
+    "special_tokens": (str,),
+    "batch_size": (int, str),
+    "device": (str,),
+    "dtype": (str,),
+    "seed": (int,),
+    "reservoir": (int,),
+    "trust_remote_code": (bool,),
+    "cache_dir": (str,),
+    "csv": (str,),
+    "json": (str,),
+}
+PATH_SETTINGS = ("cache_dir", "csv", "json")
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse a TOML file; a missing or malformed file is one sentence naming it."""
+    if not path.is_file():
+        raise IsotuiError(f"config file {path} does not exist")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise IsotuiError(f"config file {path} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise IsotuiError(f"config file {path} cannot be read: {exc.strerror}") from None
+
+
+def load_run_config(path: Path) -> dict[str, Any]:
+    """Validated run settings from ``path``; relative paths are made relative to its folder."""
+    data = read_toml(path)
+    for key, value in data.items():
+        if key not in RUN_SETTINGS:
+            known = ", ".join(sorted(RUN_SETTINGS))
+            raise IsotuiError(f"config file {path}: unknown setting {key!r} (known: {known})")
+        allowed = RUN_SETTINGS[key]
+        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+            want = " or ".join(t.__name__ for t in allowed)
+            raise IsotuiError(f"config file {path}: setting {key!r} must be a {want} (got {value!r})")
+    models = data.pop("models", None)
+    if models is not None:
+        if not models or not all(isinstance(m, str) for m in models):
+            raise IsotuiError(f"config file {path}: setting 'models' must be a non-empty list of model names")
+        if "model" in data:
+            raise IsotuiError(f"config file {path}: give 'model' or 'models', not both")
+        data["models"] = models
+    elif "model" in data:
+        data["models"] = [data.pop("model")]
+    base = path.resolve().parent
+    for key in PATH_SETTINGS:
+        if key in data:
+            data[key] = str((base / Path(data[key]).expanduser()).resolve())
+    for i, m in enumerate(data.get("models", [])):
+        if m.startswith(("./", "../")):
+            data["models"][i] = str((base / m).resolve())
+    data["base_dir"] = base
+    return data

@@ -1,0 +1,1 @@
+"""Pure numerics: streaming accumulators and isotropy metrics (no I/O, no Textual)."""

@@ -1,0 +1,229 @@
+"""Streaming per-layer accumulators: exact anisotropy statistics in one pass, O(d) or O(d^2) memory.
+
+Everything is accumulated in float64 on the model's device, whatever the model's dtype (fp16
+norms overflow). A batch is folded in two phases, ``partial`` (allocates) then ``commit``
+(cheap in-place adds), so an out-of-memory error in the middle of a batch leaves no half-added
+state behind and the batch can be retried.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from isotui.core.spectrum import Spectrum, spectrum_metrics
+
+if TYPE_CHECKING:
+    import torch
+
+_MASK62 = (1 << 62) - 1
+
+
+def sample_keys(seed: int, sample_index: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """A pseudo-random key in [0, 1) per vector, a pure function of (seed, sample, position).
+
+    Reservoir membership then does not depend on batch size or order, so results are
+    identical however the corpus is batched.
+    """
+    import torch
+
+    x = (sample_index.to(torch.int64) * 1_000_003 + position.to(torch.int64)) & _MASK62
+    x = (x + (((seed + 1) * 0x9E3779B97F4A7C15) & _MASK62)) & _MASK62
+    for mult, shift in (
+        (0xBF58476D1CE4E5B9, 31),
+        (0x94D049BB133111EB, 29),
+        (0x2545F4914F6CDD1D, 32),
+    ):
+        x = (x ^ (x >> shift)) & _MASK62
+        x = (x * (mult & _MASK62)) & _MASK62
+    return (x >> 9).to(torch.float64) / float(1 << 53)
+
+
+@dataclass
+class LayerStats:
+    """Final per-layer metrics (plain Python / numpy), ready for tables and the cache."""
+
+    dim: int
+    n_vectors: int
+    n_zero: int
+    avg_cos: float
+    avg_cos_xctx: float
+    drift_norm: float
+    mean_norm: float
+    avg_cos_centered: float
+    n_sample: int
+    isoscore: float
+    eff_rank: float
+    top_pc_share: float
+    spectrum_from: str
+    dim_contrib: np.ndarray = field(repr=False)
+    eigenvalues: np.ndarray = field(repr=False)
+
+
+def avg_cos_from_sums(sum_u: np.ndarray, n: int) -> float:
+    """Exact mean cosine over all n(n-1) ordered distinct pairs of unit vectors summing to sum_u."""
+    if n < 2:
+        return math.nan
+    return float((np.dot(sum_u, sum_u) - n) / (n * (n - 1)))
+
+
+class LayerAccumulator:
+    """Streams one layer's vectors; ``finalize`` gives :class:`LayerStats`.
+
+    ``full_cov``: accumulate the d x d second moment of all vectors (exact spectrum) rather than
+    estimating the spectrum from the reservoir sample. The reservoir (``reservoir`` vectors,
+    uniform over all vectors, chosen by :func:`sample_keys`) serves ``avg_cos_centered``, which
+    needs the final mean before it can normalise; it is exact whenever n <= reservoir.
+    """
+
+    def __init__(self, dim: int, device: torch.device, *, full_cov: bool, reservoir: int) -> None:
+        import torch
+
+        f64 = torch.float64
+        self.dim = dim
+        self.device = device
+        self.full_cov = full_cov
+        self.reservoir_size = reservoir
+        self.n = 0  # non-zero vectors (those with a direction)
+        self.n_all = 0
+        self.pairs_within = 0  # sum over samples of n_s (n_s - 1)
+        self.sum_u = torch.zeros(dim, dtype=f64, device=device)
+        self.sum_u2 = torch.zeros(dim, dtype=f64, device=device)
+        self.sum_x = torch.zeros(dim, dtype=f64, device=device)
+        self.sum_norm = torch.zeros((), dtype=f64, device=device)
+        self.within = torch.zeros((), dtype=f64, device=device)  # sum_s ||S_s||^2
+        self.shift: torch.Tensor | None = None  # first batch mean: keeps the 2nd moment stable
+        self.sum_xs = torch.zeros(dim, dtype=f64, device=device)
+        self.gram = torch.zeros((dim, dim), dtype=f64, device=device) if full_cov else None
+        self.res: torch.Tensor | None = None
+        self.res_keys: torch.Tensor | None = None
+
+    def partial(self, x: torch.Tensor, sample_ids: torch.Tensor, keys: torch.Tensor) -> dict:
+        """Statistics of one batch of vectors ``x`` (m x d) from samples ``sample_ids`` (0..B-1)."""
+        import torch
+
+        x64 = x.to(torch.float64)
+        norms = torch.linalg.vector_norm(x64, dim=1)
+        nonzero = norms > 0
+        n_nonzero = int(nonzero.sum())
+        u = x64[nonzero] / norms[nonzero, None] if n_nonzero < len(norms) else x64 / norms[:, None]
+        ids = sample_ids[nonzero] if n_nonzero < len(norms) else sample_ids
+        n_samples = int(sample_ids.max()) + 1 if len(sample_ids) else 0
+        per_sample = torch.zeros((n_samples, self.dim), dtype=torch.float64, device=x.device)
+        per_sample.index_add_(0, ids, u)
+        counts = torch.bincount(ids, minlength=n_samples).to(torch.float64)
+        out = {
+            "n": n_nonzero,
+            "n_all": len(norms),
+            "pairs_within": int((counts * (counts - 1)).sum()),
+            "sum_u": u.sum(0),
+            "sum_u2": (u * u).sum(0),
+            "sum_x": x64.sum(0),
+            "sum_norm": norms.sum(),
+            "within": (per_sample * per_sample).sum(),
+        }
+        if self.full_cov:
+            shift = self.shift if self.shift is not None else x64.mean(0)
+            xs = x64 - shift
+            out["shift"] = shift
+            out["sum_xs"] = xs.sum(0)
+            out["gram"] = xs.T @ xs
+        out["reservoir"] = self._merge_reservoir(x, keys)
+        return out
+
+    def _merge_reservoir(self, x: torch.Tensor, keys: torch.Tensor):
+        import torch
+
+        x32 = x.to(torch.float32)
+        if self.res is not None and len(self.res) >= self.reservoir_size:
+            worst = self.res_keys.max()
+            take = keys < worst
+            if not bool(take.any()):
+                return self.res, self.res_keys
+            x32, keys = x32[take], keys[take]
+        vecs = x32 if self.res is None else torch.cat([self.res, x32])
+        all_keys = keys if self.res_keys is None else torch.cat([self.res_keys, keys])
+        if len(all_keys) > self.reservoir_size:
+            keep = torch.topk(all_keys, self.reservoir_size, largest=False).indices
+            vecs, all_keys = vecs[keep], all_keys[keep]
+        return vecs, all_keys
+
+    def commit(self, p: dict) -> None:
+        """Add a batch's :meth:`partial` into the running state (no large allocations)."""
+        self.n += p["n"]
+        self.n_all += p["n_all"]
+        self.pairs_within += p["pairs_within"]
+        for name in ("sum_u", "sum_u2", "sum_x", "sum_norm", "within"):
+            getattr(self, name).add_(p[name])
+        if self.full_cov:
+            if self.shift is None:
+                self.shift = p["shift"]
+            self.sum_xs.add_(p["sum_xs"])
+            self.gram.add_(p["gram"])
+        self.res, self.res_keys = p["reservoir"]
+
+    def finalize(self) -> LayerStats:
+        """Turn the sums into metrics (see design.md for the exact definitions)."""
+        n, n_all, d = self.n, self.n_all, self.dim
+        sum_u = self.sum_u.cpu().numpy()
+        sum_u2 = self.sum_u2.cpu().numpy()
+        s2 = float(np.dot(sum_u, sum_u))
+        avg_cos = avg_cos_from_sums(sum_u, n)
+        pairs_cross = n * (n - 1) - self.pairs_within
+        within = float(self.within.cpu())
+        avg_cos_xctx = (s2 - within) / pairs_cross if pairs_cross > 0 else math.nan
+        mean = self.sum_x.cpu().numpy() / n_all if n_all else np.full(d, np.nan)
+        drift = float(np.linalg.norm(mean)) if n_all else math.nan
+        mean_norm = float(self.sum_norm.cpu()) / n_all if n_all else math.nan
+        contrib = (sum_u**2 - sum_u2) / (n * (n - 1)) if n >= 2 else np.full(d, np.nan)
+
+        sample = self.res.cpu().numpy().astype(np.float64) if self.res is not None else None
+        centered = _centered_avg_cos(sample, mean) if sample is not None else math.nan
+        n_sample = 0 if sample is None else len(sample)
+
+        if self.full_cov and n_all >= 2:
+            ms = self.sum_xs.cpu().numpy() / n_all
+            cov = (self.gram.cpu().numpy() - n_all * np.outer(ms, ms)) / (n_all - 1)
+            spectrum_from = "all"
+        elif sample is not None and n_sample >= 2:
+            cov = np.cov(sample, rowvar=False)
+            spectrum_from = "all" if n_sample == n_all else f"sample:{n_sample}"
+        else:
+            cov = None
+            spectrum_from = "none"
+        if cov is not None:
+            from isotui.core.spectrum import eigenvalues
+
+            spec = spectrum_metrics(cov)
+            eig = eigenvalues(cov)
+        else:
+            spec, eig = Spectrum(math.nan, math.nan, math.nan), np.full(d, np.nan)
+        return LayerStats(
+            dim=d,
+            n_vectors=n_all,
+            n_zero=n_all - n,
+            avg_cos=avg_cos,
+            avg_cos_xctx=avg_cos_xctx,
+            drift_norm=drift,
+            mean_norm=mean_norm,
+            avg_cos_centered=centered,
+            n_sample=n_sample,
+            isoscore=spec.isoscore,
+            eff_rank=spec.eff_rank,
+            top_pc_share=spec.top_pc_share,
+            spectrum_from=spectrum_from,
+            dim_contrib=contrib,
+            eigenvalues=eig,
+        )
+
+
+def _centered_avg_cos(sample: np.ndarray, mean: np.ndarray) -> float:
+    """Mean pairwise cosine of ``sample`` after subtracting the exact full-data ``mean``."""
+    v = sample - mean
+    norms = np.linalg.norm(v, axis=1)
+    keep = norms > 0
+    u = v[keep] / norms[keep, None]
+    return avg_cos_from_sums(u.sum(0), int(keep.sum()))

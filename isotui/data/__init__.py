@@ -1,0 +1,1 @@
+"""Sources of samples: deterministic given their spec, fingerprinted by the content they yield."""

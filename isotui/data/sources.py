@@ -1,0 +1,174 @@
+"""Text data sources: ``builtin``, ``text:PATH``, ``jsonl:PATH[:FIELD]``, ``hf:NAME[:CONFIG]:SPLIT[:FIELD]``.
+
+Every source yields non-empty samples in a fixed order; ``max_samples`` keeps the first N. The
+cache fingerprint is a hash of the samples actually used, so an edited file is a new key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from isotui.errors import IsotuiError
+from isotui.paths import builtin_corpus_path
+
+SCHEMES = ("builtin", "text", "jsonl", "hf")
+_SPLIT = re.compile(r"^(train|validation|valid|test|dev)(\[.*\])?$")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A parsed ``--data`` value. ``path`` is absolute for file sources."""
+
+    scheme: str
+    path: str = ""
+    field: str = "text"
+    name: str = ""
+    config: str | None = None
+    split: str = ""
+
+    def describe(self) -> str:
+        if self.scheme == "builtin":
+            return "builtin"
+        if self.scheme == "text":
+            return f"text:{self.path}"
+        if self.scheme == "jsonl":
+            return f"jsonl:{self.path}:{self.field}"
+        parts = [self.name, *([self.config] if self.config else []), self.split, self.field]
+        return "hf:" + ":".join(parts)
+
+
+def parse_data(value: str, base_dir: Path | None = None) -> DataSpec:
+    """Parse a ``--data`` value; relative paths are taken from ``base_dir`` (default: cwd)."""
+    text = value.strip()
+    scheme, _, rest = text.partition(":")
+    if scheme == "builtin" and not rest:
+        return DataSpec("builtin")
+    if scheme not in SCHEMES:
+        raise IsotuiError(
+            f"data source {value!r} has an unknown scheme; use builtin, text:PATH, "
+            "jsonl:PATH[:FIELD] or hf:NAME[:CONFIG]:SPLIT[:FIELD]"
+        )
+    if not rest:
+        raise IsotuiError(f"data source {value!r} says {scheme}: but gives nothing after it")
+    base = base_dir or Path.cwd()
+    if scheme == "text":
+        return DataSpec("text", path=str((base / Path(rest).expanduser()).resolve()))
+    if scheme == "jsonl":
+        path, field = rest, "text"
+        if not (base / Path(rest).expanduser()).is_file() and ":" in rest:
+            path, _, field = rest.rpartition(":")
+        return DataSpec("jsonl", path=str((base / Path(path).expanduser()).resolve()), field=field or "text")
+    parts = rest.split(":")
+    if len(parts) == 2:
+        name, config, split, field = parts[0], None, parts[1], "text"
+    elif len(parts) == 3 and _SPLIT.match(parts[1]):
+        name, config, split, field = parts[0], None, parts[1], parts[2]
+    elif len(parts) == 3:
+        name, config, split, field = parts[0], parts[1], parts[2], "text"
+    elif len(parts) == 4:
+        name, config, split, field = parts
+    else:
+        raise IsotuiError(f"data source {value!r} is not hf:NAME[:CONFIG]:SPLIT[:FIELD]")
+    local = base / Path(name).expanduser()
+    if name.startswith((".", "/", "~")) or local.is_dir():
+        name = str(local.resolve())
+    return DataSpec("hf", name=name, config=config, split=split, field=field or "text")
+
+
+def load_samples(spec: DataSpec, max_samples: int | None = None) -> list[str]:
+    """The first ``max_samples`` non-empty samples of ``spec``, in source order."""
+    if spec.scheme == "builtin":
+        samples = _read_lines(builtin_corpus_path(), "the built-in corpus")
+    elif spec.scheme == "text":
+        samples = _read_lines(Path(spec.path), f"data file {spec.path}")
+    elif spec.scheme == "jsonl":
+        samples = _read_jsonl(Path(spec.path), spec.field, max_samples)
+    else:
+        samples = _read_hf(spec, max_samples)
+    samples = samples[:max_samples] if max_samples is not None else samples
+    if not samples:
+        raise IsotuiError(f"data source {spec.describe()} has no non-empty samples")
+    return samples
+
+
+def fingerprint(samples: list[str]) -> str:
+    """A hash of exactly the samples that are measured."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(s.encode("utf-8"))
+        h.update(b"\x00")
+    return "sha256:" + h.hexdigest()
+
+
+def _read_text(path: Path, what: str) -> str:
+    if not path.is_file():
+        raise IsotuiError(f"{what} does not exist (or is not a file)")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise IsotuiError(f"{what} is not UTF-8 text (byte {exc.start}); convert it to UTF-8") from None
+    except OSError as exc:
+        raise IsotuiError(f"{what} cannot be read: {exc.strerror}") from None
+
+
+def _read_lines(path: Path, what: str) -> list[str]:
+    return [line.strip() for line in _read_text(path, what).splitlines() if line.strip()]
+
+
+def _read_jsonl(path: Path, field: str, max_samples: int | None) -> list[str]:
+    out: list[str] = []
+    for lineno, line in enumerate(_read_text(path, f"data file {path}").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise IsotuiError(f"data file {path} line {lineno} is not valid JSON") from None
+        if not isinstance(record, dict) or field not in record:
+            have = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+            raise IsotuiError(
+                f"data file {path} line {lineno} has no field {field!r} (it has: {have}); "
+                f"name the field as jsonl:{path}:FIELD"
+            )
+        value = record[field]
+        if not isinstance(value, str):
+            raise IsotuiError(f"data file {path} line {lineno}: field {field!r} is not a string")
+        if value.strip():
+            out.append(value.strip())
+            if max_samples is not None and len(out) >= max_samples:
+                break
+    return out
+
+
+def _read_hf(spec: DataSpec, max_samples: int | None) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise IsotuiError(
+            f"data source {spec.describe()} needs the `datasets` package: pip install datasets"
+        ) from None
+    try:
+        ds = datasets.load_dataset(spec.name, spec.config, split=spec.split)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise IsotuiError(
+            f"data source {spec.describe()} could not be loaded ({first}); it must be in the local "
+            "Hugging Face datasets cache, a local folder, or reachable on the hub"
+        ) from None
+    if spec.field not in ds.column_names:
+        raise IsotuiError(
+            f"data source {spec.describe()} has no column {spec.field!r} "
+            f"(it has: {', '.join(ds.column_names)})"
+        )
+    out: list[str] = []
+    for value in ds[spec.field] if max_samples is None else ds.select_columns([spec.field]):
+        value = value[spec.field] if isinstance(value, dict) else value
+        if isinstance(value, str) and value.strip():
+            out.append(value.strip())
+            if max_samples is not None and len(out) >= max_samples:
+                break
+    return out

@@ -1,0 +1,1 @@
+"""One module per experiment; each takes a spec and returns a typed result."""

@@ -1,0 +1,216 @@
+"""Layer-wise anisotropy of one model (Godey et al. 2024, Fig. 1): cache first, then extraction."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+
+from isotui import __version__
+from isotui.core.accumulator import LayerStats
+from isotui.core.correlation import drift_correlation
+from isotui.core.null import null_cos_quantile
+from isotui.data.sources import fingerprint, load_samples
+from isotui.extract.device import needs_device_for_dtype, resolve_device, resolve_dtype
+from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
+from isotui.models.naming import parse_model
+from isotui.results import ROGUE_TOP, SCHEMA_VERSION, LayerRow, ModelResult
+from isotui.spec import RunSpec
+from isotui.store.cache import CacheProblem, ResultCache
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What is known before any model is loaded: enough to look the result up in the cache."""
+
+    spec: RunSpec
+    key: str
+    samples: list[str]
+    model_fingerprint: str
+    data_fingerprint: str
+    dtype: str
+    device: str | None
+
+
+def prepare(spec: RunSpec) -> Prepared:
+    """Resolve names, data and dtype and derive the cache key, importing torch only if needed."""
+    ref = parse_model(spec.model)
+    model_fp = ref.fingerprint()
+    samples = load_samples(spec.data, spec.max_samples)
+    data_fp = fingerprint(samples)
+    declared = ref.declared_dtype()
+    device = None
+    if spec.device != "auto":
+        device = spec.device
+    elif needs_device_for_dtype(spec.dtype, declared):
+        device = resolve_device("auto")
+    dtype = resolve_dtype(spec.dtype, device.split(":")[0] if device else None, declared)
+    key_fields = {
+        "schema": SCHEMA_VERSION,
+        "model": model_fp,
+        "data": data_fp,
+        "max_length": spec.max_length,
+        "special_tokens": spec.special_tokens,
+        "dtype": dtype,
+        "seed": spec.seed,
+        "reservoir": spec.reservoir,
+    }
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
+    return Prepared(spec, key, samples, model_fp, data_fp, dtype, device)
+
+
+def measure(
+    spec: RunSpec,
+    cache: ResultCache | None,
+    *,
+    on_progress: ProgressCallback = no_progress,
+    should_stop: StopCheck = never_stop,
+    on_notice: Any = None,
+) -> ModelResult:
+    """The layer-wise result for ``spec``: from ``cache`` when present, else computed and stored.
+
+    ``cache=None`` recomputes and stores nothing. ``on_notice`` receives one-sentence news
+    (e.g. a damaged cache entry being recomputed).
+    """
+    prepared = prepare(spec)
+    if cache is not None:
+        try:
+            hit = cache.get(prepared.key)
+        except CacheProblem as problem:
+            hit = None
+            if on_notice:
+                on_notice(f"{problem}; recomputing")
+        if hit is not None:
+            hit.model = spec.model
+            for row in hit.rows:
+                row.model = spec.model
+            hit.from_cache = True
+            return hit
+    result = compute(prepared, on_progress=on_progress, should_stop=should_stop)
+    if cache is not None:
+        cache.put(result)
+    return result
+
+
+def compute(
+    prepared: Prepared,
+    *,
+    on_progress: ProgressCallback = no_progress,
+    should_stop: StopCheck = never_stop,
+) -> ModelResult:
+    """Load the model, run the extraction and build the table."""
+    from isotui.extract.runner import ExtractOptions, extract
+    from isotui.models.loading import load_model
+
+    spec = prepared.spec
+    device = resolve_device(prepared.device or "auto")
+    loaded = load_model(
+        parse_model(spec.model),
+        device=device,
+        dtype=prepared.dtype,
+        seed=spec.seed,
+        trust_remote_code=spec.trust_remote_code,
+    )
+    opts = ExtractOptions(
+        max_length=spec.max_length,
+        special_tokens=spec.special_tokens,
+        batch_size=spec.batch_size,
+        seed=spec.seed,
+        reservoir=spec.reservoir,
+    )
+    ex = extract(
+        loaded,
+        prepared.samples,
+        device=device,
+        opts=opts,
+        on_progress=on_progress,
+        should_stop=should_stop,
+    )
+    rows = build_rows(spec.model, "model", ex.layers, final_norm=ex.final_norm)
+    drift = {"model": drift_correlation([r.drift_norm for r in rows], [r.avg_cos for r in rows])}
+    import torch
+
+    meta = {
+        "data": spec.data.describe(),
+        "data_fingerprint": prepared.data_fingerprint,
+        "model_fingerprint": prepared.model_fingerprint,
+        "model_class": type(loaded.model).__name__,
+        "n_samples": ex.n_samples,
+        "n_tokens": ex.n_tokens,
+        "max_length": ex.max_length,
+        "special_tokens": spec.special_tokens,
+        "dtype": prepared.dtype,
+        "device": device,
+        "seed": spec.seed,
+        "reservoir": spec.reservoir,
+        "final_norm_module": ex.final_norm_module,
+        "seconds": round(ex.seconds, 3),
+        "notes": loaded.notes + ex.notes,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": {
+            "isotui": __version__,
+            "torch": torch.__version__,
+            "transformers": metadata.version("transformers"),
+        },
+    }
+    arrays = _stack_arrays(ex.layers)
+    return ModelResult(spec.model, prepared.key, rows, drift, meta, arrays)
+
+
+def _stack_arrays(layers: list[LayerStats]) -> dict[str, np.ndarray]:
+    """Per-layer vectors for the cache (rogue-dimension contributions, eigenvalues)."""
+    out = {}
+    for i, layer in enumerate(layers):
+        out[f"dim_contrib.{i}"] = np.asarray(layer.dim_contrib, dtype=np.float64)
+        out[f"eigenvalues.{i}"] = np.asarray(layer.eigenvalues, dtype=np.float64)
+    return out
+
+
+def build_rows(model: str, component: str, layers: list[LayerStats], *, final_norm: bool) -> list[LayerRow]:
+    """Per-layer rows with the isotropic null and the top rogue dimensions."""
+    rows = []
+    last = len(layers) - 1
+    for i, s in enumerate(layers):
+        p95 = null_cos_quantile(s.dim) if s.dim >= 2 else math.nan
+        contrib = s.dim_contrib
+        if np.all(np.isfinite(contrib)) and s.avg_cos and math.isfinite(s.avg_cos):
+            top = np.argsort(-contrib)[:ROGUE_TOP]
+            shares = [float(contrib[k] / s.avg_cos) for k in top]
+            rogue = "|".join(f"{int(k)}:{sh:.4f}" for k, sh in zip(top, shares, strict=True))
+            top_dim, top_share = int(top[0]), shares[0]
+        else:
+            rogue, top_dim, top_share = "", -1, math.nan
+        rows.append(
+            LayerRow(
+                model=model,
+                component=component,
+                layer=i,
+                n_vectors=s.n_vectors,
+                avg_cos=s.avg_cos,
+                drift_norm=s.drift_norm,
+                mean_norm=s.mean_norm,
+                avg_cos_xctx=s.avg_cos_xctx,
+                avg_cos_centered=s.avg_cos_centered,
+                isoscore=s.isoscore,
+                eff_rank=s.eff_rank,
+                top_pc_share=s.top_pc_share,
+                null_p95=p95,
+                above_null=bool(s.avg_cos > p95) if math.isfinite(s.avg_cos) else False,
+                top_rogue_dim=top_dim,
+                top_rogue_share=top_share,
+                rogue_dims=rogue,
+                final_norm=bool(final_norm and i == last),
+                depth=i / last if last > 0 else 0.0,
+                dim=s.dim,
+                n_zero=s.n_zero,
+                n_sample=s.n_sample,
+                spectrum_from=s.spectrum_from,
+            )
+        )
+    return rows

@@ -1,0 +1,53 @@
+"""Device and dtype resolution. ``auto`` dtype needs torch only when the answer depends on it."""
+
+from __future__ import annotations
+
+from isotui.errors import IsotuiError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_HALF = ("bfloat16", "float16")
+
+
+def validate_device(device: str) -> str:
+    kind = device.split(":", 1)[0]
+    if kind not in ("auto", "cpu", "cuda", "mps"):
+        raise IsotuiError(f"device {device!r} is not one of auto, cpu, cuda, cuda:N or mps")
+    return device
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: cuda, then mps, then cpu. An explicit device must exist."""
+    import torch
+
+    if device == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        mps = getattr(torch.backends, "mps", None)
+        return "mps" if mps is not None and mps.is_available() else "cpu"
+    kind = device.split(":", 1)[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise IsotuiError(
+            f"device {device!r} was asked for but this torch sees no CUDA GPU; use --device cpu"
+        )
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise IsotuiError("device 'mps' was asked for but it is not available here; use --device cpu")
+    return device
+
+
+def needs_device_for_dtype(dtype: str, declared: str | None) -> bool:
+    """Whether resolving ``dtype`` needs to know the device (and so needs torch)."""
+    return dtype == "auto" and declared in _HALF
+
+
+def resolve_dtype(dtype: str, device_kind: str | None, declared: str | None) -> str:
+    """``auto``: float32 on CPU (exact); on a GPU the checkpoint's own half dtype, if it has one.
+
+    ``device_kind`` may be None only when :func:`needs_device_for_dtype` is False.
+    """
+    if dtype not in DTYPES:
+        raise IsotuiError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype != "auto":
+        return dtype
+    if declared in _HALF and device_kind not in (None, "cpu"):
+        return declared
+    return "float32"

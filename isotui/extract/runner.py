@@ -1,0 +1,278 @@
+"""Push samples through a model in length-sorted batches and stream hidden states into accumulators.
+
+Nothing here keeps hidden states beyond one batch: memory is set by the batch, the layer count
+and d, never by the corpus size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
+from isotui.errors import Cancelled, IsotuiError
+from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
+from isotui.models.loading import LoadedModel, final_norm_module
+
+DEFAULT_MAX_LENGTH_CAP = 512
+TOKEN_BUDGET = {"cpu": 4096, "mps": 8192, "cuda": 32768}
+COV_BUDGET_BYTES = 1 << 30  # exact streamed covariance while all layers' d x d fit in 1 GiB
+
+
+@dataclass
+class ExtractOptions:
+    max_length: int | None = None
+    special_tokens: str = "exclude"
+    batch_size: int | None = None
+    seed: int = 0
+    reservoir: int = 4096
+
+
+@dataclass
+class Extraction:
+    """Per-layer statistics plus what the table must say about how they were made."""
+
+    layers: list[LayerStats]
+    final_norm: bool
+    final_norm_module: str | None
+    n_samples: int
+    n_tokens: int
+    max_length: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def default_max_length(loaded: LoadedModel) -> int:
+    """The longest input the model and tokenizer both accept, capped at 512."""
+    limits = [DEFAULT_MAX_LENGTH_CAP]
+    tok_max = getattr(loaded.tokenizer, "model_max_length", None)
+    if isinstance(tok_max, int) and 0 < tok_max < 1_000_000:
+        limits.append(tok_max)
+    config = loaded.model.config
+    for attr in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            limits.append(value)
+            break
+    return min(limits)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+class _Runner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        device: str,
+        opts: ExtractOptions,
+        on_progress: ProgressCallback,
+        should_stop: StopCheck,
+    ) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = device
+        self.opts = opts
+        self.on_progress = on_progress
+        self.should_stop = should_stop
+        self.accs: list[LayerAccumulator] | None = None
+        self.final_norm: bool = False
+        self.final_norm_name: str | None = None
+        self.notes: list[str] = []
+        self.token_budget = TOKEN_BUDGET.get(device.split(":")[0], 4096)
+        self.batch_cap: int | None = opts.batch_size
+        self.pad_id = self._pad_id()
+
+    def _pad_id(self) -> int:
+        tok = self.loaded.tokenizer
+        for candidate in (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id):
+            if isinstance(candidate, int):
+                return candidate
+        return 0
+
+    def tokenize(self, samples: list[str], max_length: int) -> dict[str, list[list[int]]]:
+        enc = self.loaded.tokenizer(
+            samples,
+            truncation=True,
+            max_length=max_length,
+            return_special_tokens_mask=True,
+            return_attention_mask=False,
+            padding=False,
+        )
+        out = {"input_ids": enc["input_ids"], "special": enc["special_tokens_mask"]}
+        if "token_type_ids" in enc:
+            out["token_type_ids"] = enc["token_type_ids"]
+        return out
+
+    def batches(self, lengths: list[int]) -> Iterator[list[int]]:
+        """Sample indices, longest first, cut by batch size or by token budget (auto).
+
+        A generator, so that a back-off after running out of memory shrinks later batches too.
+        """
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        pos = 0
+        while pos < len(order):
+            width = max(lengths[order[pos]], 1)
+            cap = self.batch_cap or max(1, self.token_budget // width)
+            yield order[pos : pos + cap]
+            pos += cap
+
+    def run_batch(self, enc: dict, idx: list[int]) -> int:
+        """Forward one batch and fold it in; returns its number of real tokens."""
+        import torch
+
+        width = max(len(enc["input_ids"][i]) for i in idx)
+        ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        special = torch.zeros((len(idx), width), dtype=torch.bool)
+        types = torch.zeros((len(idx), width), dtype=torch.long) if "token_type_ids" in enc else None
+        for row, i in enumerate(idx):
+            n = len(enc["input_ids"][i])
+            ids[row, :n] = torch.tensor(enc["input_ids"][i])
+            mask[row, :n] = 1
+            special[row, :n] = torch.tensor(enc["special"][i], dtype=torch.bool)
+            if types is not None:
+                types[row, :n] = torch.tensor(enc["token_type_ids"][i])
+        inputs = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+        if types is not None:
+            inputs["token_type_ids"] = types.to(self.device)
+
+        hook_out: list[Any] = []
+        handle = None
+        if self.accs is None and (found := final_norm_module(self.model)) is not None:
+            self.final_norm_name = found[0]
+            handle = found[1].register_forward_hook(lambda _m, _i, o: hook_out.append(o))
+        try:
+            with torch.inference_mode():
+                out = self.model(**inputs, output_hidden_states=True, return_dict=True)
+        except Exception as exc:
+            if _is_oom(exc):
+                raise
+            raise IsotuiError(
+                f"model {type(self.model).__name__} failed on a batch of text "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+            ) from None
+        finally:
+            if handle is not None:
+                handle.remove()
+        hidden = getattr(out, "hidden_states", None)
+        if not hidden:
+            raise IsotuiError(
+                f"model {type(self.model).__name__} returned no hidden states; isotui needs a model "
+                "whose forward accepts output_hidden_states=True"
+            )
+        if self.accs is None:
+            self._first_batch(hidden, hook_out)
+
+        keep = mask.bool()
+        if self.opts.special_tokens == "exclude":
+            keep &= ~special
+        flat = keep.flatten().nonzero().squeeze(1)
+        local = flat // width
+        positions = flat % width
+        global_ids = torch.tensor(idx, dtype=torch.long)[local]
+        keys = sample_keys(self.opts.seed, global_ids, positions).to(self.device)
+        flat_d, local_d = flat.to(self.device), local.to(self.device)
+        partials = []
+        with torch.inference_mode():
+            for acc, h in zip(self.accs, hidden, strict=True):
+                x = h.reshape(-1, h.shape[-1]).index_select(0, flat_d)
+                partials.append(acc.partial(x, local_d, keys))
+        for acc, p in zip(self.accs, partials, strict=True):
+            acc.commit(p)
+        return int(mask.sum())
+
+    def _first_batch(self, hidden: tuple, hook_out: list[Any]) -> None:
+        import torch
+
+        dims = [h.shape[-1] for h in hidden]
+        full_cov = sum(d * d * 8 for d in dims) <= COV_BUDGET_BYTES
+        dev = hidden[0].device
+        self.accs = [LayerAccumulator(d, dev, full_cov=full_cov, reservoir=self.opts.reservoir) for d in dims]
+        if not full_cov:
+            self.notes.append(
+                f"spectrum from a uniform sample of {self.opts.reservoir} vectors per layer (d={max(dims)})"
+            )
+        if hook_out:
+            normed = hook_out[-1][0] if isinstance(hook_out[-1], tuple) else hook_out[-1]
+            last = hidden[-1]
+            self.final_norm = normed.shape == last.shape and bool(torch.equal(normed, last))
+
+    def process(self, enc: dict, idx: list[int]) -> int:
+        """``run_batch`` with out-of-memory back-off: halve the batch and retry, say so."""
+        try:
+            return self.run_batch(enc, idx)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+        self._free()
+        width = max(len(enc["input_ids"][i]) for i in idx)
+        if len(idx) == 1:
+            raise IsotuiError(
+                f"one sample of {width} tokens does not fit in {self.device} memory; lower "
+                "--max-length or use --dtype bfloat16"
+            )
+        half = len(idx) // 2
+        if self.batch_cap:
+            self.batch_cap = half
+        else:
+            self.token_budget = max(1, half * width)
+        message = f"out of memory on a batch of {len(idx)} x {width} tokens; retrying with batches of {half}"
+        self.notes.append(message)
+        self.on_progress(Progress(0, 0, 0, 0.0, message=message, stage="oom"))
+        return self.process(enc, idx[:half]) + self.process(enc, idx[half:])
+
+    def _free(self) -> None:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def extract(
+    loaded: LoadedModel,
+    samples: list[str],
+    *,
+    device: str,
+    opts: ExtractOptions,
+    on_progress: ProgressCallback = no_progress,
+    should_stop: StopCheck = never_stop,
+) -> Extraction:
+    """Measure every hidden layer of ``loaded`` over ``samples`` (see design.md for metrics)."""
+    runner = _Runner(loaded, device, opts, on_progress, should_stop)
+    max_length = opts.max_length or default_max_length(loaded)
+    enc = runner.tokenize(samples, max_length)
+    lengths = [len(x) for x in enc["input_ids"]]
+    total = len(samples)
+    start = time.perf_counter()
+    done = tokens = 0
+    on_progress(Progress(0, total, 0, 0.0))
+    for idx in runner.batches(lengths):
+        if should_stop():
+            raise Cancelled()
+        tokens += runner.process(enc, idx)
+        done += len(idx)
+        on_progress(Progress(done, total, tokens, time.perf_counter() - start))
+    assert runner.accs is not None
+    on_progress(Progress(done, total, tokens, time.perf_counter() - start, stage="finalize"))
+    layers = [acc.finalize() for acc in runner.accs]
+    return Extraction(
+        layers=layers,
+        final_norm=runner.final_norm,
+        final_norm_module=runner.final_norm_name if runner.final_norm else None,
+        n_samples=total,
+        n_tokens=tokens,
+        max_length=max_length,
+        seconds=time.perf_counter() - start,
+        notes=runner.notes,
+    )

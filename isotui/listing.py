@@ -1,0 +1,40 @@
+"""``isotui models``: bundled models, presets and models in the local Hugging Face cache."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from isotui.models.hub import cached_models, hub_cache_dir
+from isotui.models.naming import BUNDLED
+from isotui.presets import presets
+
+
+def print_models(console: Console) -> None:
+    bundled = Table(title="bundled models", title_justify="left")
+    bundled.add_column("name")
+    bundled.add_column("what")
+    for name, what in BUNDLED.items():
+        bundled.add_row(name, what)
+    bundled.add_row(
+        "random:TYPE[:k=v,...]",
+        "untrained model of a transformers model_type (seeded), e.g. random:gpt2:n_layer=2",
+    )
+    console.print(bundled)
+
+    table = Table(title="presets (isotui run PRESET.toml)", title_justify="left")
+    for col in ("preset", "models", "data", "description"):
+        table.add_column(col)
+    for p in presets():
+        table.add_row(str(p.path), ", ".join(p.models), p.data, p.description)
+    console.print(table)
+
+    found = cached_models()
+    cached = Table(title=f"models in the local Hugging Face cache ({hub_cache_dir()})", title_justify="left")
+    for col in ("model", "revisions", "size"):
+        cached.add_column(col)
+    for m in found:
+        cached.add_row(m.repo_id, ", ".join(m.revisions) or "-", f"{m.size_bytes / 2**20:.0f} MiB")
+    if not found:
+        cached.add_row("(none)", "", "")
+    console.print(cached)

@@ -1,0 +1,1 @@
+"""Model naming, fingerprints (cheap, no torch) and loading (transformers, lazily imported)."""

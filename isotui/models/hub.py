@@ -1,0 +1,101 @@
+"""The local Hugging Face cache: resolve a revision to a commit and list cached models.
+
+Reads the cache's own files (``refs/``, ``snapshots/``) so that a cache lookup in isotui needs
+neither torch nor transformers, and works offline.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from isotui.errors import IsotuiError
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache directory (honours HF_HUB_CACHE / HF_HOME)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def offline() -> bool:
+    """True when the user told the Hugging Face libraries not to use the network."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}
+
+
+def _repo_dir(repo_id: str) -> Path:
+    return hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+
+
+def resolve_commit(repo_id: str, revision: str | None) -> str:
+    """The commit hash that ``repo_id@revision`` names, from the local cache or the hub."""
+    rev = revision or "main"
+    repo = _repo_dir(repo_id)
+    if _COMMIT.match(rev) and (repo / "snapshots" / rev).is_dir():
+        return rev
+    ref = repo / "refs" / rev
+    if ref.is_file():
+        commit = ref.read_text().strip()
+        if (repo / "snapshots" / commit).is_dir():
+            return commit
+    if offline():
+        raise IsotuiError(
+            f"model {repo_id!r} (revision {rev}) is not in the local Hugging Face cache "
+            f"({hub_cache_dir()}) and HF_HUB_OFFLINE is set; download it first with "
+            f"`hf download {repo_id}` on a machine with network, or check the spelling"
+        )
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return HfApi().model_info(repo_id, revision=rev).sha
+    except RevisionNotFoundError:
+        raise IsotuiError(f"model {repo_id!r} has no revision {rev!r} on the hub") from None
+    except RepositoryNotFoundError:
+        raise IsotuiError(
+            f"no model {repo_id!r} on the Hugging Face hub or in the local cache; check the "
+            "spelling, or give a local directory"
+        ) from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise IsotuiError(
+            f"model {repo_id!r} is not in the local Hugging Face cache ({hub_cache_dir()}) and "
+            f"the hub could not be reached ({type(exc).__name__}); download it first or give a "
+            "local directory"
+        ) from None
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    """A model repository found in the local Hugging Face cache."""
+
+    repo_id: str
+    revisions: tuple[str, ...]
+    size_bytes: int
+
+
+def cached_models() -> list[CachedModel]:
+    """Every model repository in the local Hugging Face cache (empty if there is no cache)."""
+    root = hub_cache_dir()
+    if not root.is_dir():
+        return []
+    found = []
+    for repo in sorted(root.glob("models--*")):
+        snapshots = repo / "snapshots"
+        if not snapshots.is_dir() or not any(snapshots.iterdir()):
+            continue
+        refs = repo / "refs"
+        names = sorted(p.name for p in refs.iterdir()) if refs.is_dir() else []
+        blobs = repo / "blobs"
+        size = sum(f.stat().st_size for f in blobs.iterdir() if f.is_file()) if blobs.is_dir() else 0
+        repo_id = repo.name[len("models--") :].replace("--", "/")
+        found.append(CachedModel(repo_id, tuple(names), size))
+    return found

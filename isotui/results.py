@@ -1,0 +1,83 @@
+"""Typed results of a layer-wise run: what the cache stores, the CLI prints and the TUI shows."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from isotui.core.correlation import DriftCorrelation
+
+# Bump when a metric's definition or the stored layout changes: old entries are recomputed.
+SCHEMA_VERSION = 1
+
+ROGUE_TOP = 3
+
+
+@dataclass
+class LayerRow:
+    """One row of the per-layer table (and of the CSV, in this column order)."""
+
+    model: str
+    component: str
+    layer: int
+    n_vectors: int
+    avg_cos: float
+    drift_norm: float
+    mean_norm: float
+    avg_cos_xctx: float
+    avg_cos_centered: float
+    isoscore: float
+    eff_rank: float
+    top_pc_share: float
+    null_p95: float
+    above_null: bool
+    top_rogue_dim: int
+    top_rogue_share: float
+    rogue_dims: str
+    final_norm: bool
+    depth: float
+    dim: int
+    n_zero: int
+    n_sample: int
+    spectrum_from: str
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass
+class ModelResult:
+    """Everything one model's run produced. ``arrays`` holds per-layer vectors (see store)."""
+
+    model: str
+    key: str
+    rows: list[LayerRow]
+    drift: dict[str, DriftCorrelation]
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    from_cache: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form (arrays excluded; the cache stores them beside it)."""
+        return {
+            "schema": SCHEMA_VERSION,
+            "model": self.model,
+            "key": self.key,
+            "rows": [asdict(r) for r in self.rows],
+            "drift": {c: d.to_dict() for c, d in self.drift.items()},
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], arrays: dict[str, np.ndarray]) -> ModelResult:
+        return cls(
+            model=data["model"],
+            key=data["key"],
+            rows=[LayerRow(**r) for r in data["rows"]],
+            drift={c: DriftCorrelation(**d) for c, d in data["drift"].items()},
+            meta=data["meta"],
+            arrays=arrays,
+        )

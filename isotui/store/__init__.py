@@ -1,0 +1,1 @@
+"""On-disk cache of results and exports (CSV, JSON). No pickle anywhere."""

@@ -1,0 +1,58 @@
+"""Exports of results: CSV (the per-layer table) and JSON (everything, incl. drift correlation)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+
+from isotui.results import LayerRow, ModelResult
+
+
+def _atomic_write(path: Path, write) -> Path:
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def write_csv(results: Iterable[ModelResult], path: Path) -> Path:
+    """One row per model, component and layer; columns as :meth:`LayerRow.columns`."""
+    rows = [row for r in results for row in r.rows]
+
+    def write(f) -> None:
+        writer = csv.DictWriter(f, fieldnames=LayerRow.columns())
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(asdict(row))
+
+    return _atomic_write(path, write)
+
+
+def _clean(value):
+    """JSON has no NaN: write null instead, so every JSON reader accepts the file."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(results: Iterable[ModelResult], path: Path) -> Path:
+    """All results with their metadata and drift correlations (NaN written as null)."""
+    payload = {"results": [_clean(r.to_json()) for r in results]}
+    return _atomic_write(path, lambda f: json.dump(payload, f, indent=2))

@@ -1,0 +1,93 @@
+"""Shared fixtures: tiny random-init models saved to disk and loaded back by path, offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from isotui.paths import builtin_corpus_path
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    """No network, and a private result cache for every test."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("ISOTUI_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def corpus(n: int) -> list[str]:
+    lines = builtin_corpus_path().read_text(encoding="utf-8").splitlines()
+    return [line for line in lines if line.strip()][:n]
+
+
+def _bpe_tokenizer(folder: Path):
+    """A real byte-level BPE tokenizer (GPT-2 style: no special tokens added), trained offline."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus(2000), vocab_size=600, special_tokens=["<|endoftext|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        model_max_length=128,
+    )
+    tok.save_pretrained(folder)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny untrained BERT, GPT-2 and GPT-NeoX, each saved with its tokenizer into a folder."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        BertConfig,
+        BertModel,
+        GPT2Config,
+        GPT2Model,
+        GPTNeoXConfig,
+        GPTNeoXModel,
+    )
+
+    from isotui.models.naming import bundled_minilm_dir
+
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    out = {}
+    bert = root / "bert"
+    BertModel(
+        BertConfig(
+            vocab_size=30522,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=128,
+        )
+    ).save_pretrained(bert)
+    AutoTokenizer.from_pretrained(str(bundled_minilm_dir())).save_pretrained(bert)
+    out["bert"] = bert
+    gpt2 = root / "gpt2"
+    _bpe_tokenizer(gpt2)
+    GPT2Model(GPT2Config(vocab_size=600, n_embd=32, n_layer=2, n_head=4, n_positions=128)).save_pretrained(
+        gpt2
+    )
+    out["gpt2"] = gpt2
+    neox = root / "gpt_neox"
+    _bpe_tokenizer(neox)
+    GPTNeoXModel(
+        GPTNeoXConfig(
+            vocab_size=600,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=128,
+            rotary_pct=0.25,
+        )
+    ).save_pretrained(neox)
+    out["gpt_neox"] = neox
+    return out

@@ -1,0 +1,211 @@
+"""The ``isotui`` command as a user runs it: tables, CSV/JSON, config files, clear errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from isotui.cli import main
+
+from .conftest import corpus
+
+REQUIRED = ["model", "component", "layer", "n_vectors", "avg_cos", "drift_norm", "mean_norm"]
+
+
+def isotui(*args, cwd=None, env_extra=None):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "isotui", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=600,
+    )
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "samples.txt"
+    path.write_text("\n".join(corpus(10)) + "\n", encoding="utf-8")
+    return path
+
+
+def test_run_two_models_writes_csv_and_json(tmp_path, tiny_models, data):
+    out_csv, out_json = tmp_path / "out" / "t.csv", tmp_path / "t.json"
+    proc = isotui(
+        "run",
+        "-m",
+        str(tiny_models["bert"]),
+        "-m",
+        str(tiny_models["gpt2"]),
+        "--data",
+        f"text:{data}",
+        "--csv",
+        str(out_csv),
+        "--json",
+        str(out_json),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "drift vs avg_cos" in proc.stdout and "Spearman" in proc.stdout
+    assert "(norm)" in proc.stdout  # GPT-2's last layer is flagged
+    with out_csv.open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames[: len(REQUIRED)] == REQUIRED
+        rows = list(reader)
+    assert [(r["model"], r["layer"]) for r in rows] == [
+        (str(tiny_models[m]), str(i)) for m in ("bert", "gpt2") for i in range(3)
+    ]
+    assert all(r["component"] == "model" for r in rows)
+    assert float(rows[1]["avg_cos"]) == pytest.approx(float(rows[1]["avg_cos"]))
+    payload = json.loads(out_json.read_text())
+    assert {r["model"] for r in payload["results"]} == {
+        str(tiny_models["bert"]),
+        str(tiny_models["gpt2"]),
+    }
+    assert "spearman_p" in payload["results"][0]["drift"]["model"]
+
+
+def test_config_file_and_flags_win(tmp_path, tiny_models, data):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(
+        f'models = ["{tiny_models["bert"]}"]\ndata = "text:{data.name}"\n'
+        'max_samples = 6\njson = "from_config.json"\n'
+    )
+    proc = isotui("run", str(cfg), "--max-samples", "3", cwd=tmp_path / "..")
+    assert proc.returncode == 0, proc.stderr
+    payload = json.loads((tmp_path / "from_config.json").read_text())  # relative to the config
+    assert payload["results"][0]["meta"]["n_samples"] == 3
+
+
+def test_second_identical_run_comes_from_cache_without_torch(tmp_path, tiny_models, data):
+    args = ["run", "-m", str(tiny_models["bert"]), "--data", f"text:{data}", "-q"]
+    assert main(args) == 0
+    probe = (
+        f"import sys; from isotui.cli import main; code = main({args!r}); "
+        "print('LOADED', 'torch' in sys.modules, 'transformers' in sys.modules); sys.exit(code)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=dict(os.environ), timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "(cache)" in proc.stdout
+    assert "LOADED False False" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "-m", "no-such-org/no-such-model"], "not in the local Hugging Face cache"),
+        (["run", "--data", "text:/no/such/file.txt"], "does not exist"),
+        (["run", "--data", "ftp:somewhere"], "unknown scheme"),
+        (["run", "--max-length", "0"], "max-length must be a positive integer"),
+        (["run", "-m", "./no/such/dir"], "does not exist"),
+        (["run", "-m", "random:no_such_arch"], "no configuration"),
+        (["cache", "rm", "feedbeef"], "matches no cached run"),
+    ],
+)
+def test_bad_input_is_one_sentence_and_exit_2(args, needle):
+    proc = isotui(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_malformed_and_unknown_config(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("models = [\n")
+    proc = isotui("run", str(bad))
+    assert proc.returncode == 2 and "is not valid TOML" in proc.stderr and "Traceback" not in proc.stderr
+    bad.write_text('modles = ["minilm"]\n')
+    proc = isotui("run", str(bad))
+    assert proc.returncode == 2 and "unknown setting 'modles'" in proc.stderr
+    bad.write_text("max_length = 0\n")
+    proc = isotui("run", str(bad))
+    assert proc.returncode == 2 and f"config file {bad}: max-length" in proc.stderr
+
+
+def test_failing_model_keeps_other_results(tmp_path, tiny_models, data):
+    out_csv = tmp_path / "t.csv"
+    out_csv.write_text("the user's old file\n")
+    proc = isotui(
+        "run",
+        "-m",
+        str(tiny_models["bert"]),
+        "-m",
+        "no-such-org/x",
+        "--data",
+        f"text:{data}",
+        "--csv",
+        str(out_csv),
+    )
+    assert proc.returncode == 2
+    assert "1 of 2 models failed" in proc.stderr
+    rows = list(csv.DictReader(out_csv.open()))
+    assert len(rows) == 3 and rows[0]["model"] == str(tiny_models["bert"])
+
+
+def test_model_without_hidden_states(tmp_path, tiny_models, data, monkeypatch, capsys):
+    from transformers import BertModel
+
+    original = BertModel.forward
+
+    def forward(self, *args, **kwargs):
+        kwargs["output_hidden_states"] = False
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(BertModel, "forward", forward)
+    code = main(["run", "-m", str(tiny_models["bert"]), "--data", f"text:{data}", "-q", "--no-cache"])
+    assert code == 2
+    assert "returned no hidden states" in capsys.readouterr().err
+
+
+def test_cache_ls_rm_path(tmp_path, tiny_models, data):
+    assert isotui("run", "-m", str(tiny_models["bert"]), "--data", f"text:{data}", "-q").returncode == 0
+    listing = isotui("cache", "ls")
+    assert str(tiny_models["bert"]) in listing.stdout
+    path = isotui("cache", "path").stdout.strip()
+    assert path == os.environ["ISOTUI_CACHE_DIR"]
+    assert isotui("cache", "rm", "--all").returncode == 0
+    assert "no cached runs" in isotui("cache", "ls").stdout
+
+
+def test_models_lists_bundled_presets_and_hf_cache(tmp_path, tiny_models):
+    hub = tmp_path / "hub"
+    snap = hub / "models--someorg--tiny-bert" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    for f in tiny_models["bert"].iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (hub / "models--someorg--tiny-bert" / "refs").mkdir()
+    (hub / "models--someorg--tiny-bert" / "refs" / "main").write_text("a" * 40)
+    proc = isotui("models", env_extra={"HF_HUB_CACHE": str(hub)})
+    assert proc.returncode == 0, proc.stderr
+    for needle in (
+        "minilm",
+        "random:TYPE",
+        "minilm_builtin.toml",
+        "godey2024_fig1_text.toml",
+        "someorg/tiny-bert",
+    ):
+        assert needle in proc.stdout, needle
+    # and that cached hub model runs offline by id, with and without a revision
+    data = tmp_path / "d.txt"
+    data.write_text("\n".join(corpus(4)))
+    for name in ("someorg/tiny-bert", "someorg/tiny-bert@main", "someorg/tiny-bert@" + "a" * 40):
+        proc = isotui("run", "-m", name, "--data", f"text:{data}", "-q", env_extra={"HF_HUB_CACHE": str(hub)})
+        assert proc.returncode == 0, proc.stderr
+    proc = isotui(
+        "run",
+        "-m",
+        "someorg/tiny-bert@v9",
+        "--data",
+        f"text:{data}",
+        env_extra={"HF_HUB_CACHE": str(hub)},
+    )
+    assert proc.returncode == 2 and "revision v9" in proc.stderr

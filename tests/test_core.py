@@ -1,0 +1,109 @@
+"""Core numerics on synthetic vectors, against brute force, the isoscore package and scipy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from IsoScore import IsoScore
+from scipy import stats
+
+from isotui.core.accumulator import LayerAccumulator, sample_keys
+from isotui.core.correlation import drift_correlation
+from isotui.core.null import null_cos_quantile
+from isotui.core.spectrum import isoscore_from_eigenvalues
+
+
+def _stream(x: np.ndarray, labels: np.ndarray, batches: int, *, full_cov=True, reservoir=10_000):
+    acc = LayerAccumulator(x.shape[1], torch.device("cpu"), full_cov=full_cov, reservoir=reservoir)
+    for chunk in np.array_split(np.unique(labels), batches):
+        rows = np.isin(labels, chunk)
+        ids = torch.as_tensor(np.searchsorted(chunk, labels[rows]))
+        xs = torch.as_tensor(x[rows], dtype=torch.float32)
+        keys = sample_keys(0, torch.as_tensor(labels[rows]), torch.arange(int(rows.sum())))
+        acc.commit(acc.partial(xs, ids, keys))
+    return acc.finalize()
+
+
+@pytest.fixture
+def cloud():
+    rng = np.random.default_rng(0)
+    d, n = 16, 300
+    x = rng.normal(size=(n, d)) * np.linspace(0.2, 3.0, d) + 2.0 * rng.normal(size=d)  # drifted
+    x[5] = 0.0  # a zero vector: counted, skipped for directions
+    labels = np.sort(rng.integers(0, 40, size=n))
+    return x.astype(np.float32).astype(np.float64), labels
+
+
+def test_stream_equals_brute_force(cloud):
+    x, labels = cloud
+    s = _stream(x, labels, batches=7)
+    nz = np.linalg.norm(x, axis=1) > 0
+    u = x[nz] / np.linalg.norm(x[nz], axis=1, keepdims=True)
+    lab = labels[nz]
+    n = len(u)
+    g = u @ u.T
+    off = ~np.eye(n, dtype=bool)
+    assert s.n_vectors == len(x) and s.n_zero == 1
+    assert s.avg_cos == pytest.approx(g[off].mean(), rel=1e-12)
+    assert s.avg_cos_xctx == pytest.approx(g[lab[:, None] != lab[None, :]].mean(), rel=1e-12)
+    assert s.drift_norm == pytest.approx(np.linalg.norm(x.mean(0)), rel=1e-12)
+    assert s.mean_norm == pytest.approx(np.linalg.norm(x, axis=1).mean(), rel=1e-12)
+    per_dim = np.array([(np.outer(u[:, k], u[:, k])[off]).mean() for k in range(x.shape[1])])
+    np.testing.assert_allclose(s.dim_contrib, per_dim, rtol=1e-10, atol=1e-14)
+    assert s.dim_contrib.sum() == pytest.approx(s.avg_cos, rel=1e-10)
+    v = x - x.mean(0)
+    uc = v / np.linalg.norm(v, axis=1, keepdims=True)
+    assert s.avg_cos_centered == pytest.approx((uc @ uc.T)[~np.eye(len(x), dtype=bool)].mean(), rel=1e-10)
+    assert s.isoscore == pytest.approx(float(IsoScore.IsoScore(x)), rel=1e-6)  # package: float32 sqrt(d)
+    vals = np.linalg.eigvalsh(np.cov(x, rowvar=False))[::-1]
+    p = vals / vals.sum()
+    assert s.eff_rank == pytest.approx(np.exp(-(p * np.log(p)).sum()), rel=1e-9)
+    assert s.top_pc_share == pytest.approx(vals[0] / vals.sum(), rel=1e-9)
+
+
+def test_batching_does_not_change_anything(cloud):
+    x, labels = cloud
+    a, b = _stream(x, labels, batches=1), _stream(x, labels, batches=13)
+    for name in ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "isoscore", "eff_rank"):
+        assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-12)
+
+
+def test_spectrum_from_the_reservoir_when_covariance_is_not_streamed(cloud):
+    x, labels = cloud
+    exact = _stream(x, labels, batches=5, full_cov=False, reservoir=10_000)
+    assert exact.spectrum_from == "all"
+    assert exact.isoscore == pytest.approx(float(IsoScore.IsoScore(x)), rel=1e-6)
+    sampled = _stream(x, labels, batches=5, full_cov=False, reservoir=120)
+    assert sampled.spectrum_from == "sample:120" and sampled.n_sample == 120
+    assert sampled.isoscore == pytest.approx(exact.isoscore, abs=0.1)
+
+
+def test_reservoir_is_uniform_over_vectors():
+    keys = sample_keys(0, torch.arange(20_000) // 50, torch.arange(20_000) % 50).numpy()
+    assert keys.min() >= 0 and keys.max() < 1
+    assert stats.kstest(keys, "uniform").pvalue > 1e-3
+    assert len(np.unique(keys)) == len(keys)
+
+
+def test_isoscore_extremes():
+    assert isoscore_from_eigenvalues(np.ones(10)) == pytest.approx(1.0)
+    assert isoscore_from_eigenvalues(np.array([1.0] + [0.0] * 9)) == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("dim", [4, 32, 384])
+def test_isotropic_null_matches_monte_carlo(dim):
+    rng = np.random.default_rng(dim)
+    a = rng.normal(size=(200_000, dim)) if dim < 100 else rng.normal(size=(40_000, dim))
+    b = rng.normal(size=a.shape)
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert null_cos_quantile(dim) == pytest.approx(np.quantile(cos, 0.95), abs=0.01)
+
+
+def test_drift_correlation_matches_scipy_and_handles_degenerate():
+    drift, cos = [1.0, 2.5, 2.0, 4.0, 3.5], [0.1, 0.3, 0.2, 0.5, 0.35]
+    got = drift_correlation(drift, cos)
+    assert got.spearman_rho == pytest.approx(stats.spearmanr(drift, cos).statistic)
+    assert got.pearson_p == pytest.approx(stats.pearsonr(drift, cos).pvalue)
+    assert np.isnan(drift_correlation([1.0, 2.0], [0.1, 0.2]).spearman_rho)
+    assert np.isnan(drift_correlation([1.0, 1.0, 1.0], [0.1, 0.2, 0.3]).pearson_r)

@@ -1,0 +1,85 @@
+"""Data sources: order, field selection, limits, and one clear sentence for each bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from isotui.data.sources import fingerprint, load_samples, parse_data
+from isotui.errors import IsotuiError
+
+
+def test_builtin_is_large_deterministic_and_english():
+    a = load_samples(parse_data("builtin"))
+    assert len(a) >= 2000
+    assert fingerprint(a) == fingerprint(load_samples(parse_data("builtin")))
+    assert load_samples(parse_data("builtin"), 5) == a[:5]
+    assert all(s[0].isupper() and s[-1] in ".!?" for s in a[:200])
+
+
+def test_text_file_one_sample_per_nonempty_line(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("first line\n\n   \nsecond line\nthird\n", encoding="utf-8")
+    assert load_samples(parse_data(f"text:{f}")) == ["first line", "second line", "third"]
+    assert load_samples(parse_data("text:a.txt", tmp_path), 2) == ["first line", "second line"]
+
+
+def test_jsonl_default_and_named_field(tmp_path):
+    f = tmp_path / "a.jsonl"
+    f.write_text(
+        "\n".join(json.dumps(r) for r in [{"text": "x y", "body": "b1"}, {"text": "z", "body": "b2"}])
+    )
+    assert load_samples(parse_data(f"jsonl:{f}")) == ["x y", "z"]
+    assert load_samples(parse_data(f"jsonl:{f}:body")) == ["b1", "b2"]
+    with pytest.raises(IsotuiError, match=r"line 1 has no field 'nope' \(it has: body, text\)"):
+        load_samples(parse_data(f"jsonl:{f}:nope"))
+    f.write_text('{"text": "ok"}\n{broken\n')
+    with pytest.raises(IsotuiError, match="line 2 is not valid JSON"):
+        load_samples(parse_data(f"jsonl:{f}"))
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("ftp:x", "unknown scheme"),
+        ("text:", "gives nothing after it"),
+        ("hf:a:b:c:d:e", "is not hf:NAME"),
+    ],
+)
+def test_bad_specs(value, message):
+    with pytest.raises(IsotuiError, match=message):
+        parse_data(value)
+
+
+def test_not_utf8_and_empty(tmp_path):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(IsotuiError, match="is not UTF-8"):
+        load_samples(parse_data(f"text:{f}"))
+    f.write_text("\n\n")
+    with pytest.raises(IsotuiError, match="has no non-empty samples"):
+        load_samples(parse_data(f"text:{f}"))
+
+
+def test_hf_spec_forms():
+    assert parse_data("hf:wikitext:wikitext-103-raw-v1:validation").config == "wikitext-103-raw-v1"
+    s = parse_data("hf:imdb:train:review")
+    assert (s.name, s.config, s.split, s.field) == ("imdb", None, "train", "review")
+    s = parse_data("hf:wikitext:wikitext-2-raw-v1:test:text")
+    assert (s.config, s.split, s.field) == ("wikitext-2-raw-v1", "test", "text")
+
+
+def test_hf_local_dataset_through_datasets(tmp_path):
+    pytest.importorskip("datasets")
+    folder = tmp_path / "mydata"
+    folder.mkdir()
+    rows = [{"text": f"sentence number {i}.", "label": i} for i in range(7)] + [{"text": "", "label": 9}]
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    samples = load_samples(parse_data(f"hf:{folder}:train"), 5)
+    assert samples == [f"sentence number {i}." for i in range(5)]
+    assert len(load_samples(parse_data(f"hf:{folder}:train"))) == 7
+    with pytest.raises(IsotuiError, match=r"has no column 'body' \(it has: text, label\)"):
+        load_samples(parse_data(f"hf:{folder}:train:body"))
+    with pytest.raises(IsotuiError, match="could not be loaded"):
+        load_samples(parse_data("hf:no-such-dataset-anywhere:train"))
