@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import resource
 import subprocess
 import sys
@@ -27,7 +28,9 @@ def _corpus(n: int, path: Path) -> None:
 
     base = load_samples(parse_data("builtin"))
     pairs = [f"{a} {b}" for a, b in itertools.pairwise(base)]
-    path.write_text("\n".join((base + pairs)[:n]) + "\n", encoding="utf-8")
+    mixed = base + pairs
+    random.Random(0).shuffle(mixed)  # the first 500 have the same length mix as the first 5,000
+    path.write_text("\n".join(mixed[:n]) + "\n", encoding="utf-8")
 
 
 def _rss_mb() -> float:
@@ -53,20 +56,15 @@ def _worker(mode: str, n: int, path: Path, model: str, max_length: int, pairs: b
         avg = [layer.avg_cos for layer in ex.layers]
     else:
         runner = _Runner(loaded, "cpu", opts, lambda _e: None, lambda: False)
-        enc = runner.tokenize(samples, max_length)
-        lengths = [len(x) for x in enc["input_ids"]]
+        tokens = runner.tokenize(samples, max_length)
         kept: list[list[np.ndarray]] | None = None
-        for idx in runner.batches(lengths):
-            width = max(lengths[i] for i in idx)
-            ids = torch.full((len(idx), width), runner.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            keep = torch.zeros((len(idx), width), dtype=torch.bool)
-            for row, i in enumerate(idx):
-                ids[row, : lengths[i]] = torch.tensor(enc["input_ids"][i])
-                mask[row, : lengths[i]] = 1
-                keep[row, : lengths[i]] = ~torch.tensor(enc["special"][i], dtype=torch.bool)
+        for idx in runner.batches(tokens.lengths):
+            b = tokens.batch(idx, runner.pad_id)
+            keep = b["attention_mask"].bool() & ~b["special"]
             with torch.inference_mode():
-                hs = loaded.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+                hs = loaded.model(
+                    input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True
+                ).hidden_states
             kept = kept or [[] for _ in hs]
             for layer, h in enumerate(hs):
                 kept[layer].append(h[keep].numpy().copy())

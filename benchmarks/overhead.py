@@ -33,17 +33,11 @@ def main() -> None:
     )
     opts = ExtractOptions(max_length=args.max_length)
     runner = _Runner(loaded, "cpu", opts, lambda _e: None, lambda: False)
-    enc = runner.tokenize(samples, args.max_length)
-    lengths = [len(x) for x in enc["input_ids"]]
+    tokens = runner.tokenize(samples, args.max_length)
     batches = []
-    for idx in runner.batches(lengths):
-        width = max(lengths[i] for i in idx)
-        ids = torch.full((len(idx), width), runner.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            ids[row, : lengths[i]] = torch.tensor(enc["input_ids"][i])
-            mask[row, : lengths[i]] = 1
-        batches.append({"input_ids": ids, "attention_mask": mask})
+    for idx in runner.batches(tokens.lengths):
+        b = tokens.batch(idx, runner.pad_id)
+        batches.append({"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]})
 
     def bare() -> float:
         start = time.perf_counter()
@@ -63,13 +57,13 @@ def main() -> None:
         t_bare.append(bare())
         t_ours.append(ours())
     b, o = min(t_bare), min(t_ours)
-    tokens = sum(lengths)
+    n_tokens = int(tokens.lengths.sum())
     print(
-        f"model={args.model} samples={len(samples)} tokens={tokens} batches={len(batches)} "
+        f"model={args.model} samples={len(samples)} tokens={n_tokens} batches={len(batches)} "
         f"threads={torch.get_num_threads()}"
     )
-    print(f"bare forward (output_hidden_states=True): {b:.2f} s  ({tokens / b:.0f} tok/s)")
-    print(f"isotui full metric set:                   {o:.2f} s  ({tokens / o:.0f} tok/s)")
+    print(f"bare forward (output_hidden_states=True): {b:.2f} s  ({n_tokens / b:.0f} tok/s)")
+    print(f"isotui full metric set:                   {o:.2f} s  ({n_tokens / o:.0f} tok/s)")
     print(f"overhead ratio ours/bare: {o / b:.3f}  (target <= 1.15)")
 
 

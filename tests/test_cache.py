@@ -70,7 +70,7 @@ def test_damaged_entry_is_reported_and_recomputed(tmp_path, tiny_models, data):
     first = measure(spec, cache)
     path = cache.path_for(first.key)
     raw = bytearray(path.read_bytes())
-    raw[-8:] = b"\x00" * 8  # flip the tail of the array data
+    raw[-8:] = bytes(b ^ 0xFF for b in raw[-8:])  # flip every bit of the last array value
     path.write_bytes(bytes(raw))
     notices = []
     again = measure(spec, cache, on_notice=notices.append)

@@ -106,7 +106,8 @@ def test_padding_and_batch_size_invariance(tmp_path, tiny_models, arch):
 
 def test_reservoir_sample_is_used_beyond_its_size(tmp_path, tiny_models):
     texts = corpus(30)
-    result = measure(make_spec(str(tiny_models["bert"]), _write_corpus(tmp_path, texts), reservoir=50), None)
+    spec = make_spec(str(tiny_models["bert"]), _write_corpus(tmp_path, texts), reservoir=50, batch_size=4)
+    result = measure(spec, None)
     row = result.rows[1]
     assert row.n_sample == 50 < row.n_vectors
     assert row.spectrum_from == "all"  # the covariance is still streamed exactly
@@ -132,3 +133,31 @@ def test_random_from_config_dir(tmp_path, tiny_models):
     result = measure(make_spec(f"random:{tiny_models['gpt_neox']}", data), None)
     assert result.meta["model_class"] == "GPTNeoXModel"
     assert len(result.rows) == 3
+
+
+def test_llama_style_decoder_runs_and_flags_its_final_norm(tmp_path):
+    data = _write_corpus(tmp_path, corpus(8))
+    name = (
+        "random:llama:hidden_size=32,intermediate_size=64,num_hidden_layers=2,"
+        "num_attention_heads=4,num_key_value_heads=2,max_position_embeddings=128"
+    )
+    result = measure(make_spec(name, data), None)
+    assert result.meta["model_class"] == "LlamaModel"
+    assert [r.final_norm for r in result.rows] == [False, False, True]
+    assert result.meta["final_norm_module"] == "norm"
+
+
+def test_max_length_beyond_the_model_is_refused(tmp_path, tiny_models):
+    from isotui.errors import IsotuiError
+
+    data = _write_corpus(tmp_path, corpus(4))
+    with pytest.raises(IsotuiError, match=r"max-length 400 is longer than .* accepts \(128 positions\)"):
+        measure(make_spec(str(tiny_models["bert"]), data, max_length=400), None)
+
+
+def test_nothing_kept_is_a_clear_error(tmp_path, tiny_models):
+    from isotui.errors import IsotuiError
+
+    data = _write_corpus(tmp_path, corpus(4))
+    with pytest.raises(IsotuiError, match="no token of the 4 samples was kept"):
+        measure(make_spec(str(tiny_models["bert"]), data, max_length=2), None)  # [CLS] [SEP] only

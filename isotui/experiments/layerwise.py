@@ -131,6 +131,7 @@ def compute(
         opts=opts,
         on_progress=on_progress,
         should_stop=should_stop,
+        model_name=spec.model,
     )
     rows = build_rows(spec.model, "model", ex.layers, final_norm=ex.final_norm)
     drift = {"model": drift_correlation([r.drift_norm for r in rows], [r.avg_cos for r in rows])}

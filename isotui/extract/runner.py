@@ -7,13 +7,14 @@ and d, never by the corpus size.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
 from isotui.errors import Cancelled, IsotuiError
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
+from isotui.extract.tokens import Tokens, tokenize
 from isotui.models.loading import LoadedModel, final_norm_module
 
 DEFAULT_MAX_LENGTH_CAP = 512
@@ -44,18 +45,30 @@ class Extraction:
     notes: list[str] = field(default_factory=list)
 
 
-def default_max_length(loaded: LoadedModel) -> int:
-    """The longest input the model and tokenizer both accept, capped at 512."""
-    limits = [DEFAULT_MAX_LENGTH_CAP]
-    tok_max = getattr(loaded.tokenizer, "model_max_length", None)
-    if isinstance(tok_max, int) and 0 < tok_max < 1_000_000:
-        limits.append(tok_max)
+def position_limit(loaded: LoadedModel) -> int | None:
+    """How many positions the model's embeddings have, when its config says so."""
     config = loaded.model.config
     for attr in ("max_position_embeddings", "n_positions", "max_seq_len"):
         value = getattr(config, attr, None)
         if isinstance(value, int) and value > 0:
-            limits.append(value)
-            break
+            return value
+    return None
+
+
+def resolve_max_length(loaded: LoadedModel, requested: int | None, model_name: str) -> int:
+    """``requested`` if the model can take it, else the model's and tokenizer's limit (<= 512)."""
+    limit = position_limit(loaded)
+    if requested is not None:
+        if limit is not None and requested > limit:
+            raise IsotuiError(
+                f"max-length {requested} is longer than model {model_name!r} accepts "
+                f"({limit} positions); use --max-length {limit} or less"
+            )
+        return requested
+    limits = [DEFAULT_MAX_LENGTH_CAP] + ([limit] if limit else [])
+    tok_max = getattr(loaded.tokenizer, "model_max_length", None)
+    if isinstance(tok_max, int) and 0 < tok_max < 1_000_000:
+        limits.append(tok_max)
     return min(limits)
 
 
@@ -97,25 +110,23 @@ class _Runner:
                 return candidate
         return 0
 
-    def tokenize(self, samples: list[str], max_length: int) -> dict[str, list[list[int]]]:
-        enc = self.loaded.tokenizer(
-            samples,
-            truncation=True,
-            max_length=max_length,
-            return_special_tokens_mask=True,
-            return_attention_mask=False,
-            padding=False,
-        )
-        out = {"input_ids": enc["input_ids"], "special": enc["special_tokens_mask"]}
-        if "token_type_ids" in enc:
-            out["token_type_ids"] = enc["token_type_ids"]
-        return out
+    def _accepts(self, name: str) -> bool:
+        import inspect
 
-    def batches(self, lengths: list[int]) -> Iterator[list[int]]:
+        params = inspect.signature(self.model.forward).parameters
+        return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def tokenize(self, samples: list[str], max_length: int) -> Tokens:
+        return tokenize(
+            self.loaded.tokenizer, samples, max_length, with_types=self._accepts("token_type_ids")
+        )
+
+    def batches(self, lengths: Sequence[int]) -> Iterator[list[int]]:
         """Sample indices, longest first, cut by batch size or by token budget (auto).
 
         A generator, so that a back-off after running out of memory shrinks later batches too.
         """
+        lengths = [int(n) for n in lengths]
         order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
         pos = 0
         while pos < len(order):
@@ -124,25 +135,16 @@ class _Runner:
             yield order[pos : pos + cap]
             pos += cap
 
-    def run_batch(self, enc: dict, idx: list[int]) -> int:
+    def run_batch(self, tokens: Tokens, idx: list[int]) -> int:
         """Forward one batch and fold it in; returns its number of real tokens."""
         import torch
 
-        width = max(len(enc["input_ids"][i]) for i in idx)
-        ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        special = torch.zeros((len(idx), width), dtype=torch.bool)
-        types = torch.zeros((len(idx), width), dtype=torch.long) if "token_type_ids" in enc else None
-        for row, i in enumerate(idx):
-            n = len(enc["input_ids"][i])
-            ids[row, :n] = torch.tensor(enc["input_ids"][i])
-            mask[row, :n] = 1
-            special[row, :n] = torch.tensor(enc["special"][i], dtype=torch.bool)
-            if types is not None:
-                types[row, :n] = torch.tensor(enc["token_type_ids"][i])
-        inputs = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
-        if types is not None:
-            inputs["token_type_ids"] = types.to(self.device)
+        b = tokens.batch(idx, self.pad_id)
+        mask, special = b["attention_mask"], b["special"]
+        width = mask.shape[1]
+        inputs = {"input_ids": b["input_ids"].to(self.device), "attention_mask": mask.to(self.device)}
+        if b["token_type_ids"] is not None:
+            inputs["token_type_ids"] = b["token_type_ids"].to(self.device)
 
         hook_out: list[Any] = []
         handle = None
@@ -185,8 +187,8 @@ class _Runner:
             for acc, h in zip(self.accs, hidden, strict=True):
                 x = h.reshape(-1, h.shape[-1]).index_select(0, flat_d)
                 partials.append(acc.partial(x, local_d, keys))
-        for acc, p in zip(self.accs, partials, strict=True):
-            acc.commit(p)
+            for acc, p in zip(self.accs, partials, strict=True):  # only now: all or nothing
+                acc.commit(p)
         return int(mask.sum())
 
     def _first_batch(self, hidden: tuple, hook_out: list[Any]) -> None:
@@ -195,6 +197,8 @@ class _Runner:
         dims = [h.shape[-1] for h in hidden]
         full_cov = sum(d * d * 8 for d in dims) <= COV_BUDGET_BYTES
         dev = hidden[0].device
+        if dev.type == "mps":  # no float64 on MPS: accumulate on the CPU
+            dev = torch.device("cpu")
         self.accs = [LayerAccumulator(d, dev, full_cov=full_cov, reservoir=self.opts.reservoir) for d in dims]
         if not full_cov:
             self.notes.append(
@@ -205,15 +209,15 @@ class _Runner:
             last = hidden[-1]
             self.final_norm = normed.shape == last.shape and bool(torch.equal(normed, last))
 
-    def process(self, enc: dict, idx: list[int]) -> int:
+    def process(self, tokens: Tokens, idx: list[int]) -> int:
         """``run_batch`` with out-of-memory back-off: halve the batch and retry, say so."""
         try:
-            return self.run_batch(enc, idx)
+            return self.run_batch(tokens, idx)
         except Exception as exc:
             if not _is_oom(exc):
                 raise
         self._free()
-        width = max(len(enc["input_ids"][i]) for i in idx)
+        width = int(tokens.lengths[idx].max())
         if len(idx) == 1:
             raise IsotuiError(
                 f"one sample of {width} tokens does not fit in {self.device} memory; lower "
@@ -227,7 +231,7 @@ class _Runner:
         message = f"out of memory on a batch of {len(idx)} x {width} tokens; retrying with batches of {half}"
         self.notes.append(message)
         self.on_progress(Progress(0, 0, 0, 0.0, message=message, stage="oom"))
-        return self.process(enc, idx[:half]) + self.process(enc, idx[half:])
+        return self.process(tokens, idx[:half]) + self.process(tokens, idx[half:])
 
     def _free(self) -> None:
         import gc
@@ -247,31 +251,36 @@ def extract(
     opts: ExtractOptions,
     on_progress: ProgressCallback = no_progress,
     should_stop: StopCheck = never_stop,
+    model_name: str = "",
 ) -> Extraction:
     """Measure every hidden layer of ``loaded`` over ``samples`` (see design.md for metrics)."""
     runner = _Runner(loaded, device, opts, on_progress, should_stop)
-    max_length = opts.max_length or default_max_length(loaded)
-    enc = runner.tokenize(samples, max_length)
-    lengths = [len(x) for x in enc["input_ids"]]
+    max_length = resolve_max_length(loaded, opts.max_length, model_name)
+    tokens = runner.tokenize(samples, max_length)
     total = len(samples)
     start = time.perf_counter()
-    done = tokens = 0
+    done = n_tokens = 0
     on_progress(Progress(0, total, 0, 0.0))
-    for idx in runner.batches(lengths):
+    for idx in runner.batches(tokens.lengths):
         if should_stop():
             raise Cancelled()
-        tokens += runner.process(enc, idx)
+        n_tokens += runner.process(tokens, idx)
         done += len(idx)
-        on_progress(Progress(done, total, tokens, time.perf_counter() - start))
+        on_progress(Progress(done, total, n_tokens, time.perf_counter() - start))
     assert runner.accs is not None
-    on_progress(Progress(done, total, tokens, time.perf_counter() - start, stage="finalize"))
+    if runner.accs[0].n_all == 0:
+        raise IsotuiError(
+            f"no token of the {total} samples was kept: all were special tokens or padding; use "
+            "--special-tokens include or a larger --max-length"
+        )
+    on_progress(Progress(done, total, n_tokens, time.perf_counter() - start, stage="finalize"))
     layers = [acc.finalize() for acc in runner.accs]
     return Extraction(
         layers=layers,
         final_norm=runner.final_norm,
         final_norm_module=runner.final_norm_name if runner.final_norm else None,
         n_samples=total,
-        n_tokens=tokens,
+        n_tokens=n_tokens,
         max_length=max_length,
         seconds=time.perf_counter() - start,
         notes=runner.notes,
