@@ -3,8 +3,9 @@
 Each measurement runs in its own process, so peak memory (ru_maxrss) is not shared.
 1. Speed at equal n (500 samples): plain = keep all hidden states, then all-pairs cosine by
    blocked U U^T, drift, mean norm and covariance eigenvalues; ours = the full metric set.
-2. Peak memory from 500 to 5,000 samples: ours stays flat; the plain way grows with the corpus
-   (measured on its keep-everything phase plus O(n d) metrics; its O(n^2) step adds time only).
+2. Peak memory from 500 to 5,000 samples: ours (fixed-size accumulators) against the plain way
+   (its keep-everything phase plus O(n d) metrics; its O(n^2) step adds time only) and against
+   the bare forward loop with no metrics at all, which shows the CPU heap's own creep.
 
     python benchmarks/memory.py [--model minilm] [--max-length 128]
 """
@@ -54,6 +55,16 @@ def _worker(mode: str, n: int, path: Path, model: str, max_length: int, pairs: b
     if mode == "ours":
         ex = extract(loaded, samples, device="cpu", opts=opts)
         avg = [layer.avg_cos for layer in ex.layers]
+    elif mode == "bare":  # the forward loop alone: what the allocator does without any metric
+        runner = _Runner(loaded, "cpu", opts, lambda _e: None, lambda: False)
+        tokens = runner.tokenize(samples, max_length)
+        for idx in runner.batches(tokens.lengths):
+            b = tokens.batch(idx, runner.pad_id)
+            with torch.inference_mode():
+                loaded.model(
+                    input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True
+                )
+        avg = []
     else:
         runner = _Runner(loaded, "cpu", opts, lambda _e: None, lambda: False)
         tokens = runner.tokenize(samples, max_length)
@@ -120,15 +131,17 @@ def main() -> None:
             f"  plain (keep all, all pairs): {plain['seconds']:.1f} s   ours: {ours['seconds']:.1f} s   "
             f"plain/ours = {plain['seconds'] / ours['seconds']:.2f}   max |avg_cos diff| = {diff:.1e}"
         )
-        print("peak memory above the loaded model (MB):")
+        print("peak memory (max RSS) above the loaded model, MB:")
+        modes = ("ours", "plain", "bare")
         used = {}
         for n in (500, 5000):
-            for mode in ("ours", "plain"):
+            for mode in modes:
                 r = _measure(mode, n, path, args, False)
                 used[mode, n] = r["peak_mb"] - r["base_mb"]
-            print(f"  {n:>5} samples: ours {used['ours', n]:7.0f}   plain {used['plain', n]:7.0f}")
-        grow = {m: used[m, 5000] - used[m, 500] for m in ("ours", "plain")}
-        print(f"growth 500 -> 5000: ours {grow['ours']:+.0f} MB, plain {grow['plain']:+.0f} MB")
+            print(f"  {n:>5} samples: " + "   ".join(f"{m} {used[m, n]:6.0f}" for m in modes))
+        grow = {m: used[m, 5000] - used[m, 500] for m in modes}
+        print("growth 500 -> 5000: " + ", ".join(f"{m} {grow[m]:+.0f} MB" for m in modes))
+        print("(bare = the forward loop alone, no metrics: the CPU heap's own creep with batch count)")
 
 
 if __name__ == "__main__":

@@ -209,3 +209,32 @@ def test_models_lists_bundled_presets_and_hf_cache(tmp_path, tiny_models):
         env_extra={"HF_HUB_CACHE": str(hub)},
     )
     assert proc.returncode == 2 and "revision v9" in proc.stderr
+
+
+def test_unwritable_cache_and_csv_paths_are_reported_not_fatal(tmp_path, tiny_models, data):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = isotui(
+        "run",
+        "-m",
+        str(tiny_models["bert"]),
+        "--data",
+        f"text:{data}",
+        "-q",
+        "--cache-dir",
+        str(blocker / "cache"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "could not write to the cache" in proc.stderr and "avg_cos" in proc.stdout
+    proc = isotui(
+        "run",
+        "-m",
+        str(tiny_models["bert"]),
+        "--data",
+        f"text:{data}",
+        "-q",
+        "--csv",
+        str(blocker / "out.csv"),
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"cannot write {blocker / 'out.csv'}" in proc.stderr

@@ -94,7 +94,14 @@ def measure(
             return hit
     result = compute(prepared, on_progress=on_progress, should_stop=should_stop)
     if cache is not None:
-        cache.put(result)
+        try:
+            cache.put(result)
+        except OSError as exc:  # the result itself is fine: report, keep it, go on
+            if on_notice:
+                on_notice(
+                    f"could not write to the cache in {cache.root} ({exc.strerror or exc}); "
+                    "this result is not cached"
+                )
     return result
 
 

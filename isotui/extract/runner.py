@@ -13,6 +13,7 @@ from typing import Any
 
 from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
 from isotui.errors import Cancelled, IsotuiError
+from isotui.extract.heap import TRIM_EVERY, release_free_memory
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.extract.tokens import Tokens, tokenize
 from isotui.models.loading import LoadedModel, final_norm_module
@@ -261,11 +262,13 @@ def extract(
     start = time.perf_counter()
     done = n_tokens = 0
     on_progress(Progress(0, total, 0, 0.0))
-    for idx in runner.batches(tokens.lengths):
+    for batch_no, idx in enumerate(runner.batches(tokens.lengths), 1):
         if should_stop():
             raise Cancelled()
         n_tokens += runner.process(tokens, idx)
         done += len(idx)
+        if device == "cpu" and batch_no % TRIM_EVERY == 0:
+            release_free_memory()
         on_progress(Progress(done, total, n_tokens, time.perf_counter() - start))
     assert runner.accs is not None
     if runner.accs[0].n_all == 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from isotui.errors import IsotuiError
@@ -20,6 +21,10 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     notes: list[str] = field(default_factory=list)
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
 
 
 def _quiet_transformers() -> None:
@@ -52,6 +57,8 @@ def load_model(ref: ModelRef, *, device: str, dtype: str, seed: int, trust_remot
     if ref.kind == "random":
         return _load_random(ref, device=device, torch_dtype=torch_dtype, seed=seed, trust=trust_remote_code)
     folder = ref.local_dir()
+    if folder is not None and ref.kind == "hub" and not _has_weights(folder):
+        folder = None  # a partial download: let transformers fetch the rest of that commit
     where: Any = str(folder) if folder is not None else ref.source
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if folder is None and ref.revision:

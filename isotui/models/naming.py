@@ -96,21 +96,33 @@ class ModelRef:
         return "sha256:" + h.hexdigest()
 
     def declared_dtype(self) -> str | None:
-        """The dtype the checkpoint's config declares (``torch_dtype``/``dtype``), if readable."""
+        """The dtype the checkpoint's config declares (``torch_dtype``/``dtype``), if readable.
+
+        For a hub model not downloaded yet, fetches its config.json alone (when online), so that
+        the dtype, and so the cache key, is the same before and after the download.
+        """
         if self.kind == "random":
             return None
         try:
             folder = self.local_dir()
-        except IsotuiError:
-            return None
-        if folder is None:
-            return None
-        try:
-            config = json.loads((folder / "config.json").read_text())
-        except (OSError, ValueError):
+            config_file = folder / "config.json" if folder is not None else self._fetch_config()
+            config = json.loads(Path(config_file).read_text()) if config_file else {}
+        except (IsotuiError, OSError, ValueError):
             return None
         value = config.get("dtype") or config.get("torch_dtype")
         return value if isinstance(value, str) else None
+
+    def _fetch_config(self) -> str | None:
+        if self.kind != "hub" or hub.offline():
+            return None
+        from huggingface_hub import hf_hub_download
+
+        try:
+            return hf_hub_download(
+                self.source, "config.json", revision=hub.resolve_commit(self.source, self.revision)
+            )
+        except Exception:
+            return None
 
 
 def _hash_folder(h: hashlib._Hash, folder: Path, *, weights: bool) -> None:

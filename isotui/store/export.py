@@ -11,13 +11,18 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
+from isotui.errors import IsotuiError
 from isotui.results import LayerRow, ModelResult
 
 
 def _atomic_write(path: Path, write) -> Path:
+    """Write through a temporary file renamed into place: a failure leaves the old file intact."""
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise IsotuiError(f"cannot write {path}: {exc.strerror or exc}; choose another path") from None
     try:
         with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
             write(f)
