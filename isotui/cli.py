@@ -201,7 +201,7 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
             failed.append(model)
             continue
         results.append(result)
-        out.print(result_table(result))
+        out.print(result_table(result, out.width))
         out.print()
     if results and s.get("csv"):
         path = write_csv(results, Path(s["csv"]))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
 
-from isotui.results import ModelResult
+from isotui.results import LayerRow, ModelResult
 
 
 def _f(value: float, digits: int = 4) -> str:
@@ -18,7 +20,37 @@ def _p(value: float) -> str:
     return "-" if not math.isfinite(value) else f"{value:.2g}"
 
 
-def result_table(result: ModelResult) -> Table:
+def _rogue(text: str) -> str:
+    """``63:0.4497|383:0.0881`` -> ``63:.45 383:.09`` (the CSV keeps full precision)."""
+    parts = []
+    for item in filter(None, text.split("|")):
+        dim, _, share = item.partition(":")
+        parts.append(f"{dim}:{float(share):.2f}".replace(":0.", ":.").replace(":-0.", ":-."))
+    return " ".join(parts)
+
+
+def _avg_cos(r: LayerRow) -> Text:
+    return Text(_f(r.avg_cos) + ("*" if r.above_null else " "), style="bold" if r.above_null else "")
+
+
+# (header, cell, narrowest terminal that shows it): narrow terminals drop the least essential
+# columns; the CSV always has them all.
+COLUMNS: list[tuple[str, Callable[[LayerRow], Any], int]] = [
+    ("layer", lambda r: str(r.layer), 0),
+    ("n", lambda r: str(r.n_vectors), 0),
+    ("avg_cos", _avg_cos, 0),
+    ("xctx", lambda r: _f(r.avg_cos_xctx), 100),
+    ("centered", lambda r: _f(r.avg_cos_centered), 90),
+    ("drift", lambda r: _f(r.drift_norm, 3), 0),
+    ("norm", lambda r: _f(r.mean_norm, 3), 0),
+    ("isoscore", lambda r: _f(r.isoscore), 0),
+    ("erank", lambda r: _f(r.eff_rank, 1), 70),
+    ("top_pc", lambda r: _f(r.top_pc_share, 3), 80),
+    ("rogue dim:share", lambda r: _rogue(r.rogue_dims), 115),
+]
+
+
+def result_table(result: ModelResult, width: int = 200) -> Table:
     """The per-layer table of one model, with the isotropic null and final-norm marks."""
     meta = result.meta
     source = "cache" if result.from_cache else f"{meta.get('seconds', 0):.1f} s"
@@ -27,40 +59,19 @@ def result_table(result: ModelResult) -> Table:
         f"{meta.get('n_tokens')} tokens  {meta.get('dtype')} on {meta.get('device')}  ({source})"
     )
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
-    for name in (
-        "layer",
-        "n",
-        "avg_cos",
-        "xctx",
-        "centered",
-        "drift",
-        "mean_norm",
-        "isoscore",
-        "eff_rank",
-        "top_pc",
-        "rogue dims (dim:share)",
-    ):
-        table.add_column(name, justify="left" if name.startswith("rogue") else "right")
+    columns = [c for c in COLUMNS if c[2] <= width]
+    for name, _, _ in columns:
+        rogue = name.startswith("rogue")
+        table.add_column(name, justify="left" if rogue else "right", no_wrap=rogue)
     for r in result.rows:
-        mark = "*" if r.above_null else " "
         layer = f"{r.layer}{' (norm)' if r.final_norm else ''}"
         label = layer if r.component == "model" else f"{r.component} {layer}"
-        table.add_row(
-            label,
-            str(r.n_vectors),
-            Text(_f(r.avg_cos) + mark, style="bold" if r.above_null else ""),
-            _f(r.avg_cos_xctx),
-            _f(r.avg_cos_centered),
-            _f(r.drift_norm, 3),
-            _f(r.mean_norm, 3),
-            _f(r.isoscore),
-            _f(r.eff_rank, 1),
-            _f(r.top_pc_share, 3),
-            r.rogue_dims.replace("|", " "),
-        )
+        table.add_row(label, *(cell(r) for _, cell, _ in columns[1:]))
     dim = result.rows[0].dim if result.rows else 0
     p95 = result.rows[0].null_p95 if result.rows else math.nan
     notes = [f"* avg_cos above the isotropic null's 95th percentile for d={dim} ({_f(p95)})"]
+    if len(columns) < len(COLUMNS):
+        notes.append("(narrow terminal: some columns hidden; --csv has them all)")
     if any(r.final_norm for r in result.rows):
         module = meta.get("final_norm_module") or "final norm"
         notes.append(f"(norm): the model's last hidden state has already passed through `{module}`")
