@@ -188,6 +188,9 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
         )
     except IsotuiError as exc:
         raise IsotuiError(f"{where}{exc}") from None
+    for key in ("csv", "json"):  # say it before a long run, not after
+        if s.get(key) and Path(s[key]).expanduser().is_dir():
+            raise IsotuiError(f"--{key} {s[key]} is a directory; give a file name")
     cache = None if args.no_cache else ResultCache(cache_dir(s.get("cache_dir")))
     out = stdout_console()
     results, failed = [], []

@@ -74,7 +74,8 @@ def load_run_config(path: Path) -> dict[str, Any]:
         if key in data:
             data[key] = str((base / Path(data[key]).expanduser()).resolve())
     for i, m in enumerate(data.get("models", [])):
-        if m.startswith(("./", "../")):
-            data["models"][i] = str((base / m).resolve())
+        prefix, rest = ("random:", m[7:]) if m.startswith("random:") else ("", m)
+        if rest.startswith(("./", "../")):  # a folder next to the config file
+            data["models"][i] = prefix + str((base / rest).resolve())
     data["base_dir"] = base
     return data

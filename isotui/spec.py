@@ -71,6 +71,8 @@ def make_spec(
         seed_value = int(seed)  # type: ignore[call-overload]
     except (TypeError, ValueError):
         raise IsotuiError(f"seed must be an integer (got {seed!r})") from None
+    if not 0 <= seed_value < 2**32:
+        raise IsotuiError(f"seed must be between 0 and 4294967295 (got {seed_value})")
     return RunSpec(
         model=model,
         data=data if isinstance(data, DataSpec) else parse_data(str(data), base_dir),

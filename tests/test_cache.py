@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from isotui.experiments import layerwise
@@ -77,6 +78,13 @@ def test_damaged_entry_is_reported_and_recomputed(tmp_path, tiny_models, data):
     assert not again.from_cache
     assert len(notices) == 1 and "damaged" in notices[0] and "recomputing" in notices[0]
     assert measure(spec, cache).from_cache  # rewritten, healthy
+    with safe_open(str(path), framework="numpy") as f:  # a digit changed in the table itself
+        header = json.loads(f.metadata()["isotui"])
+    header["result"]["rows"][0]["avg_cos"] += 0.1
+    save_file(load_file(str(path)), str(path), metadata={"isotui": json.dumps(header)})
+    notices.clear()
+    measure(spec, cache, on_notice=notices.append)
+    assert "damaged" in notices[0]
     path.write_bytes(b"not a safetensors file")
     notices.clear()
     measure(spec, cache, on_notice=notices.append)
@@ -88,8 +96,6 @@ def test_old_schema_is_recomputed(tmp_path, tiny_models, data):
     spec = make_spec(str(tiny_models["bert"]), f"text:{data}")
     first = measure(spec, cache)
     path = cache.path_for(first.key)
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="numpy") as f:
         header = json.loads(f.metadata()["isotui"])
     header["schema"] = 0

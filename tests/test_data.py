@@ -83,3 +83,12 @@ def test_hf_local_dataset_through_datasets(tmp_path):
         load_samples(parse_data(f"hf:{folder}:train:body"))
     with pytest.raises(IsotuiError, match="could not be loaded"):
         load_samples(parse_data("hf:no-such-dataset-anywhere:train"))
+
+
+def test_hf_split_slices_keep_their_colon_and_builtin_takes_no_argument():
+    s = parse_data("hf:wikitext:wikitext-2-raw-v1:train[:100]")
+    assert (s.name, s.config, s.split, s.field) == ("wikitext", "wikitext-2-raw-v1", "train[:100]", "text")
+    s = parse_data("hf:imdb:test[10:20]:review")
+    assert (s.config, s.split, s.field) == (None, "test[10:20]", "review")
+    with pytest.raises(IsotuiError, match="builtin takes no argument"):
+        parse_data("builtin:wikitext")

@@ -14,6 +14,16 @@ from .conftest import corpus
 from .reference import hidden_vectors, reference_layer
 
 RTOL = 1e-6
+METRICS = (
+    "avg_cos",
+    "avg_cos_xctx",
+    "drift_norm",
+    "mean_norm",
+    "avg_cos_centered",
+    "isoscore",
+    "eff_rank",
+    "top_pc_share",
+)
 
 
 def _write_corpus(tmp_path, texts):
@@ -28,16 +38,7 @@ def _check_against_reference(result, folder, texts, max_length, special="exclude
     for row, x in zip(result.rows, layers, strict=True):
         ref = reference_layer(x, labels)
         assert row.n_vectors == ref.n
-        for name in (
-            "avg_cos",
-            "avg_cos_xctx",
-            "drift_norm",
-            "mean_norm",
-            "avg_cos_centered",
-            "isoscore",
-            "eff_rank",
-            "top_pc_share",
-        ):
+        for name in METRICS:
             got, want = getattr(row, name), getattr(ref, name)
             assert got == pytest.approx(want, rel=RTOL, abs=1e-9), f"layer {row.layer} {name}"
         top = int(np.argmax(ref.dim_contrib))
@@ -95,16 +96,7 @@ def test_padding_and_batch_size_invariance(tmp_path, tiny_models, arch):
     for other in runs[1:]:
         for a, b in zip(runs[0].rows, other.rows, strict=True):
             assert a.n_vectors == b.n_vectors
-            for name in (
-                "avg_cos",
-                "avg_cos_xctx",
-                "drift_norm",
-                "mean_norm",
-                "avg_cos_centered",
-                "isoscore",
-                "eff_rank",
-                "top_pc_share",
-            ):
+            for name in METRICS:
                 assert getattr(b, name) == pytest.approx(getattr(a, name), rel=RTOL), name
 
 
@@ -162,6 +154,28 @@ def test_max_length_beyond_the_model_is_refused(tmp_path, tiny_models):
 def test_nothing_kept_is_a_clear_error(tmp_path, tiny_models):
     from isotui.errors import IsotuiError
 
-    data = _write_corpus(tmp_path, corpus(4))
-    with pytest.raises(IsotuiError, match="no token of the 4 samples was kept"):
-        measure(make_spec(str(tiny_models["bert"]), data, max_length=2), None)  # [CLS] [SEP] only
+    empty = tmp_path / "invisible.txt"
+    empty.write_text("\u200b\n\u200b\u200b\n", encoding="utf-8")  # BERT keeps only [CLS] [SEP]
+    with pytest.raises(IsotuiError, match="no token of the 2 samples was kept"):
+        measure(make_spec(str(tiny_models["bert"]), f"text:{empty}"), None)
+
+
+def test_final_norm_found_below_the_top_level(tmp_path):
+    """OPT keeps its final norm at decoder.final_layer_norm."""
+    name = (
+        "random:opt:hidden_size=32,ffn_dim=64,num_hidden_layers=2,num_attention_heads=4,"
+        "word_embed_proj_dim=32,max_position_embeddings=128"
+    )
+    result = measure(make_spec(name, _write_corpus(tmp_path, corpus(6))), None)
+    assert [r.final_norm for r in result.rows] == [False, False, True]
+    assert result.meta["final_norm_module"] == "decoder.final_layer_norm"
+
+
+def test_bad_random_overrides_and_tiny_max_length(tmp_path, tiny_models):
+    from isotui.errors import IsotuiError
+
+    data = _write_corpus(tmp_path, corpus(3))
+    with pytest.raises(IsotuiError, match="GPT2Config has no setting 'n_layers'"):
+        measure(make_spec("random:gpt2:n_layers=2", data), None)
+    with pytest.raises(IsotuiError, match="adds 2 special tokens; use --max-length 3 or more"):
+        measure(make_spec(str(tiny_models["bert"]), data, max_length=2), None)

@@ -131,7 +131,7 @@ class LayerAccumulator:
         u = x64[nonzero] / norms[nonzero, None] if n_nonzero < len(norms) else x64 / norms[:, None]
         ids = sample_ids[nonzero] if n_nonzero < len(norms) else sample_ids
         n_samples = int(sample_ids.max()) + 1 if len(sample_ids) else 0
-        per_sample = torch.zeros((n_samples, self.dim), dtype=torch.float64, device=x.device)
+        per_sample = torch.zeros((n_samples, self.dim), dtype=torch.float64, device=self.device)
         per_sample.index_add_(0, ids, u)
         counts = torch.bincount(ids, minlength=n_samples).to(torch.float64)
         out = {

@@ -45,7 +45,9 @@ def parse_data(value: str, base_dir: Path | None = None) -> DataSpec:
     """Parse a ``--data`` value; relative paths are taken from ``base_dir`` (default: cwd)."""
     text = value.strip()
     scheme, _, rest = text.partition(":")
-    if scheme == "builtin" and not rest:
+    if scheme == "builtin":
+        if rest:
+            raise IsotuiError(f"data source {value!r}: builtin takes no argument; use --data builtin")
         return DataSpec("builtin")
     if scheme not in SCHEMES:
         raise IsotuiError(
@@ -62,7 +64,7 @@ def parse_data(value: str, base_dir: Path | None = None) -> DataSpec:
         if not (base / Path(rest).expanduser()).is_file() and ":" in rest:
             path, _, field = rest.rpartition(":")
         return DataSpec("jsonl", path=str((base / Path(path).expanduser()).resolve()), field=field or "text")
-    parts = rest.split(":")
+    parts = re.split(r":(?![^\[]*\])", rest)  # a split slice like train[:100] keeps its colon
     if len(parts) == 2:
         name, config, split, field = parts[0], None, parts[1], "text"
     elif len(parts) == 3 and _SPLIT.match(parts[1]):

@@ -16,7 +16,7 @@ from isotui.errors import Cancelled, IsotuiError
 from isotui.extract.heap import TRIM_EVERY, release_free_memory
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.extract.tokens import Tokens, tokenize
-from isotui.models.loading import LoadedModel, final_norm_module
+from isotui.models.loading import LoadedModel, final_norm_modules
 
 DEFAULT_MAX_LENGTH_CAP = 512
 TOKEN_BUDGET = {"cpu": 4096, "mps": 8192, "cuda": 32768}
@@ -56,9 +56,22 @@ def position_limit(loaded: LoadedModel) -> int | None:
     return None
 
 
+def _special_count(tokenizer: Any) -> int:
+    try:
+        return int(tokenizer.num_special_tokens_to_add())
+    except Exception:
+        return 0
+
+
 def resolve_max_length(loaded: LoadedModel, requested: int | None, model_name: str) -> int:
     """``requested`` if the model can take it, else the model's and tokenizer's limit (<= 512)."""
     limit = position_limit(loaded)
+    special = _special_count(loaded.tokenizer)
+    if requested is not None and requested <= special:
+        raise IsotuiError(
+            f"max-length {requested} leaves no room for text: the tokenizer of {model_name!r} adds "
+            f"{special} special tokens; use --max-length {special + 1} or more"
+        )
     if requested is not None:
         if limit is not None and requested > limit:
             raise IsotuiError(
@@ -147,11 +160,12 @@ class _Runner:
         if b["token_type_ids"] is not None:
             inputs["token_type_ids"] = b["token_type_ids"].to(self.device)
 
-        hook_out: list[Any] = []
-        handle = None
-        if self.accs is None and (found := final_norm_module(self.model)) is not None:
-            self.final_norm_name = found[0]
-            handle = found[1].register_forward_hook(lambda _m, _i, o: hook_out.append(o))
+        hook_out: dict[str, Any] = {}
+        handles = []
+        if self.accs is None:  # first batch: which final norm, if any, made the last hidden state
+            for name, module in final_norm_modules(self.model):
+                hook = (lambda key: lambda _m, _i, o: hook_out.__setitem__(key, o))(name)
+                handles.append(module.register_forward_hook(hook))
         try:
             with torch.inference_mode():
                 out = self.model(**inputs, output_hidden_states=True, return_dict=True)
@@ -163,7 +177,7 @@ class _Runner:
                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
             ) from None
         finally:
-            if handle is not None:
+            for handle in handles:
                 handle.remove()
         hidden = getattr(out, "hidden_states", None)
         if not hidden:
@@ -181,8 +195,9 @@ class _Runner:
         local = flat // width
         positions = flat % width
         global_ids = torch.tensor(idx, dtype=torch.long)[local]
-        keys = sample_keys(self.opts.seed, global_ids, positions).to(self.device)
-        flat_d, local_d = flat.to(self.device), local.to(self.device)
+        acc_device = self.accs[0].device  # the CPU when the model is on MPS (no float64 there)
+        keys = sample_keys(self.opts.seed, global_ids, positions).to(acc_device)
+        flat_d, local_d = flat.to(self.device), local.to(acc_device)
         partials = []
         with torch.inference_mode():
             for acc, h in zip(self.accs, hidden, strict=True):
@@ -192,7 +207,7 @@ class _Runner:
                 acc.commit(p)
         return int(mask.sum())
 
-    def _first_batch(self, hidden: tuple, hook_out: list[Any]) -> None:
+    def _first_batch(self, hidden: tuple, hook_out: dict[str, Any]) -> None:
         import torch
 
         dims = [h.shape[-1] for h in hidden]
@@ -205,10 +220,12 @@ class _Runner:
             self.notes.append(
                 f"spectrum from a uniform sample of {self.opts.reservoir} vectors per layer (d={max(dims)})"
             )
-        if hook_out:
-            normed = hook_out[-1][0] if isinstance(hook_out[-1], tuple) else hook_out[-1]
-            last = hidden[-1]
-            self.final_norm = normed.shape == last.shape and bool(torch.equal(normed, last))
+        last = hidden[-1]
+        for name, out in hook_out.items():
+            normed = out[0] if isinstance(out, tuple) else out
+            if isinstance(normed, torch.Tensor) and normed.shape == last.shape and torch.equal(normed, last):
+                self.final_norm, self.final_norm_name = True, name
+                break
 
     def process(self, tokens: Tokens, idx: list[int]) -> int:
         """``run_batch`` with out-of-memory back-off: halve the batch and retry, say so."""
@@ -281,7 +298,7 @@ def extract(
     return Extraction(
         layers=layers,
         final_norm=runner.final_norm,
-        final_norm_module=runner.final_norm_name if runner.final_norm else None,
+        final_norm_module=runner.final_norm_name,
         n_samples=total,
         n_tokens=n_tokens,
         max_length=max_length,

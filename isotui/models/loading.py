@@ -11,7 +11,7 @@ from isotui.errors import IsotuiError
 from isotui.models.naming import ModelRef, bundled_minilm_dir
 
 # Modules that some architectures apply to the last hidden state before returning it.
-FINAL_NORM_NAMES = ("ln_f", "norm", "final_layer_norm", "final_layernorm", "ln_final", "final_norm")
+FINAL_NORM_NAMES = ("ln_f", "norm", "norm_f", "final_layer_norm", "final_layernorm", "ln_final", "final_norm")
 
 
 @dataclass
@@ -36,6 +36,10 @@ def _quiet_transformers() -> None:
 
 
 def _parse_value(text: str) -> Any:
+    """A config override value: JSON (2, 0.1, "x", [1,2]) or Python-style True/False/None."""
+    python_words = {"True": True, "False": False, "None": None}
+    if text in python_words:
+        return python_words[text]
     try:
         return json.loads(text)
     except ValueError:
@@ -84,17 +88,23 @@ def _load_random(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int, tru
     kind = ref.random_source_kind
     try:
         if kind == "type":
-            config = AutoConfig.for_model(ref.source, **overrides)
+            config = AutoConfig.for_model(ref.source)
         else:
             kwargs = {"revision": ref.revision} if ref.revision else {}
             config = AutoConfig.from_pretrained(ref.source, trust_remote_code=trust, **kwargs)
-            for key, value in overrides.items():
-                setattr(config, key, value)
     except Exception as exc:
         raise IsotuiError(
             f"model {ref.name!r}: no configuration for {ref.source!r} ({_short(exc)}); use a "
             "transformers model_type such as bert, gpt2, gpt_neox or llama, or a config folder"
         ) from None
+    unknown = [key for key in overrides if not hasattr(config, key)]
+    if unknown:
+        raise IsotuiError(
+            f"model {ref.name!r}: {type(config).__name__} has no setting {unknown[0]!r}; "
+            "check the spelling against the model's config.json"
+        )
+    for key, value in overrides.items():
+        setattr(config, key, value)
     tokenizer = None
     if kind != "type":
         try:
@@ -117,10 +127,12 @@ def _load_random(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int, tru
     return LoadedModel(model.to(device=device, dtype=torch_dtype).eval(), tokenizer, notes)
 
 
-def final_norm_module(model: Any) -> tuple[str, Any] | None:
-    """The model's own final normalisation module, if it has one at the top level."""
-    for name in FINAL_NORM_NAMES:
-        module = getattr(model, name, None)
-        if module is not None and hasattr(module, "forward"):
-            return name, module
-    return None
+def final_norm_modules(model: Any) -> list[tuple[str, Any]]:
+    """Candidate final norms: modules named like one, at most one level below the top
+    (``ln_f``, ``model.norm``, ``decoder.final_layer_norm``), never inside the block stack."""
+    found = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if len(parts) <= 2 and parts[-1] in FINAL_NORM_NAMES:
+            found.append((name, module))
+    return found

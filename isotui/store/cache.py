@@ -40,8 +40,9 @@ class CacheProblem(Exception):
     """An entry exists but cannot be used; the message says why, in one sentence."""
 
 
-def _digest(arrays: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
+def _digest(arrays: dict[str, np.ndarray], result: dict[str, Any]) -> str:
+    """A checksum of the arrays and of the table (canonical JSON), so either damaged is caught."""
+    h = hashlib.sha256(json.dumps(result, sort_keys=True).encode())
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
         h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
@@ -75,12 +76,12 @@ class ResultCache:
                     f"{SCHEMA_VERSION}"
                 )
             arrays = load_file(str(path))
-            if _digest(arrays) != data.get("digest"):
+            if _digest(arrays, data["result"]) != data.get("digest"):
                 raise CacheProblem(f"cache entry {path.name} is damaged (checksum mismatch)")
             return ModelResult.from_json(data["result"], arrays)
         except CacheProblem:
             raise
-        except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CacheProblem(f"cache entry {path.name} is unreadable ({type(exc).__name__})") from None
 
     @staticmethod
@@ -99,13 +100,11 @@ class ResultCache:
 
         self.runs.mkdir(parents=True, exist_ok=True)
         arrays = {k: np.ascontiguousarray(v) for k, v in result.arrays.items()}
-        header = {
-            "schema": SCHEMA_VERSION,
-            "digest": _digest(arrays),
-            "result": result.to_json(),
-        }
+        payload = json.loads(json.dumps(result.to_json()))  # as it will read back
+        header = {"schema": SCHEMA_VERSION, "digest": _digest(arrays, payload), "result": payload}
         fd, tmp = tempfile.mkstemp(prefix=f".{result.key}.", suffix=".tmp", dir=self.runs)
         os.close(fd)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a cache shared by a group must stay readable
         try:
             save_file(arrays, tmp, metadata={_META_KEY: json.dumps(header)})
             os.replace(tmp, self.path_for(result.key))

@@ -18,6 +18,8 @@ from isotui.results import LayerRow, ModelResult
 def _atomic_write(path: Path, write) -> Path:
     """Write through a temporary file renamed into place: a failure leaves the old file intact."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise IsotuiError(f"cannot write {path}: it is a directory; give a file name")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -27,6 +29,8 @@ def _atomic_write(path: Path, write) -> Path:
         with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
             write(f)
         os.replace(tmp, path)
+    except OSError as exc:
+        raise IsotuiError(f"cannot write {path}: {exc.strerror or exc}; choose another path") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
