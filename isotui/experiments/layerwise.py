@@ -6,9 +6,9 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
 
 import numpy as np
 
@@ -65,43 +65,64 @@ def prepare(spec: RunSpec) -> Prepared:
     return Prepared(spec, key, samples, model_fp, data_fp, dtype, device)
 
 
+NoticeCallback = Callable[[str], None]
+
+
+def _no_notice(_: str) -> None:
+    """Default: drop notices."""
+
+
+def lookup(
+    prepared: Prepared, cache: ResultCache | None, on_notice: NoticeCallback = _no_notice
+) -> ModelResult | None:
+    """The cached result for ``prepared``, or None; a damaged entry is reported and ignored."""
+    if cache is None:
+        return None
+    try:
+        hit = cache.get(prepared.key)
+    except CacheProblem as problem:
+        on_notice(f"{problem}; recomputing")
+        return None
+    if hit is not None:
+        hit.model = prepared.spec.model
+        for row in hit.rows:
+            row.model = prepared.spec.model
+        hit.from_cache = True
+    return hit
+
+
+def store(result: ModelResult, cache: ResultCache | None, on_notice: NoticeCallback = _no_notice) -> None:
+    """Cache ``result``; a cache that cannot be written is reported, never fatal."""
+    if cache is None:
+        return
+    try:
+        cache.put(result)
+    except OSError as exc:  # the result itself is fine: report, keep it, go on
+        on_notice(
+            f"could not write to the cache in {cache.root} ({exc.strerror or exc}); this result is not cached"
+        )
+
+
 def measure(
     spec: RunSpec,
     cache: ResultCache | None,
     *,
     on_progress: ProgressCallback = no_progress,
     should_stop: StopCheck = never_stop,
-    on_notice: Any = None,
+    on_notice: NoticeCallback | None = None,
 ) -> ModelResult:
     """The layer-wise result for ``spec``: from ``cache`` when present, else computed and stored.
 
     ``cache=None`` recomputes and stores nothing. ``on_notice`` receives one-sentence news
     (e.g. a damaged cache entry being recomputed).
     """
+    notice = on_notice or _no_notice
     prepared = prepare(spec)
-    if cache is not None:
-        try:
-            hit = cache.get(prepared.key)
-        except CacheProblem as problem:
-            hit = None
-            if on_notice:
-                on_notice(f"{problem}; recomputing")
-        if hit is not None:
-            hit.model = spec.model
-            for row in hit.rows:
-                row.model = spec.model
-            hit.from_cache = True
-            return hit
+    hit = lookup(prepared, cache, notice)
+    if hit is not None:
+        return hit
     result = compute(prepared, on_progress=on_progress, should_stop=should_stop)
-    if cache is not None:
-        try:
-            cache.put(result)
-        except OSError as exc:  # the result itself is fine: report, keep it, go on
-            if on_notice:
-                on_notice(
-                    f"could not write to the cache in {cache.root} ({exc.strerror or exc}); "
-                    "this result is not cached"
-                )
+    store(result, cache, notice)
     return result
 
 

@@ -1,0 +1,143 @@
+"""The backend as the terminal app uses it: events, cache first, one job per device, cancel."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from isotui.backend import (
+    Backend,
+    JobCancelled,
+    JobFailed,
+    JobFinished,
+    JobProgress,
+    JobQueued,
+    JobStarted,
+)
+from isotui.errors import Cancelled
+from isotui.experiments import layerwise
+from isotui.extract.progress import Progress
+from isotui.spec import make_spec
+from isotui.store.cache import ResultCache
+
+from .conftest import corpus
+
+TERMINAL = (JobFinished, JobFailed, JobCancelled)
+
+
+class Events:
+    """Collects events posted from worker threads; waits for a job's last one."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self.cond = threading.Condition()
+
+    def __call__(self, event) -> None:
+        with self.cond:
+            self.items.append(event)
+            self.cond.notify_all()
+
+    def of(self, job_id: int) -> list:
+        with self.cond:
+            return [e for e in self.items if e.job_id == job_id]
+
+    def wait_end(self, job_id: int, timeout: float = 120):
+        with self.cond:
+            ok = self.cond.wait_for(
+                lambda: any(isinstance(e, TERMINAL) for e in self.items if e.job_id == job_id), timeout
+            )
+        assert ok, f"job {job_id} did not end: {self.of(job_id)}"
+        return self.of(job_id)[-1]
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "samples.txt"
+    path.write_text("\n".join(corpus(12)) + "\n", encoding="utf-8")
+    return f"text:{path}"
+
+
+def test_real_job_then_cache_hit_without_computing(tmp_path, tiny_models, data):
+    events = Events()
+    backend = Backend(ResultCache(tmp_path / "c"), events)
+    spec = make_spec(str(tiny_models["bert"]), data, batch_size=4)
+    first = backend.submit(spec)
+    end = events.wait_end(first)
+    assert isinstance(end, JobFinished) and not end.result.from_cache
+    kinds = [type(e) for e in events.of(first)]
+    assert kinds[0] is JobQueued and JobStarted in kinds and kinds.count(JobProgress) >= 3
+    second = backend.submit(spec)
+    end = events.wait_end(second)
+    assert isinstance(end, JobFinished) and end.result.from_cache
+    assert JobStarted not in [type(e) for e in events.of(second)]  # answered from the cache
+    assert [r.avg_cos for r in end.result.rows] == [r.avg_cos for r in events.of(first)[-1].result.rows]
+    backend.close()
+
+
+def _gated_compute(gate: threading.Event, started: list):
+    """A stand-in for the model run: waits on ``gate``, reports progress, honours stop."""
+
+    def compute(prepared, *, on_progress, should_stop):
+        started.append(prepared.spec.model)
+        while not gate.wait(0.01):
+            if should_stop():
+                raise Cancelled()
+        on_progress(Progress(1, 1, 10, 0.1))
+        return layerwise.compute(prepared)
+
+    return compute
+
+
+def test_identical_requests_share_a_job_and_one_device_runs_one_at_a_time(tmp_path, tiny_models, data):
+    events, gate, started = Events(), threading.Event(), []
+    backend = Backend(None, events, compute=_gated_compute(gate, started))
+    a = make_spec(str(tiny_models["bert"]), data, device="cpu")
+    b = make_spec(str(tiny_models["gpt2"]), data, device="cpu")
+    job_a = backend.submit(a)
+    assert backend.submit(a) == job_a  # deduplicated while in flight
+    job_b = backend.submit(b)
+    time.sleep(0.5)
+    assert started == [str(tiny_models["bert"])]  # b waits for the device
+    assert [j for j, _ in backend.in_flight()] == [job_a, job_b]
+    gate.set()
+    assert isinstance(events.wait_end(job_a), JobFinished)
+    assert isinstance(events.wait_end(job_b), JobFinished)
+    starts = [e.job_id for e in events.items if isinstance(e, JobStarted)]
+    ends = [e.job_id for e in events.items if isinstance(e, JobFinished)]
+    assert starts == [job_a, job_b] and ends == [job_a, job_b]
+    order = [(type(e), e.job_id) for e in events.items]
+    assert order.index((JobFinished, job_a)) < order.index((JobStarted, job_b))
+    backend.close()
+
+
+def test_cancel_running_and_queued_jobs_and_failures_stay_local(tmp_path, tiny_models, data):
+    events, gate, started = Events(), threading.Event(), []
+    cache = ResultCache(tmp_path / "c")
+    backend = Backend(cache, events, compute=_gated_compute(gate, started))
+    running = backend.submit(make_spec(str(tiny_models["bert"]), data, device="cpu"))
+    queued = backend.submit(make_spec(str(tiny_models["gpt2"]), data, device="cpu"))
+    broken = backend.submit(make_spec("no-such-org/no-such-model", data, device="cpu"))
+    end = events.wait_end(broken)
+    assert isinstance(end, JobFailed) and "not in the local Hugging Face cache" in end.message
+    time.sleep(0.3)
+    assert backend.cancel(queued) and backend.cancel(running)
+    assert isinstance(events.wait_end(running), JobCancelled)
+    assert isinstance(events.wait_end(queued), JobCancelled)
+    assert started == [str(tiny_models["bert"])]  # the queued job never started
+    assert not cache.entries() and not backend.in_flight()
+    assert not backend.cancel(running)
+    gate.set()
+    ok = backend.submit(make_spec(str(tiny_models["gpt_neox"]), data, device="cpu"))
+    assert isinstance(events.wait_end(ok), JobFinished)  # the lane survived all of that
+    backend.close()
+
+
+def test_backend_import_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, isotui.backend; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
