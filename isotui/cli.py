@@ -112,7 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "cache":
             return _cmd_cache(args, err)
-        build_parser().print_help()
+        from isotui.tui.app import run_app
+
+        run_app()
         return 0
     except IsotuiError as exc:
         err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)

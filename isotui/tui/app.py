@@ -1,0 +1,304 @@
+"""isotui's terminal app: pick a model, run it, read its layer table, compare curves, export.
+
+Everything slow happens in :class:`isotui.backend.Backend` worker threads; their events come
+back as :class:`BackendMessage` and only the UI thread touches widgets.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import ClassVar
+
+from textual import on
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import DataTable, Footer, Header, Input, ListItem, ListView, Static
+from textual_plotext import PlotextPlot
+
+from isotui.backend import (
+    Backend,
+    JobCancelled,
+    JobEvent,
+    JobFailed,
+    JobFinished,
+    JobNotice,
+    JobProgress,
+    JobQueued,
+    JobStarted,
+)
+from isotui.errors import IsotuiError
+from isotui.models.hub import cached_models
+from isotui.models.naming import BUNDLED
+from isotui.paths import cache_dir
+from isotui.presets import presets
+from isotui.results import ModelResult
+from isotui.spec import RunSpec, make_spec
+from isotui.store.cache import ResultCache
+from isotui.store.export import write_csv
+
+PLOT_METRICS = (
+    "avg_cos",
+    "drift_norm",
+    "mean_norm",
+    "avg_cos_centered",
+    "isoscore",
+    "eff_rank",
+    "top_pc_share",
+)
+TABLE_COLUMNS = (
+    ("layer", "layer", 0),
+    ("n", "n_vectors", 0),
+    ("avg_cos", "avg_cos", 4),
+    ("xctx", "avg_cos_xctx", 4),
+    ("centered", "avg_cos_centered", 4),
+    ("drift", "drift_norm", 3),
+    ("norm", "mean_norm", 3),
+    ("isoscore", "isoscore", 4),
+    ("erank", "eff_rank", 1),
+    ("top_pc", "top_pc_share", 3),
+    ("rogue", "rogue_dims", None),
+)
+
+
+class BackendMessage(Message):
+    """A backend event, delivered on the UI thread."""
+
+    def __init__(self, event: JobEvent) -> None:
+        super().__init__()
+        self.event = event
+
+
+def _cell(row, attr: str, digits: int | None) -> str:
+    value = getattr(row, attr)
+    if digits is None:
+        return str(value).replace("|", " ")
+    if digits == 0:
+        return str(value) + (" (norm)" if attr == "layer" and row.final_norm else "")
+    text = f"{value:.{digits}f}" if value == value else "-"
+    return text + ("*" if attr == "avg_cos" and row.above_null else "")
+
+
+class IsotuiApp(App):
+    """The keyboard-driven lab. ``spec_defaults`` are the data and run options for new jobs."""
+
+    TITLE = "isotui"
+    CSS_PATH = Path(__file__).with_name("app.tcss")
+    AUTO_FOCUS = "#models"
+    BINDINGS: ClassVar[list[Binding]] = [
+        Binding("r", "run", "Run", id="run"),
+        Binding("slash", "focus_input", "Type model", id="type_model"),
+        Binding("a", "toggle_compare", "Compare", id="compare"),
+        Binding("m", "cycle_metric", "Metric", id="metric"),
+        Binding("n", "toggle_depth", "Depth", id="depth"),
+        Binding("e", "export", "Export CSV", id="export"),
+        Binding("x", "cancel", "Cancel job", id="cancel"),
+        Binding("q", "quit", "Quit", id="quit"),
+    ]
+
+    def __init__(
+        self,
+        *,
+        cache_root: Path | None = None,
+        spec_defaults: dict | None = None,
+        export_dir: Path | None = None,
+    ) -> None:
+        super().__init__()
+        self.cache = ResultCache(cache_root or cache_dir())
+        self.spec_defaults = {
+            "data": "builtin",
+            "max_samples": 2000,
+            "max_length": 128,
+            **(spec_defaults or {}),
+        }
+        self.export_dir = export_dir or Path.cwd()
+        self.backend: Backend | None = None
+        self.results: dict[str, ModelResult] = {}
+        self.comparison: list[str] = []
+        self.selected: str | None = None
+        self.metric = PLOT_METRICS[0]
+        self.depth = False
+        self.jobs: dict[int, str] = {}
+        self.last_job: int | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False)
+        with Horizontal(id="body"):
+            with Vertical(id="left"):
+                yield Input(placeholder="model: HF id, ./dir, random:TYPE", id="model-input")
+                yield ListView(id="models")
+            with Vertical(id="main"):
+                yield DataTable(id="layers", zebra_stripes=True, cursor_type="row")
+                yield PlotextPlot(id="plot")
+        yield Static("no jobs", id="jobs")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.backend = Backend(self.cache, lambda ev: self.post_message(BackendMessage(ev)))
+        table = self.query_one("#layers", DataTable)
+        for label, _, _ in TABLE_COLUMNS:
+            table.add_column(label, key=label)
+        names = list(BUNDLED)
+        for preset in presets():
+            names.extend(m for m in preset.models if m not in names)
+        names.extend(m.repo_id for m in cached_models() if m.repo_id not in names)
+        models = self.query_one("#models", ListView)
+        models.extend(ListItem(Static(n), name=n) for n in names)
+        models.index = 0
+        self.sub_title = f"cache: {self.cache.root}"
+        self.replot()
+
+    def on_unmount(self) -> None:
+        if self.backend is not None:
+            self.backend.close(wait=False)
+
+    # -- selection ---------------------------------------------------------------------------
+
+    @on(ListView.Highlighted, "#models")
+    def _highlight(self, event: ListView.Highlighted) -> None:
+        if event.item is not None and event.item.name:
+            self.select(event.item.name)
+
+    @on(ListView.Selected, "#models")
+    def _chosen(self, event: ListView.Selected) -> None:
+        if event.item.name:
+            self.select(event.item.name)
+            self.action_run()
+
+    @on(Input.Submitted, "#model-input")
+    def _typed(self, event: Input.Submitted) -> None:
+        name = event.value.strip()
+        if name:
+            self.select(name)
+            self.action_run()
+            self.query_one("#models", ListView).focus()
+
+    def select(self, model: str) -> None:
+        self.selected = model
+        self.show_table()
+
+    # -- actions -----------------------------------------------------------------------------
+
+    def spec_for(self, model: str) -> RunSpec:
+        return make_spec(model, **self.spec_defaults)
+
+    def action_run(self) -> None:
+        if not self.selected or self.backend is None:
+            self.notify("select or type a model first", severity="warning")
+            return
+        try:
+            spec = self.spec_for(self.selected)
+        except IsotuiError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        job = self.backend.submit(spec)
+        self.jobs[job] = spec.model
+        self.last_job = job
+
+    def action_focus_input(self) -> None:
+        self.query_one("#model-input", Input).focus()
+
+    def action_toggle_compare(self) -> None:
+        if not self.selected:
+            return
+        if self.selected in self.comparison:
+            self.comparison.remove(self.selected)
+        elif self.selected in self.results:
+            self.comparison.append(self.selected)
+        else:
+            self.notify(f"run {self.selected} first", severity="warning")
+        self.replot()
+
+    def action_cycle_metric(self) -> None:
+        self.metric = PLOT_METRICS[(PLOT_METRICS.index(self.metric) + 1) % len(PLOT_METRICS)]
+        self.replot()
+
+    def action_toggle_depth(self) -> None:
+        self.depth = not self.depth
+        self.replot()
+
+    def action_export(self) -> None:
+        chosen = [self.results[m] for m in self.comparison if m in self.results]
+        if not chosen and self.selected in self.results:
+            chosen = [self.results[self.selected]]
+        if not chosen:
+            self.notify("nothing to export yet: run a model", severity="warning")
+            return
+        path = self.export_dir / f"isotui-{time.strftime('%Y%m%d-%H%M%S')}.csv"
+        try:
+            write_csv(chosen, path)
+        except IsotuiError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        self.notify(f"wrote {path}")
+
+    def action_cancel(self) -> None:
+        if self.backend is not None and self.last_job is not None and self.backend.cancel(self.last_job):
+            self.notify(f"cancelling {self.jobs.get(self.last_job)}")
+
+    # -- backend events ------------------------------------------------------------------------
+
+    def on_backend_message(self, message: BackendMessage) -> None:
+        ev = message.event
+        model = ev.spec.model
+        if isinstance(ev, JobQueued):
+            self.set_jobs(f"{model}: queued")
+        elif isinstance(ev, JobStarted):
+            self.set_jobs(f"{model}: loading on {ev.device}")
+        elif isinstance(ev, JobProgress) and not ev.progress.message:
+            p = ev.progress
+            self.set_jobs(f"{model}: {p.samples_done}/{p.samples_total} samples, {p.tokens_per_s:.0f} tok/s")
+        elif isinstance(ev, JobProgress):  # one-off news such as an out-of-memory back-off
+            self.notify(f"{model}: {ev.progress.message}", severity="warning")
+        elif isinstance(ev, JobNotice):
+            self.notify(f"{model}: {ev.text}", severity="warning")
+        elif isinstance(ev, JobFinished):
+            self.results[model] = ev.result
+            if model not in self.comparison:
+                self.comparison.append(model)
+            self.set_jobs(f"{model}: done" + (" (from cache)" if ev.result.from_cache else ""))
+            if self.selected is None:
+                self.selected = model
+            self.show_table()
+            self.replot()
+        elif isinstance(ev, JobFailed):
+            self.set_jobs(f"{model}: failed")
+            self.notify(ev.message, severity="error", timeout=10)
+        elif isinstance(ev, JobCancelled):
+            self.set_jobs(f"{model}: cancelled")
+
+    def set_jobs(self, text: str) -> None:
+        self.query_one("#jobs", Static).update(text)
+
+    # -- views -----------------------------------------------------------------------------
+
+    def show_table(self) -> None:
+        table = self.query_one("#layers", DataTable)
+        table.clear()
+        result = self.results.get(self.selected or "")
+        table.border_title = self.selected or ""
+        if result is None:
+            return
+        for row in result.rows:
+            table.add_row(*(_cell(row, attr, digits) for _, attr, digits in TABLE_COLUMNS))
+
+    def replot(self) -> None:
+        plot = self.query_one("#plot", PlotextPlot)
+        plt = plot.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title(f"{self.metric} by {'depth' if self.depth else 'layer'}")
+        for model in self.comparison:
+            rows = self.results[model].rows
+            last = max(len(rows) - 1, 1)
+            xs = [r.layer / last if self.depth else r.layer for r in rows]
+            ys = [getattr(r, self.metric) for r in rows]
+            plt.plot(xs, ys, label=model[-24:], marker="braille")
+        plot.refresh()
+
+
+def run_app() -> None:
+    """Entry point of ``isotui`` with no arguments."""
+    IsotuiApp().run()
