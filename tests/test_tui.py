@@ -43,6 +43,10 @@ def test_type_a_model_run_it_compare_and_export(tmp_path, tiny_models):
                 await _wait(pilot, lambda n=name: str(tiny_models[n]) in app.results)
             table = app.query_one("#layers", DataTable)
             assert table.row_count == 3  # the selected model's layers (embeddings + 2 blocks)
+            drift = app.query_one("#drift", DataTable)
+            assert drift.row_count == 2
+            rho = app.results[str(tiny_models["gpt2"])].drift["model"].spearman_rho
+            assert drift.get_row_at(1)[2] == f"{rho:.3f}"
             assert app.comparison == [str(tiny_models["bert"]), str(tiny_models["gpt2"])]
             await pilot.press("m")
             assert app.metric == "drift_norm"

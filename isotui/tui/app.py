@@ -63,6 +63,20 @@ TABLE_COLUMNS = (
 )
 
 
+DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ")
+
+
+def _num(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}" if value == value else "-"
+
+
+def _pvalue(p: float) -> str:
+    """The p-value, marked significant (*) at 0.05."""
+    if p != p:
+        return "-"
+    return f"{p:.2g}" + (" *" if p < 0.05 else "")
+
+
 class BackendMessage(Message):
     """A backend event, delivered on the UI thread."""
 
@@ -132,6 +146,7 @@ class IsotuiApp(App):
             with Vertical(id="main"):
                 yield DataTable(id="layers", zebra_stripes=True, cursor_type="row")
                 yield PlotextPlot(id="plot")
+                yield DataTable(id="drift", cursor_type="none")
         yield Static("no jobs", id="jobs")
         yield Footer()
 
@@ -140,6 +155,10 @@ class IsotuiApp(App):
         table = self.query_one("#layers", DataTable)
         for label, _, _ in TABLE_COLUMNS:
             table.add_column(label, key=label)
+        drift = self.query_one("#drift", DataTable)
+        drift.border_title = "drift norm vs avg_cos across layers (Godey et al. 2024, Fig. 5)"
+        for label in DRIFT_COLUMNS:
+            drift.add_column(label, key=label)
         names = list(BUNDLED)
         for preset in presets():
             names.extend(m for m in preset.models if m not in names)
@@ -210,6 +229,7 @@ class IsotuiApp(App):
         else:
             self.notify(f"run {self.selected} first", severity="warning")
         self.replot()
+        self.show_drift()
 
     def action_cycle_metric(self) -> None:
         self.metric = PLOT_METRICS[(PLOT_METRICS.index(self.metric) + 1) % len(PLOT_METRICS)]
@@ -263,6 +283,7 @@ class IsotuiApp(App):
                 self.selected = model
             self.show_table()
             self.replot()
+            self.show_drift()
         elif isinstance(ev, JobFailed):
             self.set_jobs(f"{model}: failed")
             self.notify(ev.message, severity="error", timeout=10)
@@ -283,6 +304,22 @@ class IsotuiApp(App):
             return
         for row in result.rows:
             table.add_row(*(_cell(row, attr, digits) for _, attr, digits in TABLE_COLUMNS))
+
+    def show_drift(self) -> None:
+        """Per model in the comparison set: Spearman and Pearson, significant at 0.05 or not."""
+        table = self.query_one("#drift", DataTable)
+        table.clear()
+        for model in self.comparison:
+            for component, d in self.results[model].drift.items():
+                label = model if component == "model" else f"{model} ({component})"
+                table.add_row(
+                    label[-40:],
+                    str(d.n_layers),
+                    _num(d.spearman_rho, 3),
+                    _pvalue(d.spearman_p),
+                    _num(d.pearson_r, 3),
+                    _pvalue(d.pearson_p),
+                )
 
     def replot(self) -> None:
         plot = self.query_one("#plot", PlotextPlot)
