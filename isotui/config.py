@@ -36,17 +36,17 @@ RUN_SETTINGS: dict[str, tuple[type, ...]] = {
 PATH_SETTINGS = ("cache_dir", "csv", "json")
 
 
-def read_toml(path: Path) -> dict[str, Any]:
+def read_toml(path: Path, what: str = "config file") -> dict[str, Any]:
     """Parse a TOML file; a missing or malformed file is one sentence naming it."""
     if not path.is_file():
-        raise IsotuiError(f"config file {path} does not exist")
+        raise IsotuiError(f"{what} {path} does not exist")
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
-        raise IsotuiError(f"config file {path} is not valid TOML: {exc}") from None
+        raise IsotuiError(f"{what} {path} is not valid TOML: {exc}") from None
     except OSError as exc:
-        raise IsotuiError(f"config file {path} cannot be read: {exc.strerror}") from None
+        raise IsotuiError(f"{what} {path} cannot be read: {exc.strerror}") from None
 
 
 def load_run_config(path: Path) -> dict[str, Any]:

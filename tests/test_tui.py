@@ -102,3 +102,35 @@ def test_first_frame_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "TORCH False False" in out.stdout, out.stderr
+
+
+def test_bundled_themes_load_and_cycle_and_broken_user_theme_is_reported(tmp_path):
+    from isotui.paths import resource_dir
+    from isotui.tui.themes import load_themes
+
+    themes, problems = load_themes([resource_dir("themes")])
+    names = {t.name for t in themes}
+    assert {"isotui-dark", "isotui-light", "isotui-high-contrast", "isotui-256"} <= names and not problems
+    user = tmp_path / "user-themes"
+    user.mkdir()
+    (user / "mine.toml").write_text('name = "mine"\nprimary = "#112233"\ndark = false\n')
+    (user / "broken.toml").write_text('name = "broken"\nprimary = "not-a-colour"\n')
+    (user / "bad.toml").write_text("name = [\n")
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", theme_dirs=[resource_dir("themes"), user])
+        notes: list[str] = []
+        app.notify = lambda message, **_kw: notes.append(message)
+        async with app.run_test(size=(80, 24)) as pilot:
+            assert app.theme == "isotui-dark"
+            assert "mine" in app.theme_names and "broken" not in app.theme_names
+            problem = notes[0]
+            assert f"theme file {user / 'broken.toml'}: primary = 'not-a-colour' is not a colour" in problem
+            assert f"theme file {user / 'bad.toml'} is not valid TOML" in problem
+            seen = set()
+            for _ in app.theme_names:
+                await pilot.press("t")
+                seen.add(app.theme)
+            assert seen == set(app.theme_names)
+
+    asyncio.run(scenario())

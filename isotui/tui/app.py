@@ -32,13 +32,15 @@ from isotui.backend import (
 from isotui.errors import IsotuiError
 from isotui.models.hub import cached_models
 from isotui.models.naming import BUNDLED
-from isotui.paths import cache_dir
+from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import presets
 from isotui.results import ModelResult
 from isotui.spec import RunSpec, make_spec
 from isotui.store.cache import ResultCache
 from isotui.store.export import write_csv
+from isotui.tui.themes import load_themes
 
+DEFAULT_THEME = "isotui-dark"
 PLOT_METRICS = (
     "avg_cos",
     "drift_norm",
@@ -109,6 +111,7 @@ class IsotuiApp(App):
         Binding("n", "toggle_depth", "Depth", id="depth"),
         Binding("e", "export", "Export CSV", id="export"),
         Binding("x", "cancel", "Cancel job", id="cancel"),
+        Binding("t", "cycle_theme", "Theme", id="theme"),
         Binding("q", "quit", "Quit", id="quit"),
     ]
 
@@ -118,8 +121,12 @@ class IsotuiApp(App):
         cache_root: Path | None = None,
         spec_defaults: dict | None = None,
         export_dir: Path | None = None,
+        theme_dirs: list[Path] | None = None,
     ) -> None:
         super().__init__()
+        # bundled themes, then the user's own (same name: the user's wins)
+        self.theme_dirs = theme_dirs or [resource_dir("themes"), config_dir() / "themes"]
+        self.theme_names: list[str] = []
         self.cache = ResultCache(cache_root or cache_dir())
         self.spec_defaults = {
             "data": "builtin",
@@ -151,6 +158,14 @@ class IsotuiApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        themes, problems = load_themes(self.theme_dirs)
+        for theme in themes:
+            self.register_theme(theme)
+        self.theme_names = [t.name for t in themes]
+        if DEFAULT_THEME in self.theme_names:
+            self.theme = DEFAULT_THEME
+        if problems:
+            self.notify("\n".join(problems), title="theme files skipped", severity="warning", timeout=15)
         self.backend = Backend(self.cache, lambda ev: self.post_message(BackendMessage(ev)))
         table = self.query_one("#layers", DataTable)
         for label, _, _ in TABLE_COLUMNS:
@@ -234,6 +249,14 @@ class IsotuiApp(App):
     def action_cycle_metric(self) -> None:
         self.metric = PLOT_METRICS[(PLOT_METRICS.index(self.metric) + 1) % len(PLOT_METRICS)]
         self.replot()
+
+    def action_cycle_theme(self) -> None:
+        """Next isotui theme (bundled and user themes, in name order)."""
+        if not self.theme_names:
+            return
+        current = self.theme_names.index(self.theme) if self.theme in self.theme_names else -1
+        self.theme = self.theme_names[(current + 1) % len(self.theme_names)]
+        self.notify(f"theme: {self.theme}", timeout=2)
 
     def action_toggle_depth(self) -> None:
         self.depth = not self.depth
