@@ -11,9 +11,11 @@ from isotui.paths import builtin_corpus_path
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
-    """No network, and a private result cache for every test."""
+    """No network, and a private result cache and config folder for every test."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("ISOTUI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # no user settings or themes
+    monkeypatch.delenv("ISOTUI_CONFIG", raising=False)
 
 
 def corpus(n: int) -> list[str]:

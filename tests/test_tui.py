@@ -134,3 +134,41 @@ def test_bundled_themes_load_and_cycle_and_broken_user_theme_is_reported(tmp_pat
             assert seen == set(app.theme_names)
 
     asyncio.run(scenario())
+
+
+def test_settings_file_theme_keys_and_run_options(tmp_path, tiny_models, monkeypatch):
+    data = tmp_path / "samples.txt"
+    data.write_text("\n".join(corpus(6)) + "\n", encoding="utf-8")
+    settings = tmp_path / "isotui.toml"
+    settings.write_text(
+        'theme = "isotui-light"\n'
+        "[run]\n"
+        'data = "text:samples.txt"\n'  # relative to the settings file
+        "max_samples = 4\n"
+        "max_length = 0\n"  # bad: reported by name, the rest still applies
+        "[keys]\n"
+        'compare = "c"\n'
+        'nonsense = "z"\n'
+    )
+    monkeypatch.setenv("ISOTUI_CONFIG", str(settings))
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache")
+        notes: list[str] = []
+        app.notify = lambda message, **_kw: notes.append(message)
+        async with app.run_test(size=(100, 30)) as pilot:
+            assert app.theme == "isotui-light"
+            assert (
+                f"settings file {settings}: [run] max-length must be a positive integer (got 0)" in notes[0]
+            )
+            assert "[keys] has no action 'nonsense'" in notes[0]
+            await pilot.press("slash")
+            app.query_one("#model-input", Input).value = str(tiny_models["bert"])
+            await pilot.press("enter")
+            await _wait(pilot, lambda: str(tiny_models["bert"]) in app.results)
+            result = app.results[str(tiny_models["bert"])]
+            assert result.meta["n_samples"] == 4 and result.meta["data"] == f"text:{data}"
+            await pilot.press("c")  # remapped from "a"
+            assert app.comparison == []
+
+    asyncio.run(scenario())

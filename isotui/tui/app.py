@@ -35,6 +35,7 @@ from isotui.models.naming import BUNDLED
 from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import presets
 from isotui.results import ModelResult
+from isotui.settings import load_settings
 from isotui.spec import RunSpec, make_spec
 from isotui.store.cache import ResultCache
 from isotui.store.export import write_csv
@@ -122,16 +123,20 @@ class IsotuiApp(App):
         spec_defaults: dict | None = None,
         export_dir: Path | None = None,
         theme_dirs: list[Path] | None = None,
+        settings_file: Path | None = None,
     ) -> None:
         super().__init__()
+        self.settings = load_settings(settings_file, tuple(b.id for b in self.BINDINGS if b.id))
         # bundled themes, then the user's own (same name: the user's wins)
         self.theme_dirs = theme_dirs or [resource_dir("themes"), config_dir() / "themes"]
         self.theme_names: list[str] = []
-        self.cache = ResultCache(cache_root or cache_dir())
+        self.cache = ResultCache(cache_root or cache_dir(self.settings.cache_dir))
         self.spec_defaults = {
             "data": "builtin",
             "max_samples": 2000,
             "max_length": 128,
+            "base_dir": self.settings.path.parent,
+            **self.settings.run,
             **(spec_defaults or {}),
         }
         self.export_dir = export_dir or Path.cwd()
@@ -162,10 +167,16 @@ class IsotuiApp(App):
         for theme in themes:
             self.register_theme(theme)
         self.theme_names = [t.name for t in themes]
-        if DEFAULT_THEME in self.theme_names:
-            self.theme = DEFAULT_THEME
+        wanted = self.settings.theme or DEFAULT_THEME
+        if wanted in self.available_themes:
+            self.theme = wanted
+        else:
+            problems.append(f"settings file {self.settings.path}: no theme named {wanted!r}")
+        if self.settings.keys:
+            self.set_keymap(self.settings.keys)
+        problems.extend(self.settings.problems)
         if problems:
-            self.notify("\n".join(problems), title="theme files skipped", severity="warning", timeout=15)
+            self.notify("\n".join(problems), title="settings skipped", severity="warning", timeout=15)
         self.backend = Backend(self.cache, lambda ev: self.post_message(BackendMessage(ev)))
         table = self.query_one("#layers", DataTable)
         for label, _, _ in TABLE_COLUMNS:
