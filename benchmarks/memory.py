@@ -56,7 +56,7 @@ def _worker(mode: str, n: int, path: Path, model: str, max_length: int, pairs: b
         ex = extract(loaded, samples, device="cpu", opts=opts)
         avg = [layer.avg_cos for layer in ex.layers]
     elif mode == "bare":  # the forward loop alone: what the allocator does without any metric
-        runner = _Runner(loaded, "cpu", opts, lambda _e: None, lambda: False)
+        runner = _Runner(loaded, "cpu", opts, lambda _e: None)
         tokens = runner.tokenize(samples, max_length)
         for idx in runner.batches(tokens.lengths):
             b = tokens.batch(idx, runner.pad_id)
@@ -66,7 +66,7 @@ def _worker(mode: str, n: int, path: Path, model: str, max_length: int, pairs: b
                 )
         avg = []
     else:
-        runner = _Runner(loaded, "cpu", opts, lambda _e: None, lambda: False)
+        runner = _Runner(loaded, "cpu", opts, lambda _e: None)
         tokens = runner.tokenize(samples, max_length)
         kept: list[list[np.ndarray]] | None = None
         for idx in runner.batches(tokens.lengths):

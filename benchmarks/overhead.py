@@ -32,7 +32,7 @@ def main() -> None:
         parse_model(args.model), device="cpu", dtype="float32", seed=0, trust_remote_code=False
     )
     opts = ExtractOptions(max_length=args.max_length)
-    runner = _Runner(loaded, "cpu", opts, lambda _e: None, lambda: False)
+    runner = _Runner(loaded, "cpu", opts, lambda _e: None)
     tokens = runner.tokenize(samples, args.max_length)
     batches = []
     for idx in runner.batches(tokens.lengths):

@@ -35,8 +35,14 @@ def _avg_cos(r: LayerRow) -> Text:
 
 # (header, cell, narrowest terminal that shows it): narrow terminals drop the least essential
 # columns; the CSV always has them all.
+def layer_label(r: LayerRow) -> str:
+    """``3``, ``12 (norm)`` when the model's final norm is in it, ``decoder 3`` for a 2nd stack."""
+    layer = f"{r.layer}{' (norm)' if r.final_norm else ''}"
+    return layer if r.component == "model" else f"{r.component} {layer}"
+
+
 COLUMNS: list[tuple[str, Callable[[LayerRow], Any], int]] = [
-    ("layer", lambda r: str(r.layer), 0),
+    ("layer", layer_label, 0),
     ("n", lambda r: str(r.n_vectors), 0),
     ("avg_cos", _avg_cos, 0),
     ("xctx", lambda r: _f(r.avg_cos_xctx), 100),
@@ -64,9 +70,7 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
         rogue = name.startswith("rogue")
         table.add_column(name, justify="left" if rogue else "right", no_wrap=rogue)
     for r in result.rows:
-        layer = f"{r.layer}{' (norm)' if r.final_norm else ''}"
-        label = layer if r.component == "model" else f"{r.component} {layer}"
-        table.add_row(label, *(cell(r) for _, cell, _ in columns[1:]))
+        table.add_row(*(cell(r) for _, cell, _ in columns))
     dim = result.rows[0].dim if result.rows else 0
     p95 = result.rows[0].null_p95 if result.rows else math.nan
     notes = [f"* avg_cos above the isotropic null's 95th percentile for d={dim} ({_f(p95)})"]

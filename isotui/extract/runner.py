@@ -101,14 +101,12 @@ class _Runner:
         device: str,
         opts: ExtractOptions,
         on_progress: ProgressCallback,
-        should_stop: StopCheck,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = device
         self.opts = opts
         self.on_progress = on_progress
-        self.should_stop = should_stop
         self.accs: list[LayerAccumulator] | None = None
         self.final_norm: bool = False
         self.final_norm_name: str | None = None
@@ -272,7 +270,7 @@ def extract(
     model_name: str = "",
 ) -> Extraction:
     """Measure every hidden layer of ``loaded`` over ``samples`` (see design.md for metrics)."""
-    runner = _Runner(loaded, device, opts, on_progress, should_stop)
+    runner = _Runner(loaded, device, opts, on_progress)
     max_length = resolve_max_length(loaded, opts.max_length, model_name)
     tokens = runner.tokenize(samples, max_length)
     total = len(samples)

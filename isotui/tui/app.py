@@ -34,6 +34,7 @@ from isotui.models.hub import cached_models
 from isotui.models.naming import BUNDLED
 from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import presets
+from isotui.render import COLUMNS
 from isotui.results import ModelResult
 from isotui.settings import load_settings
 from isotui.spec import RunSpec, make_spec
@@ -50,19 +51,6 @@ PLOT_METRICS = (
     "isoscore",
     "eff_rank",
     "top_pc_share",
-)
-TABLE_COLUMNS = (
-    ("layer", "layer", 0),
-    ("n", "n_vectors", 0),
-    ("avg_cos", "avg_cos", 4),
-    ("xctx", "avg_cos_xctx", 4),
-    ("centered", "avg_cos_centered", 4),
-    ("drift", "drift_norm", 3),
-    ("norm", "mean_norm", 3),
-    ("isoscore", "isoscore", 4),
-    ("erank", "eff_rank", 1),
-    ("top_pc", "top_pc_share", 3),
-    ("rogue", "rogue_dims", None),
 )
 
 
@@ -86,16 +74,6 @@ class BackendMessage(Message):
     def __init__(self, event: JobEvent) -> None:
         super().__init__()
         self.event = event
-
-
-def _cell(row, attr: str, digits: int | None) -> str:
-    value = getattr(row, attr)
-    if digits is None:
-        return str(value).replace("|", " ")
-    if digits == 0:
-        return str(value) + (" (norm)" if attr == "layer" and row.final_norm else "")
-    text = f"{value:.{digits}f}" if value == value else "-"
-    return text + ("*" if attr == "avg_cos" and row.above_null else "")
 
 
 class IsotuiApp(App):
@@ -179,7 +157,7 @@ class IsotuiApp(App):
             self.notify("\n".join(problems), title="settings skipped", severity="warning", timeout=15)
         self.backend = Backend(self.cache, lambda ev: self.post_message(BackendMessage(ev)))
         table = self.query_one("#layers", DataTable)
-        for label, _, _ in TABLE_COLUMNS:
+        for label, _, _ in COLUMNS:  # the same columns as the headless table
             table.add_column(label, key=label)
         drift = self.query_one("#drift", DataTable)
         drift.border_title = "drift norm vs avg_cos across layers (Godey et al. 2024, Fig. 5)"
@@ -337,7 +315,7 @@ class IsotuiApp(App):
         if result is None:
             return
         for row in result.rows:
-            table.add_row(*(_cell(row, attr, digits) for _, attr, digits in TABLE_COLUMNS))
+            table.add_row(*(cell(row) for _, cell, _ in COLUMNS))
 
     def show_drift(self) -> None:
         """Per model in the comparison set: Spearman and Pearson, significant at 0.05 or not."""
