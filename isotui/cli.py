@@ -33,7 +33,12 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         help="measure layer-wise anisotropy of one or more models",
         description="Measure layer-wise anisotropy. Flags override CONFIG.toml.",
     )
-    p.add_argument("config", nargs="?", type=Path, help="a TOML file with the same settings")
+    p.add_argument(
+        "config",
+        nargs="?",
+        type=Path,
+        help="a TOML file with the same settings, or a preset name (see isotui models)",
+    )
     p.add_argument(
         "--model",
         "-m",
@@ -162,6 +167,15 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+def _config_path(config: Path | None) -> Path | None:
+    """``config`` as given, or the bundled preset of that name when no such file exists."""
+    if config is None or config.exists():
+        return config
+    from isotui.presets import find_preset
+
+    return find_preset(str(config)) or config
+
+
 def _cmd_run(args: argparse.Namespace, err) -> int:
     from isotui.experiments.layerwise import measure
     from isotui.paths import cache_dir
@@ -170,6 +184,7 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
     from isotui.store.cache import ResultCache
     from isotui.store.export import write_csv, write_json
 
+    args.config = _config_path(args.config)
     s = _settings(args)
     models = s.get("models") or ["minilm"]
     where = f"config file {args.config}: " if args.config else ""

@@ -7,6 +7,7 @@ from rich.table import Table
 
 from isotui.models.hub import cached_models, hub_cache_dir
 from isotui.models.naming import BUNDLED
+from isotui.paths import resource_dir
 from isotui.presets import presets
 
 
@@ -22,15 +23,19 @@ def print_models(console: Console) -> None:
     )
     console.print(bundled)
 
-    table = Table(title="presets (isotui run PRESET.toml)", title_justify="left")
-    for col in ("preset", "models", "data", "description"):
+    # Folder paths are printed as lines, not titles: a title wraps to the table's width.
+    console.print(f"presets (isotui run PRESET), from {resource_dir('sample_configs')}", soft_wrap=True)
+    table = Table()
+    table.add_column("preset", no_wrap=True)
+    for col in ("models", "data", "description"):
         table.add_column(col)
     for p in presets():
-        table.add_row(str(p.path), ", ".join(p.models), p.data, p.description)
+        table.add_row(p.path.stem, ", ".join(p.models), p.data, p.description)
     console.print(table)
 
     found = cached_models()
-    cached = Table(title=f"models in the local Hugging Face cache ({hub_cache_dir()})", title_justify="left")
+    console.print(f"models in the local Hugging Face cache, {hub_cache_dir()}", soft_wrap=True)
+    cached = Table()
     for col in ("model", "revisions", "size"):
         cached.add_column(col)
     for m in found:

@@ -38,3 +38,10 @@ def presets() -> list[Preset]:
             )
         )
     return out
+
+
+def find_preset(name: str) -> Path | None:
+    """The bundled preset called ``name`` (file stem, with or without .toml), if there is one."""
+    stem = name.removesuffix(".toml")
+    path = resource_dir("sample_configs") / f"{stem}.toml"
+    return path if "/" not in name and path.is_file() else None

@@ -176,6 +176,18 @@ def test_cache_ls_rm_path(tmp_path, tiny_models, data):
     assert "no cached runs" in isotui("cache", "ls").stdout
 
 
+def test_run_takes_a_preset_by_name(tmp_path):
+    """`isotui run minilm_builtin` finds the bundled preset; flags still override it."""
+    out = tmp_path / "p.json"
+    proc = isotui("run", "minilm_builtin", "--max-samples", "6", "--json", str(out), "-q")
+    assert proc.returncode == 0, proc.stderr
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["model"] == "minilm" and len(result["rows"]) == 7
+    assert result["meta"]["n_samples"] == 6 and result["meta"]["max_length"] == 128  # from the preset
+    missing = isotui("run", "no_such_preset")
+    assert missing.returncode == 2 and "no_such_preset does not exist" in missing.stderr
+
+
 def test_models_lists_bundled_presets_and_hf_cache(tmp_path, tiny_models):
     hub = tmp_path / "hub"
     snap = hub / "models--someorg--tiny-bert" / "snapshots" / ("a" * 40)
@@ -189,8 +201,8 @@ def test_models_lists_bundled_presets_and_hf_cache(tmp_path, tiny_models):
     for needle in (
         "minilm",
         "random:TYPE",
-        "minilm_builtin.toml",
-        "godey2024_fig1_text.toml",
+        "minilm_builtin",
+        "godey2024_fig1_text",
         "someorg/tiny-bert",
     ):
         assert needle in proc.stdout, needle
