@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from isotui.errors import Cancelled, IsotuiError
 from isotui.experiments import layerwise
+from isotui.extract.device import resolve_device
 from isotui.extract.progress import Progress
 from isotui.results import ModelResult
 from isotui.spec import RunSpec
@@ -77,6 +78,8 @@ class _Job:
     spec: RunSpec
     stop: threading.Event = field(default_factory=threading.Event)
     prepared: layerwise.Prepared | None = None
+    started: bool = False  # a lane is computing it (set under the backend's lock)
+    ended: bool = False  # its last event is posted; nothing more may be
 
 
 class Backend:
@@ -118,12 +121,16 @@ class Backend:
         return job.job_id
 
     def cancel(self, job_id: int) -> bool:
-        """Ask a queued or running job to stop; False if no such job is in flight."""
+        """Stop a job: one not yet computing ends at once; a running one stops between batches.
+        False if no such job is in flight."""
         with self._lock:
             job = next((j for j in self._active.values() if j.job_id == job_id), None)
-        if job is None:
-            return False
-        job.stop.set()
+            if job is None:
+                return False
+            job.stop.set()
+            waiting = not job.started
+        if waiting:
+            self._end(job, JobCancelled(job.job_id, job.spec))
         return True
 
     def in_flight(self) -> list[tuple[int, RunSpec]]:
@@ -176,11 +183,16 @@ class Backend:
 
     def _run_lane(self, lane: queue.Queue[_Job | None]) -> None:
         while (job := lane.get()) is not None:
+            with self._lock:
+                if job.ended:  # cancelled while it waited
+                    continue
+                job.started = True
             try:
                 if job.stop.is_set():
                     raise Cancelled()
                 assert job.prepared is not None
-                self._post(JobStarted(job.job_id, job.spec, job.spec.device))
+                device = job.prepared.device or resolve_device(job.spec.device)
+                self._post(JobStarted(job.job_id, job.spec, device))
                 result = self._compute(
                     job.prepared,
                     on_progress=lambda p, j=job: self._post(JobProgress(j.job_id, j.spec, p)),
@@ -202,6 +214,11 @@ class Backend:
         self._post(JobNotice(job.job_id, job.spec, text))
 
     def _end(self, job: _Job, event: JobEvent) -> None:
+        """Post the job's last event, once (a cancel and a worker may both try)."""
         with self._lock:
-            self._active.pop(job.spec, None)
+            if job.ended:
+                return
+            job.ended = True
+            if self._active.get(job.spec) is job:
+                del self._active[job.spec]
         self._post(event)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rich.table import Table
@@ -33,26 +34,36 @@ def _avg_cos(r: LayerRow) -> Text:
     return Text(_f(r.avg_cos) + ("*" if r.above_null else " "), style="bold" if r.above_null else "")
 
 
-# (header, cell, narrowest terminal that shows it): narrow terminals drop the least essential
-# columns; the CSV always has them all.
 def layer_label(r: LayerRow) -> str:
     """``3``, ``12 (norm)`` when the model's final norm is in it, ``decoder 3`` for a 2nd stack."""
     layer = f"{r.layer}{' (norm)' if r.final_norm else ''}"
     return layer if r.component == "model" else f"{r.component} {layer}"
 
 
-COLUMNS: list[tuple[str, Callable[[LayerRow], Any], int]] = [
-    ("layer", layer_label, 0),
-    ("n", lambda r: str(r.n_vectors), 0),
-    ("avg_cos", _avg_cos, 0),
-    ("xctx", lambda r: _f(r.avg_cos_xctx), 100),
-    ("centered", lambda r: _f(r.avg_cos_centered), 90),
-    ("drift", lambda r: _f(r.drift_norm, 3), 0),
-    ("norm", lambda r: _f(r.mean_norm, 3), 0),
-    ("isoscore", lambda r: _f(r.isoscore), 0),
-    ("erank", lambda r: _f(r.eff_rank, 1), 70),
-    ("top_pc", lambda r: _f(r.top_pc_share, 3), 80),
-    ("rogue dim:share", lambda r: _rogue(r.rogue_dims), 115),
+@dataclass(frozen=True)
+class Column:
+    """A column of the per-layer table: header, cell text, and the LayerRow field it shows
+    (what the app sorts and shades by). Terminals narrower than ``min_width`` drop it; the CSV
+    always has every field."""
+
+    header: str
+    cell: Callable[[LayerRow], Any]
+    min_width: int
+    field: str
+
+
+COLUMNS: list[Column] = [
+    Column("layer", layer_label, 0, "layer"),
+    Column("n", lambda r: str(r.n_vectors), 0, "n_vectors"),
+    Column("avg_cos", _avg_cos, 0, "avg_cos"),
+    Column("xctx", lambda r: _f(r.avg_cos_xctx), 100, "avg_cos_xctx"),
+    Column("centered", lambda r: _f(r.avg_cos_centered), 90, "avg_cos_centered"),
+    Column("drift", lambda r: _f(r.drift_norm, 3), 0, "drift_norm"),
+    Column("norm", lambda r: _f(r.mean_norm, 3), 0, "mean_norm"),
+    Column("isoscore", lambda r: _f(r.isoscore), 0, "isoscore"),
+    Column("erank", lambda r: _f(r.eff_rank, 1), 70, "eff_rank"),
+    Column("top_pc", lambda r: _f(r.top_pc_share, 3), 80, "top_pc_share"),
+    Column("rogue dim:share", lambda r: _rogue(r.rogue_dims), 115, "top_rogue_share"),
 ]
 
 
@@ -65,12 +76,12 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
         f"{meta.get('n_tokens')} tokens  {meta.get('dtype')} on {meta.get('device')}  ({source})"
     )
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
-    columns = [c for c in COLUMNS if c[2] <= width]
-    for name, _, _ in columns:
-        rogue = name.startswith("rogue")
-        table.add_column(name, justify="left" if rogue else "right", no_wrap=rogue)
+    columns = [c for c in COLUMNS if c.min_width <= width]
+    for c in columns:
+        rogue = c.header.startswith("rogue")
+        table.add_column(c.header, justify="left" if rogue else "right", no_wrap=rogue)
     for r in result.rows:
-        table.add_row(*(cell(r) for _, cell, _ in columns))
+        table.add_row(*(c.cell(r) for c in columns))
     dim = result.rows[0].dim if result.rows else 0
     p95 = result.rows[0].null_p95 if result.rows else math.nan
     notes = [f"* avg_cos above the isotropic null's 95th percentile for d={dim} ({_f(p95)})"]

@@ -16,6 +16,7 @@ def _isolated(monkeypatch, tmp_path):
     monkeypatch.setenv("ISOTUI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # no user settings or themes
     monkeypatch.delenv("ISOTUI_CONFIG", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))  # not the developer's own models
 
 
 def corpus(n: int) -> list[str]:

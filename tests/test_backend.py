@@ -134,6 +134,23 @@ def test_cancel_running_and_queued_jobs_and_failures_stay_local(tmp_path, tiny_m
     backend.close()
 
 
+def test_a_queued_job_cancels_at_once_without_waiting_for_the_running_one(tmp_path, tiny_models, data):
+    events, gate, started = Events(), threading.Event(), []
+    backend = Backend(None, events, compute=_gated_compute(gate, started))
+    running = backend.submit(make_spec(str(tiny_models["bert"]), data, device="cpu"))
+    queued = backend.submit(make_spec(str(tiny_models["gpt2"]), data, device="cpu"))
+    time.sleep(0.5)
+    assert backend.cancel(queued)
+    assert isinstance(events.wait_end(queued, timeout=2), JobCancelled)  # gate still shut
+    assert [j for j, _ in backend.in_flight()] == [running]
+    gate.set()
+    assert isinstance(events.wait_end(running), JobFinished)
+    time.sleep(0.2)
+    assert started == [str(tiny_models["bert"])]
+    assert len([e for e in events.of(queued) if isinstance(e, TERMINAL)]) == 1  # one last word
+    backend.close()
+
+
 def test_backend_import_does_not_import_torch():
     import subprocess
     import sys

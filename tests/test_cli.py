@@ -176,6 +176,19 @@ def test_cache_ls_rm_path(tmp_path, tiny_models, data):
     assert "no cached runs" in isotui("cache", "ls").stdout
 
 
+def test_uncached_hub_model_with_the_hub_unreachable_is_one_sentence():
+    """Online mode but no network (a closed port as the hub): no traceback, one clear line."""
+    proc = isotui(
+        "run",
+        "-m",
+        "someorg/not-downloaded",
+        env_extra={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "not in the local Hugging Face cache" in proc.stderr and "could not be reached" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_run_takes_a_preset_by_name(tmp_path):
     """`isotui run minilm_builtin` finds the bundled preset; flags still override it."""
     out = tmp_path / "p.json"

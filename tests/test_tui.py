@@ -6,10 +6,19 @@ import asyncio
 import csv
 import subprocess
 import sys
+import time
 
-from textual.widgets import DataTable, Input
+import numpy as np
+from textual.widgets import DataTable, Input, OptionList, Select
 
+from isotui.backend import Backend
+from isotui.errors import Cancelled, IsotuiError
+from isotui.experiments.layerwise import Prepared
+from isotui.extract.progress import Progress
 from isotui.tui.app import IsotuiApp
+from isotui.tui.help import HelpScreen
+from isotui.tui.jobs import JobsTable
+from isotui.tui.options import OptionsScreen
 
 from .conftest import corpus
 
@@ -32,33 +41,49 @@ def _app(tmp_path, **defaults):
     )
 
 
-def test_type_a_model_run_it_compare_and_export(tmp_path, tiny_models):
+async def _run_typed(pilot, app, model: str) -> None:
+    await pilot.press("slash")
+    app.query_one("#model-input", Input).value = model
+    await pilot.press("enter")
+
+
+def test_type_a_model_run_it_compare_sort_and_export(tmp_path, tiny_models):
     async def scenario():
         app = _app(tmp_path)
         async with app.run_test(size=(120, 36)) as pilot:
             for name in ("bert", "gpt2"):
-                await pilot.press("slash")
-                app.query_one("#model-input", Input).value = str(tiny_models[name])
-                await pilot.press("enter")
+                await _run_typed(pilot, app, str(tiny_models[name]))
                 await _wait(pilot, lambda n=name: str(tiny_models[n]) in app.results)
+            bert, gpt2 = str(tiny_models["bert"]), str(tiny_models["gpt2"])
             table = app.query_one("#layers", DataTable)
             assert table.row_count == 3  # the selected model's layers (embeddings + 2 blocks)
             drift = app.query_one("#drift", DataTable)
             assert drift.row_count == 2
-            rho = app.results[str(tiny_models["gpt2"])].drift["model"].spearman_rho
+            rho = app.results[gpt2].drift["model"].spearman_rho
             assert drift.get_row_at(1)[2] == f"{rho:.3f}"
-            assert app.comparison == [str(tiny_models["bert"]), str(tiny_models["gpt2"])]
+            assert app.comparison == [bert, gpt2]
             await pilot.press("m")
-            assert app.metric == "drift_norm"
-            await pilot.press("e")
+            assert app.metric == "avg_cos_xctx"
+            # sort by avg_cos (third column), highest first, then reversed
+            table.focus()
+            table.move_cursor(column=2)
+            await pilot.press("s")
+            want = [str(i) for i in np.argsort([-r.avg_cos for r in app.results[gpt2].rows], kind="stable")]
+            assert [row.key.value for row in table.ordered_rows] == want  # row keys: layer indices
+            await pilot.press("s")
+            assert [row.key.value for row in table.ordered_rows] == want[::-1]
+            await pilot.press("e")  # the comparison set
+            await pilot.press("E")  # the shown table only
             await pilot.pause()
-            exported = list(tmp_path.glob("isotui-*.csv"))
-            assert len(exported) == 1
-            rows = list(csv.DictReader(exported[0].open()))
-            assert {r["model"] for r in rows} == {str(tiny_models["bert"]), str(tiny_models["gpt2"])}
-            assert len(rows) == 6
+            (both,) = tmp_path.glob("isotui-*-comparison.csv")
+            rows = list(csv.DictReader(both.open()))
+            assert {r["model"] for r in rows} == {bert, gpt2} and len(rows) == 6
+            (shown,) = tmp_path.glob("isotui-*-table.csv")
+            rows = list(csv.DictReader(shown.open()))
+            assert {r["model"] for r in rows} == {gpt2} and len(rows) == 3
+            assert [float(r["avg_cos"]) for r in rows] == [r.avg_cos for r in app.results[gpt2].rows]
             await pilot.press("a")  # remove the selected model from the comparison
-            assert app.comparison == [str(tiny_models["bert"])]
+            assert app.comparison == [bert]
 
     asyncio.run(scenario())
 
@@ -69,22 +94,178 @@ def test_a_bad_model_is_a_notification_and_nothing_is_lost(tmp_path, tiny_models
         notes: list[str] = []
         app.notify = lambda message, **_kw: notes.append(message)
         async with app.run_test(size=(80, 24)) as pilot:
-            await pilot.press("slash")
-            app.query_one("#model-input", Input).value = str(tiny_models["bert"])
-            await pilot.press("enter")
+            await _run_typed(pilot, app, str(tiny_models["bert"]))
             await _wait(pilot, lambda: str(tiny_models["bert"]) in app.results)
-            await pilot.press("slash")
-            app.query_one("#model-input", Input).value = "no-such-org/no-such-model"
-            await pilot.press("enter")
+            await _run_typed(pilot, app, "no-such-org/no-such-model")
             await _wait(
                 pilot,
                 lambda: any("not in the local Hugging Face cache" in n for n in notes),
                 timeout=30,
                 why=lambda: f"{notes}",
             )
-            assert "failed" in str(app.query_one("#jobs").render())
+            states = {r.model: r.state for r in app.query_one("#jobs", JobsTable).records.values()}
+            assert states == {str(tiny_models["bert"]): "done", "no-such-org/no-such-model": "failed"}
             assert list(app.results) == [str(tiny_models["bert"])]
+            assert app.comparison == [str(tiny_models["bert"])]
             assert app.cache.entries()
+
+    asyncio.run(scenario())
+
+
+def fake_backend(submitted: list, steps: int = 2000, delay: float = 0.01):
+    """A backend whose model is a slow loop: progress every ``delay`` s, stops when asked."""
+
+    def prepare(spec):
+        submitted.append(spec)
+        return Prepared(spec, f"fake-{len(submitted)}", [], "fp", "dfp", "float32", "cpu")
+
+    def compute(prepared, on_progress, should_stop):
+        for i in range(steps):
+            if should_stop():
+                raise Cancelled()
+            on_progress(Progress(i + 1, steps, (i + 1) * 100, (i + 1) * delay, memory_bytes=300 * 2**20))
+            time.sleep(delay)
+        raise IsotuiError("the fake model has no result")
+
+    return lambda cache, post: Backend(cache, post, compute=compute, prepare=prepare)
+
+
+def test_jobs_pane_shows_progress_and_cancels_the_chosen_job(tmp_path):
+    async def scenario():
+        submitted: list = []
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend(submitted))
+        async with app.run_test(size=(120, 36)) as pilot:
+            jobs = app.query_one("#jobs", JobsTable)
+            for model in ("fake-a", "fake-b", "fake-c"):
+                await _run_typed(pilot, app, model)
+            await _run_typed(pilot, app, "fake-a")  # identical request: the same job
+            await _wait(pilot, lambda: jobs.records.get(1) and jobs.records[1].state == "running")
+            await pilot.pause(0.3)
+            assert len(jobs.records) == 3
+            assert [r.state for r in jobs.ordered()] == ["running", "queued", "queued"]
+            cells = jobs.get_row_at(0)
+            assert cells[2] == "running" and "%" in cells[3] and cells[6] == "cpu" and cells[7] == "300 MiB"
+            assert int(cells[4].replace(",", "")) > 0 and ":" in cells[5]  # tok/s and ETA
+            jobs.focus()
+            jobs.move_cursor(row=1)  # job 2, queued
+            await pilot.press("x")
+            await _wait(pilot, lambda: jobs.records[2].state == "cancelled")
+            assert jobs.records[1].state == "running" and jobs.records[3].state == "queued"
+            app.query_one("#models").focus()
+            await pilot.press("x")  # no job chosen: the newest in flight (job 3)
+            await _wait(pilot, lambda: jobs.records[3].state == "cancelled")
+            await pilot.press("x")  # then job 1, stopped between batches
+            await _wait(pilot, lambda: jobs.records[1].state == "cancelled")
+            assert app.backend.in_flight() == [] and app.results == {}
+
+    asyncio.run(scenario())
+
+
+def test_models_pane_presets_filter_and_cached_runs(tmp_path, tiny_models):
+    async def scenario():
+        # 1. a real run fills the cache
+        app = _app(tmp_path)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await _run_typed(pilot, app, str(tiny_models["bert"]))
+            await _wait(pilot, lambda: str(tiny_models["bert"]) in app.results)
+        expected = app.results[str(tiny_models["bert"])]
+        # 2. a new session lists it under cached runs and opens it without any job
+        submitted: list = []
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend(submitted))
+        async with app.run_test(size=(120, 36)) as pilot:
+            models = app.query_one("#models", OptionList)
+            ids = [models.get_option_at_index(i).id for i in range(models.option_count)]
+            assert ids[:2] == ["header:bundled", "model:minilm"]
+            assert "preset:minilm_builtin" in ids and "preset:godey2024_fig1_text" in ids
+            assert f"run:{expected.key}" in ids
+            models.focus()
+            models.highlighted = ids.index(f"run:{expected.key}")
+            await pilot.press("enter")
+            await pilot.pause()
+            shown = app.results[str(tiny_models["bert"])]
+            assert shown.from_cache and [r.avg_cos for r in shown.rows] == [r.avg_cos for r in expected.rows]
+            assert app.query_one("#layers", DataTable).row_count == len(expected.rows)
+            assert submitted == [] and app.query_one("#jobs", JobsTable).records == {}
+            # the filter box narrows the list; no match says what enter does
+            await pilot.press("slash")
+            await pilot.press(*"godey")
+            ids = [models.get_option_at_index(i).id for i in range(models.option_count)]
+            assert ids == ["header:presets", "preset:godey2024_fig1_text"]
+            await pilot.press("ctrl+a", "ctrl+k", *"zzzq")
+            assert models.option_count == 1 and "no match" in str(models.get_option_at_index(0).prompt)
+            # a preset runs every model on its own data settings
+            await pilot.press("ctrl+a", "ctrl+k", *"minilm_builtin", "down")
+            await pilot.press("enter")
+            await _wait(pilot, lambda: len(submitted) == 1)
+            (spec,) = submitted
+            assert (spec.model, spec.max_samples, spec.max_length) == ("minilm", 2000, 128)
+            assert spec.data.scheme == "builtin"
+
+    asyncio.run(scenario())
+
+
+def test_options_screen_checks_values_and_sets_the_next_jobs(tmp_path):
+    data = tmp_path / "d.txt"
+    data.write_text("\n".join(corpus(5)))
+
+    async def scenario():
+        submitted: list = []
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend(submitted))
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.press("o")
+            screen = app.screen
+            assert isinstance(screen, OptionsScreen)
+            screen.query_one("#opt-max_samples", Input).value = "-3"
+            await pilot.press("ctrl+s")
+            assert app.screen is screen
+            error = screen.query_one("#options-error")
+            assert "max-samples must be a positive integer" in str(error.render())
+            screen.query_one("#opt-max_samples", Input).value = "5"
+            screen.query_one("#opt-data", Input).value = f"text:{tmp_path / 'missing.txt'}"
+            await pilot.press("ctrl+s")
+            assert "missing.txt does not exist" in str(error.render())
+            screen.query_one("#opt-data", Input).value = f"text:{data}"
+            screen.query_one("#opt-dtype", Select).value = "bfloat16"
+            screen.query_one("#opt-special_tokens", Select).value = "include"
+            await pilot.press("ctrl+s")
+            assert app.screen is not screen
+            await _run_typed(pilot, app, "some-model")
+            await _wait(pilot, lambda: len(submitted) == 1)
+            (spec,) = submitted
+            assert spec.max_samples == 5 and spec.dtype == "bfloat16" and spec.special_tokens == "include"
+            assert spec.data.path == str(data)
+            await pilot.press("o", "escape")  # backing out changes nothing
+            assert app.spec_defaults["max_samples"] == "5"
+
+    asyncio.run(scenario())
+
+
+def test_help_screen_palette_and_screenshot(tmp_path, monkeypatch):
+    settings = tmp_path / "isotui.toml"
+    settings.write_text('[keys]\nscreenshot = "p"\n')
+    monkeypatch.setenv("ISOTUI_CONFIG", str(settings))
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", export_dir=tmp_path, device_probe=lambda: "test")
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.press("question_mark")
+            assert isinstance(app.screen, HelpScreen)
+            table = app.screen.query_one("#help-keys", DataTable)
+            rows = [table.get_row_at(i) for i in range(table.row_count)]
+            listed = {row[1]: row[0] for row in rows if row[1]}
+            assert set(listed) == {b.id for b in IsotuiApp.BINDINGS}
+            assert listed["screenshot"] == "p" and listed["run"] == "r"
+            await pilot.press("escape")
+            assert not isinstance(app.screen, HelpScreen)
+            titles = [c.title for c in app.get_system_commands(app.screen)]
+            for b in IsotuiApp.BINDINGS:
+                if b.action != "quit":
+                    assert f"isotui: {b.description}" in titles
+            await pilot.press("p")
+            await pilot.pause()
+            (svg,) = tmp_path.glob("isotui-*.svg")
+            assert svg.read_text().lstrip().startswith("<svg") and "isotui" in svg.read_text()
+            assert "test" in app.sub_title and str(tmp_path / "cache") in app.sub_title
 
     asyncio.run(scenario())
 

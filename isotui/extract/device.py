@@ -51,3 +51,30 @@ def resolve_dtype(dtype: str, device_kind: str | None, declared: str | None) -> 
     if declared in _HALF and device_kind not in (None, "cpu"):
         return declared
     return "float32"
+
+
+def memory_in_use(device: str) -> int:
+    """Bytes in use for a job on ``device``: allocated GPU memory, or this process's RSS on CPU."""
+    import torch
+
+    kind = device.split(":", 1)[0]
+    if kind == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    if kind == "mps":
+        return int(torch.mps.current_allocated_memory())
+    return process_rss()
+
+
+def process_rss() -> int:
+    """Resident memory of this process (Linux: current, elsewhere: peak), in bytes."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024

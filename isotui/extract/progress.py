@@ -16,6 +16,14 @@ class Progress:
     elapsed_s: float
     message: str | None = None
     stage: str = "extract"
+    memory_bytes: int = 0  # GPU memory allocated, or the process's RSS on CPU
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate so far; None before the first batch."""
+        if self.samples_done <= 0 or self.elapsed_s <= 0 or self.samples_total <= 0:
+            return None
+        return self.elapsed_s * (self.samples_total - self.samples_done) / self.samples_done
 
     @property
     def tokens_per_s(self) -> float:

@@ -13,6 +13,7 @@ from typing import Any
 
 from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
 from isotui.errors import Cancelled, IsotuiError
+from isotui.extract.device import memory_in_use
 from isotui.extract.heap import TRIM_EVERY, release_free_memory
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.extract.tokens import Tokens, tokenize
@@ -284,14 +285,18 @@ def extract(
         done += len(idx)
         if device == "cpu" and batch_no % TRIM_EVERY == 0:
             release_free_memory()
-        on_progress(Progress(done, total, n_tokens, time.perf_counter() - start))
+        on_progress(
+            Progress(done, total, n_tokens, time.perf_counter() - start, memory_bytes=memory_in_use(device))
+        )
     assert runner.accs is not None
     if runner.accs[0].n_all == 0:
         raise IsotuiError(
             f"no token of the {total} samples was kept: all were special tokens or padding; use "
             "--special-tokens include or a larger --max-length"
         )
-    on_progress(Progress(done, total, n_tokens, time.perf_counter() - start, stage="finalize"))
+    elapsed = time.perf_counter() - start
+    memory = memory_in_use(device)
+    on_progress(Progress(done, total, n_tokens, elapsed, stage="finalize", memory_bytes=memory))
     layers = [acc.finalize() for acc in runner.accs]
     return Extraction(
         layers=layers,

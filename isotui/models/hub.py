@@ -17,7 +17,12 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache directory (honours HF_HUB_CACHE / HF_HOME)."""
+    """The Hugging Face hub cache directory (HF_HUB_CACHE, else HF_HOME/hub), read from the
+    environment at each call: huggingface_hub reads it once, at import."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
     from huggingface_hub import constants
 
     return Path(constants.HF_HUB_CACHE)
@@ -50,11 +55,7 @@ def resolve_commit(repo_id: str, revision: str | None) -> str:
             f"`hf download {repo_id}` on a machine with network, or check the spelling"
         )
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     try:
         return HfApi().model_info(repo_id, revision=rev).sha
@@ -65,7 +66,7 @@ def resolve_commit(repo_id: str, revision: str | None) -> str:
             f"no model {repo_id!r} on the Hugging Face hub or in the local cache; check the "
             "spelling, or give a local directory"
         ) from None
-    except (HfHubHTTPError, OSError) as exc:
+    except Exception as exc:  # no network: HTTP errors, OSError, httpx's ConnectError, timeouts
         raise IsotuiError(
             f"model {repo_id!r} is not in the local Hugging Face cache ({hub_cache_dir()}) and "
             f"the hub could not be reached ({type(exc).__name__}); download it first or give a "

@@ -1,0 +1,149 @@
+"""The jobs pane: every queued or running job with a progress bar, speed, ETA, device and memory.
+
+The pane keeps its own small record per job from the backend's events (the backend stays
+UI-free); finished jobs stay listed a while, newest first after the running ones, so the user
+sees what happened to a job that ended while they looked elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.widgets import DataTable
+from textual.widgets.data_table import CellDoesNotExist
+
+from isotui.backend import (
+    JobCancelled,
+    JobEvent,
+    JobFailed,
+    JobFinished,
+    JobNotice,
+    JobProgress,
+    JobQueued,
+    JobStarted,
+)
+from isotui.extract.progress import Progress
+
+JOB_COLUMNS = ("job", "model", "state", "progress", "tok/s", "ETA", "device", "memory")
+KEEP_FINISHED = 3
+BAR_WIDTH = 12
+ACTIVE = ("queued", "loading", "running", "finishing", "cancelling")
+
+
+def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
+    """``██████░░░░░░  50%``: a text bar that any terminal (and NO_COLOR) shows."""
+    frac = min(max(done / total, 0.0), 1.0) if total > 0 else 0.0
+    full = round(frac * width)
+    return "█" * full + "░" * (width - full) + f" {frac * 100:3.0f}%"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = round(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def mebibytes(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB" if n else "-"
+
+
+@dataclass
+class JobRecord:
+    job_id: int
+    model: str
+    device: str
+    state: str = "queued"
+    progress: Progress | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+    def cells(self) -> tuple[str, ...]:
+        p = self.progress
+        if self.state in ("running", "finishing", "cancelling") and p is not None:
+            bar = progress_bar(p.samples_done, p.samples_total)
+            speed = f"{p.tokens_per_s:,.0f}"
+            eta = duration(p.eta_s)
+        else:
+            bar = speed = eta = ""
+        memory = mebibytes(p.memory_bytes) if p is not None else "-"
+        return (str(self.job_id), self.model[-32:], self.state, bar, speed, eta, self.device, memory)
+
+
+class JobsTable(DataTable):
+    """Focus it (tab or click) to pick a job; the app's cancel key then cancels that one."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)
+        self.records: dict[int, JobRecord] = {}
+
+    def on_mount(self) -> None:
+        for label in JOB_COLUMNS:
+            self.add_column(label, key=label)
+        self.border_title = "jobs"
+
+    def apply(self, ev: JobEvent) -> None:
+        """Fold one backend event into the records and redraw."""
+        rec = self.records.get(ev.job_id)
+        if rec is None:
+            rec = self.records[ev.job_id] = JobRecord(ev.job_id, ev.spec.model, ev.spec.device)
+        if isinstance(ev, JobQueued):
+            rec.state = "queued"
+        elif isinstance(ev, JobStarted):
+            rec.state, rec.device = "loading", ev.device
+        elif isinstance(ev, JobProgress) and not ev.progress.message:
+            rec.progress = ev.progress
+            if rec.state != "cancelling":
+                rec.state = "finishing" if ev.progress.stage == "finalize" else "running"
+        elif isinstance(ev, JobFinished):
+            rec.state = "cached" if ev.result.from_cache else "done"
+            rec.device = ev.result.meta.get("device", rec.device)
+        elif isinstance(ev, JobFailed):
+            rec.state = "failed"
+        elif isinstance(ev, JobCancelled):
+            rec.state = "cancelled"
+        elif isinstance(ev, JobNotice):
+            return
+        self.redraw()
+
+    def mark_cancelling(self, job_id: int) -> None:
+        rec = self.records.get(job_id)
+        if rec is not None and rec.active:
+            rec.state = "cancelling"
+            self.redraw()
+
+    def ordered(self) -> list[JobRecord]:
+        """Active jobs oldest first, then the last few finished ones, newest first."""
+        active = sorted((r for r in self.records.values() if r.active), key=lambda r: r.job_id)
+        done = sorted((r for r in self.records.values() if not r.active), key=lambda r: -r.job_id)
+        for old in done[KEEP_FINISHED:]:
+            del self.records[old.job_id]
+        return active + done[:KEEP_FINISHED]
+
+    def redraw(self) -> None:
+        chosen = self.chosen_job()
+        self.clear()
+        for rec in self.ordered():
+            self.add_row(*rec.cells(), key=str(rec.job_id))
+        if chosen is not None and str(chosen) in {str(k.value) for k in self.rows}:
+            self.move_cursor(row=self.get_row_index(str(chosen)), animate=False)
+        active = sum(r.active for r in self.records.values())
+        self.border_title = f"jobs ({active} in flight)" if active else "jobs"
+
+    def chosen_job(self) -> int | None:
+        """The job under the cursor, if any."""
+        if self.row_count == 0:
+            return None
+        try:
+            key = self.coordinate_to_cell_key(self.cursor_coordinate).row_key
+        except CellDoesNotExist:
+            return None
+        return int(key.value) if key.value is not None else None
+
+    def latest_active(self) -> int | None:
+        active = [r.job_id for r in self.records.values() if r.active and r.state != "cancelling"]
+        return max(active) if active else None

@@ -1,0 +1,117 @@
+"""The per-layer table: the headless table's columns, sortable, each cell shaded by its value.
+
+Shading runs per column from the theme's surface colour (the column's lowest value) towards its
+primary colour (the highest), so a layer that stands out reads at a glance, in any theme; under
+NO_COLOR Textual turns the shades into greys, which still order.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rich.style import Style
+from rich.text import Text
+from textual.color import Color
+from textual.widgets import DataTable
+
+from isotui.render import COLUMNS, Column
+from isotui.results import ModelResult
+
+SHADE_MAX = 0.55  # the strongest blend towards the primary colour: text stays readable
+UNSHADED = ("layer", "n_vectors")
+
+
+def column_range(values: list[float]) -> tuple[float, float] | None:
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return (min(finite), max(finite)) if finite else None
+
+
+def shade_fraction(value: float, bounds: tuple[float, float] | None) -> float | None:
+    """Where ``value`` lies between the column's lowest and highest value (0..1); None: no shade."""
+    if bounds is None or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    low, high = bounds
+    return 0.5 if high == low else (value - low) / (high - low)
+
+
+class LayerTable(DataTable):
+    """Press the sort key on a column (or click its header) to sort; again to reverse."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(cursor_type="cell", zebra_stripes=False, **kwargs)
+        self.result: ModelResult | None = None
+        self.sort_field: str | None = None
+        self.sort_reverse = False
+
+    def on_mount(self) -> None:
+        for c in COLUMNS:  # the same columns as the headless table
+            self.add_column(c.header, key=c.field)
+
+    def show(self, result: ModelResult | None) -> None:
+        self.result = result
+        self.redraw()
+
+    def toggle_sort(self, field: str) -> None:
+        if self.sort_field == field:
+            self.sort_reverse = not self.sort_reverse
+        else:
+            self.sort_field, self.sort_reverse = field, field not in UNSHADED  # metrics: high first
+        self.redraw()
+
+    def sort_cursor_column(self) -> None:
+        self.toggle_sort(COLUMNS[self.cursor_column].field)
+
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        event.stop()
+        self.toggle_sort(str(event.column_key.value))
+
+    def redraw(self) -> None:
+        cursor = self.cursor_coordinate
+        self.clear()
+        result = self.result
+        if result is None:
+            self.border_subtitle = ""
+            return
+        rows = list(enumerate(result.rows))
+        if self.sort_field is not None and self.sort_field != "layer":
+            field = self.sort_field
+
+            def key(item: tuple[int, object]) -> tuple[int, float]:
+                v = getattr(item[1], field)
+                ok = isinstance(v, (int, float)) and math.isfinite(v)
+                return (0 if ok else 1, v if ok else 0.0)  # NaN last either way
+
+            rows.sort(key=key, reverse=self.sort_reverse)
+            if self.sort_reverse:  # keep NaN rows last
+                rows.sort(key=lambda item: key(item)[0])
+        elif self.sort_reverse:
+            rows.reverse()
+        bounds = {
+            c.field: column_range([getattr(r, c.field) for r in result.rows])
+            for c in COLUMNS
+            if c.field not in UNSHADED
+        }
+        theme = self.app.current_theme
+        low = Color.parse(theme.surface or theme.background or "#202020")
+        high = Color.parse(theme.primary)
+        for index, row in rows:
+            cells = [self._cell(c, row, bounds.get(c.field), low, high) for c in COLUMNS]
+            self.add_row(*cells, key=str(index))
+        self.move_cursor(row=min(cursor.row, self.row_count - 1), column=cursor.column, animate=False)
+        first = result.rows[0] if result.rows else None
+        notes = []
+        if first is not None and math.isfinite(first.null_p95):
+            notes.append(f"avg_cos* > isotropic null p95 {first.null_p95:.4f} (d={first.dim})")
+        if self.sort_field is not None:
+            notes.append(f"sorted by {self.sort_field} {'↓' if self.sort_reverse else '↑'}")
+        self.border_subtitle = " · ".join(notes)
+
+    @staticmethod
+    def _cell(column: Column, row, bounds, low: Color, high: Color) -> Text:
+        content = column.cell(row)
+        text = content.copy() if isinstance(content, Text) else Text(str(content))
+        text.justify = "left" if column.field == "top_rogue_share" else "right"
+        frac = shade_fraction(getattr(row, column.field), bounds)
+        if frac is not None:
+            text.stylize(Style(bgcolor=low.blend(high, SHADE_MAX * frac).rich_color))
+        return text

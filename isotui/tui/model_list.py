@@ -1,0 +1,76 @@
+"""The models pane's list: bundled models, presets, the local HF cache and cached runs.
+
+Each entry's option id says what choosing it does: ``model:NAME`` runs a model, ``preset:NAME``
+runs every model of a preset on its data, ``run:KEY`` opens a cached result (no computation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual.widgets import OptionList
+from textual.widgets.option_list import Option
+
+from isotui.models.hub import cached_models
+from isotui.models.naming import BUNDLED
+from isotui.presets import presets
+from isotui.store.cache import ResultCache
+
+
+@dataclass(frozen=True)
+class Entry:
+    section: str
+    option_id: str
+    label: str
+    search: str  # what the filter box matches against
+
+
+def gather_entries(cache: ResultCache) -> list[Entry]:
+    """Everything the list offers, in display order (reads files only: no torch)."""
+    out = [Entry("bundled", f"model:{n}", n, f"{n} {what}") for n, what in BUNDLED.items()]
+    out.append(Entry("bundled", "model:random:gpt2", "random:gpt2", "random:gpt2 untrained random init"))
+    for p in presets():
+        n = len(p.models)
+        out.append(
+            Entry(
+                "presets",
+                f"preset:{p.path.stem}",
+                f"{p.path.stem} ({n} model{'s' * (n != 1)})",
+                f"{p.path.stem} {' '.join(p.models)} {p.data} {p.description}",
+            )
+        )
+    seen = {e.option_id for e in out}
+    for m in cached_models():
+        if f"model:{m.repo_id}" not in seen:
+            out.append(Entry("Hugging Face cache", f"model:{m.repo_id}", m.repo_id, m.repo_id))
+    for e in cache.entries():
+        if e.model == "(unreadable)":
+            continue
+        label = f"{e.model} · {e.data} · {e.n_samples}"
+        out.append(Entry("cached runs", f"run:{e.key}", label, f"{label} {e.created}"))
+    return out
+
+
+def build_options(entries: list[Entry], query: str = "") -> list[Option]:
+    """Options for the entries matching ``query`` (all words, any case), under section headers."""
+    words = query.lower().split()
+    options: list[Option] = []
+    section = None
+    for e in entries:
+        if not all(w in e.search.lower() for w in words):
+            continue
+        if e.section != section:
+            section = e.section
+            options.append(Option(Text(section, style="bold italic"), id=f"header:{section}", disabled=True))
+        options.append(Option(e.label, id=e.option_id))
+    if not options:
+        options.append(Option(Text("no match: enter runs what you typed", style="italic"), disabled=True))
+    return options
+
+
+def first_enabled(option_list: OptionList) -> int | None:
+    for index in range(option_list.option_count):
+        if not option_list.get_option_at_index(index).disabled:
+            return index
+    return None

@@ -1,0 +1,100 @@
+"""The data and run options dialog: what the next job measures, and how it runs.
+
+Values are checked as the headless command checks its flags (:func:`isotui.spec.make_spec`),
+plus whether a data file exists, so a mistake shows here, in one sentence, not as a failed job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Select, Static
+
+from isotui.errors import IsotuiError
+from isotui.spec import make_spec
+
+# (key, label, hint) for the free-text fields; empty means "all" / "auto".
+TEXT_FIELDS = (
+    ("data", "data source", "builtin, text:PATH, jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD]"),
+    ("max_samples", "max samples", "empty: all samples"),
+    ("max_length", "max length", "tokens per sample; empty: model limit, at most 512"),
+    ("batch_size", "batch size", "empty: auto (a token budget; halves on out-of-memory)"),
+)
+CHOICES = (
+    ("device", "device", ("auto", "cpu", "cuda", "mps")),
+    ("dtype", "dtype", ("auto", "float32", "bfloat16", "float16")),
+    ("special_tokens", "special tokens", ("exclude", "include")),
+)
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Raise :class:`IsotuiError` (one sentence) when the options cannot make a job."""
+    spec = make_spec("minilm", **options)
+    if spec.data.path and not Path(spec.data.path).is_file():
+        raise IsotuiError(f"data file {spec.data.path} does not exist")
+
+
+class OptionsScreen(ModalScreen[dict[str, Any] | None]):
+    """Returns the new options (dismiss) or None when the user backs out."""
+
+    BINDINGS: ClassVar[list[Binding]] = [
+        Binding("escape", "cancel", "Back", id="options_cancel"),
+        Binding("ctrl+s", "apply", "Apply", id="options_apply"),
+    ]
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__()
+        self.options = dict(options)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="options-box"):
+            yield Static("data and run options for the next jobs", id="options-title")
+            with Grid(id="options-grid"):
+                for key, label, hint in TEXT_FIELDS:
+                    value = self.options.get(key)
+                    yield Label(label)
+                    yield Input("" if value is None else str(value), placeholder=hint, id=f"opt-{key}")
+                for key, label, choices in CHOICES:
+                    current = str(self.options.get(key) or choices[0])
+                    values = choices if current in choices else (current, *choices)
+                    yield Label(label)
+                    yield Select([(c, c) for c in values], value=current, allow_blank=False, id=f"opt-{key}")
+            yield Static("", id="options-error")
+            with Horizontal(id="options-buttons"):
+                yield Button("Apply (ctrl+s)", variant="primary", id="options-apply")
+                yield Button("Back (esc)", id="options-cancel")
+
+    def collect(self) -> dict[str, Any]:
+        out = dict(self.options)
+        for key, _, _ in TEXT_FIELDS:
+            text = self.query_one(f"#opt-{key}", Input).value.strip()
+            out[key] = text or (None if key != "data" else "builtin")
+        for key, _, _ in CHOICES:
+            out[key] = self.query_one(f"#opt-{key}", Select).value
+        return out
+
+    def action_apply(self) -> None:
+        options = self.collect()
+        try:
+            check_options(options)
+        except IsotuiError as exc:
+            self.query_one("#options-error", Static).update(str(exc))
+            return
+        self.dismiss(options)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+    def on_input_submitted(self, _: Input.Submitted) -> None:
+        self.action_apply()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "options-apply":
+            self.action_apply()
+        else:
+            self.action_cancel()
