@@ -105,6 +105,7 @@ class IsotuiApp(App):
     CSS_PATH = Path(__file__).with_name("app.tcss")
     AUTO_FOCUS = "#models"
     HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (120, "-wide")]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (30, "-tall")]
     BINDINGS: ClassVar[list[Binding]] = [
         Binding("r", "run", "Run", id="run", tooltip="run the selected model on the current options"),
         Binding(
@@ -198,7 +199,7 @@ class IsotuiApp(App):
         self._apply_settings()
         self.backend = self.backend_factory(self.cache, lambda ev: self.post_message(BackendMessage(ev)))
         drift = self.query_one("#drift", DataTable)
-        drift.border_title = "drift norm vs avg_cos (Godey et al. Fig. 5)"
+        drift.border_title = "drift vs avg_cos (Godey et al. Fig. 5)"
         for label in DRIFT_COLUMNS:
             drift.add_column(label, key=label)
         self.refresh_models()

@@ -84,7 +84,7 @@ class JobsTable(DataTable):
     def on_mount(self) -> None:
         for label in JOB_COLUMNS:
             self.add_column(label, key=label)
-        self.border_title = "jobs"
+        self.redraw()
 
     def apply(self, ev: JobEvent) -> None:
         """Fold one backend event into the records and redraw."""
@@ -131,8 +131,9 @@ class JobsTable(DataTable):
             self.add_row(*rec.cells(), key=str(rec.job_id))
         if chosen is not None and str(chosen) in {str(k.value) for k in self.rows}:
             self.move_cursor(row=self.get_row_index(str(chosen)), animate=False)
+        self.show_header = self.row_count > 0  # an idle pane takes one line
         active = sum(r.active for r in self.records.values())
-        self.border_title = f"jobs ({active} in flight)" if active else "jobs"
+        self.border_title = f"jobs ({active} in flight)" if active else "jobs: none running (r runs one)"
 
     def chosen_job(self) -> int | None:
         """The job under the cursor, if any."""
