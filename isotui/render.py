@@ -13,6 +13,14 @@ from rich.text import Text
 from isotui.results import LayerRow, ModelResult
 
 
+def shorten(name: str, width: int) -> str:
+    """``random:gpt2:n…,n_head=2``: a long name keeps its start and its end."""
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 2
+    return name[:head] + "…" + name[-(width - 1 - head) :]
+
+
 def _f(value: float, digits: int = 4) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 

@@ -64,6 +64,10 @@ def test_run_two_models_writes_csv_and_json(tmp_path, tiny_models, data):
     assert all(r["component"] == "model" for r in rows)
     assert float(rows[1]["avg_cos"]) == pytest.approx(float(rows[1]["avg_cos"]))
     payload = json.loads(out_json.read_text())
+    # each row says which run it came from
+    assert {(r["data"], r["n_samples"]) for r in rows} == {(f"text:{data}", "10")}
+    keys = {r["model"]: r["run_key"] for r in rows}
+    assert keys == {r["model"]: r["key"] for r in payload["results"]}
     assert {r["model"] for r in payload["results"]} == {
         str(tiny_models["bert"]),
         str(tiny_models["gpt2"]),

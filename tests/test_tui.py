@@ -15,6 +15,7 @@ from isotui.backend import Backend
 from isotui.errors import Cancelled, IsotuiError
 from isotui.experiments.layerwise import Prepared
 from isotui.extract.progress import Progress
+from isotui.render import shorten
 from isotui.tui.app import IsotuiApp
 from isotui.tui.help import HelpScreen
 from isotui.tui.jobs import JobsTable
@@ -84,6 +85,8 @@ def test_type_a_model_run_it_compare_sort_and_export(tmp_path, tiny_models):
             assert [float(r["avg_cos"]) for r in rows] == [r.avg_cos for r in app.results[gpt2].rows]
             await pilot.press("a")  # remove the selected model from the comparison
             assert app.comparison == [bert]
+            app.select(bert)  # the drift plot follows the selection
+            assert app.query_one("#drift-plot").border_title == shorten(bert, 30)
 
     asyncio.run(scenario())
 
@@ -151,10 +154,11 @@ def test_jobs_pane_shows_progress_and_cancels_the_chosen_job(tmp_path):
             await pilot.press("x")
             await _wait(pilot, lambda: jobs.records[2].state == "cancelled")
             assert jobs.records[1].state == "running" and jobs.records[3].state == "queued"
-            app.query_one("#models").focus()
-            await pilot.press("x")  # no job chosen: the newest in flight (job 3)
+            jobs.move_cursor(row=jobs.get_row_index("2"))
+            await pilot.press("x")  # the picked job has ended: the newest in flight (job 3)
             await _wait(pilot, lambda: jobs.records[3].state == "cancelled")
-            await pilot.press("x")  # then job 1, stopped between batches
+            app.query_one("#models").focus()
+            await pilot.press("x")  # nothing picked: job 1, stopped between batches
             await _wait(pilot, lambda: jobs.records[1].state == "cancelled")
             assert app.backend.in_flight() == [] and app.results == {}
 
@@ -250,9 +254,7 @@ def test_help_screen_palette_and_screenshot(tmp_path, monkeypatch):
         async with app.run_test(size=(120, 36)) as pilot:
             await pilot.press("question_mark")
             assert isinstance(app.screen, HelpScreen)
-            table = app.screen.query_one("#help-keys", DataTable)
-            rows = [table.get_row_at(i) for i in range(table.row_count)]
-            listed = {row[1]: row[0] for row in rows if row[1]}
+            listed = {row[1]: row[0] for row in app.screen.rows() if row[1]}
             assert set(listed) == {b.id for b in IsotuiApp.BINDINGS}
             assert listed["screenshot"] == "p" and listed["run"] == "r"
             await pilot.press("escape")

@@ -34,6 +34,7 @@ class CacheEntry:
     created: str
     size_bytes: int
     schema: int
+    max_length: int = 0
 
 
 class CacheProblem(Exception):
@@ -142,6 +143,7 @@ class ResultCache:
                         meta.get("created", ""),
                         size,
                         int(head.get("schema", 0)),
+                        int(meta.get("max_length") or 0),
                     )
                 )
             except Exception:

@@ -37,15 +37,22 @@ def _atomic_write(path: Path, write) -> Path:
     return path
 
 
+# After the per-layer columns: what the run measured, so rows of different runs stay apart.
+RUN_COLUMNS = ("data", "n_samples", "max_length", "special_tokens", "dtype", "run_key")
+
+
 def write_csv(results: Iterable[ModelResult], path: Path) -> Path:
-    """One row per model, component and layer; columns as :meth:`LayerRow.columns`."""
-    rows = [row for r in results for row in r.rows]
+    """One row per model, component and layer; columns as :meth:`LayerRow.columns`, then
+    :data:`RUN_COLUMNS` from the run's metadata."""
+    results = list(results)
 
     def write(f) -> None:
-        writer = csv.DictWriter(f, fieldnames=LayerRow.columns())
+        writer = csv.DictWriter(f, fieldnames=[*LayerRow.columns(), *RUN_COLUMNS])
         writer.writeheader()
-        for row in rows:
-            writer.writerow(asdict(row))
+        for r in results:
+            run = {c: r.meta.get(c, "") for c in RUN_COLUMNS[:-1]} | {"run_key": r.key}
+            for row in r.rows:
+                writer.writerow(asdict(row) | run)
 
     return _atomic_write(path, write)
 

@@ -28,6 +28,7 @@ from isotui.config import load_run_config
 from isotui.errors import IsotuiError
 from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import find_preset
+from isotui.render import shorten
 from isotui.results import ModelResult
 from isotui.settings import load_settings
 from isotui.spec import RunSpec, make_spec
@@ -108,17 +109,19 @@ class IsotuiApp(App):
     VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (30, "-tall")]
     BINDINGS: ClassVar[list[Binding]] = [
         Binding("r", "run", "Run", id="run", tooltip="run the selected model on the current options"),
-        Binding(
-            "slash", "focus_input", "Find/type", id="type_model", tooltip="filter the list or type a model"
-        ),
+        Binding("slash", "focus_input", "Find", id="type_model", tooltip="filter the list or type a model"),
         Binding(
             "a", "toggle_compare", "Compare", id="compare", tooltip="add/remove it from the comparison set"
         ),
         Binding("m", "cycle_metric", "Metric", id="metric", tooltip="cycle the plotted metric"),
-        Binding("n", "toggle_depth", "Depth", id="depth", tooltip="x axis: layer index or depth 0..1"),
-        Binding("s", "sort", "Sort", id="sort", tooltip="sort the layer table by the cursor's column"),
+        Binding(
+            "n", "toggle_depth", "Depth", id="depth", show=False, tooltip="x axis: layer index or depth 0..1"
+        ),
+        Binding(
+            "s", "sort", "Sort", id="sort", show=False, tooltip="sort the layer table by the cursor's column"
+        ),
         Binding("o", "options", "Options", id="options", tooltip="data and run options"),
-        Binding("e", "export", "Export", id="export", tooltip="CSV of the whole comparison set"),
+        Binding("e", "export", "CSV", id="export", tooltip="CSV of the whole comparison set"),
         Binding(
             "E",
             "export_table",
@@ -135,9 +138,9 @@ class IsotuiApp(App):
             "cancel",
             "Cancel",
             id="cancel",
-            tooltip="cancel the job chosen in the jobs pane, else the newest",
+            tooltip="cancel the job picked in the jobs pane, else the newest",
         ),
-        Binding("t", "cycle_theme", "Theme", id="theme", tooltip="next theme"),
+        Binding("t", "cycle_theme", "Theme", id="theme", show=False, tooltip="next theme"),
         Binding("question_mark,f1", "help", "Help", id="help", tooltip="every key"),
         Binding("q", "quit", "Quit", id="quit", tooltip="quit (running jobs are cancelled)"),
     ]
@@ -190,10 +193,12 @@ class IsotuiApp(App):
                 with Horizontal(id="charts"):
                     yield PlotextPlot(id="plot")
                     with Vertical(id="drift-pane"):
-                        yield DataTable(id="drift", cursor_type="none")
+                        drift = DataTable(id="drift", cursor_type="none")
+                        drift.can_focus = False  # nothing to pick in it
+                        yield drift
                         yield PlotextPlot(id="drift-plot")
         yield JobsTable(id="jobs")
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self._apply_settings()
@@ -224,6 +229,10 @@ class IsotuiApp(App):
         problems.extend(self.settings.problems)
         if problems:
             self.notify("\n".join(problems), title="settings skipped", severity="warning", timeout=15)
+
+    def notify(self, message: str, *, markup: bool = False, **kwargs) -> None:
+        """Notifications show text as written: paths and ``[keys]`` are not Rich markup."""
+        super().notify(message, markup=markup, **kwargs)
 
     def on_unmount(self) -> None:
         if self.backend is not None:
@@ -288,6 +297,7 @@ class IsotuiApp(App):
     def select(self, model: str) -> None:
         self.selected = model
         self.show_table()
+        self.show_drift()
 
     def open_cached(self, key: str) -> None:
         """Show a cached result at once (a file read: no model, no torch)."""
@@ -301,8 +311,8 @@ class IsotuiApp(App):
             self.refresh_models()
             return
         result.from_cache = True
+        self.selected = result.model
         self.add_result(result)
-        self.select(result.model)
 
     # -- actions -----------------------------------------------------------------------------
 
@@ -395,9 +405,9 @@ class IsotuiApp(App):
     def options_summary(self) -> str:
         o = self.spec_defaults
         return (
-            f"{o.get('data')}, max {o.get('max_samples') or 'all'} samples, "
-            f"length {o.get('max_length') or 'auto'}, batch {o.get('batch_size') or 'auto'}, "
-            f"{o.get('device', 'auto')}, {o.get('dtype', 'auto')}, "
+            f"data {o.get('data')}, samples {o.get('max_samples') or 'all'}, "
+            f"max length {o.get('max_length') or 'auto'}, batch size {o.get('batch_size') or 'auto'}, "
+            f"device {o.get('device', 'auto')}, dtype {o.get('dtype', 'auto')}, "
             f"special tokens {o.get('special_tokens', 'exclude')}"
         )
 
@@ -436,7 +446,7 @@ class IsotuiApp(App):
     def action_cancel(self) -> None:
         jobs = self.query_one("#jobs", JobsTable)
         job = jobs.chosen_job() if jobs.has_focus else None
-        if job is None:
+        if job is None or not jobs.records[job].active:
             job = jobs.latest_active()
         if job is None or self.backend is None or not self.backend.cancel(job):
             self.notify("no job in flight to cancel", severity="warning")
@@ -448,22 +458,24 @@ class IsotuiApp(App):
         """(key as bound now, id, what it does) for every app key, remaps included."""
         out = []
         for b in self.BINDINGS:
-            key = self.settings.keys.get(b.id or "", b.key)
-            out.append((key, b.id or "", b.tooltip or b.description))
+            keys = self.settings.keys.get(b.id or "", b.key)
+            shown = ", ".join(self.get_key_display(Binding(k.strip(), b.action)) for k in keys.split(","))
+            out.append((shown, b.id or "", b.tooltip or b.description))
         return out
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen(self.key_bindings()))
+        sort_key = next(k for k, i, _ in self.key_bindings() if i == "sort")
+        self.push_screen(HelpScreen(self.key_bindings(), sort_key))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Every isotui action in the command palette (ctrl+p), beside Textual's own."""
         yield from super().get_system_commands(screen)
-        for b in self.BINDINGS:
+        for (key, _, what), b in zip(self.key_bindings(), self.BINDINGS, strict=True):
             if b.action in ("quit",):
                 continue
-            method = getattr(self, f"action_{b.action}")
-            key = self.settings.keys.get(b.id or "", b.key)
-            yield SystemCommand(f"isotui: {b.description}", f"{b.tooltip} (key {key})", method)
+            yield SystemCommand(
+                f"isotui: {b.description}", f"{what} (key {key})", getattr(self, f"action_{b.action}")
+            )
 
     # -- backend events ------------------------------------------------------------------------
 
@@ -521,7 +533,7 @@ class IsotuiApp(App):
 
     def x_values(self, rows) -> list[float]:
         last = max(len(rows) - 1, 1)
-        return [i / last if self.depth else r.layer for i, r in enumerate(rows)]
+        return [i / last if self.depth else i for i in range(len(rows))]  # encoder, then decoder
 
     def show_drift(self) -> None:
         """Per compared model: Spearman and Pearson (significant at 0.05 or not), and a plot of
@@ -532,7 +544,7 @@ class IsotuiApp(App):
             for component, d in self.results[model].drift.items():
                 label = model if component == "model" else f"{model} ({component})"
                 table.add_row(
-                    label[-40:],
+                    shorten(label, 32),
                     str(d.n_layers),
                     _num(d.spearman_rho, 3),
                     _pvalue(d.spearman_p),
@@ -544,10 +556,12 @@ class IsotuiApp(App):
         plt.clear_data()
         plt.clear_figure()
         result = self.results.get(self.selected or "")
+        plot.border_title = shorten(result.model, 30) if result else ""  # whose curves these are
         if result is not None and result.rows:
             colours = self.model_colours()
             xs = self.x_values(result.rows)
-            plt.title(f"{result.model[-30:]}: drift norm (left), avg_cos (right)")
+            plt.title(f"{shorten(result.model, 20)}: drift (left), avg_cos (right)")
+            self.integer_ticks(plt, result.rows)
             plt.plot(
                 xs, [r.drift_norm for r in result.rows], label="drift", color=colours[0], marker="braille"
             )
@@ -574,7 +588,9 @@ class IsotuiApp(App):
             plot.refresh()
             return
         nulls = self.metric in NULL_METRICS
-        plt.title(f"{self.metric} by {axis}" + (" · flat lines: isotropic null p95" if nulls else ""))
+        plt.title(
+            f"{self.metric} by {'depth' if self.depth else 'layer'}" + (" (— null p95)" if nulls else "")
+        )
         colours = self.model_colours()
         for i, model in enumerate(self.comparison):
             rows = self.results[model].rows
@@ -582,13 +598,24 @@ class IsotuiApp(App):
             plt.plot(
                 self.x_values(rows),
                 [getattr(r, self.metric) for r in rows],
-                label=model[-24:],
+                label=shorten(model, 24),
                 color=colour,
                 marker="braille",
             )
             if nulls and rows:
                 plt.hline(rows[0].null_p95, colour)
+        longest = max((self.results[m].rows for m in self.comparison), key=len)
+        self.integer_ticks(plt, longest)
         plot.refresh()
+
+    def integer_ticks(self, plt, rows) -> None:
+        """Whole layer numbers on a layer axis (at most 7 ticks); depth keeps plotext's own."""
+        if self.depth or len(rows) < 2:
+            return
+        last = len(rows) - 1
+        step = max(1, -(-last // 6))
+        ticks = list(range(0, last + 1, step))
+        plt.xticks(ticks, [str(t) for t in ticks])
 
 
 def run_app() -> None:

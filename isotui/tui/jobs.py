@@ -23,6 +23,7 @@ from isotui.backend import (
     JobStarted,
 )
 from isotui.extract.progress import Progress
+from isotui.render import shorten
 
 JOB_COLUMNS = ("job", "model", "state", "progress", "tok/s", "ETA", "device", "memory")
 KEEP_FINISHED = 3
@@ -71,7 +72,7 @@ class JobRecord:
         else:
             bar = speed = eta = ""
         memory = mebibytes(p.memory_bytes) if p is not None else "-"
-        return (str(self.job_id), self.model[-32:], self.state, bar, speed, eta, self.device, memory)
+        return (str(self.job_id), shorten(self.model, 32), self.state, bar, speed, eta, self.device, memory)
 
 
 class JobsTable(DataTable):
@@ -125,12 +126,15 @@ class JobsTable(DataTable):
         return active + done[:KEEP_FINISHED]
 
     def redraw(self) -> None:
-        chosen = self.chosen_job()
+        """Jobs in flight first and in view; the user's pick stays picked while they look."""
+        chosen = self.chosen_job() if self.has_focus else None
         self.clear()
         for rec in self.ordered():
             self.add_row(*rec.cells(), key=str(rec.job_id))
         if chosen is not None and str(chosen) in {str(k.value) for k in self.rows}:
             self.move_cursor(row=self.get_row_index(str(chosen)), animate=False)
+        else:
+            self.scroll_home(animate=False)
         self.show_header = self.row_count > 0  # an idle pane takes one line
         active = sum(r.active for r in self.records.values())
         self.border_title = f"jobs ({active} in flight)" if active else "jobs: none running (r runs one)"

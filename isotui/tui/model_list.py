@@ -15,6 +15,7 @@ from textual.widgets.option_list import Option
 from isotui.models.hub import cached_models
 from isotui.models.naming import BUNDLED
 from isotui.presets import presets
+from isotui.render import shorten
 from isotui.store.cache import ResultCache
 
 
@@ -47,8 +48,10 @@ def gather_entries(cache: ResultCache) -> list[Entry]:
     for e in cache.entries():
         if e.model == "(unreadable)":
             continue
-        label = f"{e.model} · {e.data} · {e.n_samples}"
-        out.append(Entry("cached runs", f"run:{e.key}", label, f"{label} {e.created}"))
+        length = f" · len {e.max_length}" if e.max_length else ""
+        label = f"{shorten(e.model, 28)} · {shorten(e.data, 24)} · n {e.n_samples}{length}"
+        search = f"{e.model} {e.data} {e.n_samples} {e.max_length} {e.created}"
+        out.append(Entry("cached runs", f"run:{e.key}", label, search))
     return out
 
 

@@ -43,8 +43,8 @@ class OptionsScreen(ModalScreen[dict[str, Any] | None]):
     """Returns the new options (dismiss) or None when the user backs out."""
 
     BINDINGS: ClassVar[list[Binding]] = [
-        Binding("escape", "cancel", "Back", id="options_cancel"),
-        Binding("ctrl+s", "apply", "Apply", id="options_apply"),
+        Binding("escape", "cancel", "Back", id="options_cancel", priority=True),  # even in a field
+        Binding("ctrl+s", "apply", "Apply", id="options_apply", priority=True),
     ]
 
     def __init__(self, options: dict[str, Any]) -> None:
@@ -58,16 +58,21 @@ class OptionsScreen(ModalScreen[dict[str, Any] | None]):
                 for key, label, hint in TEXT_FIELDS:
                     value = self.options.get(key)
                     yield Label(label)
-                    yield Input("" if value is None else str(value), placeholder=hint, id=f"opt-{key}")
+                    text = "" if value is None else str(value)
+                    yield Input(text, placeholder=hint, id=f"opt-{key}", compact=True)
                 for key, label, choices in CHOICES:
                     current = str(self.options.get(key) or choices[0])
                     values = choices if current in choices else (current, *choices)
                     yield Label(label)
-                    yield Select([(c, c) for c in values], value=current, allow_blank=False, id=f"opt-{key}")
+                    options = [(c, c) for c in values]
+                    yield Select(options, value=current, allow_blank=False, id=f"opt-{key}", compact=True)
             yield Static("", id="options-error")
             with Horizontal(id="options-buttons"):
-                yield Button("Apply (ctrl+s)", variant="primary", id="options-apply")
-                yield Button("Back (esc)", id="options-cancel")
+                yield Button("Apply (ctrl+s)", variant="primary", id="options-apply", compact=True)
+                yield Button("Back (esc)", id="options-cancel", compact=True)
+
+    def on_mount(self) -> None:
+        self.query_one(f"#opt-{TEXT_FIELDS[0][0]}", Input).focus()
 
     def collect(self) -> dict[str, Any]:
         out = dict(self.options)
