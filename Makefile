@@ -29,6 +29,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/memory.py
+	$(BIN)/python benchmarks/media.py
 
 clean:
 	rm -rf $(VENV) results

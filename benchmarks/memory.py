@@ -57,25 +57,21 @@ def _worker(mode: str, n: int, path: Path, model: str, max_length: int, pairs: b
         avg = [layer.avg_cos for layer in ex.layers]
     elif mode == "bare":  # the forward loop alone: what the allocator does without any metric
         runner = _Runner(loaded, "cpu", opts, lambda _e: None)
-        tokens = runner.tokenize(samples, max_length)
-        for idx in runner.batches(tokens.lengths):
-            b = tokens.batch(idx, runner.pad_id)
+        runner.prepare(samples, "text", max_length)
+        for idx in runner.batches(runner.feeder.lengths):
+            fed = runner.feeder.feed(idx)
             with torch.inference_mode():
-                loaded.model(
-                    input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True
-                )
+                loaded.model(**fed.inputs, output_hidden_states=True)
         avg = []
     else:
         runner = _Runner(loaded, "cpu", opts, lambda _e: None)
-        tokens = runner.tokenize(samples, max_length)
+        runner.prepare(samples, "text", max_length)
         kept: list[list[np.ndarray]] | None = None
-        for idx in runner.batches(tokens.lengths):
-            b = tokens.batch(idx, runner.pad_id)
-            keep = b["attention_mask"].bool() & ~b["special"]
+        for idx in runner.batches(runner.feeder.lengths):
+            fed = runner.feeder.feed(idx)
+            keep = fed.valid & ~fed.special
             with torch.inference_mode():
-                hs = loaded.model(
-                    input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True
-                ).hidden_states
+                hs = loaded.model(**fed.inputs, output_hidden_states=True).hidden_states
             kept = kept or [[] for _ in hs]
             for layer, h in enumerate(hs):
                 kept[layer].append(h[keep].numpy().copy())

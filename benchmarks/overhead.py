@@ -33,11 +33,11 @@ def main() -> None:
     )
     opts = ExtractOptions(max_length=args.max_length)
     runner = _Runner(loaded, "cpu", opts, lambda _e: None)
-    tokens = runner.tokenize(samples, args.max_length)
+    runner.prepare(samples, "text", args.max_length)
     batches = []
-    for idx in runner.batches(tokens.lengths):
-        b = tokens.batch(idx, runner.pad_id)
-        batches.append({"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]})
+    for idx in runner.batches(runner.feeder.lengths):
+        fed = runner.feeder.feed(idx)
+        batches.append(fed.inputs)
 
     def bare() -> float:
         start = time.perf_counter()
@@ -57,7 +57,7 @@ def main() -> None:
         pairs.append((bare(), ours()))
     ratios = sorted(o / b for b, o in pairs)
     b, o = min(p[0] for p in pairs), min(p[1] for p in pairs)
-    n_tokens = int(tokens.lengths.sum())
+    n_tokens = int(runner.feeder.lengths.sum())
     print(
         f"model={args.model} samples={len(samples)} tokens={n_tokens} batches={len(batches)} "
         f"threads={torch.get_num_threads()} repeats={args.repeats}"

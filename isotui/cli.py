@@ -45,11 +45,12 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         dest="models",
         metavar="MODEL",
-        help="HF id[@revision], local dir, minilm, or random:TYPE (repeat to compare)",
+        help="HF id[@revision], local dir, minilm, timm:NAME, or random:TYPE (repeat to compare)",
     )
     p.add_argument(
         "--data",
-        help="builtin (default), text:PATH, jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD]",
+        help="builtin (default), text:PATH, jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD], "
+        "images:DIR, audio:DIR, synthetic:images, synthetic:audio",
     )
     p.add_argument("--max-samples", help="keep the first N samples")
     p.add_argument(
@@ -66,6 +67,13 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: float32 on CPU, the checkpoint's half dtype on a GPU",
+    )
+    p.add_argument(
+        "--map-units",
+        choices=["auto", "image", "position"],
+        help="conv feature maps: image = each image's map flattened to one vector (Godey et al. "
+        "Fig. 4), position = each spatial position's channel vector; auto: image for CNNs, "
+        "position for token grids (SegFormer, timm ViTs)",
     )
     p.add_argument("--seed", help="seed for random init and the reservoir sample (default 0)")
     p.add_argument("--reservoir", help="vectors per layer kept for centred metrics (default 4096)")
@@ -155,6 +163,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "reservoir": args.reservoir,
         "trust_remote_code": args.trust_remote_code,
+        "map_units": args.map_units,
         "cache_dir": args.cache_dir,
         "csv": args.csv,
         "json": args.json,
@@ -202,6 +211,7 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
             seed=s.get("seed", 0),
             reservoir=s.get("reservoir", 4096),
             trust_remote_code=s.get("trust_remote_code", False),
+            map_units=s.get("map_units", "auto"),
         )
     except IsotuiError as exc:
         raise IsotuiError(f"{where}{exc}") from None

@@ -29,6 +29,7 @@ RUN_SETTINGS: dict[str, tuple[type, ...]] = {
     "seed": (int,),
     "reservoir": (int,),
     "trust_remote_code": (bool,),
+    "map_units": (str,),
     "cache_dir": (str,),
     "csv": (str,),
     "json": (str,),

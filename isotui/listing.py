@@ -21,6 +21,8 @@ def print_models(console: Console) -> None:
         "random:TYPE[:k=v,...]",
         "untrained model of a transformers model_type (seeded), e.g. random:gpt2:n_layer=2",
     )
+    bundled.add_row("timm:NAME", "a timm model with its pretrained weights, e.g. timm:resnet50")
+    bundled.add_row("random:timm:NAME", "an untrained timm model (seeded), e.g. random:timm:convnext_tiny")
     console.print(bundled)
 
     # Folder paths are printed as lines, not titles: a title wraps to the table's width.

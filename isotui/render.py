@@ -7,10 +7,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from isotui.results import LayerRow, ModelResult
+
+
+def amount(meta: dict[str, Any]) -> str:
+    """How much was measured, in the data's own units: tokens, images, seconds of audio."""
+    n = meta.get("n_samples")
+    modality = meta.get("modality", "text")
+    if modality == "image":
+        return f"{n} images"
+    if modality == "audio":
+        seconds = meta.get("audio_seconds")
+        return f"{n} clips" + (f", {seconds:.0f} s of audio" if seconds is not None else "")
+    return f"{n} samples, {meta.get('n_tokens')} tokens"
 
 
 def shorten(name: str, width: int) -> str:
@@ -80,8 +93,8 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
     meta = result.meta
     source = "cache" if result.from_cache else f"{meta.get('seconds', 0):.1f} s"
     title = (
-        f"[bold]{result.model}[/]  {meta.get('data')}  {meta.get('n_samples')} samples, "
-        f"{meta.get('n_tokens')} tokens  {meta.get('dtype')} on {meta.get('device')}  ({source})"
+        f"[bold]{escape(result.model)}[/]  {escape(str(meta.get('data')))}  {amount(meta)}  "
+        f"{meta.get('dtype')} on {meta.get('device')}  ({source})"
     )
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
     columns = [c for c in COLUMNS if c.min_width <= width]

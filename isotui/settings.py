@@ -15,7 +15,17 @@ from isotui.config import RUN_SETTINGS, read_toml
 from isotui.errors import IsotuiError
 from isotui.paths import config_dir
 
-RUN_KEYS = ("data", "max_samples", "max_length", "special_tokens", "batch_size", "device", "dtype", "seed")
+RUN_KEYS = (
+    "data",
+    "max_samples",
+    "max_length",
+    "special_tokens",
+    "batch_size",
+    "device",
+    "dtype",
+    "seed",
+    "map_units",
+)
 TOP_KEYS = ("theme", "cache_dir", "run", "keys")
 
 

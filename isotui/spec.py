@@ -9,6 +9,8 @@ from isotui.data.sources import DataSpec, parse_data
 from isotui.errors import IsotuiError
 from isotui.extract.device import DTYPES, validate_device
 
+MAP_UNITS = ("auto", "image", "position")
+
 SPECIAL_TOKENS = ("exclude", "include")
 
 
@@ -27,6 +29,7 @@ class RunSpec:
     seed: int = 0
     reservoir: int = 4096
     trust_remote_code: bool = False
+    map_units: str = "auto"  # conv maps: auto, image (one flattened vector each) or position
 
     def with_model(self, model: str) -> RunSpec:
         return replace(self, model=model)
@@ -59,12 +62,15 @@ def make_spec(
     seed: object = 0,
     reservoir: object = 4096,
     trust_remote_code: bool = False,
+    map_units: str = "auto",
 ) -> RunSpec:
     """Build a :class:`RunSpec`, turning each bad value into one sentence naming the setting."""
     if special_tokens not in SPECIAL_TOKENS:
         raise IsotuiError(f"special-tokens must be exclude or include (got {special_tokens!r})")
     if dtype not in DTYPES:
         raise IsotuiError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    if map_units not in MAP_UNITS:
+        raise IsotuiError(f"map-units must be auto, image or position (got {map_units!r})")
     if batch_size == "auto":
         batch_size = None
     try:
@@ -85,4 +91,5 @@ def make_spec(
         seed=seed_value,
         reservoir=_positive("reservoir", reservoir, allow_none=False) or 4096,
         trust_remote_code=bool(trust_remote_code),
+        map_units=map_units,
     )

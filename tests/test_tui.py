@@ -192,7 +192,7 @@ def test_models_pane_presets_filter_and_cached_runs(tmp_path, tiny_models):
             assert submitted == [] and app.query_one("#jobs", JobsTable).records == {}
             # the filter box narrows the list; no match says what enter does
             await pilot.press("slash")
-            await pilot.press(*"godey")
+            await pilot.press(*"fig1")
             ids = [models.get_option_at_index(i).id for i in range(models.option_count)]
             assert ids == ["header:presets", "preset:godey2024_fig1_text"]
             await pilot.press("ctrl+a", "ctrl+k", *"zzzq")

@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from isotui.core.spectrum import Spectrum, spectrum_metrics
+from isotui.core.spectrum import (
+    Spectrum,
+    eigenvalues,
+    sample_eigenvalues,
+    spectrum_from_eigenvalues,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -229,21 +234,24 @@ class LayerAccumulator:
         centered = _centered_avg_cos(sample, mean) if sample is not None else math.nan
         n_sample = 0 if sample is None else len(sample)
 
-        if self.full_cov and n_all >= 2:
+        eig = None
+        if sample is not None and 2 <= n_sample == n_all:
+            # every vector is in the reservoir: the exact float64 spectrum of the data itself (for
+            # rank-deficient data, n <= d, the float32 batch products would blur the null space)
+            eig = sample_eigenvalues(sample) if d > n_sample else eigenvalues(np.cov(sample, rowvar=False))
+            spectrum_from = "all"
+        elif self.full_cov and n_all >= 2:
             ms = self.sum_xs.cpu().numpy() / n_all
-            cov = (self.gram.cpu().numpy() - n_all * np.outer(ms, ms)) / (n_all - 1)
+            eig = eigenvalues((self.gram.cpu().numpy() - n_all * np.outer(ms, ms)) / (n_all - 1))
             spectrum_from = "all"
         elif sample is not None and n_sample >= 2:
-            cov = np.cov(sample, rowvar=False)
+            # d > n (flattened conv maps): the n x n Gram matrix, never a d x d covariance
+            eig = sample_eigenvalues(sample) if d > n_sample else eigenvalues(np.cov(sample, rowvar=False))
             spectrum_from = "all" if n_sample == n_all else f"sample:{n_sample}"
         else:
-            cov = None
             spectrum_from = "none"
-        if cov is not None:
-            from isotui.core.spectrum import eigenvalues
-
-            spec = spectrum_metrics(cov)
-            eig = eigenvalues(cov)
+        if eig is not None:
+            spec = spectrum_from_eigenvalues(eig)
         else:
             spec, eig = Spectrum(math.nan, math.nan, math.nan), np.full(d, np.nan)
         return LayerStats(

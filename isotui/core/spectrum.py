@@ -40,9 +40,26 @@ def isoscore_from_eigenvalues(vals: np.ndarray) -> float:
     return float(((d - defect**2 * (d - np.sqrt(d))) ** 2 - d) / (d * (d - 1.0)))
 
 
+def sample_eigenvalues(sample: np.ndarray) -> np.ndarray:
+    """The sample covariance's eigenvalues for n vectors of d > n dims, through the n x n Gram
+    matrix of the centred vectors (same non-zero eigenvalues as the d x d covariance, whose
+    other d - n + 1 are 0); descending, length d."""
+    x = np.asarray(sample, dtype=np.float64)
+    xc = x - x.mean(axis=0)
+    gram = (xc @ xc.T) / (len(x) - 1)
+    vals = eigenvalues(gram)
+    out = np.zeros(x.shape[1])
+    out[: len(vals)] = vals
+    return out
+
+
 def spectrum_metrics(cov: np.ndarray) -> Spectrum:
     """IsoScore, effective rank (exp of the entropy of normalised eigenvalues), top-PC share."""
-    vals = eigenvalues(cov)
+    return spectrum_from_eigenvalues(eigenvalues(cov))
+
+
+def spectrum_from_eigenvalues(vals: np.ndarray) -> Spectrum:
+    """:func:`spectrum_metrics` from the descending eigenvalues themselves."""
     total = float(vals.sum())
     if total <= 0.0:
         return Spectrum(float("nan"), float("nan"), float("nan"))

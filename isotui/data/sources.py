@@ -1,7 +1,12 @@
-"""Text data sources: ``builtin``, ``text:PATH``, ``jsonl:PATH[:FIELD]``, ``hf:NAME[:CONFIG]:SPLIT[:FIELD]``.
+"""Data sources. Text: ``builtin``, ``text:PATH``, ``jsonl:PATH[:FIELD]``,
+``hf:NAME[:CONFIG]:SPLIT[:FIELD]``. Media: ``images:DIR``, ``audio:DIR``, ``synthetic:images``,
+``synthetic:audio``.
 
-Every source yields non-empty samples in a fixed order; ``max_samples`` keeps the first N. The
-cache fingerprint is a hash of the samples actually used, so an edited file is a new key.
+Every source yields non-empty samples in a fixed order; ``max_samples`` keeps the first N. A text
+sample is its text; a media sample is an absolute file path or a synthetic item's name, decoded
+by :mod:`isotui.data.media` batch by batch (so a large folder never sits in memory). The cache
+fingerprint is a hash of the samples actually used (file contents included, for media), so an
+edited file is a new key.
 """
 
 from __future__ import annotations
@@ -15,7 +20,12 @@ from pathlib import Path
 from isotui.errors import IsotuiError
 from isotui.paths import builtin_corpus_path
 
-SCHEMES = ("builtin", "text", "jsonl", "hf")
+SCHEMES = ("builtin", "text", "jsonl", "hf", "images", "audio", "synthetic")
+MEDIA = {"images": "image", "audio": "audio"}  # scheme (or synthetic kind) -> modality
+SYNTHETIC_KINDS = ("images", "audio")
+SYNTHETIC_DEFAULT_COUNT = 256
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+AUDIO_SUFFIXES = (".wav", ".flac", ".mp3", ".ogg")  # Common Voice ships mp3
 _SPLIT = re.compile(r"^(train|validation|valid|test|dev)(\[.*\])?$")
 
 
@@ -30,9 +40,20 @@ class DataSpec:
     config: str | None = None
     split: str = ""
 
+    @property
+    def modality(self) -> str:
+        """``text``, ``image`` or ``audio``: what the model must take."""
+        if self.scheme == "synthetic":
+            return MEDIA[self.name]
+        return MEDIA.get(self.scheme, "text")
+
     def describe(self) -> str:
         if self.scheme == "builtin":
             return "builtin"
+        if self.scheme in MEDIA:
+            return f"{self.scheme}:{self.path}"
+        if self.scheme == "synthetic":
+            return f"synthetic:{self.name}"
         if self.scheme == "text":
             return f"text:{self.path}"
         if self.scheme == "jsonl":
@@ -52,11 +73,18 @@ def parse_data(value: str, base_dir: Path | None = None) -> DataSpec:
     if scheme not in SCHEMES:
         raise IsotuiError(
             f"data source {value!r} has an unknown scheme; use builtin, text:PATH, "
-            "jsonl:PATH[:FIELD] or hf:NAME[:CONFIG]:SPLIT[:FIELD]"
+            "jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD], images:DIR, audio:DIR, "
+            "synthetic:images or synthetic:audio"
         )
     if not rest:
         raise IsotuiError(f"data source {value!r} says {scheme}: but gives nothing after it")
     base = base_dir or Path.cwd()
+    if scheme in MEDIA:
+        return DataSpec(scheme, path=str((base / Path(rest).expanduser()).resolve()))
+    if scheme == "synthetic":
+        if rest not in SYNTHETIC_KINDS:
+            raise IsotuiError(f"data source {value!r}: use synthetic:images or synthetic:audio")
+        return DataSpec("synthetic", name=rest)
     if scheme == "text":
         return DataSpec("text", path=str((base / Path(rest).expanduser()).resolve()))
     if scheme == "jsonl":
@@ -89,6 +117,12 @@ def load_samples(spec: DataSpec, max_samples: int | None = None) -> list[str]:
         samples = _read_lines(Path(spec.path), f"data file {spec.path}")
     elif spec.scheme == "jsonl":
         samples = _read_jsonl(Path(spec.path), spec.field, max_samples)
+    elif spec.scheme in MEDIA:
+        suffixes = IMAGE_SUFFIXES if spec.scheme == "images" else AUDIO_SUFFIXES
+        samples = _list_media(Path(spec.path), suffixes, spec.scheme)
+    elif spec.scheme == "synthetic":
+        count = max_samples or SYNTHETIC_DEFAULT_COUNT
+        samples = [f"synthetic:{spec.name}#{i}" for i in range(count)]
     else:
         samples = _read_hf(spec, max_samples)
     samples = samples[:max_samples] if max_samples is not None else samples
@@ -97,13 +131,49 @@ def load_samples(spec: DataSpec, max_samples: int | None = None) -> list[str]:
     return samples
 
 
-def fingerprint(samples: list[str]) -> str:
-    """A hash of exactly the samples that are measured."""
+def fingerprint(samples: list[str], spec: DataSpec | None = None) -> str:
+    """A hash of exactly the samples that are measured: texts, or media files' contents (a
+    renamed folder with the same files is the same data), or the synthetic generator's version."""
     h = hashlib.sha256()
+    if spec is not None and spec.scheme in MEDIA:
+        root = Path(spec.path)
+        for s in samples:
+            h.update(str(Path(s).relative_to(root)).encode("utf-8") + b"\x00")
+            h.update(_file_digest(Path(s)))
+        return "sha256:" + h.hexdigest()
+    if spec is not None and spec.scheme == "synthetic":
+        from isotui.data.media import SYNTHETIC_VERSION
+
+        h.update(f"synthetic:{spec.name}:v{SYNTHETIC_VERSION}:{len(samples)}".encode())
+        return "sha256:" + h.hexdigest()
     for s in samples:
         h.update(s.encode("utf-8"))
         h.update(b"\x00")
     return "sha256:" + h.hexdigest()
+
+
+def _file_digest(path: Path) -> bytes:
+    h = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as exc:
+        raise IsotuiError(f"data file {path} cannot be read: {exc.strerror}") from None
+    return h.digest()
+
+
+def _list_media(root: Path, suffixes: tuple[str, ...], scheme: str) -> list[str]:
+    """Every file under ``root`` (recursively) with one of ``suffixes``, in path order."""
+    if not root.is_dir():
+        raise IsotuiError(
+            f"data folder {root} does not exist (or is not a folder); give {scheme}:DIR a folder of "
+            f"{'/'.join(s[1:] for s in suffixes)} files"
+        )
+    files = sorted(str(p) for p in root.rglob("*") if p.suffix.lower() in suffixes and p.is_file())
+    if not files:
+        raise IsotuiError(f"data folder {root} has no {'/'.join(s[1:] for s in suffixes)} files")
+    return files
 
 
 def _read_text(path: Path, what: str) -> str:

@@ -43,7 +43,7 @@ def prepare(spec: RunSpec) -> Prepared:
     ref = parse_model(spec.model)
     model_fp = ref.fingerprint()
     samples = load_samples(spec.data, spec.max_samples)
-    data_fp = fingerprint(samples)
+    data_fp = fingerprint(samples, spec.data)
     declared = ref.declared_dtype()
     device = None
     if spec.device != "auto":
@@ -60,6 +60,7 @@ def prepare(spec: RunSpec) -> Prepared:
         "dtype": dtype,
         "seed": spec.seed,
         "reservoir": spec.reservoir,
+        **({"map_units": spec.map_units} if spec.data.modality == "image" else {}),
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
     return Prepared(spec, key, samples, model_fp, data_fp, dtype, device)
@@ -151,6 +152,7 @@ def compute(
         batch_size=spec.batch_size,
         seed=spec.seed,
         reservoir=spec.reservoir,
+        map_units=spec.map_units,
     )
     ex = extract(
         loaded,
@@ -160,9 +162,18 @@ def compute(
         on_progress=on_progress,
         should_stop=should_stop,
         model_name=spec.model,
+        modality=spec.data.modality,
     )
-    rows = build_rows(spec.model, "model", ex.layers, final_norm=ex.final_norm)
-    drift = {"model": drift_correlation([r.drift_norm for r in rows], [r.avg_cos for r in rows])}
+    rows: list[LayerRow] = []
+    drift = {}
+    for component, layers in ex.components.items():
+        part = build_rows(spec.model, component, layers, final_norm=ex.final_norm.get(component, False))
+        drift[component] = drift_correlation([r.drift_norm for r in part], [r.avg_cos for r in part])
+        rows.extend(part)
+    if len(ex.components) > 1:  # the concatenated view (Godey et al. Fig. 1, T5): encoder, then decoder
+        drift["+".join(ex.components)] = drift_correlation(
+            [r.drift_norm for r in rows], [r.avg_cos for r in rows]
+        )
     import torch
 
     meta = {
@@ -170,6 +181,9 @@ def compute(
         "data_fingerprint": prepared.data_fingerprint,
         "model_fingerprint": prepared.model_fingerprint,
         "model_class": type(loaded.model).__name__,
+        "modality": loaded.modality,
+        "map_units": ex.map_units,
+        "audio_seconds": ex.audio_seconds,
         "n_samples": ex.n_samples,
         "n_tokens": ex.n_tokens,
         "max_length": ex.max_length,
@@ -186,18 +200,24 @@ def compute(
             "isotui": __version__,
             "torch": torch.__version__,
             "transformers": metadata.version("transformers"),
+            **({"timm": metadata.version("timm")} if loaded.family == "timm" else {}),
         },
     }
     arrays = _stack_arrays(ex.layers)
     return ModelResult(spec.model, prepared.key, rows, drift, meta, arrays)
 
 
+ARRAY_LIMIT = 1 << 16  # per-layer vectors longer than this (flattened conv maps) are cut
+
+
 def _stack_arrays(layers: list[LayerStats]) -> dict[str, np.ndarray]:
-    """Per-layer vectors for the cache (rogue-dimension contributions, eigenvalues)."""
+    """Per-layer vectors for the cache: rogue-dimension contributions (skipped for layers of more
+    than 65,536 dims, where they would make the file hundreds of MB) and the leading eigenvalues."""
     out = {}
     for i, layer in enumerate(layers):
-        out[f"dim_contrib.{i}"] = np.asarray(layer.dim_contrib, dtype=np.float64)
-        out[f"eigenvalues.{i}"] = np.asarray(layer.eigenvalues, dtype=np.float64)
+        if layer.dim <= ARRAY_LIMIT:
+            out[f"dim_contrib.{i}"] = np.asarray(layer.dim_contrib, dtype=np.float64)
+        out[f"eigenvalues.{i}"] = np.asarray(layer.eigenvalues[:ARRAY_LIMIT], dtype=np.float64)
     return out
 
 

@@ -1,7 +1,10 @@
 """Push samples through a model in length-sorted batches and stream hidden states into accumulators.
 
 Nothing here keeps hidden states beyond one batch: memory is set by the batch, the layer count
-and d, never by the corpus size.
+and d, never by the corpus size. Any modality (see :mod:`isotui.extract.inputs`); a layer is a
+(B, T, D) sequence (positions are the units), a (B, C, H, W) map (units: each image flattened to
+one C*H*W vector, the view of Godey et al. Fig. 4, or each spatial position's C channels), or a
+(B, D) vector. Encoder-decoder models give two components, ``encoder`` and ``decoder``.
 """
 
 from __future__ import annotations
@@ -11,17 +14,21 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
 from isotui.errors import Cancelled, IsotuiError
 from isotui.extract.device import memory_in_use
 from isotui.extract.heap import TRIM_EVERY, release_free_memory
+from isotui.extract.inputs import make_feeder
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
-from isotui.extract.tokens import Tokens, tokenize
 from isotui.models.loading import LoadedModel, final_norm_modules
 
 DEFAULT_MAX_LENGTH_CAP = 512
 TOKEN_BUDGET = {"cpu": 4096, "mps": 8192, "cuda": 32768}
 COV_BUDGET_BYTES = 1 << 30  # exact streamed covariance while all layers' d x d fit in 1 GiB
+RESERVOIR_BUDGET_BYTES = 1 << 30  # all layers' reservoirs together (float32): caps huge-d layers
+TOKEN_MAP_TYPES = ("segformer",)  # transformers whose stages are token grids, not conv maps
 
 
 @dataclass
@@ -31,20 +38,29 @@ class ExtractOptions:
     batch_size: int | None = None
     seed: int = 0
     reservoir: int = 4096
+    map_units: str = "auto"
 
 
 @dataclass
 class Extraction:
-    """Per-layer statistics plus what the table must say about how they were made."""
+    """Per-layer statistics per component (``model``, or ``encoder`` and ``decoder``) plus what
+    the table must say about how they were made."""
 
-    layers: list[LayerStats]
-    final_norm: bool
+    components: dict[str, list[LayerStats]]
+    final_norm: dict[str, bool]
     final_norm_module: str | None
     n_samples: int
     n_tokens: int
     max_length: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    map_units: str | None = None
+    audio_seconds: float | None = None
+
+    @property
+    def layers(self) -> list[LayerStats]:
+        """All layers in component order (encoder then decoder: the concatenated view)."""
+        return [s for stats in self.components.values() for s in stats]
 
 
 def position_limit(loaded: LoadedModel) -> int | None:
@@ -65,7 +81,10 @@ def _special_count(tokenizer: Any) -> int:
 
 
 def resolve_max_length(loaded: LoadedModel, requested: int | None, model_name: str) -> int:
-    """``requested`` if the model can take it, else the model's and tokenizer's limit (<= 512)."""
+    """``requested`` if the model can take it, else the model's and tokenizer's limit (<= 512).
+    Images and audio have no token length: 0."""
+    if loaded.modality != "text":
+        return 0
     limit = position_limit(loaded)
     special = _special_count(loaded.tokenizer)
     if requested is not None and requested <= special:
@@ -108,20 +127,26 @@ class _Runner:
         self.device = device
         self.opts = opts
         self.on_progress = on_progress
-        self.accs: list[LayerAccumulator] | None = None
-        self.final_norm: bool = False
+        self.feeder = None
+        self.accs: dict[str, list[LayerAccumulator]] | None = None
+        self.final_norm: dict[str, bool] = {}
         self.final_norm_name: str | None = None
         self.notes: list[str] = []
         self.token_budget = TOKEN_BUDGET.get(device.split(":")[0], 4096)
         self.batch_cap: int | None = opts.batch_size
-        self.pad_id = self._pad_id()
+        self.map_units = self._map_units()
+        self.saw_maps = False  # whether any layer was a (B, C, H, W) map
+        self.reservoir_capped = False
+        self.max_dim = 0
+        self.dtype = next((p.dtype for p in self.model.parameters()), None)
 
-    def _pad_id(self) -> int:
-        tok = self.loaded.tokenizer
-        for candidate in (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id):
-            if isinstance(candidate, int):
-                return candidate
-        return 0
+    def _map_units(self) -> str:
+        """``image`` (one flattened vector per image) for conv maps; ``position`` for token grids."""
+        if self.opts.map_units != "auto":
+            return self.opts.map_units
+        if self.loaded.model_type in TOKEN_MAP_TYPES or hasattr(self.model, "num_prefix_tokens"):
+            return "position"
+        return "image"
 
     def _accepts(self, name: str) -> bool:
         import inspect
@@ -129,10 +154,8 @@ class _Runner:
         params = inspect.signature(self.model.forward).parameters
         return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
-    def tokenize(self, samples: list[str], max_length: int) -> Tokens:
-        return tokenize(
-            self.loaded.tokenizer, samples, max_length, with_types=self._accepts("token_type_ids")
-        )
+    def prepare(self, samples: list[str], modality: str, max_length: int) -> None:
+        self.feeder = make_feeder(self.loaded, samples, modality, max_length, self._accepts)
 
     def batches(self, lengths: Sequence[int]) -> Iterator[list[int]]:
         """Sample indices, longest first, cut by batch size or by token budget (auto).
@@ -140,25 +163,51 @@ class _Runner:
         A generator, so that a back-off after running out of memory shrinks later batches too.
         """
         lengths = [int(n) for n in lengths]
-        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        same = getattr(self.feeder, "same_length_key", None)  # only equal inputs share a batch
+        order = sorted(
+            range(len(lengths)), key=lambda i: (-lengths[i], -int(same[i]) if same is not None else 0, i)
+        )
         pos = 0
         while pos < len(order):
             width = max(lengths[order[pos]], 1)
             cap = self.batch_cap or max(1, self.token_budget // width)
-            yield order[pos : pos + cap]
-            pos += cap
+            batch = order[pos : pos + cap]
+            if same is not None:
+                batch = [i for i in batch if same[i] == same[batch[0]]]
+                batch = order[pos : pos + len(batch)]
+            yield batch
+            pos += len(batch)
 
-    def run_batch(self, tokens: Tokens, idx: list[int]) -> int:
-        """Forward one batch and fold it in; returns its number of real tokens."""
+    def _forward(self, inputs: dict[str, Any]) -> dict[str, tuple]:
+        """Hidden states per component."""
+        if self.loaded.family == "timm":
+            feats = self.model.forward_intermediates(inputs["pixel_values"], intermediates_only=True)
+            return {"model": tuple(feats)}
+        if self.loaded.family == "timm-features":  # a features_only model returns its stages
+            return {"model": tuple(self.model(inputs["pixel_values"]))}
+        out = self.model(**inputs, output_hidden_states=True, return_dict=True)
+        enc, dec = getattr(out, "encoder_hidden_states", None), getattr(out, "decoder_hidden_states", None)
+        if enc and dec:
+            return {"encoder": tuple(enc), "decoder": tuple(dec)}
+        hidden = getattr(out, "hidden_states", None)
+        if not hidden:
+            raise IsotuiError(
+                f"model {type(self.model).__name__} returned no hidden states; isotui needs a model "
+                "whose forward accepts output_hidden_states=True"
+            )
+        return {"model": tuple(hidden)}
+
+    def run_batch(self, idx: list[int]) -> int:
+        """Forward one batch and fold it in; returns its number of real input units."""
         import torch
 
-        b = tokens.batch(idx, self.pad_id)
-        mask, special = b["attention_mask"], b["special"]
-        width = mask.shape[1]
-        inputs = {"input_ids": b["input_ids"].to(self.device), "attention_mask": mask.to(self.device)}
-        if b["token_type_ids"] is not None:
-            inputs["token_type_ids"] = b["token_type_ids"].to(self.device)
-
+        assert self.feeder is not None
+        fed = self.feeder.feed(idx)
+        inputs = {}
+        for name, value in fed.inputs.items():
+            if value.is_floating_point() and self.dtype is not None:
+                value = value.to(self.dtype)
+            inputs[name] = value.to(self.device)
         hook_out: dict[str, Any] = {}
         handles = []
         if self.accs is None:  # first batch: which final norm, if any, made the last hidden state
@@ -167,88 +216,127 @@ class _Runner:
                 handles.append(module.register_forward_hook(hook))
         try:
             with torch.inference_mode():
-                out = self.model(**inputs, output_hidden_states=True, return_dict=True)
+                components = self._forward(inputs)
+        except IsotuiError:
+            raise
         except Exception as exc:
             if _is_oom(exc):
                 raise
             raise IsotuiError(
-                f"model {type(self.model).__name__} failed on a batch of text "
+                f"model {type(self.model).__name__} failed on a batch of {self.loaded.modality} "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
             ) from None
         finally:
             for handle in handles:
                 handle.remove()
-        hidden = getattr(out, "hidden_states", None)
-        if not hidden:
-            raise IsotuiError(
-                f"model {type(self.model).__name__} returned no hidden states; isotui needs a model "
-                "whose forward accepts output_hidden_states=True"
-            )
         if self.accs is None:
-            self._first_batch(hidden, hook_out)
-
-        keep = mask.bool()
-        if self.opts.special_tokens == "exclude":
-            keep &= ~special
-        flat = keep.flatten().nonzero().squeeze(1)
-        local = flat // width
-        positions = flat % width
-        global_ids = torch.tensor(idx, dtype=torch.long)[local]
-        acc_device = self.accs[0].device  # the CPU when the model is on MPS (no float64 there)
-        keys = sample_keys(self.opts.seed, global_ids, positions).to(acc_device)
-        flat_d, local_d = flat.to(self.device), local.to(acc_device)
+            self._first_batch(components, hook_out)
+        assert self.accs is not None
+        ids = torch.tensor(idx, dtype=torch.long)
+        acc_device = next(iter(self.accs.values()))[0].device  # the CPU when the model is on MPS
         partials = []
         with torch.inference_mode():
-            for acc, h in zip(self.accs, hidden, strict=True):
-                x = h.reshape(-1, h.shape[-1]).index_select(0, flat_d)
-                partials.append(acc.partial(x, local_d, keys))
-            for acc, p in zip(self.accs, partials, strict=True):  # only now: all or nothing
+            for component, hidden in components.items():
+                for acc, h in zip(self.accs[component], hidden, strict=True):
+                    x, local, positions = self._units(fed, component, h)
+                    keys = sample_keys(self.opts.seed, ids[local], positions).to(acc_device)
+                    partials.append((acc, acc.partial(x, local.to(acc_device), keys)))
+            for acc, p in partials:  # only now: all or nothing
                 acc.commit(p)
-        return int(mask.sum())
+        if fed.valid is not None:
+            return int(fed.valid.sum())
+        return len(idx)
 
-    def _first_batch(self, hidden: tuple, hook_out: dict[str, Any]) -> None:
+    def _units(self, fed, component: str, h):
+        """The batch's unit vectors of one layer, with their sample (0..B-1) and position."""
         import torch
 
-        dims = [h.shape[-1] for h in hidden]
-        full_cov = sum(d * d * 8 for d in dims) <= COV_BUDGET_BYTES
-        dev = hidden[0].device
+        b = h.shape[0]
+        if h.ndim == 4 and self.map_units == "image":
+            x = h.reshape(b, -1)
+            return x, torch.arange(b), torch.zeros(b, dtype=torch.long)
+        if h.ndim == 4:
+            c, hw = h.shape[1], h.shape[2] * h.shape[3]
+            x = h.permute(0, 2, 3, 1).reshape(b * hw, c)
+            return x, torch.arange(b).repeat_interleave(hw), torch.arange(hw).repeat(b)
+        if h.ndim == 2:
+            return h, torch.arange(b), torch.zeros(b, dtype=torch.long)
+        width = h.shape[1]
+        valid, special = self.feeder.mask(fed, component, width)
+        keep = valid if self.opts.special_tokens == "include" else valid & ~special
+        flat = keep.flatten().nonzero().squeeze(1)
+        x = h.reshape(-1, h.shape[-1]).index_select(0, flat.to(h.device))
+        return x, flat // width, flat % width
+
+    def _unit_dim(self, h) -> int:
+        if h.ndim == 4:
+            return int(h.shape[1] * h.shape[2] * h.shape[3]) if self.map_units == "image" else int(h.shape[1])
+        return int(h.shape[-1])
+
+    def _first_batch(self, components: dict[str, tuple], hook_out: dict[str, Any]) -> None:
+        import torch
+
+        dims = {c: [self._unit_dim(h) for h in hidden] for c, hidden in components.items()}
+        self.saw_maps = any(h.ndim == 4 for hidden in components.values() for h in hidden)
+        all_dims = [d for ds in dims.values() for d in ds]
+        full_cov = sum(d * d * 8 for d in all_dims) <= COV_BUDGET_BYTES
+        cap = max(2, RESERVOIR_BUDGET_BYTES // (4 * sum(all_dims)))
+        reservoir = min(self.opts.reservoir, cap)
+        self.reservoir_capped = reservoir < self.opts.reservoir
+        self.max_dim = max(all_dims)
+        dev = next(iter(components.values()))[0].device
         if dev.type == "mps":  # no float64 on MPS: accumulate on the CPU
             dev = torch.device("cpu")
-        self.accs = [LayerAccumulator(d, dev, full_cov=full_cov, reservoir=self.opts.reservoir) for d in dims]
-        if not full_cov:
-            self.notes.append(
-                f"spectrum from a uniform sample of {self.opts.reservoir} vectors per layer (d={max(dims)})"
-            )
-        last = hidden[-1]
-        for name, out in hook_out.items():
-            normed = out[0] if isinstance(out, tuple) else out
-            if isinstance(normed, torch.Tensor) and normed.shape == last.shape and torch.equal(normed, last):
-                self.final_norm, self.final_norm_name = True, name
-                break
+        self.accs = {
+            c: [LayerAccumulator(d, dev, full_cov=full_cov, reservoir=reservoir) for d in ds]
+            for c, ds in dims.items()
+        }
+        for component, hidden in components.items():
+            last = hidden[-1]
+            self.final_norm[component] = False
+            for name, out in hook_out.items():
+                normed = out[0] if isinstance(out, tuple) else out
+                same = isinstance(normed, torch.Tensor) and normed.shape == last.shape
+                if same and torch.equal(normed, last):
+                    self.final_norm[component] = True
+                    names = [n for n in (self.final_norm_name or "").split(", ") if n]
+                    self.final_norm_name = ", ".join([*names, name])
+                    break
 
-    def process(self, tokens: Tokens, idx: list[int]) -> int:
+    def process(self, idx: list[int]) -> int:
         """``run_batch`` with out-of-memory back-off: halve the batch and retry, say so."""
         try:
-            return self.run_batch(tokens, idx)
+            return self.run_batch(idx)
         except Exception as exc:
             if not _is_oom(exc):
                 raise
         self._free()
-        width = int(tokens.lengths[idx].max())
+        assert self.feeder is not None
+        width = int(np.asarray(self.feeder.lengths)[idx].max())
         if len(idx) == 1:
             raise IsotuiError(
-                f"one sample of {width} tokens does not fit in {self.device} memory; lower "
-                "--max-length or use --dtype bfloat16"
+                f"one sample ({self._describe(1, width)}) does not fit in {self.device} memory; "
+                + ("lower --max-length or " if self.loaded.modality == "text" else "")
+                + "use --dtype bfloat16"
             )
         half = len(idx) // 2
         if self.batch_cap:
             self.batch_cap = half
         else:
             self.token_budget = max(1, half * width)
-        message = f"out of memory on a batch of {len(idx)} x {width} tokens; retrying with batches of {half}"
+        message = (
+            f"out of memory on a batch of {self._describe(len(idx), width)}; retrying with batches of {half}"
+        )
         self.notes.append(message)
         self.on_progress(Progress(0, 0, 0, 0.0, message=message, stage="oom"))
-        return self.process(tokens, idx[:half]) + self.process(tokens, idx[half:])
+        return self.process(idx[:half]) + self.process(idx[half:])
+
+    def _describe(self, n: int, width: int) -> str:
+        if self.loaded.modality == "text":
+            return f"{n} x {width} tokens"
+        if self.loaded.modality == "image":
+            return f"{n} images"
+        return f"{n} clips of up to {width * 20 / 1000:.1f} s"
 
     def _free(self) -> None:
         import gc
@@ -269,19 +357,21 @@ def extract(
     on_progress: ProgressCallback = no_progress,
     should_stop: StopCheck = never_stop,
     model_name: str = "",
+    modality: str = "text",
 ) -> Extraction:
     """Measure every hidden layer of ``loaded`` over ``samples`` (see design.md for metrics)."""
     runner = _Runner(loaded, device, opts, on_progress)
     max_length = resolve_max_length(loaded, opts.max_length, model_name)
-    tokens = runner.tokenize(samples, max_length)
+    runner.prepare(samples, modality, max_length)
+    assert runner.feeder is not None
     total = len(samples)
     start = time.perf_counter()
     done = n_tokens = 0
     on_progress(Progress(0, total, 0, 0.0))
-    for batch_no, idx in enumerate(runner.batches(tokens.lengths), 1):
+    for batch_no, idx in enumerate(runner.batches(runner.feeder.lengths), 1):
         if should_stop():
             raise Cancelled()
-        n_tokens += runner.process(tokens, idx)
+        n_tokens += runner.process(idx)
         done += len(idx)
         if device == "cpu" and batch_no % TRIM_EVERY == 0:
             release_free_memory()
@@ -289,7 +379,8 @@ def extract(
             Progress(done, total, n_tokens, time.perf_counter() - start, memory_bytes=memory_in_use(device))
         )
     assert runner.accs is not None
-    if runner.accs[0].n_all == 0:
+    first = next(iter(runner.accs.values()))[0]
+    if first.n_all == 0:
         raise IsotuiError(
             f"no token of the {total} samples was kept: all were special tokens or padding; use "
             "--special-tokens include or a larger --max-length"
@@ -297,9 +388,10 @@ def extract(
     elapsed = time.perf_counter() - start
     memory = memory_in_use(device)
     on_progress(Progress(done, total, n_tokens, elapsed, stage="finalize", memory_bytes=memory))
-    layers = [acc.finalize() for acc in runner.accs]
+    components = {c: [acc.finalize() for acc in accs] for c, accs in runner.accs.items()}
+    runner.notes.extend(_sample_notes(runner, [s for stats in components.values() for s in stats]))
     return Extraction(
-        layers=layers,
+        components=components,
         final_norm=runner.final_norm,
         final_norm_module=runner.final_norm_name,
         n_samples=total,
@@ -307,4 +399,25 @@ def extract(
         max_length=max_length,
         seconds=time.perf_counter() - start,
         notes=runner.notes,
+        map_units=runner.map_units if runner.saw_maps else None,
+        audio_seconds=getattr(runner.feeder, "seconds", None),
     )
+
+
+def _sample_notes(runner: _Runner, stats: list[LayerStats]) -> list[str]:
+    """Say which metrics came from the reservoir sample rather than from every vector."""
+    partial = [s for s in stats if s.n_sample < s.n_vectors]
+    if not partial:
+        return []
+    spectrum = any(s.spectrum_from.startswith("sample:") for s in partial)
+    what = "avg_cos_centered and the spectrum metrics" if spectrum else "avg_cos_centered"
+    note = (
+        f"{what} from a uniform sample of {partial[0].n_sample:,} vectors in {len(partial)} of "
+        f"{len(stats)} layers (--reservoir)"
+    )
+    if runner.reservoir_capped:
+        note += (
+            f"; the sample is capped so that all layers' samples fit in "
+            f"{RESERVOIR_BUDGET_BYTES >> 20} MiB (d up to {runner.max_dim:,})"
+        )
+    return [note]

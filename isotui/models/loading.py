@@ -14,13 +14,35 @@ from isotui.models.naming import ModelRef, bundled_minilm_dir
 FINAL_NORM_NAMES = ("ln_f", "norm", "norm_f", "final_layer_norm", "final_layernorm", "ln_final", "final_norm")
 
 
+MODALITY_OF_INPUT = {
+    "input_ids": "text",
+    "pixel_values": "image",
+    "input_values": "audio",  # wav2vec 2.0, HuBERT: raw waveform
+    "input_features": "audio",  # Whisper: log-mel frames
+}
+
+
 @dataclass
 class LoadedModel:
-    """A model in eval mode on its device, with its tokenizer and what the user should know."""
+    """A model in eval mode on its device, with what turns samples into its inputs.
+
+    ``tokenizer`` for text; ``processor`` for images and audio (a Hugging Face image processor or
+    feature extractor, or isotui's stand-in when the checkpoint has none, said in ``notes``).
+    ``family`` is ``transformers`` or ``timm`` (timm models have no hidden_states output: their
+    intermediate features are taken instead).
+    """
 
     model: Any
     tokenizer: Any
     notes: list[str] = field(default_factory=list)
+    modality: str = "text"
+    processor: Any = None
+    family: str = "transformers"
+
+    @property
+    def model_type(self) -> str:
+        config = getattr(self.model, "config", None)
+        return getattr(config, "model_type", "") or ""
 
 
 def _has_weights(folder: Path) -> bool:
@@ -58,6 +80,8 @@ def load_model(ref: ModelRef, *, device: str, dtype: str, seed: int, trust_remot
 
     _quiet_transformers()
     torch_dtype = getattr(torch, dtype)
+    if ref.kind == "timm" or (ref.kind == "random" and ref.random_source_kind == "timm"):
+        return _load_timm(ref, device=device, torch_dtype=torch_dtype, seed=seed)
     if ref.kind == "random":
         return _load_random(ref, device=device, torch_dtype=torch_dtype, seed=seed, trust=trust_remote_code)
     folder = ref.local_dir()
@@ -68,20 +92,95 @@ def load_model(ref: ModelRef, *, device: str, dtype: str, seed: int, trust_remot
     if folder is None and ref.revision:
         kwargs["revision"] = ref.revision
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-    except Exception as exc:
-        raise IsotuiError(f"could not load the tokenizer of model {ref.name!r}: {_short(exc)}") from None
-    try:
         model = AutoModel.from_pretrained(where, dtype=torch_dtype, **kwargs)
     except Exception as exc:
         hint = "" if trust_remote_code else " (if it needs its own code, pass --trust-remote-code)"
         raise IsotuiError(f"could not load model {ref.name!r}: {_short(exc)}{hint}") from None
-    return LoadedModel(model.to(device).eval(), tokenizer)
+    loaded = LoadedModel(model.to(device).eval(), None, modality=_modality(model, ref.name))
+    if loaded.modality == "text":
+        try:
+            loaded.tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        except Exception as exc:
+            raise IsotuiError(f"could not load the tokenizer of model {ref.name!r}: {_short(exc)}") from None
+    else:
+        _attach_processor(loaded, where, kwargs)
+    return loaded
+
+
+def _modality(model: Any, name: str) -> str:
+    main = getattr(model, "main_input_name", "input_ids")
+    if main not in MODALITY_OF_INPUT:
+        raise IsotuiError(
+            f"model {name!r} ({type(model).__name__}) takes {main!r}, which isotui cannot feed yet "
+            "(it feeds input_ids, pixel_values, input_values and input_features)"
+        )
+    return MODALITY_OF_INPUT[main]
+
+
+def _attach_processor(loaded: LoadedModel, where: Any, kwargs: dict[str, Any]) -> None:
+    """The checkpoint's own image processor / feature extractor, or isotui's stand-in."""
+    from transformers import AutoFeatureExtractor, AutoImageProcessor
+
+    auto = AutoImageProcessor if loaded.modality == "image" else AutoFeatureExtractor
+    if where is not None:
+        try:
+            loaded.processor = auto.from_pretrained(where, **kwargs)
+            return
+        except Exception:
+            pass
+    from isotui.extract.inputs import default_processor
+
+    loaded.processor, note = default_processor(loaded.model)
+    loaded.notes.append(note)
+
+
+def _load_timm(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int) -> LoadedModel:
+    """A timm model: pretrained (``timm:NAME``, weights from the hub cache) or untrained."""
+    import torch
+
+    try:
+        import timm
+    except ImportError:
+        raise IsotuiError(f"model {ref.name!r} needs the timm package: pip install timm") from None
+    pretrained = ref.kind == "timm"
+    arch = ref.source if pretrained else ref.source[len("timm:") :]
+    overrides = {k: _parse_value(v) for k, v in ref.overrides}
+    if pretrained:
+        ref.timm_hub_id()  # one sentence if there are no weights; resolve_commit already said offline
+    elif not timm.models.is_model(arch.partition(".")[0]):
+        raise IsotuiError(f"model {ref.name!r}: timm has no architecture {arch!r}")
+    torch.manual_seed(seed)
+    try:
+        model = timm.create_model(arch, pretrained=pretrained, **overrides)
+    except Exception as exc:
+        raise IsotuiError(f"could not build timm model {ref.name!r}: {_short(exc)}") from None
+    family = "timm"
+    if not hasattr(model, "forward_intermediates"):  # older architectures: timm's stage hooks
+        try:
+            torch.manual_seed(seed)
+            model = timm.create_model(arch, pretrained=pretrained, features_only=True, **overrides)
+        except Exception as exc:
+            raise IsotuiError(
+                f"timm model {ref.name!r} offers neither forward_intermediates nor features_only "
+                f"({_short(exc)}), so isotui cannot read its stages; pick another timm model"
+            ) from None
+        family = "timm-features"
+    data_cfg = timm.data.resolve_data_config({}, model=model)
+    transform = timm.data.create_transform(**data_cfg)
+    notes = [] if pretrained else [f"untrained: random initialisation with seed {seed}"]
+    return LoadedModel(
+        model.to(device=device, dtype=torch_dtype).eval(),
+        None,
+        notes,
+        modality="image",
+        processor=transform,
+        family=family,
+    )
 
 
 def _load_random(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int, trust: bool) -> LoadedModel:
     import torch
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel
 
     notes: list[str] = []
     overrides = {k: _parse_value(v) for k, v in ref.overrides}
@@ -105,26 +204,56 @@ def _load_random(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int, tru
         )
     for key, value in overrides.items():
         setattr(config, key, value)
+    model_cls = _model_class(config)
+    modality = MODALITY_OF_INPUT.get(getattr(model_cls, "main_input_name", "input_ids"), "text")
     tokenizer = None
-    if kind != "type":
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(ref.source, trust_remote_code=trust)
-        except Exception:
-            tokenizer = None
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(str(bundled_minilm_dir()))
-        notes.append("untrained model fed with the bundled MiniLM tokenizer (WordPiece, 30,522 ids)")
-    vocab = getattr(config, "vocab_size", None)
-    if isinstance(vocab, int) and vocab < len(tokenizer):
-        config.vocab_size = len(tokenizer)
-        notes.append(f"vocab_size raised from {vocab} to {len(tokenizer)} to fit the tokenizer")
+    if modality == "text":
+        tokenizer = _random_tokenizer(ref, config, trust, notes)
+        vocab = getattr(config, "vocab_size", None)
+        if isinstance(vocab, int) and vocab < len(tokenizer):
+            config.vocab_size = len(tokenizer)
+            notes.append(f"vocab_size raised from {vocab} to {len(tokenizer)} to fit the tokenizer")
     torch.manual_seed(seed)
     try:
         model = AutoModel.from_config(config, trust_remote_code=trust)
     except Exception as exc:
         raise IsotuiError(f"could not build untrained model {ref.name!r}: {_short(exc)}") from None
+    loaded = LoadedModel(model.to(device=device, dtype=torch_dtype).eval(), tokenizer, notes)
+    loaded.modality = _modality(model, ref.name)
+    if loaded.modality != "text":
+        where = ref.source if kind != "type" else None
+        _attach_processor(loaded, where, {"trust_remote_code": trust})
     notes.append(f"untrained: random initialisation with seed {seed}")
-    return LoadedModel(model.to(device=device, dtype=torch_dtype).eval(), tokenizer, notes)
+    return loaded
+
+
+def _model_class(config: Any) -> Any:
+    """The AutoModel class for ``config`` (to learn its input before building it)."""
+    from transformers import AutoModel
+
+    mapping = AutoModel._model_mapping
+    try:
+        return mapping[type(config)]
+    except KeyError:
+        return None
+
+
+def _random_tokenizer(ref: ModelRef, config: Any, trust: bool, notes: list[str]) -> Any:
+    """The source's own tokenizer; a vocabulary-free one for byte/character models; else MiniLM's."""
+    from transformers import AutoTokenizer
+
+    if ref.random_source_kind != "type":
+        try:
+            return AutoTokenizer.from_pretrained(ref.source, trust_remote_code=trust)
+        except Exception:
+            pass
+    if getattr(config, "model_type", "") == "canine":
+        from transformers import CanineTokenizer
+
+        notes.append("untrained CANINE fed with its own character tokenizer (Unicode code points)")
+        return CanineTokenizer()
+    notes.append("untrained model fed with the bundled MiniLM tokenizer (WordPiece, 30,522 ids)")
+    return AutoTokenizer.from_pretrained(str(bundled_minilm_dir()))
 
 
 def final_norm_modules(model: Any) -> list[tuple[str, Any]]:

@@ -1,7 +1,8 @@
 """Model names as users type them, and a fingerprint of the weights that needs no torch.
 
 Forms: ``minilm`` (bundled), a Hugging Face id with optional ``@revision``, a local directory,
-``random:<model_type | config dir | hub id>[:key=value,...]`` (untrained, seeded).
+``timm:NAME`` (a timm model with its pretrained weights), ``random:<model_type | config dir |
+hub id | timm:NAME>[:key=value,...]`` (untrained, seeded).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _TOKENIZER_FILES = (
 )
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
-Kind = Literal["bundled", "local", "hub", "random"]
+Kind = Literal["bundled", "local", "hub", "random", "timm"]
 
 
 def bundled_minilm_dir() -> Path:
@@ -60,10 +61,30 @@ class ModelRef:
     overrides: tuple[tuple[str, str], ...] = ()
 
     @property
-    def random_source_kind(self) -> Literal["dir", "hub", "type"]:
+    def random_source_kind(self) -> Literal["dir", "hub", "type", "timm"]:
+        if self.source.startswith("timm:"):
+            return "timm"
         if Path(self.source).expanduser().is_dir():
             return "dir"
         return "hub" if "/" in self.source else "type"
+
+    def timm_hub_id(self) -> str:
+        """The hub repository of a ``timm:NAME`` model's pretrained weights (imports timm)."""
+        from timm.models import get_pretrained_cfg, is_model
+
+        arch = self.source.partition(".")[0]
+        if not is_model(arch):
+            raise IsotuiError(
+                f"model {self.name!r}: timm has no architecture {arch!r}; list them with "
+                "python -c 'import timm; print(timm.list_models())'"
+            )
+        cfg = get_pretrained_cfg(self.source)
+        if cfg is None or not cfg.hf_hub_id:
+            raise IsotuiError(
+                f"model {self.name!r}: timm has no pretrained weights on the Hugging Face hub for it; "
+                f"use random:timm:{self.source} for an untrained one"
+            )
+        return cfg.hf_hub_id
 
     def local_dir(self) -> Path | None:
         """The folder holding config and weights, when there is one on disk."""
@@ -83,11 +104,15 @@ class ModelRef:
         """Identifies the weights and tokenizer: a commit for hub models, a hash otherwise."""
         if self.kind == "hub":
             return "commit:" + hub.resolve_commit(self.source, self.revision)
+        if self.kind == "timm":
+            repo = self.timm_hub_id()
+            return f"timm:{repo}@" + hub.resolve_commit(repo, None)
         h = hashlib.sha256()
         h.update(self.kind.encode())
         if self.kind == "random":
             h.update(json.dumps([self.source, list(self.overrides)]).encode())
-            h.update(metadata.version("transformers").encode())
+            lib = "timm" if self.random_source_kind == "timm" else "transformers"
+            h.update(metadata.version(lib).encode())
             if self.random_source_kind == "hub":
                 h.update(hub.resolve_commit(self.source, self.revision).encode())
         folder = self.local_dir() if self.kind != "random" or self.random_source_kind == "dir" else None
@@ -101,7 +126,7 @@ class ModelRef:
         For a hub model not downloaded yet, fetches its config.json alone (when online), so that
         the dtype, and so the cache key, is the same before and after the download.
         """
-        if self.kind == "random":
+        if self.kind in ("random", "timm"):
             return None
         try:
             folder = self.local_dir()
@@ -151,9 +176,12 @@ def parse_model(name: str) -> ModelRef:
     if text.startswith("random:"):
         return _parse_random(text)
     if text.startswith("timm:"):
-        raise IsotuiError(
-            f"model {text!r}: timm models are not supported yet (they come with the vision/CNN work)"
-        )
+        arch = text[len("timm:") :]
+        if not re.match(r"^[\w.-]+$", arch):
+            raise IsotuiError(
+                f"model {text!r}: say which timm model, e.g. timm:resnet50 or timm:convnext_tiny"
+            )
+        return ModelRef(text, "timm", arch)
     path = Path(text).expanduser()
     if path.is_dir() or text.startswith(("/", "./", "../", "~")):
         if not path.is_dir():
@@ -187,5 +215,7 @@ def _parse_random(text: str) -> ModelRef:
         rest, overrides = head, tuple(pairs)
     if not rest:
         raise IsotuiError(f"model {text!r}: say which architecture, e.g. random:bert or random:gpt2")
+    if rest.startswith("timm:") and not re.match(r"^timm:[\w.-]+$", rest):
+        raise IsotuiError(f"model {text!r}: say which timm model, e.g. random:timm:resnet18")
     source, _, revision = rest.partition("@") if not Path(rest).expanduser().is_dir() else (rest, "", "")
     return ModelRef(text, "random", source, revision or None, overrides)

@@ -28,7 +28,7 @@ from isotui.config import load_run_config
 from isotui.errors import IsotuiError
 from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import find_preset
-from isotui.render import shorten
+from isotui.render import amount, shorten
 from isotui.results import ModelResult
 from isotui.settings import load_settings
 from isotui.spec import RunSpec, make_spec
@@ -66,6 +66,7 @@ SPEC_KEYS = (
     "seed",
     "reservoir",
     "trust_remote_code",
+    "map_units",
 )
 DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ")
 DEVICE_REFRESH_S = 10.0
@@ -408,7 +409,7 @@ class IsotuiApp(App):
             f"data {o.get('data')}, samples {o.get('max_samples') or 'all'}, "
             f"max length {o.get('max_length') or 'auto'}, batch size {o.get('batch_size') or 'auto'}, "
             f"device {o.get('device', 'auto')}, dtype {o.get('dtype', 'auto')}, "
-            f"special tokens {o.get('special_tokens', 'exclude')}"
+            f"special tokens {o.get('special_tokens', 'exclude')}, map units {o.get('map_units', 'auto')}"
         )
 
     def _export(self, chosen: list[ModelResult], what: str) -> None:
@@ -521,9 +522,7 @@ class IsotuiApp(App):
             return
         table.show(result)
         source = "cache" if result.from_cache else f"{result.meta.get('seconds', 0):.1f} s"
-        table.border_title = (
-            f"{result.model} · {result.meta.get('data')} · {result.meta.get('n_samples')} samples · {source}"
-        )
+        table.border_title = f"{result.model} · {result.meta.get('data')} · {amount(result.meta)} · {source}"
 
     def model_colours(self) -> list[tuple[int, int, int]]:
         """One line colour per compared model, from the theme (so plots follow it)."""

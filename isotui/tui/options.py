@@ -20,7 +20,11 @@ from isotui.spec import make_spec
 
 # (key, label, hint) for the free-text fields; empty means "all" / "auto".
 TEXT_FIELDS = (
-    ("data", "data source", "builtin, text:PATH, jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD]"),
+    (
+        "data",
+        "data source",
+        "builtin, text:PATH, jsonl:PATH, hf:NAME:SPLIT, images:DIR, audio:DIR, synthetic:images",
+    ),
     ("max_samples", "max samples", "empty: all samples"),
     ("max_length", "max length", "tokens per sample; empty: model limit, at most 512"),
     ("batch_size", "batch size", "empty: auto (a token budget; halves on out-of-memory)"),
@@ -29,6 +33,7 @@ CHOICES = (
     ("device", "device", ("auto", "cpu", "cuda", "mps")),
     ("dtype", "dtype", ("auto", "float32", "bfloat16", "float16")),
     ("special_tokens", "special tokens", ("exclude", "include")),
+    ("map_units", "conv map units", ("auto", "image", "position")),
 )
 
 

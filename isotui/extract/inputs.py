@@ -1,0 +1,273 @@
+"""Turning samples into a model's inputs, batch by batch, and saying which output positions count.
+
+One feeder per modality. Each knows every sample's size (for length-sorted batching) and builds
+a batch's inputs; after the forward pass, ``mask`` says for a component's layer of T positions
+which are real (not padding) and which are special (CLS/SEP/BOS/EOS, image prefix tokens such
+as CLS, distillation and register tokens), so the runner can keep or drop them.
+
+How components are fed (documented in README):
+- encoder-decoder text (T5, ByT5): the decoder gets the same text, shifted right by one with the
+  model's start token (teacher forcing), so both stacks see every sample;
+- Whisper: the encoder gets the audio (its 30 s window; frames past the audio are padding and
+  dropped); the decoder gets the start token alone, its vectors conditioned on the audio;
+- a layer whose length differs from the input's (CANINE's downsampled layers) keeps the first
+  ceil(L * T / T_in) positions of a sample of L real positions, position 0 special if it was.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from isotui.data.media import SYNTHETIC_AUDIO_RATE, load_audio, load_image, synthetic_audio
+from isotui.errors import IsotuiError
+from isotui.extract.tokens import Tokens, tokenize
+from isotui.models.loading import LoadedModel
+
+PADDING_SENSITIVE = ("canine",)  # text models whose real positions change when a batch is padded
+IMAGE_NOMINAL_UNITS = 256  # an image's weight in the token budget (a ViT-B/16 has 197 tokens)
+AUDIO_FRAME_SAMPLES = 320  # one wav2vec 2.0 / Whisper encoder frame at 16 kHz (20 ms)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass
+class Fed:
+    """One batch: the model's keyword inputs (on the CPU) and what the masks need."""
+
+    inputs: dict[str, Any]
+    valid: Any = None  # (B, T_in) bool: real positions of the main input (text, audio frames)
+    special: Any = None  # (B, T_in) bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def resize_mask(valid, special, length: int):
+    """``valid``/``special`` (B, T_in) for a layer of ``length`` positions (see module doc)."""
+    import torch
+
+    t_in = valid.shape[1]
+    if length == t_in:
+        return valid, special
+    real = valid.sum(1)
+    keep_n = torch.ceil(real.double() * length / t_in).long().clamp(max=length)
+    new_valid = torch.arange(length)[None, :] < keep_n[:, None]
+    new_special = torch.zeros_like(new_valid)
+    new_special[:, 0] = special[:, 0]
+    return new_valid, new_special
+
+
+class TextFeeder:
+    def __init__(self, loaded: LoadedModel, samples: list[str], max_length: int, runner_accepts) -> None:
+        self.loaded = loaded
+        self.tokens: Tokens = tokenize(
+            loaded.tokenizer, samples, max_length, with_types=runner_accepts("token_type_ids")
+        )
+        self.lengths = self.tokens.lengths
+        self.pad_id = _pad_id(loaded.tokenizer)
+        # CANINE's downsampled layers see padding (its molecules are built over padded characters):
+        # batch only samples of the same length, so that no sample is padded.
+        self.same_length_key = self.lengths if loaded.model_type in PADDING_SENSITIVE else None
+        self.enc_dec = bool(getattr(loaded.model.config, "is_encoder_decoder", False))
+
+    def feed(self, idx: list[int]) -> Fed:
+        import torch
+
+        b = self.tokens.batch(idx, self.pad_id)
+        mask = b["attention_mask"]
+        inputs = {"input_ids": b["input_ids"], "attention_mask": mask}
+        if b["token_type_ids"] is not None:
+            inputs["token_type_ids"] = b["token_type_ids"]
+        fed = Fed(inputs, mask.bool(), b["special"])
+        if self.enc_dec:
+            config = self.loaded.model.config
+            start = getattr(config, "decoder_start_token_id", None)
+            start = start if isinstance(start, int) else (config.pad_token_id or 0)
+            ids = b["input_ids"]
+            dec = torch.cat([torch.full((len(ids), 1), start, dtype=ids.dtype), ids[:, :-1]], dim=1)
+            dec_mask = torch.cat([torch.ones((len(ids), 1), dtype=mask.dtype), mask[:, :-1]], dim=1)
+            inputs["decoder_input_ids"] = dec
+            inputs["decoder_attention_mask"] = dec_mask
+            first = torch.ones((len(ids), 1), dtype=torch.bool)
+            dec_special = torch.cat([first, b["special"][:, :-1]], dim=1)
+            fed.extra["decoder"] = (dec_mask.bool(), dec_special)
+        return fed
+
+    def mask(self, fed: Fed, component: str, length: int):
+        if component == "decoder" and "decoder" in fed.extra:
+            return resize_mask(*fed.extra["decoder"], length)
+        return resize_mask(fed.valid, fed.special, length)
+
+
+class ImageFeeder:
+    def __init__(self, loaded: LoadedModel, samples: list[str]) -> None:
+        self.loaded = loaded
+        self.samples = samples
+        self.lengths = np.full(len(samples), IMAGE_NOMINAL_UNITS, dtype=np.int64)
+        self.patch = _patch_size(loaded.model)
+
+    def pixel_values(self, idx: list[int]):
+        import torch
+
+        images = [load_image(self.samples[i]) for i in idx]
+        proc = self.loaded.processor
+        if self.loaded.family.startswith("timm"):
+            return torch.stack([proc(img) for img in images])
+        out = proc(images=images, return_tensors="pt")
+        return out["pixel_values"]
+
+    def feed(self, idx: list[int]) -> Fed:
+        pixels = self.pixel_values(idx)
+        fed = Fed({"pixel_values": pixels})
+        fed.extra["grid"] = pixels.shape[-2:]
+        return fed
+
+    def mask(self, fed: Fed, component: str, length: int):
+        """Every position is real; the positions before the patch grid are prefix tokens."""
+        import torch
+
+        b = fed.inputs["pixel_values"].shape[0]
+        valid = torch.ones((b, length), dtype=torch.bool)
+        special = torch.zeros((b, length), dtype=torch.bool)
+        if self.patch:
+            h, w = fed.extra["grid"]
+            patches = (h // self.patch) * (w // self.patch)
+            prefix = length - patches
+            if 0 < prefix <= 8:  # CLS, distillation, registers: a handful, never a stage's grid
+                special[:, :prefix] = True
+        return valid, special
+
+
+class AudioFeeder:
+    def __init__(self, loaded: LoadedModel, samples: list[str]) -> None:
+        self.loaded = loaded
+        self.samples = samples
+        proc = loaded.processor
+        self.rate = int(getattr(proc, "sampling_rate", SYNTHETIC_AUDIO_RATE))
+        self.whisper = loaded.model.main_input_name == "input_features"
+        self.n_samples = np.array([_audio_length(s, self.rate) for s in samples], dtype=np.int64)
+        self.lengths = np.maximum(self.n_samples // AUDIO_FRAME_SAMPLES, 1)
+        # A waveform model fed without an attention mask (wav2vec 2.0 base and its kind) would
+        # attend to zero padding: batch only clips of the same length, so no clip is padded.
+        self.uses_mask = not self.whisper and bool(getattr(proc, "return_attention_mask", False))
+        self.same_length_key = None if self.whisper or self.uses_mask else self.n_samples
+        self.seconds = float(self.n_samples.sum()) / self.rate
+
+    def feed(self, idx: list[int]) -> Fed:
+        import torch
+
+        waves = [load_audio(self.samples[i], self.rate) for i in idx]
+        proc = self.loaded.processor
+        kwargs: dict[str, Any] = {"sampling_rate": self.rate, "return_tensors": "pt"}
+        if not self.whisper:
+            kwargs.update(padding=True, return_attention_mask=True)
+        out = proc(waves, **kwargs)
+        key = "input_features" if self.whisper else "input_values"
+        inputs: dict[str, Any] = {key: out[key]}
+        model = self.loaded.model
+        if self.uses_mask and "attention_mask" in out:
+            inputs["attention_mask"] = out["attention_mask"]  # models trained with it (not wav2vec2-base)
+        fed = Fed(inputs)
+        fed.extra["n"] = torch.tensor([len(w) for w in waves])
+        fed.extra["padded"] = (
+            int(getattr(proc, "n_samples", 0)) if self.whisper else max(len(w) for w in waves)
+        )
+        if self.whisper:
+            start = model.config.decoder_start_token_id
+            inputs["decoder_input_ids"] = torch.full((len(idx), 1), int(start), dtype=torch.long)
+        return fed
+
+    def mask(self, fed: Fed, component: str, length: int):
+        """Frames that cover real audio (decoder: its one start position)."""
+        import torch
+
+        b = len(fed.extra["n"])
+        if component == "decoder":
+            return torch.ones((b, length), dtype=torch.bool), torch.zeros((b, length), dtype=torch.bool)
+        n = fed.extra["n"]
+        model = self.loaded.model
+        if not self.whisper and hasattr(model, "_get_feat_extract_output_lengths"):
+            frames = model._get_feat_extract_output_lengths(n).long()
+        else:
+            frames = torch.ceil(n.double() * length / fed.extra["padded"]).long()
+        valid = torch.arange(length)[None, :] < frames.clamp(min=1, max=length)[:, None]
+        return valid, torch.zeros_like(valid)
+
+
+def make_feeder(loaded: LoadedModel, samples: list[str], modality: str, max_length: int, accepts):
+    if modality != loaded.modality:
+        what = {"text": "text", "image": "images", "audio": "audio"}
+        hint = {
+            "text": "builtin, text:PATH, jsonl:PATH or hf:...",
+            "image": "images:DIR or synthetic:images",
+            "audio": "audio:DIR or synthetic:audio",
+        }
+        raise IsotuiError(
+            f"the model takes {what[loaded.modality]} but the data is {what[modality]}; "
+            f"use --data {hint[loaded.modality]}"
+        )
+    if modality == "text":
+        return TextFeeder(loaded, samples, max_length, accepts)
+    if modality == "image":
+        return ImageFeeder(loaded, samples)
+    return AudioFeeder(loaded, samples)
+
+
+def default_processor(model: Any) -> tuple[Any, str]:
+    """isotui's stand-in when a checkpoint has no processor config (e.g. random init)."""
+    main = model.main_input_name
+    config = model.config
+    if main == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        size = size[0] if isinstance(size, (list, tuple)) else int(size)
+        from transformers import ViTImageProcessor
+
+        proc = ViTImageProcessor(
+            do_resize=True,
+            size={"height": size, "width": size},
+            image_mean=list(IMAGENET_MEAN),
+            image_std=list(IMAGENET_STD),
+        )
+        return proc, f"no image processor in the checkpoint: resize to {size}x{size}, ImageNet mean/std"
+    if main == "input_features":
+        from transformers import WhisperFeatureExtractor
+
+        bins = int(getattr(config, "num_mel_bins", 80))
+        return WhisperFeatureExtractor(feature_size=bins), f"no feature extractor: Whisper's, {bins} mel bins"
+    from transformers import Wav2Vec2FeatureExtractor
+
+    proc = Wav2Vec2FeatureExtractor(
+        feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True, return_attention_mask=False
+    )
+    return proc, "no feature extractor: wav2vec 2.0's (16 kHz, normalised waveform)"
+
+
+def _pad_id(tok: Any) -> int:
+    for candidate in (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id):
+        if isinstance(candidate, int):
+            return candidate
+    return 0
+
+
+def _patch_size(model: Any) -> int | None:
+    value = getattr(getattr(model, "config", None), "patch_size", None)
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def _audio_length(sample: str, rate: int) -> int:
+    """Samples at ``rate`` without decoding the file (soundfile reads the header)."""
+    if sample.startswith("synthetic:audio#"):
+        n, source = len(synthetic_audio(int(sample.rpartition("#")[2]))), SYNTHETIC_AUDIO_RATE
+    else:
+        import soundfile
+
+        try:
+            info = soundfile.info(sample)
+        except (RuntimeError, OSError) as exc:
+            raise IsotuiError(f"audio file {sample} cannot be read ({exc}); remove or fix it") from None
+        n, source = info.frames, info.samplerate
+    return max(1, math.ceil(n * rate / source))
