@@ -14,18 +14,10 @@ from typing import Any
 from isotui.config import RUN_SETTINGS, read_toml
 from isotui.errors import IsotuiError
 from isotui.paths import config_dir
+from isotui.spec import SPEC_OPTIONS
 
-RUN_KEYS = (
-    "data",
-    "max_samples",
-    "max_length",
-    "special_tokens",
-    "batch_size",
-    "device",
-    "dtype",
-    "seed",
-    "map_units",
-)
+# [run] may set any run option but these: paths come from the file, remote code stays explicit.
+RUN_KEYS = tuple(k for k in SPEC_OPTIONS if k not in ("base_dir", "trust_remote_code"))
 TOP_KEYS = ("theme", "cache_dir", "run", "keys")
 
 

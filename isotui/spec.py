@@ -10,6 +10,21 @@ from isotui.errors import IsotuiError
 from isotui.extract.device import DTYPES, validate_device
 
 MAP_UNITS = ("auto", "image", "position")
+# make_spec's keyword options: what a config file, the settings file or the app may set.
+SPEC_OPTIONS = (
+    "data",
+    "base_dir",
+    "max_samples",
+    "max_length",
+    "special_tokens",
+    "batch_size",
+    "device",
+    "dtype",
+    "seed",
+    "reservoir",
+    "trust_remote_code",
+    "map_units",
+)
 
 SPECIAL_TOKENS = ("exclude", "include")
 

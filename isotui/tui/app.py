@@ -31,7 +31,7 @@ from isotui.presets import find_preset
 from isotui.render import amount, shorten
 from isotui.results import ModelResult
 from isotui.settings import load_settings
-from isotui.spec import RunSpec, make_spec
+from isotui.spec import SPEC_OPTIONS, RunSpec, make_spec
 from isotui.store.cache import CacheProblem, ResultCache
 from isotui.store.export import write_csv
 from isotui.tui.help import HelpScreen
@@ -54,20 +54,6 @@ PLOT_METRICS = (
     "top_pc_share",
 )
 NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered")  # comparable to the isotropic null
-SPEC_KEYS = (
-    "data",
-    "base_dir",
-    "max_samples",
-    "max_length",
-    "special_tokens",
-    "batch_size",
-    "device",
-    "dtype",
-    "seed",
-    "reservoir",
-    "trust_remote_code",
-    "map_units",
-)
 DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ")
 DEVICE_REFRESH_S = 10.0
 
@@ -346,7 +332,7 @@ class IsotuiApp(App):
         except IsotuiError as exc:
             self.notify(str(exc), severity="error")
             return
-        overrides = {k: cfg[k] for k in SPEC_KEYS if k in cfg}
+        overrides = {k: cfg[k] for k in SPEC_OPTIONS if k in cfg}
         models = cfg.get("models", ["minilm"])
         for model in models:
             self.submit(model, overrides)
