@@ -355,3 +355,27 @@ def test_settings_file_theme_keys_and_run_options(tmp_path, tiny_models, monkeyp
             assert app.comparison == []
 
     asyncio.run(scenario())
+
+
+def test_header_names_gpus_from_nvidia_smi_without_torch(monkeypatch):
+    """The header's GPU line comes from nvidia-smi's CSV (here a recorded answer), not torch."""
+    import subprocess as sp
+
+    from isotui.tui import sysinfo
+
+    answer = "0, NVIDIA H100 80GB HBM3, 72515, 81559\n1, NVIDIA H100 80GB HBM3, 81000, 81559\n"
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return sp.CompletedProcess(cmd, 0, stdout=answer, stderr="")
+
+    monkeypatch.setattr(sysinfo.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(sysinfo.subprocess, "run", fake_run)
+    gpus = sysinfo.query_gpus()
+    assert [(g.index, g.free_mib, g.total_mib) for g in gpus] == [(0, 72515, 81559), (1, 81000, 81559)]
+    line = sysinfo.describe_devices(gpus)
+    assert line.startswith("cuda:0 NVIDIA H100 80GB HBM3 (70.8/79.6 GiB free)") and "cuda:1" in line
+    assert "--query-gpu=index,name,memory.free,memory.total" in calls[0]
+    monkeypatch.setattr(sysinfo.shutil, "which", lambda name: None)
+    assert sysinfo.query_gpus() == [] and "cpu" in sysinfo.describe_devices([])
