@@ -186,6 +186,7 @@ def _config_path(config: Path | None) -> Path | None:
 
 
 def _cmd_run(args: argparse.Namespace, err) -> int:
+    from isotui.data.sources import check_source
     from isotui.experiments.layerwise import measure
     from isotui.paths import cache_dir
     from isotui.render import result_table
@@ -215,6 +216,7 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
         )
     except IsotuiError as exc:
         raise IsotuiError(f"{where}{exc}") from None
+    check_source(base.data)  # missing data: one sentence, before any model is looked up
     for key in ("csv", "json"):  # say it before a long run, not after
         if s.get(key) and Path(s[key]).expanduser().is_dir():
             raise IsotuiError(f"--{key} {s[key]} is a directory; give a file name")

@@ -26,6 +26,20 @@ def amount(meta: dict[str, Any]) -> str:
     return f"{n} samples, {meta.get('n_tokens')} tokens"
 
 
+def null_note(
+    rows: list[LayerRow], lead: str = "* avg_cos above the isotropic null's 95th percentile"
+) -> str:
+    """What the ``*`` means, with the null's value (or range, when layers differ in d)."""
+    dims = sorted({r.dim for r in rows})
+    p95 = [r.null_p95 for r in rows if math.isfinite(r.null_p95)]
+    if not p95:
+        return lead
+    if len(dims) == 1:
+        return f"{lead} for d={dims[0]} ({_f(p95[0])})"
+    span = f"{dims[0]}-{dims[-1]}: {_f(min(p95))}-{_f(max(p95))}"
+    return f"{lead} for each layer's d ({span}; null_p95 in the CSV)"
+
+
 def shorten(name: str, width: int) -> str:
     """``random:gpt2:n…,n_head=2``: a long name keeps its start and its end."""
     if len(name) <= width:
@@ -103,9 +117,7 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
         table.add_column(c.header, justify="left" if rogue else "right", no_wrap=rogue)
     for r in result.rows:
         table.add_row(*(c.cell(r) for c in columns))
-    dim = result.rows[0].dim if result.rows else 0
-    p95 = result.rows[0].null_p95 if result.rows else math.nan
-    notes = [f"* avg_cos above the isotropic null's 95th percentile for d={dim} ({_f(p95)})"]
+    notes = [null_note(result.rows)]
     if len(columns) < len(COLUMNS):
         notes.append("(narrow terminal: some columns hidden; --csv has them all)")
     if any(r.final_norm for r in result.rows):

@@ -111,6 +111,30 @@ def test_drift_correlation_matches_scipy_and_handles_degenerate():
     assert np.isnan(drift_correlation([1.0, 1.0, 1.0], [0.1, 0.2, 0.3]).pearson_r)
 
 
+def exact_spearman_p(x, y):
+    """scipy's exact permutation test of Spearman's rho (every pairing)."""
+    return stats.permutation_test(
+        (np.asarray(x),),
+        lambda a: stats.spearmanr(a, y).statistic,
+        permutation_type="pairings",
+        n_resamples=np.inf,
+    ).pvalue
+
+
+@pytest.mark.parametrize("n", [3, 4, 6, 7, 12])  # scipy's exact test is slow beyond 7
+def test_spearman_p_is_exact_for_few_layers(n):
+    rng = np.random.default_rng(n)
+    drift = rng.normal(size=n)
+    cos = drift + rng.normal(size=n)
+    got = drift_correlation(list(drift), list(cos))
+    if n <= 9:
+        assert got.spearman_p == pytest.approx(exact_spearman_p(drift, cos))
+    else:  # enough layers for scipy's t approximation
+        assert got.spearman_p == pytest.approx(stats.spearmanr(drift, cos).pvalue)
+    perfect = drift_correlation([1.0, 2.0, 3.0], [0.1, 0.2, 0.3])
+    assert perfect.spearman_p == pytest.approx(1 / 3)  # 2 of the 6 orderings are as extreme
+
+
 def test_reservoir_holds_the_smallest_keys_whatever_the_batching(cloud):
     x, labels = cloud
     positions = np.concatenate([np.arange((labels == s).sum()) for s in np.unique(labels)])

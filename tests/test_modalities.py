@@ -326,6 +326,34 @@ def test_timm_model_without_pretrained_weights(tmp_path):
     _check(result.rows, layers, np.arange(4))
 
 
+def test_timm_vit_keeps_its_embeddings_and_prefix_tokens():
+    """timm ViTs: layer 0 is the embedding output (as in transformers), the CLS token is special."""
+    import timm
+    import torch
+
+    from isotui.data.media import load_image
+
+    name = "random:timm:vit_tiny_patch16_224:depth=2"
+    result = measure(make_spec(name, "synthetic:images", max_samples=3), None)
+    incl = measure(make_spec(name, "synthetic:images", max_samples=3, special_tokens="include"), None)
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, depth=2).eval()
+    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
+    per_image = []
+    with torch.no_grad():
+        for s in _samples("synthetic:images", 3):
+            x = transform(load_image(s))[None]
+            embedded = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+            blocks = model.forward_intermediates(
+                x, intermediates_only=True, output_fmt="NLC", return_prefix_tokens=True
+            )
+            per_image.append([embedded] + [torch.cat([prefix, tokens], 1) for tokens, prefix in blocks])
+    layers = [np.concatenate([img[k][0, 1:].numpy() for img in per_image]) for k in range(3)]
+    _check(result.rows, layers, np.repeat(np.arange(3), 196))
+    layers = [np.concatenate([img[k][0].numpy() for img in per_image]) for k in range(3)]
+    _check(incl.rows, layers, np.repeat(np.arange(3), 197))
+
+
 def test_timm_stage_hooks_when_there_is_no_forward_intermediates(monkeypatch):
     """An architecture without forward_intermediates is read through features_only stages."""
     import timm
@@ -418,6 +446,9 @@ def test_whisper_encoder_and_decoder(media_models):
     ]
     _check([r for r in result.rows if r.component == "encoder"], enc, np.repeat(np.arange(3), frames))
     dec = [np.concatenate([o.decoder_hidden_states[k][0].numpy() for o in outs]) for k in range(3)]
+    # the last rows already passed through Whisper's own final LayerNorms (checked on the model)
+    assert all(torch.equal(o.encoder_hidden_states[-1], o.encoder_last_hidden_state) for o in outs)
+    assert [r.final_norm for r in result.rows] == [False, False, True, False, False, True]
     # one start position per clip: layer 0 holds the same vector 3 times, so no spectrum to compare
     _check([r for r in result.rows if r.component == "decoder"], dec, np.arange(3), spectrum=False)
 
@@ -539,3 +570,43 @@ def test_a_preset_without_its_data_says_what_to_get(tmp_path):
         )
         assert proc.returncode == 2 and what in proc.stderr and "does not exist" in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_same_files_elsewhere_hit_the_cache_under_their_new_name(tmp_path, media_models, image_dir):
+    import shutil
+
+    from isotui.store.cache import ResultCache
+
+    cache = ResultCache(tmp_path / "cache")
+    folder = str(media_models["vit"])
+    first = measure(make_spec(folder, f"images:{image_dir}", max_samples=3, map_units="position"), cache)
+    assert first.meta["max_length"] is None  # no token length for images
+    assert "--map-units position has no effect" in " ".join(first.meta["notes"])  # a ViT has no maps
+    copy = tmp_path / "copy"
+    shutil.copytree(image_dir, copy)
+    again = measure(make_spec(folder, f"images:{copy}", max_samples=3, map_units="position"), cache)
+    assert again.from_cache and again.meta["data"] == f"images:{copy}"
+    (copy / "img0.jpg").write_bytes((image_dir / "img2.jpg").read_bytes())  # an edited file
+    changed = measure(make_spec(folder, f"images:{copy}", max_samples=3, map_units="position"), cache)
+    assert not changed.from_cache
+
+
+def test_random_overrides_go_through_the_config_constructor():
+    from isotui.models.naming import parse_model
+
+    ref = parse_model("random:resnet:embedding_size=8,hidden_sizes=[8,16],depths=[1,1]")
+    assert dict(ref.overrides) == {"embedding_size": "8", "hidden_sizes": "[8,16]", "depths": "[1,1]"}
+    result = measure(
+        make_spec(
+            "random:" + ref.source + ":embedding_size=8,hidden_sizes=[8,16],depths=[1,1]",
+            "synthetic:images",
+            max_samples=2,
+        ),
+        None,
+    )
+    assert [r.dim for r in result.rows] == [8 * 56 * 56, 8 * 56 * 56, 16 * 28 * 28]
+    t5 = measure(
+        make_spec("random:t5:d_model=32,d_ff=64,num_layers=2,num_heads=2,d_kv=16", "builtin", max_samples=3),
+        None,
+    )
+    assert [r.component for r in t5.rows] == ["encoder"] * 3 + ["decoder"] * 3  # num_decoder_layers follows

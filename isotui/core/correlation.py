@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+# Up to this many layers, Spearman's p is exact (all n! orderings); scipy's t approximation is
+# far off for so few points (it gives p = 0 for a perfect rank correlation over 3 layers).
+EXACT_SPEARMAN_MAX_N = 9
 
 
 @dataclass(frozen=True)
@@ -38,4 +43,18 @@ def drift_correlation(drift_norm: list[float], avg_cos: list[float]) -> DriftCor
         warnings.simplefilter("ignore")
         s = spearmanr(x, y)
         p = pearsonr(x, y)
-    return DriftCorrelation(len(x), float(s.statistic), float(s.pvalue), float(p.statistic), float(p.pvalue))
+    spearman_p = spearman_exact_p(x, y) if len(x) <= EXACT_SPEARMAN_MAX_N else float(s.pvalue)
+    return DriftCorrelation(len(x), float(s.statistic), spearman_p, float(p.statistic), float(p.pvalue))
+
+
+def spearman_exact_p(x: np.ndarray, y: np.ndarray) -> float:
+    """Two-sided p of Spearman's rho under independence, over every ordering of ``y``'s ranks."""
+    from scipy.stats import rankdata
+
+    rx, ry = rankdata(x), rankdata(y)
+    rxc = rx - rx.mean()
+    perms = np.array(list(itertools.permutations(range(len(ry)))))
+    ryc = ry[perms] - ry.mean()
+    rhos = (ryc @ rxc) / (np.linalg.norm(rxc) * np.linalg.norm(ryc, axis=1))
+    observed = float(rxc @ (ry - ry.mean())) / (np.linalg.norm(rxc) * np.linalg.norm(ry - ry.mean()))
+    return float(np.mean(np.abs(rhos) >= abs(observed) - 1e-12))

@@ -163,13 +163,28 @@ def _file_digest(path: Path) -> bytes:
     return h.digest()
 
 
-def _list_media(root: Path, suffixes: tuple[str, ...], scheme: str) -> list[str]:
-    """Every file under ``root`` (recursively) with one of ``suffixes``, in path order."""
+def check_source(spec: DataSpec) -> None:
+    """Fail at once, in one sentence, when a data file or folder is missing: before any model is
+    loaded or looked up, so a preset whose data is absent says so first."""
+    if spec.scheme in ("text", "jsonl") and not Path(spec.path).is_file():
+        raise IsotuiError(f"data file {spec.path} does not exist (or is not a file)")
+    if spec.scheme in MEDIA:
+        _require_dir(
+            Path(spec.path), IMAGE_SUFFIXES if spec.scheme == "images" else AUDIO_SUFFIXES, spec.scheme
+        )
+
+
+def _require_dir(root: Path, suffixes: tuple[str, ...], scheme: str) -> None:
     if not root.is_dir():
         raise IsotuiError(
             f"data folder {root} does not exist (or is not a folder); give {scheme}:DIR a folder of "
             f"{'/'.join(s[1:] for s in suffixes)} files"
         )
+
+
+def _list_media(root: Path, suffixes: tuple[str, ...], scheme: str) -> list[str]:
+    """Every file under ``root`` (recursively) with one of ``suffixes``, in path order."""
+    _require_dir(root, suffixes, scheme)
     files = sorted(str(p) for p in root.rglob("*") if p.suffix.lower() in suffixes and p.is_file())
     if not files:
         raise IsotuiError(f"data folder {root} has no {'/'.join(s[1:] for s in suffixes)} files")

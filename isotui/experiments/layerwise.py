@@ -55,7 +55,7 @@ def prepare(spec: RunSpec) -> Prepared:
         "schema": SCHEMA_VERSION,
         "model": model_fp,
         "data": data_fp,
-        "max_length": spec.max_length,
+        "max_length": spec.max_length if spec.data.modality == "text" else None,  # text only
         "special_tokens": spec.special_tokens,
         "dtype": dtype,
         "seed": spec.seed,
@@ -84,10 +84,11 @@ def lookup(
     except CacheProblem as problem:
         on_notice(f"{problem}; recomputing")
         return None
-    if hit is not None:
+    if hit is not None:  # same key: same numbers; the names are the ones asked for now
         hit.model = prepared.spec.model
         for row in hit.rows:
             row.model = prepared.spec.model
+        hit.meta["data"] = prepared.spec.data.describe()  # e.g. a copied folder of the same files
         hit.from_cache = True
     return hit
 
@@ -186,7 +187,7 @@ def compute(
         "audio_seconds": ex.audio_seconds,
         "n_samples": ex.n_samples,
         "n_tokens": ex.n_tokens,
-        "max_length": ex.max_length,
+        "max_length": ex.max_length or None,
         "special_tokens": spec.special_tokens,
         "dtype": prepared.dtype,
         "device": device,

@@ -253,6 +253,8 @@ def _pad_id(tok: Any) -> int:
 
 def _patch_size(model: Any) -> int | None:
     value = getattr(getattr(model, "config", None), "patch_size", None)
+    if value is None:  # timm: the patch embedding knows it
+        value = getattr(getattr(model, "patch_embed", None), "patch_size", None)
     if isinstance(value, (list, tuple)):
         value = value[0] if value else None
     return int(value) if isinstance(value, int) and value > 0 else None

@@ -185,6 +185,8 @@ class _Runner:
             return {"model": tuple(feats)}
         if self.loaded.family == "timm-features":  # a features_only model returns its stages
             return {"model": tuple(self.model(inputs["pixel_values"]))}
+        if self.loaded.family == "timm-blocks":
+            return {"model": self._timm_blocks(inputs["pixel_values"])}
         out = self.model(**inputs, output_hidden_states=True, return_dict=True)
         enc, dec = getattr(out, "encoder_hidden_states", None), getattr(out, "decoder_hidden_states", None)
         if enc and dec:
@@ -196,6 +198,21 @@ class _Runner:
                 "whose forward accepts output_hidden_states=True"
             )
         return {"model": tuple(hidden)}
+
+    def _timm_blocks(self, pixels) -> tuple:
+        """A timm ViT's token sequences, prefix tokens included: the input of its first block
+        (patch and position embeddings, as a transformers model's layer 0), then every block's
+        output. timm's forward_intermediates would drop the prefix tokens and the embeddings."""
+        blocks = list(self.model.blocks)
+        seen: list = []
+        handles = [blocks[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0]))]
+        handles += [b.register_forward_hook(lambda _m, _i, out: seen.append(out)) for b in blocks]
+        try:
+            self.model.forward_features(pixels)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return tuple(seen)
 
     def run_batch(self, idx: list[int]) -> int:
         """Forward one batch and fold it in; returns its number of real input units."""
@@ -390,6 +407,10 @@ def extract(
     on_progress(Progress(done, total, n_tokens, elapsed, stage="finalize", memory_bytes=memory))
     components = {c: [acc.finalize() for acc in accs] for c, accs in runner.accs.items()}
     runner.notes.extend(_sample_notes(runner, [s for stats in components.values() for s in stats]))
+    if opts.map_units != "auto" and not runner.saw_maps:
+        runner.notes.append(
+            f"--map-units {opts.map_units} has no effect: this model's layers are token sequences"
+        )
     return Extraction(
         components=components,
         final_norm=runner.final_norm,

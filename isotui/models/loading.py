@@ -11,7 +11,17 @@ from isotui.errors import IsotuiError
 from isotui.models.naming import ModelRef, bundled_minilm_dir
 
 # Modules that some architectures apply to the last hidden state before returning it.
-FINAL_NORM_NAMES = ("ln_f", "norm", "norm_f", "final_layer_norm", "final_layernorm", "ln_final", "final_norm")
+FINAL_NORM_NAMES = (
+    "ln_f",
+    "norm",
+    "norm_f",
+    "final_layer_norm",
+    "final_layernorm",
+    "ln_final",
+    "final_norm",
+    "layer_norm",  # Whisper's encoder/decoder, stable-layer-norm wav2vec 2.0
+    "layernorm",
+)
 
 
 MODALITY_OF_INPUT = {
@@ -155,7 +165,9 @@ def _load_timm(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int) -> Lo
     except Exception as exc:
         raise IsotuiError(f"could not build timm model {ref.name!r}: {_short(exc)}") from None
     family = "timm"
-    if not hasattr(model, "forward_intermediates"):  # older architectures: timm's stage hooks
+    if getattr(model, "num_prefix_tokens", None) is not None and len(getattr(model, "blocks", ())) > 0:
+        family = "timm-blocks"  # a ViT: tokens with their prefix (CLS...) and the embedding output
+    elif not hasattr(model, "forward_intermediates"):  # older architectures: timm's stage hooks
         try:
             torch.manual_seed(seed)
             model = timm.create_model(arch, pretrained=pretrained, features_only=True, **overrides)
@@ -202,8 +214,11 @@ def _load_random(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int, tru
             f"model {ref.name!r}: {type(config).__name__} has no setting {unknown[0]!r}; "
             "check the spelling against the model's config.json"
         )
-    for key, value in overrides.items():
-        setattr(config, key, value)
+    if kind == "type":  # through the constructor, so derived settings follow (T5's num_decoder_layers)
+        config = AutoConfig.for_model(ref.source, **overrides)
+    else:
+        for key, value in overrides.items():
+            setattr(config, key, value)
     model_cls = _model_class(config)
     modality = MODALITY_OF_INPUT.get(getattr(model_cls, "main_input_name", "input_ids"), "text")
     tokenizer = None

@@ -207,7 +207,7 @@ def _parse_random(text: str) -> ModelRef:
     head, sep, tail = rest.rpartition(":")
     if sep and "=" in tail:
         pairs = []
-        for item in tail.split(","):
+        for item in re.split(r",(?![^\[]*\])", tail):  # a list value [8,16] keeps its commas
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise IsotuiError(f"model {text!r}: config override {item!r} is not key=value")

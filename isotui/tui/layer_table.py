@@ -14,7 +14,7 @@ from rich.text import Text
 from textual.color import Color
 from textual.widgets import DataTable
 
-from isotui.render import COLUMNS, Column
+from isotui.render import COLUMNS, Column, null_note
 from isotui.results import ModelResult
 
 SHADE_MAX = 0.55  # the strongest blend towards the primary colour: text stays readable
@@ -98,10 +98,15 @@ class LayerTable(DataTable):
             cells = [self._cell(c, row, bounds.get(c.field), low, high) for c in COLUMNS]
             self.add_row(*cells, key=str(index))
         self.move_cursor(row=min(cursor.row, self.row_count - 1), column=cursor.column, animate=False)
-        first = result.rows[0] if result.rows else None
-        notes = []
-        if first is not None and math.isfinite(first.null_p95):
-            notes.append(f"avg_cos* > isotropic null p95 {first.null_p95:.4f} (d={first.dim})")
+        notes = (
+            [
+                null_note(result.rows).replace(
+                    "* avg_cos above the isotropic null's 95th percentile", "avg_cos* > null p95"
+                )
+            ]
+            if result.rows
+            else []
+        )
         if self.sort_field is not None:
             notes.append(f"sorted by {self.sort_field} {'↓' if self.sort_reverse else '↑'}")
         self.border_subtitle = " · ".join(notes)
