@@ -244,6 +244,14 @@ def _hf_hidden(folder, inputs_list, **extra):
     return model, outs
 
 
+def _text_data(tmp_path, n):
+    """The first ``n`` built-in sentences, and a text: source holding them."""
+    texts = corpus(n)
+    path = tmp_path / "t.txt"
+    path.write_text("\n".join(texts))
+    return texts, f"text:{path}"
+
+
 def _samples(data, n):
     from isotui.data.sources import load_samples, parse_data
 
@@ -461,10 +469,8 @@ def test_byt5_encoder_and_shifted_decoder(media_models, tmp_path):
     from transformers import AutoTokenizer
 
     folder = str(media_models["byt5"])
-    texts = corpus(5)
-    data = tmp_path / "t.txt"
-    data.write_text("\n".join(texts))
-    result = measure(make_spec(folder, f"text:{data}", max_length=40, batch_size=2), None)
+    texts, data = _text_data(tmp_path, 5)
+    result = measure(make_spec(folder, data, max_length=40, batch_size=2), None)
     tok = AutoTokenizer.from_pretrained(folder)
     inputs, keeps_enc, keeps_dec = [], [], []
     for text in texts:
@@ -492,10 +498,8 @@ def test_canine_character_layers(media_models, tmp_path):
     from transformers import AutoTokenizer
 
     folder = str(media_models["canine"])
-    texts = corpus(4)
-    data = tmp_path / "t.txt"
-    data.write_text("\n".join(texts))
-    result = measure(make_spec(folder, f"text:{data}", max_length=64, batch_size=3), None)
+    texts, data = _text_data(tmp_path, 4)
+    result = measure(make_spec(folder, data, max_length=64, batch_size=3), None)
     tok = AutoTokenizer.from_pretrained(folder)
     encs = [
         tok(t, truncation=True, max_length=64, return_special_tokens_mask=True, return_tensors="pt")
