@@ -130,7 +130,7 @@ class _Runner:
         self.feeder = None
         self.accs: dict[str, list[LayerAccumulator]] | None = None
         self.final_norm: dict[str, bool] = {}
-        self.final_norm_name: str | None = None
+        self.final_norm_names: list[str] = []
         self.notes: list[str] = []
         self.token_budget = TOKEN_BUDGET.get(device.split(":")[0], 4096)
         self.batch_cap: int | None = opts.batch_size
@@ -172,9 +172,8 @@ class _Runner:
             width = max(lengths[order[pos]], 1)
             cap = self.batch_cap or max(1, self.token_budget // width)
             batch = order[pos : pos + cap]
-            if same is not None:
+            if same is not None:  # equal keys sit next to each other in this order
                 batch = [i for i in batch if same[i] == same[batch[0]]]
-                batch = order[pos : pos + len(batch)]
             yield batch
             pos += len(batch)
 
@@ -251,39 +250,51 @@ class _Runner:
         assert self.accs is not None
         ids = torch.tensor(idx, dtype=torch.long)
         acc_device = next(iter(self.accs.values()))[0].device  # the CPU when the model is on MPS
+        index: dict[tuple, tuple] = {}  # layers of one shape share their units' index and keys
         partials = []
         with torch.inference_mode():
             for component, hidden in components.items():
                 for acc, h in zip(self.accs[component], hidden, strict=True):
-                    x, local, positions = self._units(fed, component, h)
-                    keys = sample_keys(self.opts.seed, ids[local], positions).to(acc_device)
-                    partials.append((acc, acc.partial(x, local.to(acc_device), keys)))
+                    shape = (component, *h.shape[1:]) if h.ndim == 3 else (h.ndim, *h.shape[2:])
+                    if shape not in index:
+                        flat, local, positions = self._index(fed, component, h)
+                        keys = sample_keys(self.opts.seed, ids[local], positions).to(acc_device)
+                        index[shape] = (flat, local.to(acc_device), keys)
+                    flat, local, keys = index[shape]
+                    partials.append((acc, acc.partial(self._vectors(h, flat), local, keys)))
             for acc, p in partials:  # only now: all or nothing
                 acc.commit(p)
         if fed.valid is not None:
             return int(fed.valid.sum())
         return len(idx)
 
-    def _units(self, fed, component: str, h):
-        """The batch's unit vectors of one layer, with their sample (0..B-1) and position."""
+    def _index(self, fed, component: str, h):
+        """Which units of a layer are kept (``flat`` rows of its sequence, None: all units), and
+        each unit's sample (0..B-1) and position."""
         import torch
 
         b = h.shape[0]
-        if h.ndim == 4 and self.map_units == "image":
-            x = h.reshape(b, -1)
-            return x, torch.arange(b), torch.zeros(b, dtype=torch.long)
+        if h.ndim == 2 or (h.ndim == 4 and self.map_units == "image"):
+            return None, torch.arange(b), torch.zeros(b, dtype=torch.long)
         if h.ndim == 4:
-            c, hw = h.shape[1], h.shape[2] * h.shape[3]
-            x = h.permute(0, 2, 3, 1).reshape(b * hw, c)
-            return x, torch.arange(b).repeat_interleave(hw), torch.arange(hw).repeat(b)
-        if h.ndim == 2:
-            return h, torch.arange(b), torch.zeros(b, dtype=torch.long)
+            hw = h.shape[2] * h.shape[3]
+            return None, torch.arange(b).repeat_interleave(hw), torch.arange(hw).repeat(b)
         width = h.shape[1]
         valid, special = self.feeder.mask(fed, component, width)
         keep = valid if self.opts.special_tokens == "include" else valid & ~special
-        flat = keep.flatten().nonzero().squeeze(1)
-        x = h.reshape(-1, h.shape[-1]).index_select(0, flat.to(h.device))
-        return x, flat // width, flat % width
+        flat = keep.flatten().nonzero().squeeze(1).to(h.device)
+        return flat, flat.cpu() // width, flat.cpu() % width
+
+    def _vectors(self, h, flat):
+        """The layer's unit vectors (m x d), in the order of :meth:`_index`."""
+        b = h.shape[0]
+        if h.ndim == 2:
+            return h
+        if h.ndim == 4 and self.map_units == "image":
+            return h.reshape(b, -1)
+        if h.ndim == 4:
+            return h.permute(0, 2, 3, 1).reshape(b * h.shape[2] * h.shape[3], h.shape[1])
+        return h.reshape(-1, h.shape[-1]).index_select(0, flat)
 
     def _unit_dim(self, h) -> int:
         if h.ndim == 4:
@@ -316,8 +327,7 @@ class _Runner:
                 same = isinstance(normed, torch.Tensor) and normed.shape == last.shape
                 if same and torch.equal(normed, last):
                     self.final_norm[component] = True
-                    names = [n for n in (self.final_norm_name or "").split(", ") if n]
-                    self.final_norm_name = ", ".join([*names, name])
+                    self.final_norm_names.append(name)
                     break
 
     def process(self, idx: list[int]) -> int:
@@ -414,7 +424,7 @@ def extract(
     return Extraction(
         components=components,
         final_norm=runner.final_norm,
-        final_norm_module=runner.final_norm_name,
+        final_norm_module=", ".join(runner.final_norm_names) or None,
         n_samples=total,
         n_tokens=n_tokens,
         max_length=max_length,

@@ -47,7 +47,7 @@ def duration(seconds: float | None) -> str:
     return f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def mebibytes(n: int) -> str:
+def memory_text(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB" if n else "-"
 
 
@@ -71,7 +71,7 @@ class JobRecord:
             eta = duration(p.eta_s)
         else:
             bar = speed = eta = ""
-        memory = mebibytes(p.memory_bytes) if p is not None else "-"
+        memory = memory_text(p.memory_bytes) if p is not None else "-"
         return (str(self.job_id), shorten(self.model, 32), self.state, bar, speed, eta, self.device, memory)
 
 
