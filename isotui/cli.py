@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     rm = cache_sub.add_parser("rm", help="remove cached runs by key (or prefix)")
     rm.add_argument("keys", nargs="*")
     rm.add_argument("--all", action="store_true", help="remove every cached run")
+    from isotui.cli_experiments import add_parsers
+
+    add_parsers(sub)
     return parser
 
 
@@ -125,6 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "cache":
             return _cmd_cache(args, err)
+        if args.command:
+            from isotui.cli_experiments import run
+
+            code = run(args, err)
+            if code is not None:
+                return code
         from isotui.tui.app import run_app
 
         run_app()

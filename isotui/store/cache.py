@@ -52,17 +52,32 @@ def _digest(arrays: dict[str, np.ndarray], result: dict[str, Any]) -> str:
 
 
 class ResultCache:
-    """A folder of entries named by their key."""
+    """A folder of entries named by their key: layer-wise runs in ``runs/``; an experiment's
+    results (attention, drift-block...) in a folder of its own, with its own schema number."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, folder: str = "runs", schema: int = SCHEMA_VERSION) -> None:
         self.root = Path(root)
-        self.runs = self.root / "runs"
+        self.runs = self.root / folder
+        self.schema = schema
 
     def path_for(self, key: str) -> Path:
         return self.runs / f"{key}.safetensors"
 
     def get(self, key: str) -> ModelResult | None:
         """The cached result for ``key``, None if absent; :class:`CacheProblem` if unusable."""
+        found = self.get_payload(key)
+        if found is None:
+            return None
+        payload, arrays = found
+        try:
+            return ModelResult.from_json(payload, arrays)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CacheProblem(
+                f"cache entry {key}.safetensors is unreadable ({type(exc).__name__})"
+            ) from None
+
+    def get_payload(self, key: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+        """An entry's JSON payload and arrays, checked against its schema and checksum."""
         from safetensors import SafetensorError
         from safetensors.numpy import load_file
 
@@ -71,15 +86,15 @@ class ResultCache:
             return None
         try:
             data = self._header(path)
-            if data.get("schema") != SCHEMA_VERSION:
+            if data.get("schema") != self.schema:
                 raise CacheProblem(
                     f"cache entry {path.name} has schema {data.get('schema')}, this isotui writes "
-                    f"{SCHEMA_VERSION}"
+                    f"{self.schema}"
                 )
             arrays = load_file(str(path))
             if _digest(arrays, data["result"]) != data.get("digest"):
                 raise CacheProblem(f"cache entry {path.name} is damaged (checksum mismatch)")
-            return ModelResult.from_json(data["result"], arrays)
+            return data["result"], arrays
         except CacheProblem:
             raise
         except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -97,22 +112,26 @@ class ResultCache:
 
     def put(self, result: ModelResult) -> Path:
         """Write ``result`` atomically (temporary file in the same folder, then rename)."""
+        return self.put_payload(result.key, result.to_json(), result.arrays)
+
+    def put_payload(self, key: str, payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> Path:
+        """Write one entry atomically (temporary file in the same folder, then rename)."""
         from safetensors.numpy import save_file
 
         self.runs.mkdir(parents=True, exist_ok=True)
-        arrays = {k: np.ascontiguousarray(v) for k, v in result.arrays.items()}
-        payload = json.loads(json.dumps(result.to_json()))  # as it will read back
-        header = {"schema": SCHEMA_VERSION, "digest": _digest(arrays, payload), "result": payload}
-        fd, tmp = tempfile.mkstemp(prefix=f".{result.key}.", suffix=".tmp", dir=self.runs)
+        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+        payload = json.loads(json.dumps(payload))  # as it will read back
+        header = {"schema": self.schema, "digest": _digest(arrays, payload), "result": payload}
+        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.runs)
         os.close(fd)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; a cache shared by a group must stay readable
         try:
             save_file(arrays, tmp, metadata={_META_KEY: json.dumps(header)})
-            os.replace(tmp, self.path_for(result.key))
+            os.replace(tmp, self.path_for(key))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return self.path_for(result.key)
+        return self.path_for(key)
 
     def remove(self, key: str) -> bool:
         """Delete one entry; True if there was one."""

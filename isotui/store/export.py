@@ -72,3 +72,24 @@ def write_json(results: Iterable[ModelResult], path: Path) -> Path:
     """All results with their metadata and drift correlations (NaN written as null)."""
     payload = {"results": [_clean(r.to_json()) for r in results]}
     return _atomic_write(path, lambda f: json.dump(payload, f, indent=2))
+
+
+def write_rows_csv(rows: Iterable, path: Path) -> Path:
+    """An experiment's table (dataclass rows, columns in field order) as CSV."""
+    rows = list(rows)
+    if not rows:
+        raise IsotuiError(f"nothing to write to {path}: the table is empty")
+    names = [f for f in asdict(rows[0])]
+
+    def write(f) -> None:
+        writer = csv.DictWriter(f, fieldnames=names)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(asdict(row))
+
+    return _atomic_write(path, write)
+
+
+def write_payload_json(payload: dict, path: Path) -> Path:
+    """Any JSON payload (NaN written as null)."""
+    return _atomic_write(path, lambda f: json.dump(_clean(payload), f, indent=2))

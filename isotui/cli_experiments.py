@@ -1,0 +1,67 @@
+"""``isotui experiment NAME`` and ``isotui train-tiny``: the attention-side experiments.
+
+Each experiment module (import-light: no torch at import) provides ``HELP``,
+``add_arguments(parser)`` and ``main(args, err) -> int``; this module only wires them into the
+command line, so adding an experiment is one line in :data:`EXPERIMENTS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from types import ModuleType
+
+EXPERIMENTS = {
+    "attention": "isotui.experiments.attention",
+    "drift-block": "isotui.experiments.drift_block",
+    "qk-dynamics": "isotui.experiments.qk_dynamics",
+}
+TOP_LEVEL = {"train-tiny": "isotui.experiments.train_tiny"}
+
+
+def _module(path: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as exc:  # an experiment not built yet
+        if exc.name == path:
+            return None
+        raise
+
+
+def add_common(p: argparse.ArgumentParser, *, cache: bool = True) -> None:
+    """Flags every experiment shares."""
+    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
+    p.add_argument("--seed", default="0", help="seed (default 0)")
+    if cache:
+        p.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
+        p.add_argument("--no-cache", action="store_true", help="recompute, and store nothing")
+    p.add_argument("--csv", help="write the table here")
+    p.add_argument("--json", help="write everything (tables, arrays as lists, metadata) here")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """``experiment NAME ...`` and the top-level commands."""
+    exp = sub.add_parser("experiment", help="attention experiments (attention, drift-block, qk-dynamics)")
+    names = exp.add_subparsers(dest="experiment", required=True, metavar="NAME")
+    for name, path in EXPERIMENTS.items():
+        module = _module(path)
+        if module is None:
+            continue
+        p = names.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+    for name, path in TOP_LEVEL.items():
+        module = _module(path)
+        if module is None:
+            continue
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+
+
+def run(args: argparse.Namespace, err) -> int | None:
+    """Run the experiment or top-level command ``args`` names; None if it names none of them."""
+    if args.command == "experiment":
+        return importlib.import_module(EXPERIMENTS[args.experiment]).main(args, err)
+    if args.command in TOP_LEVEL:
+        return importlib.import_module(TOP_LEVEL[args.command]).main(args, err)
+    return None

@@ -1,0 +1,260 @@
+"""Attention statistics per head (Godey et al. 2024, sections 4 and 5), streamed.
+
+Queries and keys arrive per batch as (B, H, T, d_k) tensors with masks saying which query rows
+and key positions count; what is kept grows with the number of heads, never with the corpus:
+float64 sums for the mean query and key, fixed-bin score histograms, and running sums of the
+softmax row statistics. Pure torch and numpy: no model, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+SCORE_LOW, SCORE_HIGH, SCORE_BINS = -64.0, 64.0, 512  # bins of 0.25; outside: under/overflow
+
+
+def score_edges() -> np.ndarray:
+    """The histogram's bin edges: bin i holds ``edges[i] <= s < edges[i + 1]``."""
+    return np.linspace(SCORE_LOW, SCORE_HIGH, SCORE_BINS + 1)
+
+
+def row_stats(probs: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per softmax row (last axis): max, median, min over the allowed keys, and entropy in nats.
+
+    ``allowed`` broadcasts against ``probs``. The median of an even count is the mean of the two
+    middle values (numpy's convention). Rows with no allowed key give NaN.
+    """
+    import torch
+
+    allowed = allowed.expand_as(probs)
+    p = probs.to(torch.float64)
+    inf = torch.tensor(math.inf, dtype=p.dtype, device=p.device)
+    m = allowed.sum(-1)
+    row_max = torch.where(allowed, p, -inf).amax(-1)
+    row_min = torch.where(allowed, p, inf).amin(-1)
+    ordered = torch.where(allowed, p, inf).sort(-1).values
+    lo = ((m - 1).clamp(min=0) // 2).unsqueeze(-1)
+    hi = (m // 2).clamp(max=p.shape[-1] - 1).unsqueeze(-1)
+    median = (ordered.gather(-1, lo) + ordered.gather(-1, hi)).squeeze(-1) / 2
+    safe = torch.where(allowed & (p > 0), p, torch.ones_like(p))
+    entropy = -(torch.where(allowed, p, torch.zeros_like(p)) * safe.log()).sum(-1)
+    empty = m == 0
+    nan = torch.tensor(math.nan, dtype=p.dtype, device=p.device)
+    return tuple(torch.where(empty, nan, x) for x in (row_max, median, row_min, entropy))
+
+
+@dataclass
+class HeadStats:
+    """One head's final statistics (plain floats, NaN where nothing was seen)."""
+
+    head: int
+    kv_head: int
+    n_queries: int
+    n_keys: int
+    q_mean_norm: float
+    k_mean_norm: float
+    q_bar_norm: float
+    k_bar_norm: float
+    cos_qk_bar: float
+    dot_qk_bar: float
+    q_avg_cos: float
+    k_avg_cos: float
+    n_scores: int
+    score_mean: float
+    score_std: float
+    score_min: float
+    score_max: float
+    softmax_max: float
+    softmax_median: float
+    softmax_min: float
+    entropy: float
+
+
+class VectorSums:
+    """Float64 sums over the kept vectors of each head: mean vector, mean norm, exact avg_cos."""
+
+    def __init__(self, heads: int, dim: int, device: torch.device) -> None:
+        import torch
+
+        f64 = torch.float64
+        self.n = torch.zeros(heads, dtype=f64, device=device)
+        self.sum = torch.zeros((heads, dim), dtype=f64, device=device)
+        self.sum_unit = torch.zeros((heads, dim), dtype=f64, device=device)
+        self.sum_norm = torch.zeros(heads, dtype=f64, device=device)
+        self.n_nonzero = torch.zeros(heads, dtype=f64, device=device)
+
+    def add(self, x: torch.Tensor, keep: torch.Tensor) -> None:
+        """``x``: (B, H, T, d); ``keep``: (B, T) bool, the positions that count."""
+        import torch
+
+        v = x.to(torch.float64).permute(1, 0, 2, 3)[:, keep]  # (H, m, d)
+        norms = torch.linalg.vector_norm(v, dim=-1)
+        self.n += v.shape[1]
+        self.sum += v.sum(1)
+        self.sum_norm += norms.sum(1)
+        nonzero = norms > 0
+        self.n_nonzero += nonzero.sum(1)
+        self.sum_unit += torch.where(nonzero[..., None], v / norms.clamp_min(1e-300)[..., None], 0).sum(1)
+
+    def mean(self) -> np.ndarray:
+        """(H, d) mean vectors (NaN for a head that saw nothing)."""
+        n = self.n.cpu().numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.sum.cpu().numpy() / n[:, None]
+
+    def summary(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per head: mean norm, norm of the mean, exact mean pairwise cosine."""
+        n = self.n.cpu().numpy()
+        nz = self.n_nonzero.cpu().numpy()
+        su = self.sum_unit.cpu().numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean_norm = self.sum_norm.cpu().numpy() / n
+            bar_norm = np.linalg.norm(self.mean(), axis=1)
+            avg_cos = np.where(nz >= 2, (np.einsum("hd,hd->h", su, su) - nz) / (nz * (nz - 1)), np.nan)
+        return mean_norm, bar_norm, avg_cos
+
+
+class ScoreSums:
+    """Per head: histogram of pre-softmax scores and running moments, over allowed pairs."""
+
+    def __init__(self, heads: int, device: torch.device) -> None:
+        import torch
+
+        f64 = torch.float64
+        self.edges = torch.tensor(score_edges(), dtype=f64, device=device)
+        self.hist = torch.zeros((heads, SCORE_BINS + 2), dtype=torch.int64, device=device)
+        self.n = torch.zeros(heads, dtype=f64, device=device)
+        self.sum = torch.zeros(heads, dtype=f64, device=device)
+        self.sumsq = torch.zeros(heads, dtype=f64, device=device)
+        self.min = torch.full((heads,), math.inf, dtype=f64, device=device)
+        self.max = torch.full((heads,), -math.inf, dtype=f64, device=device)
+
+    def add(self, scores: torch.Tensor, pairs: torch.Tensor) -> None:
+        """``scores``: (B, H, T, S); ``pairs``: bool broadcastable to it, the pairs that count."""
+        import torch
+
+        heads = scores.shape[1]
+        pairs = pairs.expand_as(scores)
+        for h in range(heads):  # one head at a time: a float64 copy of one head's scores at most
+            s = scores[:, h][pairs[:, h]].to(torch.float64)
+            if s.numel() == 0:
+                continue
+            # index 0: below the first edge; 1..BINS: the bins; BINS + 1: at or above the last edge
+            idx = torch.bucketize(s, self.edges, right=True)
+            self.hist[h] += torch.bincount(idx, minlength=SCORE_BINS + 2)
+            self.n[h] += s.numel()
+            self.sum[h] += s.sum()
+            self.sumsq[h] += (s * s).sum()
+            self.min[h] = torch.minimum(self.min[h], s.min())
+            self.max[h] = torch.maximum(self.max[h], s.max())
+
+
+class RowSums:
+    """Per head: sums over kept query rows of the softmax row max, median, min and entropy."""
+
+    def __init__(self, heads: int, device: torch.device) -> None:
+        import torch
+
+        self.n = torch.zeros(heads, dtype=torch.float64, device=device)
+        self.sums = torch.zeros((4, heads), dtype=torch.float64, device=device)
+
+    def add(self, probs: torch.Tensor, allowed: torch.Tensor, rows: torch.Tensor) -> None:
+        """``probs``: (B, H, T, S); ``allowed``: keys per row; ``rows``: (B, T) query rows that count."""
+        stats = row_stats(probs, allowed)
+        for i, x in enumerate(stats):
+            self.sums[i] += x.permute(1, 0, 2)[:, rows].sum(1)
+        self.n += int(rows.sum())
+
+    def means(self) -> np.ndarray:
+        """(4, H): mean row max, median, min, entropy."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.sums.cpu().numpy() / self.n.cpu().numpy()[None, :]
+
+
+class AttentionAccumulator:
+    """Everything about one attention module over a corpus: fixed size, folded batch by batch."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, device: torch.device) -> None:
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q = VectorSums(heads, head_dim, device)
+        self.k = VectorSums(kv_heads, head_dim, device)
+        self.scores = ScoreSums(heads, device)
+        self.rows = RowSums(heads, device)
+
+    def kv_of(self, head: int) -> int:
+        """The key/value head a query head reads (grouped-query attention shares them)."""
+        return head // (self.heads // self.kv_heads)
+
+    def add(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        scores: torch.Tensor,
+        probs: torch.Tensor,
+        *,
+        q_keep: torch.Tensor,
+        k_keep: torch.Tensor,
+        allowed: torch.Tensor,
+    ) -> None:
+        """Fold one batch: ``q`` (B, H, T, d), ``k`` (B, Hkv, S, d), ``scores``/``probs``
+        (B, H, T, S) before and after the softmax, ``q_keep`` (B, T) and ``k_keep`` (B, S) the
+        positions that count as vectors and rows, ``allowed`` (B, 1|H, T, S) the pairs the
+        model's mask lets through."""
+        self.q.add(q, q_keep)
+        self.k.add(k, k_keep)
+        pairs = allowed & q_keep[:, None, :, None]
+        self.scores.add(scores, pairs)
+        self.rows.add(probs, allowed, q_keep)
+
+    def finalize(self) -> list[HeadStats]:
+        q_mean_norm, q_bar_norm, q_avg = self.q.summary()
+        k_mean_norm, k_bar_norm, k_avg = self.k.summary()
+        q_bar, k_bar = self.q.mean(), self.k.mean()
+        row = self.rows.means()
+        n = self.scores.n.cpu().numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = self.scores.sum.cpu().numpy() / n
+            var = np.maximum(self.scores.sumsq.cpu().numpy() / n - mean**2, 0.0)
+        lo, hi = self.scores.min.cpu().numpy(), self.scores.max.cpu().numpy()
+        out = []
+        for h in range(self.heads):
+            g = self.kv_of(h)
+            dot = float(q_bar[h] @ k_bar[g])
+            denom = q_bar_norm[h] * k_bar_norm[g]
+            out.append(
+                HeadStats(
+                    head=h,
+                    kv_head=g,
+                    n_queries=int(self.q.n[h]),
+                    n_keys=int(self.k.n[g]),
+                    q_mean_norm=float(q_mean_norm[h]),
+                    k_mean_norm=float(k_mean_norm[g]),
+                    q_bar_norm=float(q_bar_norm[h]),
+                    k_bar_norm=float(k_bar_norm[g]),
+                    cos_qk_bar=float(dot / denom) if denom > 0 else math.nan,
+                    dot_qk_bar=dot,
+                    q_avg_cos=float(q_avg[h]),
+                    k_avg_cos=float(k_avg[g]),
+                    n_scores=int(n[h]),
+                    score_mean=float(mean[h]),
+                    score_std=float(math.sqrt(var[h])) if n[h] > 0 else math.nan,
+                    score_min=float(lo[h]) if n[h] > 0 else math.nan,
+                    score_max=float(hi[h]) if n[h] > 0 else math.nan,
+                    softmax_max=float(row[0, h]),
+                    softmax_median=float(row[1, h]),
+                    softmax_min=float(row[2, h]),
+                    entropy=float(row[3, h]),
+                )
+            )
+        return out
+
+    def histograms(self) -> np.ndarray:
+        """(H, BINS + 2) counts: underflow, the bins of :func:`score_edges`, overflow."""
+        return self.scores.hist.cpu().numpy()
