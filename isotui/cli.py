@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,38 @@ def stdout_console():
 
     out = Console()
     return out if out.is_terminal else Console(width=200)
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """What to measure and how: flags shared by ``run`` and the attention experiments."""
+    p.add_argument(
+        "--data",
+        help="builtin (default), text:PATH, jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD], "
+        "images:DIR, audio:DIR, synthetic:images, synthetic:audio",
+    )
+    p.add_argument("--max-samples", help="keep the first N samples")
+    p.add_argument(
+        "--max-length", help="truncate each sample to L tokens (default: model limit, at most 512)"
+    )
+    p.add_argument(
+        "--special-tokens",
+        choices=["exclude", "include"],
+        help="count CLS/SEP/BOS/EOS... (default exclude)",
+    )
+    p.add_argument("--batch-size", help="samples per batch (default auto: a token budget)")
+    p.add_argument("--device", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: float32 on CPU, the checkpoint's half dtype on a GPU",
+    )
+    p.add_argument("--seed", help="seed for random init and the reservoir sample (default 0)")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=None,
+        help="allow a model's own code from the hub (off by default)",
+    )
 
 
 def _run_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,27 +80,7 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         metavar="MODEL",
         help="HF id[@revision], local dir, minilm, timm:NAME, or random:TYPE (repeat to compare)",
     )
-    p.add_argument(
-        "--data",
-        help="builtin (default), text:PATH, jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD], "
-        "images:DIR, audio:DIR, synthetic:images, synthetic:audio",
-    )
-    p.add_argument("--max-samples", help="keep the first N samples")
-    p.add_argument(
-        "--max-length", help="truncate each sample to L tokens (default: model limit, at most 512)"
-    )
-    p.add_argument(
-        "--special-tokens",
-        choices=["exclude", "include"],
-        help="count CLS/SEP/BOS/EOS... (default exclude)",
-    )
-    p.add_argument("--batch-size", help="samples per batch (default auto: a token budget)")
-    p.add_argument("--device", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
-    p.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: float32 on CPU, the checkpoint's half dtype on a GPU",
-    )
+    add_run_flags(p)
     p.add_argument(
         "--map-units",
         choices=["auto", "image", "position"],
@@ -75,14 +88,7 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         "Fig. 4), position = each spatial position's channel vector; auto: image for CNNs, "
         "position for token grids (SegFormer, timm ViTs)",
     )
-    p.add_argument("--seed", help="seed for random init and the reservoir sample (default 0)")
     p.add_argument("--reservoir", help="vectors per layer kept for centred metrics (default 4096)")
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        default=None,
-        help="allow a model's own code from the hub (off by default)",
-    )
     p.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
     p.add_argument("--no-cache", action="store_true", help="recompute, and store nothing")
     p.add_argument("--csv", help="write the per-layer table of all models here")
@@ -257,6 +263,19 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
 
 def _measure_with_progress(spec, cache, err, *, quiet: bool, measure):
     """Run one model with a rich progress bar (samples, tokens, tokens/s) on stderr."""
+    with progress_printer(err, spec.model, quiet=quiet) as on_progress:
+        return measure(
+            spec,
+            cache,
+            on_progress=on_progress,
+            on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+        )
+
+
+@contextmanager
+def progress_printer(err, name: str, *, quiet: bool):
+    """A progress callback drawing a rich bar (samples, tokens, tokens/s) on stderr while open;
+    one-off messages (an out-of-memory back-off) are printed above it."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from isotui.extract.progress import Progress as Event
@@ -269,11 +288,11 @@ def _measure_with_progress(spec, cache, err, *, quiet: bool, measure):
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=err, transient=True, disable=quiet) as bar:
-        task = bar.add_task(spec.model, total=None, tokens=0, rate=0.0)
+        task = bar.add_task(name, total=None, tokens=0, rate=0.0)
 
         def on_progress(ev: Event) -> None:
             if ev.message:
-                bar.console.print(f"[yellow]{spec.model}: {ev.message}[/]", highlight=False)
+                bar.console.print(f"[yellow]{name}: {ev.message}[/]", highlight=False)
                 return
             bar.update(
                 task,
@@ -283,10 +302,7 @@ def _measure_with_progress(spec, cache, err, *, quiet: bool, measure):
                 rate=ev.tokens_per_s,
             )
 
-        def on_notice(text: str) -> None:
-            bar.console.print(f"[yellow]isotui: {text}[/]", highlight=False)
-
-        return measure(spec, cache, on_progress=on_progress, on_notice=on_notice)
+        yield on_progress
 
 
 def _cmd_cache(args: argparse.Namespace, err) -> int:

@@ -28,16 +28,52 @@ def _module(path: str) -> ModuleType | None:
         raise
 
 
-def add_common(p: argparse.ArgumentParser, *, cache: bool = True) -> None:
-    """Flags every experiment shares."""
-    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
-    p.add_argument("--seed", default="0", help="seed (default 0)")
+def add_common(p: argparse.ArgumentParser, *, cache: bool = True, device_seed: bool = True) -> None:
+    """Flags every experiment shares (``device_seed=False`` where :func:`add_run_flags` gave them)."""
+    if device_seed:
+        p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
+        p.add_argument("--seed", default="0", help="seed (default 0)")
     if cache:
         p.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
         p.add_argument("--no-cache", action="store_true", help="recompute, and store nothing")
     p.add_argument("--csv", help="write the table here")
     p.add_argument("--json", help="write everything (tables, arrays as lists, metadata) here")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Data and extraction flags, as ``isotui run`` has them."""
+    from isotui.cli import add_run_flags as run_flags
+
+    run_flags(p)
+
+
+def spec_from_args(args: argparse.Namespace, model: str):
+    """A validated :class:`~isotui.spec.RunSpec` from the run flags; missing data said first."""
+    from isotui.data.sources import check_source
+    from isotui.spec import make_spec
+
+    spec = make_spec(
+        model,
+        args.data or "builtin",
+        max_samples=args.max_samples,
+        max_length=args.max_length,
+        special_tokens=args.special_tokens or "exclude",
+        batch_size=args.batch_size,
+        device=args.device or "auto",
+        dtype=args.dtype or "auto",
+        seed=args.seed if args.seed is not None else 0,
+        trust_remote_code=bool(args.trust_remote_code),
+    )
+    check_source(spec.data)
+    return spec
+
+
+def progress_printer(err, name: str, *, quiet: bool):
+    """The headless progress bar (see :func:`isotui.cli.progress_printer`)."""
+    from isotui.cli import progress_printer as printer
+
+    return printer(err, name, quiet=quiet)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

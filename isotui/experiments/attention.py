@@ -1,0 +1,377 @@
+"""Inside self-attention (Godey et al. 2024, section 5): per layer and head, the mean query and
+key, their norms, cosine and scalar product, the pre-softmax scores and the softmax's sharpness.
+
+``isotui experiment attention -m MODEL`` prints one row per layer (heads averaged) and writes one
+CSV row per layer and head; results are cached like layer runs (folder ``attention``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
+
+HELP = "queries, keys and attention sharpness per layer and head (Godey et al. 2024, sec. 5)"
+SCHEMA = 1
+FOLDER = "attention"
+
+
+@dataclass
+class AttentionRow:
+    """One head of one attention module (CSV columns, in this order)."""
+
+    model: str
+    component: str
+    layer: int
+    attention: str  # self | cross
+    head: int
+    kv_head: int
+    n_queries: int
+    n_keys: int
+    q_mean_norm: float
+    k_mean_norm: float
+    q_bar_norm: float
+    k_bar_norm: float
+    cos_qk_bar: float
+    dot_qk_bar: float
+    q_avg_cos: float
+    k_avg_cos: float
+    rope: bool
+    q_bar_norm_pre_rope: float
+    k_bar_norm_pre_rope: float
+    cos_qk_bar_pre_rope: float
+    dot_qk_bar_pre_rope: float
+    n_scores: int
+    score_mean: float
+    score_std: float
+    score_min: float
+    score_max: float
+    softmax_max: float
+    softmax_median: float
+    softmax_min: float
+    entropy: float
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass
+class AttentionResult:
+    """Every head's row, the metadata, and per module: score histograms, Q_bar, K_bar and (for
+    the dynamics) subsamples of queries and keys, keyed ``hist.i``, ``q_bar.i``... with i the
+    module's index in ``meta['modules']``."""
+
+    model: str
+    key: str
+    rows: list[AttentionRow]
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    from_cache: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "model": self.model,
+            "key": self.key,
+            "rows": [asdict(r) for r in self.rows],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], arrays: dict[str, np.ndarray]) -> AttentionResult:
+        return cls(
+            data["model"], data["key"], [AttentionRow(**r) for r in data["rows"]], data["meta"], arrays
+        )
+
+    def modules(self) -> list[dict[str, Any]]:
+        """Each module's site (component, layer, attention kind) in array-index order."""
+        return self.meta["modules"]
+
+    def module_rows(self, i: int) -> list[AttentionRow]:
+        m = self.modules()[i]
+        return [
+            r
+            for r in self.rows
+            if (r.component, r.layer, r.attention) == (m["component"], m["layer"], m["attention"])
+        ]
+
+
+@dataclass
+class LayerSummary:
+    """Heads of one module averaged (the per-layer view of Godey et al. Figs. 11-15)."""
+
+    component: str
+    layer: int
+    attention: str
+    heads: int
+    cos_qk_bar: float
+    cos_qk_bar_min: float
+    cos_qk_bar_max: float
+    dot_qk_bar: float
+    q_bar_norm: float
+    k_bar_norm: float
+    q_avg_cos: float
+    k_avg_cos: float
+    score_mean: float
+    score_std: float
+    softmax_max: float
+    softmax_median: float
+    softmax_min: float
+    entropy: float
+
+
+def summarize(result: AttentionResult) -> list[LayerSummary]:
+    """One row per attention module, heads averaged (NaN-aware)."""
+    out = []
+    for i, m in enumerate(result.modules()):
+        rows = result.module_rows(i)
+
+        def mean(attr: str, rows=rows) -> float:
+            vals = np.array([getattr(r, attr) for r in rows], dtype=float)
+            vals = vals[np.isfinite(vals)]
+            return float(vals.mean()) if len(vals) else math.nan
+
+        cos = np.array([r.cos_qk_bar for r in rows], dtype=float)
+        cos = cos[np.isfinite(cos)]
+        out.append(
+            LayerSummary(
+                component=m["component"],
+                layer=m["layer"],
+                attention=m["attention"],
+                heads=len(rows),
+                cos_qk_bar=mean("cos_qk_bar"),
+                cos_qk_bar_min=float(cos.min()) if len(cos) else math.nan,
+                cos_qk_bar_max=float(cos.max()) if len(cos) else math.nan,
+                dot_qk_bar=mean("dot_qk_bar"),
+                q_bar_norm=mean("q_bar_norm"),
+                k_bar_norm=mean("k_bar_norm"),
+                q_avg_cos=mean("q_avg_cos"),
+                k_avg_cos=mean("k_avg_cos"),
+                score_mean=mean("score_mean"),
+                score_std=mean("score_std"),
+                softmax_max=mean("softmax_max"),
+                softmax_median=mean("softmax_median"),
+                softmax_min=mean("softmax_min"),
+                entropy=mean("entropy"),
+            )
+        )
+    return out
+
+
+def cache_key(layer_key: str, sample_size: int) -> str:
+    """The attention result's key: the layer run's key (model, data, limits, dtype, seed...) plus
+    this experiment's schema and subsample size."""
+    fields_ = {"run": layer_key, "experiment": FOLDER, "schema": SCHEMA, "sample": sample_size}
+    return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def attention_cache(root) -> Any:
+    from isotui.store.cache import ResultCache
+
+    return ResultCache(root, folder=FOLDER, schema=SCHEMA)
+
+
+def measure_attention(
+    spec,
+    cache,
+    *,
+    sample_size: int = 0,
+    on_progress: ProgressCallback = no_progress,
+    should_stop: StopCheck = never_stop,
+    on_notice=None,
+) -> AttentionResult:
+    """The attention result for ``spec`` (a :class:`~isotui.spec.RunSpec`): from ``cache`` (an
+    :func:`attention_cache`, or None) when present, else computed and stored.
+
+    ``sample_size``: queries and keys kept per module (a uniform subsample, the same tokens for
+    every checkpoint of a model) for the dynamics' common SVD; 0 keeps none.
+    """
+    from isotui.experiments.layerwise import prepare
+    from isotui.store.cache import CacheProblem
+
+    notice = on_notice or (lambda _text: None)
+    prepared = prepare(spec)
+    key = cache_key(prepared.key, sample_size)
+    if cache is not None:
+        try:
+            found = cache.get_payload(key)
+        except CacheProblem as problem:
+            notice(f"{problem}; recomputing")
+            found = None
+        if found is not None:
+            result = AttentionResult.from_json(*found)
+            result.model = spec.model
+            for row in result.rows:
+                row.model = spec.model
+            result.from_cache = True
+            return result
+    result = _compute(prepared, key, sample_size, on_progress, should_stop)
+    if cache is not None:
+        try:
+            cache.put_payload(key, result.to_json(), result.arrays)
+        except OSError as exc:
+            notice(f"could not write to the cache in {cache.root} ({exc.strerror or exc}); not cached")
+    return result
+
+
+def _compute(prepared, key: str, sample_size: int, on_progress, should_stop) -> AttentionResult:
+    from importlib import metadata
+
+    import torch
+
+    from isotui import __version__
+    from isotui.extract.attention import extract_attention
+    from isotui.extract.device import resolve_device
+    from isotui.extract.runner import ExtractOptions
+    from isotui.models.loading import load_model
+    from isotui.models.naming import parse_model
+
+    spec = prepared.spec
+    device = resolve_device(prepared.device or "auto")
+    loaded = load_model(
+        parse_model(spec.model),
+        device=device,
+        dtype=prepared.dtype,
+        seed=spec.seed,
+        trust_remote_code=spec.trust_remote_code,
+    )
+    opts = ExtractOptions(
+        max_length=spec.max_length,
+        special_tokens=spec.special_tokens,
+        batch_size=spec.batch_size,
+        seed=spec.seed,
+    )
+    ex = extract_attention(
+        loaded,
+        prepared.samples,
+        device=device,
+        opts=opts,
+        on_progress=on_progress,
+        should_stop=should_stop,
+        model_name=spec.model,
+        modality=spec.data.modality,
+        sample_size=sample_size,
+    )
+    rows, arrays, modules = [], {}, []
+    nan = math.nan
+    for i, m in enumerate(ex.modules):
+        modules.append({"component": m.site.component, "layer": m.site.layer, "attention": m.site.kind})
+        arrays[f"hist.{i}"] = m.histograms.astype(np.int64)
+        arrays[f"q_bar.{i}"] = m.q_bar.astype(np.float64)
+        arrays[f"k_bar.{i}"] = m.k_bar.astype(np.float64)
+        if m.q_sample is not None:
+            arrays[f"q_sample.{i}"] = m.q_sample.astype(np.float32)
+            arrays[f"k_sample.{i}"] = m.k_sample.astype(np.float32)
+        for h, s in enumerate(m.heads):
+            pre = m.pre_rope[h] if m.pre_rope else (nan, nan, nan, nan)
+            head = asdict(s)
+            rows.append(
+                AttentionRow(
+                    model=spec.model,
+                    component=m.site.component,
+                    layer=m.site.layer,
+                    attention=m.site.kind,
+                    rope=m.rope,
+                    q_bar_norm_pre_rope=pre[0],
+                    k_bar_norm_pre_rope=pre[1],
+                    cos_qk_bar_pre_rope=pre[2],
+                    dot_qk_bar_pre_rope=pre[3],
+                    **head,
+                )
+            )
+    meta = {
+        "data": spec.data.describe(),
+        "modality": loaded.modality,
+        "model_fingerprint": prepared.model_fingerprint,
+        "model_class": type(loaded.model).__name__,
+        "n_samples": ex.n_samples,
+        "n_tokens": ex.n_tokens,
+        "max_length": ex.max_length or None,
+        "special_tokens": spec.special_tokens,
+        "dtype": prepared.dtype,
+        "device": device,
+        "seed": spec.seed,
+        "sample_size": sample_size,
+        "modules": modules,
+        "score_edges": [float(x) for x in _edges()],
+        "seconds": round(ex.seconds, 3),
+        "notes": loaded.notes + ex.notes,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": {
+            "isotui": __version__,
+            "torch": torch.__version__,
+            "transformers": metadata.version("transformers"),
+        },
+    }
+    return AttentionResult(spec.model, key, rows, meta, arrays)
+
+
+def _edges() -> np.ndarray:
+    from isotui.core.attention import score_edges
+
+    return score_edges()
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def add_arguments(p) -> None:
+    from isotui.cli_experiments import add_common, add_run_flags
+
+    p.add_argument(
+        "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
+    )
+    add_run_flags(p)
+    add_common(p, device_seed=False)
+    p.add_argument("--heads", action="store_true", help="print every head, not heads averaged per layer")
+
+
+def main(args, err) -> int:
+    from pathlib import Path
+
+    from isotui.cli import EXIT_BAD_INPUT, stdout_console
+    from isotui.cli_experiments import progress_printer, spec_from_args
+    from isotui.errors import IsotuiError
+    from isotui.paths import cache_dir
+    from isotui.render_attention import attention_table
+    from isotui.store.export import write_payload_json, write_rows_csv
+
+    models = args.models or ["minilm"]
+    base = spec_from_args(args, models[0])
+    cache = None if args.no_cache else attention_cache(cache_dir(args.cache_dir))
+    out = stdout_console()
+    results, failed = [], []
+    for model in models:
+        try:
+            with progress_printer(err, model, quiet=args.quiet) as on_progress:
+                result = measure_attention(
+                    base.with_model(model),
+                    cache,
+                    on_progress=on_progress,
+                    on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+                )
+        except IsotuiError as exc:
+            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
+            failed.append(model)
+            continue
+        results.append(result)
+        out.print(attention_table(result, out.width, per_head=args.heads))
+        out.print()
+    if results and args.csv:
+        err.print(f"wrote {write_rows_csv([r for res in results for r in res.rows], Path(args.csv))}")
+    if results and args.json:
+        payload = {
+            "results": [
+                res.to_json() | {"arrays": {k: v.tolist() for k, v in res.arrays.items()}} for res in results
+            ]
+        }
+        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
+    return EXIT_BAD_INPUT if failed else 0

@@ -1,0 +1,440 @@
+"""Read queries, keys and attention probabilities out of any transformers model, batch by batch.
+
+The probe is an attention function registered in transformers' ``AttentionInterface`` (with
+the eager 4-D float mask): every attention module of the model calls it with the queries and
+keys it computed (projection with bias, per head, after rotary embedding where the model rotates
+them; keys before grouped-query repetition) and its mask. The probe computes the attention
+exactly as the eager implementation does and folds statistics into per-module accumulators
+(:mod:`isotui.core.attention`). Queries and keys before rotary embedding are read with forward
+hooks on the projections (``q_proj``/``k_proj``, or GPT-NeoX's fused ``query_key_value``; after
+``q_norm``/``k_norm`` where a model has them).
+
+Layers are numbered as in the layer table: the attention of block i (0-based) is layer i + 1,
+the block whose output is hidden-state row i + 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from isotui.core.accumulator import sample_keys
+from isotui.core.attention import AttentionAccumulator, HeadStats, VectorSums
+from isotui.errors import IsotuiError
+from isotui.extract.runner import ExtractOptions, _Runner
+
+PROBE = "isotui_probe"
+_ACTIVE: dict[int, _ModuleProbe] = {}  # id(attention module) -> its probe, while a run is on
+_LOCK = threading.Lock()
+_UNSUPPORTED = ("softcap", "s_aux", "sinks")
+CROSS_NAMES = ("encdecattention", "encoder_attn", "crossattention", "cross_attn")
+
+
+def register_probe() -> None:
+    """Make ``isotui_probe`` a valid attention implementation (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(PROBE, probe_attention)
+    AttentionMaskInterface.register(PROBE, eager_mask)
+
+
+def _repeat_kv(x, n: int):
+    return x if n == 1 else x.repeat_interleave(n, dim=1)
+
+
+def probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention that also measures. Returns (output (B, T, H, d), probabilities)."""
+    import torch
+
+    for name in _UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise IsotuiError(
+                f"{type(module).__name__} uses attention {name!r}, which isotui's attention probe does "
+                "not model; its queries and keys cannot be measured exactly"
+            )
+    if kwargs.get("sliding_window") is not None and attention_mask is None:
+        raise IsotuiError(
+            f"{type(module).__name__} uses sliding-window attention without a mask; isotui cannot "
+            "tell which pairs it attends to"
+        )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]
+    scores = torch.matmul(query.float(), _repeat_kv(key, groups).float().transpose(-1, -2)) * scaling
+    logits = scores
+    bias = kwargs.get("position_bias")
+    if bias is not None:  # T5: relative position bias, added like the eager implementation
+        logits = logits + bias.float()
+    allowed = None
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            allowed = attention_mask[:, :, :, : key.shape[-2]]
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        else:
+            mask = attention_mask[:, :, :, : key.shape[-2]]
+            allowed = mask > torch.finfo(mask.dtype).min / 2
+            logits = logits + mask.float()
+    elif getattr(module, "is_causal", False) and query.shape[-2] > 1:
+        t, s = query.shape[-2], key.shape[-2]
+        allowed = torch.ones(t, s, dtype=torch.bool, device=query.device).tril(s - t)[None, None]
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if allowed is None:
+        allowed = torch.ones((1, 1, *scores.shape[-2:]), dtype=torch.bool, device=scores.device)
+    probe = _ACTIVE.get(id(module))
+    if probe is not None:
+        probe.observe(query, key, scores, probs, allowed)
+    out = torch.matmul(probs.to(value.dtype), _repeat_kv(value, groups))
+    return out.transpose(1, 2).contiguous(), probs
+
+
+@dataclass
+class ModuleSite:
+    """Where an attention module sits: component, layer (block + 1), self or cross attention."""
+
+    name: str
+    component: str
+    layer: int
+    kind: str
+
+    @property
+    def order(self) -> tuple:
+        return (
+            {"encoder": 0, "model": 0, "decoder": 1}.get(self.component, 2),
+            self.layer,
+            self.kind == "cross",
+        )
+
+
+def site_of(name: str, encoder_decoder: bool) -> ModuleSite | None:
+    """The site of the module named ``name`` (its dotted path), None if it is in no block."""
+    numbers = re.findall(r"\.(\d+)(?:\.|$)", f".{name}")
+    if not numbers:
+        return None
+    lowered = name.lower().replace("_", "")
+    kind = "cross" if any(c.replace("_", "") in lowered for c in CROSS_NAMES) else "self"
+    component = "model"
+    if encoder_decoder:
+        component = "encoder" if re.search(r"(^|\.)encoder(\.|$)", name) else "decoder"
+    return ModuleSite(name, component, int(numbers[0]) + 1, kind)
+
+
+class Subsample:
+    """A uniform subsample of the kept query (or key) positions of one module, all heads, chosen
+    by :func:`sample_keys` over (sample, position): the same tokens whichever checkpoint of a
+    model is read, and whatever the batching."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed = size, seed
+        self.keys = None
+        self.vectors = None  # (H, m, d) float32 on the CPU
+
+    def add(self, x, keep, sample_ids) -> None:
+        import torch
+
+        b, _, t, _ = x.shape
+        pos = torch.arange(t).expand(b, t)
+        ids = sample_ids[:, None].expand(b, t)
+        keep_cpu = keep.cpu()
+        keys = sample_keys(self.seed + 7919, ids[keep_cpu], pos[keep_cpu])
+        vec = x.permute(1, 0, 2, 3)[:, keep].float().cpu()
+        if self.keys is not None:
+            keys = torch.cat([self.keys, keys])
+            vec = torch.cat([self.vectors, vec], dim=1)
+        if len(keys) > self.size:
+            top = torch.topk(keys, self.size, largest=False).indices
+            keys, vec = keys[top], vec[:, top]
+        self.keys, self.vectors = keys, vec
+
+    def array(self) -> np.ndarray:
+        return np.zeros((0, 0, 0), np.float32) if self.vectors is None else self.vectors.numpy()
+
+
+class _ModuleProbe:
+    """One attention module's accumulators, fed by :func:`probe_attention` and the hooks."""
+
+    def __init__(self, site: ModuleSite, run: AttentionRun) -> None:
+        self.site, self.run = site, run
+        self.acc: AttentionAccumulator | None = None
+        self.pre_q: VectorSums | None = None
+        self.pre_k: VectorSums | None = None
+        self.pre_raw: dict[str, Any] = {}
+        self.q_sample = Subsample(run.sample_size, run.seed) if run.sample_size else None
+        self.k_sample = Subsample(run.sample_size, run.seed + 1) if run.sample_size else None
+        self.rope = False
+
+    def observe(self, q, k, scores, probs, allowed) -> None:
+        import torch
+
+        _b, h, t, d = q.shape
+        q_keep, k_keep = self.run.keep(self.site, t, k.shape[-2])
+        q_keep, k_keep = q_keep.to(q.device), k_keep.to(q.device)
+        device = q.device if q.device.type != "mps" else torch.device("cpu")
+        if self.acc is None:
+            self.acc = AttentionAccumulator(h, k.shape[1], d, device)
+        self.acc.add(q, k, scores, probs, q_keep=q_keep, k_keep=k_keep, allowed=allowed)
+        if self.q_sample is not None:
+            ids = self.run.sample_ids
+            self.q_sample.add(q, q_keep, ids)
+            self.k_sample.add(k, k_keep, ids)
+        if self.pre_raw:
+            self._fold_pre_rope(q, k, q_keep, k_keep, device)
+
+    def _fold_pre_rope(self, q, k, q_keep, k_keep, device) -> None:
+        """Queries and keys as projected, before rotary embedding (hooks filled ``pre_raw``)."""
+        raw_q, raw_k = self.pre_raw.pop("q", None), self.pre_raw.pop("k", None)
+        self.pre_raw.clear()
+        if raw_q is None or raw_k is None:
+            return
+        pq = raw_q.reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+        pk = raw_k.reshape(k.shape[0], k.shape[2], k.shape[1], k.shape[3]).transpose(1, 2)
+        if self.pre_q is None:
+            self.pre_q = VectorSums(q.shape[1], q.shape[3], device)
+            self.pre_k = VectorSums(k.shape[1], k.shape[3], device)
+        self.rope = self.rope or not (pq.shape == q.shape and bool((pq == q).all()))
+        self.pre_q.add(pq, q_keep)
+        self.pre_k.add(pk, k_keep)
+
+
+def _pre_rope_hooks(module, probe: _ModuleProbe) -> list:
+    """Forward hooks that hand the projected queries/keys (before rotary) to ``probe``."""
+    import torch
+
+    def keep(slot: str, split=None):
+        def hook(_m, _args, out):
+            if isinstance(out, tuple):
+                out = out[0]
+            probe.pre_raw[slot] = out if split is None else split(out)
+
+        return hook
+
+    children = dict(module.named_children())
+    q_mod = children["q_norm"] if "q_norm" in children else children.get("q_proj")
+    k_mod = children["k_norm"] if "k_norm" in children else children.get("k_proj")
+    if q_mod is not None and k_mod is not None:
+        return [q_mod.register_forward_hook(keep("q")), k_mod.register_forward_hook(keep("k"))]
+    fused = children.get("query_key_value")
+    if isinstance(fused, torch.nn.Module) and hasattr(module, "head_size"):  # GPT-NeoX: per head q|k|v
+        hd = module.head_size
+
+        def split(out):
+            qkv = out.view(*out.shape[:-1], -1, 3 * hd)
+            probe.pre_raw["k"] = qkv[..., hd : 2 * hd].flatten(-2)
+            return qkv[..., :hd].flatten(-2)
+
+        return [fused.register_forward_hook(keep("q", split))]
+    return []
+
+
+@dataclass
+class ModuleResult:
+    """One attention module's heads, with the arrays the plots and the dynamics need."""
+
+    site: ModuleSite
+    heads: list[HeadStats]
+    rope: bool
+    pre_rope: list[tuple[float, float, float, float]] | None  # per head: |Q_bar|, |K_bar|, cos, dot
+    histograms: np.ndarray
+    q_bar: np.ndarray
+    k_bar: np.ndarray
+    q_sample: np.ndarray | None = None
+    k_sample: np.ndarray | None = None
+
+
+@dataclass
+class AttentionExtraction:
+    modules: list[ModuleResult]
+    n_samples: int
+    n_tokens: int
+    max_length: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+class AttentionRun(_Runner):
+    """The layer runner's batching, devices and out-of-memory back-off, with the attention probe
+    in place of hidden-state hooks."""
+
+    def __init__(self, loaded, device: str, opts: ExtractOptions, on_progress, *, sample_size: int) -> None:
+        super().__init__(loaded, device, opts, on_progress)
+        self.sample_size = sample_size
+        self.seed = opts.seed
+        self.probes: dict[int, _ModuleProbe] = {}
+        self.handles: list = []
+        self.masks: dict[tuple, tuple] = {}
+        self.fed = None
+        self.sample_ids = None
+        self.notes: list[str] = []
+
+    def install(self) -> None:
+        if self.loaded.family != "transformers":
+            raise IsotuiError(
+                "attention statistics need a transformers model; timm models are not read by the probe"
+            )
+        register_probe()
+        model = self.model
+        self.previous = model.config._attn_implementation
+        try:
+            model.set_attn_implementation(PROBE)
+        except Exception as exc:
+            raise IsotuiError(
+                f"{type(model).__name__} cannot switch its attention implementation ({exc}); isotui "
+                "reads queries and keys through transformers' attention interface"
+            ) from None
+        enc_dec = bool(getattr(model.config, "is_encoder_decoder", False))
+        for name, module in model.named_modules():
+            if not (type(module).__name__.endswith("Attention") and hasattr(module, "config")):
+                continue
+            site = site_of(name, enc_dec)
+            if site is None:
+                continue
+            probe = _ModuleProbe(site, self)
+            self.probes[id(module)] = probe
+            self.handles += _pre_rope_hooks(module, probe)
+        with _LOCK:
+            _ACTIVE.update(self.probes)
+
+    def uninstall(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        with _LOCK:
+            for key in self.probes:
+                _ACTIVE.pop(key, None)
+        with contextlib.suppress(Exception):  # the model is about to be dropped anyway
+            self.model.set_attn_implementation(self.previous)
+
+    def keep(self, site: ModuleSite, q_len: int, k_len: int):
+        """(B, T) query positions and (B, S) key positions that count, from the feeder's masks."""
+        q_comp = site.component if site.component != "model" else "model"
+        k_comp = "encoder" if site.kind == "cross" else q_comp
+        return self._mask(q_comp, q_len), self._mask(k_comp, k_len)
+
+    def _mask(self, component: str, width: int):
+        key = (component, width)
+        if key not in self.masks:
+            valid, special = self.feeder.mask(self.fed, component, width)
+            keep = valid if self.opts.special_tokens == "include" else valid & ~special
+            self.masks[key] = keep
+        return self.masks[key]
+
+    def run_batch(self, idx: list[int]) -> int:
+        import torch
+
+        fed = self.feeder.feed(idx)
+        inputs = {}
+        for name, value in fed.inputs.items():
+            if value.is_floating_point() and self.dtype is not None:
+                value = value.to(self.dtype)
+            inputs[name] = value.to(self.device)
+        self.fed, self.masks = fed, {}
+        self.sample_ids = torch.tensor(idx, dtype=torch.long)
+        try:
+            with torch.inference_mode():
+                self.model(**inputs, return_dict=True)
+        except IsotuiError:
+            raise
+        except Exception as exc:
+            from isotui.extract.runner import _is_oom
+
+            if _is_oom(exc):
+                raise
+            raise IsotuiError(
+                f"model {type(self.model).__name__} failed on a batch under the attention probe "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
+            ) from None
+        if not any(p.acc is not None for p in self.probes.values()):
+            raise IsotuiError(
+                f"{type(self.model).__name__} does not compute attention through transformers' "
+                "attention interface, so isotui cannot read its queries and keys"
+            )
+        return int(fed.valid.sum()) if fed.valid is not None else len(idx)
+
+    def results(self) -> list[ModuleResult]:
+        out = []
+        for probe in sorted(self.probes.values(), key=lambda p: p.site.order):
+            if probe.acc is None:
+                continue
+            pre = None
+            if probe.pre_q is not None and probe.rope:
+                pre = _pre_summary(probe.acc, probe.pre_q, probe.pre_k)
+            out.append(
+                ModuleResult(
+                    site=probe.site,
+                    heads=probe.acc.finalize(),
+                    rope=probe.rope,
+                    pre_rope=pre,
+                    histograms=probe.acc.histograms(),
+                    q_bar=probe.acc.q.mean(),
+                    k_bar=probe.acc.k.mean(),
+                    q_sample=probe.q_sample.array() if probe.q_sample else None,
+                    k_sample=probe.k_sample.array() if probe.k_sample else None,
+                )
+            )
+        return out
+
+
+def _pre_summary(acc: AttentionAccumulator, pre_q: VectorSums, pre_k: VectorSums) -> list[tuple]:
+    qb, kb = pre_q.mean(), pre_k.mean()
+    out = []
+    for h in range(acc.heads):
+        g = acc.kv_of(h)
+        nq, nk = float(np.linalg.norm(qb[h])), float(np.linalg.norm(kb[g]))
+        dot = float(qb[h] @ kb[g])
+        out.append((nq, nk, dot / (nq * nk) if nq * nk > 0 else float("nan"), dot))
+    return out
+
+
+def extract_attention(
+    loaded,
+    samples: list[str],
+    *,
+    device: str,
+    opts: ExtractOptions,
+    on_progress,
+    should_stop,
+    model_name: str,
+    modality: str,
+    sample_size: int = 0,
+) -> AttentionExtraction:
+    """Attention statistics of every attention module of ``loaded`` over ``samples``."""
+    import time
+
+    from isotui.errors import Cancelled
+    from isotui.extract.progress import Progress
+    from isotui.extract.runner import resolve_max_length
+
+    run = AttentionRun(loaded, device, opts, on_progress, sample_size=sample_size)
+    max_length = resolve_max_length(loaded, opts.max_length, model_name)
+    run.prepare(samples, modality, max_length)
+    run.install()
+    start = time.perf_counter()
+    done = n_tokens = 0
+    total = len(samples)
+    try:
+        on_progress(Progress(0, total, 0, 0.0))
+        for idx in run.batches(run.feeder.lengths):
+            if should_stop():
+                raise Cancelled()
+            n_tokens += run.process(idx)
+            done += len(idx)
+            on_progress(Progress(done, total, n_tokens, time.perf_counter() - start))
+    finally:
+        run.uninstall()
+    modules = run.results()
+    notes = list(run.notes)
+    if any(m.site.kind == "self" and m.rope and m.pre_rope is None for m in modules):
+        notes.append("queries and keys before rotary embedding could not be read for this architecture")
+    return AttentionExtraction(
+        modules=modules,
+        n_samples=total,
+        n_tokens=n_tokens,
+        max_length=max_length,
+        seconds=time.perf_counter() - start,
+        notes=notes,
+    )
