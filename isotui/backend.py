@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from isotui.errors import Cancelled, IsotuiError
 from isotui.experiments import layerwise
@@ -28,10 +29,11 @@ from isotui.store.cache import ResultCache
 
 @dataclass(frozen=True)
 class JobEvent:
-    """Something happened to job ``job_id`` (which measures ``spec``)."""
+    """Something happened to job ``job_id`` (which measures ``spec``: a layer-wise RunSpec, or an
+    experiment request of :mod:`isotui.experiments.requests`)."""
 
     job_id: int
-    spec: RunSpec
+    spec: Any
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class JobNotice(JobEvent):
 
 @dataclass(frozen=True)
 class JobFinished(JobEvent):
-    result: ModelResult
+    result: Any  # ModelResult for a RunSpec, the experiment's result type otherwise
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ Post = Callable[[JobEvent], None]
 @dataclass
 class _Job:
     job_id: int
-    spec: RunSpec
+    spec: Any
     stop: threading.Event = field(default_factory=threading.Event)
     prepared: layerwise.Prepared | None = None
     started: bool = False  # a lane is computing it (set under the backend's lock)
@@ -107,8 +109,9 @@ class Backend:
         self._threads: list[threading.Thread] = []
         self._closed = False
 
-    def submit(self, spec: RunSpec) -> int:
-        """Queue a job for ``spec``; an identical job already queued or running is reused."""
+    def submit(self, spec: Any) -> int:
+        """Queue a job for ``spec`` (a RunSpec, or an experiment request); an identical job
+        already queued or running is reused."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the backend is closed")
@@ -159,8 +162,11 @@ class Backend:
         try:
             if job.stop.is_set():
                 raise Cancelled()
-            job.prepared = self._prepare(job.spec)
-            hit = layerwise.lookup(job.prepared, self.cache, lambda t: self._notice(job, t))
+            if isinstance(job.spec, RunSpec):
+                job.prepared = self._prepare(job.spec)
+                hit = layerwise.lookup(job.prepared, self.cache, lambda t: self._notice(job, t))
+            else:
+                hit = job.spec.lookup(self._cache_root(), lambda t: self._notice(job, t))
             if hit is not None:
                 self._end(job, JobFinished(job.job_id, job.spec, hit))
                 return
@@ -190,18 +196,26 @@ class Backend:
             try:
                 if job.stop.is_set():
                     raise Cancelled()
-                assert job.prepared is not None
-                device = job.prepared.device or resolve_device(job.spec.device)
-                self._post(JobStarted(job.job_id, job.spec, device))
-                result = self._compute(
-                    job.prepared,
-                    on_progress=lambda p, j=job: self._post(JobProgress(j.job_id, j.spec, p)),
-                    should_stop=job.stop.is_set,
-                )
-                layerwise.store(result, self.cache, lambda t, j=job: self._notice(j, t))
+                on_progress = lambda p, j=job: self._post(JobProgress(j.job_id, j.spec, p))  # noqa: E731
+                if job.prepared is None:  # an experiment request: it caches its own result
+                    self._post(JobStarted(job.job_id, job.spec, resolve_device(job.spec.device)))
+                    result = job.spec.compute(
+                        self._cache_root(),
+                        on_progress=on_progress,
+                        should_stop=job.stop.is_set,
+                        notice=lambda t, j=job: self._notice(j, t),
+                    )
+                else:
+                    device = job.prepared.device or resolve_device(job.spec.device)
+                    self._post(JobStarted(job.job_id, job.spec, device))
+                    result = self._compute(job.prepared, on_progress=on_progress, should_stop=job.stop.is_set)
+                    layerwise.store(result, self.cache, lambda t, j=job: self._notice(j, t))
                 self._end(job, JobFinished(job.job_id, job.spec, result))
             except BaseException as exc:
                 self._end(job, self._failure(job, exc))
+
+    def _cache_root(self):
+        return self.cache.root if self.cache is not None else None
 
     def _failure(self, job: _Job, exc: BaseException) -> JobEvent:
         if isinstance(exc, Cancelled):

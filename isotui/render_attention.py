@@ -69,3 +69,37 @@ def attention_table(result: AttentionResult, width: int = 200, *, per_head: bool
     table.caption = "\n".join(notes)
     table.caption_justify = "left"
     return table
+
+
+def dynamics_tables(result) -> list[Table]:
+    """Checkpoints (rows) by layers (columns), heads averaged: cos(Q̄,K̄), Q̄·K̄ and entropy."""
+    steps = result.steps()
+    many = len({s[0] for s in result.sites}) > 1
+    labels = [_site(c, layer, a, many) for c, layer, a in result.sites]
+    tables = []
+    for attr, name, digits in (
+        ("cos_qk_bar", "cos(Q̄,K̄)", 3),
+        ("dot_qk_bar", "Q̄·K̄", 2),
+        ("entropy", "attention entropy (nats)", 2),
+    ):
+        values = result.layer_means(attr)
+        table = Table(
+            title=f"[bold]{escape(shorten(result.series, 60))}[/]  {name} per layer, heads averaged  "
+            f"{escape(str(result.meta.get('data')))}, {result.meta.get('n_samples')} samples",
+            title_justify="left",
+            header_style="bold",
+            pad_edge=False,
+        )
+        table.add_column("checkpoint", justify="left", no_wrap=True)
+        table.add_column("step", justify="right")
+        for label in labels:
+            table.add_column(label, justify="right")
+        for i, ckpt in enumerate(result.checkpoints):
+            table.add_row(escape(shorten(ckpt.label, 28)), str(steps[i]), *(_f(v, digits) for v in values[i]))
+        tables.append(table)
+    tables[-1].caption = (
+        "layer L: the attention of the block that outputs hidden-state row L; x: cross-attention; per head "
+        "and the 2-D trajectories of Q̄ and K̄: --csv, --plot LAYER:HEAD"
+    )
+    tables[-1].caption_justify = "left"
+    return tables

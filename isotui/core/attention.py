@@ -29,25 +29,26 @@ def row_stats(probs: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor,
     """Per softmax row (last axis): max, median, min over the allowed keys, and entropy in nats.
 
     ``allowed`` broadcasts against ``probs``. The median of an even count is the mean of the two
-    middle values (numpy's convention). Rows with no allowed key give NaN.
+    middle values (numpy's convention). Rows with no allowed key give NaN. Computed in the
+    probabilities' own precision (float32 from the probe), returned as float64.
     """
     import torch
 
     allowed = allowed.expand_as(probs)
-    p = probs.to(torch.float64)
+    p = probs if probs.dtype in (torch.float32, torch.float64) else probs.float()
     inf = torch.tensor(math.inf, dtype=p.dtype, device=p.device)
     m = allowed.sum(-1)
+    high = torch.where(allowed, p, inf)  # masked keys sort last
+    ordered = high.sort(-1).values
+    row_min = ordered[..., 0]
     row_max = torch.where(allowed, p, -inf).amax(-1)
-    row_min = torch.where(allowed, p, inf).amin(-1)
-    ordered = torch.where(allowed, p, inf).sort(-1).values
     lo = ((m - 1).clamp(min=0) // 2).unsqueeze(-1)
     hi = (m // 2).clamp(max=p.shape[-1] - 1).unsqueeze(-1)
-    median = (ordered.gather(-1, lo) + ordered.gather(-1, hi)).squeeze(-1) / 2
-    safe = torch.where(allowed & (p > 0), p, torch.ones_like(p))
-    entropy = -(torch.where(allowed, p, torch.zeros_like(p)) * safe.log()).sum(-1)
+    median = (ordered.gather(-1, lo).double() + ordered.gather(-1, hi).double()).squeeze(-1) / 2
+    plogp = torch.where(allowed & (p > 0), p * torch.log(torch.where(p > 0, p, 1.0)), 0.0)
+    entropy = -plogp.sum(-1, dtype=torch.float64)
     empty = m == 0
-    nan = torch.tensor(math.nan, dtype=p.dtype, device=p.device)
-    return tuple(torch.where(empty, nan, x) for x in (row_max, median, row_min, entropy))
+    return tuple(torch.where(empty, math.nan, x.double()) for x in (row_max, median, row_min, entropy))
 
 
 @dataclass
@@ -142,18 +143,19 @@ class ScoreSums:
 
         heads = scores.shape[1]
         pairs = pairs.expand_as(scores)
-        for h in range(heads):  # one head at a time: a float64 copy of one head's scores at most
-            s = scores[:, h][pairs[:, h]].to(torch.float64)
-            if s.numel() == 0:
-                continue
-            # index 0: below the first edge; 1..BINS: the bins; BINS + 1: at or above the last edge
-            idx = torch.bucketize(s, self.edges, right=True)
-            self.hist[h] += torch.bincount(idx, minlength=SCORE_BINS + 2)
-            self.n[h] += s.numel()
-            self.sum[h] += s.sum()
-            self.sumsq[h] += (s * s).sum()
-            self.min[h] = torch.minimum(self.min[h], s.min())
-            self.max[h] = torch.maximum(self.max[h], s.max())
+        s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+        # index 0: below the first edge; 1..BINS: the bins; BINS + 1: at or above the last edge
+        idx = torch.bucketize(s, self.edges.to(s.dtype), right=True)
+        idx += torch.arange(heads, device=s.device).view(1, heads, 1, 1) * (SCORE_BINS + 2)
+        self.hist += torch.bincount(idx[pairs], minlength=heads * (SCORE_BINS + 2)).view(heads, -1)
+        per_head = (0, 2, 3)
+        self.n += pairs.sum(per_head)
+        kept = torch.where(pairs, s, 0.0)
+        self.sum += kept.sum(-1, dtype=torch.float64).sum((0, 2))
+        self.sumsq += (kept * kept).sum(-1, dtype=torch.float64).sum((0, 2))
+        inf = torch.tensor(math.inf, dtype=s.dtype, device=s.device)
+        self.min = torch.minimum(self.min, torch.where(pairs, s, inf).amin(per_head).double())
+        self.max = torch.maximum(self.max, torch.where(pairs, s, -inf).amax(per_head).double())
 
 
 class RowSums:

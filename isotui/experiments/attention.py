@@ -194,31 +194,54 @@ def measure_attention(
     ``sample_size``: queries and keys kept per module (a uniform subsample, the same tokens for
     every checkpoint of a model) for the dynamics' common SVD; 0 keeps none.
     """
+    prepared, key, hit = find_attention(spec, cache, sample_size, on_notice)
+    if hit is not None:
+        return hit
+    return compute_attention(prepared, key, sample_size, cache, on_progress, should_stop, on_notice)
+
+
+def find_attention(spec, cache, sample_size: int = 0, on_notice=None):
+    """(prepared run, cache key, cached result or None): the quick part, no model loaded."""
     from isotui.experiments.layerwise import prepare
     from isotui.store.cache import CacheProblem
 
-    notice = on_notice or (lambda _text: None)
     prepared = prepare(spec)
     key = cache_key(prepared.key, sample_size)
-    if cache is not None:
-        try:
-            found = cache.get_payload(key)
-        except CacheProblem as problem:
-            notice(f"{problem}; recomputing")
-            found = None
-        if found is not None:
-            result = AttentionResult.from_json(*found)
-            result.model = spec.model
-            for row in result.rows:
-                row.model = spec.model
-            result.from_cache = True
-            return result
+    if cache is None:
+        return prepared, key, None
+    try:
+        found = cache.get_payload(key)
+    except CacheProblem as problem:
+        (on_notice or (lambda _t: None))(f"{problem}; recomputing")
+        found = None
+    if found is None:
+        return prepared, key, None
+    result = AttentionResult.from_json(*found)
+    result.model = spec.model
+    for row in result.rows:
+        row.model = spec.model
+    result.from_cache = True
+    return prepared, key, result
+
+
+def compute_attention(
+    prepared,
+    key: str,
+    sample_size: int,
+    cache,
+    on_progress=no_progress,
+    should_stop=never_stop,
+    on_notice=None,
+) -> AttentionResult:
+    """Load the model, measure, and store the result (a cache that cannot be written is said)."""
     result = _compute(prepared, key, sample_size, on_progress, should_stop)
     if cache is not None:
         try:
             cache.put_payload(key, result.to_json(), result.arrays)
         except OSError as exc:
-            notice(f"could not write to the cache in {cache.root} ({exc.strerror or exc}); not cached")
+            (on_notice or (lambda _t: None))(
+                f"could not write to the cache in {cache.root} ({exc.strerror or exc}); not cached"
+            )
     return result
 
 

@@ -29,6 +29,7 @@ from isotui.errors import IsotuiError
 from isotui.extract.runner import ExtractOptions, _Runner
 
 PROBE = "isotui_probe"
+SAMPLE_BUDGET_BYTES = 128 << 20  # all modules' query/key subsamples together (float32)
 _ACTIVE: dict[int, _ModuleProbe] = {}  # id(attention module) -> its probe, while a run is on
 _LOCK = threading.Lock()
 _UNSUPPORTED = ("softcap", "s_aux", "sinks")
@@ -297,8 +298,30 @@ class AttentionRun(_Runner):
             probe = _ModuleProbe(site, self)
             self.probes[id(module)] = probe
             self.handles += _pre_rope_hooks(module, probe)
+        self._size_subsamples()
         with _LOCK:
             _ACTIVE.update(self.probes)
+
+    def _size_subsamples(self) -> None:
+        """Shrink the per-module subsample so that all of them fit :data:`SAMPLE_BUDGET_BYTES`
+        (queries and keys of every head take at most 2 x hidden size floats per position)."""
+        if not self.sample_size or not self.probes:
+            return
+        config = self.model.config
+        width = next(
+            (getattr(config, a) for a in ("hidden_size", "d_model", "n_embd") if getattr(config, a, None)), 0
+        )
+        if not width:
+            return
+        fit = SAMPLE_BUDGET_BYTES // (len(self.probes) * 2 * 4 * int(width))
+        size = max(2, min(self.sample_size, fit))
+        if size < self.sample_size:
+            self.notes.append(
+                f"query/key subsample capped at {size} positions per module (of {self.sample_size} asked) "
+                f"to stay within {SAMPLE_BUDGET_BYTES >> 20} MiB"
+            )
+        for probe in self.probes.values():
+            probe.q_sample.size = probe.k_sample.size = size
 
     def uninstall(self) -> None:
         for handle in self.handles:

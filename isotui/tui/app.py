@@ -96,7 +96,14 @@ class IsotuiApp(App):
     VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (30, "-tall")]
     BINDINGS: ClassVar[list[Binding]] = [
         Binding("r", "run", "Run", id="run", tooltip="run the selected model on the current options"),
-        Binding("slash", "focus_input", "Find", id="type_model", tooltip="filter the list or type a model"),
+        Binding(
+            "slash",
+            "focus_input",
+            "Find",
+            id="type_model",
+            show=False,
+            tooltip="filter the list or type a model",
+        ),
         Binding(
             "a", "toggle_compare", "Compare", id="compare", tooltip="add/remove it from the comparison set"
         ),
@@ -106,6 +113,13 @@ class IsotuiApp(App):
         ),
         Binding(
             "s", "sort", "Sort", id="sort", show=False, tooltip="sort the layer table by the cursor's column"
+        ),
+        Binding(
+            "A",
+            "lab",
+            "Lab",
+            id="lab",
+            tooltip="attention lab: queries and keys per head, checkpoint dynamics, the drift block",
         ),
         Binding("o", "options", "Options", id="options", tooltip="data and run options"),
         Binding("e", "export", "CSV", id="export", tooltip="CSV of the whole comparison set"),
@@ -129,7 +143,7 @@ class IsotuiApp(App):
         ),
         Binding("t", "cycle_theme", "Theme", id="theme", show=False, tooltip="next theme"),
         Binding("question_mark,f1", "help", "Help", id="help", tooltip="every key"),
-        Binding("q", "quit", "Quit", id="quit", tooltip="quit (running jobs are cancelled)"),
+        Binding("q", "quit", "Quit", id="quit", show=False, tooltip="quit (running jobs are cancelled)"),
     ]
 
     def __init__(
@@ -164,6 +178,8 @@ class IsotuiApp(App):
         self.backend: Backend | None = None
         self.entries: list[Entry] = []
         self.results: dict[str, ModelResult] = {}
+        # the attention lab's results: attention per model, the latest dynamics and drift block
+        self.lab_results: dict[str, Any] = {"attention": {}, "qk-dynamics": None, "drift-block": None}
         self.comparison: list[str] = []
         self.selected: str | None = None
         self.metric = PLOT_METRICS[0]
@@ -315,6 +331,34 @@ class IsotuiApp(App):
             self.notify(str(exc), severity="error")
             return
         self.backend.submit(spec)
+
+    def submit_request(self, request: Any) -> None:
+        """Queue an attention-lab experiment (see :mod:`isotui.experiments.requests`)."""
+        if self.backend is not None:
+            self.backend.submit(request)
+
+    def action_lab(self) -> None:
+        from isotui.tui.lab import LabScreen
+
+        self.push_screen(LabScreen())
+
+    def lab_screen(self):
+        from isotui.tui.lab import LabScreen
+
+        return next((s for s in self.screen_stack if isinstance(s, LabScreen)), None)
+
+    def add_lab_result(self, kind: str, result: Any) -> None:
+        """Keep an experiment's result and show it if the lab is open; say where it is if not."""
+        if kind == "attention":
+            self.lab_results["attention"][result.model] = result
+            self.selected = result.model
+        else:
+            self.lab_results[kind] = result
+        lab = self.lab_screen()
+        if lab is not None:
+            lab.refresh_all()
+        else:
+            self.notify(f"{kind} ready: press A for the attention lab")
 
     def action_run(self) -> None:
         if not self.selected:
@@ -477,6 +521,8 @@ class IsotuiApp(App):
             self.notify(f"{model}: {ev.progress.message}", severity="warning")
         elif isinstance(ev, JobNotice):
             self.notify(f"{model}: {ev.text}", severity="warning")
+        elif isinstance(ev, JobFinished) and not isinstance(ev.spec, RunSpec):
+            self.add_lab_result(ev.spec.kind, ev.result)
         elif isinstance(ev, JobFinished):
             self.add_result(ev.result)
             if not ev.result.from_cache:

@@ -91,7 +91,9 @@ class JobsTable(DataTable):
         """Fold one backend event into the records and redraw."""
         rec = self.records.get(ev.job_id)
         if rec is None:
-            rec = self.records[ev.job_id] = JobRecord(ev.job_id, ev.spec.model, ev.spec.device)
+            kind = getattr(ev.spec, "kind", None)  # an attention-lab experiment, not a layer run
+            label = f"{kind}: {ev.spec.model}" if kind else ev.spec.model
+            rec = self.records[ev.job_id] = JobRecord(ev.job_id, label, ev.spec.device)
         if isinstance(ev, JobQueued):
             rec.state = "queued"
         elif isinstance(ev, JobStarted):
@@ -101,8 +103,10 @@ class JobsTable(DataTable):
             if rec.state != "cancelling":
                 rec.state = "finishing" if ev.progress.stage == "finalize" else "running"
         elif isinstance(ev, JobFinished):
-            rec.state = "cached" if ev.result.from_cache else "done"
-            rec.device = ev.result.meta.get("device", rec.device)
+            cached = getattr(ev.result, "from_cache", False)
+            rec.state = "cached" if (all(cached) if isinstance(cached, tuple) else cached) else "done"
+            meta = getattr(ev.result, "meta", None) or {}
+            rec.device = meta.get("device", getattr(ev.result, "device", rec.device))
         elif isinstance(ev, JobFailed):
             rec.state = "failed"
         elif isinstance(ev, JobCancelled):

@@ -1,0 +1,395 @@
+"""Queries and keys along training (Godey et al. 2024, section 5.2, Figs. 11-15 and 19-23).
+
+A checkpoint series is measured checkpoint by checkpoint with the attention experiment (each one
+cached on its own, so adding a checkpoint later costs one run). Per checkpoint, layer and head:
+cos(Q_bar, K_bar), Q_bar . K_bar, norms, attention entropy; and the 2-D trajectories of Q_bar and
+K_bar in a basis shared by all checkpoints: the top two singular vectors of the union of the
+checkpoints' queries and keys (uncentered), or of the queries only, or of the keys only
+(App. C). The SVD uses a uniform subsample of query and key positions (``--sample``, 256 per
+module by default), chosen by (sample, position) so every checkpoint contributes the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from isotui.core.trajectory import BASES, common_basis, project
+from isotui.errors import IsotuiError
+
+HELP = "queries and keys along a checkpoint series (Godey et al. 2024, Figs. 11-15, 19-23)"
+DEFAULT_SAMPLE = 256
+_STEP = re.compile(r"step[_-]?0*(\d+)(k?)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint: the model name isotui loads, a short label and its training step."""
+
+    model: str
+    label: str
+    step: int | None
+
+
+def _step_of(text: str) -> int | None:
+    """``step1000`` -> 1000, ``step_20k`` -> 20000, ``step_000100`` -> 100; else None."""
+    found = _STEP.search(text)
+    if not found:
+        return None
+    return int(found.group(1)) * (1000 if found.group(2) else 1)
+
+
+def _series_folder(path: Path) -> list[Path]:
+    """The checkpoint folders inside a series folder (e.g. ``isotui train-tiny`` output)."""
+    subs = [p for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file()]
+    return sorted(subs, key=lambda p: (_step_of(p.name) is None, _step_of(p.name) or 0, p.name))
+
+
+def resolve_checkpoints(model: str | None, checkpoints: list[str]) -> list[Checkpoint]:
+    """Turn the user's ``--checkpoints`` into a series, in the order given.
+
+    Each item is a hub revision of ``--model`` (``step1000`` -> ``MODEL@step1000``), a model id,
+    a checkpoint folder, or a folder of checkpoint folders (expanded, ordered by step).
+    """
+    items = [t for chunk in checkpoints for t in re.split(r"[,\s]+", chunk) if t]
+    if not items:
+        raise IsotuiError("--checkpoints is empty: give revisions, model ids or checkpoint folders")
+    out: list[Checkpoint] = []
+    for item in items:
+        path = Path(item).expanduser()
+        if path.is_dir() and not (path / "config.json").is_file():
+            found = _series_folder(path)
+            if not found:
+                raise IsotuiError(
+                    f"checkpoint folder {item!r} holds no model folder (config.json); give checkpoint "
+                    "folders or an isotui train-tiny output folder"
+                )
+            out += [Checkpoint(str(p), p.name, _step_of(p.name)) for p in found]
+        elif path.is_dir() or "/" in item or item.startswith(("random:", "timm:")) or model is None:
+            label = path.name if path.is_dir() else item
+            out.append(Checkpoint(str(path) if path.is_dir() else item, label, _step_of(label)))
+        else:  # a revision of --model
+            out.append(Checkpoint(f"{model}@{item}", item, _step_of(item)))
+    if len(out) < 2:
+        raise IsotuiError(
+            f"--checkpoints names {len(out)} checkpoint; the dynamics need at least 2 (a series)"
+        )
+    return out
+
+
+@dataclass
+class DynamicsRow:
+    """One head at one checkpoint (CSV columns, in this order). ``q_x_qk``: Q_bar's first
+    coordinate in the basis of queries and keys together; ``_q``/``_k``: queries or keys only."""
+
+    series: str
+    checkpoint: str
+    step: int
+    component: str
+    layer: int
+    attention: str
+    head: int
+    kv_head: int
+    cos_qk_bar: float
+    dot_qk_bar: float
+    q_bar_norm: float
+    k_bar_norm: float
+    entropy: float
+    softmax_max: float
+    q_x_qk: float
+    q_y_qk: float
+    k_x_qk: float
+    k_y_qk: float
+    q_x_q: float
+    q_y_q: float
+    k_x_q: float
+    k_y_q: float
+    q_x_k: float
+    q_y_k: float
+    k_x_k: float
+    k_y_k: float
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass
+class DynamicsResult:
+    series: str
+    checkpoints: list[Checkpoint]
+    rows: list[DynamicsRow]
+    sites: list[tuple[str, int, str]]  # (component, layer, attention) per module
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def steps(self) -> list[int]:
+        return [c.step if c.step is not None else i for i, c in enumerate(self.checkpoints)]
+
+    def layer_means(self, attr: str) -> np.ndarray:
+        """(checkpoints, modules): ``attr`` averaged over heads (NaN-aware)."""
+        out = np.full((len(self.checkpoints), len(self.sites)), math.nan)
+        labels = [c.label for c in self.checkpoints]
+        groups: dict[tuple[int, int], list[float]] = {}
+        for r in self.rows:
+            key = (labels.index(r.checkpoint), self.sites.index((r.component, r.layer, r.attention)))
+            groups.setdefault(key, []).append(getattr(r, attr))
+        for (i, j), vals in groups.items():
+            v = np.asarray(vals, dtype=float)
+            v = v[np.isfinite(v)]
+            out[i, j] = v.mean() if len(v) else math.nan
+        return out
+
+    def trajectory(self, site: int, head: int, basis: str = "qk") -> tuple[np.ndarray, np.ndarray]:
+        """(checkpoints, 2) coordinates of Q_bar and of K_bar for one head, in checkpoint order."""
+        comp, layer, att = self.sites[site]
+        rows = [
+            r for r in self.rows if (r.component, r.layer, r.attention, r.head) == (comp, layer, att, head)
+        ]
+        q = np.array([[getattr(r, f"q_x_{basis}"), getattr(r, f"q_y_{basis}")] for r in rows])
+        k = np.array([[getattr(r, f"k_x_{basis}"), getattr(r, f"k_y_{basis}")] for r in rows])
+        return q, k
+
+
+def dynamics(series: str, checkpoints: list[Checkpoint], results: list) -> DynamicsResult:
+    """Assemble the per-checkpoint attention results (with subsamples) into trajectories."""
+    sites = [tuple(m.values()) for m in results[0].modules()]
+    for ckpt, res in zip(checkpoints, results, strict=True):
+        if [tuple(m.values()) for m in res.modules()] != sites:
+            raise IsotuiError(
+                f"checkpoint {ckpt.label!r} has other attention layers than {checkpoints[0].label!r}; "
+                "a series must be checkpoints of one architecture"
+            )
+    rows: list[DynamicsRow] = []
+    per_ckpt: list[list[DynamicsRow]] = [[] for _ in checkpoints]
+    for i, (comp, layer, att) in enumerate(sites):
+        heads = results[0].module_rows(i)
+        for hrow in heads:
+            h, g = hrow.head, hrow.kv_head
+            q_samples = [res.arrays[f"q_sample.{i}"][h] for res in results]
+            k_samples = [res.arrays[f"k_sample.{i}"][g] for res in results]
+            bases = {
+                "qk": common_basis(q_samples + k_samples),
+                "q": common_basis(q_samples),
+                "k": common_basis(k_samples),
+            }
+            for t, (ckpt, res) in enumerate(zip(checkpoints, results, strict=True)):
+                r = res.module_rows(i)[h]
+                coords: dict[str, float] = {}
+                for name in BASES:
+                    basis = bases[name]
+                    qp = _xy(res.arrays[f"q_bar.{i}"][h], basis)
+                    kp = _xy(res.arrays[f"k_bar.{i}"][g], basis)
+                    coords |= {
+                        f"q_x_{name}": qp[0],
+                        f"q_y_{name}": qp[1],
+                        f"k_x_{name}": kp[0],
+                        f"k_y_{name}": kp[1],
+                    }
+                per_ckpt[t].append(
+                    DynamicsRow(
+                        series=series,
+                        checkpoint=ckpt.label,
+                        step=ckpt.step if ckpt.step is not None else t,
+                        component=comp,
+                        layer=layer,
+                        attention=att,
+                        head=h,
+                        kv_head=g,
+                        cos_qk_bar=r.cos_qk_bar,
+                        dot_qk_bar=r.dot_qk_bar,
+                        q_bar_norm=r.q_bar_norm,
+                        k_bar_norm=r.k_bar_norm,
+                        entropy=r.entropy,
+                        softmax_max=r.softmax_max,
+                        **coords,
+                    )
+                )
+    for part in per_ckpt:
+        rows += part
+    return DynamicsResult(series, checkpoints, rows, [tuple(s) for s in sites])
+
+
+def _xy(vector: np.ndarray, basis: np.ndarray) -> tuple[float, float]:
+    if basis.shape[0] < 2 or not np.all(np.isfinite(vector)):
+        return math.nan, math.nan
+    x, y = project(vector, basis)
+    return float(x), float(y)
+
+
+def run_dynamics(
+    model: str | None,
+    checkpoints: list[Checkpoint],
+    base_spec,
+    cache,
+    *,
+    sample_size: int = DEFAULT_SAMPLE,
+    progress=None,
+    should_stop=None,
+    on_notice=None,
+) -> DynamicsResult:
+    """Measure every checkpoint (each cached on its own), then build the trajectories.
+
+    ``progress(i, checkpoint)``, if given, returns a context manager yielding that checkpoint's
+    progress callback (a bar headless, job events in the app).
+    """
+    from contextlib import nullcontext
+
+    from isotui.experiments.attention import measure_attention
+    from isotui.extract.progress import never_stop, no_progress
+
+    results = []
+    for i, ckpt in enumerate(checkpoints):
+        context = progress(i, ckpt) if progress else nullcontext(no_progress)
+        with context as on_progress:
+            try:
+                results.append(
+                    measure_attention(
+                        base_spec.with_model(ckpt.model),
+                        cache,
+                        sample_size=sample_size,
+                        on_progress=on_progress,
+                        should_stop=should_stop or never_stop,
+                        on_notice=on_notice,
+                    )
+                )
+            except IsotuiError as exc:
+                raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
+    return assemble(model, checkpoints, results, sample_size)
+
+
+def assemble(
+    model: str | None, checkpoints: list[Checkpoint], results: list, sample_size: int
+) -> DynamicsResult:
+    """The series from its checkpoints' attention results (measured or cached)."""
+    out = dynamics(model or series_name(checkpoints), checkpoints, results)
+    out.meta = {
+        "data": results[0].meta.get("data"),
+        "n_samples": results[0].meta.get("n_samples"),
+        "sample_size": sample_size,
+        "from_cache": [r.from_cache for r in results],
+        "notes": sorted({n for r in results for n in r.meta.get("notes", [])}),
+    }
+    return out
+
+
+def series_name(checkpoints: list[Checkpoint]) -> str:
+    """What to call a series without ``--model``: the folder holding its checkpoint folders, or
+    the common start of its model ids (``google/multiberts-seed_0``)."""
+    import os
+
+    parents = {str(Path(c.model).parent) for c in checkpoints if Path(c.model).is_dir()}
+    if len(parents) == 1 and all(Path(c.model).is_dir() for c in checkpoints):
+        return Path(parents.pop()).name
+    prefix = os.path.commonprefix([c.model for c in checkpoints])  # noqa: RUF071 (ids, not paths)
+    prefix = re.sub(r"[-_@/]*(step)?[-_]*$", "", prefix, flags=re.IGNORECASE)
+    return prefix or checkpoints[0].label
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def add_arguments(p) -> None:
+    from isotui.cli_experiments import add_common, add_run_flags
+
+    p.add_argument("--model", "-m", help="the model whose hub revisions --checkpoints names (optional)")
+    p.add_argument(
+        "--checkpoints",
+        "-c",
+        action="append",
+        required=True,
+        metavar="LIST",
+        help="revisions of --model (step1000,step2000), model ids, checkpoint folders, or a folder of "
+        "them (isotui train-tiny output); comma- or space-separated, repeatable",
+    )
+    add_run_flags(p)
+    p.add_argument(
+        "--sample",
+        default=str(DEFAULT_SAMPLE),
+        help=f"query and key positions per module kept for the common SVD (default {DEFAULT_SAMPLE})",
+    )
+    p.add_argument("--plot", metavar="LAYER[:HEAD]", help="draw Q_bar/K_bar trajectories of one head")
+    p.add_argument("--basis", choices=BASES, default="qk", help="SVD of queries+keys (qk), or q or k only")
+    add_common(p, device_seed=False)
+
+
+def main(args, err) -> int:
+    from isotui.cli import stdout_console
+    from isotui.cli_experiments import progress_printer, spec_from_args
+    from isotui.experiments.attention import attention_cache
+    from isotui.paths import cache_dir
+    from isotui.render_attention import dynamics_tables
+    from isotui.store.export import write_payload_json, write_rows_csv
+
+    try:
+        sample = int(args.sample)
+    except ValueError:
+        raise IsotuiError(f"--sample must be a positive integer (got {args.sample!r})") from None
+    if sample < 2:
+        raise IsotuiError(f"--sample must be at least 2 to span two directions (got {sample})")
+    plot = _parse_plot(args.plot)
+    checkpoints = resolve_checkpoints(args.model, args.checkpoints)
+    base = spec_from_args(args, checkpoints[0].model)
+    cache = None if args.no_cache else attention_cache(cache_dir(args.cache_dir))
+    n = len(checkpoints)
+    result = run_dynamics(
+        args.model,
+        checkpoints,
+        base,
+        cache,
+        sample_size=sample,
+        progress=lambda i, c: progress_printer(err, f"{i + 1}/{n} {c.label}", quiet=args.quiet),
+        on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+    )
+    out = stdout_console()
+    for table in dynamics_tables(result):
+        out.print(table)
+        out.print()
+    if plot is not None:
+        from rich.text import Text
+
+        out.print(Text.from_ansi(trajectory_text(result, *plot, basis=args.basis, width=min(out.width, 100))))
+    if args.csv:
+        err.print(f"wrote {write_rows_csv(result.rows, Path(args.csv))}")
+    if args.json:
+        payload = {
+            "series": result.series,
+            "checkpoints": [c.__dict__ for c in checkpoints],
+            "sites": result.sites,
+            "rows": [r.__dict__ for r in result.rows],
+            "meta": result.meta,
+        }
+        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
+    return 0
+
+
+def _parse_plot(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    layer, _, head = text.partition(":")
+    try:
+        return int(layer), int(head or 0)
+    except ValueError:
+        raise IsotuiError(f"--plot must be LAYER or LAYER:HEAD, e.g. 3:0 (got {text!r})") from None
+
+
+def trajectory_text(result: DynamicsResult, layer: int, head: int, *, basis: str, width: int = 100) -> str:
+    """The trajectories of one head as a plotext figure (a string), for the headless command."""
+    import plotext as plt
+
+    from isotui.figures import draw_trajectory
+
+    sites = [i for i, s in enumerate(result.sites) if s[1] == layer and s[2] == "self"]
+    if not sites:
+        raise IsotuiError(f"--plot {layer}: no such layer; layers are {sorted({s[1] for s in result.sites})}")
+    heads = {r.head for r in result.rows if r.layer == layer}
+    if head not in heads:
+        raise IsotuiError(f"--plot {layer}:{head}: no such head; heads are 0..{max(heads)}")
+    plt.clear_figure()
+    plt.plotsize(width, 24)
+    draw_trajectory(plt, result, sites[0], head, basis)
+    return plt.build()

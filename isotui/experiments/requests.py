@@ -1,0 +1,133 @@
+"""Experiment jobs for the backend: hashable requests that know how to answer from the cache
+(quick, on the lookup thread) and how to compute (long, on a device lane).
+
+A layer-wise job is a plain :class:`~isotui.spec.RunSpec`; these are the other experiments. Each
+has ``model`` (what the jobs pane shows), ``device`` (which lane), ``kind``, and the two steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from isotui.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """Queries, keys and attention sharpness of one model (``isotui experiment attention``)."""
+
+    spec: RunSpec
+    sample_size: int = 0
+    kind = "attention"
+
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    def lookup(self, cache_root: Path | None, notice) -> Any:
+        from isotui.experiments.attention import attention_cache, find_attention
+
+        cache = attention_cache(cache_root) if cache_root else None
+        return find_attention(self.spec, cache, self.sample_size, notice)[2]
+
+    def compute(self, cache_root: Path | None, *, on_progress, should_stop, notice) -> Any:
+        from isotui.experiments.attention import attention_cache, compute_attention, find_attention
+
+        cache = attention_cache(cache_root) if cache_root else None
+        prepared, key, _ = find_attention(self.spec, None, self.sample_size)
+        return compute_attention(prepared, key, self.sample_size, cache, on_progress, should_stop, notice)
+
+
+@dataclass(frozen=True)
+class DynamicsRequest:
+    """Queries and keys along a checkpoint series (``isotui experiment qk-dynamics``)."""
+
+    series: str | None
+    checkpoints: tuple  # of qk_dynamics.Checkpoint
+    spec: RunSpec  # data and run options; its model is the first checkpoint
+    sample_size: int = 256
+    kind = "qk-dynamics"
+
+    @property
+    def model(self) -> str:
+        from isotui.experiments.qk_dynamics import series_name
+
+        return self.series or series_name(list(self.checkpoints))
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    def lookup(self, cache_root: Path | None, notice) -> Any:
+        """Answered at once only when every checkpoint is cached."""
+        from isotui.experiments.attention import attention_cache, find_attention
+        from isotui.experiments.qk_dynamics import assemble
+
+        if cache_root is None:
+            return None
+        cache = attention_cache(cache_root)
+        found = []
+        for ckpt in self.checkpoints:
+            hit = find_attention(self.spec.with_model(ckpt.model), cache, self.sample_size, notice)[2]
+            if hit is None:
+                return None
+            found.append(hit)
+        return assemble(self.series, list(self.checkpoints), found, self.sample_size)
+
+    def compute(self, cache_root: Path | None, *, on_progress, should_stop, notice) -> Any:
+        from contextlib import nullcontext
+
+        from isotui.experiments.attention import attention_cache
+        from isotui.experiments.qk_dynamics import run_dynamics
+
+        cache = attention_cache(cache_root) if cache_root else None
+        return run_dynamics(
+            self.series,
+            list(self.checkpoints),
+            self.spec,
+            cache,
+            sample_size=self.sample_size,
+            progress=lambda _i, _c: nullcontext(on_progress),
+            should_stop=should_stop,
+            on_notice=notice,
+        )
+
+
+@dataclass(frozen=True)
+class DriftBlockRequest:
+    """The untrained block under drift (``isotui experiment drift-block``)."""
+
+    config: Any  # drift_block.DriftBlockConfig (frozen, hashable)
+    kind = "drift-block"
+
+    @property
+    def model(self) -> str:
+        c = self.config
+        return f"drift-block d={c.hidden} h={c.heads} seeds={','.join(map(str, c.seeds))}"
+
+    @property
+    def device(self) -> str:
+        return self.config.device
+
+    def lookup(self, cache_root: Path | None, notice) -> Any:
+        """Answered at once only when every seed's sweep is cached."""
+        from isotui.experiments.drift_block import drift_cache, run_drift_block
+
+        if cache_root is None:
+            return None
+        cache = drift_cache(cache_root)
+        if not all(cache.path_for(self.config.key(seed)).is_file() for seed in self.config.seeds):
+            return None
+        return run_drift_block(self.config, cache)
+
+    def compute(self, cache_root: Path | None, *, on_progress, should_stop, notice) -> Any:
+        from isotui.experiments.drift_block import drift_cache, run_drift_block
+
+        cache = drift_cache(cache_root) if cache_root else None
+        return run_drift_block(self.config, cache, on_progress, should_stop)

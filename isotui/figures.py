@@ -1,0 +1,67 @@
+"""Figures drawn onto a plotext object: the global ``plotext`` module headless, or a
+``PlotextPlot`` widget's own ``plt`` in the app, so both show the same picture."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+def draw_trajectory(plt: Any, result: Any, site: int, head: int, basis: str = "qk", colours=None) -> None:
+    """Q_bar and K_bar of one head, checkpoint after checkpoint, in the series' common 2-D basis
+    (Godey et al. Figs. 11-15): a path per vector, its first and last checkpoints labelled."""
+    from isotui.core.trajectory import BASES
+
+    q, k = result.trajectory(site, head, basis)
+    comp, layer, _ = result.sites[site]
+    where = f"layer {layer}" if comp == "model" else f"{comp} {layer}"
+    name = {"qk": "queries+keys", "q": "queries", "k": "keys"}[basis] if basis in BASES else basis
+    plt.title(f"{where} head {head}: Q̄ and K̄ along training (SVD of {name})")
+    q_colour, k_colour = colours or ("cyan", "orange")
+    steps = result.steps()
+    for path, colour, tag in ((q, q_colour, "Q̄"), (k, k_colour, "K̄")):
+        ok = np.all(np.isfinite(path), axis=1) if len(path) else np.zeros(0, bool)
+        if not ok.any():
+            continue
+        xs, ys = path[ok, 0].tolist(), path[ok, 1].tolist()
+        plt.plot(xs, ys, color=colour, marker="dot", label=tag)
+        first, last = (s for s, good in zip((steps[0], steps[-1]), (ok[0], ok[-1]), strict=True))
+        plt.text(f"{tag}{first if ok[0] else ''}", xs[0], ys[0], color=colour)
+        plt.text(f"{tag}{last if ok[-1] else ''}", xs[-1], ys[-1], color=colour)
+    plt.xlabel("1st singular direction")
+    plt.ylabel("2nd")
+
+
+def draw_layer_series(plt: Any, steps: list[int], values: np.ndarray, labels: list[str], title: str, palette):
+    """One line per layer over checkpoints (values: checkpoints x layers)."""
+    plt.title(title)
+    for j, label in enumerate(labels):
+        col = values[:, j]
+        ok = np.isfinite(col)
+        if ok.any():
+            plt.plot(
+                [s for s, good in zip(steps, ok, strict=True) if good],
+                col[ok].tolist(),
+                color=palette[j % len(palette)],
+                marker="dot",
+                label=label,
+            )
+
+
+def histogram_bars(
+    counts: np.ndarray, edges: np.ndarray, max_bars: int = 60
+) -> tuple[list[float], list[int]]:
+    """Bin centres and counts over the occupied range of a fixed-bin histogram, merged down to at
+    most ``max_bars`` bars (under/overflow dropped: they are reported as min/max elsewhere)."""
+    inner = np.asarray(counts[1:-1])
+    nz = np.flatnonzero(inner)
+    if len(nz) == 0:
+        return [], []
+    lo, hi = nz[0], nz[-1] + 1
+    inner, e = inner[lo:hi], edges[lo : hi + 1]
+    group = max(1, math.ceil(len(inner) / max_bars))
+    sums = [int(inner[i : i + group].sum()) for i in range(0, len(inner), group)]
+    centres = [float((e[i] + e[min(i + group, len(e) - 1)]) / 2) for i in range(0, len(inner), group)]
+    return centres, sums

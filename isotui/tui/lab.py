@@ -1,0 +1,397 @@
+"""The attention lab (key ``A``): inside self-attention, one tab per experiment.
+
+- Heads: ``isotui experiment attention`` on the selected model: cos(Q̄,K̄), Q̄·K̄, norms and the
+  softmax's sharpness per layer (heads averaged, each head as a point), and the pre-softmax
+  score histogram of the layer under the cursor (Godey et al. Figs. 7, 11-15).
+- Dynamics: ``isotui experiment qk-dynamics`` over a checkpoint series: checkpoints x layers,
+  the trajectories of Q̄ and K̄ of one head in the series' common SVD basis, per-layer curves.
+- Drift block: ``isotui experiment drift-block``, the untrained block under a drift of norm N
+  (Figs. 6-10).
+
+Jobs go through the app's backend like layer runs (the jobs pane on the main screen shows them);
+results come back to :meth:`LabScreen.show` on the UI thread.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import numpy as np
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Input, Static, TabbedContent, TabPane
+from textual_plotext import PlotextPlot
+
+from isotui.render import shorten
+
+HEAD_METRICS = (
+    ("cos_qk_bar", "cos(Q̄,K̄)"),
+    ("dot_qk_bar", "Q̄·K̄"),
+    ("q_bar_norm", "|Q̄|"),
+    ("k_bar_norm", "|K̄|"),
+    ("q_avg_cos", "query avg_cos"),
+    ("k_avg_cos", "key avg_cos"),
+    ("softmax_max", "softmax row max"),
+    ("entropy", "attention entropy (nats)"),
+)
+DYN_METRICS = (("cos_qk_bar", "cos(Q̄,K̄)"), ("entropy", "entropy (nats)"), ("dot_qk_bar", "Q̄·K̄"))
+BASES = ("qk", "q", "k")
+
+
+def _f(value: float, digits: int = 3) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+class LabScreen(Screen):
+    """The attention lab; see the module docstring. Esc goes back to the layer view."""
+
+    BINDINGS: ClassVar[list[Binding]] = [
+        Binding("escape", "close", "Back", id="lab_close", tooltip="back to the layer view"),
+        Binding("r", "run", "Run", id="lab_run", tooltip="run this tab's experiment"),
+        Binding("m", "cycle", "Figure", id="lab_figure", tooltip="next metric or figure in this tab"),
+        Binding("left_square_bracket", "head(-1)", "Head-", id="lab_head_prev", show=False),
+        Binding("right_square_bracket", "head(1)", "Head+", id="lab_head_next", show=False),
+        Binding("b", "basis", "Basis", id="lab_basis", show=False, tooltip="dynamics: SVD of qk, q or k"),
+        Binding("e", "export", "CSV", id="lab_export", tooltip="CSV of this tab's table"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_metric = 0
+        self.dyn_metric = 0
+        self.head = 0
+        self.basis = 0
+
+    def compose(self) -> ComposeResult:
+        with TabbedContent(id="lab-tabs"):
+            with TabPane("Heads", id="tab-heads"):
+                yield Static(id="heads-info")
+                yield DataTable(id="heads-table", cursor_type="row", zebra_stripes=True)
+                with Horizontal(classes="lab-charts"):
+                    yield PlotextPlot(id="heads-plot")
+                    yield PlotextPlot(id="hist-plot")
+            with TabPane("Dynamics", id="tab-dynamics"):
+                yield Input(
+                    placeholder="checkpoints: step1000 step2000 (revisions of the selected model), "
+                    "model ids, or folders; enter runs",
+                    id="dyn-input",
+                )
+                yield DataTable(id="dyn-table", cursor_type="cell", zebra_stripes=True)
+                with Horizontal(classes="lab-charts"):
+                    yield PlotextPlot(id="dyn-plot")
+                    yield PlotextPlot(id="dyn-lines")
+            with TabPane("Drift block", id="tab-drift"):
+                yield from self.compose_drift()
+        yield Static(id="lab-status")
+        yield Footer(compact=True)
+
+    def compose_drift(self) -> ComposeResult:
+        from isotui.tui.lab_drift import compose_drift
+
+        yield from compose_drift()
+
+    def on_mount(self) -> None:
+        self.query_one("#heads-table", DataTable).add_columns(
+            "layer", "heads", "cos(Q̄,K̄)", "range", "Q̄·K̄", "|Q̄|", "|K̄|", "p max", "p med", "entropy"
+        )
+        self.refresh_all()
+
+    # -- state from the app ------------------------------------------------------------------
+
+    @property
+    def tab(self) -> str:
+        return self.query_one("#lab-tabs", TabbedContent).active
+
+    def refresh_all(self) -> None:
+        self.show_heads()
+        self.show_dynamics()
+        from isotui.tui.lab_drift import show_drift
+
+        show_drift(self)
+
+    def status(self, text: str) -> None:
+        self.query_one("#lab-status", Static).update(text)
+
+    # -- heads ---------------------------------------------------------------------------------
+
+    def heads_result(self):
+        app: Any = self.app
+        return app.lab_results["attention"].get(app.selected or "")
+
+    def show_heads(self) -> None:
+        from isotui.experiments.attention import summarize
+
+        app: Any = self.app
+        result = self.heads_result()
+        info = self.query_one("#heads-info", Static)
+        table = self.query_one("#heads-table", DataTable)
+        table.clear()
+        if result is None:
+            who = app.selected or "no model selected (pick one on the main screen)"
+            info.update(f"{who}: press r to measure queries, keys and attention per layer and head")
+            self.plot_heads(None, [])
+            return
+        source = "cache" if result.from_cache else f"{result.meta.get('seconds', 0):.1f} s"
+        info.update(
+            f"{shorten(result.model, 50)} · {result.meta.get('data')} · {result.meta.get('n_samples')} "
+            f"samples · {source} · layer L = attention of the block that outputs row L"
+        )
+        summary = summarize(result)
+        many = len({s.component for s in summary}) > 1
+        for s in summary:
+            label = (
+                (f"{s.component} " if many else "") + str(s.layer) + (" x" if s.attention == "cross" else "")
+            )
+            table.add_row(
+                label,
+                str(s.heads),
+                _f(s.cos_qk_bar),
+                f"{_f(s.cos_qk_bar_min, 2)}..{_f(s.cos_qk_bar_max, 2)}",
+                _f(s.dot_qk_bar, 2),
+                _f(s.q_bar_norm, 2),
+                _f(s.k_bar_norm, 2),
+                _f(s.softmax_max),
+                _f(s.softmax_median, 4),
+                _f(s.entropy, 2),
+            )
+        self.plot_heads(result, summary)
+
+    def plot_heads(self, result, summary) -> None:
+        from isotui.figures import histogram_bars
+
+        plot = self.query_one("#heads-plot", PlotextPlot)
+        hist = self.query_one("#hist-plot", PlotextPlot)
+        for p in (plot, hist):
+            p.plt.clear_data()
+            p.plt.clear_figure()
+        attr, name = HEAD_METRICS[self.head_metric]
+        colours = self.app_colours()
+        if result is None:
+            plot.plt.title(f"{name} per layer: run the attention experiment (r)")
+            hist.plt.title("pre-softmax scores of a layer")
+        else:
+            sites = [s for s in summary if s.attention == "self"]
+            xs = list(range(1, len(sites) + 1))
+            plot.plt.title(f"{name} per layer (line: heads averaged; dots: heads)")
+            heads_x, heads_y = [], []
+            for i, s in enumerate(sites):
+                for r in result.rows:
+                    if (r.component, r.layer, r.attention) == (s.component, s.layer, s.attention):
+                        v = getattr(r, attr)
+                        if math.isfinite(v):
+                            heads_x.append(i + 1)
+                            heads_y.append(v)
+            plot.plt.scatter(heads_x, heads_y, color=colours[1], marker="dot")
+            plot.plt.plot(xs, [getattr(s, attr) for s in sites], color=colours[0], marker="braille")
+            if len(xs) > 1:
+                step = max(1, -(-len(xs) // 8))
+                plot.plt.xticks(xs[::step], [str(x) for x in xs[::step]])
+            row = self.query_one("#heads-table", DataTable).cursor_row
+            row = min(max(row, 0), len(summary) - 1)
+            edges = np.asarray(result.meta["score_edges"])
+            counts = result.arrays[f"hist.{row}"].sum(0)
+            centres, sums = histogram_bars(counts, edges)
+            s = summary[row]
+            hist.plt.title(
+                f"scores QKᵀ/√d, layer {s.layer}{' (cross)' if s.attention == 'cross' else ''}, heads pooled"
+            )
+            if centres:
+                hist.plt.bar(centres, sums, color=colours[0], width=0.9)
+        plot.refresh()
+        hist.refresh()
+
+    @on(DataTable.RowHighlighted, "#heads-table")
+    def _heads_row(self, _event) -> None:
+        from isotui.experiments.attention import summarize
+
+        result = self.heads_result()
+        if result is not None:
+            self.plot_heads(result, summarize(result))
+
+    # -- dynamics ------------------------------------------------------------------------------
+
+    def dyn_result(self):
+        app: Any = self.app
+        return app.lab_results.get("qk-dynamics")
+
+    def show_dynamics(self) -> None:
+        result = self.dyn_result()
+        table = self.query_one("#dyn-table", DataTable)
+        table.clear(columns=True)
+        if result is None:
+            self.plot_dynamics()
+            return
+        many = len({s[0] for s in result.sites}) > 1
+        labels = [
+            (f"{c} " if many else "") + str(layer) + (" x" if a == "cross" else "")
+            for c, layer, a in result.sites
+        ]
+        table.add_columns("checkpoint", "step", *labels)
+        cos = result.layer_means("cos_qk_bar")
+        for i, (ckpt, step) in enumerate(zip(result.checkpoints, result.steps(), strict=True)):
+            table.add_row(shorten(ckpt.label, 24), str(step), *(_f(v) for v in cos[i]))
+        table.border_title = f"{shorten(result.series, 40)}: cos(Q̄,K̄) per layer, heads averaged"
+        self.plot_dynamics()
+
+    def dyn_site(self, result) -> int:
+        col = self.query_one("#dyn-table", DataTable).cursor_column - 2
+        return min(max(col, 0), len(result.sites) - 1)
+
+    def plot_dynamics(self) -> None:
+        from isotui.figures import draw_layer_series, draw_trajectory
+
+        result = self.dyn_result()
+        traj = self.query_one("#dyn-plot", PlotextPlot)
+        lines = self.query_one("#dyn-lines", PlotextPlot)
+        for p in (traj, lines):
+            p.plt.clear_data()
+            p.plt.clear_figure()
+        colours = self.app_colours()
+        if result is None:
+            traj.plt.title("Q̄ and K̄ along training: give checkpoints above")
+            lines.plt.title("per-layer curves over checkpoints")
+        else:
+            site = self.dyn_site(result)
+            heads = sorted(
+                {r.head for r in result.rows if (r.component, r.layer, r.attention) == result.sites[site]}
+            )
+            self.head = min(self.head, len(heads) - 1)
+            draw_trajectory(
+                traj.plt, result, site, heads[self.head], BASES[self.basis], (colours[0], colours[1])
+            )
+            attr, name = DYN_METRICS[self.dyn_metric]
+            labels = [str(s[1]) for s in result.sites]
+            draw_layer_series(
+                lines.plt,
+                result.steps(),
+                result.layer_means(attr),
+                labels,
+                f"{name} per layer over steps",
+                colours,
+            )
+        traj.refresh()
+        lines.refresh()
+
+    @on(DataTable.CellHighlighted, "#dyn-table")
+    def _dyn_cell(self, _event) -> None:
+        self.plot_dynamics()
+
+    @on(DataTable.RowHighlighted, "#drift-table")
+    def _drift_row(self, _event) -> None:
+        from isotui.tui.lab_drift import plot_drift
+
+        plot_drift(self)
+
+    @on(Input.Submitted, "#drift-input")
+    def _drift_submit(self, _event) -> None:
+        from isotui.tui.lab_drift import run_drift
+
+        run_drift(self)
+
+    @on(Input.Submitted, "#dyn-input")
+    def _dyn_submit(self, event: Input.Submitted) -> None:
+        self.run_dynamics(event.value)
+
+    def run_dynamics(self, text: str) -> None:
+        from isotui.errors import IsotuiError
+        from isotui.experiments.qk_dynamics import DEFAULT_SAMPLE, resolve_checkpoints
+        from isotui.experiments.requests import DynamicsRequest
+
+        app: Any = self.app
+        try:
+            checkpoints = resolve_checkpoints(app.selected, [text])
+            spec = app.spec_for(checkpoints[0].model)
+        except IsotuiError as exc:
+            self.app.notify(str(exc), severity="error")
+            return
+        series = (
+            app.selected
+            if any("@" in c.model and c.model.startswith(f"{app.selected}@") for c in checkpoints)
+            else None
+        )
+        app.submit_request(DynamicsRequest(series, tuple(checkpoints), spec, DEFAULT_SAMPLE))
+        self.status(f"queued qk-dynamics over {len(checkpoints)} checkpoints (jobs: main screen)")
+
+    # -- actions -------------------------------------------------------------------------------
+
+    def app_colours(self) -> list:
+        app: Any = self.app
+        return [*app.model_colours(), (200, 200, 200)]
+
+    def action_close(self) -> None:
+        self.app.pop_screen()
+
+    def action_run(self) -> None:
+        from isotui.errors import IsotuiError
+        from isotui.experiments.requests import AttentionRequest
+
+        app: Any = self.app
+        tab = self.tab
+        if tab == "tab-dynamics":
+            self.run_dynamics(self.query_one("#dyn-input", Input).value)
+            return
+        if tab == "tab-drift":
+            from isotui.tui.lab_drift import run_drift
+
+            run_drift(self)
+            return
+        if not app.selected:
+            self.app.notify("select a model on the main screen first", severity="warning")
+            return
+        try:
+            spec = app.spec_for(app.selected)
+        except IsotuiError as exc:
+            self.app.notify(str(exc), severity="error")
+            return
+        app.submit_request(AttentionRequest(spec))
+        self.status(f"queued attention of {app.selected} (jobs: main screen)")
+
+    def action_cycle(self) -> None:
+        tab = self.tab
+        if tab == "tab-heads":
+            self.head_metric = (self.head_metric + 1) % len(HEAD_METRICS)
+            self.show_heads()
+        elif tab == "tab-dynamics":
+            self.dyn_metric = (self.dyn_metric + 1) % len(DYN_METRICS)
+            self.plot_dynamics()
+        else:
+            from isotui.tui.lab_drift import cycle_drift
+
+            cycle_drift(self)
+
+    def action_head(self, delta: int) -> None:
+        self.head = max(0, self.head + delta)
+        self.plot_dynamics()
+
+    def action_basis(self) -> None:
+        self.basis = (self.basis + 1) % len(BASES)
+        self.plot_dynamics()
+
+    def action_export(self) -> None:
+        import time
+
+        from isotui.errors import IsotuiError
+        from isotui.store.export import write_rows_csv
+
+        app: Any = self.app
+        tab = self.tab
+        if tab == "tab-heads":
+            result, what = self.heads_result(), "attention"
+        elif tab == "tab-dynamics":
+            result, what = self.dyn_result(), "qk-dynamics"
+        else:
+            result, what = app.lab_results.get("drift-block"), "drift-block"
+        if result is None:
+            self.app.notify("nothing to export yet: run this tab's experiment (r)", severity="warning")
+            return
+        path = app.export_dir / f"isotui-{time.strftime('%Y%m%d-%H%M%S')}-{what}.csv"
+        try:
+            write_rows_csv(result.rows, path)
+        except IsotuiError as exc:
+            self.app.notify(str(exc), severity="error")
+            return
+        self.app.notify(f"wrote {path}")
