@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/media.py
+	$(BIN)/python benchmarks/attention.py
 
 clean:
 	rm -rf $(VENV) results

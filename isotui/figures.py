@@ -51,15 +51,18 @@ def draw_layer_series(plt: Any, steps: list[int], values: np.ndarray, labels: li
 
 
 def histogram_bars(
-    counts: np.ndarray, edges: np.ndarray, max_bars: int = 60
+    counts: np.ndarray, edges: np.ndarray, max_bars: int = 60, tail: float = 0.001
 ) -> tuple[list[float], list[int]]:
-    """Bin centres and counts over the occupied range of a fixed-bin histogram, merged down to at
-    most ``max_bars`` bars (under/overflow dropped: they are reported as min/max elsewhere)."""
-    inner = np.asarray(counts[1:-1])
-    nz = np.flatnonzero(inner)
-    if len(nz) == 0:
+    """Bin centres and counts of a fixed-bin histogram over its central mass (the ``tail`` share
+    on each side is left out, so a few far scores do not squash the picture; the tables give
+    the exact min and max), merged down to at most ``max_bars`` bars. Under/overflow dropped."""
+    inner = np.asarray(counts[1:-1], dtype=np.float64)
+    total = inner.sum()
+    if total <= 0:
         return [], []
-    lo, hi = nz[0], nz[-1] + 1
+    cdf = np.cumsum(inner) / total
+    lo = int(np.searchsorted(cdf, tail, side="left"))
+    hi = int(np.searchsorted(cdf, 1 - tail, side="left")) + 1
     inner, e = inner[lo:hi], edges[lo : hi + 1]
     group = max(1, math.ceil(len(inner) / max_bars))
     sums = [int(inner[i : i + group].sum()) for i in range(0, len(inner), group)]

@@ -36,19 +36,16 @@ def row_stats(probs: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor,
 
     allowed = allowed.expand_as(probs)
     p = probs if probs.dtype in (torch.float32, torch.float64) else probs.float()
-    inf = torch.tensor(math.inf, dtype=p.dtype, device=p.device)
-    m = allowed.sum(-1)
-    high = torch.where(allowed, p, inf)  # masked keys sort last
-    ordered = high.sort(-1).values
-    row_min = ordered[..., 0]
-    row_max = torch.where(allowed, p, -inf).amax(-1)
-    lo = ((m - 1).clamp(min=0) // 2).unsqueeze(-1)
-    hi = (m // 2).clamp(max=p.shape[-1] - 1).unsqueeze(-1)
+    m = allowed.sum(-1, keepdim=True)
+    ordered = p.masked_fill(~allowed, math.inf).sort(-1).values  # masked keys sort last
+    last = (m - 1).clamp(min=0)
+    row_min = ordered[..., 0].double()
+    row_max = ordered.gather(-1, last).squeeze(-1).double()
+    lo, hi = last // 2, (m // 2).clamp(max=p.shape[-1] - 1)
     median = (ordered.gather(-1, lo).double() + ordered.gather(-1, hi).double()).squeeze(-1) / 2
-    plogp = torch.where(allowed & (p > 0), p * torch.log(torch.where(p > 0, p, 1.0)), 0.0)
-    entropy = -plogp.sum(-1, dtype=torch.float64)
-    empty = m == 0
-    return tuple(torch.where(empty, math.nan, x.double()) for x in (row_max, median, row_min, entropy))
+    entropy = -torch.special.xlogy(p, p).masked_fill_(~allowed, 0.0).sum(-1, dtype=torch.float64)
+    empty = m.squeeze(-1) == 0
+    return tuple(x.masked_fill_(empty, math.nan) for x in (row_max, median, row_min, entropy))
 
 
 @dataclass
@@ -95,14 +92,14 @@ class VectorSums:
         """``x``: (B, H, T, d); ``keep``: (B, T) bool, the positions that count."""
         import torch
 
-        v = x.to(torch.float64).permute(1, 0, 2, 3)[:, keep]  # (H, m, d)
+        v = x.permute(1, 0, 2, 3)[:, keep].to(torch.float64)  # (H, m, d): kept positions only
         norms = torch.linalg.vector_norm(v, dim=-1)
         self.n += v.shape[1]
         self.sum += v.sum(1)
         self.sum_norm += norms.sum(1)
         nonzero = norms > 0
         self.n_nonzero += nonzero.sum(1)
-        self.sum_unit += torch.where(nonzero[..., None], v / norms.clamp_min(1e-300)[..., None], 0).sum(1)
+        self.sum_unit += (v / torch.where(nonzero, norms, 1.0)[..., None]).sum(1)
 
     def mean(self) -> np.ndarray:
         """(H, d) mean vectors (NaN for a head that saw nothing)."""
@@ -129,7 +126,6 @@ class ScoreSums:
         import torch
 
         f64 = torch.float64
-        self.edges = torch.tensor(score_edges(), dtype=f64, device=device)
         self.hist = torch.zeros((heads, SCORE_BINS + 2), dtype=torch.int64, device=device)
         self.n = torch.zeros(heads, dtype=f64, device=device)
         self.sum = torch.zeros(heads, dtype=f64, device=device)
@@ -144,18 +140,19 @@ class ScoreSums:
         heads = scores.shape[1]
         pairs = pairs.expand_as(scores)
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
-        # index 0: below the first edge; 1..BINS: the bins; BINS + 1: at or above the last edge
-        idx = torch.bucketize(s, self.edges.to(s.dtype), right=True)
+        # bin by arithmetic (the edges are multiples of 0.25, exact in binary): 0 below the first
+        # edge, 1..BINS the bins, BINS + 1 at or above the last edge
+        per_bin = SCORE_BINS / (SCORE_HIGH - SCORE_LOW)
+        idx = ((s - SCORE_LOW) * per_bin).floor_().clamp_(-1, SCORE_BINS).to(torch.int64) + 1
         idx += torch.arange(heads, device=s.device).view(1, heads, 1, 1) * (SCORE_BINS + 2)
         self.hist += torch.bincount(idx[pairs], minlength=heads * (SCORE_BINS + 2)).view(heads, -1)
         per_head = (0, 2, 3)
         self.n += pairs.sum(per_head)
-        kept = torch.where(pairs, s, 0.0)
+        kept = s.masked_fill(~pairs, 0.0)
         self.sum += kept.sum(-1, dtype=torch.float64).sum((0, 2))
-        self.sumsq += (kept * kept).sum(-1, dtype=torch.float64).sum((0, 2))
-        inf = torch.tensor(math.inf, dtype=s.dtype, device=s.device)
-        self.min = torch.minimum(self.min, torch.where(pairs, s, inf).amin(per_head).double())
-        self.max = torch.maximum(self.max, torch.where(pairs, s, -inf).amax(per_head).double())
+        self.sumsq += kept.square_().sum(-1, dtype=torch.float64).sum((0, 2))
+        self.min = torch.minimum(self.min, s.masked_fill(~pairs, math.inf).amin(per_head).double())
+        self.max = torch.maximum(self.max, s.masked_fill(~pairs, -math.inf).amax(per_head).double())
 
 
 class RowSums:

@@ -357,6 +357,9 @@ class IsotuiApp(App):
         lab = self.lab_screen()
         if lab is not None:
             lab.refresh_all()
+            lab.status(
+                f"{kind} ready" + (" (from the cache)" if kind == "attention" and result.from_cache else "")
+            )
         else:
             self.notify(f"{kind} ready: press A for the attention lab")
 
@@ -517,6 +520,12 @@ class IsotuiApp(App):
         except NoMatches:  # the app is closing; the backend's last words have nowhere to go
             return
         model = ev.spec.model
+        lab = self.lab_screen() if not isinstance(ev.spec, RunSpec) else None
+        if lab is not None and isinstance(ev, JobProgress) and not ev.progress.message:
+            p = ev.progress
+            lab.status(f"{ev.spec.kind} {shorten(model, 40)}: {p.samples_done}/{p.samples_total}")
+        elif lab is not None and isinstance(ev, JobFailed):
+            lab.status(f"{ev.spec.kind} {shorten(model, 40)} failed: {ev.message}")
         if isinstance(ev, JobProgress) and ev.progress.message:  # e.g. an out-of-memory back-off
             self.notify(f"{model}: {ev.progress.message}", severity="warning")
         elif isinstance(ev, JobNotice):
