@@ -291,10 +291,12 @@ class LabScreen(Screen):
         from isotui.tui.lab_drift import run_drift
 
         run_drift(self)
+        self.query_one("#drift-table", DataTable).focus()  # the tab's keys work again
 
     @on(Input.Submitted, "#dyn-input")
     def _dyn_submit(self, event: Input.Submitted) -> None:
         self.run_dynamics(event.value)
+        self.query_one("#dyn-table", DataTable).focus()  # the tab's keys work again
 
     def run_dynamics(self, text: str) -> None:
         from isotui.errors import IsotuiError
