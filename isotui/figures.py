@@ -18,7 +18,7 @@ def draw_trajectory(plt: Any, result: Any, site: int, head: int, basis: str = "q
     comp, layer, _ = result.sites[site]
     where = f"layer {layer}" if comp == "model" else f"{comp} {layer}"
     name = {"qk": "queries+keys", "q": "queries", "k": "keys"}[basis] if basis in BASES else basis
-    plt.title(f"{where} head {head}: Q̄ and K̄ along training (SVD of {name})")
+    plt.title(f"{where} head {head}: Q̄, K̄ along training (SVD: {name})")
     q_colour, k_colour = colours or ("cyan", "orange")
     steps = result.steps()
     for path, colour, tag in ((q, q_colour, "Q̄"), (k, k_colour, "K̄")):

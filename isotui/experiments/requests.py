@@ -7,7 +7,7 @@ has ``model`` (what the jobs pane shows), ``device`` (which lane), ``kind``, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,13 +87,34 @@ class DynamicsRequest:
         from isotui.experiments.qk_dynamics import run_dynamics
 
         cache = attention_cache(cache_root) if cache_root else None
+        n = len(self.checkpoints)
+
+        def series_progress(i: int, _ckpt):
+            """One bar for the whole series: checkpoint i's samples come after those before it."""
+
+            def post(p):
+                if p.message:
+                    on_progress(p)
+                    return
+                per = p.samples_total
+                on_progress(
+                    replace(
+                        p,
+                        samples_done=i * per + p.samples_done,
+                        samples_total=n * per,
+                        message=None,
+                    )
+                )
+
+            return nullcontext(post)
+
         return run_dynamics(
             self.series,
             list(self.checkpoints),
             self.spec,
             cache,
             sample_size=self.sample_size,
-            progress=lambda _i, _c: nullcontext(on_progress),
+            progress=series_progress,
             should_stop=should_stop,
             on_notice=notice,
         )

@@ -51,6 +51,11 @@ class LabScreen(Screen):
 
     BINDINGS: ClassVar[list[Binding]] = [
         Binding("escape", "close", "Back", id="lab_close", tooltip="back to the layer view"),
+        Binding("1", "tab('tab-heads')", "Heads", id="lab_heads", tooltip="tab: queries and keys per head"),
+        Binding("2", "tab('tab-dynamics')", "Dynamics", id="lab_dynamics", tooltip="tab: checkpoint series"),
+        Binding(
+            "3", "tab('tab-drift')", "Drift", id="lab_drift", tooltip="tab: the untrained block under drift"
+        ),
         Binding("r", "run", "Run", id="lab_run", tooltip="run this tab's experiment"),
         Binding("m", "cycle", "Figure", id="lab_figure", tooltip="next metric or figure in this tab"),
         Binding("left_square_bracket", "head(-1)", "Head-", id="lab_head_prev", show=False),
@@ -364,6 +369,18 @@ class LabScreen(Screen):
             from isotui.tui.lab_drift import cycle_drift
 
             cycle_drift(self)
+
+    def action_tab(self, tab: str) -> None:
+        """Show ``tab``; a tab with nothing run yet puts the cursor in its settings box."""
+        self.query_one("#lab-tabs", TabbedContent).active = tab
+        app: Any = self.app
+        if tab == "tab-dynamics":
+            target = "#dyn-input" if app.lab_results.get("qk-dynamics") is None else "#dyn-table"
+        elif tab == "tab-drift":
+            target = "#drift-input" if app.lab_results.get("drift-block") is None else "#drift-table"
+        else:
+            target = "#heads-table"
+        self.query_one(target).focus()
 
     def action_head(self, delta: int) -> None:
         self.head = max(0, self.head + delta)
