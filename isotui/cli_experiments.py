@@ -15,6 +15,7 @@ EXPERIMENTS = {
     "attention": "isotui.experiments.attention",
     "drift-block": "isotui.experiments.drift_block",
     "qk-dynamics": "isotui.experiments.qk_dynamics",
+    "checkpoints": "isotui.experiments.checkpoints",
 }
 TOP_LEVEL = {"train-tiny": "isotui.experiments.train_tiny"}
 
@@ -78,7 +79,7 @@ def progress_printer(err, name: str, *, quiet: bool):
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """``experiment NAME ...`` and the top-level commands."""
-    exp = sub.add_parser("experiment", help="attention experiments (attention, drift-block, qk-dynamics)")
+    exp = sub.add_parser("experiment", help="experiments: attention, drift-block, qk-dynamics, checkpoints")
     names = exp.add_subparsers(dest="experiment", required=True, metavar="NAME")
     for name, path in EXPERIMENTS.items():
         module = _module(path)

@@ -525,7 +525,11 @@ def test_canine_character_layers(media_models, tmp_path):
 
 # -- presets ----------------------------------------------------------------------------------
 
-PAPER_MODELS = {  # Godey et al. 2024, the model ids of their figures
+PAPER_MODELS = {  # Godey et al. 2024, the model ids of their figures; Machina & Mercer's Pythia sizes
+    "machina2024_pythia_sizes": [
+        f"EleutherAI/pythia-{size}-deduped"
+        for size in ("70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")
+    ],
     "godey2024_fig1_text": ["bert-base-uncased", "roberta-base", "gpt2", "t5-base"],
     "godey2024_fig2_characters": ["google/canine-s", "google/canine-c", "google/byt5-small"],
     "godey2024_fig3_speech": ["facebook/wav2vec2-base", "facebook/hubert-base-ls960", "openai/whisper-base"],

@@ -1,0 +1,192 @@
+"""Layer metrics along training (Machina & Mercer 2024): a checkpoint series, layer by layer.
+
+Each checkpoint is an ordinary layer-wise run (cached as one, so ``isotui run`` and the app see
+it too); this module lines them up as a layer x step grid of any metric, printed as a shaded
+heatmap and written as CSV (one row per checkpoint and layer, every metric).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from isotui.errors import IsotuiError
+
+HELP = "any layer metric along a checkpoint series, as a layer x step heatmap (Machina & Mercer 2024)"
+METRICS = (
+    "avg_cos",
+    "avg_cos_xctx",
+    "avg_cos_centered",
+    "drift_norm",
+    "mean_norm",
+    "isoscore",
+    "eff_rank",
+    "top_pc_share",
+    "top_rogue_share",
+)
+
+
+@dataclass
+class CheckpointSeries:
+    """The layer-wise results of a series' checkpoints, in series order."""
+
+    series: str
+    checkpoints: list  # of qk_dynamics.Checkpoint
+    results: list  # of ModelResult
+
+    def steps(self) -> list[int]:
+        return [c.step if c.step is not None else i for i, c in enumerate(self.checkpoints)]
+
+    def grid(self, metric: str) -> tuple[list[str], np.ndarray]:
+        """(row labels, values (layers x checkpoints)); layers in the first checkpoint's order."""
+        labels = [_label(r) for r in self.results[0].rows]
+        out = np.full((len(labels), len(self.results)), math.nan)
+        for j, result in enumerate(self.results):
+            for row in result.rows:
+                label = _label(row)
+                if label in labels:
+                    out[labels.index(label), j] = getattr(row, metric)
+        return labels, out
+
+    def csv_rows(self) -> list[dict[str, Any]]:
+        out = []
+        for ckpt, step, result in zip(self.checkpoints, self.steps(), self.results, strict=True):
+            for row in result.rows:
+                out.append({"series": self.series, "checkpoint": ckpt.label, "step": step, **asdict(row)})
+        return out
+
+
+def _label(row) -> str:
+    return str(row.layer) if row.component == "model" else f"{row.component} {row.layer}"
+
+
+def run_series(series: str | None, checkpoints: list, base_spec, cache, *, progress=None, on_notice=None):
+    """Measure (or read from the cache) every checkpoint's layer table."""
+    from contextlib import nullcontext
+
+    from isotui.experiments.layerwise import measure
+    from isotui.experiments.qk_dynamics import series_name
+    from isotui.extract.progress import no_progress
+
+    results = []
+    for i, ckpt in enumerate(checkpoints):
+        with progress(i, ckpt) if progress else nullcontext(no_progress) as on_progress:
+            try:
+                results.append(
+                    measure(
+                        base_spec.with_model(ckpt.model), cache, on_progress=on_progress, on_notice=on_notice
+                    )
+                )
+            except IsotuiError as exc:
+                raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
+    return CheckpointSeries(series or series_name(checkpoints), checkpoints, results)
+
+
+def heatmap(result: CheckpointSeries, metric: str):
+    """A rich table: layers down, checkpoints across, each cell shaded by its value (dark to light
+    over the grid's range)."""
+    from rich.markup import escape
+    from rich.style import Style
+    from rich.table import Table
+    from rich.text import Text
+
+    from isotui.render import shorten
+
+    labels, values = result.grid(metric)
+    finite = values[np.isfinite(values)]
+    lo, hi = (float(finite.min()), float(finite.max())) if len(finite) else (0.0, 1.0)
+    meta = result.results[0].meta
+    table = Table(
+        title=f"[bold]{escape(shorten(result.series, 50))}[/]  {metric} by layer (rows) and step (columns)  "
+        f"{escape(str(meta.get('data')))}, {meta.get('n_samples')} samples",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+    )
+    table.add_column("layer", justify="right")
+    for step in result.steps():
+        table.add_column(str(step), justify="right")
+    for i, label in enumerate(labels):
+        cells = []
+        for v in values[i]:
+            if not math.isfinite(v):
+                cells.append(Text("-"))
+                continue
+            t = (v - lo) / (hi - lo) if hi > lo else 0.5
+            grey = int(40 + 170 * t)
+            fg = "black" if t > 0.55 else "white"
+            cells.append(Text(f"{v:.3f}", style=Style(bgcolor=f"rgb({grey},{grey},{grey})", color=fg)))
+        table.add_row(label, *cells)
+    table.caption = f"darker = lower, lighter = higher ({lo:.3f} .. {hi:.3f}); columns: " + ", ".join(
+        f"{s}={shorten(c.label, 24)}" for s, c in zip(result.steps(), result.checkpoints, strict=True)
+    )
+    table.caption_justify = "left"
+    return table
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def add_arguments(p) -> None:
+    from isotui.cli_experiments import add_common, add_run_flags
+
+    p.add_argument("--model", "-m", help="the model whose hub revisions --checkpoints names (optional)")
+    p.add_argument(
+        "--checkpoints",
+        "-c",
+        action="append",
+        required=True,
+        metavar="LIST",
+        help="revisions of --model (step0,step1000,...), model ids, checkpoint folders, or a folder of "
+        "them (isotui train-tiny output); comma- or space-separated, repeatable",
+    )
+    p.add_argument("--metric", default="avg_cos", choices=METRICS, help="the heatmap's metric (CSV: all)")
+    add_run_flags(p)
+    add_common(p, device_seed=False)
+
+
+def main(args, err) -> int:
+    import csv
+
+    from isotui.cli import stdout_console
+    from isotui.cli_experiments import progress_printer, spec_from_args
+    from isotui.experiments.qk_dynamics import resolve_checkpoints
+    from isotui.paths import cache_dir
+    from isotui.store.cache import ResultCache
+    from isotui.store.export import _atomic_write, write_payload_json
+
+    checkpoints = resolve_checkpoints(args.model, args.checkpoints)
+    base = spec_from_args(args, checkpoints[0].model)
+    cache = None if args.no_cache else ResultCache(cache_dir(args.cache_dir))
+    n = len(checkpoints)
+    result = run_series(
+        args.model,
+        checkpoints,
+        base,
+        cache,
+        progress=lambda i, c: progress_printer(err, f"{i + 1}/{n} {c.label}", quiet=args.quiet),
+        on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+    )
+    out = stdout_console()
+    out.print(heatmap(result, args.metric))
+    rows = result.csv_rows()
+    if args.csv:
+
+        def write(f) -> None:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+        err.print(f"wrote {_atomic_write(Path(args.csv), write)}")
+    if args.json:
+        payload = {
+            "series": result.series,
+            "checkpoints": [c.__dict__ for c in checkpoints],
+            "results": [r.to_json() for r in result.results],
+        }
+        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
+    return 0
