@@ -16,6 +16,7 @@ EXPERIMENTS = {
     "drift-block": "isotui.experiments.drift_block",
     "qk-dynamics": "isotui.experiments.qk_dynamics",
     "checkpoints": "isotui.experiments.checkpoints",
+    "final-norm": "isotui.experiments.final_norm",
 }
 TOP_LEVEL = {"train-tiny": "isotui.experiments.train_tiny"}
 
@@ -79,7 +80,9 @@ def progress_printer(err, name: str, *, quiet: bool):
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """``experiment NAME ...`` and the top-level commands."""
-    exp = sub.add_parser("experiment", help="experiments: attention, drift-block, qk-dynamics, checkpoints")
+    exp = sub.add_parser(
+        "experiment", help="experiments: attention, drift-block, qk-dynamics, checkpoints, final-norm"
+    )
     names = exp.add_subparsers(dest="experiment", required=True, metavar="NAME")
     for name, path in EXPERIMENTS.items():
         module = _module(path)

@@ -66,6 +66,7 @@ class LayerStats:
     spectrum_from: str
     dim_contrib: np.ndarray = field(repr=False)
     eigenvalues: np.ndarray = field(repr=False)
+    mean: np.ndarray = field(repr=False)  # the mean vector x_bar (its norm is drift_norm)
 
 
 def _gram_dtype(x64: torch.Tensor) -> torch.dtype:
@@ -270,6 +271,7 @@ class LayerAccumulator:
             spectrum_from=spectrum_from,
             dim_contrib=contrib,
             eigenvalues=eig,
+            mean=mean,
         )
 
 

@@ -1,0 +1,319 @@
+"""Where isotropy is made: the model's final norm (Machina & Mercer 2024).
+
+The last block's output is measured just before and just after the final norm (GPT-2 ``ln_f``,
+GPT-NeoX ``final_layer_norm``, Llama/Mistral ``norm``...; for models without one, such as BERT,
+the last block's own output LayerNorm), with every layer metric, plus a per-dimension table: the
+mean component x_bar_k before the norm, the norm's gain gamma_k and bias beta_k, and each
+dimension's share of avg_cos before and after. Spearman correlations between |x_bar_k| (and the
+rogue share) and gamma_k say whether the norm damps the dimensions that carry the drift.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from isotui.errors import IsotuiError
+
+HELP = "metrics before and after the final norm, per dimension (Machina & Mercer 2024)"
+TOP = 5
+
+
+@dataclass
+class DimRow:
+    """One hidden dimension (the CSV of ``--csv``)."""
+
+    model: str
+    dim: int
+    mean_before: float
+    mean_after: float
+    gain: float
+    bias: float
+    share_before: float  # of avg_cos before the norm (the shares sum to 1)
+    share_after: float
+
+
+@dataclass
+class FinalNormResult:
+    model: str
+    module: str  # the norm's name in the model
+    kind: str  # "final" or "last block's output norm"
+    before: Any  # LayerStats
+    after: Any
+    dims: list[DimRow]
+    rho_mean_gain: float  # Spearman(|x_bar_k| before, gamma_k)
+    p_mean_gain: float
+    rho_share_gain: float  # Spearman(share of avg_cos before, gamma_k)
+    p_share_gain: float
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def verdict(self) -> str:
+        """One sentence: does the norm raise or lower isotropy, and through which dimensions."""
+        b, a = self.before.avg_cos, self.after.avg_cos
+        way = "lowers avg_cos" if a < b else "raises avg_cos"
+        top = sorted(self.dims, key=lambda r: -r.share_before)[:3]
+        gains = np.array([r.gain for r in self.dims])
+        dims = ", ".join(
+            f"{r.dim} (share {r.share_before:.2f}→{r.share_after:.2f}, gain {r.gain:.2f})" for r in top
+        )
+        med = float(np.median(np.abs(gains))) if len(gains) else math.nan
+        direction = "isotropy up" if a < b else "isotropy down"
+        return (
+            f"{self.module} {way} from {b:.4f} to {a:.4f} ({direction}; IsoScore {self.before.isoscore:.3f}"
+            f"→{self.after.isoscore:.3f}); the dimensions carrying most of avg_cos before it: {dims}; "
+            f"median |gain| {med:.2f}; Spearman(|x̄_k|, gain) = {self.rho_mean_gain:.2f} "
+            f"(p={self.p_mean_gain:.2g})"
+        )
+
+
+def norm_module(model) -> tuple[str, Any, str]:
+    """(name, module, kind): the model's final norm, else the last block's output LayerNorm."""
+    from isotui.models.loading import final_norm_modules
+
+    found = [(n, m) for n, m in final_norm_modules(model) if hasattr(m, "weight")]
+    if found:
+        name, module = found[-1]  # encoder-decoder: the decoder's (the model's last word)
+        return name, module, "final"
+    norms = [
+        (n, m)
+        for n, m in model.named_modules()
+        if type(m).__name__ in ("LayerNorm", "RMSNorm") or type(m).__name__.endswith(("LayerNorm", "RMSNorm"))
+    ]
+    if not norms:
+        raise IsotuiError(f"{type(model).__name__} has no LayerNorm or RMSNorm to analyse")
+    name, module = norms[-1]
+    return name, module, "last block's output norm"
+
+
+def measure_final_norm(spec, *, on_progress=None, should_stop=None) -> FinalNormResult:
+    """Stream the inputs and outputs of the final norm over ``spec``'s data."""
+    import time
+
+    import torch
+
+    from isotui.core.accumulator import LayerAccumulator
+    from isotui.errors import Cancelled
+    from isotui.experiments.layerwise import prepare
+    from isotui.extract.device import resolve_device
+    from isotui.extract.progress import Progress
+    from isotui.extract.runner import ExtractOptions, _Runner, resolve_max_length
+    from isotui.models.loading import load_model
+    from isotui.models.naming import parse_model
+
+    prepared = prepare(spec)
+    device = resolve_device(prepared.device or "auto")
+    loaded = load_model(
+        parse_model(spec.model), device=device, dtype=prepared.dtype, seed=spec.seed, trust_remote_code=False
+    )
+    if loaded.family != "transformers" or loaded.modality != "text":
+        raise IsotuiError("the final-norm analysis reads text transformers models; give a text model")
+    name, module, kind = norm_module(loaded.model)
+    opts = ExtractOptions(
+        max_length=spec.max_length, special_tokens=spec.special_tokens, batch_size=spec.batch_size
+    )
+    runner = _Runner(loaded, device, opts, lambda _e: None)
+    runner.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
+    seen: dict[str, Any] = {}
+
+    def hook(_m, args, out):
+        seen["in"], seen["out"] = args[0], out[0] if isinstance(out, tuple) else out
+
+    handle = module.register_forward_hook(hook)
+    accs: list[LayerAccumulator] = []
+    start, done, total = time.perf_counter(), 0, len(prepared.samples)
+    try:
+        for idx in runner.batches(runner.feeder.lengths):
+            if should_stop and should_stop():
+                raise Cancelled()
+            fed = runner.feeder.feed(idx)
+            inputs = {k: v.to(device) for k, v in fed.inputs.items()}
+            with torch.inference_mode():
+                loaded.model(**inputs, return_dict=True)
+            x_in, x_out = seen["in"], seen["out"]
+            component = (
+                "decoder"
+                if "decoder" in name.split(".")[0]
+                else ("encoder" if getattr(loaded.model.config, "is_encoder_decoder", False) else "model")
+            )
+            valid, special = runner.feeder.mask(fed, component, x_in.shape[1])
+            keep = valid if spec.special_tokens == "include" else valid & ~special
+            flat = keep.flatten().nonzero().squeeze(1)
+            ids = flat // x_in.shape[1]
+            if not accs:
+                d = x_in.shape[-1]
+                accs = [
+                    LayerAccumulator(d, torch.device("cpu"), full_cov=True, reservoir=spec.reservoir)
+                    for _ in range(2)
+                ]
+            from isotui.core.accumulator import sample_keys
+
+            keys = sample_keys(spec.seed, torch.tensor(idx)[ids], flat % x_in.shape[1])
+            for acc, x in zip(accs, (x_in, x_out), strict=True):
+                vec = x.reshape(-1, x.shape[-1]).index_select(0, flat.to(x.device)).float().cpu()
+                acc.commit(acc.partial(vec, ids, keys))
+            done += len(idx)
+            if on_progress:
+                on_progress(Progress(done, total, 0, time.perf_counter() - start))
+    finally:
+        handle.remove()
+    if not accs:
+        raise IsotuiError("no sample reached the final norm")
+    before, after = (acc.finalize() for acc in accs)
+    return _result(spec.model, name, kind, module, before, after, time.perf_counter() - start, prepared)
+
+
+def _result(model, name, kind, module, before, after, seconds, prepared) -> FinalNormResult:
+    from scipy.stats import spearmanr
+
+    gain = module.weight.detach().float().cpu().numpy().astype(np.float64)
+    bias = (
+        module.bias.detach().float().cpu().numpy().astype(np.float64)
+        if getattr(module, "bias", None) is not None
+        else np.zeros_like(gain)
+    )
+    share_b = before.dim_contrib / before.avg_cos
+    share_a = after.dim_contrib / after.avg_cos
+    dims = [
+        DimRow(
+            model,
+            k,
+            float(before.mean[k]),
+            float(after.mean[k]),
+            float(gain[k]),
+            float(bias[k]),
+            float(share_b[k]),
+            float(share_a[k]),
+        )
+        for k in range(len(gain))
+    ]
+    r1 = spearmanr(np.abs(before.mean), gain)
+    r2 = spearmanr(share_b, gain)
+    return FinalNormResult(
+        model=model,
+        module=name,
+        kind=kind,
+        before=before,
+        after=after,
+        dims=dims,
+        rho_mean_gain=float(r1.statistic),
+        p_mean_gain=float(r1.pvalue),
+        rho_share_gain=float(r2.statistic),
+        p_share_gain=float(r2.pvalue),
+        meta={
+            "data": prepared.spec.data.describe(),
+            "n_samples": len(prepared.samples),
+            "seconds": round(seconds, 3),
+        },
+    )
+
+
+def final_norm_table(result: FinalNormResult):
+    """Before/after metrics, then the dimensions that carry avg_cos before the norm."""
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+
+    from isotui.render import _f
+
+    metrics = Table(
+        title=f"[bold]{escape(result.model)}[/]  {escape(result.module)} ({result.kind})  "
+        f"{escape(str(result.meta.get('data')))}, {result.meta.get('n_samples')} samples",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+    )
+    for h in ("", "n", "avg_cos", "centered", "drift", "norm", "isoscore", "erank", "top_pc"):
+        metrics.add_column(h, justify="right")
+    for label, s in (("before", result.before), ("after", result.after)):
+        metrics.add_row(
+            label,
+            str(s.n_vectors),
+            _f(s.avg_cos),
+            _f(s.avg_cos_centered),
+            _f(s.drift_norm, 3),
+            _f(s.mean_norm, 3),
+            _f(s.isoscore),
+            _f(s.eff_rank, 1),
+            _f(s.top_pc_share, 3),
+        )
+    dims = Table(
+        title=f"top {TOP} dimensions by share of avg_cos before the norm",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+    )
+    for h in ("dim", "x̄ before", "x̄ after", "gain γ", "bias β", "share before", "share after"):
+        dims.add_column(h, justify="right")
+    for r in sorted(result.dims, key=lambda r: -r.share_before)[:TOP]:
+        dims.add_row(
+            str(r.dim),
+            _f(r.mean_before, 3),
+            _f(r.mean_after, 3),
+            _f(r.gain, 3),
+            _f(r.bias, 3),
+            _f(r.share_before, 3),
+            _f(r.share_after, 3),
+        )
+    dims.caption = (
+        f"Spearman(|x̄_k|, γ_k) = {_f(result.rho_mean_gain, 3)} (p={result.p_mean_gain:.2g}); "
+        f"Spearman(share_k, γ_k) = {_f(result.rho_share_gain, 3)} (p={result.p_share_gain:.2g})\n"
+        + result.verdict()
+    )
+    dims.caption_justify = "left"
+    return Group(metrics, dims)
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def add_arguments(p) -> None:
+    from isotui.cli_experiments import add_common, add_run_flags
+
+    p.add_argument("--model", "-m", action="append", dest="models", metavar="MODEL", help="repeat to compare")
+    add_run_flags(p)
+    add_common(p, device_seed=False, cache=False)
+
+
+def main(args, err) -> int:
+    from isotui.cli import EXIT_BAD_INPUT, stdout_console
+    from isotui.cli_experiments import progress_printer, spec_from_args
+    from isotui.store.export import write_payload_json, write_rows_csv
+
+    models = args.models or ["minilm"]
+    base = spec_from_args(args, models[0])
+    out = stdout_console()
+    results, failed = [], []
+    for model in models:
+        try:
+            with progress_printer(err, model, quiet=args.quiet) as bar:
+                results.append(measure_final_norm(base.with_model(model), on_progress=bar))
+        except IsotuiError as exc:
+            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
+            failed.append(model)
+            continue
+        out.print(final_norm_table(results[-1]))
+        out.print()
+    if results and args.csv:
+        err.print(f"wrote {write_rows_csv([d for r in results for d in r.dims], Path(args.csv))}")
+    if results and args.json:
+        payload = {
+            "results": [
+                {
+                    "model": r.model,
+                    "module": r.module,
+                    "kind": r.kind,
+                    "verdict": r.verdict(),
+                    "before": {k: v for k, v in asdict(r.before).items() if not isinstance(v, np.ndarray)},
+                    "after": {k: v for k, v in asdict(r.after).items() if not isinstance(v, np.ndarray)},
+                    "dims": [asdict(d) for d in r.dims],
+                    "meta": r.meta,
+                }
+                for r in results
+            ]
+        }
+        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
+    return EXIT_BAD_INPUT if failed else 0
