@@ -64,3 +64,47 @@ def test_lab_heads_and_dynamics(tmp_path, tiny_models):
             assert not isinstance(app.screen, LabScreen)
 
     asyncio.run(scenario())
+
+
+def test_lab_drift_block_tab(tmp_path):
+    from isotui.experiments.drift_block import DriftBlockConfig, drift_cache, run_drift_block
+
+    settings = "hidden=32 heads=4 intermediate=64 vocab=200 batch=2 seq_len=16 norms=0:20:5 seeds=0,1"
+
+    async def scenario():
+        app = _app(tmp_path)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.press("A", "3")
+            box = app.screen.query_one("#drift-input", Input)
+            assert box.has_focus  # nothing run yet: the settings box takes the cursor
+            box.value = "hidden=32 heads=5"
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.lab_results["drift-block"] is None  # 5 heads do not divide 32: one sentence
+            box.value = settings
+            box.focus()
+            await pilot.press("enter")
+            await _wait(pilot, lambda: app.lab_results["drift-block"] is not None, timeout=120)
+            result = app.lab_results["drift-block"]
+            table = app.screen.query_one("#drift-table", DataTable)
+            assert table.row_count == 5
+            want = DriftBlockConfig(
+                hidden=32,
+                heads=4,
+                intermediate=64,
+                vocab=200,
+                batch=2,
+                seq_len=16,
+                norms=(0.0, 5.0, 10.0, 15.0, 20.0),
+                seeds=(0, 1),
+            )
+            cached = run_drift_block(want, drift_cache(tmp_path / "cache"))
+            assert all(cached.from_cache)  # the app's job stored both seeds
+            assert table.get_row_at(2)[2].startswith(f"{cached.mean('out_avg_cos')[2]:.3f}±")
+            assert result.config == want
+            for _ in range(5):  # every figure draws
+                await pilot.press("m")
+                await pilot.pause()
+            assert app.screen.drift_figure == 0
+
+    asyncio.run(scenario())

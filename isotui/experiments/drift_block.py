@@ -788,6 +788,13 @@ def _store(cache: ResultCache | None, run: SeedRun, notes: list[str]) -> None:
         notes.append(f"could not write to the cache in {cache.root} ({exc.strerror or exc}); not cached")
 
 
+def drift_cache(root) -> ResultCache:
+    """The drift-block sweeps' cache folder (one entry per seed) under the result cache ``root``."""
+    from isotui.store.cache import ResultCache
+
+    return ResultCache(root, folder=FOLDER, schema=SCHEMA)
+
+
 def run_drift_block(
     config: DriftBlockConfig,
     cache: ResultCache | None,
@@ -1027,7 +1034,6 @@ def main(args: argparse.Namespace, err) -> int:
 
     from isotui.cli import stdout_console
     from isotui.paths import cache_dir
-    from isotui.store.cache import ResultCache
     from isotui.store.export import write_payload_json, write_rows_csv
 
     config = config_from_args(args)
@@ -1035,7 +1041,7 @@ def main(args: argparse.Namespace, err) -> int:
         value = getattr(args, flag)
         if value and Path(value).expanduser().is_dir():
             raise IsotuiError(f"--{flag} {value} is a directory; give a file name")
-    cache = None if args.no_cache else ResultCache(cache_dir(args.cache_dir), folder=FOLDER, schema=SCHEMA)
+    cache = None if args.no_cache else drift_cache(cache_dir(args.cache_dir))
     columns = (
         TextColumn("[bold]drift-block"),
         BarColumn(),
