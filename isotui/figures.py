@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -53,9 +52,10 @@ def draw_layer_series(plt: Any, steps: list[int], values: np.ndarray, labels: li
 def histogram_bars(
     counts: np.ndarray, edges: np.ndarray, max_bars: int = 60, tail: float = 0.001
 ) -> tuple[list[float], list[int]]:
-    """Bin centres and counts of a fixed-bin histogram over its central mass (the ``tail`` share
-    on each side is left out, so a few far scores do not squash the picture; the tables give
-    the exact min and max), merged down to at most ``max_bars`` bars. Under/overflow dropped."""
+    """Bar centres and counts for drawing a fine histogram: its central mass (the ``tail`` share on
+    each side is left out, so a few far scores do not squash the picture; the tables give the exact
+    min and max) on ``max_bars`` bars of equal width, each fine bin counted in the bar holding its
+    centre. Under/overflow are dropped."""
     inner = np.asarray(counts[1:-1], dtype=np.float64)
     total = inner.sum()
     if total <= 0:
@@ -63,8 +63,11 @@ def histogram_bars(
     cdf = np.cumsum(inner) / total
     lo = int(np.searchsorted(cdf, tail, side="left"))
     hi = int(np.searchsorted(cdf, 1 - tail, side="left")) + 1
-    inner, e = inner[lo:hi], edges[lo : hi + 1]
-    group = max(1, math.ceil(len(inner) / max_bars))
-    sums = [int(inner[i : i + group].sum()) for i in range(0, len(inner), group)]
-    centres = [float((e[i] + e[min(i + group, len(e) - 1)]) / 2) for i in range(0, len(inner), group)]
-    return centres, sums
+    inner, e = inner[lo:hi], np.asarray(edges[lo : hi + 1], dtype=np.float64)
+    centres = (e[:-1] + e[1:]) / 2
+    bars = min(max_bars, len(inner))
+    grid = np.linspace(e[0], e[-1], bars + 1)
+    which = np.clip(np.searchsorted(grid, centres, side="right") - 1, 0, bars - 1)
+    sums = np.bincount(which, weights=inner, minlength=bars)
+    mids = (grid[:-1] + grid[1:]) / 2
+    return [float(m) for m in mids], [round(v) for v in sums]

@@ -17,12 +17,30 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-SCORE_LOW, SCORE_HIGH, SCORE_BINS = -64.0, 64.0, 512  # bins of 0.25; outside: under/overflow
+# Score histogram: 1024 bins over [-64, 64), evenly spaced in asinh(s / 0.05): about 0.0008 wide
+# near 0 and 1 wide at +-64, so an untrained model's scores (all within +-0.1) and a trained one's
+# (+-30) both get a shape. Outside the range: one underflow and one overflow count.
+SCORE_LIMIT, SCORE_SCALE, SCORE_BINS = 64.0, 0.05, 1024
+_SPAN = math.asinh(SCORE_LIMIT / SCORE_SCALE)
 
 
 def score_edges() -> np.ndarray:
     """The histogram's bin edges: bin i holds ``edges[i] <= s < edges[i + 1]``."""
-    return np.linspace(SCORE_LOW, SCORE_HIGH, SCORE_BINS + 1)
+    edges = SCORE_SCALE * np.sinh(np.linspace(-_SPAN, _SPAN, SCORE_BINS + 1))
+    edges[[0, -1]] = -SCORE_LIMIT, SCORE_LIMIT
+    return edges
+
+
+def score_bins(s: torch.Tensor) -> torch.Tensor:
+    """Each score's histogram index: 0 below the first edge, 1..BINS the bins, BINS + 1 at or
+    above the last edge (int64)."""
+    import torch
+
+    u = torch.asinh(s.double() / SCORE_SCALE) if s.dtype == torch.float64 else torch.asinh(s / SCORE_SCALE)
+    idx = ((u + _SPAN) * (SCORE_BINS / (2 * _SPAN))).floor_().clamp_(-1, SCORE_BINS).to(torch.int64) + 1
+    idx[s >= SCORE_LIMIT] = SCORE_BINS + 1
+    idx[s < -SCORE_LIMIT] = 0
+    return idx
 
 
 def row_stats(probs: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -140,10 +158,7 @@ class ScoreSums:
         heads = scores.shape[1]
         pairs = pairs.expand_as(scores)
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
-        # bin by arithmetic (the edges are multiples of 0.25, exact in binary): 0 below the first
-        # edge, 1..BINS the bins, BINS + 1 at or above the last edge
-        per_bin = SCORE_BINS / (SCORE_HIGH - SCORE_LOW)
-        idx = ((s - SCORE_LOW) * per_bin).floor_().clamp_(-1, SCORE_BINS).to(torch.int64) + 1
+        idx = score_bins(s)
         idx += torch.arange(heads, device=s.device).view(1, heads, 1, 1) * (SCORE_BINS + 2)
         self.hist += torch.bincount(idx[pairs], minlength=heads * (SCORE_BINS + 2)).view(heads, -1)
         per_head = (0, 2, 3)

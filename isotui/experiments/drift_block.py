@@ -25,7 +25,7 @@ Definitions (over the ``n = B * T`` vectors; float64 sums, as in ``isotui.core``
   seeds that have one.
 - Fig. 7: pre-softmax scores ``s = q k^T / sqrt(d_k)`` for every (query, key) pair of a sequence,
   per head, histogrammed on :func:`isotui.core.attention.score_edges` (bin 0 below -64, bins
-  1..512 of width 0.25, bin 513 at or above 64); ``score_*`` pool all heads.
+  1..1024 evenly spaced in asinh(s / 0.05), bin 1025 at or above 64); ``score_*`` pool all heads.
 - Fig. 8: queries and keys are the outputs of the attention module's own ``query``/``key``
   Linear layers (with bias), captured by forward hooks. ``q_*``/``k_*``: the full ``hidden``-sized
   vectors (all heads together); ``*_heads``: per head on its ``d_k`` slice, then averaged over the
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
     from isotui.store.cache import ResultCache
 
-SCHEMA = 1
+SCHEMA = 2  # 2: finer score bins (asinh-spaced)
 FOLDER = "drift-block"
 DEFAULT_NORMS = "0:30:31"
 MAX_NORMS = 1000
@@ -452,8 +452,8 @@ class DriftBlockResult:
             "rows": [asdict(r) for r in self.rows],
             "summary": [asdict(s) for s in self.summary],
             "score_edges": self.score_edges.tolist(),
-            "score_hist_layout": "[seed][N][head][bin]: bin 0 below the first edge, 1..512 the bins, "
-            "513 at or above the last edge",
+            "score_hist_layout": "[seed][N][head][bin]: bin 0 below the first edge, 1..1024 the bins, "
+            "1025 at or above the last edge",
             "score_hist": self.score_hist.tolist(),
             "softmax_position_layout": "[seed][N][stat][query position]",
             "softmax_stats": list(SOFTMAX_STATS),

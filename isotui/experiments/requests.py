@@ -130,7 +130,7 @@ class DriftBlockRequest:
     @property
     def model(self) -> str:
         c = self.config
-        return f"drift-block d={c.hidden} h={c.heads} seeds={','.join(map(str, c.seeds))}"
+        return f"d={c.hidden} heads={c.heads} std={c.init_std} seeds={','.join(map(str, c.seeds))}"
 
     @property
     def device(self) -> str:
