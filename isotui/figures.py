@@ -71,3 +71,14 @@ def histogram_bars(
     sums = np.bincount(which, weights=inner, minlength=bars)
     mids = (grid[:-1] + grid[1:]) / 2
     return [float(m) for m in mids], [round(v) for v in sums]
+
+
+def draw_histogram(plt: Any, counts: np.ndarray, edges: np.ndarray, colour, title: str) -> None:
+    """A score histogram as bars over its central mass, with short tick labels."""
+    centres, sums = histogram_bars(counts, edges)
+    plt.title(title)
+    if not centres:
+        return
+    plt.bar(centres, sums, color=colour, width=0.9)
+    ticks = np.linspace(centres[0], centres[-1], 5).tolist()
+    plt.xticks(ticks, [f"{t:.3g}" for t in ticks])

@@ -17,10 +17,10 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-# Score histogram: 1024 bins over [-64, 64), evenly spaced in asinh(s / 0.05): about 0.0008 wide
-# near 0 and 1 wide at +-64, so an untrained model's scores (all within +-0.1) and a trained one's
-# (+-30) both get a shape. Outside the range: one underflow and one overflow count.
-SCORE_LIMIT, SCORE_SCALE, SCORE_BINS = 64.0, 0.05, 1024
+# Score histogram: 1024 bins over [-64, 64), evenly spaced in asinh(s / 0.001): about 2e-5 wide
+# near 0 and 1.5 wide at +-64, so an untrained block's scores (within +-0.001 at BERT's init) and
+# a trained model's (+-30) both get a shape. Outside the range: one underflow, one overflow count.
+SCORE_LIMIT, SCORE_SCALE, SCORE_BINS = 64.0, 0.001, 1024
 _SPAN = math.asinh(SCORE_LIMIT / SCORE_SCALE)
 
 

@@ -25,7 +25,7 @@ Definitions (over the ``n = B * T`` vectors; float64 sums, as in ``isotui.core``
   seeds that have one.
 - Fig. 7: pre-softmax scores ``s = q k^T / sqrt(d_k)`` for every (query, key) pair of a sequence,
   per head, histogrammed on :func:`isotui.core.attention.score_edges` (bin 0 below -64, bins
-  1..1024 evenly spaced in asinh(s / 0.05), bin 1025 at or above 64); ``score_*`` pool all heads.
+  1..1024 evenly spaced in asinh(s / 0.001), bin 1025 at or above 64); ``score_*`` pool all heads.
 - Fig. 8: queries and keys are the outputs of the attention module's own ``query``/``key``
   Linear layers (with bias), captured by forward hooks. ``q_*``/``k_*``: the full ``hidden``-sized
   vectors (all heads together); ``*_heads``: per head on its ``d_k`` slice, then averaged over the

@@ -166,7 +166,7 @@ class LabScreen(Screen):
         self.plot_heads(result, summary)
 
     def plot_heads(self, result, summary) -> None:
-        from isotui.figures import histogram_bars
+        from isotui.figures import draw_histogram
 
         plot = self.query_one("#heads-plot", PlotextPlot)
         hist = self.query_one("#hist-plot", PlotextPlot)
@@ -198,14 +198,14 @@ class LabScreen(Screen):
             row = self.query_one("#heads-table", DataTable).cursor_row
             row = min(max(row, 0), len(summary) - 1)
             edges = np.asarray(result.meta["score_edges"])
-            counts = result.arrays[f"hist.{row}"].sum(0)
-            centres, sums = histogram_bars(counts, edges)
             s = summary[row]
-            hist.plt.title(
-                f"scores QKᵀ/√d, layer {s.layer}{' (cross)' if s.attention == 'cross' else ''}, heads pooled"
+            draw_histogram(
+                hist.plt,
+                result.arrays[f"hist.{row}"].sum(0),
+                edges,
+                colours[0],
+                f"scores QKᵀ/√d, layer {s.layer}{' (cross)' if s.attention == 'cross' else ''}, heads pooled",
             )
-            if centres:
-                hist.plt.bar(centres, sums, color=colours[0], width=0.9)
         plot.refresh()
         hist.refresh()
 

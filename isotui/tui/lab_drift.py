@@ -142,7 +142,7 @@ def show_drift(screen) -> None:
 
 
 def plot_drift(screen) -> None:
-    from isotui.figures import histogram_bars
+    from isotui.figures import draw_histogram
 
     app: Any = screen.app
     result = app.lab_results.get("drift-block")
@@ -170,10 +170,13 @@ def plot_drift(screen) -> None:
             if math.isfinite(result.n_star):
                 plt.vline(result.n_star, colours[-1])
         elif figure == 1:
-            centres, sums = histogram_bars(result.score_hist_pooled()[row], result.score_edges)
-            plt.title(f"{FIGURES[1]} (N={norms[row]:g}, heads and seeds pooled)")
-            if centres:
-                plt.bar(centres, sums, color=colours[0], width=0.9)
+            draw_histogram(
+                plt,
+                result.score_hist_pooled()[row],
+                result.score_edges,
+                colours[0],
+                f"{FIGURES[1]} (N={norms[row]:g}, heads and seeds pooled)",
+            )
         elif figure == 2:
             line("q_avg_cos", "q avg_cos", colours[0])
             line("k_avg_cos", "k avg_cos", colours[1])
