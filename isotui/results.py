@@ -10,7 +10,7 @@ import numpy as np
 from isotui.core.correlation import DriftCorrelation
 
 # Bump when a metric's definition or the stored layout changes: old entries are recomputed.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: isoscore_star, iw, iw_centered, avg_cos_abtt, avg_cos_std
 
 ROGUE_TOP = 3
 
@@ -42,6 +42,11 @@ class LayerRow:
     n_zero: int
     n_sample: int
     spectrum_from: str
+    isoscore_star: float
+    iw: float
+    iw_centered: float
+    avg_cos_abtt: float
+    avg_cos_std: float
 
     @classmethod
     def columns(cls) -> list[str]:

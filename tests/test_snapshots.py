@@ -54,6 +54,11 @@ def fixture_result(model: str, n_layers: int, dim: int, bump: float) -> ModelRes
                 n_zero=0,
                 n_sample=4096,
                 spectrum_from="reservoir",
+                isoscore_star=round(0.4 - 0.02 * i, 4),
+                iw=round(0.5 - 0.03 * i, 4),
+                iw_centered=round(0.8 - 0.01 * i, 4),
+                avg_cos_abtt=round(0.001 * i, 4),
+                avg_cos_std=round(0.01 + 0.002 * i, 4),
             )
         )
     drift = drift_correlation([r.drift_norm for r in rows], [r.avg_cos for r in rows])

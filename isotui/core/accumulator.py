@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from isotui.core.isotropy import abtt_avg_cos, isoscore_star, partition_isotropy, standardized_avg_cos
 from isotui.core.spectrum import (
     Spectrum,
     eigenvalues,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 _MASK62 = (1 << 62) - 1
+SAMPLE_METRICS_MAX_DIM = 1 << 16  # flattened conv maps beyond this: no I(W), ABTT, standardised
 
 
 def sample_keys(seed: int, sample_index: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -67,6 +69,11 @@ class LayerStats:
     dim_contrib: np.ndarray = field(repr=False)
     eigenvalues: np.ndarray = field(repr=False)
     mean: np.ndarray = field(repr=False)  # the mean vector x_bar (its norm is drift_norm)
+    isoscore_star: float = math.nan  # see isotui.core.isotropy for these five
+    iw: float = math.nan
+    iw_centered: float = math.nan
+    avg_cos_abtt: float = math.nan
+    avg_cos_std: float = math.nan
 
 
 def _gram_dtype(x64: torch.Tensor) -> torch.dtype:
@@ -255,6 +262,7 @@ class LayerAccumulator:
             spec = spectrum_from_eigenvalues(eig)
         else:
             spec, eig = Spectrum(math.nan, math.nan, math.nan), np.full(d, np.nan)
+        extra = self._sample_metrics(sample, mean, n_all)
         return LayerStats(
             dim=d,
             n_vectors=n_all,
@@ -272,7 +280,26 @@ class LayerAccumulator:
             dim_contrib=contrib,
             eigenvalues=eig,
             mean=mean,
+            isoscore_star=isoscore_star(eig),
+            **extra,
         )
+
+    def _sample_metrics(self, sample: np.ndarray | None, mean: np.ndarray, n_all: int) -> dict[str, float]:
+        """I(W), all-but-the-top and standardised avg_cos, from the reservoir (exact when it holds
+        every vector, as avg_cos_centered); skipped above :data:`SAMPLE_METRICS_MAX_DIM` dims."""
+        if sample is None or len(sample) < 2 or self.dim > SAMPLE_METRICS_MAX_DIM:
+            return {}
+        if self.full_cov and self.gram is not None and n_all >= 2:
+            ms = self.sum_xs.cpu().numpy() / n_all
+            var = (np.diag(self.gram.cpu().numpy()) - n_all * ms * ms) / (n_all - 1)
+        else:
+            var = ((sample - mean) ** 2).mean(axis=0)
+        return {
+            "iw": partition_isotropy(sample),
+            "iw_centered": partition_isotropy(sample - mean),
+            "avg_cos_abtt": abtt_avg_cos(sample, mean),
+            "avg_cos_std": standardized_avg_cos(sample, mean, np.sqrt(np.clip(var, 0, None))),
+        }
 
 
 def _centered_avg_cos(sample: np.ndarray, mean: np.ndarray) -> float:

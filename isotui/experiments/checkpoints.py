@@ -27,6 +27,11 @@ METRICS = (
     "eff_rank",
     "top_pc_share",
     "top_rogue_share",
+    "isoscore_star",
+    "iw",
+    "iw_centered",
+    "avg_cos_abtt",
+    "avg_cos_std",
 )
 
 

@@ -261,6 +261,11 @@ def build_rows(model: str, component: str, layers: list[LayerStats], *, final_no
                 n_zero=s.n_zero,
                 n_sample=s.n_sample,
                 spectrum_from=s.spectrum_from,
+                isoscore_star=s.isoscore_star,
+                iw=s.iw,
+                iw_centered=s.iw_centered,
+                avg_cos_abtt=s.avg_cos_abtt,
+                avg_cos_std=s.avg_cos_std,
             )
         )
     return rows

@@ -441,7 +441,8 @@ def _sample_notes(runner: _Runner, stats: list[LayerStats]) -> list[str]:
     if not partial:
         return []
     spectrum = any(s.spectrum_from.startswith("sample:") for s in partial)
-    what = "avg_cos_centered and the spectrum metrics" if spectrum else "avg_cos_centered"
+    sampled = "avg_cos_centered, I(W), all-but-the-top and standardised avg_cos"
+    what = f"{sampled} and the spectrum metrics" if spectrum else sampled
     note = (
         f"{what} from a uniform sample of {partial[0].n_sample:,} vectors in {len(partial)} of "
         f"{len(stats)} layers (--reservoir)"

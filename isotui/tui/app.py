@@ -52,8 +52,14 @@ PLOT_METRICS = (
     "isoscore",
     "eff_rank",
     "top_pc_share",
+    "isoscore_star",
+    "iw",
+    "iw_centered",
+    "avg_cos_abtt",
+    "avg_cos_std",
 )
-NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered")  # comparable to the isotropic null
+# comparable to the isotropic null
+NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "avg_cos_abtt", "avg_cos_std")
 DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ")
 DEVICE_REFRESH_S = 10.0
 

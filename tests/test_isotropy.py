@@ -1,0 +1,101 @@
+"""The extra isotropy metrics against direct computations: the isoscore package's IsoScore*,
+I(W) evaluated directly in float64 (and its stability where that overflows), all-but-the-top and
+standardised avg_cos over all pairs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from isotui.core.isotropy import (
+    abtt_avg_cos,
+    abtt_components,
+    isoscore_star,
+    partition_isotropy,
+    standardized_avg_cos,
+)
+from isotui.core.spectrum import eigenvalues
+
+
+def _cloud(n=300, d=12, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)) * np.linspace(3, 0.2, d)  # anisotropic
+    return x + rng.normal(size=d) * 2  # with a drift
+
+
+def _all_pairs(v):
+    u = v / np.linalg.norm(v, axis=1, keepdims=True)
+    g = u @ u.T
+    n = len(u)
+    return (g.sum() - np.trace(g)) / (n * (n - 1))
+
+
+def test_isoscore_star_matches_the_package():
+    import torch
+    from IsoScore import IsoScore
+
+    x = _cloud()
+    for zeta in (0.0, 0.2, 0.7):
+        want = float(IsoScore.IsoScore_star(x, torch.eye(x.shape[1], dtype=torch.float64), zeta))
+        # the package takes sqrt(d) of an integer tensor, in float32: agreement to ~1e-8
+        assert isoscore_star(eigenvalues(np.cov(x, rowvar=False)), zeta) == pytest.approx(want, abs=1e-7)
+
+
+def test_partition_isotropy_direct_and_overflow():
+    x = _cloud() * 0.1
+    _vals, vecs = np.linalg.eigh(x.T @ x)
+    z = np.array([np.exp(x @ c).sum() for c in np.concatenate([vecs.T, -vecs.T])])  # columns!
+    assert partition_isotropy(x) == pytest.approx(z.min() / z.max(), rel=1e-10)
+    xc = x - x.mean(0)
+    _, vc = np.linalg.eigh(xc.T @ xc)
+    zc = np.array([np.exp(xc @ c).sum() for c in np.concatenate([vc.T, -vc.T])])
+    assert partition_isotropy(x, centered=True) == pytest.approx(zc.min() / zc.max(), rel=1e-10)
+    # far out: the direct sum overflows to inf; log space still gives the ratio (a tiny number)
+    big = x * 4000
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(np.exp(big @ np.linalg.eigh(big.T @ big)[1]).sum(0)).all()
+    got = partition_isotropy(big)
+    assert 0 <= got < 1e-6 and math.isfinite(got)
+    # an isotropic cloud is close to 1, the anisotropic one is not
+    iso = np.random.default_rng(1).normal(size=(20000, 4)) * 0.05
+    assert partition_isotropy(iso) > 0.95 > partition_isotropy(x)
+    # d > n: the null-space directions (Z = n) count too
+    wide = np.random.default_rng(2).normal(size=(5, 40)) * 0.1
+    _, _, vt = np.linalg.svd(wide, full_matrices=False)
+    zw = [np.exp(wide @ c).sum() for c in np.concatenate([vt, -vt])] + [5.0]
+    assert partition_isotropy(wide) == pytest.approx(min(zw) / max(zw), rel=1e-10)
+
+
+def test_abtt_and_standardised_over_all_pairs():
+    x = _cloud(n=200, d=150)
+    mean = x.mean(0)
+    v = x - mean
+    _w, vecs = np.linalg.eigh(np.cov(x, rowvar=False))
+    top = vecs[:, ::-1][:, : abtt_components(150)]  # 2 for d = 150
+    assert abtt_components(150) == 2 and abtt_components(768) == 8
+    want = _all_pairs(v - v @ top @ top.T)
+    assert abtt_avg_cos(x, mean) == pytest.approx(want, abs=1e-10)
+    z = (x - mean) / x.std(0)
+    assert standardized_avg_cos(x, mean, x.std(0)) == pytest.approx(_all_pairs(z), abs=1e-12)
+
+
+def test_layer_rows_carry_the_new_metrics(tiny_models):
+    from isotui.experiments.layerwise import measure
+    from isotui.spec import make_spec
+
+    from .conftest import corpus
+    from .reference import hidden_vectors
+
+    texts = corpus(6)
+    result = measure(make_spec(str(tiny_models["bert"]), "builtin", max_samples=6, max_length=64), None)
+    layers, _ = hidden_vectors(tiny_models["bert"], texts, max_length=64)
+    for row, x in zip(result.rows, layers, strict=True):
+        mean = x.mean(0)
+        assert row.iw == pytest.approx(partition_isotropy(x), rel=1e-6)
+        assert row.avg_cos_abtt == pytest.approx(abtt_avg_cos(x, mean), abs=1e-6)
+        assert row.avg_cos_std == pytest.approx(_all_pairs((x - mean) / x.std(0)), abs=1e-6)
+        assert row.isoscore_star == pytest.approx(
+            isoscore_star(eigenvalues(np.cov(x, rowvar=False))), abs=1e-6
+        )
