@@ -45,7 +45,12 @@ def _step_of(text: str) -> int | None:
 
 
 def _series_folder(path: Path) -> list[Path]:
-    """The checkpoint folders inside a series folder (e.g. ``isotui train-tiny`` output)."""
+    """The checkpoint folders inside a series folder: an ``isotui train-tiny`` run's own list,
+    else every sub-folder with a config.json, by step."""
+    from isotui.experiments.train_tiny import RUN_FILE, checkpoint_dirs
+
+    if (path / RUN_FILE).is_file():
+        return checkpoint_dirs(path)
     subs = [p for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file()]
     return sorted(subs, key=lambda p: (_step_of(p.name) is None, _step_of(p.name) or 0, p.name))
 
