@@ -10,7 +10,7 @@ import numpy as np
 from isotui.core.correlation import DriftCorrelation
 
 # Bump when a metric's definition or the stored layout changes: old entries are recomputed.
-SCHEMA_VERSION = 2  # 2: isoscore_star, iw, iw_centered, avg_cos_abtt, avg_cos_std
+SCHEMA_VERSION = 2  # 2: isoscore_star, iw, iw_centered, avg_cos_abtt, avg_cos_std, *_types
 
 ROGUE_TOP = 3
 
@@ -47,6 +47,8 @@ class LayerRow:
     iw_centered: float
     avg_cos_abtt: float
     avg_cos_std: float
+    avg_cos_types: float
+    drift_norm_types: float
 
     @classmethod
     def columns(cls) -> list[str]:

@@ -99,3 +99,49 @@ def test_layer_rows_carry_the_new_metrics(tiny_models):
         assert row.isoscore_star == pytest.approx(
             isoscore_star(eigenvalues(np.cov(x, rowvar=False))), abs=1e-6
         )
+
+
+def test_type_uniform_view_over_all_pairs(tiny_models, tmp_path):
+    """Every token type weighted equally: pairs weigh 1/(count_i count_j), checked over all pairs."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from isotui.experiments.layerwise import measure
+    from isotui.spec import make_spec
+
+    from .conftest import corpus
+
+    texts = [*corpus(8), "the the the the the the the the the the"]  # one very frequent type
+    data = tmp_path / "t.txt"
+    data.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    folder = tiny_models["bert"]
+    result = measure(make_spec(str(folder), f"text:{data}", max_length=64, batch_size=3), None)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModel.from_pretrained(str(folder)).eval()
+    per_layer, ids = None, []
+    for text in texts:
+        enc = tok(text, truncation=True, max_length=64, return_special_tokens_mask=True, return_tensors="pt")
+        keep = enc["special_tokens_mask"][0] == 0
+        with torch.no_grad():
+            hs = model(input_ids=enc["input_ids"], output_hidden_states=True).hidden_states
+        per_layer = per_layer or [[] for _ in hs]
+        for layer, h in enumerate(hs):
+            per_layer[layer].append(h[0][keep].double().numpy())
+        ids += enc["input_ids"][0][keep].tolist()
+    ids = np.array(ids)
+    _, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
+    w = 1.0 / counts[inverse]
+    pair_w = np.outer(w, w)
+    np.fill_diagonal(pair_w, 0.0)
+    for row, chunks in zip(result.rows, per_layer, strict=True):
+        x = np.concatenate(chunks)
+        u = x / np.linalg.norm(x, axis=1, keepdims=True)
+        want = float((pair_w * (u @ u.T)).sum() / pair_w.sum())
+        assert row.avg_cos_types == pytest.approx(want, abs=1e-7)  # float32 model, batched
+        drift = np.linalg.norm((w[:, None] * x).sum(0) / w.sum())
+        assert row.drift_norm_types == pytest.approx(drift, rel=1e-6)
+        assert row.avg_cos_types != pytest.approx(row.avg_cos, abs=1e-6)  # "the" weighs less now
+    t5 = measure(
+        make_spec("random:t5:d_model=32,d_ff=64,num_layers=2,num_heads=2,d_kv=16", f"text:{data}"), None
+    )
+    assert all(math.isfinite(r.avg_cos_types) for r in t5.rows)

@@ -59,6 +59,8 @@ def fixture_result(model: str, n_layers: int, dim: int, bump: float) -> ModelRes
                 iw_centered=round(0.8 - 0.01 * i, 4),
                 avg_cos_abtt=round(0.001 * i, 4),
                 avg_cos_std=round(0.01 + 0.002 * i, 4),
+                avg_cos_types=round(avg_cos * 0.8, 4),
+                drift_norm_types=round(drift * 0.9, 3),
             )
         )
     drift = drift_correlation([r.drift_norm for r in rows], [r.avg_cos for r in rows])

@@ -74,6 +74,8 @@ class LayerStats:
     iw_centered: float = math.nan
     avg_cos_abtt: float = math.nan
     avg_cos_std: float = math.nan
+    avg_cos_types: float = math.nan  # token types weighted equally (text)
+    drift_norm_types: float = math.nan
 
 
 def _gram_dtype(x64: torch.Tensor) -> torch.dtype:
@@ -125,14 +127,28 @@ class LayerAccumulator:
         self.sum_x = torch.zeros(dim, dtype=f64, device=device)
         self.sum_norm = torch.zeros((), dtype=f64, device=device)
         self.within = torch.zeros((), dtype=f64, device=device)  # sum_s ||S_s||^2
+        # type-uniform weighting (text): vector i weighs 1 / (count of its token type)
+        self.weighted = False
+        self.sum_wu = torch.zeros(dim, dtype=f64, device=device)
+        self.sum_wx = torch.zeros(dim, dtype=f64, device=device)
+        self.sum_w = torch.zeros((), dtype=f64, device=device)  # over vectors with a direction
+        self.sum_w2 = torch.zeros((), dtype=f64, device=device)
+        self.sum_w_all = torch.zeros((), dtype=f64, device=device)
         self.shift: torch.Tensor | None = None  # first batch mean: keeps the 2nd moment stable
         self.sum_xs = torch.zeros(dim, dtype=f64, device=device)
         self.gram = torch.zeros((dim, dim), dtype=f64, device=device) if full_cov else None
         self.res: torch.Tensor | None = None
         self.res_keys: torch.Tensor | None = None
 
-    def partial(self, x: torch.Tensor, sample_ids: torch.Tensor, keys: torch.Tensor) -> dict:
-        """Statistics of one batch of vectors ``x`` (m x d) from samples ``sample_ids`` (0..B-1)."""
+    def partial(
+        self,
+        x: torch.Tensor,
+        sample_ids: torch.Tensor,
+        keys: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> dict:
+        """Statistics of one batch of vectors ``x`` (m x d) from samples ``sample_ids`` (0..B-1);
+        ``weights`` (m, float64): each vector's type-uniform weight, when the units are tokens."""
         import torch
 
         # MPS has no float64: there the accumulators live on the CPU (see LayerAccumulator).
@@ -163,6 +179,16 @@ class LayerAccumulator:
             out["sum_xs"] = out["sum_x"] - len(x64) * shift
             xs = (x64 - shift).to(_gram_dtype(x64))
             out["gram"] = (xs.T @ xs).to(torch.float64)
+        if weights is not None:
+            w = weights.to(self.device).to(torch.float64)
+            wn = w[nonzero] if n_nonzero < len(norms) else w
+            out |= {
+                "sum_wu": (wn[:, None] * u).sum(0),
+                "sum_wx": (w[:, None] * x64).sum(0),
+                "sum_w": wn.sum(),
+                "sum_w2": (wn * wn).sum(),
+                "sum_w_all": w.sum(),
+            }
         out["reservoir"] = self._merge_reservoir(x, keys)
         return out
 
@@ -211,6 +237,10 @@ class LayerAccumulator:
         self.pairs_within += p["pairs_within"]
         for name in ("sum_u", "sum_u2", "sum_x", "sum_norm", "within"):
             getattr(self, name).add_(p[name])
+        if "sum_wu" in p:
+            self.weighted = True
+            for name in ("sum_wu", "sum_wx", "sum_w", "sum_w2", "sum_w_all"):
+                getattr(self, name).add_(p[name])
         if self.full_cov:
             if self.shift is None and p["n_all"]:
                 self.shift = p["shift"]
@@ -262,7 +292,7 @@ class LayerAccumulator:
             spec = spectrum_from_eigenvalues(eig)
         else:
             spec, eig = Spectrum(math.nan, math.nan, math.nan), np.full(d, np.nan)
-        extra = self._sample_metrics(sample, mean, n_all)
+        extra = self._sample_metrics(sample, mean, n_all) | self._type_uniform()
         return LayerStats(
             dim=d,
             n_vectors=n_all,
@@ -283,6 +313,22 @@ class LayerAccumulator:
             isoscore_star=isoscore_star(eig),
             **extra,
         )
+
+    def _type_uniform(self) -> dict[str, float]:
+        """avg_cos and drift with every token type weighted equally: pairs (i, j), i != j, weigh
+        w_i w_j with w = 1 / count(type), so (||sum w u||^2 - sum w^2) / ((sum w)^2 - sum w^2)."""
+        if not self.weighted:
+            return {}
+        sw, sw2 = float(self.sum_w.cpu()), float(self.sum_w2.cpu())
+        su = self.sum_wu.cpu().numpy()
+        denom = sw * sw - sw2
+        swa = float(self.sum_w_all.cpu())
+        return {
+            "avg_cos_types": float((su @ su - sw2) / denom) if denom > 0 else math.nan,
+            "drift_norm_types": float(np.linalg.norm(self.sum_wx.cpu().numpy()) / swa)
+            if swa > 0
+            else math.nan,
+        }
 
     def _sample_metrics(self, sample: np.ndarray | None, mean: np.ndarray, n_all: int) -> dict[str, float]:
         """I(W), all-but-the-top and standardised avg_cos, from the reservoir (exact when it holds

@@ -32,6 +32,8 @@ METRICS = (
     "iw_centered",
     "avg_cos_abtt",
     "avg_cos_std",
+    "avg_cos_types",
+    "drift_norm_types",
 )
 
 

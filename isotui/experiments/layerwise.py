@@ -266,6 +266,8 @@ def build_rows(model: str, component: str, layers: list[LayerStats], *, final_no
                 iw_centered=s.iw_centered,
                 avg_cos_abtt=s.avg_cos_abtt,
                 avg_cos_std=s.avg_cos_std,
+                avg_cos_types=s.avg_cos_types,
+                drift_norm_types=s.drift_norm_types,
             )
         )
     return rows

@@ -106,6 +106,13 @@ def resolve_max_length(loaded: LoadedModel, requested: int | None, model_name: s
     return min(limits)
 
 
+def _inverse_counts(ids: np.ndarray) -> np.ndarray:
+    """id -> 1 / count of that id in ``ids`` (0 for ids that never occur)."""
+    counts = np.bincount(ids).astype(np.float64) if len(ids) else np.zeros(1)
+    with np.errstate(divide="ignore"):
+        return np.where(counts > 0, 1.0 / counts, 0.0)
+
+
 def _is_oom(exc: BaseException) -> bool:
     import torch
 
@@ -128,6 +135,7 @@ class _Runner:
         self.opts = opts
         self.on_progress = on_progress
         self.feeder = None
+        self.type_weights: dict[str, np.ndarray] = {}
         self.accs: dict[str, list[LayerAccumulator]] | None = None
         self.final_norm: dict[str, bool] = {}
         self.final_norm_names: list[str] = []
@@ -156,6 +164,30 @@ class _Runner:
 
     def prepare(self, samples: list[str], modality: str, max_length: int) -> None:
         self.feeder = make_feeder(self.loaded, samples, modality, max_length, self._accepts)
+        self.type_weights = self._type_weights()
+
+    def _type_weights(self) -> dict[str, np.ndarray]:
+        """Per component, token id -> 1 / (how many kept tokens of the corpus have that id): the
+        weights of the type-uniform view. Text only; the decoder of an encoder-decoder sees the
+        text shifted right (a start token, then every token but the last)."""
+        tokens = getattr(self.feeder, "tokens", None)
+        if tokens is None or not len(tokens.ids):
+            return {}
+        include = self.opts.special_tokens == "include"
+        ids = tokens.ids.astype(np.int64)
+        kept = np.ones(len(ids), bool) if include else ~tokens.special
+        tables = {"model": _inverse_counts(ids[kept])}
+        if getattr(self.feeder, "enc_dec", False):
+            last = np.zeros(len(ids), bool)
+            last[tokens.offsets[1:] - 1] = True
+            dec = ids[kept & ~last]
+            if include:  # the start token is special: counted only when specials are
+                config = self.model.config
+                start = getattr(config, "decoder_start_token_id", None)
+                start = start if isinstance(start, int) else (config.pad_token_id or 0)
+                dec = np.concatenate([dec, np.full(len(tokens.offsets) - 1, start)])
+            tables = {"encoder": tables["model"], "decoder": _inverse_counts(dec)}
+        return tables
 
     def batches(self, lengths: Sequence[int]) -> Iterator[list[int]]:
         """Sample indices, longest first, cut by batch size or by token budget (auto).
@@ -259,9 +291,10 @@ class _Runner:
                     if shape not in index:
                         flat, local, positions = self._index(fed, component, h)
                         keys = sample_keys(self.opts.seed, ids[local], positions).to(acc_device)
-                        index[shape] = (flat, local.to(acc_device), keys)
-                    flat, local, keys = index[shape]
-                    partials.append((acc, acc.partial(self._vectors(h, flat), local, keys)))
+                        weights = self._weights(fed, component, h, flat)
+                        index[shape] = (flat, local.to(acc_device), keys, weights)
+                    flat, local, keys, weights = index[shape]
+                    partials.append((acc, acc.partial(self._vectors(h, flat), local, keys, weights)))
             for acc, p in partials:  # only now: all or nothing
                 acc.commit(p)
         if fed.valid is not None:
@@ -284,6 +317,21 @@ class _Runner:
         keep = valid if self.opts.special_tokens == "include" else valid & ~special
         flat = keep.flatten().nonzero().squeeze(1).to(h.device)
         return flat, flat.cpu() // width, flat.cpu() % width
+
+    def _weights(self, fed, component: str, h, flat):
+        """Type-uniform weights of a token layer's kept units; None for other layers (maps,
+        CANINE's downsampled molecules: their units are not tokens)."""
+        import torch
+
+        table = self.type_weights.get(component)
+        key = "decoder_input_ids" if component == "decoder" else "input_ids"
+        token_ids = fed.inputs.get(key)
+        if table is None or token_ids is None or h.ndim != 3 or h.shape[1] != token_ids.shape[1]:
+            return None
+        picked = token_ids.flatten()[flat.cpu()].numpy()
+        inside = picked < len(table)
+        w = np.where(inside, table[np.minimum(picked, len(table) - 1)], 0.0)
+        return torch.from_numpy(w)
 
     def _vectors(self, h, flat):
         """The layer's unit vectors (m x d), in the order of :meth:`_index`."""

@@ -57,9 +57,11 @@ PLOT_METRICS = (
     "iw_centered",
     "avg_cos_abtt",
     "avg_cos_std",
+    "avg_cos_types",
+    "drift_norm_types",
 )
 # comparable to the isotropic null
-NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "avg_cos_abtt", "avg_cos_std")
+NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "avg_cos_abtt", "avg_cos_std", "avg_cos_types")
 DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ")
 DEVICE_REFRESH_S = 10.0
 
