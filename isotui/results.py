@@ -49,6 +49,9 @@ class LayerRow:
     avg_cos_std: float
     avg_cos_types: float
     drift_norm_types: float
+    intra_sim: float
+    self_sim: float
+    self_sim_types: int
 
     @classmethod
     def columns(cls) -> list[str]:

@@ -118,8 +118,8 @@ def test_type_uniform_view_over_all_pairs(tiny_models, tmp_path):
     result = measure(make_spec(str(folder), f"text:{data}", max_length=64, batch_size=3), None)
     tok = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModel.from_pretrained(str(folder)).eval()
-    per_layer, ids = None, []
-    for text in texts:
+    per_layer, ids, owner = None, [], []
+    for s_i, text in enumerate(texts):
         enc = tok(text, truncation=True, max_length=64, return_special_tokens_mask=True, return_tensors="pt")
         keep = enc["special_tokens_mask"][0] == 0
         with torch.no_grad():
@@ -128,6 +128,7 @@ def test_type_uniform_view_over_all_pairs(tiny_models, tmp_path):
         for layer, h in enumerate(hs):
             per_layer[layer].append(h[0][keep].double().numpy())
         ids += enc["input_ids"][0][keep].tolist()
+        owner += [s_i] * int(keep.sum())
     ids = np.array(ids)
     _, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
     w = 1.0 / counts[inverse]
@@ -141,6 +142,23 @@ def test_type_uniform_view_over_all_pairs(tiny_models, tmp_path):
         drift = np.linalg.norm((w[:, None] * x).sum(0) / w.sum())
         assert row.drift_norm_types == pytest.approx(drift, rel=1e-6)
         assert row.avg_cos_types != pytest.approx(row.avg_cos, abs=1e-6)  # "the" weighs less now
+        # Ethayarajh 2019: self-similarity over types seen in two or more samples (pairs from
+        # different samples), intra-sentence similarity to each sample's mean vector
+        owner_a, cos = np.array(owner), u @ u.T
+        sims = []
+        for t in np.unique(ids):
+            at = np.flatnonzero(ids == t)
+            if len(np.unique(owner_a[at])) < 2:
+                continue
+            cross = owner_a[at][:, None] != owner_a[at][None, :]
+            sims.append(cos[np.ix_(at, at)][cross].mean())
+        assert row.self_sim_types == len(sims)
+        assert row.self_sim == pytest.approx(np.mean(sims), abs=1e-7)
+        intra = []
+        for chunk in chunks:
+            bar = chunk.mean(0)
+            intra.append(np.mean(chunk @ bar / np.linalg.norm(chunk, axis=1) / np.linalg.norm(bar)))
+        assert row.intra_sim == pytest.approx(np.mean(intra), abs=1e-7)
     t5 = measure(
         make_spec("random:t5:d_model=32,d_ff=64,num_layers=2,num_heads=2,d_kv=16", f"text:{data}"), None
     )

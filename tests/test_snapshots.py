@@ -61,6 +61,9 @@ def fixture_result(model: str, n_layers: int, dim: int, bump: float) -> ModelRes
                 avg_cos_std=round(0.01 + 0.002 * i, 4),
                 avg_cos_types=round(avg_cos * 0.8, 4),
                 drift_norm_types=round(drift * 0.9, 3),
+                intra_sim=round(0.3 + 0.01 * i, 4),
+                self_sim=round(0.4 + 0.01 * i, 4),
+                self_sim_types=700,
             )
         )
     drift = drift_correlation([r.drift_norm for r in rows], [r.avg_cos for r in rows])

@@ -76,6 +76,9 @@ class LayerStats:
     avg_cos_std: float = math.nan
     avg_cos_types: float = math.nan  # token types weighted equally (text)
     drift_norm_types: float = math.nan
+    intra_sim: float = math.nan  # Ethayarajh 2019 (text)
+    self_sim: float = math.nan
+    self_sim_types: int = 0
 
 
 def _gram_dtype(x64: torch.Tensor) -> torch.dtype:
@@ -111,7 +114,9 @@ class LayerAccumulator:
     needs the final mean before it can normalise; it is exact whenever n <= reservoir.
     """
 
-    def __init__(self, dim: int, device: torch.device, *, full_cov: bool, reservoir: int) -> None:
+    def __init__(
+        self, dim: int, device: torch.device, *, full_cov: bool, reservoir: int, types: int = 0
+    ) -> None:
         import torch
 
         f64 = torch.float64
@@ -134,6 +139,16 @@ class LayerAccumulator:
         self.sum_w = torch.zeros((), dtype=f64, device=device)  # over vectors with a direction
         self.sum_w2 = torch.zeros((), dtype=f64, device=device)
         self.sum_w_all = torch.zeros((), dtype=f64, device=device)
+        # intra-sentence similarity: sum over samples of mean_i cos(x_i, sample mean), and count
+        self.intra = torch.zeros((), dtype=f64, device=device)
+        self.n_sentences = 0
+        # self-similarity of ``types`` tracked token types: unit-vector sums per type, and the
+        # same-sample parts to take out (sum_s ||S_ts||^2 and sum_s n_ts^2)
+        self.types = types
+        self.type_u = torch.zeros((types, dim), dtype=f64, device=device)
+        self.type_n = torch.zeros(types, dtype=f64, device=device)
+        self.type_within = torch.zeros(types, dtype=f64, device=device)
+        self.type_within_n = torch.zeros(types, dtype=f64, device=device)
         self.shift: torch.Tensor | None = None  # first batch mean: keeps the 2nd moment stable
         self.sum_xs = torch.zeros(dim, dtype=f64, device=device)
         self.gram = torch.zeros((dim, dim), dtype=f64, device=device) if full_cov else None
@@ -146,9 +161,11 @@ class LayerAccumulator:
         sample_ids: torch.Tensor,
         keys: torch.Tensor,
         weights: torch.Tensor | None = None,
+        type_index: torch.Tensor | None = None,
     ) -> dict:
         """Statistics of one batch of vectors ``x`` (m x d) from samples ``sample_ids`` (0..B-1);
-        ``weights`` (m, float64): each vector's type-uniform weight, when the units are tokens."""
+        when the units are tokens, ``weights`` (m, float64) are their type-uniform weights and
+        ``type_index`` (m, int64) their tracked type (-1: not tracked) for self-similarity."""
         import torch
 
         # MPS has no float64: there the accumulators live on the CPU (see LayerAccumulator).
@@ -180,6 +197,9 @@ class LayerAccumulator:
             xs = (x64 - shift).to(_gram_dtype(x64))
             out["gram"] = (xs.T @ xs).to(torch.float64)
         if weights is not None:
+            out |= self._sentences(x64, norms, nonzero, u, ids, per_sample, n_samples)
+            if type_index is not None and self.types:
+                out |= self._type_sums(u, ids, type_index.to(self.device)[nonzero], n_samples)
             w = weights.to(self.device).to(torch.float64)
             wn = w[nonzero] if n_nonzero < len(norms) else w
             out |= {
@@ -191,6 +211,40 @@ class LayerAccumulator:
             }
         out["reservoir"] = self._merge_reservoir(x, keys)
         return out
+
+    def _sentences(self, x64, norms, nonzero, u, ids, per_sample, n_samples) -> dict:
+        """Intra-sentence similarity (Ethayarajh 2019): per sample, the mean cosine between its
+        vectors and its mean vector, summed over the batch's samples that have vectors."""
+        import torch
+
+        sum_x = torch.zeros((n_samples, self.dim), dtype=torch.float64, device=self.device)
+        sum_x.index_add_(0, ids, x64[nonzero] if len(ids) < len(x64) else x64)
+        n_s = torch.bincount(ids, minlength=n_samples).to(torch.float64)
+        bar_norm = torch.linalg.vector_norm(sum_x, dim=1)
+        live = (n_s > 0) & (bar_norm > 0)
+        cos = (per_sample[live] * sum_x[live]).sum(1) / (n_s[live] * bar_norm[live])
+        return {"intra": cos.sum(), "n_sentences": int(live.sum())}
+
+    def _type_sums(self, u, ids, type_index, n_samples) -> dict:
+        """Per tracked type: sum of unit vectors, count, and the same-sample parts."""
+        import torch
+
+        tracked = type_index >= 0
+        t, su, sid = type_index[tracked], u[tracked], ids[tracked]
+        k = self.types
+        type_u = torch.zeros((k, self.dim), dtype=torch.float64, device=self.device).index_add_(0, t, su)
+        type_n = torch.bincount(t, minlength=k).to(torch.float64)
+        pair, inverse = torch.unique(sid * k + t, return_inverse=True)
+        per = torch.zeros((len(pair), self.dim), dtype=torch.float64, device=self.device).index_add_(
+            0, inverse, su
+        )
+        per_n = torch.bincount(inverse, minlength=len(pair)).to(torch.float64)
+        owner = pair % k
+        within = torch.zeros(k, dtype=torch.float64, device=self.device).index_add_(
+            0, owner, (per * per).sum(1)
+        )
+        within_n = torch.zeros(k, dtype=torch.float64, device=self.device).index_add_(0, owner, per_n * per_n)
+        return {"type_u": type_u, "type_n": type_n, "type_within": within, "type_within_n": within_n}
 
     def _shift_for(self, x64: torch.Tensor) -> torch.Tensor:
         """The fixed shift of the second moment: the first batch's mean (zeros if it is empty)."""
@@ -239,7 +293,11 @@ class LayerAccumulator:
             getattr(self, name).add_(p[name])
         if "sum_wu" in p:
             self.weighted = True
-            for name in ("sum_wu", "sum_wx", "sum_w", "sum_w2", "sum_w_all"):
+            for name in ("sum_wu", "sum_wx", "sum_w", "sum_w2", "sum_w_all", "intra"):
+                getattr(self, name).add_(p[name])
+            self.n_sentences += p["n_sentences"]
+        if "type_u" in p:
+            for name in ("type_u", "type_n", "type_within", "type_within_n"):
                 getattr(self, name).add_(p[name])
         if self.full_cov:
             if self.shift is None and p["n_all"]:
@@ -316,19 +374,30 @@ class LayerAccumulator:
 
     def _type_uniform(self) -> dict[str, float]:
         """avg_cos and drift with every token type weighted equally: pairs (i, j), i != j, weigh
-        w_i w_j with w = 1 / count(type), so (||sum w u||^2 - sum w^2) / ((sum w)^2 - sum w^2)."""
+        w_i w_j with w = 1 / count(type), so (||sum w u||^2 - sum w^2) / ((sum w)^2 - sum w^2);
+        and Ethayarajh's intra-sentence and self-similarity (text units only)."""
         if not self.weighted:
             return {}
         sw, sw2 = float(self.sum_w.cpu()), float(self.sum_w2.cpu())
         su = self.sum_wu.cpu().numpy()
         denom = sw * sw - sw2
         swa = float(self.sum_w_all.cpu())
-        return {
+        out = {
             "avg_cos_types": float((su @ su - sw2) / denom) if denom > 0 else math.nan,
             "drift_norm_types": float(np.linalg.norm(self.sum_wx.cpu().numpy()) / swa)
             if swa > 0
             else math.nan,
+            "intra_sim": float(self.intra.cpu()) / self.n_sentences if self.n_sentences else math.nan,
         }
+        if self.types:
+            tu = self.type_u.cpu().numpy()
+            n = self.type_n.cpu().numpy()
+            cross = n * n - self.type_within_n.cpu().numpy()  # ordered pairs from different samples
+            live = cross > 0
+            sims = (np.einsum("td,td->t", tu, tu) - self.type_within.cpu().numpy())[live] / cross[live]
+            out["self_sim"] = float(sims.mean()) if len(sims) else math.nan
+            out["self_sim_types"] = int(live.sum())
+        return out
 
     def _sample_metrics(self, sample: np.ndarray | None, mean: np.ndarray, n_all: int) -> dict[str, float]:
         """I(W), all-but-the-top and standardised avg_cos, from the reservoir (exact when it holds

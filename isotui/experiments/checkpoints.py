@@ -34,6 +34,8 @@ METRICS = (
     "avg_cos_std",
     "avg_cos_types",
     "drift_norm_types",
+    "intra_sim",
+    "self_sim",
 )
 
 

@@ -268,6 +268,9 @@ def build_rows(model: str, component: str, layers: list[LayerStats], *, final_no
                 avg_cos_std=s.avg_cos_std,
                 avg_cos_types=s.avg_cos_types,
                 drift_norm_types=s.drift_norm_types,
+                intra_sim=s.intra_sim,
+                self_sim=s.self_sim,
+                self_sim_types=s.self_sim_types,
             )
         )
     return rows

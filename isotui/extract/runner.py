@@ -28,6 +28,8 @@ DEFAULT_MAX_LENGTH_CAP = 512
 TOKEN_BUDGET = {"cpu": 4096, "mps": 8192, "cuda": 32768}
 COV_BUDGET_BYTES = 1 << 30  # exact streamed covariance while all layers' d x d fit in 1 GiB
 RESERVOIR_BUDGET_BYTES = 1 << 30  # all layers' reservoirs together (float32): caps huge-d layers
+SELF_SIM_TYPES = 1000  # token types followed for self-similarity (the most frequent ones)
+SELF_SIM_BUDGET_BYTES = 256 << 20  # their float64 sums, all layers together
 TOKEN_MAP_TYPES = ("segformer",)  # transformers whose stages are token grids, not conv maps
 
 
@@ -106,6 +108,22 @@ def resolve_max_length(loaded: LoadedModel, requested: int | None, model_name: s
     return min(limits)
 
 
+def _frequent_types(ids: np.ndarray, kept: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """token id -> slot 0, 1, ... for the types seen in at least two samples, most frequent
+    first (ties: smaller id); -1 for the others (Ethayarajh's self-similarity needs contexts)."""
+    sample = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))[kept]
+    kid = ids[kept]
+    size = int(kid.max()) + 1 if len(kid) else 1
+    counts = np.bincount(kid, minlength=size)
+    pairs = np.unique(kid.astype(np.int64) * (len(offsets)) + sample)
+    contexts = np.bincount(pairs // len(offsets), minlength=size)
+    eligible = np.flatnonzero(contexts >= 2)
+    order = eligible[np.lexsort((eligible, -counts[eligible]))]
+    slots = np.full(size, -1, dtype=np.int64)
+    slots[order] = np.arange(len(order))
+    return slots
+
+
 def _inverse_counts(ids: np.ndarray) -> np.ndarray:
     """id -> 1 / count of that id in ``ids`` (0 for ids that never occur)."""
     counts = np.bincount(ids).astype(np.float64) if len(ids) else np.zeros(1)
@@ -136,6 +154,8 @@ class _Runner:
         self.on_progress = on_progress
         self.feeder = None
         self.type_weights: dict[str, np.ndarray] = {}
+        self.tracked: np.ndarray | None = None  # token id -> self-similarity slot (-1: none)
+        self.n_tracked = 0
         self.accs: dict[str, list[LayerAccumulator]] | None = None
         self.final_norm: dict[str, bool] = {}
         self.final_norm_names: list[str] = []
@@ -177,6 +197,7 @@ class _Runner:
         ids = tokens.ids.astype(np.int64)
         kept = np.ones(len(ids), bool) if include else ~tokens.special
         tables = {"model": _inverse_counts(ids[kept])}
+        self.tracked = _frequent_types(ids, kept, tokens.offsets)
         if getattr(self.feeder, "enc_dec", False):
             last = np.zeros(len(ids), bool)
             last[tokens.offsets[1:] - 1] = True
@@ -291,10 +312,11 @@ class _Runner:
                     if shape not in index:
                         flat, local, positions = self._index(fed, component, h)
                         keys = sample_keys(self.opts.seed, ids[local], positions).to(acc_device)
-                        weights = self._weights(fed, component, h, flat)
-                        index[shape] = (flat, local.to(acc_device), keys, weights)
-                    flat, local, keys, weights = index[shape]
-                    partials.append((acc, acc.partial(self._vectors(h, flat), local, keys, weights)))
+                        weights, types = self._weights(fed, component, h, flat)
+                        index[shape] = (flat, local.to(acc_device), keys, weights, types)
+                    flat, local, keys, weights, types = index[shape]
+                    vectors = self._vectors(h, flat)
+                    partials.append((acc, acc.partial(vectors, local, keys, weights, types)))
             for acc, p in partials:  # only now: all or nothing
                 acc.commit(p)
         if fed.valid is not None:
@@ -319,19 +341,25 @@ class _Runner:
         return flat, flat.cpu() // width, flat.cpu() % width
 
     def _weights(self, fed, component: str, h, flat):
-        """Type-uniform weights of a token layer's kept units; None for other layers (maps,
-        CANINE's downsampled molecules: their units are not tokens)."""
+        """Type-uniform weights and self-similarity slots of a token layer's kept units; (None,
+        None) for other layers (maps, CANINE's downsampled molecules: their units are not tokens).
+        Self-similarity follows the encoder's (or the single stack's) tokens only."""
         import torch
 
         table = self.type_weights.get(component)
         key = "decoder_input_ids" if component == "decoder" else "input_ids"
         token_ids = fed.inputs.get(key)
         if table is None or token_ids is None or h.ndim != 3 or h.shape[1] != token_ids.shape[1]:
-            return None
+            return None, None
         picked = token_ids.flatten()[flat.cpu()].numpy()
         inside = picked < len(table)
         w = np.where(inside, table[np.minimum(picked, len(table) - 1)], 0.0)
-        return torch.from_numpy(w)
+        slots = None
+        if self.tracked is not None and self.n_tracked and component != "decoder":
+            ok = picked < len(self.tracked)
+            slot = np.where(ok, self.tracked[np.minimum(picked, len(self.tracked) - 1)], -1)
+            slots = torch.from_numpy(np.where(slot < self.n_tracked, slot, -1).astype(np.int64))
+        return torch.from_numpy(w), slots
 
     def _vectors(self, h, flat):
         """The layer's unit vectors (m x d), in the order of :meth:`_index`."""
@@ -363,8 +391,23 @@ class _Runner:
         dev = next(iter(components.values()))[0].device
         if dev.type == "mps":  # no float64 on MPS: accumulate on the CPU
             dev = torch.device("cpu")
+        if self.tracked is not None:  # as many types as fit the budget, up to SELF_SIM_TYPES
+            token_dims = sum(
+                h.shape[-1] for c, hidden in components.items() if c != "decoder" for h in hidden
+            )
+            fit = SELF_SIM_BUDGET_BYTES // max(1, 8 * token_dims)
+            self.n_tracked = int(min(SELF_SIM_TYPES, fit, int((self.tracked >= 0).sum())))
         self.accs = {
-            c: [LayerAccumulator(d, dev, full_cov=full_cov, reservoir=reservoir) for d in ds]
+            c: [
+                LayerAccumulator(
+                    d,
+                    dev,
+                    full_cov=full_cov,
+                    reservoir=reservoir,
+                    types=0 if c == "decoder" else self.n_tracked,
+                )
+                for d in ds
+            ]
             for c, ds in dims.items()
         }
         for component, hidden in components.items():

@@ -59,6 +59,8 @@ PLOT_METRICS = (
     "avg_cos_std",
     "avg_cos_types",
     "drift_norm_types",
+    "intra_sim",
+    "self_sim",
 )
 # comparable to the isotropic null
 NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "avg_cos_abtt", "avg_cos_std", "avg_cos_types")
