@@ -197,7 +197,7 @@ class Backend:
                 if job.stop.is_set():
                     raise Cancelled()
                 on_progress = lambda p, j=job: self._post(JobProgress(j.job_id, j.spec, p))  # noqa: E731
-                if job.prepared is None:  # an experiment request: it caches its own result
+                if not isinstance(job.spec, RunSpec):  # an experiment request: it caches its own result
                     self._post(JobStarted(job.job_id, job.spec, resolve_device(job.spec.device)))
                     result = job.spec.compute(
                         self._cache_root(),

@@ -68,7 +68,20 @@ def spec_from_args(args: argparse.Namespace, model: str):
         trust_remote_code=bool(args.trust_remote_code),
     )
     check_source(spec.data)
+    check_outputs(args)
     return spec
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Say a bad --csv/--json before a long run, not after it."""
+    from pathlib import Path
+
+    from isotui.errors import IsotuiError
+
+    for flag in ("csv", "json"):
+        value = getattr(args, flag, None)
+        if value and Path(value).expanduser().is_dir():
+            raise IsotuiError(f"--{flag} {value} is a directory; give a file name")
 
 
 def progress_printer(err, name: str, *, quiet: bool):

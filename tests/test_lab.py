@@ -108,3 +108,18 @@ def test_lab_drift_block_tab(tmp_path):
             assert app.screen.drift_figure == 0
 
     asyncio.run(scenario())
+
+
+def test_drift_lookup_never_computes(tmp_path):
+    """A damaged cached seed is not recomputed on the lookup thread: lookup says 'not cached'."""
+    from isotui.experiments.drift_block import DriftBlockConfig, drift_cache, run_drift_block
+    from isotui.experiments.requests import DriftBlockRequest
+
+    config = DriftBlockConfig(
+        hidden=16, heads=2, intermediate=32, vocab=50, batch=2, seq_len=8, norms=(0.0, 5.0)
+    )
+    run_drift_block(config, drift_cache(tmp_path))
+    request = DriftBlockRequest(config)
+    assert request.lookup(tmp_path, print) is not None
+    drift_cache(tmp_path).path_for(config.key(0)).write_bytes(b"garbage")
+    assert request.lookup(tmp_path, print) is None

@@ -106,3 +106,26 @@ def test_cli_table_csv_and_plot(series, tmp_path, capsys):
     assert all(math.isfinite(float(r["q_x_qk"])) for r in rows)
     assert main([*args, "--plot", "9", "-q"]) == 2
     assert "no such layer" in capsys.readouterr().err
+
+
+def test_a_series_of_two_architectures_is_one_sentence(tiny_models, tmp_path, capsys):
+    """Same layer count, other heads: the dynamics and the heatmap both refuse, in one sentence."""
+    import shutil
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(tiny_models["bert"], mixed / "step_0")
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    other = BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    BertModel(other).save_pretrained(mixed / "step_10")
+    AutoTokenizer.from_pretrained(str(tiny_models["bert"])).save_pretrained(mixed / "step_10")
+    assert main(["experiment", "qk-dynamics", "-c", str(mixed), "--max-samples", "4", "-q"]) == 2
+    assert "a series must be checkpoints of one architecture" in capsys.readouterr().err  # heads differ
+    # the heatmap compares layers and widths: the same here, so it runs; a deeper model is refused
+    assert main(["experiment", "checkpoints", "-c", str(mixed), "--max-samples", "4", "-q"]) == 0
+    BertModel(BertConfig(**{**other.to_dict(), "num_hidden_layers": 3})).save_pretrained(mixed / "step_20")
+    AutoTokenizer.from_pretrained(str(tiny_models["bert"])).save_pretrained(mixed / "step_20")
+    assert main(["experiment", "checkpoints", "-c", str(mixed), "--max-samples", "4", "-q"]) == 2
+    assert "one architecture" in capsys.readouterr().err

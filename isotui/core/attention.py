@@ -36,7 +36,7 @@ def score_bins(s: torch.Tensor) -> torch.Tensor:
     above the last edge (int64)."""
     import torch
 
-    u = torch.asinh(s.double() / SCORE_SCALE) if s.dtype == torch.float64 else torch.asinh(s / SCORE_SCALE)
+    u = torch.asinh(s / SCORE_SCALE)
     idx = ((u + _SPAN) * (SCORE_BINS / (2 * _SPAN))).floor_().clamp_(-1, SCORE_BINS).to(torch.int64) + 1
     idx[s >= SCORE_LIMIT] = SCORE_BINS + 1
     idx[s < -SCORE_LIMIT] = 0

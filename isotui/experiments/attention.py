@@ -19,7 +19,7 @@ import numpy as np
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 
 HELP = "queries, keys and attention sharpness per layer and head (Godey et al. 2024, sec. 5)"
-SCHEMA = 2  # 2: finer score bins (asinh-spaced)
+SCHEMA = 3  # 3: score bins asinh-spaced with scale 0.001
 FOLDER = "attention"
 
 

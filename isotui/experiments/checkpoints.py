@@ -92,6 +92,13 @@ def run_series(series: str | None, checkpoints: list, base_spec, cache, *, progr
                 )
             except IsotuiError as exc:
                 raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
+    shape = [(r.component, r.layer, r.dim) for r in results[0].rows]
+    for ckpt, result in zip(checkpoints, results, strict=True):
+        if [(r.component, r.layer, r.dim) for r in result.rows] != shape:
+            raise IsotuiError(
+                f"checkpoint {ckpt.label!r} has other layers than {checkpoints[0].label!r}; a series must be "
+                "checkpoints of one architecture"
+            )
     return CheckpointSeries(series or series_name(checkpoints), checkpoints, results)
 
 
@@ -159,14 +166,12 @@ def add_arguments(p) -> None:
 
 
 def main(args, err) -> int:
-    import csv
-
     from isotui.cli import stdout_console
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.experiments.qk_dynamics import resolve_checkpoints
     from isotui.paths import cache_dir
     from isotui.store.cache import ResultCache
-    from isotui.store.export import _atomic_write, write_payload_json
+    from isotui.store.export import write_dicts_csv, write_payload_json
 
     checkpoints = resolve_checkpoints(args.model, args.checkpoints)
     base = spec_from_args(args, checkpoints[0].model)
@@ -182,15 +187,8 @@ def main(args, err) -> int:
     )
     out = stdout_console()
     out.print(heatmap(result, args.metric))
-    rows = result.csv_rows()
     if args.csv:
-
-        def write(f) -> None:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-
-        err.print(f"wrote {_atomic_write(Path(args.csv), write)}")
+        err.print(f"wrote {write_dicts_csv(result.csv_rows(), Path(args.csv))}")
     if args.json:
         payload = {
             "series": result.series,

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
     from isotui.store.cache import ResultCache
 
-SCHEMA = 2  # 2: finer score bins (asinh-spaced)
+SCHEMA = 3  # 3: score bins asinh-spaced with scale 0.001
 FOLDER = "drift-block"
 DEFAULT_NORMS = "0:30:31"
 MAX_NORMS = 1000
@@ -913,7 +913,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--norms",
         default=DEFAULT_NORMS,
-        help=f"bias norms N: START:STOP:COUNT, inclusive (default {DEFAULT_NORMS}), or a comma list",
+        help=f"bias norms N: START:STOP:COUNT, inclusive (default {DEFAULT_NORMS}), or a comma list; "
+        "write --norms=-1,5 for a list that starts with a minus",
     )
     p.add_argument("--seeds", help="several seeds, e.g. 0,1,2 (overrides --seed); rows give mean ± std")
     add_common(p)

@@ -107,7 +107,11 @@ def measure_final_norm(spec, *, on_progress=None, should_stop=None) -> FinalNorm
     prepared = prepare(spec)
     device = resolve_device(prepared.device or "auto")
     loaded = load_model(
-        parse_model(spec.model), device=device, dtype=prepared.dtype, seed=spec.seed, trust_remote_code=False
+        parse_model(spec.model),
+        device=device,
+        dtype=prepared.dtype,
+        seed=spec.seed,
+        trust_remote_code=spec.trust_remote_code,
     )
     if loaded.family != "transformers" or loaded.modality != "text":
         raise IsotuiError("the final-norm analysis reads text transformers models; give a text model")

@@ -135,6 +135,11 @@ class DynamicsResult:
     def steps(self) -> list[int]:
         return [c.step if c.step is not None else i for i, c in enumerate(self.checkpoints)]
 
+    @property
+    def from_cache(self) -> bool:
+        """Every checkpoint came from the cache."""
+        return bool(self.meta.get("from_cache")) and all(self.meta["from_cache"])
+
     def layer_means(self, attr: str) -> np.ndarray:
         """(checkpoints, modules): ``attr`` averaged over heads (NaN-aware)."""
         out = np.full((len(self.checkpoints), len(self.sites)), math.nan)
@@ -163,8 +168,13 @@ class DynamicsResult:
 def dynamics(series: str, checkpoints: list[Checkpoint], results: list) -> DynamicsResult:
     """Assemble the per-checkpoint attention results (with subsamples) into trajectories."""
     sites = [tuple(m.values()) for m in results[0].modules()]
+
+    def shapes(res) -> list:
+        return [(res.arrays[f"q_bar.{i}"].shape, res.arrays[f"k_bar.{i}"].shape) for i in range(len(sites))]
+
     for ckpt, res in zip(checkpoints, results, strict=True):
-        if [tuple(m.values()) for m in res.modules()] != sites:
+        same = [tuple(m.values()) for m in res.modules()] == sites
+        if not same or shapes(res) != shapes(results[0]):
             raise IsotuiError(
                 f"checkpoint {ckpt.label!r} has other attention layers than {checkpoints[0].label!r}; "
                 "a series must be checkpoints of one architecture"

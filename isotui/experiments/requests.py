@@ -137,15 +137,18 @@ class DriftBlockRequest:
         return self.config.device
 
     def lookup(self, cache_root: Path | None, notice) -> Any:
-        """Answered at once only when every seed's sweep is cached."""
-        from isotui.experiments.drift_block import drift_cache, run_drift_block
+        """Answered at once only when every seed's sweep loads from the cache (nothing is
+        computed on the lookup thread; a damaged entry is recomputed on the device lane)."""
+        from isotui.experiments.drift_block import _assemble, _lookup, drift_cache
 
         if cache_root is None:
             return None
         cache = drift_cache(cache_root)
-        if not all(cache.path_for(self.config.key(seed)).is_file() for seed in self.config.seeds):
+        notes: list[str] = []
+        runs = [_lookup(cache, self.config.key(seed), notes) for seed in self.config.seeds]
+        if any(run is None for run in runs):
             return None
-        return run_drift_block(self.config, cache)
+        return _assemble(self.config, runs, notes, None)
 
     def compute(self, cache_root: Path | None, *, on_progress, should_stop, notice) -> Any:
         from isotui.experiments.drift_block import drift_cache, run_drift_block

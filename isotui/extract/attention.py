@@ -171,12 +171,18 @@ class _ModuleProbe:
         self.rope = False
 
     def observe(self, q, k, scores, probs, allowed) -> None:
-        import torch
 
-        _b, h, t, d = q.shape
+        b, h, t, d = q.shape
+        if b != len(self.run.sample_ids):
+            raise IsotuiError(
+                f"{self.site.name} attends within windows ({b} windows for {len(self.run.sample_ids)} "
+                "samples, as Swin does); isotui's attention probe reads whole-sequence attention only"
+            )
+        if q.device.type == "mps":  # no float64 on MPS: measure on the CPU
+            q, k, scores, probs, allowed = (x.cpu() for x in (q, k, scores, probs, allowed))
         q_keep, k_keep = self.run.keep(self.site, t, k.shape[-2])
         q_keep, k_keep = q_keep.to(q.device), k_keep.to(q.device)
-        device = q.device if q.device.type != "mps" else torch.device("cpu")
+        device = q.device
         if self.acc is None:
             self.acc = AttentionAccumulator(h, k.shape[1], d, device)
         self.acc.add(q, k, scores, probs, q_keep=q_keep, k_keep=k_keep, allowed=allowed)
@@ -295,6 +301,11 @@ class AttentionRun(_Runner):
             site = site_of(name, enc_dec)
             if site is None:
                 continue
+            if any(p.site.order == site.order for p in self.probes.values()):
+                raise IsotuiError(
+                    f"{type(model).__name__} nests its attention blocks in stages ({name}), so isotui "
+                    "cannot number them as layers; the attention probe reads single-stack models"
+                )
             probe = _ModuleProbe(site, self)
             self.probes[id(module)] = probe
             self.handles += _pre_rope_hooks(module, probe)
@@ -334,9 +345,8 @@ class AttentionRun(_Runner):
 
     def keep(self, site: ModuleSite, q_len: int, k_len: int):
         """(B, T) query positions and (B, S) key positions that count, from the feeder's masks."""
-        q_comp = site.component if site.component != "model" else "model"
-        k_comp = "encoder" if site.kind == "cross" else q_comp
-        return self._mask(q_comp, q_len), self._mask(k_comp, k_len)
+        k_comp = "encoder" if site.kind == "cross" else site.component
+        return self._mask(site.component, q_len), self._mask(k_comp, k_len)
 
     def _mask(self, component: str, width: int):
         key = (component, width)

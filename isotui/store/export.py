@@ -76,16 +76,18 @@ def write_json(results: Iterable[ModelResult], path: Path) -> Path:
 
 def write_rows_csv(rows: Iterable, path: Path) -> Path:
     """An experiment's table (dataclass rows, columns in field order) as CSV."""
-    rows = list(rows)
+    return write_dicts_csv([asdict(row) for row in rows], path)
+
+
+def write_dicts_csv(rows: list[dict], path: Path) -> Path:
+    """Rows as dicts (columns: the first row's keys, in order) as CSV."""
     if not rows:
         raise IsotuiError(f"nothing to write to {path}: the table is empty")
-    names = [f for f in asdict(rows[0])]
 
     def write(f) -> None:
-        writer = csv.DictWriter(f, fieldnames=names)
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        for row in rows:
-            writer.writerow(asdict(row))
+        writer.writerows(rows)
 
     return _atomic_write(path, write)
 
