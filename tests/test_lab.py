@@ -59,6 +59,28 @@ def test_lab_heads_and_dynamics(tmp_path, tiny_models):
             box.value = str(tmp_path / "nowhere")
             await pilot.press("enter")
             await pilot.pause()
+            # the same series as a heatmap of layer runs
+            await pilot.press("4")
+            await pilot.pause()
+            ckpt = app.screen.query_one("#ckpt-input", Input)
+            assert app.screen.query_one("#lab-tabs", TabbedContent).active == "tab-ckpt", app.focused
+            assert ckpt.has_focus, app.focused
+            ckpt.value = str(series)
+            await pilot.press("enter")
+            await _wait(pilot, lambda: app.lab_results["checkpoints"] is not None, timeout=180)
+            heat = app.screen.query_one("#ckpt-table", DataTable)
+            series_result = app.lab_results["checkpoints"]
+            assert heat.row_count == 3 and [str(c.label) for c in heat.columns.values()] == [
+                "layer",
+                "0",
+                "5",
+            ]
+            assert heat.get_row_at(2)[2].plain == f"{series_result.results[1].rows[2].avg_cos:.3f}"
+            await pilot.press("m")
+            assert "avg_cos_xctx by layer" in str(app.screen.query_one("#ckpt-info").render())
+            await pilot.press("e")
+            await pilot.pause()
+            assert list(tmp_path.glob("isotui-*-checkpoints.csv"))
             await pilot.press("escape")
             await pilot.pause()
             assert not isinstance(app.screen, LabScreen)

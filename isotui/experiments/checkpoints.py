@@ -50,6 +50,15 @@ class CheckpointSeries:
     def steps(self) -> list[int]:
         return [c.step if c.step is not None else i for i, c in enumerate(self.checkpoints)]
 
+    @property
+    def from_cache(self) -> bool:
+        return all(r.from_cache for r in self.results)
+
+    @property
+    def rows(self) -> list:
+        """The CSV rows (for the app's export)."""
+        return self.csv_rows()
+
     def grid(self, metric: str) -> tuple[list[str], np.ndarray]:
         """(row labels, values (layers x checkpoints)); layers in the first checkpoint's order."""
         labels = [_label(r) for r in self.results[0].rows]
@@ -73,13 +82,21 @@ def _label(row) -> str:
     return str(row.layer) if row.component == "model" else f"{row.component} {row.layer}"
 
 
-def run_series(series: str | None, checkpoints: list, base_spec, cache, *, progress=None, on_notice=None):
+def run_series(
+    series: str | None,
+    checkpoints: list,
+    base_spec,
+    cache,
+    *,
+    progress=None,
+    on_notice=None,
+    should_stop=None,
+):
     """Measure (or read from the cache) every checkpoint's layer table."""
     from contextlib import nullcontext
 
     from isotui.experiments.layerwise import measure
-    from isotui.experiments.qk_dynamics import series_name
-    from isotui.extract.progress import no_progress
+    from isotui.extract.progress import never_stop, no_progress
 
     results = []
     for i, ckpt in enumerate(checkpoints):
@@ -87,11 +104,22 @@ def run_series(series: str | None, checkpoints: list, base_spec, cache, *, progr
             try:
                 results.append(
                     measure(
-                        base_spec.with_model(ckpt.model), cache, on_progress=on_progress, on_notice=on_notice
+                        base_spec.with_model(ckpt.model),
+                        cache,
+                        on_progress=on_progress,
+                        on_notice=on_notice,
+                        should_stop=should_stop or never_stop,
                     )
                 )
             except IsotuiError as exc:
                 raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
+    return assemble_series(series, checkpoints, results)
+
+
+def assemble_series(series: str | None, checkpoints: list, results: list) -> CheckpointSeries:
+    """The series from its checkpoints' layer results; one architecture or one sentence."""
+    from isotui.experiments.qk_dynamics import series_name
+
     shape = [(r.component, r.layer, r.dim) for r in results[0].rows]
     for ckpt, result in zip(checkpoints, results, strict=True):
         if [(r.component, r.layer, r.dim) for r in result.rows] != shape:

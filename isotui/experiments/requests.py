@@ -14,6 +14,24 @@ from typing import Any
 from isotui.spec import RunSpec
 
 
+def series_progress(on_progress, n: int):
+    """Per checkpoint i of n, a context giving its progress callback: one bar for the whole series
+    (checkpoint i's samples come after those before it)."""
+    from contextlib import nullcontext
+
+    def for_checkpoint(i: int, _ckpt):
+        def post(p):
+            if p.message:
+                on_progress(p)
+                return
+            per = p.samples_total
+            on_progress(replace(p, samples_done=i * per + p.samples_done, samples_total=n * per))
+
+        return nullcontext(post)
+
+    return for_checkpoint
+
+
 @dataclass(frozen=True)
 class AttentionRequest:
     """Queries, keys and attention sharpness of one model (``isotui experiment attention``)."""
@@ -81,40 +99,18 @@ class DynamicsRequest:
         return assemble(self.series, list(self.checkpoints), found, self.sample_size)
 
     def compute(self, cache_root: Path | None, *, on_progress, should_stop, notice) -> Any:
-        from contextlib import nullcontext
 
         from isotui.experiments.attention import attention_cache
         from isotui.experiments.qk_dynamics import run_dynamics
 
         cache = attention_cache(cache_root) if cache_root else None
-        n = len(self.checkpoints)
-
-        def series_progress(i: int, _ckpt):
-            """One bar for the whole series: checkpoint i's samples come after those before it."""
-
-            def post(p):
-                if p.message:
-                    on_progress(p)
-                    return
-                per = p.samples_total
-                on_progress(
-                    replace(
-                        p,
-                        samples_done=i * per + p.samples_done,
-                        samples_total=n * per,
-                        message=None,
-                    )
-                )
-
-            return nullcontext(post)
-
         return run_dynamics(
             self.series,
             list(self.checkpoints),
             self.spec,
             cache,
             sample_size=self.sample_size,
-            progress=series_progress,
+            progress=series_progress(on_progress, len(self.checkpoints)),
             should_stop=should_stop,
             on_notice=notice,
         )
@@ -155,3 +151,56 @@ class DriftBlockRequest:
 
         cache = drift_cache(cache_root) if cache_root else None
         return run_drift_block(self.config, cache, on_progress, should_stop)
+
+
+@dataclass(frozen=True)
+class CheckpointsRequest:
+    """Layer metrics along a checkpoint series (``isotui experiment checkpoints``)."""
+
+    series: str | None
+    checkpoints: tuple  # of qk_dynamics.Checkpoint
+    spec: RunSpec
+    kind = "checkpoints"
+
+    @property
+    def model(self) -> str:
+        from isotui.experiments.qk_dynamics import series_name
+
+        return self.series or series_name(list(self.checkpoints))
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    def lookup(self, cache_root: Path | None, notice) -> Any:
+        """Answered at once only when every checkpoint's layer run is cached."""
+        from isotui.experiments import layerwise
+        from isotui.experiments.checkpoints import assemble_series
+        from isotui.store.cache import ResultCache
+
+        if cache_root is None:
+            return None
+        cache = ResultCache(cache_root)
+        found = []
+        for ckpt in self.checkpoints:
+            hit = layerwise.lookup(layerwise.prepare(self.spec.with_model(ckpt.model)), cache, notice)
+            if hit is None:
+                return None
+            found.append(hit)
+        return assemble_series(self.series, list(self.checkpoints), found)
+
+    def compute(self, cache_root: Path | None, *, on_progress, should_stop, notice) -> Any:
+
+        from isotui.experiments.checkpoints import run_series
+        from isotui.store.cache import ResultCache
+
+        cache = ResultCache(cache_root) if cache_root else None
+        return run_series(
+            self.series,
+            list(self.checkpoints),
+            self.spec,
+            cache,
+            progress=series_progress(on_progress, len(self.checkpoints)),
+            on_notice=notice,
+            should_stop=should_stop,
+        )

@@ -189,7 +189,12 @@ class IsotuiApp(App):
         self.entries: list[Entry] = []
         self.results: dict[str, ModelResult] = {}
         # the attention lab's results: attention per model, the latest dynamics and drift block
-        self.lab_results: dict[str, Any] = {"attention": {}, "qk-dynamics": None, "drift-block": None}
+        self.lab_results: dict[str, Any] = {
+            "attention": {},
+            "qk-dynamics": None,
+            "drift-block": None,
+            "checkpoints": None,
+        }
         self.comparison: list[str] = []
         self.selected: str | None = None
         self.metric = PLOT_METRICS[0]

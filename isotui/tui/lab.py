@@ -7,6 +7,8 @@
   the trajectories of Q̄ and K̄ of one head in the series' common SVD basis, per-layer curves.
 - Drift block: ``isotui experiment drift-block``, the untrained block under a drift of norm N
   (Figs. 6-10).
+- Checkpoints: ``isotui experiment checkpoints``, any layer metric along a checkpoint series as a
+  shaded layer x step heatmap (Machina & Mercer 2024).
 
 Jobs go through the app's backend like layer runs (the jobs pane on the main screen shows them);
 results come back to :meth:`LabScreen.show` on the UI thread.
@@ -56,6 +58,9 @@ class LabScreen(Screen):
         Binding(
             "3", "tab('tab-drift')", "Drift", id="lab_drift", tooltip="tab: the untrained block under drift"
         ),
+        Binding(
+            "4", "tab('tab-ckpt')", "Ckpts", id="lab_ckpt", tooltip="tab: layer metrics along checkpoints"
+        ),
         Binding("r", "run", "Run", id="lab_run", tooltip="run this tab's experiment"),
         Binding("m", "cycle", "Figure", id="lab_figure", tooltip="next metric or figure in this tab"),
         Binding("left_square_bracket", "head(-1)", "Head-", id="lab_head_prev", show=False),
@@ -91,6 +96,10 @@ class LabScreen(Screen):
                     yield PlotextPlot(id="dyn-lines")
             with TabPane("Drift block", id="tab-drift"):
                 yield from self.compose_drift()
+            with TabPane("Checkpoints", id="tab-ckpt"):
+                from isotui.tui.lab_checkpoints import compose_checkpoints
+
+                yield from compose_checkpoints()
         yield Static(id="lab-status")
         yield Footer(compact=True)
 
@@ -114,9 +123,11 @@ class LabScreen(Screen):
     def refresh_all(self) -> None:
         self.show_heads()
         self.show_dynamics()
+        from isotui.tui.lab_checkpoints import show_checkpoints
         from isotui.tui.lab_drift import show_drift
 
         show_drift(self)
+        show_checkpoints(self)
 
     def status(self, text: str) -> None:
         self.query_one("#lab-status", Static).update(text)
@@ -298,6 +309,13 @@ class LabScreen(Screen):
         run_drift(self)
         self.query_one("#drift-table", DataTable).focus()  # the tab's keys work again
 
+    @on(Input.Submitted, "#ckpt-input")
+    def _ckpt_submit(self, event: Input.Submitted) -> None:
+        from isotui.tui.lab_checkpoints import run_checkpoints
+
+        run_checkpoints(self, event.value)
+        self.query_one("#ckpt-table", DataTable).focus()
+
     @on(Input.Submitted, "#dyn-input")
     def _dyn_submit(self, event: Input.Submitted) -> None:
         self.run_dynamics(event.value)
@@ -346,6 +364,11 @@ class LabScreen(Screen):
 
             run_drift(self)
             return
+        if tab == "tab-ckpt":
+            from isotui.tui.lab_checkpoints import run_checkpoints
+
+            run_checkpoints(self, self.query_one("#ckpt-input", Input).value)
+            return
         if not app.selected:
             self.app.notify("select a model on the main screen first", severity="warning")
             return
@@ -365,6 +388,11 @@ class LabScreen(Screen):
         elif tab == "tab-dynamics":
             self.dyn_metric = (self.dyn_metric + 1) % len(DYN_METRICS)
             self.plot_dynamics()
+        elif tab == "tab-ckpt":
+            from isotui.tui.lab_checkpoints import show_checkpoints
+
+            self.ckpt_metric = getattr(self, "ckpt_metric", 0) + 1
+            show_checkpoints(self)
         else:
             from isotui.tui.lab_drift import cycle_drift
 
@@ -378,9 +406,11 @@ class LabScreen(Screen):
             target = "#dyn-input" if app.lab_results.get("qk-dynamics") is None else "#dyn-table"
         elif tab == "tab-drift":
             target = "#drift-input" if app.lab_results.get("drift-block") is None else "#drift-table"
+        elif tab == "tab-ckpt":
+            target = "#ckpt-input" if app.lab_results.get("checkpoints") is None else "#ckpt-table"
         else:
             target = "#heads-table"
-        self.query_one(target).focus()
+        self.call_after_refresh(self.query_one(target).focus)  # once the tab is shown
 
     def action_head(self, delta: int) -> None:
         self.head = max(0, self.head + delta)
@@ -394,7 +424,7 @@ class LabScreen(Screen):
         import time
 
         from isotui.errors import IsotuiError
-        from isotui.store.export import write_rows_csv
+        from isotui.store.export import write_dicts_csv, write_rows_csv
 
         app: Any = self.app
         tab = self.tab
@@ -402,6 +432,8 @@ class LabScreen(Screen):
             result, what = self.heads_result(), "attention"
         elif tab == "tab-dynamics":
             result, what = self.dyn_result(), "qk-dynamics"
+        elif tab == "tab-ckpt":
+            result, what = app.lab_results.get("checkpoints"), "checkpoints"
         else:
             result, what = app.lab_results.get("drift-block"), "drift-block"
         if result is None:
@@ -409,7 +441,11 @@ class LabScreen(Screen):
             return
         path = app.export_dir / f"isotui-{time.strftime('%Y%m%d-%H%M%S')}-{what}.csv"
         try:
-            write_rows_csv(result.rows, path)
+            rows = result.rows
+            if rows and isinstance(rows[0], dict):
+                write_dicts_csv(rows, path)
+            else:
+                write_rows_csv(rows, path)
         except IsotuiError as exc:
             self.app.notify(str(exc), severity="error")
             return

@@ -1,0 +1,80 @@
+"""The lab's Checkpoints tab: any layer metric along a checkpoint series as a layer x step
+heatmap (Machina & Mercer 2024), each cell shaded by its value within the grid."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.style import Style
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.color import Color
+from textual.widgets import DataTable, Input, Static
+
+from isotui.render import shorten
+from isotui.tui.layer_table import SHADE_MAX, shade_fraction
+
+
+def compose_checkpoints() -> ComposeResult:
+    yield Input(
+        placeholder="checkpoints: step0 step1000 (revisions of the selected model), model ids, or "
+        "folders; enter runs each as a layer run",
+        id="ckpt-input",
+    )
+    yield Static(id="ckpt-info")
+    yield DataTable(id="ckpt-table", cursor_type="cell", zebra_stripes=False)
+
+
+def run_checkpoints(screen, text: str) -> None:
+    from isotui.errors import IsotuiError
+    from isotui.experiments.qk_dynamics import resolve_checkpoints
+    from isotui.experiments.requests import CheckpointsRequest
+
+    app: Any = screen.app
+    try:
+        checkpoints = resolve_checkpoints(app.selected, [text])
+        spec = app.spec_for(checkpoints[0].model)
+    except IsotuiError as exc:
+        app.notify(str(exc), severity="error")
+        return
+    prefix = f"{app.selected}@"
+    series = app.selected if app.selected and all(c.model.startswith(prefix) for c in checkpoints) else None
+    app.submit_request(CheckpointsRequest(series, tuple(checkpoints), spec))
+    screen.status(f"queued checkpoints over {len(checkpoints)} checkpoints (jobs: main screen)")
+
+
+def show_checkpoints(screen) -> None:
+    from isotui.experiments.checkpoints import METRICS
+
+    app: Any = screen.app
+    result = app.lab_results.get("checkpoints")
+    table = screen.query_one("#ckpt-table", DataTable)
+    info = screen.query_one("#ckpt-info", Static)
+    table.clear(columns=True)
+    metric = METRICS[getattr(screen, "ckpt_metric", 0) % len(METRICS)]
+    if result is None:
+        info.update(f"{metric} by layer and step: give checkpoints above (m: next metric)")
+        return
+    labels, values = result.grid(metric)
+    finite = [v for v in values.flat if math.isfinite(v)]
+    bounds = (min(finite), max(finite)) if finite else None
+    theme = app.current_theme
+    low = Color.parse(theme.surface or theme.background or "#202020")
+    high = Color.parse(theme.primary)
+    table.add_columns("layer", *(str(s) for s in result.steps()))
+    for label, row in zip(labels, values, strict=True):
+        cells = [Text(label, justify="right")]
+        for v in row:
+            text = Text("-" if not math.isfinite(v) else f"{v:.3f}", justify="right")
+            frac = shade_fraction(v, bounds)
+            if frac is not None:
+                text.stylize(Style(bgcolor=low.blend(high, SHADE_MAX * frac).rich_color))
+            cells.append(text)
+        table.add_row(*cells)
+    meta = result.results[0].meta
+    span = f"{bounds[0]:.3f} .. {bounds[1]:.3f}" if bounds else "-"
+    info.update(
+        f"{shorten(result.series, 40)} · {metric} by layer (rows) and step (columns), {span} · "
+        f"{meta.get('data')}, {meta.get('n_samples')} samples · m: next metric"
+    )
