@@ -17,6 +17,7 @@ EXPERIMENTS = {
     "qk-dynamics": "isotui.experiments.qk_dynamics",
     "checkpoints": "isotui.experiments.checkpoints",
     "final-norm": "isotui.experiments.final_norm",
+    "gradients": "isotui.experiments.gradients",
 }
 TOP_LEVEL = {"train-tiny": "isotui.experiments.train_tiny"}
 

@@ -83,17 +83,28 @@ def _short(exc: BaseException) -> str:
     return first if len(first) < 300 else first[:297] + "..."
 
 
-def load_model(ref: ModelRef, *, device: str, dtype: str, seed: int, trust_remote_code: bool) -> LoadedModel:
-    """Load ``ref`` onto ``device`` in ``dtype``; every failure becomes one :class:`IsotuiError`."""
+def load_model(
+    ref: ModelRef, *, device: str, dtype: str, seed: int, trust_remote_code: bool, head: str | None = None
+) -> LoadedModel:
+    """Load ``ref`` onto ``device`` in ``dtype``; every failure becomes one :class:`IsotuiError`.
+
+    ``head="lm"``: the model with its language-model head (masked LM for encoders, causal LM for
+    decoders, see :func:`lm_class`) instead of the bare ``AutoModel``; a checkpoint that lacks
+    the head's weights is refused in one sentence rather than given a random head.
+    """
     import torch
     from transformers import AutoModel, AutoTokenizer
 
     _quiet_transformers()
     torch_dtype = getattr(torch, dtype)
     if ref.kind == "timm" or (ref.kind == "random" and ref.random_source_kind == "timm"):
+        if head:
+            raise IsotuiError(f"model {ref.name!r} is a timm image model, which has no language-model head")
         return _load_timm(ref, device=device, torch_dtype=torch_dtype, seed=seed)
     if ref.kind == "random":
-        return _load_random(ref, device=device, torch_dtype=torch_dtype, seed=seed, trust=trust_remote_code)
+        return _load_random(
+            ref, device=device, torch_dtype=torch_dtype, seed=seed, trust=trust_remote_code, head=head
+        )
     folder = ref.local_dir()
     if folder is not None and ref.kind == "hub" and not _has_weights(folder):
         folder = None  # a partial download: let transformers fetch the rest of that commit
@@ -102,7 +113,16 @@ def load_model(ref: ModelRef, *, device: str, dtype: str, seed: int, trust_remot
     if folder is None and ref.revision:
         kwargs["revision"] = ref.revision
     try:
-        model = AutoModel.from_pretrained(where, dtype=torch_dtype, **kwargs)
+        if head:
+            from transformers import AutoConfig
+
+            cls = lm_class(AutoConfig.from_pretrained(where, **kwargs), ref.name)
+            model, info = cls.from_pretrained(where, dtype=torch_dtype, output_loading_info=True, **kwargs)
+            _check_head(model, info, ref.name)
+        else:
+            model = AutoModel.from_pretrained(where, dtype=torch_dtype, **kwargs)
+    except IsotuiError:
+        raise
     except Exception as exc:
         hint = "" if trust_remote_code else " (if it needs its own code, pass --trust-remote-code)"
         raise IsotuiError(f"could not load model {ref.name!r}: {_short(exc)}{hint}") from None
@@ -190,7 +210,9 @@ def _load_timm(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int) -> Lo
     )
 
 
-def _load_random(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int, trust: bool) -> LoadedModel:
+def _load_random(
+    ref: ModelRef, *, device: str, torch_dtype: Any, seed: int, trust: bool, head: str | None = None
+) -> LoadedModel:
     import torch
     from transformers import AutoConfig, AutoModel
 
@@ -219,7 +241,7 @@ def _load_random(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int, tru
     else:
         for key, value in overrides.items():
             setattr(config, key, value)
-    model_cls = _model_class(config)
+    model_cls = lm_class(config, ref.name) if head else _model_class(config)
     modality = MODALITY_OF_INPUT.get(getattr(model_cls, "main_input_name", "input_ids"), "text")
     tokenizer = None
     if modality == "text":
@@ -230,7 +252,7 @@ def _load_random(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int, tru
             notes.append(f"vocab_size raised from {vocab} to {len(tokenizer)} to fit the tokenizer")
     torch.manual_seed(seed)
     try:
-        model = AutoModel.from_config(config, trust_remote_code=trust)
+        model = model_cls(config) if head else AutoModel.from_config(config, trust_remote_code=trust)
     except Exception as exc:
         raise IsotuiError(f"could not build untrained model {ref.name!r}: {_short(exc)}") from None
     loaded = LoadedModel(model.to(device=device, dtype=torch_dtype).eval(), tokenizer, notes)
@@ -240,6 +262,46 @@ def _load_random(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int, tru
         _attach_processor(loaded, where, {"trust_remote_code": trust})
     notes.append(f"untrained: random initialisation with seed {seed}")
     return loaded
+
+
+def lm_class(config: Any, name: str) -> Any:
+    """The language-model class for ``config``: masked LM for encoders (BERT, RoBERTa...), causal
+    LM for decoders (GPT-2, Llama...); one sentence for anything else."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise IsotuiError(
+            f"model {name!r} is an encoder-decoder; the gradient experiment reads single-stack "
+            "language models (masked LM encoders or causal LM decoders)"
+        )
+    masked, causal = AutoModelForMaskedLM._model_mapping, AutoModelForCausalLM._model_mapping
+    if type(config) in masked and not getattr(config, "is_decoder", False):
+        return masked[type(config)]
+    if type(config) in causal:
+        return causal[type(config)]
+    base = _model_class(config)
+    main = getattr(base, "main_input_name", "input_ids") if base is not None else "input_ids"
+    if main != "input_ids":
+        raise IsotuiError(
+            f"model {name!r} takes {main!r}, not text: the gradient experiment needs a language model "
+            "(masked or causal LM)"
+        )
+    raise IsotuiError(
+        f"model {name!r} ({type(config).__name__}) has no masked or causal language-model class in "
+        "transformers, so it has no loss to differentiate"
+    )
+
+
+def _check_head(model: Any, info: dict, name: str) -> None:
+    """Refuse a checkpoint whose language-model head would be freshly initialised (a base model)."""
+    base = getattr(model, "base_model_prefix", "") or ""
+    missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(f"{base}."))
+    if missing:
+        raise IsotuiError(
+            f"model {name!r} has no trained language-model head (its checkpoint lacks {missing[0]}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + f"); give the {type(model).__name__} checkpoint, or random:TYPE for an untrained one"
+        )
 
 
 def _model_class(config: Any) -> Any:

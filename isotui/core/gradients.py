@@ -1,0 +1,143 @@
+"""The gradient view of anisotropy: one layer's loss gradients against its activations, one pass.
+
+Per layer, over the kept tokens i = 1..n with activation x_i and loss gradient g_i = dL/dx_i (both
+in R^d), everything is summed in float64:
+
+- the gradients' own geometry, as the activations' in design.md: ``grad_avg_cos`` (exact mean
+  pairwise cosine from the sum of unit vectors; zero gradients counted and skipped),
+  ``grad_drift_norm`` = ||mean g||, ``grad_mean_norm`` = mean ||g_i|| (zeros included);
+- the activations' covariance (streamed, shifted by the first batch's mean for stability) and the
+  gradients' second moment G = sum_i g_i g_i^T, so that the share of gradient energy inside any
+  k-dimensional subspace with orthonormal basis V (d x k) is exact and needs no second pass:
+  sum_i ||V V^T g_i||^2 / sum_i ||g_i||^2 = trace(V^T G V) / trace(G).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from isotui.core.accumulator import avg_cos_from_sums
+
+if TYPE_CHECKING:
+    import torch
+
+
+def random_basis(d: int, k: int, seed: int) -> np.ndarray:
+    """A seeded random orthonormal basis (d x k) of a uniformly random k-dimensional subspace:
+    the Q of the QR decomposition of a standard Gaussian d x k matrix (signs fixed by R's diagonal)."""
+    rng = np.random.default_rng(seed)
+    q, r = np.linalg.qr(rng.standard_normal((d, k)))
+    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
+
+
+def subspace_share(g2: np.ndarray, basis: np.ndarray) -> float:
+    """trace(V^T G V) / trace(G): the share of the energy sum_i ||g_i||^2 inside span(V)."""
+    total = float(np.trace(g2))
+    if total <= 0:
+        return math.nan
+    return float(np.einsum("ik,ij,jk->", basis, g2, basis) / total)
+
+
+def top_eigvecs(cov: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Eigenvalues (descending) and the top-k eigenvectors as COLUMNS (d x k) of a symmetric matrix."""
+    vals, vecs = np.linalg.eigh((cov + cov.T) / 2)
+    order = np.argsort(vals)[::-1]
+    return vals[order], vecs[:, order[:k]]
+
+
+@dataclass
+class GradLayerStats:
+    dim: int
+    n_vectors: int
+    n_zero: int  # kept tokens whose gradient is exactly zero (skipped by grad_avg_cos)
+    grad_avg_cos: float
+    grad_drift_norm: float
+    grad_mean_norm: float
+    act_avg_cos: float  # the activations' avg_cos over the same tokens, for comparison
+    top_share: float  # share of gradient energy in the activations' top-k principal directions
+    random_share: float  # ... in the seeded random k-dimensional subspace (the measured control)
+    expected_share: float  # k / d: the expectation for a uniformly random k-dimensional subspace
+    act_top_var: float  # share of the activations' variance in their own top k directions
+    grad_top_share: float  # the most any k-dimensional subspace can hold (G's own top-k eigenvalues)
+
+
+class GradAccumulator:
+    """Streams one layer's (activation, gradient) pairs; ``finalize`` gives :class:`GradLayerStats`."""
+
+    def __init__(self, dim: int, device: torch.device) -> None:
+        import torch
+
+        f64 = torch.float64
+        self.dim, self.device = dim, device
+        self.n_all = 0
+        self.n_grad = 0  # non-zero gradients
+        self.n_act = 0  # non-zero activations
+        self.sum_gu = torch.zeros(dim, dtype=f64, device=device)
+        self.sum_g = torch.zeros(dim, dtype=f64, device=device)
+        self.sum_gnorm = torch.zeros((), dtype=f64, device=device)
+        self.g2 = torch.zeros((dim, dim), dtype=f64, device=device)
+        self.sum_xu = torch.zeros(dim, dtype=f64, device=device)
+        self.shift: torch.Tensor | None = None
+        self.sum_xs = torch.zeros(dim, dtype=f64, device=device)
+        self.x2 = torch.zeros((dim, dim), dtype=f64, device=device)
+
+    def add(self, x: torch.Tensor, g: torch.Tensor) -> None:
+        """Fold in m tokens: activations ``x`` and their gradients ``g`` (both m x d)."""
+        import torch
+
+        if not len(x):
+            return
+        x64 = x.detach().to(self.device, torch.float64)
+        g64 = g.detach().to(self.device, torch.float64)
+        gn = torch.linalg.vector_norm(g64, dim=1)
+        gz = gn > 0
+        xn = torch.linalg.vector_norm(x64, dim=1)
+        xz = xn > 0
+        self.n_all += len(x64)
+        self.n_grad += int(gz.sum())
+        self.n_act += int(xz.sum())
+        self.sum_gu += (g64[gz] / gn[gz, None]).sum(0)
+        self.sum_g += g64.sum(0)
+        self.sum_gnorm += gn.sum()
+        self.g2 += g64.T @ g64
+        self.sum_xu += (x64[xz] / xn[xz, None]).sum(0)
+        if self.shift is None:
+            self.shift = x64.mean(0)
+        xs = x64 - self.shift
+        self.sum_xs += xs.sum(0)
+        self.x2 += xs.T @ xs
+
+    def finalize(self, k: int, basis: np.ndarray) -> GradLayerStats:
+        """The metrics, with the top-``k`` principal directions and the random ``basis`` (d x k)."""
+        n, d = self.n_all, self.dim
+        g2 = self.g2.cpu().numpy()
+        nan = math.nan
+        if n:
+            ms = self.sum_xs.cpu().numpy() / n
+            cov = self.x2.cpu().numpy() / n - np.outer(ms, ms)
+            act_vals, top = top_eigvecs(cov, k)
+            act_var = float(act_vals[:k].sum() / act_vals.sum()) if act_vals.sum() > 0 else nan
+            g_vals = np.linalg.eigvalsh((g2 + g2.T) / 2)[::-1]
+            trace = float(np.trace(g2))
+            grad_top = float(g_vals[:k].sum() / trace) if trace > 0 else nan
+            top_share, rand_share = subspace_share(g2, top), subspace_share(g2, basis)
+        else:
+            act_var = grad_top = top_share = rand_share = nan
+        return GradLayerStats(
+            dim=d,
+            n_vectors=n,
+            n_zero=n - self.n_grad,
+            grad_avg_cos=avg_cos_from_sums(self.sum_gu.cpu().numpy(), self.n_grad),
+            grad_drift_norm=float(np.linalg.norm(self.sum_g.cpu().numpy() / n)) if n else nan,
+            grad_mean_norm=float(self.sum_gnorm.cpu()) / n if n else nan,
+            act_avg_cos=avg_cos_from_sums(self.sum_xu.cpu().numpy(), self.n_act),
+            top_share=top_share,
+            random_share=rand_share,
+            expected_share=k / d,
+            act_top_var=act_var,
+            grad_top_share=grad_top,
+        )

@@ -1,0 +1,355 @@
+"""The gradient view of anisotropy: loss gradients with respect to every layer's hidden states.
+
+For a language model (causal LM for decoders, masked LM for encoders, loaded with its head from
+the same name), each kept token's gradient g_i = dL/dh_i at every layer (layer 0: the embedding
+output, as in the layer table). Per layer: the gradients' anisotropy (``grad_avg_cos``, exact
+over all pairs; ``grad_drift_norm``; ``grad_mean_norm``), and the share of gradient energy that
+falls inside the top-k principal directions of the same layer's activations,
+sum_i ||P_k g_i||^2 / sum_i ||g_i||^2, against k/d and a measured seeded random k-dimensional
+subspace. One pass: per layer the sums of g g^T and of the (shifted) x x^T, in float64 (see
+:mod:`isotui.core.gradients`).
+
+Definitions that keep every number independent of batching:
+- the loss is the SUM of token losses (cross-entropy, nats), never a batch mean, so a token's
+  gradient is the gradient of its own sample's loss, whatever the batch size or padding;
+- causal LM: every real token after the first is a target (padding never); a sample's last token
+  is left out of the statistics (no loss depends on it: its gradient is zero at every layer);
+- masked LM: 15% of each sample's non-special tokens are masked (all replaced by the mask token),
+  chosen by a seeded hash of (seed, sample, position), at least one per sample; the loss is on
+  the masked positions only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from isotui.errors import IsotuiError
+
+HELP = "loss gradients w.r.t. hidden states: their anisotropy and share in the activations' top PCs"
+MASK_RATE = 0.15
+MASK_SALT = 0x6D6C6D  # separates the masking hash from the reservoir's (same seed)
+GRAM_BUDGET_BYTES = 4 << 30  # all layers' two d x d float64 sums
+
+
+@dataclass
+class GradientRow:
+    """One layer (the CSV of ``--csv``)."""
+
+    model: str
+    objective: str  # causal or masked
+    component: str
+    layer: int
+    dim: int
+    n_vectors: int
+    n_zero: int
+    grad_avg_cos: float
+    grad_drift_norm: float
+    grad_mean_norm: float
+    act_avg_cos: float
+    top_k: int
+    top_share: float
+    random_share: float
+    expected_share: float
+    act_top_var: float
+    grad_top_share: float
+
+
+@dataclass
+class GradientResult:
+    model: str
+    objective: str
+    rows: list[GradientRow]
+    notes: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def mlm_mask(seed: int, sample_ids, positions, candidates):
+    """Which positions to mask: (B, T) bool, a pure function of (seed, sample, position).
+
+    ``sample_ids`` (B,) are the samples' indices in the corpus, ``positions`` (T,), ``candidates``
+    (B, T) the maskable tokens (real, non-special). About ``MASK_RATE`` of them, and at least one
+    per sample that has any (the candidate with the smallest key).
+    """
+    import torch
+
+    from isotui.core.accumulator import sample_keys
+
+    b, t = candidates.shape
+    keys = sample_keys(seed + MASK_SALT, sample_ids[:, None].expand(b, t), positions[None, :].expand(b, t))
+    keys = torch.where(candidates, keys, torch.full_like(keys, 2.0))
+    masked = keys < MASK_RATE
+    lonely = candidates.any(1) & ~masked.any(1)
+    if bool(lonely.any()):
+        rows = lonely.nonzero().squeeze(1)
+        masked[rows, keys[rows].argmin(1)] = True
+    return masked
+
+
+def measure_gradients(spec, *, top_k: int = 10, on_progress=None, should_stop=None) -> GradientResult:
+    """Stream ``spec``'s data through the model with its LM head, backward to every hidden state."""
+    import time
+
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    from isotui.core.gradients import random_basis
+    from isotui.errors import Cancelled
+    from isotui.experiments.layerwise import prepare
+    from isotui.extract.device import resolve_device
+    from isotui.extract.progress import Progress
+    from isotui.extract.runner import ExtractOptions, _Runner, resolve_max_length
+    from isotui.models.loading import load_model
+    from isotui.models.naming import parse_model
+
+    if top_k < 1:
+        raise IsotuiError(f"top-k must be a positive integer (got {top_k})")
+    prepared = prepare(spec)
+    if spec.data.modality != "text":
+        raise IsotuiError("the gradient experiment reads language models; give text data")
+    device = resolve_device(prepared.device or "auto")
+    loaded = load_model(
+        parse_model(spec.model),
+        device=device,
+        dtype=prepared.dtype,
+        seed=spec.seed,
+        trust_remote_code=spec.trust_remote_code,
+        head="lm",
+    )
+    model = loaded.model
+    masked_map = AutoModelForMaskedLM._model_mapping
+    objective = (
+        "masked"
+        if type(model.config) in masked_map and masked_map[type(model.config)] is type(model)
+        else "causal"
+    )
+    mask_id = getattr(loaded.tokenizer, "mask_token_id", None)
+    if objective == "masked" and mask_id is None:
+        raise IsotuiError(f"the tokenizer of model {spec.model!r} has no mask token, so no masked-LM loss")
+    opts = ExtractOptions(
+        max_length=spec.max_length, special_tokens=spec.special_tokens, batch_size=spec.batch_size
+    )
+    runner = _Runner(loaded, device, opts, lambda _e: None)
+    runner.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
+    acc_device = torch.device(device if device.startswith("cuda") else "cpu")
+    accs: list = []  # GradAccumulator per layer, made at the first batch
+    loss_sum, loss_tokens, n_tokens = 0.0, 0, 0
+    start, done, total = time.perf_counter(), 0, len(prepared.samples)
+    for idx in runner.batches(runner.feeder.lengths):
+        if should_stop and should_stop():
+            raise Cancelled()
+        fed = runner.feeder.feed(idx)
+        ids = fed.inputs["input_ids"]
+        valid, special = fed.valid, fed.special
+        keep = valid if spec.special_tokens == "include" else valid & ~special
+        positions = torch.arange(ids.shape[1])
+        if objective == "masked":
+            masked = mlm_mask(spec.seed, torch.tensor(idx), positions, valid & ~special)
+            labels = torch.where(masked, ids, torch.full_like(ids, -100))
+            fed.inputs["input_ids"] = torch.where(masked, torch.full_like(ids, mask_id), ids)
+        else:  # position t predicts token t + 1
+            labels = torch.full_like(ids, -100)
+            labels[:, :-1] = torch.where(valid[:, 1:], ids[:, 1:], labels[:, 1:])
+            keep = keep & (labels != -100)  # the last token: no loss depends on it
+        inputs = {k: v.to(device) for k, v in fed.inputs.items()}
+        try:
+            with torch.enable_grad():
+                out = model(**inputs, output_hidden_states=True, return_dict=True)
+                hidden = tuple(out.hidden_states)
+                logits = out.logits.float()
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]),
+                    labels.to(device).reshape(-1),
+                    ignore_index=-100,
+                    reduction="sum",
+                )
+                grads = torch.autograd.grad(loss, hidden, allow_unused=True)
+        except IsotuiError:
+            raise
+        except Exception as exc:
+            raise IsotuiError(
+                f"model {type(model).__name__} failed on a batch ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else ''})"
+            ) from None
+        if any(g is None for g in grads):
+            layer = next(i for i, g in enumerate(grads) if g is None)
+            raise IsotuiError(
+                f"hidden state {layer} of model {type(model).__name__} is not on the path to its loss, "
+                "so it has no gradient"
+            )
+        if not accs:
+            accs = _accumulators(hidden, top_k, spec.model, acc_device)
+        if any(h.shape[1] != ids.shape[1] for h in hidden):
+            raise IsotuiError(f"model {spec.model!r} has layers that are not one vector per input token")
+        flat = keep.flatten().nonzero().squeeze(1).to(device)
+        for acc, h, g in zip(accs, hidden, grads, strict=True):
+            d = h.shape[-1]
+            acc.add(h.detach().reshape(-1, d)[flat], g.reshape(-1, d)[flat])
+        loss_sum += float(loss.detach())
+        loss_tokens += int((labels != -100).sum())
+        n_tokens += int(keep.sum())
+        done += len(idx)
+        if on_progress:
+            on_progress(Progress(done, total, n_tokens, time.perf_counter() - start))
+    if not accs or accs[0].n_all == 0:
+        raise IsotuiError(
+            f"no token of the {total} samples was kept: all were special tokens, padding or last "
+            "tokens; use --special-tokens include or longer samples"
+        )
+    rows, bases = [], {}
+    for layer, acc in enumerate(accs):
+        if acc.dim not in bases:  # one seeded random subspace per hidden size
+            bases[acc.dim] = random_basis(acc.dim, top_k, spec.seed)
+        s = acc.finalize(top_k, bases[acc.dim])
+        rows.append(GradientRow(spec.model, objective, "model", layer, top_k=top_k, **asdict(s)))
+    return GradientResult(
+        spec.model,
+        objective,
+        rows,
+        notes=[*loaded.notes, *_notes(objective, top_k)],
+        meta={
+            "data": prepared.spec.data.describe(),
+            "n_samples": total,
+            "lm_class": type(model).__name__,
+            "loss_tokens": loss_tokens,
+            "loss_per_token": loss_sum / loss_tokens if loss_tokens else math.nan,
+            "special_tokens": spec.special_tokens,
+            "dtype": prepared.dtype,
+            "seed": spec.seed,
+            "seconds": round(time.perf_counter() - start, 3),
+        },
+    )
+
+
+def _accumulators(hidden, top_k: int, model: str, device) -> list:
+    from isotui.core.gradients import GradAccumulator
+
+    dims = [int(h.shape[-1]) for h in hidden]
+    if any(h.ndim != 3 for h in hidden):
+        raise IsotuiError(f"model {model!r} gives hidden states that are not token sequences")
+    if top_k >= min(dims):
+        raise IsotuiError(
+            f"--top-k {top_k} is not below the hidden size {min(dims)} of model {model!r}; "
+            f"use --top-k {min(dims) - 1} or less"
+        )
+    need = sum(2 * d * d * 8 for d in dims)
+    if need > GRAM_BUDGET_BYTES:
+        raise IsotuiError(
+            f"model {model!r} needs {need / (1 << 30):.1f} GiB for its per-layer d x d sums "
+            f"({len(dims)} layers, d = {max(dims)}), more than the {GRAM_BUDGET_BYTES >> 30} GiB "
+            "isotui allows"
+        )
+    return [GradAccumulator(d, device) for d in dims]
+
+
+def _notes(objective: str, top_k: int) -> list[str]:
+    if objective == "masked":
+        loss = (
+            f"loss: masked-LM cross-entropy summed over the masked positions only ({MASK_RATE:.0%} of each "
+            "sample's non-special tokens, at least one, chosen by a seeded hash of sample and position, "
+            "all replaced by the mask token); at the last layer only masked positions get a gradient "
+            "(the rest count in 'zero', skipped by grad cos)"
+        )
+    else:
+        loss = (
+            "loss: next-token cross-entropy summed over every real token (padding never a target); each "
+            "sample's last token is left out (no loss depends on it)"
+        )
+    return [
+        loss + "; a sum, not a batch mean, so no gradient depends on batch size or padding",
+        f"top-{top_k} share: Σ‖P_k g‖² / Σ‖g‖², P_k onto the top-{top_k} eigenvectors of the layer's "
+        "activation covariance (centered, same tokens); random: a seeded random subspace of the same "
+        "rank (QR of a Gaussian), expected k/d; best: the most any such subspace can hold",
+        "not cached: recomputed on every run",
+    ]
+
+
+def gradients_table(result: GradientResult):
+    """One row per layer: the gradients' geometry, then where their energy lies."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from isotui.render import _f
+
+    m = result.meta
+    k = result.rows[0].top_k if result.rows else 0
+    table = Table(
+        title=f"[bold]{escape(result.model)}[/]  {m.get('lm_class')} ({result.objective} LM)  "
+        f"{escape(str(m.get('data')))}, {m.get('n_samples')} samples, "
+        f"loss {_f(m.get('loss_per_token', math.nan), 3)} nats/token over {m.get('loss_tokens')} targets",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+    )
+    for h in ("layer", "n", "zero", "grad cos", "grad drift", "grad norm", "act cos"):
+        table.add_column(h, justify="right")
+    for h in (f"top-{k} share", "random", "k/d", f"act var top-{k}", "best"):
+        table.add_column(h, justify="right")
+    for r in result.rows:
+        table.add_row(
+            str(r.layer),
+            str(r.n_vectors),
+            str(r.n_zero),
+            _f(r.grad_avg_cos),
+            _g(r.grad_drift_norm),
+            _g(r.grad_mean_norm),
+            _f(r.act_avg_cos),
+            _f(r.top_share, 3),
+            _f(r.random_share, 3),
+            _f(r.expected_share, 3),
+            _f(r.act_top_var, 3),
+            _f(r.grad_top_share, 3),
+        )
+    table.caption = "\n".join(escape(n) for n in result.notes)
+    table.caption_justify = "left"
+    return table
+
+
+def _g(x: float) -> str:
+    """Gradient norms span decades: three significant digits."""
+    return "-" if x is None or not math.isfinite(x) else f"{x:.3g}"
+
+
+# --- command line -------------------------------------------------------------------------------
+
+
+def add_arguments(p) -> None:
+    from isotui.cli_experiments import add_common, add_run_flags
+
+    p.add_argument(
+        "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
+    )
+    add_run_flags(p)
+    add_common(p, device_seed=False, cache=False)
+    p.add_argument(
+        "--top-k", type=int, default=10, help="principal directions of the activations (default 10)"
+    )
+
+
+def main(args, err) -> int:
+    from isotui.cli import EXIT_BAD_INPUT, stdout_console
+    from isotui.cli_experiments import progress_printer, spec_from_args
+    from isotui.store.export import write_payload_json, write_rows_csv
+
+    models = args.models or ["minilm"]
+    base = spec_from_args(args, models[0])
+    out = stdout_console()
+    results, failed = [], []
+    for model in models:
+        try:
+            with progress_printer(err, model, quiet=args.quiet) as bar:
+                results.append(measure_gradients(base.with_model(model), top_k=args.top_k, on_progress=bar))
+        except IsotuiError as exc:
+            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
+            failed.append(model)
+            continue
+        out.print(gradients_table(results[-1]))
+        out.print()
+    if results and args.csv:
+        err.print(f"wrote {write_rows_csv([r for res in results for r in res.rows], Path(args.csv))}")
+    if results and args.json:
+        payload = {"results": [asdict(r) for r in results]}
+        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
+    return EXIT_BAD_INPUT if failed else 0
