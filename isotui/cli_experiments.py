@@ -95,7 +95,8 @@ def progress_printer(err, name: str, *, quiet: bool):
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """``experiment NAME ...`` and the top-level commands."""
     exp = sub.add_parser(
-        "experiment", help="experiments: attention, drift-block, qk-dynamics, checkpoints, final-norm"
+        "experiment",
+        help="experiments: attention, drift-block, qk-dynamics, checkpoints, final-norm, gradients",
     )
     names = exp.add_subparsers(dest="experiment", required=True, metavar="NAME")
     for name, path in EXPERIMENTS.items():
