@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 _MASK62 = (1 << 62) - 1
-SAMPLE_METRICS_MAX_DIM = 1 << 16  # flattened conv maps beyond this: no I(W), ABTT, standardised
+SAMPLE_METRICS_MAX_DIM = 8192  # wider (flattened conv maps): no I(W), ABTT, standardised (memory)
 
 
 def sample_keys(seed: int, sample_index: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -402,6 +402,8 @@ class LayerAccumulator:
     def _sample_metrics(self, sample: np.ndarray | None, mean: np.ndarray, n_all: int) -> dict[str, float]:
         """I(W), all-but-the-top and standardised avg_cos, from the reservoir (exact when it holds
         every vector, as avg_cos_centered); skipped above :data:`SAMPLE_METRICS_MAX_DIM` dims."""
+        import torch
+
         if sample is None or len(sample) < 2 or self.dim > SAMPLE_METRICS_MAX_DIM:
             return {}
         if self.full_cov and self.gram is not None and n_all >= 2:
@@ -409,11 +411,13 @@ class LayerAccumulator:
             var = (np.diag(self.gram.cpu().numpy()) - n_all * ms * ms) / (n_all - 1)
         else:
             var = ((sample - mean) ** 2).mean(axis=0)
+        x = self.res.to(torch.float64)  # the sample, on the accumulator's device (GPU: fast eigh)
+        centred = x - torch.as_tensor(mean, dtype=torch.float64, device=x.device)
         return {
-            "iw": partition_isotropy(sample),
-            "iw_centered": partition_isotropy(sample - mean),
-            "avg_cos_abtt": abtt_avg_cos(sample, mean),
-            "avg_cos_std": standardized_avg_cos(sample, mean, np.sqrt(np.clip(var, 0, None))),
+            "iw": partition_isotropy(x),
+            "iw_centered": partition_isotropy(centred),
+            "avg_cos_abtt": abtt_avg_cos(x, mean),
+            "avg_cos_std": standardized_avg_cos(x, mean, np.sqrt(np.clip(var, 0, None))),
         }
 
 

@@ -31,36 +31,45 @@ def isoscore_star(eigenvalues: np.ndarray, zeta: float = ISOSCORE_STAR_ZETA) -> 
     return isoscore_from_eigenvalues((1.0 - zeta) * vals + zeta)
 
 
-def _logsumexp(a: np.ndarray, axis: int = 0) -> np.ndarray:
-    top = a.max(axis=axis, keepdims=True)
-    return (top + np.log(np.exp(a - top).sum(axis=axis, keepdims=True))).squeeze(axis)
+def _t(x, device=None):
+    """float64 torch tensor (on ``x``'s own device when it is one: a GPU does the eigh in ms)."""
+    import torch
+
+    return torch.as_tensor(x, dtype=torch.float64, device=device)
 
 
-def partition_isotropy(x: np.ndarray, *, centered: bool = False) -> float:
-    """I(W) of the rows of ``x``: min_c Z(c) / max_c Z(c), computed as exp(min log Z - max log Z)."""
-    x = np.asarray(x, dtype=np.float64)
+def partition_isotropy(x, *, centered: bool = False) -> float:
+    """I(W) of the rows of ``x`` (numpy or torch): min_c Z(c) / max_c Z(c), computed as
+    exp(min log Z - max log Z)."""
+    import torch
+
+    x = _t(x)
     if len(x) < 2:
         return math.nan
     if centered:
-        x = x - x.mean(axis=0)
+        x = x - x.mean(0)
     n, d = x.shape
     if d <= n:
-        _, vecs = np.linalg.eigh(x.T @ x)  # columns are the eigenvectors
-        log_z = _logsumexp(np.concatenate([x @ vecs, -(x @ vecs)], axis=1), axis=0)
+        _, vecs = torch.linalg.eigh(x.T @ x)  # columns are the eigenvectors
+        proj = x @ vecs
+        log_z = torch.logsumexp(torch.cat([proj, -proj], dim=1), dim=0)
     else:  # d > n: the n right singular vectors, plus the null space where c . x = 0 (Z = n)
-        _, _, vt = np.linalg.svd(x, full_matrices=False)
+        _, _, vt = torch.linalg.svd(x, full_matrices=False)
         proj = x @ vt.T
-        log_z = np.append(_logsumexp(np.concatenate([proj, -proj], axis=1), axis=0), math.log(n))
-    return float(math.exp(log_z.min() - log_z.max()))
+        log_z = torch.logsumexp(torch.cat([proj, -proj], dim=1), dim=0)
+        log_z = torch.cat([log_z, log_z.new_tensor([math.log(n)])])
+    return float(torch.exp(log_z.min() - log_z.max()))
 
 
-def _mean_cos(v: np.ndarray) -> float:
-    norms = np.linalg.norm(v, axis=1)
+def _mean_cos(v) -> float:
+    import torch
+
+    norms = torch.linalg.vector_norm(v, dim=1)
     keep = norms > 0
     n = int(keep.sum())
     if n < 2:
         return math.nan
-    s = (v[keep] / norms[keep, None]).sum(axis=0)
+    s = (v[keep] / norms[keep, None]).sum(0)
     return float((s @ s - n) / (n * (n - 1)))
 
 
@@ -69,20 +78,28 @@ def abtt_components(d: int) -> int:
     return max(1, math.ceil(d / 100))
 
 
-def abtt_avg_cos(x: np.ndarray, mean: np.ndarray, top: int | None = None) -> float:
+def abtt_avg_cos(x, mean, top: int | None = None) -> float:
     """avg_cos of ``x`` after subtracting ``mean`` and the top principal components of the result."""
-    v = np.asarray(x, dtype=np.float64) - mean
+    import torch
+
+    x = _t(x)
+    v = x - _t(mean, x.device)
     if len(v) < 2:
         return math.nan
-    top = abtt_components(v.shape[1]) if top is None else top
-    _, _, vt = np.linalg.svd(v, full_matrices=False)
-    pcs = vt[:top]
+    n, d = v.shape
+    top = abtt_components(d) if top is None else top
+    if d <= n:  # the d x d scatter's eigenvectors (cheaper than an SVD of the n x d data)
+        _, vecs = torch.linalg.eigh(v.T @ v)
+        pcs = vecs.flip(1)[:, :top].T
+    else:
+        _, _, vt = torch.linalg.svd(v, full_matrices=False)
+        pcs = vt[:top]
     return _mean_cos(v - (v @ pcs.T) @ pcs)
 
 
-def standardized_avg_cos(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> float:
+def standardized_avg_cos(x, mean, std) -> float:
     """avg_cos of ``x`` with every dimension z-scored; constant dimensions (std 0) are dropped."""
-    std = np.asarray(std, dtype=np.float64)
+    x = _t(x)
+    std = _t(std, x.device)
     live = std > 0
-    v = (np.asarray(x, dtype=np.float64)[:, live] - mean[live]) / std[live]
-    return _mean_cos(v)
+    return _mean_cos((x[:, live] - _t(mean, x.device)[live]) / std[live])
