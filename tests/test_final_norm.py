@@ -83,3 +83,29 @@ def test_cli_bert_uses_its_last_output_norm(tiny_models, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "encoder.layer.1.output.LayerNorm" in text and "last block's output norm" in text
     assert len(out.read_text().splitlines()) == 1 + 32
+
+
+def test_every_block_output_norm_of_a_post_ln_model(tiny_models, gpt2_gains, tmp_path, capsys):
+    """BERT: each block's output LayerNorm gives hidden-state row L (checked over all pairs);
+    a pre-LN GPT-2 has no block output norm: one sentence."""
+    from isotui.experiments.final_norm import measure_norms
+
+    from .reference import hidden_vectors
+
+    texts = corpus(7)
+    data = tmp_path / "t.txt"
+    data.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    folder = tiny_models["bert"]
+    found = measure_norms(make_spec(str(folder), f"text:{data}", max_length=48), every_layer=True)
+    assert [r.module for r in found] == [
+        "encoder.layer.0.output.LayerNorm",
+        "encoder.layer.1.output.LayerNorm",
+    ]
+    layers, labels = hidden_vectors(folder, texts, max_length=48)
+    for i, r in enumerate(found, 1):
+        ref = reference_layer(layers[i], labels)
+        assert r.after.avg_cos == pytest.approx(ref.avg_cos, abs=1e-6)
+        assert r.after.isoscore == pytest.approx(ref.isoscore, abs=1e-5)
+    args = ["experiment", "final-norm", "-m", str(gpt2_gains), "--every-layer", "--max-samples", "3", "-q"]
+    assert main(args) == 2
+    assert "pre-LN" in capsys.readouterr().err

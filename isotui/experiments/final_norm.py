@@ -28,6 +28,7 @@ class DimRow:
     """One hidden dimension (the CSV of ``--csv``)."""
 
     model: str
+    module: str
     dim: int
     mean_before: float
     mean_after: float
@@ -65,8 +66,12 @@ class FinalNormResult:
         return (
             f"{self.module} {way} from {b:.4f} to {a:.4f} ({direction}; IsoScore {self.before.isoscore:.3f}"
             f"→{self.after.isoscore:.3f}); the dimensions carrying most of avg_cos before it: {dims}; "
-            f"median |gain| {med:.2f}; Spearman(|x̄_k|, gain) = {self.rho_mean_gain:.2f} "
-            f"(p={self.p_mean_gain:.2g})"
+            f"median |gain| {med:.2f}; "
+            + (
+                f"Spearman(|x̄_k|, gain) = {self.rho_mean_gain:.2f} (p={self.p_mean_gain:.2g})"
+                if math.isfinite(self.rho_mean_gain)
+                else "every gain is the same (an untrained norm?): it scales no dimension more than another"
+            )
         )
 
 
@@ -89,18 +94,46 @@ def norm_module(model) -> tuple[str, Any, str]:
     return name, module, "last block's output norm"
 
 
+def block_output_norms(model) -> list[tuple[str, Any, str]]:
+    """Every block's last norm (BERT's ``output.LayerNorm``), in block order; verified on the
+    first batch to be what the block returns (a pre-LN block ends with a residual sum instead)."""
+    import torch
+
+    out = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 1:
+            continue
+        for i, block in enumerate(module):
+            norms = [
+                (f"{name}.{i}.{n}", m)
+                for n, m in block.named_modules()
+                if n and type(m).__name__.endswith(("LayerNorm", "RMSNorm")) and hasattr(m, "weight")
+            ]
+            if norms:
+                out.append((*norms[-1], f"block {i} output norm"))
+        if out:
+            return out
+    return out
+
+
 def measure_final_norm(spec, *, on_progress=None, should_stop=None) -> FinalNormResult:
     """Stream the inputs and outputs of the final norm over ``spec``'s data."""
+    return measure_norms(spec, every_layer=False, on_progress=on_progress, should_stop=should_stop)[0]
+
+
+def measure_norms(spec, *, every_layer: bool, on_progress=None, should_stop=None) -> list[FinalNormResult]:
+    """The final norm, or (``every_layer``) every block's output norm, over ``spec``'s data, in one
+    pass: each norm's input and output streamed into a pair of accumulators."""
     import time
 
     import torch
 
-    from isotui.core.accumulator import LayerAccumulator
+    from isotui.core.accumulator import LayerAccumulator, sample_keys
     from isotui.errors import Cancelled
     from isotui.experiments.layerwise import prepare
     from isotui.extract.device import resolve_device
     from isotui.extract.progress import Progress
-    from isotui.extract.runner import ExtractOptions, _Runner, resolve_max_length
+    from isotui.extract.runner import COV_BUDGET_BYTES, ExtractOptions, _Runner, resolve_max_length
     from isotui.models.loading import load_model
     from isotui.models.naming import parse_model
 
@@ -115,20 +148,41 @@ def measure_final_norm(spec, *, on_progress=None, should_stop=None) -> FinalNorm
     )
     if loaded.family != "transformers" or loaded.modality != "text":
         raise IsotuiError("the final-norm analysis reads text transformers models; give a text model")
-    name, module, kind = norm_module(loaded.model)
+    model = loaded.model
+    sites = block_output_norms(model) if every_layer else [norm_module(model)]
+    if not sites:
+        raise IsotuiError(f"{type(model).__name__} has no blocks with a norm to analyse")
     opts = ExtractOptions(
         max_length=spec.max_length, special_tokens=spec.special_tokens, batch_size=spec.batch_size
     )
     runner = _Runner(loaded, device, opts, lambda _e: None)
     runner.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
-    seen: dict[str, Any] = {}
+    seen: dict[int, tuple] = {}
+    blocks: dict[int, Any] = {}
 
-    def hook(_m, args, out):
-        seen["in"], seen["out"] = args[0], out[0] if isinstance(out, tuple) else out
+    def hook(i):
+        def keep(_m, args, out):
+            seen[i] = (args[0], out[0] if isinstance(out, tuple) else out)
 
-    handle = module.register_forward_hook(hook)
-    accs: list[LayerAccumulator] = []
+        return keep
+
+    handles = [m.register_forward_hook(hook(i)) for i, (_n, m, _k) in enumerate(sites)]
+    if every_layer:  # each block's own output, to check that its last norm is what it returns
+        parents = [n.rsplit(".", 2)[0] for n, _m, _k in sites]
+        named = dict(model.named_modules())
+
+        def block_hook(i):
+            def keep(_m, _args, out):
+                blocks[i] = out[0] if isinstance(out, tuple) else out
+
+            return keep
+
+        for i, (n, _m, _k) in enumerate(sites):
+            block = named[".".join(n.split(".")[: len(parents[i].split(".")) + 1])]
+            handles.append(block.register_forward_hook(block_hook(i)))
+    accs: list[list[LayerAccumulator]] = []
     start, done, total = time.perf_counter(), 0, len(prepared.samples)
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
     try:
         for idx in runner.batches(runner.feeder.lengths):
             if should_stop and should_stop():
@@ -136,38 +190,50 @@ def measure_final_norm(spec, *, on_progress=None, should_stop=None) -> FinalNorm
             fed = runner.feeder.feed(idx)
             inputs = {k: v.to(device) for k, v in fed.inputs.items()}
             with torch.inference_mode():
-                loaded.model(**inputs, return_dict=True)
-            x_in, x_out = seen["in"], seen["out"]
-            component = (
-                "decoder"
-                if "decoder" in name.split(".")[0]
-                else ("encoder" if getattr(loaded.model.config, "is_encoder_decoder", False) else "model")
-            )
-            valid, special = runner.feeder.mask(fed, component, x_in.shape[1])
-            keep = valid if spec.special_tokens == "include" else valid & ~special
-            flat = keep.flatten().nonzero().squeeze(1)
-            ids = flat // x_in.shape[1]
+                model(**inputs, return_dict=True)
             if not accs:
-                d = x_in.shape[-1]
+                d = seen[0][0].shape[-1]
+                full = len(sites) * 2 * d * d * 8 <= COV_BUDGET_BYTES
                 accs = [
-                    LayerAccumulator(d, torch.device("cpu"), full_cov=True, reservoir=spec.reservoir)
-                    for _ in range(2)
+                    [
+                        LayerAccumulator(d, torch.device("cpu"), full_cov=full, reservoir=spec.reservoir)
+                        for _ in "ab"
+                    ]
+                    for _ in sites
                 ]
-            from isotui.core.accumulator import sample_keys
-
-            keys = sample_keys(spec.seed, torch.tensor(idx)[ids], flat % x_in.shape[1])
-            for acc, x in zip(accs, (x_in, x_out), strict=True):
-                vec = x.reshape(-1, x.shape[-1]).index_select(0, flat.to(x.device)).float().cpu()
-                acc.commit(acc.partial(vec, ids, keys))
+                for i, (n, _m, _k) in enumerate(sites):
+                    if every_layer and not torch.equal(seen[i][1], blocks[i]):
+                        raise IsotuiError(
+                            f"{n} is not what its block returns ({type(model).__name__} puts its norms "
+                            "before attention and MLP, pre-LN); analyse its final norm without --every-layer"
+                        )
+            for i, (n, _m, _k) in enumerate(sites):
+                x_in, x_out = seen[i]
+                first = n.split(".")[0]
+                component = "decoder" if "decoder" in first else ("encoder" if encoder_decoder else "model")
+                valid, special = runner.feeder.mask(fed, component, x_in.shape[1])
+                keep = valid if spec.special_tokens == "include" else valid & ~special
+                flat = keep.flatten().nonzero().squeeze(1)
+                ids = flat // x_in.shape[1]
+                keys = sample_keys(spec.seed, torch.tensor(idx)[ids], flat % x_in.shape[1])
+                for acc, x in zip(accs[i], (x_in, x_out), strict=True):
+                    vec = x.reshape(-1, x.shape[-1]).index_select(0, flat.to(x.device)).float().cpu()
+                    acc.commit(acc.partial(vec, ids, keys))
             done += len(idx)
             if on_progress:
                 on_progress(Progress(done, total, 0, time.perf_counter() - start))
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if not accs:
-        raise IsotuiError("no sample reached the final norm")
-    before, after = (acc.finalize() for acc in accs)
-    return _result(spec.model, name, kind, module, before, after, time.perf_counter() - start, prepared)
+        raise IsotuiError("no sample reached the norm")
+    seconds = time.perf_counter() - start
+    out = []
+    for (name, module, kind), (acc_in, acc_out) in zip(sites, accs, strict=True):
+        out.append(
+            _result(spec.model, name, kind, module, acc_in.finalize(), acc_out.finalize(), seconds, prepared)
+        )
+    return out
 
 
 def _result(model, name, kind, module, before, after, seconds, prepared) -> FinalNormResult:
@@ -184,6 +250,7 @@ def _result(model, name, kind, module, before, after, seconds, prepared) -> Fina
     dims = [
         DimRow(
             model,
+            name,
             k,
             float(before.mean[k]),
             float(after.mean[k]),
@@ -194,8 +261,11 @@ def _result(model, name, kind, module, before, after, seconds, prepared) -> Fina
         )
         for k in range(len(gain))
     ]
-    r1 = spearmanr(np.abs(before.mean), gain)
-    r2 = spearmanr(share_b, gain)
+    if np.ptp(gain) == 0:  # all gains equal (an untrained norm): no rank correlation exists
+        r1 = r2 = type("NoCorrelation", (), {"statistic": math.nan, "pvalue": math.nan})()
+    else:
+        r1 = spearmanr(np.abs(before.mean), gain)
+        r2 = spearmanr(share_b, gain)
     return FinalNormResult(
         model=model,
         module=name,
@@ -271,6 +341,54 @@ def final_norm_table(result: FinalNormResult):
     return Group(metrics, dims)
 
 
+def per_block_table(results: list[FinalNormResult]):
+    """One row per block output norm: what it does to avg_cos and IsoScore, and its top dims."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from isotui.render import _f
+
+    first = results[0]
+    table = Table(
+        title=f"[bold]{escape(first.model)}[/]  every block's output norm  "
+        f"{escape(str(first.meta.get('data')))}, {first.meta.get('n_samples')} samples",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+    )
+    for h in (
+        "layer",
+        "avg_cos before",
+        "after",
+        "isoscore before",
+        "after ",
+        "top dim",
+        "share",
+        "→",
+        "gain",
+    ):
+        table.add_column(h, justify="right")
+    for i, r in enumerate(results, 1):
+        top = max(r.dims, key=lambda d: d.share_before)
+        table.add_row(
+            str(i),
+            _f(r.before.avg_cos),
+            _f(r.after.avg_cos),
+            _f(r.before.isoscore),
+            _f(r.after.isoscore),
+            str(top.dim),
+            _f(top.share_before, 3),
+            _f(top.share_after, 3),
+            _f(top.gain, 4),
+        )
+    table.caption = (
+        "layer L: the norm that ends block L (its output is hidden-state row L); top dim: the dimension "
+        "carrying most of avg_cos before the norm, its share before and after, and its gain γ"
+    )
+    table.caption_justify = "left"
+    return table
+
+
 # --- command line -------------------------------------------------------------------------------
 
 
@@ -278,6 +396,11 @@ def add_arguments(p) -> None:
     from isotui.cli_experiments import add_common, add_run_flags
 
     p.add_argument("--model", "-m", action="append", dest="models", metavar="MODEL", help="repeat to compare")
+    p.add_argument(
+        "--every-layer",
+        action="store_true",
+        help="every block's output norm (post-LN models such as BERT), one table row per block",
+    )
     add_run_flags(p)
     add_common(p, device_seed=False, cache=False)
 
@@ -294,12 +417,13 @@ def main(args, err) -> int:
     for model in models:
         try:
             with progress_printer(err, model, quiet=args.quiet) as bar:
-                results.append(measure_final_norm(base.with_model(model), on_progress=bar))
+                found = measure_norms(base.with_model(model), every_layer=args.every_layer, on_progress=bar)
         except IsotuiError as exc:
             err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
             failed.append(model)
             continue
-        out.print(final_norm_table(results[-1]))
+        results += found
+        out.print(per_block_table(found) if args.every_layer else final_norm_table(found[0]))
         out.print()
     if results and args.csv:
         err.print(f"wrote {write_rows_csv([d for r in results for d in r.dims], Path(args.csv))}")

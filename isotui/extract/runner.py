@@ -507,7 +507,9 @@ def extract(
     memory = memory_in_use(device)
     on_progress(Progress(done, total, n_tokens, elapsed, stage="finalize", memory_bytes=memory))
     components = {c: [acc.finalize() for acc in accs] for c, accs in runner.accs.items()}
-    runner.notes.extend(_sample_notes(runner, [s for stats in components.values() for s in stats]))
+    all_stats = [s for stats in components.values() for s in stats]
+    runner.notes.extend(_sample_notes(runner, all_stats))
+    runner.notes.extend(_rank_notes(all_stats))
     if opts.map_units != "auto" and not runner.saw_maps:
         runner.notes.append(
             f"--map-units {opts.map_units} has no effect: this model's layers are token sequences"
@@ -524,6 +526,21 @@ def extract(
         map_units=runner.map_units if runner.saw_maps else None,
         audio_seconds=getattr(runner.feeder, "seconds", None),
     )
+
+
+def _rank_notes(stats: list[LayerStats]) -> list[str]:
+    """Say when a layer has fewer vectors than dimensions (its covariance is rank-deficient)."""
+    from isotui.core.isotropy import ISOSCORE_STAR_ZETA
+
+    short = [s for s in stats if 0 < s.n_vectors <= s.dim]
+    if not short:
+        return []
+    return [
+        f"{len(short)} of {len(stats)} layers have no more vectors than dimensions "
+        f"(n={short[0].n_vectors:,}, d={short[0].dim:,}): their covariance is rank-deficient, so "
+        "IsoScore is low by construction; "
+        f"IsoScore* shrinks it toward the identity (zeta {ISOSCORE_STAR_ZETA}); measure more samples"
+    ]
 
 
 def _sample_notes(runner: _Runner, stats: list[LayerStats]) -> list[str]:
