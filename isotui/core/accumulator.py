@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from isotui.core.isotropy import abtt_avg_cos, isoscore_star, partition_isotropy, standardized_avg_cos
+from isotui.core.isotropy import isoscore_star, sample_metrics
 from isotui.core.spectrum import (
     Spectrum,
     eigenvalues,
@@ -202,9 +202,9 @@ class LayerAccumulator:
                 out |= self._type_sums(u, ids, type_index.to(self.device)[nonzero], n_samples)
             w = weights.to(self.device).to(torch.float64)
             wn = w[nonzero] if n_nonzero < len(norms) else w
-            out |= {
-                "sum_wu": (wn[:, None] * u).sum(0),
-                "sum_wx": (w[:, None] * x64).sum(0),
+            out |= {  # weighted sums as matrix-vector products: no m x d temporaries
+                "sum_wu": wn @ u,
+                "sum_wx": w @ x64,
                 "sum_w": wn.sum(),
                 "sum_w2": (wn * wn).sum(),
                 "sum_w_all": w.sum(),
@@ -412,13 +412,7 @@ class LayerAccumulator:
         else:
             var = ((sample - mean) ** 2).mean(axis=0)
         x = self.res.to(torch.float64)  # the sample, on the accumulator's device (GPU: fast eigh)
-        centred = x - torch.as_tensor(mean, dtype=torch.float64, device=x.device)
-        return {
-            "iw": partition_isotropy(x),
-            "iw_centered": partition_isotropy(centred),
-            "avg_cos_abtt": abtt_avg_cos(x, mean),
-            "avg_cos_std": standardized_avg_cos(x, mean, np.sqrt(np.clip(var, 0, None))),
-        }
+        return sample_metrics(x, mean, np.sqrt(np.clip(var, 0, None)))
 
 
 def _centered_avg_cos(sample: np.ndarray, mean: np.ndarray) -> float:

@@ -1,4 +1,5 @@
-"""Isotropy metrics beyond the mean cosine (numpy only), each by its published definition.
+"""Isotropy metrics beyond the mean cosine, each by its published definition (float64; torch,
+so that they run on the accumulators' device).
 
 - IsoScore* (Rudman & Eickhoff 2024): IsoScore of the shrunk covariance (1 - zeta) C + zeta C0.
   With C0 = I (the default) its eigenvalues are (1 - zeta) lambda + zeta, so it comes from the
@@ -38,27 +39,58 @@ def _t(x, device=None):
     return torch.as_tensor(x, dtype=torch.float64, device=device)
 
 
-def partition_isotropy(x, *, centered: bool = False) -> float:
-    """I(W) of the rows of ``x`` (numpy or torch): min_c Z(c) / max_c Z(c), computed as
-    exp(min log Z - max log Z)."""
+def _principal(x):
+    """Principal directions of the rows of ``x`` (torch float64): the eigenvectors of x^T x as
+    columns (``eigh``, never ``eig``), largest eigenvalue first; when d > n, the n right singular
+    vectors, plus a flag that the other d - n directions (a null space) exist."""
     import torch
 
+    n, d = x.shape
+    if d <= n:
+        _, vecs = torch.linalg.eigh(x.T @ x)
+        return vecs.flip(1), False
+    _, _, vt = torch.linalg.svd(x, full_matrices=False)
+    return vt.T, True
+
+
+def _iw(x, vecs, null: bool) -> float:
+    """min over max of Z(c) = sum_i exp(c . x_i) over the directions (both signs), in log space;
+    a null-space direction has Z = n."""
+    import torch
+
+    proj = x @ vecs
+    log_z = torch.logsumexp(torch.cat([proj, -proj], dim=1), dim=0)
+    if null:
+        log_z = torch.cat([log_z, log_z.new_tensor([math.log(len(x))])])
+    return float(torch.exp(log_z.min() - log_z.max()))
+
+
+def partition_isotropy(x, *, centered: bool = False) -> float:
+    """I(W) of the rows of ``x`` (numpy or torch): min_c Z(c) / max_c Z(c) over the eigenvectors
+    c of X^T X, computed as exp(min log Z - max log Z)."""
     x = _t(x)
     if len(x) < 2:
         return math.nan
     if centered:
         x = x - x.mean(0)
-    n, d = x.shape
-    if d <= n:
-        _, vecs = torch.linalg.eigh(x.T @ x)  # columns are the eigenvectors
-        proj = x @ vecs
-        log_z = torch.logsumexp(torch.cat([proj, -proj], dim=1), dim=0)
-    else:  # d > n: the n right singular vectors, plus the null space where c . x = 0 (Z = n)
-        _, _, vt = torch.linalg.svd(x, full_matrices=False)
-        proj = x @ vt.T
-        log_z = torch.logsumexp(torch.cat([proj, -proj], dim=1), dim=0)
-        log_z = torch.cat([log_z, log_z.new_tensor([math.log(n)])])
-    return float(torch.exp(log_z.min() - log_z.max()))
+    return _iw(x, *_principal(x))
+
+
+def sample_metrics(x, mean, std) -> dict[str, float]:
+    """I(W), centred I(W), all-but-the-top and standardised avg_cos of the rows of ``x`` given the
+    exact ``mean`` and per-dimension ``std``; the centred eigendecomposition serves both the
+    centred I(W) and all-but-the-top."""
+    x = _t(x)
+    if len(x) < 2:
+        return {}
+    centred = x - _t(mean, x.device)
+    vecs_c, null_c = _principal(centred)
+    return {
+        "iw": _iw(x, *_principal(x)),
+        "iw_centered": _iw(centred, vecs_c, null_c),
+        "avg_cos_abtt": _abtt(centred, vecs_c),
+        "avg_cos_std": standardized_avg_cos(x, mean, std),
+    }
 
 
 def _mean_cos(v) -> float:
@@ -80,20 +112,17 @@ def abtt_components(d: int) -> int:
 
 def abtt_avg_cos(x, mean, top: int | None = None) -> float:
     """avg_cos of ``x`` after subtracting ``mean`` and the top principal components of the result."""
-    import torch
-
-    x = _t(x)
-    v = x - _t(mean, x.device)
+    v = _t(x) - _t(mean, _t(x).device)
     if len(v) < 2:
         return math.nan
-    n, d = v.shape
-    top = abtt_components(d) if top is None else top
-    if d <= n:  # the d x d scatter's eigenvectors (cheaper than an SVD of the n x d data)
-        _, vecs = torch.linalg.eigh(v.T @ v)
-        pcs = vecs.flip(1)[:, :top].T
-    else:
-        _, _, vt = torch.linalg.svd(v, full_matrices=False)
-        pcs = vt[:top]
+    return _abtt(v, _principal(v)[0], top)
+
+
+def _abtt(v, vecs, top: int | None = None) -> float:
+    """avg_cos of the centred rows ``v`` without their projections on the top principal
+    directions ``vecs`` (columns, largest first)."""
+    top = abtt_components(v.shape[1]) if top is None else top
+    pcs = vecs[:, :top].T
     return _mean_cos(v - (v @ pcs.T) @ pcs)
 
 
