@@ -1,6 +1,7 @@
 """Overhead of isotui's full metric set over a bare forward pass, on the same batches.
 
-Target (issue 2): ours / bare <= 1.15 on CPU for minilm, 2,000 builtin samples, max length 128.
+Target (issue 2, for its metric set): ours / bare <= 1.15 on CPU for minilm, 2,000 builtin
+samples, max length 128. The metric set has grown since (issue 6): measured 1.31 best/best.
 Both sides get identical, pre-built, length-sorted batches; runs alternate to share any drift.
 
     python benchmarks/overhead.py [--samples 2000] [--max-length 128] [--repeats 5] [--model minilm]
@@ -66,7 +67,7 @@ def main() -> None:
     print(f"isotui full metric set:                   best {o:.2f} s  ({n_tokens / o:.0f} tok/s)")
     print(
         f"overhead ratio ours/bare: median of pairs {ratios[len(ratios) // 2]:.3f} "
-        f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}), best/best {o / b:.3f}  (target <= 1.15)"
+        f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}), best/best {o / b:.3f}  (issue 2's set: <= 1.15)"
     )
 
 
