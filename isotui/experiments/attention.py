@@ -251,21 +251,12 @@ def _compute(prepared, key: str, sample_size: int, on_progress, should_stop) -> 
     import torch
 
     from isotui import __version__
+    from isotui.experiments.layerwise import load_prepared
     from isotui.extract.attention import extract_attention
-    from isotui.extract.device import resolve_device
     from isotui.extract.runner import ExtractOptions
-    from isotui.models.loading import load_model
-    from isotui.models.naming import parse_model
 
     spec = prepared.spec
-    device = resolve_device(prepared.device or "auto")
-    loaded = load_model(
-        parse_model(spec.model),
-        device=device,
-        dtype=prepared.dtype,
-        seed=spec.seed,
-        trust_remote_code=spec.trust_remote_code,
-    )
+    loaded, device = load_prepared(prepared)
     opts = ExtractOptions(
         max_length=spec.max_length,
         special_tokens=spec.special_tokens,

@@ -130,22 +130,13 @@ def measure_norms(spec, *, every_layer: bool, on_progress=None, should_stop=None
 
     from isotui.core.accumulator import LayerAccumulator, sample_keys
     from isotui.errors import Cancelled
-    from isotui.experiments.layerwise import prepare
-    from isotui.extract.device import resolve_device
+    from isotui.experiments.layerwise import load_prepared, prepare
     from isotui.extract.progress import Progress
     from isotui.extract.runner import COV_BUDGET_BYTES, ExtractOptions, _Runner, resolve_max_length
-    from isotui.models.loading import load_model
-    from isotui.models.naming import parse_model
 
     prepared = prepare(spec)
-    device = resolve_device(prepared.device or "auto")
-    loaded = load_model(
-        parse_model(spec.model),
-        device=device,
-        dtype=prepared.dtype,
-        seed=spec.seed,
-        trust_remote_code=spec.trust_remote_code,
-    )
+
+    loaded, device = load_prepared(prepared)
     if loaded.family != "transformers" or loaded.modality != "text":
         raise IsotuiError("the final-norm analysis reads text transformers models; give a text model")
     model = loaded.model

@@ -97,27 +97,17 @@ def measure_gradients(spec, *, top_k: int = 10, on_progress=None, should_stop=No
 
     from isotui.core.gradients import random_basis
     from isotui.errors import Cancelled
-    from isotui.experiments.layerwise import prepare
-    from isotui.extract.device import resolve_device
+    from isotui.experiments.layerwise import load_prepared, prepare
     from isotui.extract.progress import Progress
     from isotui.extract.runner import ExtractOptions, _Runner, resolve_max_length
-    from isotui.models.loading import load_model
-    from isotui.models.naming import parse_model
 
     if top_k < 1:
         raise IsotuiError(f"top-k must be a positive integer (got {top_k})")
     prepared = prepare(spec)
     if spec.data.modality != "text":
         raise IsotuiError("the gradient experiment reads language models; give text data")
-    device = resolve_device(prepared.device or "auto")
-    loaded = load_model(
-        parse_model(spec.model),
-        device=device,
-        dtype=prepared.dtype,
-        seed=spec.seed,
-        trust_remote_code=spec.trust_remote_code,
-        head="lm",
-    )
+
+    loaded, device = load_prepared(prepared, head="lm")
     model = loaded.model
     masked_map = AutoModelForMaskedLM._model_mapping
     objective = (

@@ -128,14 +128,9 @@ def measure(
     return result
 
 
-def compute(
-    prepared: Prepared,
-    *,
-    on_progress: ProgressCallback = no_progress,
-    should_stop: StopCheck = never_stop,
-) -> ModelResult:
-    """Load the model, run the extraction and build the table."""
-    from isotui.extract.runner import ExtractOptions, extract
+def load_prepared(prepared: Prepared, **kwargs):
+    """(loaded model, device) for a prepared run: the device resolved, the run's dtype and seed;
+    ``kwargs`` go to :func:`~isotui.models.loading.load_model` (e.g. ``head="lm"``)."""
     from isotui.models.loading import load_model
 
     spec = prepared.spec
@@ -146,7 +141,22 @@ def compute(
         dtype=prepared.dtype,
         seed=spec.seed,
         trust_remote_code=spec.trust_remote_code,
+        **kwargs,
     )
+    return loaded, device
+
+
+def compute(
+    prepared: Prepared,
+    *,
+    on_progress: ProgressCallback = no_progress,
+    should_stop: StopCheck = never_stop,
+) -> ModelResult:
+    """Load the model, run the extraction and build the table."""
+    from isotui.extract.runner import ExtractOptions, extract
+
+    spec = prepared.spec
+    loaded, device = load_prepared(prepared)
     opts = ExtractOptions(
         max_length=spec.max_length,
         special_tokens=spec.special_tokens,
