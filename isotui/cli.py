@@ -320,6 +320,7 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
     if args.cache_command == "ls":
         if not entries:
             out.print(f"no cached runs in {cache.root}")
+            _print_experiment_entries(out, cache.root)
             return 0
         table = Table(title=f"cached runs in {cache.root}", title_justify="left")
         for col in ("key", "model", "data", "samples", "created", "size"):
@@ -334,9 +335,16 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
                 f"{e.size_bytes / 1024:.0f} KiB",
             )
         out.print(table)
+        _print_experiment_entries(out, cache.root)
         return 0
     if not args.all and not args.keys:
         raise IsotuiError("cache rm needs keys (see `isotui cache ls`) or --all")
+    experiments = _experiment_entries(cache.root)
+    if args.all:
+        for path in experiments:
+            path.unlink()
+        if experiments:
+            err.print(f"removed {len(experiments)} cached experiment result(s) (attention, drift-block)")
     chosen = entries if args.all else []
     for prefix in args.keys:
         matches = [e for e in entries if e.key.startswith(prefix)]
@@ -348,6 +356,22 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
         cache.remove(e.key)
     err.print(f"removed {len(chosen)} cached run{'s' if len(chosen) != 1 else ''}")
     return 0
+
+
+EXPERIMENT_FOLDERS = ("attention", "drift-block")  # experiments that cache beside runs/
+
+
+def _experiment_entries(root: Path) -> list[Path]:
+    return [p for folder in EXPERIMENT_FOLDERS for p in sorted((Path(root) / folder).glob("*.safetensors"))]
+
+
+def _print_experiment_entries(out, root: Path) -> None:
+    """One line per experiment folder: how many results it holds and their size."""
+    for folder in EXPERIMENT_FOLDERS:
+        files = sorted((Path(root) / folder).glob("*.safetensors"))
+        if files:
+            size = sum(f.stat().st_size for f in files) / (1 << 20)
+            out.print(f"{folder}: {len(files)} cached result(s), {size:.1f} MiB in {Path(root) / folder}")
 
 
 if __name__ == "__main__":

@@ -267,3 +267,30 @@ def test_unwritable_cache_and_csv_paths_are_reported_not_fatal(tmp_path, tiny_mo
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"cannot write {blocker / 'out.csv'}" in proc.stderr
+
+
+def test_cache_ls_and_rm_all_cover_experiment_results(tmp_path, capsys):
+    """Experiment results (attention, drift-block) are listed and removed with the runs."""
+    from isotui.cli import main
+
+    root = tmp_path / "c"
+    args = ["experiment", "drift-block", "--hidden", "16", "--heads", "2", "--intermediate", "32"]
+    args += [
+        "--vocab",
+        "50",
+        "--batch",
+        "2",
+        "--seq-len",
+        "8",
+        "--norms",
+        "0,5",
+        "--cache-dir",
+        str(root),
+        "-q",
+    ]
+    assert main(args) == 0
+    assert main(["cache", "--cache-dir", str(root), "ls"]) == 0
+    assert "drift-block: 1 cached result(s)" in capsys.readouterr().out
+    assert main(["cache", "--cache-dir", str(root), "rm", "--all"]) == 0
+    assert "removed 1 cached experiment result(s)" in capsys.readouterr().err
+    assert not list((root / "drift-block").glob("*.safetensors"))
