@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from types import ModuleType
 
 EXPERIMENTS = {
     "attention": "isotui.experiments.attention",
@@ -20,15 +19,6 @@ EXPERIMENTS = {
     "gradients": "isotui.experiments.gradients",
 }
 TOP_LEVEL = {"train-tiny": "isotui.experiments.train_tiny"}
-
-
-def _module(path: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(path)
-    except ModuleNotFoundError as exc:  # an experiment not built yet
-        if exc.name == path:
-            return None
-        raise
 
 
 def add_common(p: argparse.ArgumentParser, *, cache: bool = True, device_seed: bool = True) -> None:
@@ -42,6 +32,20 @@ def add_common(p: argparse.ArgumentParser, *, cache: bool = True, device_seed: b
     p.add_argument("--csv", help="write the table here")
     p.add_argument("--json", help="write everything (tables, arrays as lists, metadata) here")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+
+
+def add_series_flags(p: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--checkpoints``: a checkpoint series (see qk_dynamics.resolve_checkpoints)."""
+    p.add_argument("--model", "-m", help="the model whose hub revisions --checkpoints names (optional)")
+    p.add_argument(
+        "--checkpoints",
+        "-c",
+        action="append",
+        required=True,
+        metavar="LIST",
+        help="revisions of --model (step1000,step2000), model ids, checkpoint folders, or a folder of "
+        "them (isotui train-tiny output); comma- or space-separated, repeatable",
+    )
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -100,15 +104,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     names = exp.add_subparsers(dest="experiment", required=True, metavar="NAME")
     for name, path in EXPERIMENTS.items():
-        module = _module(path)
-        if module is None:
-            continue
+        module = importlib.import_module(path)
         p = names.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
     for name, path in TOP_LEVEL.items():
-        module = _module(path)
-        if module is None:
-            continue
+        module = importlib.import_module(path)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
 

@@ -14,6 +14,27 @@ SCHEMA_VERSION = 2  # 2: isoscore_star, iw, iw_centered, avg_cos_abtt, avg_cos_s
 
 ROGUE_TOP = 3
 
+# The per-layer metrics a plot or a heatmap can show (LayerRow fields), in the app's cycle order.
+LAYER_METRICS = (
+    "avg_cos",
+    "avg_cos_xctx",
+    "drift_norm",
+    "mean_norm",
+    "avg_cos_centered",
+    "isoscore",
+    "eff_rank",
+    "top_pc_share",
+    "isoscore_star",
+    "iw",
+    "iw_centered",
+    "avg_cos_abtt",
+    "avg_cos_std",
+    "avg_cos_types",
+    "drift_norm_types",
+    "intra_sim",
+    "self_sim",
+)
+
 
 @dataclass
 class LayerRow:

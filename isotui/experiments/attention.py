@@ -251,23 +251,16 @@ def _compute(prepared, key: str, sample_size: int, on_progress, should_stop) -> 
     import torch
 
     from isotui import __version__
-    from isotui.experiments.layerwise import load_prepared
+    from isotui.experiments.layerwise import extract_options, load_prepared
     from isotui.extract.attention import extract_attention
-    from isotui.extract.runner import ExtractOptions
 
     spec = prepared.spec
     loaded, device = load_prepared(prepared)
-    opts = ExtractOptions(
-        max_length=spec.max_length,
-        special_tokens=spec.special_tokens,
-        batch_size=spec.batch_size,
-        seed=spec.seed,
-    )
     ex = extract_attention(
         loaded,
         prepared.samples,
         device=device,
-        opts=opts,
+        opts=extract_options(spec),
         on_progress=on_progress,
         should_stop=should_stop,
         model_name=spec.model,

@@ -15,28 +15,10 @@ from typing import Any
 import numpy as np
 
 from isotui.errors import IsotuiError
+from isotui.results import LAYER_METRICS
 
 HELP = "any layer metric along a checkpoint series, as a layer x step heatmap (Machina & Mercer 2024)"
-METRICS = (
-    "avg_cos",
-    "avg_cos_xctx",
-    "avg_cos_centered",
-    "drift_norm",
-    "mean_norm",
-    "isoscore",
-    "eff_rank",
-    "top_pc_share",
-    "top_rogue_share",
-    "isoscore_star",
-    "iw",
-    "iw_centered",
-    "avg_cos_abtt",
-    "avg_cos_std",
-    "avg_cos_types",
-    "drift_norm_types",
-    "intra_sim",
-    "self_sim",
-)
+METRICS = (*LAYER_METRICS, "top_rogue_share")
 
 
 @dataclass
@@ -176,18 +158,9 @@ def heatmap(result: CheckpointSeries, metric: str):
 
 
 def add_arguments(p) -> None:
-    from isotui.cli_experiments import add_common, add_run_flags
+    from isotui.cli_experiments import add_common, add_run_flags, add_series_flags
 
-    p.add_argument("--model", "-m", help="the model whose hub revisions --checkpoints names (optional)")
-    p.add_argument(
-        "--checkpoints",
-        "-c",
-        action="append",
-        required=True,
-        metavar="LIST",
-        help="revisions of --model (step0,step1000,...), model ids, checkpoint folders, or a folder of "
-        "them (isotui train-tiny output); comma- or space-separated, repeatable",
-    )
+    add_series_flags(p)
     p.add_argument("--metric", default="avg_cos", choices=METRICS, help="the heatmap's metric (CSV: all)")
     add_run_flags(p)
     add_common(p, device_seed=False)

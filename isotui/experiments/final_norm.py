@@ -130,9 +130,9 @@ def measure_norms(spec, *, every_layer: bool, on_progress=None, should_stop=None
 
     from isotui.core.accumulator import LayerAccumulator, sample_keys
     from isotui.errors import Cancelled
-    from isotui.experiments.layerwise import load_prepared, prepare
+    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
     from isotui.extract.progress import Progress
-    from isotui.extract.runner import COV_BUDGET_BYTES, ExtractOptions, _Runner, resolve_max_length
+    from isotui.extract.runner import COV_BUDGET_BYTES, _Runner, resolve_max_length
 
     prepared = prepare(spec)
 
@@ -143,10 +143,7 @@ def measure_norms(spec, *, every_layer: bool, on_progress=None, should_stop=None
     sites = block_output_norms(model) if every_layer else [norm_module(model)]
     if not sites:
         raise IsotuiError(f"{type(model).__name__} has no blocks with a norm to analyse")
-    opts = ExtractOptions(
-        max_length=spec.max_length, special_tokens=spec.special_tokens, batch_size=spec.batch_size
-    )
-    runner = _Runner(loaded, device, opts, lambda _e: None)
+    runner = _Runner(loaded, device, extract_options(spec), lambda _e: None)
     runner.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
     seen: dict[int, tuple] = {}
     blocks: dict[int, Any] = {}
@@ -179,7 +176,7 @@ def measure_norms(spec, *, every_layer: bool, on_progress=None, should_stop=None
             if should_stop and should_stop():
                 raise Cancelled()
             fed = runner.feeder.feed(idx)
-            inputs = {k: v.to(device) for k, v in fed.inputs.items()}
+            inputs = runner.device_inputs(fed)
             with torch.inference_mode():
                 model(**inputs, return_dict=True)
             if not accs:

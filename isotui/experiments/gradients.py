@@ -97,9 +97,9 @@ def measure_gradients(spec, *, top_k: int = 10, on_progress=None, should_stop=No
 
     from isotui.core.gradients import random_basis
     from isotui.errors import Cancelled
-    from isotui.experiments.layerwise import load_prepared, prepare
+    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
     from isotui.extract.progress import Progress
-    from isotui.extract.runner import ExtractOptions, _Runner, resolve_max_length
+    from isotui.extract.runner import _Runner, resolve_max_length
 
     if top_k < 1:
         raise IsotuiError(f"top-k must be a positive integer (got {top_k})")
@@ -118,10 +118,7 @@ def measure_gradients(spec, *, top_k: int = 10, on_progress=None, should_stop=No
     mask_id = getattr(loaded.tokenizer, "mask_token_id", None)
     if objective == "masked" and mask_id is None:
         raise IsotuiError(f"the tokenizer of model {spec.model!r} has no mask token, so no masked-LM loss")
-    opts = ExtractOptions(
-        max_length=spec.max_length, special_tokens=spec.special_tokens, batch_size=spec.batch_size
-    )
-    runner = _Runner(loaded, device, opts, lambda _e: None)
+    runner = _Runner(loaded, device, extract_options(spec), lambda _e: None)
     runner.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
     acc_device = torch.device(device if device.startswith("cuda") else "cpu")
     accs: list = []  # GradAccumulator per layer, made at the first batch
@@ -143,7 +140,7 @@ def measure_gradients(spec, *, top_k: int = 10, on_progress=None, should_stop=No
             labels = torch.full_like(ids, -100)
             labels[:, :-1] = torch.where(valid[:, 1:], ids[:, 1:], labels[:, 1:])
             keep = keep & (labels != -100)  # the last token: no loss depends on it
-        inputs = {k: v.to(device) for k, v in fed.inputs.items()}
+        inputs = runner.device_inputs(fed)
         try:
             with torch.enable_grad():
                 out = model(**inputs, output_hidden_states=True, return_dict=True)

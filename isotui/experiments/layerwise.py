@@ -128,6 +128,20 @@ def measure(
     return result
 
 
+def extract_options(spec: RunSpec):
+    """The extraction options a run's spec asks for (every experiment that feeds batches)."""
+    from isotui.extract.runner import ExtractOptions
+
+    return ExtractOptions(
+        max_length=spec.max_length,
+        special_tokens=spec.special_tokens,
+        batch_size=spec.batch_size,
+        seed=spec.seed,
+        reservoir=spec.reservoir,
+        map_units=spec.map_units,
+    )
+
+
 def load_prepared(prepared: Prepared, **kwargs):
     """(loaded model, device) for a prepared run: the device resolved, the run's dtype and seed;
     ``kwargs`` go to :func:`~isotui.models.loading.load_model` (e.g. ``head="lm"``)."""
@@ -153,23 +167,15 @@ def compute(
     should_stop: StopCheck = never_stop,
 ) -> ModelResult:
     """Load the model, run the extraction and build the table."""
-    from isotui.extract.runner import ExtractOptions, extract
+    from isotui.extract.runner import extract
 
     spec = prepared.spec
     loaded, device = load_prepared(prepared)
-    opts = ExtractOptions(
-        max_length=spec.max_length,
-        special_tokens=spec.special_tokens,
-        batch_size=spec.batch_size,
-        seed=spec.seed,
-        reservoir=spec.reservoir,
-        map_units=spec.map_units,
-    )
     ex = extract(
         loaded,
         prepared.samples,
         device=device,
-        opts=opts,
+        opts=extract_options(spec),
         on_progress=on_progress,
         should_stop=should_stop,
         model_name=spec.model,

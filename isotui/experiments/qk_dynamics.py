@@ -309,18 +309,9 @@ def series_name(checkpoints: list[Checkpoint]) -> str:
 
 
 def add_arguments(p) -> None:
-    from isotui.cli_experiments import add_common, add_run_flags
+    from isotui.cli_experiments import add_common, add_run_flags, add_series_flags
 
-    p.add_argument("--model", "-m", help="the model whose hub revisions --checkpoints names (optional)")
-    p.add_argument(
-        "--checkpoints",
-        "-c",
-        action="append",
-        required=True,
-        metavar="LIST",
-        help="revisions of --model (step1000,step2000), model ids, checkpoint folders, or a folder of "
-        "them (isotui train-tiny output); comma- or space-separated, repeatable",
-    )
+    add_series_flags(p)
     add_run_flags(p)
     p.add_argument(
         "--sample",

@@ -63,14 +63,12 @@ class AttentionRequest:
 
 
 @dataclass(frozen=True)
-class DynamicsRequest:
-    """Queries and keys along a checkpoint series (``isotui experiment qk-dynamics``)."""
+class _SeriesRequest:
+    """A job over a checkpoint series: what the jobs pane shows and which lane it runs on."""
 
     series: str | None
     checkpoints: tuple  # of qk_dynamics.Checkpoint
     spec: RunSpec  # data and run options; its model is the first checkpoint
-    sample_size: int = 256
-    kind = "qk-dynamics"
 
     @property
     def model(self) -> str:
@@ -81,6 +79,14 @@ class DynamicsRequest:
     @property
     def device(self) -> str:
         return self.spec.device
+
+
+@dataclass(frozen=True)
+class DynamicsRequest(_SeriesRequest):
+    """Queries and keys along a checkpoint series (``isotui experiment qk-dynamics``)."""
+
+    sample_size: int = 256
+    kind = "qk-dynamics"
 
     def lookup(self, cache_root: Path | None, notice) -> Any:
         """Answered at once only when every checkpoint is cached."""
@@ -154,23 +160,10 @@ class DriftBlockRequest:
 
 
 @dataclass(frozen=True)
-class CheckpointsRequest:
+class CheckpointsRequest(_SeriesRequest):
     """Layer metrics along a checkpoint series (``isotui experiment checkpoints``)."""
 
-    series: str | None
-    checkpoints: tuple  # of qk_dynamics.Checkpoint
-    spec: RunSpec
     kind = "checkpoints"
-
-    @property
-    def model(self) -> str:
-        from isotui.experiments.qk_dynamics import series_name
-
-        return self.series or series_name(list(self.checkpoints))
-
-    @property
-    def device(self) -> str:
-        return self.spec.device
 
     def lookup(self, cache_root: Path | None, notice) -> Any:
         """Answered at once only when every checkpoint's layer run is cached."""

@@ -360,11 +360,7 @@ class AttentionRun(_Runner):
         import torch
 
         fed = self.feeder.feed(idx)
-        inputs = {}
-        for name, value in fed.inputs.items():
-            if value.is_floating_point() and self.dtype is not None:
-                value = value.to(self.dtype)
-            inputs[name] = value.to(self.device)
+        inputs = self.device_inputs(fed)
         self.fed, self.masks = fed, {}
         self.sample_ids = torch.tensor(idx, dtype=torch.long)
         try:
@@ -373,14 +369,7 @@ class AttentionRun(_Runner):
         except IsotuiError:
             raise
         except Exception as exc:
-            from isotui.extract.runner import _is_oom
-
-            if _is_oom(exc):
-                raise
-            raise IsotuiError(
-                f"model {type(self.model).__name__} failed on a batch under the attention probe "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
-            ) from None
+            raise self.batch_failure(exc, "a batch under the attention probe") from None
         if not any(p.acc is not None for p in self.probes.values()):
             raise IsotuiError(
                 f"{type(self.model).__name__} does not compute attention through transformers' "

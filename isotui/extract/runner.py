@@ -272,11 +272,7 @@ class _Runner:
 
         assert self.feeder is not None
         fed = self.feeder.feed(idx)
-        inputs = {}
-        for name, value in fed.inputs.items():
-            if value.is_floating_point() and self.dtype is not None:
-                value = value.to(self.dtype)
-            inputs[name] = value.to(self.device)
+        inputs = self.device_inputs(fed)
         hook_out: dict[str, Any] = {}
         handles = []
         if self.accs is None:  # first batch: which final norm, if any, made the last hidden state
@@ -289,12 +285,7 @@ class _Runner:
         except IsotuiError:
             raise
         except Exception as exc:
-            if _is_oom(exc):
-                raise
-            raise IsotuiError(
-                f"model {type(self.model).__name__} failed on a batch of {self.loaded.modality} "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})"
-            ) from None
+            raise self.batch_failure(exc, f"a batch of {self.loaded.modality}") from None
         finally:
             for handle in handles:
                 handle.remove()
@@ -322,6 +313,25 @@ class _Runner:
         if fed.valid is not None:
             return int(fed.valid.sum())
         return len(idx)
+
+    def device_inputs(self, fed) -> dict[str, Any]:
+        """A fed batch on the model's device, floating inputs in the model's dtype."""
+        inputs = {}
+        for name, value in fed.inputs.items():
+            if value.is_floating_point() and self.dtype is not None:
+                value = value.to(self.dtype)
+            inputs[name] = value.to(self.device)
+        return inputs
+
+    def batch_failure(self, exc: Exception, what: str) -> Exception:
+        """The exception to raise for a failed forward pass: out of memory as it is (the caller
+        backs off), anything else as one sentence naming the model and ``what`` it was fed."""
+        if _is_oom(exc):
+            return exc
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        return IsotuiError(
+            f"model {type(self.model).__name__} failed on {what} ({type(exc).__name__}: {first})"
+        )
 
     def _index(self, fed, component: str, h):
         """Which units of a layer are kept (``flat`` rows of its sequence, None: all units), and

@@ -29,7 +29,7 @@ from isotui.errors import IsotuiError
 from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import find_preset
 from isotui.render import amount, shorten
-from isotui.results import ModelResult
+from isotui.results import LAYER_METRICS, ModelResult
 from isotui.settings import load_settings
 from isotui.spec import SPEC_OPTIONS, RunSpec, make_spec
 from isotui.store.cache import CacheProblem, ResultCache
@@ -43,25 +43,7 @@ from isotui.tui.sysinfo import describe_devices, query_gpus
 from isotui.tui.themes import load_themes
 
 DEFAULT_THEME = "isotui-dark"
-PLOT_METRICS = (
-    "avg_cos",
-    "avg_cos_xctx",
-    "drift_norm",
-    "mean_norm",
-    "avg_cos_centered",
-    "isoscore",
-    "eff_rank",
-    "top_pc_share",
-    "isoscore_star",
-    "iw",
-    "iw_centered",
-    "avg_cos_abtt",
-    "avg_cos_std",
-    "avg_cos_types",
-    "drift_norm_types",
-    "intra_sim",
-    "self_sim",
-)
+PLOT_METRICS = LAYER_METRICS
 # comparable to the isotropic null
 NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "avg_cos_abtt", "avg_cos_std", "avg_cos_types")
 DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ")

@@ -322,24 +322,31 @@ class LabScreen(Screen):
         self.query_one("#dyn-table", DataTable).focus()  # the tab's keys work again
 
     def run_dynamics(self, text: str) -> None:
-        from isotui.errors import IsotuiError
-        from isotui.experiments.qk_dynamics import DEFAULT_SAMPLE, resolve_checkpoints
+        from isotui.experiments.qk_dynamics import DEFAULT_SAMPLE
         from isotui.experiments.requests import DynamicsRequest
+
+        self.submit_series(text, lambda *args: DynamicsRequest(*args, DEFAULT_SAMPLE), "qk-dynamics")
+
+    def submit_series(self, text: str, make_request, what: str) -> None:
+        """Queue ``make_request(series, checkpoints, spec)`` for the checkpoints typed in ``text``
+        (a bad series is one sentence); the series is named after the selected model when every
+        checkpoint is one of its revisions."""
+        from isotui.errors import IsotuiError
+        from isotui.experiments.qk_dynamics import resolve_checkpoints
 
         app: Any = self.app
         try:
             checkpoints = resolve_checkpoints(app.selected, [text])
             spec = app.spec_for(checkpoints[0].model)
         except IsotuiError as exc:
-            self.app.notify(str(exc), severity="error")
+            app.notify(str(exc), severity="error")
             return
+        prefix = f"{app.selected}@"
         series = (
-            app.selected
-            if any("@" in c.model and c.model.startswith(f"{app.selected}@") for c in checkpoints)
-            else None
+            app.selected if app.selected and all(c.model.startswith(prefix) for c in checkpoints) else None
         )
-        app.submit_request(DynamicsRequest(series, tuple(checkpoints), spec, DEFAULT_SAMPLE))
-        self.status(f"queued qk-dynamics over {len(checkpoints)} checkpoints (jobs: main screen)")
+        app.submit_request(make_request(series, tuple(checkpoints), spec))
+        self.status(f"queued {what} over {len(checkpoints)} checkpoints (jobs: main screen)")
 
     # -- actions -------------------------------------------------------------------------------
 

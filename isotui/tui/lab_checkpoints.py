@@ -27,21 +27,9 @@ def compose_checkpoints() -> ComposeResult:
 
 
 def run_checkpoints(screen, text: str) -> None:
-    from isotui.errors import IsotuiError
-    from isotui.experiments.qk_dynamics import resolve_checkpoints
     from isotui.experiments.requests import CheckpointsRequest
 
-    app: Any = screen.app
-    try:
-        checkpoints = resolve_checkpoints(app.selected, [text])
-        spec = app.spec_for(checkpoints[0].model)
-    except IsotuiError as exc:
-        app.notify(str(exc), severity="error")
-        return
-    prefix = f"{app.selected}@"
-    series = app.selected if app.selected and all(c.model.startswith(prefix) for c in checkpoints) else None
-    app.submit_request(CheckpointsRequest(series, tuple(checkpoints), spec))
-    screen.status(f"queued checkpoints over {len(checkpoints)} checkpoints (jobs: main screen)")
+    screen.submit_series(text, CheckpointsRequest, "checkpoints")
 
 
 def show_checkpoints(screen) -> None:
