@@ -10,7 +10,10 @@ import numpy as np
 from isotui.core.correlation import DriftCorrelation
 
 # Bump when a metric's definition or the stored layout changes: old entries are recomputed.
-SCHEMA_VERSION = 2  # 2: isoscore_star, iw, iw_centered, avg_cos_abtt, avg_cos_std, *_types
+# 2: isoscore_star, iw, iw_centered, avg_cos_abtt, avg_cos_std, *_types
+# 3: no token types for models without a token-type vocabulary; T5 decoders batch-invariant with
+#    special tokens included; avg_cos_std's per-dimension variance in float64 (no underflow)
+SCHEMA_VERSION = 3
 
 ROGUE_TOP = 3
 

@@ -79,6 +79,7 @@ class LayerStats:
     intra_sim: float = math.nan  # Ethayarajh 2019 (text)
     self_sim: float = math.nan
     self_sim_types: int = 0
+    constant_dims: tuple[int, ...] = ()  # dimensions with one value in every vector (std 0)
 
 
 def _gram_dtype(x64: torch.Tensor) -> torch.dtype:
@@ -151,6 +152,12 @@ class LayerAccumulator:
         self.type_within_n = torch.zeros(types, dtype=f64, device=device)
         self.shift: torch.Tensor | None = None  # first batch mean: keeps the 2nd moment stable
         self.sum_xs = torch.zeros(dim, dtype=f64, device=device)
+        # per-dimension sum of squared shifted values in float64 (the float32 d x d product
+        # underflows for dimensions of scale ~1e-30, e.g. a LayerNorm gain near 0), and the
+        # range of each dimension, to tell an exactly constant dimension from a tiny spread
+        self.sum_xs2 = torch.zeros(dim, dtype=f64, device=device)
+        self.x_min = torch.full((dim,), math.inf, dtype=f64, device=device)
+        self.x_max = torch.full((dim,), -math.inf, dtype=f64, device=device)
         self.gram = torch.zeros((dim, dim), dtype=f64, device=device) if full_cov else None
         self.res: torch.Tensor | None = None
         self.res_keys: torch.Tensor | None = None
@@ -190,11 +197,15 @@ class LayerAccumulator:
             "sum_norm": norms.sum(),
             "within": (per_sample * per_sample).sum(),
         }
+        shift = self._shift_for(x64)
+        out["shift"] = shift
+        out["sum_xs"] = out["sum_x"] - len(x64) * shift
+        xs64 = x64 - shift
+        out["sum_xs2"] = (xs64 * xs64).sum(0)
+        if len(x64):
+            out["x_min"], out["x_max"] = x64.amin(0), x64.amax(0)
         if self.full_cov:
-            shift = self._shift_for(x64)
-            out["shift"] = shift
-            out["sum_xs"] = out["sum_x"] - len(x64) * shift
-            xs = (x64 - shift).to(_gram_dtype(x64))
+            xs = xs64.to(_gram_dtype(x64))
             out["gram"] = (xs.T @ xs).to(torch.float64)
         if weights is not None:
             out |= self._sentences(x64, norms, nonzero, u, ids, per_sample, n_samples)
@@ -286,6 +297,8 @@ class LayerAccumulator:
 
     def commit(self, p: dict) -> None:
         """Add a batch's :meth:`partial` into the running state (no large allocations)."""
+        import torch
+
         self.n += p["n"]
         self.n_all += p["n_all"]
         self.pairs_within += p["pairs_within"]
@@ -299,10 +312,14 @@ class LayerAccumulator:
         if "type_u" in p:
             for name in ("type_u", "type_n", "type_within", "type_within_n"):
                 getattr(self, name).add_(p[name])
+        if self.shift is None and p["n_all"]:
+            self.shift = p["shift"]
+        self.sum_xs.add_(p["sum_xs"])
+        self.sum_xs2.add_(p["sum_xs2"])
+        if "x_min" in p:
+            torch.minimum(self.x_min, p["x_min"], out=self.x_min)
+            torch.maximum(self.x_max, p["x_max"], out=self.x_max)
         if self.full_cov:
-            if self.shift is None and p["n_all"]:
-                self.shift = p["shift"]
-            self.sum_xs.add_(p["sum_xs"])
             self.gram.add_(p["gram"])
         change = p["reservoir"]
         if change[0] == "set":
@@ -369,6 +386,7 @@ class LayerAccumulator:
             eigenvalues=eig,
             mean=mean,
             isoscore_star=isoscore_star(eig),
+            constant_dims=tuple(int(k) for k in np.flatnonzero(self.constant_dims())),
             **extra,
         )
 
@@ -406,13 +424,25 @@ class LayerAccumulator:
 
         if sample is None or len(sample) < 2 or self.dim > SAMPLE_METRICS_MAX_DIM:
             return {}
-        if self.full_cov and self.gram is not None and n_all >= 2:
-            ms = self.sum_xs.cpu().numpy() / n_all
-            var = (np.diag(self.gram.cpu().numpy()) - n_all * ms * ms) / (n_all - 1)
-        else:
-            var = ((sample - mean) ** 2).mean(axis=0)
         x = self.res.to(torch.float64)  # the sample, on the accumulator's device (GPU: fast eigh)
-        return sample_metrics(x, mean, np.sqrt(np.clip(var, 0, None)))
+        return sample_metrics(x, mean, self.dim_std(n_all))
+
+    def dim_std(self, n_all: int) -> np.ndarray:
+        """Each dimension's standard deviation over all vectors, from float64 sums of values
+        shifted by the first batch's mean (stable for any scale); exactly 0 for a dimension whose
+        every value is the same (and only for those: see :meth:`constant_dims`)."""
+        if n_all < 2:
+            return np.full(self.dim, np.nan)
+        ms = self.sum_xs.cpu().numpy() / n_all
+        var = (self.sum_xs2.cpu().numpy() - n_all * ms * ms) / (n_all - 1)
+        std = np.sqrt(np.clip(var, 0.0, None))
+        constant = self.constant_dims()
+        std[constant] = 0.0
+        return std
+
+    def constant_dims(self) -> np.ndarray:
+        """Mask of dimensions in which every vector has exactly the same value."""
+        return (self.x_min == self.x_max).cpu().numpy() & (self.n_all > 0)
 
 
 def _centered_avg_cos(sample: np.ndarray, mean: np.ndarray) -> float:

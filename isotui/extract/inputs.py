@@ -63,7 +63,7 @@ class TextFeeder:
     def __init__(self, loaded: LoadedModel, samples: list[str], max_length: int, runner_accepts) -> None:
         self.loaded = loaded
         self.tokens: Tokens = tokenize(
-            loaded.tokenizer, samples, max_length, with_types=runner_accepts("token_type_ids")
+            loaded.tokenizer, samples, max_length, with_types=takes_token_types(loaded, runner_accepts)
         )
         self.lengths = self.tokens.lengths
         self.pad_id = _pad_id(loaded.tokenizer)
@@ -87,7 +87,10 @@ class TextFeeder:
             start = start if isinstance(start, int) else (config.pad_token_id or 0)
             ids = b["input_ids"]
             dec = torch.cat([torch.full((len(ids), 1), start, dtype=ids.dtype), ids[:, :-1]], dim=1)
-            dec_mask = torch.cat([torch.ones((len(ids), 1), dtype=mask.dtype), mask[:, :-1]], dim=1)
+            # A sample of L tokens has L decoder positions (the start token, then its first L - 1
+            # tokens) however much it is padded: the decoder mask is the encoder's own, never
+            # shifted, or a padded sample would gain a position fed its last token.
+            dec_mask = mask
             inputs["decoder_input_ids"] = dec
             inputs["decoder_attention_mask"] = dec_mask
             first = torch.ones((len(ids), 1), dtype=torch.bool)
@@ -99,6 +102,24 @@ class TextFeeder:
         if component == "decoder" and "decoder" in fed.extra:
             return resize_mask(*fed.extra["decoder"], length)
         return resize_mask(fed.valid, fed.special, length)
+
+
+# Architectures that read segment ids without declaring a token-type vocabulary in their config.
+SEGMENT_ID_TYPES = ("xlnet",)
+
+
+def takes_token_types(loaded: LoadedModel, accepts) -> bool:
+    """Whether the model is fed ``token_type_ids``: only when its forward takes them *and* its
+    config declares a token-type vocabulary (BERT's ``type_vocab_size``), or it reads segment ids
+    with its own tokenizer (XLNet). GPT-2 accepts ``token_type_ids`` but embeds them with its token
+    embedding: fed a foreign tokenizer's zeros, it would add one shared vector to every position."""
+    if not accepts("token_type_ids"):
+        return False
+    config = getattr(loaded.model, "config", None)
+    vocab = getattr(config, "type_vocab_size", None)
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+        return True
+    return loaded.own_tokenizer and loaded.model_type in SEGMENT_ID_TYPES
 
 
 class ImageFeeder:

@@ -9,6 +9,7 @@ one C*H*W vector, the view of Godey et al. Fig. 4, or each spatial position's C 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -520,6 +521,7 @@ def extract(
     all_stats = [s for stats in components.values() for s in stats]
     runner.notes.extend(_sample_notes(runner, all_stats))
     runner.notes.extend(_rank_notes(all_stats))
+    runner.notes.extend(constant_notes(components))
     if opts.map_units != "auto" and not runner.saw_maps:
         runner.notes.append(
             f"--map-units {opts.map_units} has no effect: this model's layers are token sequences"
@@ -536,6 +538,24 @@ def extract(
         map_units=runner.map_units if runner.saw_maps else None,
         audio_seconds=getattr(runner.feeder, "seconds", None),
     )
+
+
+def constant_notes(components: dict[str, list[LayerStats]]) -> list[str]:
+    """Say which dimensions standardised avg_cos leaves out: those exactly constant in a layer."""
+    parts = []
+    for component, stats in components.items():
+        for i, s in enumerate(stats):
+            if s.constant_dims and math.isfinite(s.avg_cos_std):
+                dims = ", ".join(str(k) for k in s.constant_dims[:8])
+                more = f" and {len(s.constant_dims) - 8} more" if len(s.constant_dims) > 8 else ""
+                where = f"layer {i}" if component == "model" else f"{component} layer {i}"
+                parts.append(f"{where}: {dims}{more}")
+    if not parts:
+        return []
+    return [
+        "standardised avg_cos leaves out the dimensions whose value is the same in every vector "
+        f"(they have no spread to scale): {'; '.join(parts)}"
+    ]
 
 
 def _rank_notes(stats: list[LayerStats]) -> list[str]:

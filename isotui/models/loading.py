@@ -48,6 +48,7 @@ class LoadedModel:
     modality: str = "text"
     processor: Any = None
     family: str = "transformers"
+    own_tokenizer: bool = True  # False: a stand-in (untrained models fed MiniLM's tokenizer)
 
     @property
     def model_type(self) -> str:
@@ -243,9 +244,9 @@ def _load_random(
             setattr(config, key, value)
     model_cls = lm_class(config, ref.name) if head else _model_class(config)
     modality = MODALITY_OF_INPUT.get(getattr(model_cls, "main_input_name", "input_ids"), "text")
-    tokenizer = None
+    tokenizer, own_tokenizer = None, True
     if modality == "text":
-        tokenizer = _random_tokenizer(ref, config, trust, notes)
+        tokenizer, own_tokenizer = _random_tokenizer(ref, config, trust, notes)
         vocab = getattr(config, "vocab_size", None)
         if isinstance(vocab, int) and vocab < len(tokenizer):
             config.vocab_size = len(tokenizer)
@@ -256,6 +257,7 @@ def _load_random(
     except Exception as exc:
         raise IsotuiError(f"could not build untrained model {ref.name!r}: {_short(exc)}") from None
     loaded = LoadedModel(model.to(device=device, dtype=torch_dtype).eval(), tokenizer, notes)
+    loaded.own_tokenizer = own_tokenizer
     loaded.modality = _modality(model, ref.name)
     if loaded.modality != "text":
         where = ref.source if kind != "type" else None
@@ -315,22 +317,23 @@ def _model_class(config: Any) -> Any:
         return None
 
 
-def _random_tokenizer(ref: ModelRef, config: Any, trust: bool, notes: list[str]) -> Any:
-    """The source's own tokenizer; a vocabulary-free one for byte/character models; else MiniLM's."""
+def _random_tokenizer(ref: ModelRef, config: Any, trust: bool, notes: list[str]) -> tuple[Any, bool]:
+    """(tokenizer, whether it is the model's own): the source's own tokenizer; a vocabulary-free
+    one for byte/character models; else MiniLM's, a stand-in."""
     from transformers import AutoTokenizer
 
     if ref.random_source_kind != "type":
         try:
-            return AutoTokenizer.from_pretrained(ref.source, trust_remote_code=trust)
+            return AutoTokenizer.from_pretrained(ref.source, trust_remote_code=trust), True
         except Exception:
             pass
     if getattr(config, "model_type", "") == "canine":
         from transformers import CanineTokenizer
 
         notes.append("untrained CANINE fed with its own character tokenizer (Unicode code points)")
-        return CanineTokenizer()
+        return CanineTokenizer(), True
     notes.append("untrained model fed with the bundled MiniLM tokenizer (WordPiece, 30,522 ids)")
-    return AutoTokenizer.from_pretrained(str(bundled_minilm_dir()))
+    return AutoTokenizer.from_pretrained(str(bundled_minilm_dir())), False
 
 
 def final_norm_modules(model: Any) -> list[tuple[str, Any]]:
