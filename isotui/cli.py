@@ -208,6 +208,7 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
     from isotui.spec import make_spec
     from isotui.store.cache import ResultCache
     from isotui.store.export import write_csv, write_json
+    from isotui.store.files import check_output
 
     args.config = _config_path(args.config)
     s = _settings(args)
@@ -233,8 +234,8 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
         raise IsotuiError(f"{where}{exc}") from None
     check_source(base.data)  # missing data: one sentence, before any model is looked up
     for key in ("csv", "json"):  # say it before a long run, not after
-        if s.get(key) and Path(s[key]).expanduser().is_dir():
-            raise IsotuiError(f"--{key} {s[key]} is a directory; give a file name")
+        if s.get(key):
+            check_output(s[key], f"--{key}")
     cache = None if args.no_cache else ResultCache(cache_dir(s.get("cache_dir")))
     out = stdout_console()
     results, failed = [], []
@@ -316,62 +317,89 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
     if args.cache_command == "path":
         print(cache.root)
         return 0
-    entries = cache.entries()
+    scan = cache.scan()
     if args.cache_command == "ls":
-        if not entries:
+        if not scan.entries:
             out.print(f"no cached runs in {cache.root}")
-            _print_experiment_entries(out, cache.root)
-            return 0
-        table = Table(title=f"cached runs in {cache.root}", title_justify="left")
-        for col in ("key", "model", "data", "samples", "created", "size"):
-            table.add_column(col)
-        for e in entries:
-            table.add_row(
-                e.key[:12],
-                e.model,
-                e.data,
-                str(e.n_samples),
-                e.created,
-                f"{e.size_bytes / 1024:.0f} KiB",
+        else:
+            table = Table(title=f"cached runs in {cache.root}", title_justify="left")
+            for col in ("key", "model", "data", "samples", "created", "size"):
+                table.add_column(col)
+            for e in scan.entries:
+                table.add_row(
+                    e.key[:12],
+                    e.model,
+                    e.data,
+                    str(e.n_samples),
+                    e.created,
+                    f"{e.size_bytes / 1024:.0f} KiB",
+                )
+            out.print(table)
+        skipped = scan.skipped + _print_experiment_entries(out, cache.root)
+        if skipped:
+            err.print(
+                f"skipped {skipped} file(s) in {cache.root} that vanished while listing or are not "
+                "readable isotui entries"
             )
-        out.print(table)
-        _print_experiment_entries(out, cache.root)
         return 0
     if not args.all and not args.keys:
         raise IsotuiError("cache rm needs keys (see `isotui cache ls`) or --all")
-    experiments = _experiment_entries(cache.root)
-    if args.all:
-        for path in experiments:
-            path.unlink()
-        if experiments:
-            err.print(f"removed {len(experiments)} cached experiment result(s) (attention, drift-block)")
-    chosen = entries if args.all else []
     for prefix in args.keys:
-        matches = [e for e in entries if e.key.startswith(prefix)]
+        if len(prefix) < KEY_PREFIX_MIN:
+            raise IsotuiError(
+                f"key {prefix!r} is too short: give at least {KEY_PREFIX_MIN} characters of a key "
+                "shown by `isotui cache ls`; nothing was removed"
+            )
+    folders = [(cache, scan)] + [
+        (c, c.scan()) for c in (ResultCache(cache.root, folder=f) for f in EXPERIMENT_FOLDERS)
+    ]
+    chosen = [(c, e) for c, sc in folders for e in sc.entries] if args.all else []
+    for prefix in args.keys:
+        matches = [(c, e) for c, sc in folders for e in sc.entries if e.key.startswith(prefix)]
         if len(matches) != 1:
-            what = "no cached run" if not matches else f"{len(matches)} cached runs"
-            raise IsotuiError(f"key {prefix!r} matches {what}; see `isotui cache ls`")
+            what = "no cached run or result" if not matches else f"{len(matches)} cached entries"
+            raise IsotuiError(f"key {prefix!r} matches {what}; see `isotui cache ls`; nothing was removed")
         chosen.extend(matches)
-    for e in chosen:
-        cache.remove(e.key)
-    err.print(f"removed {len(chosen)} cached run{'s' if len(chosen) != 1 else ''}")
+    removed = {True: 0, False: 0}  # experiment results, runs
+    for c, e in chosen:
+        try:
+            if c.remove(e.key):
+                removed[c.runs.name != "runs"] += 1
+        except OSError as exc:
+            done = sum(removed.values())
+            raise IsotuiError(
+                f"cannot remove cache entries in {c.runs} ({exc.strerror or exc}); "
+                f"{done} of {len(chosen)} removed"
+            ) from None
+    if removed[True]:
+        err.print(f"removed {removed[True]} cached experiment result(s) (attention, drift-block)")
+    err.print(f"removed {removed[False]} cached run{'s' if removed[False] != 1 else ''}")
+    if args.all:
+        left = sum(sc.skipped for _, sc in folders)
+        if left:
+            err.print(f"left {left} file(s) that are not readable isotui entries")
     return 0
 
 
 EXPERIMENT_FOLDERS = ("attention", "drift-block")  # experiments that cache beside runs/
+KEY_PREFIX_MIN = 6  # `cache rm` takes a full key or a prefix this long (an unset $KEY is '')
 
 
-def _experiment_entries(root: Path) -> list[Path]:
-    return [p for folder in EXPERIMENT_FOLDERS for p in sorted((Path(root) / folder).glob("*.safetensors"))]
+def _print_experiment_entries(out, root: Path) -> int:
+    """One line per experiment folder: how many results it holds and their size; returns how
+    many files were skipped (vanished, unreadable, not isotui's)."""
+    from isotui.store.cache import ResultCache
 
-
-def _print_experiment_entries(out, root: Path) -> None:
-    """One line per experiment folder: how many results it holds and their size."""
+    skipped = 0
     for folder in EXPERIMENT_FOLDERS:
-        files = sorted((Path(root) / folder).glob("*.safetensors"))
-        if files:
-            size = sum(f.stat().st_size for f in files) / (1 << 20)
-            out.print(f"{folder}: {len(files)} cached result(s), {size:.1f} MiB in {Path(root) / folder}")
+        scan = ResultCache(root, folder=folder).scan()
+        skipped += scan.skipped
+        if scan.entries:
+            size = sum(e.size_bytes for e in scan.entries) / (1 << 20)
+            out.print(
+                f"{folder}: {len(scan.entries)} cached result(s), {size:.1f} MiB in {Path(root) / folder}"
+            )
+    return skipped
 
 
 if __name__ == "__main__":

@@ -87,9 +87,32 @@ class AttentionResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], arrays: dict[str, np.ndarray]) -> AttentionResult:
-        return cls(
+        """Read a cached entry back; ValueError/TypeError/KeyError if its structure is not the one
+        this version writes (a valid checksum says the bytes are intact, not that they fit)."""
+        result = cls(
             data["model"], data["key"], [AttentionRow(**r) for r in data["rows"]], data["meta"], arrays
         )
+        result._check()
+        return result
+
+    def _check(self) -> None:
+        kinds = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+        for row in self.rows:
+            for f in fields(AttentionRow):
+                value = getattr(row, f.name)
+                wrong_bool = f.type != "bool" and isinstance(value, bool)
+                if wrong_bool or not isinstance(value, kinds[str(f.type)]):
+                    raise TypeError(f"row field {f.name} is {type(value).__name__}")
+        if not isinstance(self.model, str) or not isinstance(self.meta, dict):
+            raise TypeError("model or meta of the wrong type")
+        sites = set()
+        for i, m in enumerate(self.modules()):
+            sites.add((m["component"], m["layer"], m["attention"]))
+            for name in ("hist", "q_bar", "k_bar"):
+                if f"{name}.{i}" not in self.arrays:
+                    raise KeyError(f"{name}.{i}")
+        if any((r.component, r.layer, r.attention) not in sites for r in self.rows):
+            raise ValueError("rows of modules the entry does not describe")
 
     def modules(self) -> list[dict[str, Any]]:
         """Each module's site (component, layer, attention kind) in array-index order."""
@@ -216,7 +239,14 @@ def find_attention(spec, cache, sample_size: int = 0, on_notice=None):
         found = None
     if found is None:
         return prepared, key, None
-    result = AttentionResult.from_json(*found)
+    try:
+        result = AttentionResult.from_json(*found)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        # a valid checksum over a structure this version cannot read: say it, recompute
+        (on_notice or (lambda _t: None))(
+            f"cache entry {key}.safetensors is unreadable ({type(exc).__name__}); recomputing"
+        )
+        return prepared, key, None
     result.model = spec.model
     for row in result.rows:
         row.model = spec.model
@@ -236,12 +266,12 @@ def compute_attention(
     """Load the model, measure, and store the result (a cache that cannot be written is said)."""
     result = _compute(prepared, key, sample_size, on_progress, should_stop)
     if cache is not None:
+        from isotui.store.cache import CacheWriteError
+
         try:
             cache.put_payload(key, result.to_json(), result.arrays)
-        except OSError as exc:
-            (on_notice or (lambda _t: None))(
-                f"could not write to the cache in {cache.root} ({exc.strerror or exc}); not cached"
-            )
+        except CacheWriteError as exc:
+            (on_notice or (lambda _t: None))(str(exc))
     return result
 
 

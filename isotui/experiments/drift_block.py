@@ -774,7 +774,7 @@ def _lookup(cache: ResultCache | None, key: str, notes: list[str]) -> SeedRun | 
         return None
     try:
         return SeedRun.from_payload(key, *found)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         notes.append(f"cache entry {key} is unreadable ({type(exc).__name__}); recomputed")
         return None
 
@@ -782,10 +782,12 @@ def _lookup(cache: ResultCache | None, key: str, notes: list[str]) -> SeedRun | 
 def _store(cache: ResultCache | None, run: SeedRun, notes: list[str]) -> None:
     if cache is None:
         return
+    from isotui.store.cache import CacheWriteError
+
     try:
         cache.put_payload(run.key, *run.to_payload())
-    except OSError as exc:
-        notes.append(f"could not write to the cache in {cache.root} ({exc.strerror or exc}); not cached")
+    except CacheWriteError as exc:
+        notes.append(str(exc))
 
 
 def drift_cache(root) -> ResultCache:

@@ -22,7 +22,7 @@ from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_
 from isotui.models.naming import parse_model
 from isotui.results import ROGUE_TOP, SCHEMA_VERSION, LayerRow, ModelResult
 from isotui.spec import RunSpec
-from isotui.store.cache import CacheProblem, ResultCache
+from isotui.store.cache import CacheProblem, CacheWriteError, ResultCache
 
 
 @dataclass(frozen=True)
@@ -99,10 +99,8 @@ def store(result: ModelResult, cache: ResultCache | None, on_notice: NoticeCallb
         return
     try:
         cache.put(result)
-    except OSError as exc:  # the result itself is fine: report, keep it, go on
-        on_notice(
-            f"could not write to the cache in {cache.root} ({exc.strerror or exc}); this result is not cached"
-        )
+    except CacheWriteError as exc:  # the result itself is fine: report, keep it, go on
+        on_notice(str(exc))
 
 
 def measure(

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from isotui.results import SCHEMA_VERSION, ModelResult
+from isotui.store.files import temp_pattern, write_bytes_atomic
 
 _META_KEY = "isotui"
+_TEMPS = temp_pattern(r"[A-Za-z0-9_-]+")  # any entry's temporary file, in the cache's own folder
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,22 @@ class CacheEntry:
     max_length: int = 0
 
 
+@dataclass
+class Scan:
+    """A cache folder's entries, and how many of its files were skipped: vanished while
+    listing, not regular files (a dangling symlink), unreadable, or not isotui's."""
+
+    entries: list[CacheEntry] = field(default_factory=list)
+    skipped: int = 0
+
+
 class CacheProblem(Exception):
     """An entry exists but cannot be used; the message says why, in one sentence."""
+
+
+class CacheWriteError(Exception):
+    """The cache could not be written (a full disk, a read-only folder...); the result is fine
+    and is kept: the message says so in one sentence."""
 
 
 def _digest(arrays: dict[str, np.ndarray], result: dict[str, Any]) -> str:
@@ -71,7 +86,7 @@ class ResultCache:
         payload, arrays = found
         try:
             return ModelResult.from_json(payload, arrays)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise CacheProblem(
                 f"cache entry {key}.safetensors is unreadable ({type(exc).__name__})"
             ) from None
@@ -115,56 +130,73 @@ class ResultCache:
         return self.put_payload(result.key, result.to_json(), result.arrays)
 
     def put_payload(self, key: str, payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> Path:
-        """Write one entry atomically (temporary file in the same folder, then rename)."""
-        from safetensors.numpy import save_file
+        """Write one entry atomically (temporary file in the same folder, then rename), with the
+        umask's mode; :class:`CacheWriteError` if it cannot be written, nothing half-written left."""
+        from safetensors import SafetensorError
+        from safetensors.numpy import save
 
-        self.runs.mkdir(parents=True, exist_ok=True)
-        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-        payload = json.loads(json.dumps(payload))  # as it will read back
-        header = {"schema": self.schema, "digest": _digest(arrays, payload), "result": payload}
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.runs)
-        os.close(fd)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a cache shared by a group must stay readable
         try:
-            save_file(arrays, tmp, metadata={_META_KEY: json.dumps(header)})
-            os.replace(tmp, self.path_for(key))
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return self.path_for(key)
+            arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+            payload = json.loads(json.dumps(payload))  # as it will read back
+            header = {"schema": self.schema, "digest": _digest(arrays, payload), "result": payload}
+            data = save(arrays, metadata={_META_KEY: json.dumps(header)})
+            return write_bytes_atomic(self.runs, f"{key}.safetensors", data, stale=_TEMPS)
+        except (OSError, SafetensorError, MemoryError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            raise CacheWriteError(
+                f"could not write to the cache in {self.root} ({reason}); this result is not cached"
+            ) from None
 
     def remove(self, key: str) -> bool:
-        """Delete one entry; True if there was one."""
-        path = self.path_for(key)
-        if path.is_file():
-            path.unlink()
+        """Delete one entry; True if there was one (gone already is not an error)."""
+        try:
+            self.path_for(key).unlink()
             return True
-        return False
+        except FileNotFoundError:
+            return False
 
     def entries(self) -> list[CacheEntry]:
-        """Every entry, newest first; unreadable ones are listed with model '(unreadable)'."""
-        out = []
-        if not self.runs.is_dir():
-            return out
-        for path in self.runs.glob("*.safetensors"):
-            key = path.stem
-            size = path.stat().st_size
+        """Every entry, newest first (see :meth:`scan`)."""
+        return self.scan().entries
+
+    def scan(self) -> Scan:
+        """Every isotui entry of the folder, newest first, read from the headers only.
+
+        A file that vanishes while listing, is not a regular file, cannot be read or is not
+        isotui's is skipped and counted; an isotui entry whose fields are not what this version
+        writes is listed with model '(unreadable)' so that ``cache rm KEY`` can remove it."""
+        found = Scan()
+        try:
+            paths = sorted(self.runs.glob("*.safetensors"))
+        except OSError:
+            return found
+        for path in paths:
             try:
+                st = path.stat()
+                if not stat.S_ISREG(st.st_mode):
+                    raise ValueError("not a regular file")
                 head = self._header(path)
-                result, meta = head["result"], head["result"]["meta"]
-                out.append(
-                    CacheEntry(
-                        key,
-                        path,
-                        result["model"],
-                        meta.get("data", "?"),
-                        int(meta.get("n_samples", 0)),
-                        meta.get("created", ""),
-                        size,
-                        int(head.get("schema", 0)),
-                        int(meta.get("max_length") or 0),
-                    )
-                )
             except Exception:
-                out.append(CacheEntry(key, path, "(unreadable)", "", 0, "", size, 0))
-        return sorted(out, key=lambda e: e.created, reverse=True)
+                found.skipped += 1
+                continue
+            found.entries.append(_entry(path, head, st.st_size))
+        found.entries.sort(key=lambda e: e.created, reverse=True)
+        return found
+
+
+def _entry(path: Path, head: Any, size: int) -> CacheEntry:
+    """The listing line of an isotui entry; '(unreadable)' when its fields have odd types."""
+    try:
+        result = head["result"]
+        meta = result.get("meta", {})
+        model, data, created = result["model"], meta.get("data", "?"), meta.get("created", "")
+        if not all(isinstance(v, str) for v in (model, data, created)):
+            raise TypeError("text fields that are not text")
+        n_samples, max_length = meta.get("n_samples", 0), meta.get("max_length") or 0
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (n_samples, max_length)):
+            raise TypeError("counts that are not integers")
+        schema = head.get("schema", 0)
+        schema = schema if isinstance(schema, int) else 0
+        return CacheEntry(path.stem, path, model, data, n_samples, created, size, schema, max_length)
+    except Exception:
+        return CacheEntry(path.stem, path, "(unreadable)", "", 0, "", size, 0)

@@ -5,36 +5,19 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
 from isotui.errors import IsotuiError
 from isotui.results import LayerRow, ModelResult
+from isotui.store.files import write_output
 
 
 def _atomic_write(path: Path, write) -> Path:
-    """Write through a temporary file renamed into place: a failure leaves the old file intact."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise IsotuiError(f"cannot write {path}: it is a directory; give a file name")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        raise IsotuiError(f"cannot write {path}: {exc.strerror or exc}; choose another path") from None
-    try:
-        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
-            write(f)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise IsotuiError(f"cannot write {path}: {exc.strerror or exc}; choose another path") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    """Write an export through :func:`isotui.store.files.write_output` (atomic for a regular
+    file, written through for a device, FIFO or ``-``, a symlink's target replaced)."""
+    return write_output(path, write)
 
 
 # After the per-layer columns: what the run measured, so rows of different runs stay apart.

@@ -1,0 +1,174 @@
+"""Writing files the user names (exports) and files isotui owns (cache entries, weights).
+
+One place decides how: a regular file is replaced atomically (a temporary file beside it, then
+a rename), keeping an existing file's mode and giving a new one the umask's; a symlink is
+followed, so its target is replaced and the link stays; a terminal, ``/dev/null``, a FIFO or
+``-`` (stdout) is written through, never replaced; anything else is refused in one sentence.
+Temporary files a killed writer left behind are removed by the next write once an hour old.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from isotui.errors import IsotuiError
+
+STALE_SECONDS = 3600  # a temporary file this old has no writer left: a kill during a write
+_STREAMS = {"-": 1, "/dev/stdout": 1, "/dev/stderr": 2}
+_FD_PATH = re.compile(r"^/(?:dev/fd|proc/self/fd)/(\d+)$")
+_KINDS = (
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
+def new_file_mode() -> int:
+    """The mode a new file gets from the process umask (0644 under the usual 022)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no /proc: read it by setting it, and put it back at once
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def temp_pattern(name: str) -> re.Pattern[str]:
+    """The names :func:`make_temp` gives for ``name`` (``name`` may be a regular expression)."""
+    return re.compile(rf"^\.{name}\.[A-Za-z0-9_]{{8}}\.tmp$")
+
+
+def make_temp(folder: Path, name: str, mode: int | None = None) -> tuple[int, str]:
+    """A private temporary file for ``name`` in ``folder`` (same file system, so the rename is
+    atomic), with ``mode`` (default: the umask's) instead of mkstemp's 0600."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    with contextlib.suppress(OSError):  # a file system without modes (e.g. vfat): nothing to keep
+        os.fchmod(fd, new_file_mode() if mode is None else mode)
+    return fd, tmp
+
+
+def clean_stale_temps(folder: Path, pattern: re.Pattern[str], max_age: float = STALE_SECONDS) -> int:
+    """Remove temporary files matching ``pattern`` older than ``max_age`` seconds; how many.
+
+    Younger ones may belong to a writer still at work, so they stay; failures are ignored (the
+    next write tries again)."""
+    removed = 0
+    now = time.time()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        if not pattern.match(name):
+            continue
+        path = Path(folder) / name
+        try:
+            st = path.lstat()
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > max_age:
+                path.unlink()
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
+def check_output(path: str | os.PathLike[str], flag: str = "") -> None:
+    """Refuse, in one sentence, an output path that :func:`write_output` would refuse, so that
+    it is said before a long run. ``flag`` names the option (``--csv``) in the sentence."""
+    _plan(path, flag)
+
+
+def _plan(path: str | os.PathLike[str], flag: str) -> tuple[str, Path | int, int | None]:
+    """How to write ``path``: ("fd", fd, None), ("through", path, None) or ("replace", target,
+    mode of the existing file or None)."""
+    text = os.fspath(path)
+    if text in _STREAMS:
+        return "fd", _STREAMS[text], None
+    match = _FD_PATH.match(text)
+    if match:
+        return "fd", int(match.group(1)), None
+    where = f"{flag} {text}" if flag else f"{text}"
+    p = Path(text).expanduser()
+    try:
+        st = os.stat(p)  # follows a symlink: what matters is what it points at
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise IsotuiError(f"cannot write {where}: {exc.strerror or exc}; choose another path") from None
+    if st is not None:
+        if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+            return "through", p, None
+        for test, kind in _KINDS:
+            if test(st.st_mode):
+                raise IsotuiError(f"cannot write {where}: it is {kind}, not a file; give a file name")
+    target = Path(os.path.realpath(p))  # a symlink's target is replaced, the link stays
+    return "replace", target, None if st is None else stat.S_IMODE(st.st_mode)
+
+
+def write_output(path: str | os.PathLike[str], write: Callable[[IO[str]], None], flag: str = "") -> Path:
+    """Write a user-named text output with ``write(file)`` (see the module doc for how)."""
+    how, target, mode = _plan(path, flag)
+    where = f"{flag} {os.fspath(path)}" if flag else os.fspath(path)
+    try:
+        if how == "fd":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            with os.fdopen(os.dup(target), "w", newline="", encoding="utf-8") as f:
+                write(f)
+            return Path(os.fspath(path))
+        if how == "through":
+            with open(target, "w", newline="", encoding="utf-8") as f:
+                write(f)
+            return Path(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_temps(target.parent, temp_pattern(re.escape(target.name)))
+        fd, tmp = make_temp(target.parent, target.name, mode)
+    except OSError as exc:
+        raise IsotuiError(f"cannot write {where}: {exc.strerror or exc}; choose another path") from None
+    try:
+        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
+            write(f)
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise IsotuiError(f"cannot write {where}: {exc.strerror or exc}; choose another path") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return Path(os.fspath(path)).expanduser()
+
+
+def write_bytes_atomic(folder: Path, name: str, data: bytes, stale: re.Pattern[str] | None = None) -> Path:
+    """Write ``data`` as ``folder/name`` atomically with the umask's mode (isotui's own files:
+    cache entries). Raises OSError; ``stale`` names leftover temporaries to clean first."""
+    folder.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(folder, stale or temp_pattern(re.escape(name)))
+    fd, tmp = make_temp(folder, name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, folder / name)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return folder / name
+
+
+def fix_modes(folder: Path) -> None:
+    """Give files another library wrote into ``folder`` (safetensors makes 0600) the umask's mode."""
+    mode = new_file_mode()
+    for p in folder.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
