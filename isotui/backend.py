@@ -93,12 +93,13 @@ class Backend:
         post: Post,
         *,
         compute: Callable[..., ModelResult] = layerwise.compute,
-        prepare: Callable[[RunSpec], layerwise.Prepared] = layerwise.prepare,
+        prepare: Callable[[RunSpec], layerwise.Prepared] | None = None,
     ) -> None:
         self.cache = cache
         self._post = post
         self._compute = compute
-        self._prepare = prepare
+        # the cache also remembers local weights' content digests (no re-hash on a repeated run)
+        self._prepare = prepare or (lambda spec: layerwise.prepare(spec, cache))
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._active: dict[RunSpec, _Job] = {}

@@ -228,7 +228,7 @@ def find_attention(spec, cache, sample_size: int = 0, on_notice=None):
     from isotui.experiments.layerwise import prepare
     from isotui.store.cache import CacheProblem
 
-    prepared = prepare(spec)
+    prepared = prepare(spec, cache)
     key = cache_key(prepared.key, sample_size)
     if cache is None:
         return prepared, key, None

@@ -38,10 +38,12 @@ class Prepared:
     device: str | None
 
 
-def prepare(spec: RunSpec) -> Prepared:
-    """Resolve names, data and dtype and derive the cache key, importing torch only if needed."""
+def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
+    """Resolve names, data and dtype and derive the cache key, importing torch only if needed.
+
+    ``cache``: where local weights' content digests are remembered (None: hash them anew)."""
     ref = parse_model(spec.model)
-    model_fp = ref.fingerprint()
+    model_fp = ref.fingerprint(cache.root if cache is not None else None)
     samples = load_samples(spec.data, spec.max_samples)
     data_fp = fingerprint(samples, spec.data)
     declared = ref.declared_dtype()
@@ -117,7 +119,7 @@ def measure(
     (e.g. a damaged cache entry being recomputed).
     """
     notice = on_notice or _no_notice
-    prepared = prepare(spec)
+    prepared = prepare(spec, cache)
     hit = lookup(prepared, cache, notice)
     if hit is not None:
         return hit

@@ -176,7 +176,7 @@ class CheckpointsRequest(_SeriesRequest):
         cache = ResultCache(cache_root)
         found = []
         for ckpt in self.checkpoints:
-            hit = layerwise.lookup(layerwise.prepare(self.spec.with_model(ckpt.model)), cache, notice)
+            hit = layerwise.lookup(layerwise.prepare(self.spec.with_model(ckpt.model), cache), cache, notice)
             if hit is None:
                 return None
             found.append(hit)

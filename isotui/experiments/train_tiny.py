@@ -459,6 +459,8 @@ def _save_checkpoint(model: Any, tokenizer: Any, out: Path, step: int) -> Path:
     """save_pretrained into a hidden temporary folder, then rename it into place."""
     import inspect
 
+    from isotui.store.files import fix_modes
+
     final = out / step_dir_name(step)
     tmp = out / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -469,6 +471,7 @@ def _save_checkpoint(model: Any, tokenizer: Any, out: Path, step: int) -> Path:
             kwargs = {}
         model.save_pretrained(tmp, **kwargs)
         tokenizer.save_pretrained(tmp)
+        fix_modes(tmp)  # safetensors writes 0600; the umask's mode lets a group read the weights
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -7,6 +7,7 @@ hub id | timm:NAME>[:key=value,...]`` (untrained, seeded).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -100,8 +101,10 @@ class ModelRef:
             return Path(self.source).expanduser().resolve()
         return None
 
-    def fingerprint(self) -> str:
-        """Identifies the weights and tokenizer: a commit for hub models, a hash otherwise."""
+    def fingerprint(self, digests: Path | None = None) -> str:
+        """Identifies the weights and tokenizer: a commit for hub models, a hash otherwise.
+
+        ``digests``: a folder (the result cache) remembering weight files' content digests."""
         if self.kind == "hub":
             return "commit:" + hub.resolve_commit(self.source, self.revision)
         if self.kind == "timm":
@@ -117,7 +120,7 @@ class ModelRef:
                 h.update(hub.resolve_commit(self.source, self.revision).encode())
         folder = self.local_dir() if self.kind != "random" or self.random_source_kind == "dir" else None
         if folder is not None:
-            _hash_folder(h, folder, weights=self.kind != "random")
+            _hash_folder(h, folder, weights=self.kind != "random", digests=digests)
         return "sha256:" + h.hexdigest()
 
     def declared_dtype(self) -> str | None:
@@ -150,18 +153,79 @@ class ModelRef:
             return None
 
 
-def _hash_folder(h: hashlib._Hash, folder: Path, *, weights: bool) -> None:
-    """Hash config and tokenizer files by content, weight files by name, size and mtime."""
+def _hash_folder(h: hashlib._Hash, folder: Path, *, weights: bool, digests: Path | None = None) -> None:
+    """Hash config, tokenizer and weight files by content.
+
+    Weights are hashed by their safetensors header and a SHA-256 of the whole file: weights
+    rewritten in place with the same size and a preserved mtime are new weights. The digest is
+    remembered in ``digests/``:data:`DIGESTS_FILE` by (inode, size, mtime_ns, ctime_ns), so a
+    repeated run reads only the header (ctime cannot be set back by the user)."""
     for name in ("config.json", *_TOKENIZER_FILES):
         f = folder / name
         if f.is_file():
             h.update(name.encode())
             h.update(f.read_bytes())
     if weights:
+        memo = _DigestMemo(digests)
         for f in sorted(folder.iterdir()):
             if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES):
-                st = f.stat()
-                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+                h.update(f"{f.name}:".encode())
+                h.update(_safetensors_header(f))
+                h.update(memo.digest(f).encode())
+        memo.save()
+
+
+DIGESTS_FILE = "weights-digests.json"  # in the result cache folder
+_MEMO_LIMIT = 512  # files remembered; the oldest are forgotten first
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """The JSON header of a safetensors file (tensor names, dtypes, shapes, offsets); b'' else."""
+    if path.suffix != ".safetensors":
+        return b""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return f.read(size) if 0 < size <= 100 << 20 else b""
+
+
+class _DigestMemo:
+    """Content digests of weight files, remembered by file identity across runs (a JSON file);
+    one that cannot be read or written only costs a re-hash."""
+
+    def __init__(self, root: Path | None) -> None:
+        self.path = Path(root) / DIGESTS_FILE if root else None
+        self.known: dict[str, dict] = {}
+        self.dirty = False
+        if self.path is not None:
+            try:
+                data = json.loads(self.path.read_text(encoding="utf-8"))
+                if isinstance(data, dict):
+                    self.known = {k: v for k, v in data.items() if isinstance(v, dict)}
+            except (OSError, ValueError):
+                pass
+
+    def digest(self, path: Path) -> str:
+        st = path.stat()
+        ident = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        name = str(path.resolve())
+        seen = self.known.get(name, {})
+        if seen.get("id") == ident and isinstance(seen.get("sha256"), str):
+            return seen["sha256"]
+        with open(path, "rb") as f:
+            value = hashlib.file_digest(f, "sha256").hexdigest()
+        self.known.pop(name, None)
+        self.known[name] = {"id": ident, "sha256": value}
+        self.dirty = True
+        return value
+
+    def save(self) -> None:
+        if self.path is None or not self.dirty:
+            return
+        from isotui.store.files import write_bytes_atomic
+
+        kept = dict(list(self.known.items())[-_MEMO_LIMIT:])
+        with contextlib.suppress(OSError):  # a read-only or full cache: the next run hashes again
+            write_bytes_atomic(self.path.parent, self.path.name, json.dumps(kept).encode())
 
 
 def parse_model(name: str) -> ModelRef:
