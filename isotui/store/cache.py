@@ -20,7 +20,7 @@ from isotui.results import SCHEMA_VERSION, ModelResult
 from isotui.store.files import temp_pattern, write_bytes_atomic
 
 _META_KEY = "isotui"
-_TEMPS = temp_pattern(r"[A-Za-z0-9_-]+")  # any entry's temporary file, in the cache's own folder
+_TEMPS = temp_pattern(r"[A-Za-z0-9_-]+(?:\.safetensors)?")  # any entry's temporary, old or new
 
 
 @dataclass(frozen=True)
