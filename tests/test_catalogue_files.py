@@ -822,7 +822,14 @@ def test_sigint_during_a_cli_run_leaves_no_partial_entry(tmp_path):
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
-    time.sleep(4)
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:  # inside the run: torch is loaded
+        with contextlib.suppress(OSError):
+            if "libtorch" in maps.read_text():
+                break
+        time.sleep(0.2)
+    time.sleep(1)
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=300)
     assert proc.returncode in (0, 130) and "Traceback" not in err
