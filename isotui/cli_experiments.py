@@ -116,6 +116,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, err) -> int | None:
     """Run the experiment or top-level command ``args`` names; None if it names none of them."""
     if args.command == "experiment":
+        from isotui.store.files import check_output
+
+        for flag in ("csv", "json"):  # a path that cannot take the output: say it before the run
+            if getattr(args, flag, None):
+                check_output(getattr(args, flag), f"--{flag}")
         return importlib.import_module(EXPERIMENTS[args.experiment]).main(args, err)
     if args.command in TOP_LEVEL:
         return importlib.import_module(TOP_LEVEL[args.command]).main(args, err)

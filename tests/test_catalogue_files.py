@@ -334,6 +334,23 @@ def test_export_to_special_files_and_symlinks(tmp_path, warm, target):
         assert reader_got and reader_got[0].startswith(b"model,component,layer")
 
 
+EXPERIMENT_OUTPUTS = [
+    # (experiment, flag): a socket as the output is refused before anything is computed
+    ("attention", "--csv"),
+    ("drift-block", "--json"),
+    ("final-norm", "--csv"),
+    ("gradients", "--json"),
+]
+
+
+@pytest.mark.parametrize("name,flag", EXPERIMENT_OUTPUTS, ids=[f"{n} {f}" for n, f in EXPERIMENT_OUTPUTS])
+def test_experiment_outputs_refuse_special_files_before_the_run(tmp_path, name, flag):
+    sock = _socket(tmp_path / "out")
+    proc = cli("experiment", name, flag, str(sock), timeout=120)  # the cache: $ISOTUI_CACHE_DIR
+    one_sentence(proc, f"cannot write {flag} {sock}: it is a socket, not a file")
+    assert stat.S_ISSOCK(os.lstat(sock).st_mode) and not (tmp_path / "cache").exists()
+
+
 MODES = [
     # (case, umask, existing file's mode or None, expected mode afterwards)
     ("new export, umask 022", 0o022, None, 0o644),
