@@ -324,7 +324,7 @@ def test_export_to_special_files_and_symlinks(tmp_path, warm, target):
     proc = cli("run", "-m", TINY, *SMALL, "--cache-dir", str(root), "--csv", str(path))
     if target.said:
         one_sentence(proc, target.said)
-        assert f"--csv {path}" in proc.stderr
+        assert f"cannot write {path} (--csv)" in proc.stderr
     else:
         clean(proc)
         assert proc.returncode == target.code, proc.stderr
@@ -347,7 +347,7 @@ EXPERIMENT_OUTPUTS = [
 def test_experiment_outputs_refuse_special_files_before_the_run(tmp_path, name, flag):
     sock = _socket(tmp_path / "out")
     proc = cli("experiment", name, flag, str(sock), timeout=120)  # the cache: $ISOTUI_CACHE_DIR
-    one_sentence(proc, f"cannot write {flag} {sock}: it is a socket, not a file")
+    one_sentence(proc, f"cannot write {sock} ({flag}): it is a socket, not a file")
     assert stat.S_ISSOCK(os.lstat(sock).st_mode) and not (tmp_path / "cache").exists()
 
 

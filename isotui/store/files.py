@@ -100,7 +100,7 @@ def _plan(path: str | os.PathLike[str], flag: str) -> tuple[str, Path | int, int
     match = _FD_PATH.match(text)
     if match:
         return "fd", int(match.group(1)), None
-    where = f"{flag} {text}" if flag else f"{text}"
+    where = f"{text} ({flag})" if flag else text
     p = Path(text).expanduser()
     try:
         st = os.stat(p)  # follows a symlink: what matters is what it points at
@@ -121,7 +121,7 @@ def _plan(path: str | os.PathLike[str], flag: str) -> tuple[str, Path | int, int
 def write_output(path: str | os.PathLike[str], write: Callable[[IO[str]], None], flag: str = "") -> Path:
     """Write a user-named text output with ``write(file)`` (see the module doc for how)."""
     how, target, mode = _plan(path, flag)
-    where = f"{flag} {os.fspath(path)}" if flag else os.fspath(path)
+    where = f"{os.fspath(path)} ({flag})" if flag else os.fspath(path)
     try:
         if how == "fd":
             sys.stdout.flush()
