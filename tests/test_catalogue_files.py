@@ -281,7 +281,10 @@ class Target:
 
 
 def _still(kind: Callable[[int], bool]) -> Callable[[Path, subprocess.CompletedProcess], None]:
-    return lambda p, _proc: kind(os.lstat(p).st_mode)
+    def check(p: Path, _proc) -> None:
+        assert kind(os.lstat(p).st_mode), f"{p} was replaced: mode {oct(os.lstat(p).st_mode)}"
+
+    return check
 
 
 def _link_kept_target_written(p: Path, _proc) -> None:
@@ -574,10 +577,14 @@ def test_cache_rm_on_a_read_only_cache_is_one_sentence(tmp_path, warm, case, key
 # ---------------------------------------------------------------------------------------------
 
 
-def _odd_types(header: dict, _arrays: dict) -> None:
-    header["result"]["model"] = 123
+def _odd_counts(header: dict, _arrays: dict) -> None:
     header["result"]["meta"]["n_samples"] = "many"
     header["result"]["meta"]["created"] = 5
+
+
+def _odd_text(header: dict, _arrays: dict) -> None:  # counts fine: the app died on these
+    header["result"]["model"] = 123
+    header["result"]["meta"]["data"] = ["builtin"]
 
 
 ODD = [
@@ -594,8 +601,14 @@ ODD = [
     ),
     ("a truncated entry", lambda runs, key: (runs / "t.safetensors").write_bytes(b"\x10\x00"), None, 1),
     (
-        "checksum-valid entry with odd field types",
-        lambda runs, key: rewrite_entry(runs / f"{key}.safetensors", _odd_types),
+        "checksum-valid entry, counts of odd types",
+        lambda runs, key: rewrite_entry(runs / f"{key}.safetensors", _odd_counts),
+        "(unreadable)",
+        0,
+    ),
+    (
+        "checksum-valid entry, model and data not text",
+        lambda runs, key: rewrite_entry(runs / f"{key}.safetensors", _odd_text),
         "(unreadable)",
         0,
     ),
