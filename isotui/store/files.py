@@ -128,7 +128,7 @@ def write_output(path: str | os.PathLike[str], write: Callable[[IO[str]], None],
             sys.stderr.flush()
             with os.fdopen(os.dup(target), "w", newline="", encoding="utf-8") as f:
                 write(f)
-            return Path(os.fspath(path))
+            return Path({1: "/dev/stdout", 2: "/dev/stderr"}.get(target, f"/dev/fd/{target}"))
         if how == "through":
             with open(target, "w", newline="", encoding="utf-8") as f:
                 write(f)
