@@ -223,7 +223,7 @@ def test_options_screen_checks_values_and_sets_the_next_jobs(tmp_path):
             await pilot.press("ctrl+s")
             assert app.screen is screen
             error = screen.query_one("#options-error")
-            assert "max-samples must be a positive integer" in str(error.render())
+            assert "max samples must be a positive integer" in str(error.render())
             screen.query_one("#opt-max_samples", Input).value = "5"
             screen.query_one("#opt-data", Input).value = f"text:{tmp_path / 'missing.txt'}"
             await pilot.press("ctrl+s")
@@ -379,3 +379,34 @@ def test_header_names_gpus_from_nvidia_smi_without_torch(monkeypatch):
     assert "--query-gpu=index,name,memory.free,memory.total" in calls[0]
     monkeypatch.setattr(sysinfo.shutil, "which", lambda name: None)
     assert sysinfo.query_gpus() == [] and "cpu" in sysinfo.describe_devices([])
+
+
+def test_app_max_length_is_capped_at_the_model_limit_and_said_in_app_words(tmp_path, tiny_models):
+    """The app's max length (default 128) is a ceiling: above the model's 128 positions it is
+    capped with a notice, not refused; the messages name the options dialog's field, no flag."""
+    from isotui.tui.lab import LabScreen
+
+    async def scenario():
+        app = _app(tmp_path, max_length=300)
+        notes: list[str] = []
+        app.notify = lambda message, **_kw: notes.append(message)
+        bert = str(tiny_models["bert"])
+        async with app.run_test(size=(120, 36)) as pilot:
+            await _run_typed(pilot, app, bert)
+            await _wait(pilot, lambda: bert in app.results, why=lambda: notes)
+            assert app.results[bert].meta["max_length"] == 128
+            said = "max length 300 is more than"
+            assert any(said in n and "capped at its 128 positions" in n for n in notes)
+            await pilot.press("A")
+            await pilot.pause()
+            assert isinstance(app.screen, LabScreen)
+            await pilot.press("r")  # attention goes through the same ceiling
+            await _wait(pilot, lambda: bert in app.lab_results["attention"], why=lambda: notes)
+            assert app.lab_results["attention"][bert].meta["max_length"] == 128
+            app.spec_defaults["max_length"] = "-1"
+            await pilot.press("r")
+            await pilot.pause()
+            assert notes[-1] == "max length must be a positive integer (got -1)"
+            assert not any("--" in n for n in notes), notes
+
+    asyncio.run(scenario())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -41,6 +42,7 @@ from isotui.tui.model_list import Entry, build_options, first_enabled, gather_en
 from isotui.tui.options import OptionsScreen
 from isotui.tui.sysinfo import describe_devices, query_gpus
 from isotui.tui.themes import load_themes
+from isotui.tui.wording import in_options_terms
 
 DEFAULT_THEME = "isotui-dark"
 PLOT_METRICS = LAYER_METRICS
@@ -317,7 +319,13 @@ class IsotuiApp(App):
     # -- actions -----------------------------------------------------------------------------
 
     def spec_for(self, model: str, overrides: dict[str, Any] | None = None) -> RunSpec:
-        return make_spec(model, **{**self.spec_defaults, **(overrides or {})})
+        """The spec of a job from the app: its max length is a ceiling, capped at the model's
+        limit (said in a notice) where the CLI refuses an explicit ``--max-length``."""
+        try:
+            spec = make_spec(model, **{**self.spec_defaults, **(overrides or {})})
+        except IsotuiError as exc:
+            raise IsotuiError(in_options_terms(str(exc))) from None
+        return replace(spec, cap_max_length=True)
 
     def submit(self, model: str, overrides: dict[str, Any] | None = None) -> None:
         if self.backend is None:
@@ -522,11 +530,11 @@ class IsotuiApp(App):
             p = ev.progress
             lab.status(f"{ev.spec.kind} {shorten(model, 40)}: {p.samples_done}/{p.samples_total}")
         elif lab is not None and isinstance(ev, JobFailed):
-            lab.status(f"{ev.spec.kind} {shorten(model, 40)} failed: {ev.message}")
+            lab.status(f"{ev.spec.kind} {shorten(model, 40)} failed: {in_options_terms(ev.message)}")
         if isinstance(ev, JobProgress) and ev.progress.message:  # e.g. an out-of-memory back-off
-            self.notify(f"{model}: {ev.progress.message}", severity="warning")
+            self.notify(f"{model}: {in_options_terms(ev.progress.message)}", severity="warning")
         elif isinstance(ev, JobNotice):
-            self.notify(f"{model}: {ev.text}", severity="warning")
+            self.notify(f"{model}: {in_options_terms(ev.text)}", severity="warning")
         elif isinstance(ev, JobFinished) and not isinstance(ev.spec, RunSpec):
             self.add_lab_result(ev.spec.kind, ev.result)
         elif isinstance(ev, JobFinished):
@@ -534,7 +542,7 @@ class IsotuiApp(App):
             if not ev.result.from_cache:
                 self.refresh_models()  # a new cached run to list
         elif isinstance(ev, JobFailed):
-            self.notify(ev.message, severity="error", timeout=10)
+            self.notify(in_options_terms(ev.message), severity="error", timeout=10)
 
     def add_result(self, result: ModelResult) -> None:
         model = result.model

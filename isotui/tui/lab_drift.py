@@ -91,7 +91,9 @@ def run_drift(screen) -> None:
 
             config = replace(config, device=app.spec_defaults["device"])
     except IsotuiError as exc:
-        app.notify(str(exc), severity="error")
+        from isotui.tui.wording import in_box_terms
+
+        app.notify(in_box_terms(str(exc)), severity="error")
         return
     app.submit_request(DriftBlockRequest(config))
     screen.status(
