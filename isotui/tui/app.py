@@ -35,11 +35,12 @@ from isotui.settings import load_settings
 from isotui.spec import SPEC_OPTIONS, RunSpec, make_spec
 from isotui.store.cache import CacheProblem, ResultCache
 from isotui.store.export import write_csv
-from isotui.tui.help import HelpScreen
+from isotui.tui.help import HelpScreen, binding_rows
 from isotui.tui.jobs import JobsTable
 from isotui.tui.layer_table import LayerTable
 from isotui.tui.model_list import Entry, build_options, first_enabled, gather_entries
 from isotui.tui.options import OptionsScreen
+from isotui.tui.plots import FitPlot
 from isotui.tui.sysinfo import describe_devices, query_gpus
 from isotui.tui.themes import load_themes
 from isotui.tui.wording import in_options_terms
@@ -50,6 +51,10 @@ PLOT_METRICS = LAYER_METRICS
 NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "avg_cos_abtt", "avg_cos_std", "avg_cos_types")
 DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ")
 DEVICE_REFRESH_S = 10.0
+# app keys that belong to the main screen: hidden and inert in the attention lab
+MAIN_ONLY_ACTIONS = frozenset(
+    {"focus_input", "toggle_compare", "toggle_depth", "sort", "lab", "export_table", "run", "cycle_metric"}
+)
 
 
 def _num(value: float, digits: int) -> str:
@@ -193,12 +198,12 @@ class IsotuiApp(App):
             with Vertical(id="main"):
                 yield LayerTable(id="layers")
                 with Horizontal(id="charts"):
-                    yield PlotextPlot(id="plot")
+                    yield FitPlot(id="plot")
                     with Vertical(id="drift-pane"):
                         drift = DataTable(id="drift", cursor_type="none")
                         drift.can_focus = False  # nothing to pick in it
                         yield drift
-                        yield PlotextPlot(id="drift-plot")
+                        yield FitPlot(id="drift-plot")
         yield JobsTable(id="jobs")
         yield Footer(compact=True)
 
@@ -493,18 +498,17 @@ class IsotuiApp(App):
         jobs.mark_cancelling(job)
         self.notify(f"cancelling job {job} ({jobs.records[job].model})")
 
-    def key_bindings(self) -> list[tuple[str, str, str]]:
-        """(key as bound now, id, what it does) for every app key, remaps included."""
-        out = []
-        for b in self.BINDINGS:
-            keys = self.settings.keys.get(b.id or "", b.key)
-            shown = ", ".join(self.get_key_display(Binding(k.strip(), b.action)) for k in keys.split(","))
-            out.append((shown, b.id or "", b.tooltip or b.description))
-        return out
+    def key_bindings(self, bindings: list[Binding] | None = None) -> list[tuple[str, str, str]]:
+        """(key as bound now, id, what it does) for every app key (or ``bindings``), remaps included."""
+        return binding_rows(self, self.BINDINGS if bindings is None else bindings, self.settings.keys)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The main screen's keys do nothing (and are not offered) in the attention lab."""
+        return not (action in MAIN_ONLY_ACTIONS and self.is_mounted and self.lab_screen() is self.screen)
 
     def action_help(self) -> None:
         sort_key = next(k for k, i, _ in self.key_bindings() if i == "sort")
-        self.push_screen(HelpScreen(self.key_bindings(), sort_key))
+        self.push_screen(HelpScreen(self.key_bindings(), sort_key, title="isotui keys: models and layers"))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Every isotui action in the command palette (ctrl+p), beside Textual's own."""
