@@ -80,7 +80,7 @@ def _app() -> IsotuiApp:
 
 
 async def _settle(pilot) -> None:
-    while not pilot.app.device_line:
+    while not pilot.app.device_line or not pilot.app.entries:  # both come from worker threads
         await pilot.pause(0.05)
     await pilot.pause()
 

@@ -178,6 +178,7 @@ def test_models_pane_presets_filter_and_cached_runs(tmp_path, tiny_models):
         app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend(submitted))
         async with app.run_test(size=(120, 36)) as pilot:
             models = app.query_one("#models", OptionList)
+            await _wait(pilot, lambda: models.option_count > 0)  # listed by a worker thread
             ids = [models.get_option_at_index(i).id for i in range(models.option_count)]
             assert ids[:2] == ["header:bundled", "model:minilm"]
             assert "preset:minilm_builtin" in ids and "preset:godey2024_fig1_text" in ids
@@ -408,5 +409,42 @@ def test_app_max_length_is_capped_at_the_model_limit_and_said_in_app_words(tmp_p
             await pilot.pause()
             assert notes[-1] == "max length must be a positive integer (got -1)"
             assert not any("--" in n for n in notes), notes
+
+    asyncio.run(scenario())
+
+
+def test_progress_reports_are_coalesced(tmp_path):
+    """A burst of progress reports while the UI is busy is drawn once, with the newest numbers;
+    other events are never dropped."""
+    from isotui.backend import JobProgress, JobQueued
+    from isotui.spec import make_spec
+    from isotui.tui.app import BackendMessage
+
+    spec = make_spec("fake-a")
+
+    def progress(job: int, done: int) -> JobProgress:
+        return JobProgress(job, spec, Progress(done, 500, done * 10, 1.0))
+
+    assert BackendMessage(progress(1, 1)).can_replace(BackendMessage(progress(1, 2)))
+    assert not BackendMessage(progress(1, 1)).can_replace(BackendMessage(progress(2, 2)))
+    assert not BackendMessage(JobQueued(1, spec)).can_replace(BackendMessage(JobQueued(1, spec)))
+
+    async def scenario():
+        submitted: list = []
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend(submitted))
+        async with app.run_test(size=(120, 36)) as pilot:
+            jobs = app.query_one("#jobs", JobsTable)
+            seen: list = []
+            apply = jobs.apply
+            jobs.apply = lambda ev: (seen.append(ev), apply(ev))
+            app._post_event(JobQueued(7, spec))
+            for done in range(1, 501):  # no await: the UI is busy with this burst
+                app._post_event(progress(7, done))
+            await pilot.pause()
+            await pilot.pause()
+            kinds = [type(ev).__name__ for ev in seen]
+            assert kinds == ["JobQueued", "JobProgress"], kinds
+            assert seen[-1].progress.samples_done == 500
+            assert jobs.get_row_at(0)[3].endswith("100%")
 
     asyncio.run(scenario())

@@ -7,6 +7,8 @@ torch or transformers: the first frame draws before they load (in the backend, o
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -22,6 +24,7 @@ from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, OptionList
+from textual.widgets.option_list import OptionDoesNotExist
 from textual_plotext import PlotextPlot
 
 from isotui.backend import Backend, JobEvent, JobFailed, JobFinished, JobNotice, JobProgress, Post
@@ -74,6 +77,19 @@ class BackendMessage(Message):
     def __init__(self, event: JobEvent) -> None:
         super().__init__()
         self.event = event
+
+    def can_replace(self, message: Message) -> bool:
+        """A plain progress report is superseded by the next one of the same job queued behind it
+        (only the newest is drawn: keys are not kept waiting behind a backlog of redraws)."""
+        return _plain_progress(self.event) and (
+            isinstance(message, BackendMessage)
+            and _plain_progress(message.event)
+            and message.event.job_id == self.event.job_id
+        )
+
+
+def _plain_progress(ev: JobEvent) -> bool:
+    return isinstance(ev, JobProgress) and not ev.progress.message
 
 
 class ModelFilter(Input):
@@ -184,6 +200,8 @@ class IsotuiApp(App):
             "drift-block": None,
             "checkpoints": None,
         }
+        self._progress_lock = threading.Lock()
+        self._latest_progress: dict[int, JobEvent] = {}  # per job: the newest report not yet drawn
         self.comparison: list[str] = []
         self.selected: str | None = None
         self.metric = PLOT_METRICS[0]
@@ -209,7 +227,7 @@ class IsotuiApp(App):
 
     def on_mount(self) -> None:
         self._apply_settings()
-        self.backend = self.backend_factory(self.cache, lambda ev: self.post_message(BackendMessage(ev)))
+        self.backend = self.backend_factory(self.cache, self._post_event)
         drift = self.query_one("#drift", DataTable)
         drift.border_title = "drift vs avg_cos (Godey et al. Fig. 5)"
         for label in DRIFT_COLUMNS:
@@ -261,10 +279,22 @@ class IsotuiApp(App):
 
     # -- models pane -------------------------------------------------------------------------
 
+    @work(thread=True, exclusive=True, group="models")
     def refresh_models(self) -> None:
-        """Re-read presets, the HF cache and cached runs, keeping the filter."""
-        self.entries = gather_entries(self.cache)
+        """Re-read presets, the HF cache and cached runs (on a worker thread: a large cache takes
+        a while to scan), then show them, keeping the filter."""
+        entries = gather_entries(self.cache)
+        self.call_from_thread(self._show_entries, entries)
+
+    def _show_entries(self, entries: list[Entry]) -> None:
+        self.entries = entries
+        models = self.query_one("#models", OptionList)
+        index = models.highlighted
+        current = models.get_option_at_index(index).id if index is not None else None
         self.filter_models(self.query_one("#model-input", Input).value)
+        if current is not None:  # the cursor stays where the user left it
+            with contextlib.suppress(OptionDoesNotExist):
+                models.highlighted = models.get_option_index(current)
 
     def filter_models(self, query: str) -> None:
         models = self.query_one("#models", OptionList)
@@ -522,8 +552,22 @@ class IsotuiApp(App):
 
     # -- backend events ------------------------------------------------------------------------
 
+    def _post_event(self, ev: JobEvent) -> None:
+        """From a backend thread: a job's progress is posted only when none of its reports is
+        waiting to be drawn; the waiting one then draws the newest (see on_backend_message)."""
+        if _plain_progress(ev):
+            with self._progress_lock:
+                waiting = ev.job_id in self._latest_progress
+                self._latest_progress[ev.job_id] = ev
+            if waiting:
+                return
+        self.post_message(BackendMessage(ev))
+
     def on_backend_message(self, message: BackendMessage) -> None:
         ev = message.event
+        if _plain_progress(ev):
+            with self._progress_lock:
+                ev = self._latest_progress.pop(ev.job_id, ev)
         try:
             self.query_one("#jobs", JobsTable).apply(ev)
         except NoMatches:  # the app is closing; the backend's last words have nowhere to go
