@@ -448,3 +448,123 @@ def test_progress_reports_are_coalesced(tmp_path):
             assert jobs.get_row_at(0)[3].endswith("100%")
 
     asyncio.run(scenario())
+
+
+def test_session_is_restored_can_be_skipped_and_a_damaged_one_is_one_notice(tmp_path, tiny_models):
+    """The comparison set (reopened from the result cache, no job), the options and the lab's
+    boxes come back; --fresh starts clean; a damaged session file is one notification."""
+    import tomllib
+
+    from isotui.cli import build_parser
+    from isotui.settings import settings_path
+
+    bert = str(tiny_models["bert"])
+    session_file = settings_path().parent / "session.toml"
+    drift_text = "hidden=32 heads=4 norms=0:10:3"
+
+    async def first():
+        app = _app(tmp_path)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await _run_typed(pilot, app, bert)
+            await _wait(pilot, lambda: bert in app.results)
+            await pilot.press("o")
+            app.screen.query_one("#opt-max_samples", Input).value = "7"
+            await pilot.press("ctrl+s")
+            await pilot.press("A", "3")
+            await pilot.pause()
+            app.screen.query_one("#drift-input", Input).value = drift_text
+            await pilot.press("escape")
+        return app.results[bert]
+
+    result = asyncio.run(first())
+    saved = tomllib.loads(session_file.read_text())
+    assert saved["comparison"] == [{"model": bert, "key": result.key}]
+    assert saved["options"]["max_samples"] == "7" and saved["lab"]["drift-input"] == drift_text
+
+    async def second(fresh: bool, notes: list[str]):
+        submitted: list = []
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend(submitted), fresh=fresh)
+        app.notify = lambda message, **_kw: notes.append(message)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await _wait(pilot, lambda: app.entries)
+            if not fresh and not notes:
+                await _wait(pilot, lambda: bert in app.results)
+                assert app.comparison == [bert] and app.selected == bert
+                assert [r.avg_cos for r in app.results[bert].rows] == [r.avg_cos for r in result.rows]
+                assert app.spec_defaults["max_samples"] == "7"
+                await pilot.press("A", "3")
+                await pilot.pause()
+                assert app.screen.query_one("#drift-input", Input).value == drift_text
+            assert submitted == []  # reopened from the cache: nothing computed
+            return app
+
+    notes: list[str] = []
+    asyncio.run(second(False, notes))
+    assert notes == []
+    app = asyncio.run(second(True, notes))  # isotui --fresh
+    assert app.comparison == [] and app.spec_defaults["max_samples"] == 2000
+    assert build_parser().parse_args(["--fresh"]).fresh
+    for damage in ("version = [\n", 'version = 1\n[[comparison]]\nmodel = 3\nkey = "k"\n'):
+        session_file.write_text(damage)
+        notes = []
+        app = asyncio.run(second(False, notes))
+        assert len(notes) == 1 and f"session file {session_file}" in notes[0], notes
+        assert "starting a new session" in notes[0] and app.comparison == []
+
+
+def test_compare_key_marks_the_list_and_says_what_it_did(tmp_path):
+    from isotui.tui.model_list import COMPARED
+
+    from .test_snapshots import fixture_result
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend([]))
+        notes: list[str] = []
+        app.notify = lambda message, **_kw: notes.append(message)
+        async with app.run_test(size=(80, 24)) as pilot:
+            models = app.query_one("#models", OptionList)
+            await _wait(pilot, lambda: models.option_count > 0)
+
+            def label(option_id: str) -> str:
+                return str(models.get_option(option_id).prompt)
+
+            app.add_result(fixture_result("minilm", 7, 384, 0.22))
+            await pilot.pause()
+            assert label("model:minilm").startswith(COMPARED)
+            assert not label("model:random:gpt2").startswith(COMPARED)
+            app.select("minilm")
+            await pilot.press("a")
+            assert app.comparison == [] and not label("model:minilm").startswith(COMPARED)
+            assert notes[-1] == "minilm left the comparison (0 models compared)"
+            await pilot.press("a")
+            assert app.comparison == ["minilm"] and label("model:minilm").startswith(COMPARED)
+            assert notes[-1].startswith("minilm added to the comparison (1 model compared")
+            app.select("random:gpt2")
+            await pilot.press("a")
+            assert "run random:gpt2 first" in notes[-1] and app.comparison == ["minilm"]
+
+    asyncio.run(scenario())
+
+
+def test_exports_go_to_the_settings_export_dir_and_say_the_full_path(tmp_path, monkeypatch):
+    from .test_snapshots import fixture_result
+
+    settings = tmp_path / "conf" / "isotui.toml"
+    settings.parent.mkdir()
+    settings.write_text('export_dir = "exports"\n')  # relative to the settings file
+    monkeypatch.setenv("ISOTUI_CONFIG", str(settings))
+    monkeypatch.chdir(tmp_path)
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend([]))
+        notes: list[str] = []
+        app.notify = lambda message, **_kw: notes.append(message)
+        async with app.run_test(size=(80, 24)) as pilot:
+            app.add_result(fixture_result("minilm", 7, 384, 0.22))
+            await pilot.press("e")
+            await pilot.pause()
+        (written,) = (tmp_path / "conf" / "exports").glob("isotui-*-comparison.csv")
+        assert notes[-1] == f"wrote {written} (1 model)" and written.is_absolute()
+        assert not list(tmp_path.glob("isotui-*.csv"))  # not the current folder
+
+    asyncio.run(scenario())

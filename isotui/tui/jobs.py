@@ -139,7 +139,7 @@ class JobsTable(DataTable):
                     JOB_COLUMNS, zip(self.get_row(str(rec.job_id)), rec.cells(), strict=True), strict=True
                 ):
                     if old != new:
-                        self.update_cell(str(rec.job_id), column, new)
+                        self.update_cell(str(rec.job_id), column, new, update_width=True)
             self._titles()
             return
         chosen = self.chosen_job() if self.has_focus else None

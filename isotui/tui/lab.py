@@ -163,6 +163,9 @@ class LabScreen(Screen):
         yield from compose_drift()
 
     def on_mount(self) -> None:
+        app: Any = self.app
+        for box, text in app.lab_inputs.items():  # what was typed last time (this run or the last)
+            self.query_one(f"#{box}", Input).value = text
         self.query_one("#heads-table", DataTable).add_columns(
             "layer", "heads", "cos(Qm,Km)", "range", "Qm·Km", "|Qm|", "|Km|", "p max", "p med", "entropy"
         )
@@ -358,6 +361,16 @@ class LabScreen(Screen):
 
         plot_drift(self)
 
+    @on(Input.Changed, "#dyn-input, #drift-input, #ckpt-input")
+    def _box_changed(self, event: Input.Changed) -> None:
+        app: Any = self.app
+        app.lab_inputs[event.input.id or ""] = event.value
+
+    @on(Input.Submitted, "#dyn-input, #drift-input, #ckpt-input")
+    def _box_submitted(self, _event: Input.Submitted) -> None:
+        app: Any = self.app
+        app.save_session()
+
     # Enter in a settings box: queued, the table takes the cursor (the tab's keys work again);
     # refused, the cursor stays in the box (the next keys edit it, they fire no hotkey).
 
@@ -519,7 +532,6 @@ class LabScreen(Screen):
         self.plot_dynamics()
 
     def action_export(self) -> None:
-        import time
 
         from isotui.errors import IsotuiError
         from isotui.store.export import write_dicts_csv, write_rows_csv
@@ -537,8 +549,8 @@ class LabScreen(Screen):
         if result is None:
             self.app.notify("nothing to export yet: run this tab's experiment (r)", severity="warning")
             return
-        path = app.export_dir / f"isotui-{time.strftime('%Y%m%d-%H%M%S')}-{what}.csv"
         try:
+            path = app.export_path(what, "csv")
             rows = result.rows
             if rows and isinstance(rows[0], dict):
                 write_dicts_csv(rows, path)
