@@ -133,7 +133,7 @@ class JobsTable(DataTable):
         """Jobs in flight first and in view; the user's pick stays picked while they look.
         The same jobs in the same order (a progress report): only the changed cells are redrawn."""
         ordered = self.ordered()
-        if [str(r.job_id) for r in ordered] == [str(k.value) for k in self.rows]:
+        if ordered and [str(r.job_id) for r in ordered] == [str(k.value) for k in self.rows]:
             for rec in ordered:
                 for column, (old, new) in zip(
                     JOB_COLUMNS, zip(self.get_row(str(rec.job_id)), rec.cells(), strict=True), strict=True

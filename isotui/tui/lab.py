@@ -532,7 +532,6 @@ class LabScreen(Screen):
         self.plot_dynamics()
 
     def action_export(self) -> None:
-
         from isotui.errors import IsotuiError
         from isotui.store.export import write_dicts_csv, write_rows_csv
 
