@@ -28,6 +28,8 @@ def test_lab_heads_and_dynamics(tmp_path, tiny_models):
     async def scenario():
         app = _app(tmp_path)
         async with app.run_test(size=(120, 36)) as pilot:
+            await _wait(pilot, lambda: app.entries)  # the list (a worker) picks its first model
+            await pilot.pause()
             app.selected = str(tiny_models["bert"])
             await pilot.press("A")
             await pilot.pause()
