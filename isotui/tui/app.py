@@ -682,8 +682,9 @@ class IsotuiApp(App):
         return binding_rows(self, self.BINDINGS if bindings is None else bindings, self.settings.keys)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """The main screen's keys do nothing (and are not offered) in the attention lab."""
-        return not (action in MAIN_ONLY_ACTIONS and self.is_mounted and self.lab_screen() is self.screen)
+        """The main screen's keys do nothing (and are not offered) on a screen above it (the lab)."""
+        stack = self.screen_stack
+        return not (action in MAIN_ONLY_ACTIONS and stack and self.screen is not stack[0])
 
     def action_help(self) -> None:
         sort_key = next(k for k, i, _ in self.key_bindings() if i == "sort")
