@@ -94,5 +94,7 @@ def draw_histogram(
         return
     heights = [math.log10(1 + c) for c in sums] if log else sums
     plt.bar(centres, heights, color=colour, width=0.9)
-    ticks = np.linspace(centres[0], centres[-1], 5).tolist()
+    # three ticks: labels of up to 8 characters never collide in a 40-column plot (plotext drops
+    # colliding ones, and which it drops varied from one draw to the next)
+    ticks = np.linspace(centres[0], centres[-1], 3).tolist()
     plt.xticks(ticks, [f"{t:.3g}" for t in ticks])
