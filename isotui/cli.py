@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="isotui", description="A terminal lab for the anisotropy of neural representations."
     )
     parser.add_argument("--version", action="version", version=f"isotui {__version__}")
+    parser.add_argument(
+        "--fresh", action="store_true", help="the app: start without the last session (session.toml)"
+    )
     sub = parser.add_subparsers(dest="command")
     _run_parser(sub)
     sub.add_parser("models", help="list bundled models, presets and models in the local HF cache")
@@ -142,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return code
         from isotui.tui.app import run_app
 
-        run_app()
+        run_app(fresh=args.fresh)
         return 0
     except IsotuiError as exc:
         err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)

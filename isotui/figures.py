@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -17,20 +18,29 @@ def draw_trajectory(plt: Any, result: Any, site: int, head: int, basis: str = "q
     comp, layer, _ = result.sites[site]
     where = f"layer {layer}" if comp == "model" else f"{comp} {layer}"
     name = {"qk": "queries+keys", "q": "queries", "k": "keys"}[basis] if basis in BASES else basis
-    plt.title(f"{where} head {head}: Q̄, K̄ along training (SVD: {name})")
+    plt.title(f"{where} head {head}: mean Q and K (SVD: {name})")
     q_colour, k_colour = colours or ("cyan", "orange")
     steps = result.steps()
-    for path, colour, tag in ((q, q_colour, "Q̄"), (k, k_colour, "K̄")):
+    finite = np.concatenate([q, k])[:, 0] if len(q) + len(k) else np.zeros(0)
+    finite = finite[np.isfinite(finite)]
+    mid = float((finite.min() + finite.max()) / 2) if len(finite) else 0.0
+    # one cell per character: a combining macron (Q̄) is drawn as a cell of its own by plotext
+    # (no legend: it covers the paths' first points; each path's ends are labelled Q:step, K:step)
+    for path, colour, tag in ((q, q_colour, "Q"), (k, k_colour, "K")):
         ok = np.all(np.isfinite(path), axis=1) if len(path) else np.zeros(0, bool)
         if not ok.any():
             continue
         xs, ys = path[ok, 0].tolist(), path[ok, 1].tolist()
-        plt.plot(xs, ys, color=colour, marker="dot", label=tag)
+        plt.plot(xs, ys, color=colour, marker="dot")
         first, last = (s for s, good in zip((steps[0], steps[-1]), (ok[0], ok[-1]), strict=True))
-        plt.text(f"{tag}{first if ok[0] else ''}", xs[0], ys[0], color=colour)
-        plt.text(f"{tag}{last if ok[-1] else ''}", xs[-1], ys[-1], color=colour)
-    plt.xlabel("1st singular direction")
-    plt.ylabel("2nd")
+        for text, x, y in (
+            (f"{tag}:{first}" if ok[0] else tag, xs[0], ys[0]),
+            (f"{tag}:{last}" if ok[-1] else tag, xs[-1], ys[-1]),
+        ):
+            # written away from the nearer edge, so no label is cut at the frame
+            plt.text(text, x, y, color=colour, alignment="left" if x <= mid else "right")
+    # plotext prints a y label under the plot: both axes are named on the x axis
+    plt.xlabel("x: 1st singular direction, y: 2nd")
 
 
 def draw_layer_series(plt: Any, steps: list[int], values: np.ndarray, labels: list[str], title: str, palette):
@@ -73,12 +83,18 @@ def histogram_bars(
     return [float(m) for m in mids], [round(v) for v in sums]
 
 
-def draw_histogram(plt: Any, counts: np.ndarray, edges: np.ndarray, colour, title: str) -> None:
-    """A score histogram as bars over its central mass, with short tick labels."""
+def draw_histogram(
+    plt: Any, counts: np.ndarray, edges: np.ndarray, colour, title: str, *, log: bool = False
+) -> None:
+    """A score histogram as bars over its central mass, with short tick labels; ``log`` draws
+    log10(1 + count) (empty bars stay empty), so the tails show beside a tall peak."""
     centres, sums = histogram_bars(counts, edges)
-    plt.title(title)
+    plt.title(title + (" · log10(1+count)" if log else ""))
     if not centres:
         return
-    plt.bar(centres, sums, color=colour, width=0.9)
-    ticks = np.linspace(centres[0], centres[-1], 5).tolist()
+    heights = [math.log10(1 + c) for c in sums] if log else sums
+    plt.bar(centres, heights, color=colour, width=0.9)
+    # three ticks: labels of up to 8 characters never collide in a 40-column plot (plotext drops
+    # colliding ones, and which it drops varied from one draw to the next)
+    ticks = np.linspace(centres[0], centres[-1], 3).tolist()
     plt.xticks(ticks, [f"{t:.3g}" for t in ticks])

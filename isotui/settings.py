@@ -18,7 +18,7 @@ from isotui.spec import SPEC_OPTIONS
 
 # [run] may set any run option but these: paths come from the file, remote code stays explicit.
 RUN_KEYS = tuple(k for k in SPEC_OPTIONS if k not in ("base_dir", "trust_remote_code"))
-TOP_KEYS = ("theme", "cache_dir", "run", "keys")
+TOP_KEYS = ("theme", "cache_dir", "export_dir", "run", "keys")
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Settings:
     path: Path
     theme: str | None = None
     cache_dir: str | None = None
+    export_dir: Path | None = None  # the app's CSV and screenshot folder (default: the current one)
     run: dict[str, Any] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
@@ -55,6 +56,11 @@ def load_settings(path: Path | None = None, binding_ids: tuple[str, ...] = ()) -
     for key, value in data.items():
         if key not in TOP_KEYS:
             settings.problems.append(f"{where}: unknown setting {key!r} (known: {', '.join(TOP_KEYS)})")
+        elif key == "export_dir":
+            if isinstance(value, str) and value.strip():  # relative: to the settings file's folder
+                settings.export_dir = path.parent / Path(value).expanduser()
+            else:
+                settings.problems.append(f"{where}: export_dir must be a folder name (got {value!r})")
         elif key in ("theme", "cache_dir"):
             if isinstance(value, str) and value.strip():
                 setattr(settings, key, value)

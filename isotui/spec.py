@@ -45,6 +45,9 @@ class RunSpec:
     reservoir: int = 4096
     trust_remote_code: bool = False
     map_units: str = "auto"  # conv maps: auto, image (one flattened vector each) or position
+    # the app's max length is a ceiling: longer than the model accepts is capped (with a notice),
+    # where the CLI's explicit --max-length is refused
+    cap_max_length: bool = False
 
     def with_model(self, model: str) -> RunSpec:
         return replace(self, model=model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 from textual.widgets import DataTable, Input, TabbedContent
 
 from isotui.experiments.attention import summarize
@@ -27,6 +28,8 @@ def test_lab_heads_and_dynamics(tmp_path, tiny_models):
     async def scenario():
         app = _app(tmp_path)
         async with app.run_test(size=(120, 36)) as pilot:
+            await _wait(pilot, lambda: app.entries)  # the list (a worker) picks its first model
+            await pilot.pause()
             app.selected = str(tiny_models["bert"])
             await pilot.press("A")
             await pilot.pause()
@@ -145,3 +148,119 @@ def test_drift_lookup_never_computes(tmp_path):
     assert request.lookup(tmp_path, print) is not None
     drift_cache(tmp_path).path_for(config.key(0)).write_bytes(b"garbage")
     assert request.lookup(tmp_path, print) is None
+
+
+class _FakeSeries:
+    """A two-checkpoint series: just what draw_trajectory reads."""
+
+    sites = (("model", 1, "self"),)
+
+    def trajectory(self, site, head, basis):
+        return np.array([[-0.8, -0.1], [0.3, -0.4]]), np.array([[-0.5, 0.2], [0.2, 0.1]])
+
+    def steps(self):
+        return [0, 1000]
+
+
+def test_trajectory_labels_are_one_cell_per_character():
+    """Q̄/K̄ (a combining macron, drawn as a cell of its own) garbled the labels and displaced the
+    frame; the y label printed under the plot. Every line of the figure is the plot's width."""
+    import plotext as plt
+
+    from isotui.figures import draw_trajectory
+
+    plt.clf()
+    plt.plotsize(60, 16)
+    draw_trajectory(plt, _FakeSeries(), 0, 0, "qk", ("red", "blue"))
+    out = plt.uncolorize(plt.build())
+    plt.clf()
+    assert "\u0304" not in out
+    for label in ("Q:0", "Q:1000", "K:0", "K:1000"):
+        assert label in out
+    lines = out.splitlines()
+    assert "layer 1 head 0" in lines[0]  # the title shows
+    assert all(len(line) == 60 for line in lines), [len(line) for line in lines]
+    assert lines[-1].strip() == "x: 1st singular direction, y: 2nd"  # no lone "2nd" under the plot
+
+
+def test_histogram_log_counts():
+    """l: log10(1 + count) per bar (checked against numpy on the same bars)."""
+    from isotui.figures import draw_histogram, histogram_bars
+
+    edges = np.linspace(-1, 1, 11)
+    counts = np.array([0, 1, 5, 100, 10_000, 3, 0, 0, 2, 40, 7, 0])
+    drawn = {}
+
+    class Recorder:
+        def title(self, text):
+            drawn["title"] = text
+
+        def bar(self, xs, ys, **_kw):
+            drawn["ys"] = ys
+
+        def xticks(self, *_a):
+            pass
+
+    draw_histogram(Recorder(), counts, edges, "red", "scores", log=True)
+    _, sums = histogram_bars(counts, edges)
+    assert np.allclose(drawn["ys"], np.log10(1 + np.asarray(sums, dtype=float)))
+    assert "log10" in drawn["title"]
+    draw_histogram(Recorder(), counts, edges, "red", "scores")
+    assert drawn["ys"] == sums
+
+
+def test_lab_focus_stays_on_error_help_is_the_labs_and_main_keys_are_inert(tmp_path):
+    """A rejected Enter keeps the cursor in the box (the next keys edit it, fire no hotkey);
+    ? lists the lab's keys; the main screen's a (compare) is neither offered nor active."""
+    from isotui.tui.help import HelpScreen
+
+    async def scenario():
+        app = _app(tmp_path)
+        notes: list[str] = []
+        app.notify = lambda message, **_kw: notes.append(message)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("A", "2")
+            await pilot.pause()
+            box = app.screen.query_one("#dyn-input", Input)
+            assert box.has_focus
+            box.value = str(tmp_path / "nowhere")
+            await pilot.press("enter")
+            await pilot.pause()
+            assert box.has_focus and notes and "--" not in notes[-1]
+            await pilot.press("m", "b")  # typed into the box, not the figure or basis keys
+            assert box.value.endswith("nowheremb") and app.screen.dyn_metric == 0 and app.screen.basis == 0
+            box.value = ""
+            await pilot.press("3")  # into the drift box too: a rejected setting keeps focus
+            await pilot.pause()
+            app.screen.query_one("#lab-tabs", TabbedContent).active = "tab-drift"
+            await pilot.pause()
+            drift_box = app.screen.query_one("#drift-input", Input)
+            drift_box.focus()
+            drift_box.value = "hidden=32 heads=5"
+            await pilot.press("enter")
+            await pilot.pause()
+            assert drift_box.has_focus
+            assert notes[-1].startswith("heads=5 does not divide hidden=32"), notes[-1]
+            app.screen.query_one("#drift-table", DataTable).focus()
+            # main-screen keys: not offered, inert
+            assert app.check_action("toggle_compare", ()) is False
+            assert app.screen.check_action("basis", ()) is False  # a Dynamics key, on the Drift tab
+            shown = {b.binding.action for b in app.screen.active_bindings.values() if b.enabled}
+            assert "toggle_compare" not in shown and "lab" not in shown
+            await pilot.press("question_mark")
+            await pilot.pause()
+            assert isinstance(app.screen, HelpScreen)
+            ids = {row[1] for row in app.screen.rows() if row[1]}
+            assert {"lab_run", "lab_head_prev", "lab_head_next", "lab_basis", "lab_log", "options"} <= ids
+            assert "compare" not in ids and "lab" not in ids
+            keys = {row[1]: row[0] for row in app.screen.rows()}
+            assert keys["lab_head_prev"] == "[" and keys["lab_head_next"] == "]" and keys["lab_basis"] == "b"
+            await pilot.press("escape")
+            await pilot.press("escape")
+            await pilot.pause()
+            await pilot.press("question_mark")
+            await pilot.pause()
+            ids = {row[1] for row in app.screen.rows() if row[1]}
+            assert "compare" in ids and "lab_run" not in ids  # the main screen's own help
+
+    asyncio.run(scenario())

@@ -80,7 +80,7 @@ def _app() -> IsotuiApp:
 
 
 async def _settle(pilot) -> None:
-    while not pilot.app.device_line:
+    while not pilot.app.device_line or not pilot.app.entries:  # both come from worker threads
         await pilot.pause(0.05)
     await pilot.pause()
 
@@ -102,3 +102,86 @@ def test_main_screen_at_start(snap_compare, size):
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_main_screen_comparing_two_models(snap_compare, size):
     assert snap_compare(_app(), terminal_size=size, run_before=_with_results)
+
+
+LAB_TABS = ("1", "2", "3", "4")  # Heads, Dynamics, Drift block, Checkpoints
+
+
+@pytest.fixture(scope="module")
+def lab_results(tmp_path_factory, tiny_models) -> dict:
+    """Every lab tab's result from a real run on tiny models (deterministic on CPU), renamed so
+    no temporary path shows, and marked as cached so no timing shows."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from isotui.experiments.drift_block import DriftBlockConfig
+    from isotui.experiments.qk_dynamics import resolve_checkpoints
+    from isotui.experiments.requests import (
+        AttentionRequest,
+        CheckpointsRequest,
+        DriftBlockRequest,
+        DynamicsRequest,
+    )
+    from isotui.spec import make_spec
+
+    from .conftest import corpus
+
+    root = tmp_path_factory.mktemp("lab")
+    data = root / "samples.txt"
+    data.write_text("\n".join(corpus(8)) + "\n", encoding="utf-8")
+    series = root / "series"
+    for i, step in enumerate((0, 500, 1000)):
+        torch.manual_seed(step)
+        model = AutoModel.from_pretrained(str(tiny_models["bert"]))
+        with torch.no_grad():
+            for layer in model.encoder.layer:
+                layer.attention.self.query.bias += 0.2 * i * torch.randn_like(layer.attention.self.query.bias)
+                layer.output.dense.bias += 0.5 * i * torch.randn_like(layer.output.dense.bias)
+        model.save_pretrained(series / f"step_{step}")
+        AutoTokenizer.from_pretrained(str(tiny_models["bert"])).save_pretrained(series / f"step_{step}")
+    spec = make_spec(str(tiny_models["bert"]), f"text:{data}", max_samples=8, max_length=32)
+    run = {"on_progress": lambda _p: None, "should_stop": lambda: False, "notice": lambda _t: None}
+    attention = AttentionRequest(spec).compute(None, **run)
+    attention.model, attention.from_cache = "tiny-bert", True
+    checkpoints = tuple(resolve_checkpoints(None, [str(series)]))
+    dynamics = DynamicsRequest("tiny-bert", checkpoints, spec).compute(None, **run)
+    heat = CheckpointsRequest("tiny-bert", checkpoints, spec).compute(None, **run)
+    config = DriftBlockConfig(
+        hidden=32,
+        heads=4,
+        intermediate=64,
+        vocab=200,
+        batch=2,
+        seq_len=16,
+        norms=(0.0, 5.0, 10.0, 20.0, 40.0),
+    )
+    drift = DriftBlockRequest(config).compute(None, **run)
+    drift = dataclasses.replace(drift, from_cache=tuple(True for _ in drift.from_cache))
+    for r in heat.results:
+        r.meta["data"] = "text:samples.txt"
+    attention.meta["data"] = "text:samples.txt"
+    return {
+        "attention": {"tiny-bert": attention},
+        "qk-dynamics": dynamics,
+        "drift-block": drift,
+        "checkpoints": heat,
+    }
+
+
+@pytest.mark.parametrize("tab", LAB_TABS, ids=("heads", "dynamics", "drift", "checkpoints"))
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_lab_tab(snap_compare, size, tab, lab_results):
+    """Each lab tab with a result, legible at 80x24 and 120x36 (plots keep their height)."""
+
+    async def open_tab(pilot) -> None:
+        await _settle(pilot)
+        app = pilot.app
+        app.lab_results.update(lab_results)
+        app.selected = "tiny-bert"
+        await pilot.press("A", tab)
+        await pilot.pause()
+        await pilot.pause()
+
+    assert snap_compare(_app(), terminal_size=size, run_before=open_tab)

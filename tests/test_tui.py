@@ -178,6 +178,7 @@ def test_models_pane_presets_filter_and_cached_runs(tmp_path, tiny_models):
         app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend(submitted))
         async with app.run_test(size=(120, 36)) as pilot:
             models = app.query_one("#models", OptionList)
+            await _wait(pilot, lambda: models.option_count > 0)  # listed by a worker thread
             ids = [models.get_option_at_index(i).id for i in range(models.option_count)]
             assert ids[:2] == ["header:bundled", "model:minilm"]
             assert "preset:minilm_builtin" in ids and "preset:godey2024_fig1_text" in ids
@@ -223,7 +224,7 @@ def test_options_screen_checks_values_and_sets_the_next_jobs(tmp_path):
             await pilot.press("ctrl+s")
             assert app.screen is screen
             error = screen.query_one("#options-error")
-            assert "max-samples must be a positive integer" in str(error.render())
+            assert "max samples must be a positive integer" in str(error.render())
             screen.query_one("#opt-max_samples", Input).value = "5"
             screen.query_one("#opt-data", Input).value = f"text:{tmp_path / 'missing.txt'}"
             await pilot.press("ctrl+s")
@@ -379,3 +380,191 @@ def test_header_names_gpus_from_nvidia_smi_without_torch(monkeypatch):
     assert "--query-gpu=index,name,memory.free,memory.total" in calls[0]
     monkeypatch.setattr(sysinfo.shutil, "which", lambda name: None)
     assert sysinfo.query_gpus() == [] and "cpu" in sysinfo.describe_devices([])
+
+
+def test_app_max_length_is_capped_at_the_model_limit_and_said_in_app_words(tmp_path, tiny_models):
+    """The app's max length (default 128) is a ceiling: above the model's 128 positions it is
+    capped with a notice, not refused; the messages name the options dialog's field, no flag."""
+    from isotui.tui.lab import LabScreen
+
+    async def scenario():
+        app = _app(tmp_path, max_length=300)
+        notes: list[str] = []
+        app.notify = lambda message, **_kw: notes.append(message)
+        bert = str(tiny_models["bert"])
+        async with app.run_test(size=(120, 36)) as pilot:
+            await _run_typed(pilot, app, bert)
+            await _wait(pilot, lambda: bert in app.results, why=lambda: notes)
+            assert app.results[bert].meta["max_length"] == 128
+            said = "max length 300 is more than"
+            assert any(said in n and "capped at its 128 positions" in n for n in notes)
+            await pilot.press("A")
+            await pilot.pause()
+            assert isinstance(app.screen, LabScreen)
+            await pilot.press("r")  # attention goes through the same ceiling
+            await _wait(pilot, lambda: bert in app.lab_results["attention"], why=lambda: notes)
+            assert app.lab_results["attention"][bert].meta["max_length"] == 128
+            app.spec_defaults["max_length"] = "-1"
+            await pilot.press("r")
+            await pilot.pause()
+            assert notes[-1] == "max length must be a positive integer (got -1)"
+            assert not any("--" in n for n in notes), notes
+
+    asyncio.run(scenario())
+
+
+def test_progress_reports_are_coalesced(tmp_path):
+    """A burst of progress reports while the UI is busy is drawn once, with the newest numbers;
+    other events are never dropped."""
+    from isotui.backend import JobProgress, JobQueued
+    from isotui.spec import make_spec
+    from isotui.tui.app import BackendMessage
+
+    spec = make_spec("fake-a")
+
+    def progress(job: int, done: int) -> JobProgress:
+        return JobProgress(job, spec, Progress(done, 500, done * 10, 1.0))
+
+    assert BackendMessage(progress(1, 1)).can_replace(BackendMessage(progress(1, 2)))
+    assert not BackendMessage(progress(1, 1)).can_replace(BackendMessage(progress(2, 2)))
+    assert not BackendMessage(JobQueued(1, spec)).can_replace(BackendMessage(JobQueued(1, spec)))
+
+    async def scenario():
+        submitted: list = []
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend(submitted))
+        async with app.run_test(size=(120, 36)) as pilot:
+            jobs = app.query_one("#jobs", JobsTable)
+            seen: list = []
+            apply = jobs.apply
+            jobs.apply = lambda ev: (seen.append(ev), apply(ev))
+            app._post_event(JobQueued(7, spec))
+            for done in range(1, 501):  # no await: the UI is busy with this burst
+                app._post_event(progress(7, done))
+            await pilot.pause()
+            await pilot.pause()
+            kinds = [type(ev).__name__ for ev in seen]
+            assert kinds == ["JobQueued", "JobProgress"], kinds
+            assert seen[-1].progress.samples_done == 500
+            assert jobs.get_row_at(0)[3].endswith("100%")
+
+    asyncio.run(scenario())
+
+
+def test_session_is_restored_can_be_skipped_and_a_damaged_one_is_one_notice(tmp_path, tiny_models):
+    """The comparison set (reopened from the result cache, no job), the options and the lab's
+    boxes come back; --fresh starts clean; a damaged session file is one notification."""
+    import tomllib
+
+    from isotui.cli import build_parser
+    from isotui.settings import settings_path
+
+    bert = str(tiny_models["bert"])
+    session_file = settings_path().parent / "session.toml"
+    drift_text = "hidden=32 heads=4 norms=0:10:3"
+
+    async def first():
+        app = _app(tmp_path)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await _run_typed(pilot, app, bert)
+            await _wait(pilot, lambda: bert in app.results)
+            await pilot.press("o")
+            app.screen.query_one("#opt-max_samples", Input).value = "7"
+            await pilot.press("ctrl+s")
+            await pilot.press("A", "3")
+            await pilot.pause()
+            app.screen.query_one("#drift-input", Input).value = drift_text
+            await pilot.press("escape")
+        return app.results[bert]
+
+    result = asyncio.run(first())
+    saved = tomllib.loads(session_file.read_text())
+    assert saved["comparison"] == [{"model": bert, "key": result.key}]
+    assert saved["options"]["max_samples"] == "7" and saved["lab"]["drift-input"] == drift_text
+
+    async def second(fresh: bool, notes: list[str]):
+        submitted: list = []
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend(submitted), fresh=fresh)
+        app.notify = lambda message, **_kw: notes.append(message)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await _wait(pilot, lambda: app.entries)
+            if not fresh and not notes:
+                await _wait(pilot, lambda: bert in app.results)
+                assert app.comparison == [bert] and app.selected == bert
+                assert [r.avg_cos for r in app.results[bert].rows] == [r.avg_cos for r in result.rows]
+                assert app.spec_defaults["max_samples"] == "7"
+                await pilot.press("A", "3")
+                await pilot.pause()
+                assert app.screen.query_one("#drift-input", Input).value == drift_text
+            assert submitted == []  # reopened from the cache: nothing computed
+            return app
+
+    notes: list[str] = []
+    asyncio.run(second(False, notes))
+    assert notes == []
+    app = asyncio.run(second(True, notes))  # isotui --fresh
+    assert app.comparison == [] and app.spec_defaults["max_samples"] == 2000
+    assert build_parser().parse_args(["--fresh"]).fresh
+    for damage in ("version = [\n", 'version = 1\n[[comparison]]\nmodel = 3\nkey = "k"\n'):
+        session_file.write_text(damage)
+        notes = []
+        app = asyncio.run(second(False, notes))
+        assert len(notes) == 1 and f"session file {session_file}" in notes[0], notes
+        assert "starting a new session" in notes[0] and app.comparison == []
+
+
+def test_compare_key_marks_the_list_and_says_what_it_did(tmp_path):
+    from isotui.tui.model_list import COMPARED
+
+    from .test_snapshots import fixture_result
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend([]))
+        notes: list[str] = []
+        app.notify = lambda message, **_kw: notes.append(message)
+        async with app.run_test(size=(80, 24)) as pilot:
+            models = app.query_one("#models", OptionList)
+            await _wait(pilot, lambda: models.option_count > 0)
+
+            def label(option_id: str) -> str:
+                return str(models.get_option(option_id).prompt)
+
+            app.add_result(fixture_result("minilm", 7, 384, 0.22))
+            await pilot.pause()
+            assert label("model:minilm").startswith(COMPARED)
+            assert not label("model:random:gpt2").startswith(COMPARED)
+            app.select("minilm")
+            await pilot.press("a")
+            assert app.comparison == [] and not label("model:minilm").startswith(COMPARED)
+            assert notes[-1] == "minilm left the comparison (0 models compared)"
+            await pilot.press("a")
+            assert app.comparison == ["minilm"] and label("model:minilm").startswith(COMPARED)
+            assert notes[-1].startswith("minilm added to the comparison (1 model compared")
+            app.select("random:gpt2")
+            await pilot.press("a")
+            assert "run random:gpt2 first" in notes[-1] and app.comparison == ["minilm"]
+
+    asyncio.run(scenario())
+
+
+def test_exports_go_to_the_settings_export_dir_and_say_the_full_path(tmp_path, monkeypatch):
+    from .test_snapshots import fixture_result
+
+    settings = tmp_path / "conf" / "isotui.toml"
+    settings.parent.mkdir()
+    settings.write_text('export_dir = "exports"\n')  # relative to the settings file
+    monkeypatch.setenv("ISOTUI_CONFIG", str(settings))
+    monkeypatch.chdir(tmp_path)
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend([]))
+        notes: list[str] = []
+        app.notify = lambda message, **_kw: notes.append(message)
+        async with app.run_test(size=(80, 24)) as pilot:
+            app.add_result(fixture_result("minilm", 7, 384, 0.22))
+            await pilot.press("e")
+            await pilot.pause()
+        (written,) = (tmp_path / "conf" / "exports").glob("isotui-*-comparison.csv")
+        assert notes[-1] == f"wrote {written} (1 model)" and written.is_absolute()
+        assert not list(tmp_path.glob("isotui-*.csv"))  # not the current folder
+
+    asyncio.run(scenario())

@@ -139,6 +139,7 @@ def extract_options(spec: RunSpec):
         seed=spec.seed,
         reservoir=spec.reservoir,
         map_units=spec.map_units,
+        cap_max_length=spec.cap_max_length,
     )
 
 

@@ -429,10 +429,10 @@ def extract_attention(
 
     from isotui.errors import Cancelled
     from isotui.extract.progress import Progress
-    from isotui.extract.runner import resolve_max_length
+    from isotui.extract.runner import effective_max_length
 
     run = AttentionRun(loaded, device, opts, on_progress, sample_size=sample_size)
-    max_length = resolve_max_length(loaded, opts.max_length, model_name)
+    max_length = effective_max_length(loaded, opts, model_name, on_progress)
     run.prepare(samples, modality, max_length)
     run.install()
     start = time.perf_counter()

@@ -42,6 +42,7 @@ class ExtractOptions:
     seed: int = 0
     reservoir: int = 4096
     map_units: str = "auto"
+    cap_max_length: bool = False  # see RunSpec.cap_max_length
 
 
 @dataclass
@@ -83,9 +84,12 @@ def _special_count(tokenizer: Any) -> int:
         return 0
 
 
-def resolve_max_length(loaded: LoadedModel, requested: int | None, model_name: str) -> int:
+def resolve_max_length(
+    loaded: LoadedModel, requested: int | None, model_name: str, *, cap: bool = False
+) -> int:
     """``requested`` if the model can take it, else the model's and tokenizer's limit (<= 512).
-    Images and audio have no token length: 0."""
+    With ``cap`` a ``requested`` above the model's limit becomes the limit (the app's ceiling)
+    instead of an error. Images and audio have no token length: 0."""
     if loaded.modality != "text":
         return 0
     limit = position_limit(loaded)
@@ -96,6 +100,8 @@ def resolve_max_length(loaded: LoadedModel, requested: int | None, model_name: s
             f"{special} special tokens; use --max-length {special + 1} or more"
         )
     if requested is not None:
+        if cap and limit is not None and requested > limit:
+            return limit
         if limit is not None and requested > limit:
             raise IsotuiError(
                 f"max-length {requested} is longer than model {model_name!r} accepts "
@@ -107,6 +113,27 @@ def resolve_max_length(loaded: LoadedModel, requested: int | None, model_name: s
     if isinstance(tok_max, int) and 0 < tok_max < 1_000_000:
         limits.append(tok_max)
     return min(limits)
+
+
+def effective_max_length(
+    loaded: LoadedModel, opts: ExtractOptions, model_name: str, on_progress: ProgressCallback
+) -> int:
+    """The max length a run uses (:func:`resolve_max_length`); a capped ceiling is said once
+    through ``on_progress`` (the app shows it as a notice)."""
+    length = resolve_max_length(loaded, opts.max_length, model_name, cap=opts.cap_max_length)
+    if opts.max_length is not None and 0 < length < opts.max_length:
+        on_progress(
+            Progress(
+                0,
+                0,
+                0,
+                0.0,
+                message=f"max length {opts.max_length} is more than {model_name!r} accepts: "
+                f"capped at its {length} positions",
+                stage="notice",
+            )
+        )
+    return length
 
 
 def _frequent_types(ids: np.ndarray, kept: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -490,7 +517,7 @@ def extract(
 ) -> Extraction:
     """Measure every hidden layer of ``loaded`` over ``samples`` (see design.md for metrics)."""
     runner = _Runner(loaded, device, opts, on_progress)
-    max_length = resolve_max_length(loaded, opts.max_length, model_name)
+    max_length = effective_max_length(loaded, opts, model_name, on_progress)
     runner.prepare(samples, modality, max_length)
     assert runner.feeder is not None
     total = len(samples)

@@ -7,8 +7,11 @@ torch or transformers: the first frame draws before they load (in the backend, o
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,6 +24,7 @@ from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, OptionList
+from textual.widgets.option_list import OptionDoesNotExist
 from textual_plotext import PlotextPlot
 
 from isotui.backend import Backend, JobEvent, JobFailed, JobFinished, JobNotice, JobProgress, Post
@@ -34,13 +38,16 @@ from isotui.settings import load_settings
 from isotui.spec import SPEC_OPTIONS, RunSpec, make_spec
 from isotui.store.cache import CacheProblem, ResultCache
 from isotui.store.export import write_csv
-from isotui.tui.help import HelpScreen
+from isotui.tui.help import HelpScreen, binding_rows
 from isotui.tui.jobs import JobsTable
 from isotui.tui.layer_table import LayerTable
 from isotui.tui.model_list import Entry, build_options, first_enabled, gather_entries
-from isotui.tui.options import OptionsScreen
+from isotui.tui.options import OptionsScreen, check_options
+from isotui.tui.plots import FitPlot
+from isotui.tui.session import Session, load_session, save_session, session_path
 from isotui.tui.sysinfo import describe_devices, query_gpus
 from isotui.tui.themes import load_themes
+from isotui.tui.wording import in_options_terms
 
 DEFAULT_THEME = "isotui-dark"
 PLOT_METRICS = LAYER_METRICS
@@ -48,6 +55,10 @@ PLOT_METRICS = LAYER_METRICS
 NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "avg_cos_abtt", "avg_cos_std", "avg_cos_types")
 DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ")
 DEVICE_REFRESH_S = 10.0
+# app keys that belong to the main screen: hidden and inert in the attention lab
+MAIN_ONLY_ACTIONS = frozenset(
+    {"focus_input", "toggle_compare", "toggle_depth", "sort", "lab", "export_table", "run", "cycle_metric"}
+)
 
 
 def _num(value: float, digits: int) -> str:
@@ -67,6 +78,19 @@ class BackendMessage(Message):
     def __init__(self, event: JobEvent) -> None:
         super().__init__()
         self.event = event
+
+    def can_replace(self, message: Message) -> bool:
+        """A plain progress report is superseded by the next one of the same job queued behind it
+        (only the newest is drawn: keys are not kept waiting behind a backlog of redraws)."""
+        return _plain_progress(self.event) and (
+            isinstance(message, BackendMessage)
+            and _plain_progress(message.event)
+            and message.event.job_id == self.event.job_id
+        )
+
+
+def _plain_progress(ev: JobEvent) -> bool:
+    return isinstance(ev, JobProgress) and not ev.progress.message
 
 
 class ModelFilter(Input):
@@ -148,6 +172,7 @@ class IsotuiApp(App):
         settings_file: Path | None = None,
         device_probe: Callable[[], str] | None = None,
         backend_factory: Callable[[ResultCache, Post], Backend] = Backend,
+        fresh: bool = False,
     ) -> None:
         super().__init__()
         self.settings = load_settings(settings_file, tuple(b.id for b in self.BINDINGS if b.id))
@@ -163,7 +188,10 @@ class IsotuiApp(App):
             **self.settings.run,
             **(spec_defaults or {}),
         }
-        self.export_dir = export_dir or Path.cwd()
+        self.export_dir = export_dir or self.settings.export_dir or Path.cwd()
+        self.session_file = session_path(self.settings.path)
+        self.fresh = fresh  # start without the last session (it is overwritten on the next change)
+        self.lab_inputs: dict[str, str] = {}  # the lab's settings boxes, kept across visits
         self.device_probe = device_probe or (lambda: describe_devices(query_gpus()))
         self.device_line = ""
         self.backend_factory = backend_factory  # tests pass a backend with a fake, slow model
@@ -177,6 +205,8 @@ class IsotuiApp(App):
             "drift-block": None,
             "checkpoints": None,
         }
+        self._progress_lock = threading.Lock()
+        self._latest_progress: dict[int, JobEvent] = {}  # per job: the newest report not yet drawn
         self.comparison: list[str] = []
         self.selected: str | None = None
         self.metric = PLOT_METRICS[0]
@@ -191,19 +221,20 @@ class IsotuiApp(App):
             with Vertical(id="main"):
                 yield LayerTable(id="layers")
                 with Horizontal(id="charts"):
-                    yield PlotextPlot(id="plot")
+                    yield FitPlot(id="plot")
                     with Vertical(id="drift-pane"):
                         drift = DataTable(id="drift", cursor_type="none")
                         drift.can_focus = False  # nothing to pick in it
                         yield drift
-                        yield PlotextPlot(id="drift-plot")
+                        yield FitPlot(id="drift-plot")
         yield JobsTable(id="jobs")
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
         self._apply_settings()
-        self.backend = self.backend_factory(self.cache, lambda ev: self.post_message(BackendMessage(ev)))
-        drift = self.query_one("#drift", DataTable)
+        session = self._read_session()
+        self.backend = self.backend_factory(self.cache, self._post_event)
+        drift = self.main_screen.query_one("#drift", DataTable)
         drift.border_title = "drift vs avg_cos (Godey et al. Fig. 5)"
         for label in DRIFT_COLUMNS:
             drift.add_column(label, key=label)
@@ -213,6 +244,96 @@ class IsotuiApp(App):
         self.set_interval(DEVICE_REFRESH_S, self.probe_device)
         self.replot()
         self.show_drift()
+        if session.comparison:
+            self.reopen_comparison(session)
+
+    # -- the last session ----------------------------------------------------------------------
+
+    def _read_session(self) -> Session:
+        """The last session's options, lab boxes and view (the comparison reopens on a worker);
+        a damaged file or a bad value is one notification, and the rest starts clean."""
+        if self.fresh:
+            return Session()
+        try:
+            session = load_session(self.session_file)
+        except IsotuiError as exc:
+            self.notify(f"{exc}; starting a new session", severity="warning", timeout=10)
+            return Session()
+        if session.options:
+            options = {**self.spec_defaults, **session.options}
+            try:
+                check_options(options)
+                self.spec_defaults = options
+            except IsotuiError as exc:
+                self.notify(
+                    f"last session's options not restored: {in_options_terms(str(exc))}", severity="warning"
+                )
+        self.lab_inputs = dict(session.lab)
+        if session.metric in PLOT_METRICS:
+            self.metric = session.metric
+        self.depth = session.depth
+        self.selected = session.selected
+        return session
+
+    @work(thread=True, exclusive=True, group="session")
+    def reopen_comparison(self, session: Session) -> None:
+        """The last comparison set from the result cache (file reads, off the UI thread)."""
+        found, gone = [], []
+        for model, key in session.comparison:
+            try:
+                result = self.cache.get(key)
+            except CacheProblem:
+                result = None
+            if result is None:
+                gone.append(model)
+                continue
+            result.model, result.from_cache = model, True
+            for row in result.rows:
+                row.model = model
+            found.append(result)
+        self.call_from_thread(self._reopened, found, gone, session.selected)
+
+    def _reopened(self, found: list[ModelResult], gone: list[str], selected: str | None) -> None:
+        if not self.screen_stack:
+            return
+        for result in found:
+            self.results[result.model] = result
+            if result.model not in self.comparison:
+                self.comparison.append(result.model)
+        if selected:
+            self.selected = selected
+        self.show_table()
+        self.replot()
+        self.show_drift()
+        self.show_marks()
+        if gone:
+            self.notify(
+                f"last session: {', '.join(gone)} no longer in the result cache (run again with r)",
+                severity="warning",
+            )
+
+    def session(self) -> Session:
+        options = {k: v for k, v in self.spec_defaults.items() if k in SPEC_OPTIONS and k != "base_dir"}
+        return Session(
+            comparison=[(m, self.results[m].key) for m in self.comparison if m in self.results],
+            selected=self.selected,
+            metric=self.metric,
+            depth=self.depth,
+            options=options,
+            lab=dict(self.lab_inputs),
+        )
+
+    def save_session(self) -> None:
+        """Write the session now (atomically); a folder that cannot be written is said once."""
+        try:
+            save_session(self.session_file, self.session())
+        except OSError as exc:
+            if not getattr(self, "_session_unwritable", False):
+                self._session_unwritable = True
+                self.notify(
+                    f"cannot write the session file {self.session_file}: {exc.strerror or exc}",
+                    severity="warning",
+                )
 
     def _apply_settings(self) -> None:
         themes, problems = load_themes(self.theme_dirs)
@@ -230,11 +351,20 @@ class IsotuiApp(App):
         if problems:
             self.notify("\n".join(problems), title="settings skipped", severity="warning", timeout=15)
 
+    @property
+    def main_screen(self) -> Screen:
+        """The layer view, always the bottom screen: its widgets are updated (a job ending,
+        the list refreshed) while the lab or a dialog is shown on top of it."""
+        if not self.screen_stack:
+            raise NoMatches("the app is closing")
+        return self.screen_stack[0]
+
     def notify(self, message: str, *, markup: bool = False, **kwargs) -> None:
         """Notifications show text as written: paths and ``[keys]`` are not Rich markup."""
         super().notify(message, markup=markup, **kwargs)
 
     def on_unmount(self) -> None:
+        self.save_session()
         if self.backend is not None:
             self.backend.close(wait=False)
 
@@ -254,16 +384,41 @@ class IsotuiApp(App):
 
     # -- models pane -------------------------------------------------------------------------
 
+    @work(thread=True, exclusive=True, group="models")
     def refresh_models(self) -> None:
-        """Re-read presets, the HF cache and cached runs, keeping the filter."""
-        self.entries = gather_entries(self.cache)
-        self.filter_models(self.query_one("#model-input", Input).value)
+        """Re-read presets, the HF cache and cached runs (on a worker thread: a large cache takes
+        a while to scan), then show them, keeping the filter."""
+        entries = gather_entries(self.cache)
+        self.call_from_thread(self._show_entries, entries)
 
-    def filter_models(self, query: str) -> None:
-        models = self.query_one("#models", OptionList)
+    def _show_entries(self, entries: list[Entry]) -> None:
+        self.entries = entries
+        if not self.screen_stack:  # a worker's answer that came after quitting
+            return
+        models = self.main_screen.query_one("#models", OptionList)
+        restoring = self.selected if models.option_count == 0 else None  # the last session's
+        if restoring is None:
+            self.filter_models(self.main_screen.query_one("#model-input", Input).value, keep_cursor=True)
+            return
+        with models.prevent(OptionList.OptionHighlighted):  # the list's first entry is not picked
+            self.filter_models(self.main_screen.query_one("#model-input", Input).value)
+            with contextlib.suppress(OptionDoesNotExist):
+                models.highlighted = models.get_option_index(f"model:{restoring}")
+        self.select(restoring)
+
+    def filter_models(self, query: str, keep_cursor: bool = False) -> None:
+        models = self.main_screen.query_one("#models", OptionList)
+        index = models.highlighted
+        current = models.get_option_at_index(index).id if keep_cursor and index is not None else None
+        marked = {f"model:{m}" for m in self.comparison} | {
+            f"run:{self.results[m].key}" for m in self.comparison if m in self.results
+        }
         models.clear_options()
-        models.add_options(build_options(self.entries, query))
+        models.add_options(build_options(self.entries, query, marked))
         models.highlighted = first_enabled(models)
+        if current is not None:  # the cursor stays where the user left it
+            with contextlib.suppress(OptionDoesNotExist):
+                models.highlighted = models.get_option_index(current)
 
     @on(Input.Changed, "#model-input")
     def _filter(self, event: Input.Changed) -> None:
@@ -272,7 +427,7 @@ class IsotuiApp(App):
     @on(OptionList.OptionHighlighted, "#models")
     def _highlight(self, event: OptionList.OptionHighlighted) -> None:
         kind, _, value = (event.option.id or "").partition(":")
-        if kind == "model":
+        if kind == "model" and self.screen_stack:  # (not while the app closes)
             self.select(value)
 
     @on(OptionList.OptionSelected, "#models")
@@ -292,7 +447,7 @@ class IsotuiApp(App):
         if name:
             self.select(name)
             self.action_run()
-            self.query_one("#models", OptionList).focus()
+            self.main_screen.query_one("#models", OptionList).focus()
 
     def select(self, model: str) -> None:
         self.selected = model
@@ -317,7 +472,13 @@ class IsotuiApp(App):
     # -- actions -----------------------------------------------------------------------------
 
     def spec_for(self, model: str, overrides: dict[str, Any] | None = None) -> RunSpec:
-        return make_spec(model, **{**self.spec_defaults, **(overrides or {})})
+        """The spec of a job from the app: its max length is a ceiling, capped at the model's
+        limit (said in a notice) where the CLI refuses an explicit ``--max-length``."""
+        try:
+            spec = make_spec(model, **{**self.spec_defaults, **(overrides or {})})
+        except IsotuiError as exc:
+            raise IsotuiError(in_options_terms(str(exc))) from None
+        return replace(spec, cap_max_length=True)
 
     def submit(self, model: str, overrides: dict[str, Any] | None = None) -> None:
         if self.backend is None:
@@ -385,31 +546,48 @@ class IsotuiApp(App):
         self.notify(f"preset {name}: queued {', '.join(models)}")
 
     def action_focus_input(self) -> None:
-        self.query_one("#model-input", Input).focus()
+        self.main_screen.query_one("#model-input", Input).focus()
 
     def action_toggle_compare(self) -> None:
         if not self.selected:
+            self.notify("select a model first", severity="warning")
             return
-        if self.selected in self.comparison:
-            self.comparison.remove(self.selected)
-        elif self.selected in self.results:
-            self.comparison.append(self.selected)
+        model = self.selected
+        if model in self.comparison:
+            self.comparison.remove(model)
+            self.notify(f"{model} left the comparison ({self.compared_count()})")
+        elif model in self.results:
+            self.comparison.append(model)
+            self.notify(f"{model} added to the comparison ({self.compared_count()}; e exports them)")
         else:
-            self.notify(f"run {self.selected} first", severity="warning")
+            self.notify(f"run {model} first (r): only measured models can be compared", severity="warning")
+            return
         self.replot()
         self.show_drift()
+        self.show_marks()
+        self.save_session()
+
+    def compared_count(self) -> str:
+        n = len(self.comparison)
+        return f"{n} model{'s' * (n != 1)} compared"
+
+    def show_marks(self) -> None:
+        """Mark the compared models (and their cached runs) in the list."""
+        self.filter_models(self.main_screen.query_one("#model-input", Input).value, keep_cursor=True)
 
     def action_cycle_metric(self) -> None:
         self.metric = PLOT_METRICS[(PLOT_METRICS.index(self.metric) + 1) % len(PLOT_METRICS)]
         self.replot()
+        self.save_session()
 
     def action_toggle_depth(self) -> None:
         self.depth = not self.depth
         self.replot()
         self.show_drift()
+        self.save_session()
 
     def action_sort(self) -> None:
-        self.query_one("#layers", LayerTable).sort_cursor_column()
+        self.main_screen.query_one("#layers", LayerTable).sort_cursor_column()
 
     def action_cycle_theme(self) -> None:
         """Next isotui theme (bundled and user themes, in name order)."""
@@ -430,6 +608,7 @@ class IsotuiApp(App):
             if options is not None:
                 self.spec_defaults = options
                 self.notify("options set for the next jobs: " + self.options_summary())
+                self.save_session()
 
         self.push_screen(OptionsScreen(self.spec_defaults), done)
 
@@ -446,13 +625,23 @@ class IsotuiApp(App):
         if not chosen:
             self.notify("nothing to export yet: run a model", severity="warning")
             return
-        path = self.export_dir / f"isotui-{time.strftime('%Y%m%d-%H%M%S')}-{what}.csv"
+        path = self.export_path(what, "csv")
         try:
             write_csv(chosen, path)
         except IsotuiError as exc:
             self.notify(str(exc), severity="error")
             return
         self.notify(f"wrote {path} ({len(chosen)} model{'s' * (len(chosen) != 1)})")
+
+    def export_path(self, what: str, suffix: str) -> Path:
+        """A new file in the export folder (settings ``export_dir``; made if missing), absolute,
+        so the notification says exactly where it went."""
+        folder = self.export_dir.expanduser().resolve()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise IsotuiError(f"cannot make the export folder {folder}: {exc.strerror or exc}") from None
+        return folder / f"isotui-{time.strftime('%Y%m%d-%H%M%S')}{'-' + what if what else ''}.{suffix}"
 
     def action_export(self) -> None:
         """The comparison set (or the shown model when the set is empty)."""
@@ -466,16 +655,19 @@ class IsotuiApp(App):
         self._export([result] if result else [], "table")
 
     def action_screenshot(self) -> None:
-        name = f"isotui-{time.strftime('%Y%m%d-%H%M%S')}.svg"
         try:
-            path = self.save_screenshot(name, str(self.export_dir))
+            target = self.export_path("", "svg")
+            path = self.save_screenshot(target.name, str(target.parent))
+        except IsotuiError as exc:
+            self.notify(str(exc), severity="error")
+            return
         except OSError as exc:
-            self.notify(f"cannot write the screenshot in {self.export_dir}: {exc.strerror}", severity="error")
+            self.notify(f"cannot write the screenshot in {target.parent}: {exc.strerror}", severity="error")
             return
         self.notify(f"wrote {path}")
 
     def action_cancel(self) -> None:
-        jobs = self.query_one("#jobs", JobsTable)
+        jobs = self.main_screen.query_one("#jobs", JobsTable)
         job = jobs.chosen_job() if jobs.has_focus else None
         if job is None or not jobs.records[job].active:
             job = jobs.latest_active()
@@ -485,18 +677,18 @@ class IsotuiApp(App):
         jobs.mark_cancelling(job)
         self.notify(f"cancelling job {job} ({jobs.records[job].model})")
 
-    def key_bindings(self) -> list[tuple[str, str, str]]:
-        """(key as bound now, id, what it does) for every app key, remaps included."""
-        out = []
-        for b in self.BINDINGS:
-            keys = self.settings.keys.get(b.id or "", b.key)
-            shown = ", ".join(self.get_key_display(Binding(k.strip(), b.action)) for k in keys.split(","))
-            out.append((shown, b.id or "", b.tooltip or b.description))
-        return out
+    def key_bindings(self, bindings: list[Binding] | None = None) -> list[tuple[str, str, str]]:
+        """(key as bound now, id, what it does) for every app key (or ``bindings``), remaps included."""
+        return binding_rows(self, self.BINDINGS if bindings is None else bindings, self.settings.keys)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The main screen's keys do nothing (and are not offered) on a screen above it (the lab)."""
+        stack = self.screen_stack
+        return not (action in MAIN_ONLY_ACTIONS and stack and self.screen is not stack[0])
 
     def action_help(self) -> None:
         sort_key = next(k for k, i, _ in self.key_bindings() if i == "sort")
-        self.push_screen(HelpScreen(self.key_bindings(), sort_key))
+        self.push_screen(HelpScreen(self.key_bindings(), sort_key, title="isotui keys: models and layers"))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Every isotui action in the command palette (ctrl+p), beside Textual's own."""
@@ -510,10 +702,24 @@ class IsotuiApp(App):
 
     # -- backend events ------------------------------------------------------------------------
 
+    def _post_event(self, ev: JobEvent) -> None:
+        """From a backend thread: a job's progress is posted only when none of its reports is
+        waiting to be drawn; the waiting one then draws the newest (see on_backend_message)."""
+        if _plain_progress(ev):
+            with self._progress_lock:
+                waiting = ev.job_id in self._latest_progress
+                self._latest_progress[ev.job_id] = ev
+            if waiting:
+                return
+        self.post_message(BackendMessage(ev))
+
     def on_backend_message(self, message: BackendMessage) -> None:
         ev = message.event
+        if _plain_progress(ev):
+            with self._progress_lock:
+                ev = self._latest_progress.pop(ev.job_id, ev)
         try:
-            self.query_one("#jobs", JobsTable).apply(ev)
+            self.main_screen.query_one("#jobs", JobsTable).apply(ev)
         except NoMatches:  # the app is closing; the backend's last words have nowhere to go
             return
         model = ev.spec.model
@@ -522,11 +728,11 @@ class IsotuiApp(App):
             p = ev.progress
             lab.status(f"{ev.spec.kind} {shorten(model, 40)}: {p.samples_done}/{p.samples_total}")
         elif lab is not None and isinstance(ev, JobFailed):
-            lab.status(f"{ev.spec.kind} {shorten(model, 40)} failed: {ev.message}")
+            lab.status(f"{ev.spec.kind} {shorten(model, 40)} failed: {in_options_terms(ev.message)}")
         if isinstance(ev, JobProgress) and ev.progress.message:  # e.g. an out-of-memory back-off
-            self.notify(f"{model}: {ev.progress.message}", severity="warning")
+            self.notify(f"{model}: {in_options_terms(ev.progress.message)}", severity="warning")
         elif isinstance(ev, JobNotice):
-            self.notify(f"{model}: {ev.text}", severity="warning")
+            self.notify(f"{model}: {in_options_terms(ev.text)}", severity="warning")
         elif isinstance(ev, JobFinished) and not isinstance(ev.spec, RunSpec):
             self.add_lab_result(ev.spec.kind, ev.result)
         elif isinstance(ev, JobFinished):
@@ -534,23 +740,27 @@ class IsotuiApp(App):
             if not ev.result.from_cache:
                 self.refresh_models()  # a new cached run to list
         elif isinstance(ev, JobFailed):
-            self.notify(ev.message, severity="error", timeout=10)
+            self.notify(in_options_terms(ev.message), severity="error", timeout=10)
 
     def add_result(self, result: ModelResult) -> None:
         model = result.model
         self.results[model] = result
-        if model not in self.comparison:
+        new = model not in self.comparison
+        if new:
             self.comparison.append(model)
         if self.selected is None:
             self.selected = model
         self.show_table()
         self.replot()
         self.show_drift()
+        if new:
+            self.show_marks()
+        self.save_session()
 
     # -- views -----------------------------------------------------------------------------
 
     def show_table(self) -> None:
-        table = self.query_one("#layers", LayerTable)
+        table = self.main_screen.query_one("#layers", LayerTable)
         result = self.results.get(self.selected or "")
         table.border_title = self.selected or "no model selected"
         if result is None:
@@ -575,7 +785,7 @@ class IsotuiApp(App):
     def show_drift(self) -> None:
         """Per compared model: Spearman and Pearson (significant at 0.05 or not), and a plot of
         drift norm and avg cosine per layer for the selected model (Godey et al. Fig. 5, 16)."""
-        table = self.query_one("#drift", DataTable)
+        table = self.main_screen.query_one("#drift", DataTable)
         table.clear()
         for model in self.comparison:
             for component, d in self.results[model].drift.items():
@@ -588,7 +798,7 @@ class IsotuiApp(App):
                     _num(d.pearson_r, 3),
                     _pvalue(d.pearson_p),
                 )
-        plot = self.query_one("#drift-plot", PlotextPlot)
+        plot = self.main_screen.query_one("#drift-plot", PlotextPlot)
         plt = plot.plt
         plt.clear_data()
         plt.clear_figure()
@@ -615,7 +825,7 @@ class IsotuiApp(App):
         plot.refresh()
 
     def replot(self) -> None:
-        plot = self.query_one("#plot", PlotextPlot)
+        plot = self.main_screen.query_one("#plot", PlotextPlot)
         plt = plot.plt
         plt.clear_data()
         plt.clear_figure()
@@ -655,6 +865,6 @@ class IsotuiApp(App):
         plt.xticks(ticks, [str(t) for t in ticks])
 
 
-def run_app() -> None:
-    """Entry point of ``isotui`` with no arguments."""
-    IsotuiApp().run()
+def run_app(fresh: bool = False) -> None:
+    """Entry point of ``isotui`` with no arguments (``--fresh``: without the last session)."""
+    IsotuiApp(fresh=fresh).run()

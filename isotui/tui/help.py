@@ -1,4 +1,8 @@
-"""The help screen: every key as currently bound (remapped keys included), and what it does."""
+"""The help screen: each screen's keys as currently bound (remapped keys included), and what they do.
+
+Help is per screen: the main screen lists its keys, the attention lab its own (plus the app keys
+that still work there), each with the keys its widgets handle themselves.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-# Keys the widgets themselves handle (not remappable from the settings file).
+# Keys the main screen's widgets handle themselves (not remappable from the settings file).
 WIDGET_KEYS = (
     ("↑ ↓, page up/down", "move in the focused list or table"),
     ("enter", "models: run a model, run a preset's models, open a cached run"),
@@ -21,6 +25,24 @@ WIDGET_KEYS = (
     ("ctrl+p", "command palette: every action by name"),
     ("mouse", "click to focus or pick; click a layer-table header to sort"),
 )
+# ... and the attention lab's.
+LAB_WIDGET_KEYS = (
+    ("↑ ↓", "Heads: the layer whose score histogram shows; Drift block: the N of Figs. 7 and 9"),
+    ("← →", "Dynamics: the layer (column) whose trajectory shows"),
+    ("enter", "in a settings box: run what it says (a mistake keeps the cursor there)"),
+    ("tab, shift+tab", "move focus between a tab's settings box and its table"),
+    ("mouse", "click a tab to show it, a row or cell to pick it"),
+)
+
+
+def binding_rows(app, bindings: list[Binding], keymap: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(key as bound now, id, what it does) for ``bindings``, remaps in ``keymap`` included."""
+    out = []
+    for b in bindings:
+        keys = keymap.get(b.id or "", b.key)
+        shown = ", ".join(app.get_key_display(Binding(k.strip(), b.action)) for k in keys.split(","))
+        out.append((shown, b.id or "", b.tooltip or b.description))
+    return out
 
 
 class HelpScreen(ModalScreen[None]):
@@ -28,15 +50,24 @@ class HelpScreen(ModalScreen[None]):
         Binding("escape,q,question_mark,f1", "close", "Close", id="help_close"),
     ]
 
-    def __init__(self, keys: list[tuple[str, str, str]], sort_key: str = "s") -> None:
-        """``keys``: (key, action id, description) of the app's bindings as bound now."""
+    def __init__(
+        self,
+        keys: list[tuple[str, str, str]],
+        sort_key: str = "s",
+        *,
+        title: str = "isotui keys",
+        widget_keys: tuple[tuple[str, str], ...] = WIDGET_KEYS,
+    ) -> None:
+        """``keys``: (key, action id, description) of the screen's bindings as bound now."""
         super().__init__()
         self.keys = keys
         self.sort_key = sort_key
+        self.title = title
+        self.widget_keys = widget_keys
 
     def rows(self) -> list[tuple[str, str, str]]:
-        """(key, id, what) for every app key, then the widgets' own keys."""
-        widget = [(key, "", what.format(sort=self.sort_key)) for key, what in WIDGET_KEYS]
+        """(key, id, what) for every key of the screen, then its widgets' own keys."""
+        widget = [(key, "", what.format(sort=self.sort_key)) for key, what in self.widget_keys]
         return [*self.keys, *widget]
 
     def compose(self) -> ComposeResult:
@@ -48,7 +79,7 @@ class HelpScreen(ModalScreen[None]):
         for row in self.rows():
             table.add_row(*row)
         with VerticalScroll(id="help-box"):
-            yield Static(Text("isotui keys (esc closes; remap them in the settings file's [keys] by id)"))
+            yield Static(Text(f"{self.title} (esc closes; remap them in the settings file's [keys] by id)"))
             yield Static(table, id="help-keys")
 
     def action_close(self) -> None:

@@ -130,16 +130,30 @@ class JobsTable(DataTable):
         return active + done[:KEEP_FINISHED]
 
     def redraw(self) -> None:
-        """Jobs in flight first and in view; the user's pick stays picked while they look."""
+        """Jobs in flight first and in view; the user's pick stays picked while they look.
+        The same jobs in the same order (a progress report): only the changed cells are redrawn."""
+        ordered = self.ordered()
+        if ordered and [str(r.job_id) for r in ordered] == [str(k.value) for k in self.rows]:
+            for rec in ordered:
+                for column, (old, new) in zip(
+                    JOB_COLUMNS, zip(self.get_row(str(rec.job_id)), rec.cells(), strict=True), strict=True
+                ):
+                    if old != new:
+                        self.update_cell(str(rec.job_id), column, new, update_width=True)
+            self._titles()
+            return
         chosen = self.chosen_job() if self.has_focus else None
         self.clear()
-        for rec in self.ordered():
+        for rec in ordered:
             self.add_row(*rec.cells(), key=str(rec.job_id))
         if chosen is not None and str(chosen) in {str(k.value) for k in self.rows}:
             self.move_cursor(row=self.get_row_index(str(chosen)), animate=False)
         else:
             self.scroll_home(animate=False)
         self.show_header = self.row_count > 0  # an idle pane takes one line
+        self._titles()
+
+    def _titles(self) -> None:
         active = sum(r.active for r in self.records.values())
         self.border_title = f"jobs ({active} in flight)" if active else "jobs: none running (r runs one)"
 

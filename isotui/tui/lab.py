@@ -29,18 +29,25 @@ from textual.widgets import DataTable, Footer, Input, Static, TabbedContent, Tab
 from textual_plotext import PlotextPlot
 
 from isotui.render import shorten
+from isotui.tui.plots import FitPlot
 
+# Q-mean, K-mean: the mean query and key of a head (the papers' Q̄, K̄; a combining macron is
+# drawn as its own cell by plotext and some terminals, so the app spells it out)
 HEAD_METRICS = (
-    ("cos_qk_bar", "cos(Q̄,K̄)"),
-    ("dot_qk_bar", "Q̄·K̄"),
-    ("q_bar_norm", "|Q̄|"),
-    ("k_bar_norm", "|K̄|"),
+    ("cos_qk_bar", "cos(Q-mean, K-mean)"),
+    ("dot_qk_bar", "Q-mean·K-mean"),
+    ("q_bar_norm", "|Q-mean|"),
+    ("k_bar_norm", "|K-mean|"),
     ("q_avg_cos", "query avg_cos"),
     ("k_avg_cos", "key avg_cos"),
     ("softmax_max", "softmax row max"),
     ("entropy", "attention entropy (nats)"),
 )
-DYN_METRICS = (("cos_qk_bar", "cos(Q̄,K̄)"), ("entropy", "entropy (nats)"), ("dot_qk_bar", "Q̄·K̄"))
+DYN_METRICS = (
+    ("cos_qk_bar", "cos(Q-mean, K-mean)"),
+    ("entropy", "entropy (nats)"),
+    ("dot_qk_bar", "Q-mean·K-mean"),
+)
 BASES = ("qk", "q", "k")
 
 
@@ -51,23 +58,69 @@ def _f(value: float, digits: int = 3) -> str:
 class LabScreen(Screen):
     """The attention lab; see the module docstring. Esc goes back to the layer view."""
 
+    # The tab keys 1-4 are written on the tabs themselves, so the footer keeps to this tab's keys.
     BINDINGS: ClassVar[list[Binding]] = [
         Binding("escape", "close", "Back", id="lab_close", tooltip="back to the layer view"),
-        Binding("1", "tab('tab-heads')", "Heads", id="lab_heads", tooltip="tab: queries and keys per head"),
-        Binding("2", "tab('tab-dynamics')", "Dynamics", id="lab_dynamics", tooltip="tab: checkpoint series"),
         Binding(
-            "3", "tab('tab-drift')", "Drift", id="lab_drift", tooltip="tab: the untrained block under drift"
+            "1",
+            "tab('tab-heads')",
+            "Heads",
+            id="lab_heads",
+            show=False,
+            tooltip="tab: queries and keys per head",
         ),
         Binding(
-            "4", "tab('tab-ckpt')", "Ckpts", id="lab_ckpt", tooltip="tab: layer metrics along checkpoints"
+            "2",
+            "tab('tab-dynamics')",
+            "Dynamics",
+            id="lab_dynamics",
+            show=False,
+            tooltip="tab: checkpoint series",
+        ),
+        Binding(
+            "3",
+            "tab('tab-drift')",
+            "Drift",
+            id="lab_drift",
+            show=False,
+            tooltip="tab: the untrained block under drift",
+        ),
+        Binding(
+            "4",
+            "tab('tab-ckpt')",
+            "Ckpts",
+            id="lab_ckpt",
+            show=False,
+            tooltip="tab: layer metrics along checkpoints",
         ),
         Binding("r", "run", "Run", id="lab_run", tooltip="run this tab's experiment"),
         Binding("m", "cycle", "Figure", id="lab_figure", tooltip="next metric or figure in this tab"),
-        Binding("left_square_bracket", "head(-1)", "Head-", id="lab_head_prev", show=False),
-        Binding("right_square_bracket", "head(1)", "Head+", id="lab_head_next", show=False),
-        Binding("b", "basis", "Basis", id="lab_basis", show=False, tooltip="dynamics: SVD of qk, q or k"),
+        Binding(
+            "left_square_bracket", "head(-1)", "Head-", id="lab_head_prev", tooltip="Dynamics: previous head"
+        ),
+        Binding(
+            "right_square_bracket", "head(1)", "Head+", id="lab_head_next", tooltip="Dynamics: next head"
+        ),
+        Binding(
+            "b", "basis", "Basis", id="lab_basis", tooltip="Dynamics: the trajectory's SVD basis (qk, q or k)"
+        ),
+        Binding(
+            "l",
+            "log_counts",
+            "Log",
+            id="lab_log",
+            tooltip="score histograms (Heads, Drift block Fig. 7): log or linear counts",
+        ),
         Binding("e", "export", "CSV", id="lab_export", tooltip="CSV of this tab's table"),
+        Binding("question_mark,f1", "help", "Help", id="lab_help", tooltip="the lab's keys"),
     ]
+    # the app keys that work in the lab too (shown in its help)
+    APP_KEYS = ("options", "cancel", "screenshot", "theme", "quit")
+    TAB_ACTIONS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "head": ("tab-dynamics",),
+        "basis": ("tab-dynamics",),
+        "log_counts": ("tab-heads", "tab-drift"),
+    }
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,16 +128,17 @@ class LabScreen(Screen):
         self.dyn_metric = 0
         self.head = 0
         self.basis = 0
+        self.log_counts = False
 
     def compose(self) -> ComposeResult:
         with TabbedContent(id="lab-tabs"):
-            with TabPane("Heads", id="tab-heads"):
+            with TabPane("1 Heads", id="tab-heads"):
                 yield Static(id="heads-info")
                 yield DataTable(id="heads-table", cursor_type="row", zebra_stripes=True)
                 with Horizontal(classes="lab-charts"):
-                    yield PlotextPlot(id="heads-plot")
-                    yield PlotextPlot(id="hist-plot")
-            with TabPane("Dynamics", id="tab-dynamics"):
+                    yield FitPlot(id="heads-plot")
+                    yield FitPlot(id="hist-plot")
+            with TabPane("2 Dynamics", id="tab-dynamics"):
                 yield Input(
                     placeholder="checkpoints: step1000 step2000 (revisions of the selected model), "
                     "model ids, or folders; enter runs",
@@ -92,16 +146,16 @@ class LabScreen(Screen):
                 )
                 yield DataTable(id="dyn-table", cursor_type="cell", zebra_stripes=True)
                 with Horizontal(classes="lab-charts"):
-                    yield PlotextPlot(id="dyn-plot")
-                    yield PlotextPlot(id="dyn-lines")
-            with TabPane("Drift block", id="tab-drift"):
+                    yield FitPlot(id="dyn-plot")
+                    yield FitPlot(id="dyn-lines")
+            with TabPane("3 Drift block", id="tab-drift"):
                 yield from self.compose_drift()
-            with TabPane("Checkpoints", id="tab-ckpt"):
+            with TabPane("4 Checkpoints", id="tab-ckpt"):
                 from isotui.tui.lab_checkpoints import compose_checkpoints
 
                 yield from compose_checkpoints()
         yield Static(id="lab-status")
-        yield Footer(compact=True)
+        yield Footer(compact=True, show_command_palette=False)
 
     def compose_drift(self) -> ComposeResult:
         from isotui.tui.lab_drift import compose_drift
@@ -109,8 +163,11 @@ class LabScreen(Screen):
         yield from compose_drift()
 
     def on_mount(self) -> None:
+        app: Any = self.app
+        for box, text in app.lab_inputs.items():  # what was typed last time (this run or the last)
+            self.query_one(f"#{box}", Input).value = text
         self.query_one("#heads-table", DataTable).add_columns(
-            "layer", "heads", "cos(Q̄,K̄)", "range", "Q̄·K̄", "|Q̄|", "|K̄|", "p max", "p med", "entropy"
+            "layer", "heads", "cos(Qm,Km)", "range", "Qm·Km", "|Qm|", "|Km|", "p max", "p med", "entropy"
         )
         self.refresh_all()
 
@@ -154,7 +211,8 @@ class LabScreen(Screen):
         source = "cache" if result.from_cache else f"{result.meta.get('seconds', 0):.1f} s"
         info.update(
             f"{shorten(result.model, 50)} · {result.meta.get('data')} · {result.meta.get('n_samples')} "
-            f"samples · {source} · layer L = attention of the block that outputs row L"
+            f"samples · {source} · Qm, Km: a head's mean query and key · layer L: the block "
+            "whose output is row L"
         )
         summary = summarize(result)
         many = len({s.component for s in summary}) > 1
@@ -192,7 +250,7 @@ class LabScreen(Screen):
         else:
             sites = [s for s in summary if s.attention == "self"]
             xs = list(range(1, len(sites) + 1))
-            plot.plt.title(f"{name} per layer (line: heads averaged; dots: heads)")
+            plot.plt.title(f"{name} by layer (dots: heads)")
             heads_x, heads_y = [], []
             for i, s in enumerate(sites):
                 for r in result.rows:
@@ -215,7 +273,8 @@ class LabScreen(Screen):
                 result.arrays[f"hist.{row}"].sum(0),
                 edges,
                 colours[0],
-                f"scores QKᵀ/√d, layer {s.layer}{' (cross)' if s.attention == 'cross' else ''}, heads pooled",
+                f"QKᵀ/√d, layer {s.layer}{' (cross)' if s.attention == 'cross' else ''}, all heads",
+                log=self.log_counts,
             )
         plot.refresh()
         hist.refresh()
@@ -250,7 +309,7 @@ class LabScreen(Screen):
         cos = result.layer_means("cos_qk_bar")
         for i, (ckpt, step) in enumerate(zip(result.checkpoints, result.steps(), strict=True)):
             table.add_row(shorten(ckpt.label, 24), str(step), *(_f(v) for v in cos[i]))
-        table.border_title = f"{shorten(result.series, 40)}: cos(Q̄,K̄) per layer, heads averaged"
+        table.border_title = f"{shorten(result.series, 40)}: cos(Q-mean, K-mean) per layer, heads averaged"
         self.plot_dynamics()
 
     def dyn_site(self, result) -> int:
@@ -268,7 +327,7 @@ class LabScreen(Screen):
             p.plt.clear_figure()
         colours = self.app_colours()
         if result is None:
-            traj.plt.title("Q̄ and K̄ along training: give checkpoints above")
+            traj.plt.title("Q-mean and K-mean along training: give checkpoints above")
             lines.plt.title("per-layer curves over checkpoints")
         else:
             site = self.dyn_site(result)
@@ -302,32 +361,45 @@ class LabScreen(Screen):
 
         plot_drift(self)
 
+    @on(Input.Changed, "#dyn-input, #drift-input, #ckpt-input")
+    def _box_changed(self, event: Input.Changed) -> None:
+        app: Any = self.app
+        app.lab_inputs[event.input.id or ""] = event.value
+
+    @on(Input.Submitted, "#dyn-input, #drift-input, #ckpt-input")
+    def _box_submitted(self, _event: Input.Submitted) -> None:
+        app: Any = self.app
+        app.save_session()
+
+    # Enter in a settings box: queued, the table takes the cursor (the tab's keys work again);
+    # refused, the cursor stays in the box (the next keys edit it, they fire no hotkey).
+
     @on(Input.Submitted, "#drift-input")
     def _drift_submit(self, _event) -> None:
         from isotui.tui.lab_drift import run_drift
 
-        run_drift(self)
-        self.query_one("#drift-table", DataTable).focus()  # the tab's keys work again
+        if run_drift(self):
+            self.query_one("#drift-table", DataTable).focus()
 
     @on(Input.Submitted, "#ckpt-input")
     def _ckpt_submit(self, event: Input.Submitted) -> None:
         from isotui.tui.lab_checkpoints import run_checkpoints
 
-        run_checkpoints(self, event.value)
-        self.query_one("#ckpt-table", DataTable).focus()
+        if run_checkpoints(self, event.value):
+            self.query_one("#ckpt-table", DataTable).focus()
 
     @on(Input.Submitted, "#dyn-input")
     def _dyn_submit(self, event: Input.Submitted) -> None:
-        self.run_dynamics(event.value)
-        self.query_one("#dyn-table", DataTable).focus()  # the tab's keys work again
+        if self.run_dynamics(event.value):
+            self.query_one("#dyn-table", DataTable).focus()
 
-    def run_dynamics(self, text: str) -> None:
+    def run_dynamics(self, text: str) -> bool:
         from isotui.experiments.qk_dynamics import DEFAULT_SAMPLE
         from isotui.experiments.requests import DynamicsRequest
 
-        self.submit_series(text, lambda *args: DynamicsRequest(*args, DEFAULT_SAMPLE), "qk-dynamics")
+        return self.submit_series(text, lambda *args: DynamicsRequest(*args, DEFAULT_SAMPLE), "qk-dynamics")
 
-    def submit_series(self, text: str, make_request, what: str) -> None:
+    def submit_series(self, text: str, make_request, what: str) -> bool:
         """Queue ``make_request(series, checkpoints, spec)`` for the checkpoints typed in ``text``
         (a bad series is one sentence); the series is named after the selected model when every
         checkpoint is one of its revisions."""
@@ -339,14 +411,17 @@ class LabScreen(Screen):
             checkpoints = resolve_checkpoints(app.selected, [text])
             spec = app.spec_for(checkpoints[0].model)
         except IsotuiError as exc:
-            app.notify(str(exc), severity="error")
-            return
+            from isotui.tui.wording import in_box_terms
+
+            app.notify(in_box_terms(str(exc)), severity="error")
+            return False
         prefix = f"{app.selected}@"
         series = (
             app.selected if app.selected and all(c.model.startswith(prefix) for c in checkpoints) else None
         )
         app.submit_request(make_request(series, tuple(checkpoints), spec))
         self.status(f"queued {what} over {len(checkpoints)} checkpoints (jobs: main screen)")
+        return True
 
     # -- actions -------------------------------------------------------------------------------
 
@@ -356,6 +431,35 @@ class LabScreen(Screen):
 
     def action_close(self) -> None:
         self.app.pop_screen()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """A key that only one tab uses is offered (and works) in that tab only."""
+        tabs = self.TAB_ACTIONS.get(action)
+        if tabs is not None and self.is_mounted:
+            return self.tab in tabs
+        return True
+
+    @on(TabbedContent.TabActivated)
+    def _tab_shown(self, _event) -> None:
+        self.refresh_bindings()
+
+    def action_help(self) -> None:
+        from isotui.tui.help import LAB_WIDGET_KEYS, HelpScreen
+
+        app: Any = self.app
+        shared = [b for b in app.BINDINGS if b.id in self.APP_KEYS]
+        keys = app.key_bindings(self.BINDINGS) + app.key_bindings(shared)
+        self.app.push_screen(HelpScreen(keys, title="attention lab keys", widget_keys=LAB_WIDGET_KEYS))
+
+    def action_log_counts(self) -> None:
+        from isotui.tui.lab_drift import plot_drift
+
+        self.log_counts = not self.log_counts
+        if self.tab == "tab-heads":
+            self.show_heads()
+        else:
+            plot_drift(self)
+        self.status(f"score histograms: {'log10' if self.log_counts else 'linear'} counts")
 
     def action_run(self) -> None:
         from isotui.errors import IsotuiError
@@ -428,8 +532,6 @@ class LabScreen(Screen):
         self.plot_dynamics()
 
     def action_export(self) -> None:
-        import time
-
         from isotui.errors import IsotuiError
         from isotui.store.export import write_dicts_csv, write_rows_csv
 
@@ -446,8 +548,8 @@ class LabScreen(Screen):
         if result is None:
             self.app.notify("nothing to export yet: run this tab's experiment (r)", severity="warning")
             return
-        path = app.export_dir / f"isotui-{time.strftime('%Y%m%d-%H%M%S')}-{what}.csv"
         try:
+            path = app.export_path(what, "csv")
             rows = result.rows
             if rows and isinstance(rows[0], dict):
                 write_dicts_csv(rows, path)

@@ -26,10 +26,11 @@ def compose_checkpoints() -> ComposeResult:
     yield DataTable(id="ckpt-table", cursor_type="cell", zebra_stripes=False)
 
 
-def run_checkpoints(screen, text: str) -> None:
+def run_checkpoints(screen, text: str) -> bool:
+    """Queue the series typed in ``text``; False (and one sentence) when it is refused."""
     from isotui.experiments.requests import CheckpointsRequest
 
-    screen.submit_series(text, CheckpointsRequest, "checkpoints")
+    return screen.submit_series(text, CheckpointsRequest, "checkpoints")
 
 
 def show_checkpoints(screen) -> None:

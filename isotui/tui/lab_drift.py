@@ -16,6 +16,8 @@ from textual.containers import Horizontal
 from textual.widgets import DataTable, Input, Static
 from textual_plotext import PlotextPlot
 
+from isotui.tui.plots import FitPlot
+
 FIGURES = (
     "Fig. 6: input and output mean norm and avg_cos",
     "Fig. 7: pre-softmax scores at the cursor's N",
@@ -32,7 +34,7 @@ COLUMNS = (
     ("out norm", "out_mean_norm"),
     ("q avg_cos", "q_avg_cos"),
     ("k avg_cos", "k_avg_cos"),
-    ("cos(Q̄,K̄)", "cos_qk_bar"),
+    ("cos(Qm,Km)", "cos_qk_bar"),
     ("p max", "softmax_max"),
     ("p min", "softmax_min"),
     ("entropy", "entropy"),
@@ -48,7 +50,7 @@ def compose_drift() -> ComposeResult:
     yield Static(id="drift-info")
     yield DataTable(id="drift-table", cursor_type="row", zebra_stripes=True)
     with Horizontal(classes="lab-charts"):
-        yield PlotextPlot(id="drift-fig")
+        yield FitPlot(id="drift-fig")
 
 
 def parse_settings(text: str):
@@ -78,7 +80,8 @@ def parse_settings(text: str):
     return DriftBlockConfig(**values)
 
 
-def run_drift(screen) -> None:
+def run_drift(screen) -> bool:
+    """Queue the settings in the box; False (and one sentence in ``key=value`` words) if refused."""
     from isotui.errors import IsotuiError
     from isotui.experiments.requests import DriftBlockRequest
 
@@ -91,13 +94,16 @@ def run_drift(screen) -> None:
 
             config = replace(config, device=app.spec_defaults["device"])
     except IsotuiError as exc:
-        app.notify(str(exc), severity="error")
-        return
+        from isotui.tui.wording import in_box_terms
+
+        app.notify(in_box_terms(str(exc)), severity="error")
+        return False
     app.submit_request(DriftBlockRequest(config))
     screen.status(
         f"queued drift-block: d={config.hidden}, {config.heads} heads, {len(config.norms)} norms, "
         f"{len(config.seeds)} seed(s) (jobs: main screen)"
     )
+    return True
 
 
 def cycle_drift(screen) -> None:
@@ -176,6 +182,7 @@ def plot_drift(screen) -> None:
                 result.score_edges,
                 colours[0],
                 f"{FIGURES[1]} (N={norms[row]:g}, heads and seeds pooled)",
+                log=getattr(screen, "log_counts", False),
             )
         elif figure == 2:
             line("q_avg_cos", "q avg_cos", colours[0])

@@ -55,8 +55,14 @@ def gather_entries(cache: ResultCache) -> list[Entry]:
     return out
 
 
-def build_options(entries: list[Entry], query: str = "") -> list[Option]:
-    """Options for the entries matching ``query`` (all words, any case), under section headers."""
+COMPARED = "● "  # before a model (or cached run) in the comparison set
+
+
+def build_options(
+    entries: list[Entry], query: str = "", marked: set[str] | frozenset[str] = frozenset()
+) -> list[Option]:
+    """Options for the entries matching ``query`` (all words, any case), under section headers;
+    those whose option id is in ``marked`` (the comparison set) carry a dot."""
     words = query.lower().split()
     options: list[Option] = []
     section = None
@@ -66,7 +72,7 @@ def build_options(entries: list[Entry], query: str = "") -> list[Option]:
         if e.section != section:
             section = e.section
             options.append(Option(Text(section, style="bold italic"), id=f"header:{section}", disabled=True))
-        options.append(Option(e.label, id=e.option_id))
+        options.append(Option(COMPARED + e.label if e.option_id in marked else e.label, id=e.option_id))
     if not options:
         options.append(Option(Text("no match: enter runs what you typed", style="italic"), disabled=True))
     return options

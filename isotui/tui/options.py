@@ -93,7 +93,9 @@ class OptionsScreen(ModalScreen[dict[str, Any] | None]):
         try:
             check_options(options)
         except IsotuiError as exc:
-            self.query_one("#options-error", Static).update(str(exc))
+            from isotui.tui.wording import in_options_terms
+
+            self.query_one("#options-error", Static).update(in_options_terms(str(exc)))
             return
         self.dismiss(options)
 
