@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -456,43 +455,47 @@ def add_arguments(p) -> None:
     add_common(p, device_seed=False, cache=False)
 
 
-def main(args, err) -> int:
-    from isotui.cli import EXIT_BAD_INPUT, stdout_console
+def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
+    """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
     from isotui.cli_experiments import progress_printer, spec_from_args
-    from isotui.store.export import write_payload_json, write_rows_csv
+    from isotui.results import Outcome
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
-    out = stdout_console()
-    results, failed = [], []
+    outcome = Outcome("final-norm", [], [], {})
     for model in models:
         try:
             with progress_printer(err, model, quiet=args.quiet) as bar:
                 found = measure_norms(base.with_model(model), every_layer=args.every_layer, on_progress=bar)
         except IsotuiError as exc:
-            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
-            failed.append(model)
+            outcome.failed.append((model, str(exc)))
+            if on_error:
+                on_error(model, str(exc))
             continue
-        results += found
-        out.print(per_block_table(found) if args.every_layer else final_norm_table(found[0]))
-        out.print()
-    if results and args.csv:
-        err.print(f"wrote {write_rows_csv([d for r in results for d in r.dims], Path(args.csv))}")
-    if results and args.json:
-        payload = {
-            "results": [
-                {
-                    "model": r.model,
-                    "module": r.module,
-                    "kind": r.kind,
-                    "verdict": r.verdict(),
-                    "before": {k: v for k, v in asdict(r.before).items() if not isinstance(v, np.ndarray)},
-                    "after": {k: v for k, v in asdict(r.after).items() if not isinstance(v, np.ndarray)},
-                    "dims": [asdict(d) for d in r.dims],
-                    "meta": r.meta,
-                }
-                for r in results
-            ]
-        }
-        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
-    return EXIT_BAD_INPUT if failed else 0
+        outcome.results += found
+        outcome.tables.append(per_block_table(found) if args.every_layer else final_norm_table(found[0]))
+        if on_table:
+            on_table(outcome.tables[-1])
+    outcome.rows = [asdict(d) for r in outcome.results for d in r.dims]
+    outcome.payload = {
+        "results": [
+            {
+                "model": r.model,
+                "module": r.module,
+                "kind": r.kind,
+                "verdict": r.verdict(),
+                "before": {k: v for k, v in asdict(r.before).items() if not isinstance(v, np.ndarray)},
+                "after": {k: v for k, v in asdict(r.after).items() if not isinstance(v, np.ndarray)},
+                "dims": [asdict(d) for d in r.dims],
+                "meta": r.meta,
+            }
+            for r in outcome.results
+        ]
+    }
+    return outcome
+
+
+def main(args, err) -> int:
+    from isotui.cli_experiments import command_main
+
+    return command_main(collect)(args, err)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from isotui.errors import IsotuiError
@@ -377,28 +376,33 @@ def add_arguments(p) -> None:
     )
 
 
-def main(args, err) -> int:
-    from isotui.cli import EXIT_BAD_INPUT, stdout_console
+def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
+    """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
     from isotui.cli_experiments import progress_printer, spec_from_args
-    from isotui.store.export import write_payload_json, write_rows_csv
+    from isotui.results import Outcome
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
-    out = stdout_console()
-    results, failed = [], []
+    outcome = Outcome("gradients", [], [], {})
     for model in models:
         try:
             with progress_printer(err, model, quiet=args.quiet) as bar:
-                results.append(measure_gradients(base.with_model(model), top_k=args.top_k, on_progress=bar))
+                result = measure_gradients(base.with_model(model), top_k=args.top_k, on_progress=bar)
         except IsotuiError as exc:
-            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
-            failed.append(model)
+            outcome.failed.append((model, str(exc)))
+            if on_error:
+                on_error(model, str(exc))
             continue
-        out.print(gradients_table(results[-1]))
-        out.print()
-    if results and args.csv:
-        err.print(f"wrote {write_rows_csv([r for res in results for r in res.rows], Path(args.csv))}")
-    if results and args.json:
-        payload = {"results": [asdict(r) for r in results]}
-        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
-    return EXIT_BAD_INPUT if failed else 0
+        outcome.results.append(result)
+        outcome.tables.append(gradients_table(result))
+        if on_table:
+            on_table(outcome.tables[-1])
+    outcome.rows = [asdict(r) for res in outcome.results for r in res.rows]
+    outcome.payload = {"results": [asdict(r) for r in outcome.results]}
+    return outcome
+
+
+def main(args, err) -> int:
+    from isotui.cli_experiments import command_main
+
+    return command_main(collect)(args, err)
