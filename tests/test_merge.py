@@ -197,33 +197,28 @@ def _layer_states(model: str, data: str, parts, **spec_kwargs):
     ]
 
 
-@pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
-def test_layer_shards_merge_to_one_pass(tiny_models, data, float64_products, name, k):
+def test_layer_shards_merge_to_one_pass(tiny_models, data, float64_products, name):
     from isotui.extract.runner import finish_extraction, merge_extraction_states
 
-    one, states = _layer_states(str(tiny_models[name]), data, shards(N_SAMPLES, k))
-    assert sum(s["n_samples"] for s in states) == N_SAMPLES
-    merged = merge_extraction_states(states)
-    assert merged["n_tokens"] == one["n_tokens"] and merged["n_samples"] == one["n_samples"]
-    for c, layers in one["components"].items():
-        for i, (a, b) in enumerate(zip(layers, merged["components"][c], strict=True)):
-            assert a["n_all"] > a["reservoir_size"]  # the reservoir is a real sample
-            assert a["types"] > 0 and a["weighted"]  # self-similarity and type weights are on
-            assert_layer_states_equal(a, b, f"{c} layer {i}")
-    ex_one, ex_merged = finish_extraction(one), finish_extraction(merged)
-    for i, (a, b) in enumerate(zip(ex_one.layers, ex_merged.layers, strict=True)):
-        assert_stats_equal(a, b, f"layer {i}")
-    assert ex_one.notes == ex_merged.notes
-
-
-def test_a_shard_alone_measures_only_its_samples(tiny_models, data):
-    """A shard is those samples as a corpus of their own would be measured (same keys, same
-    corpus-level type weights aside): here, avg_cos of the shard's layer 0 against the one-pass
-    restricted to it is checked through the vector count."""
-    one, (a, b) = _layer_states(str(tiny_models["bert"]), data, shards(N_SAMPLES, 2))
-    n = [s["components"]["model"][0]["n_all"] for s in (one, a, b)]
-    assert n[1] + n[2] == n[0] and 0 < n[1] < n[0]
+    parts2, parts3 = shards(N_SAMPLES, 2), shards(N_SAMPLES, 3)
+    one, states = _layer_states(str(tiny_models[name]), data, parts2 + parts3)
+    ex_one = finish_extraction(one)
+    for shard_states in (states[:2], states[2:]):
+        assert sum(s["n_samples"] for s in shard_states) == N_SAMPLES
+        n_all = [s["components"]["model"][0]["n_all"] for s in shard_states]  # each its own samples
+        assert sum(n_all) == one["components"]["model"][0]["n_all"] and min(n_all) > 0
+        merged = merge_extraction_states(shard_states)
+        assert merged["n_tokens"] == one["n_tokens"] and merged["n_samples"] == one["n_samples"]
+        for c, layers in one["components"].items():
+            for i, (a, b) in enumerate(zip(layers, merged["components"][c], strict=True)):
+                assert a["n_all"] > a["reservoir_size"]  # the reservoir is a real sample
+                assert a["types"] > 0 and a["weighted"]  # self-similarity and type weights are on
+                assert_layer_states_equal(a, b, f"{c} layer {i}")
+        ex_merged = finish_extraction(merged)
+        for i, (a, b) in enumerate(zip(ex_one.layers, ex_merged.layers, strict=True)):
+            assert_stats_equal(a, b, f"layer {i}")
+        assert ex_one.notes == ex_merged.notes
 
 
 def test_float32_products_agree_to_float32(tiny_models, data):
@@ -248,23 +243,25 @@ def test_empty_shard_and_ids_outside_the_corpus_say_so(tiny_models, data):
         _layer_states(str(tiny_models["bert"]), data, [(0, 18)])
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_final_norm_shards_merge_to_one_pass(tiny_models, data, float64_products, k):
+def test_final_norm_shards_merge_to_one_pass(tiny_models, data, float64_products):
     from isotui.experiments.final_norm import finish_norms, merge_norms_states, norms_state
 
     spec = make_spec(str(tiny_models["gpt2"]), data, max_length=24, batch_size=1, reservoir=40)
     one = norms_state(spec, every_layer=False)
-    parts = [norms_state(spec, every_layer=False, sample_ids=p) for p in shards(N_SAMPLES, k)]
-    merged = merge_norms_states(parts)
-    assert merged["n_samples"] == one["n_samples"] == N_SAMPLES
-    for pa, pb in zip(one["accumulators"], merged["accumulators"], strict=True):
-        for side, a, b in zip(("before", "after"), pa, pb, strict=True):
-            assert_layer_states_equal(a, b, side)
-    (ra,), (rb,) = finish_norms(one), finish_norms(merged)
-    assert_stats_equal(ra.before, rb.before, "before")
-    assert_stats_equal(ra.after, rb.after, "after")
-    for da, db in zip(ra.dims, rb.dims, strict=True):
-        assert_stats_equal(da, db, f"dim {da.dim}")
+    (ra,) = finish_norms(one)
+    for k in (2, 3):
+        merged = merge_norms_states(
+            [norms_state(spec, every_layer=False, sample_ids=p) for p in shards(N_SAMPLES, k)]
+        )
+        assert merged["n_samples"] == one["n_samples"] == N_SAMPLES
+        for pa, pb in zip(one["accumulators"], merged["accumulators"], strict=True):
+            for side, a, b in zip(("before", "after"), pa, pb, strict=True):
+                assert_layer_states_equal(a, b, f"{k} shards, {side}")
+        (rb,) = finish_norms(merged)
+        assert_stats_equal(ra.before, rb.before, "before")
+        assert_stats_equal(ra.after, rb.after, "after")
+        for da, db in zip(ra.dims, rb.dims, strict=True):
+            assert_stats_equal(da, db, f"dim {da.dim}")
 
 
 @pytest.fixture(scope="module")
@@ -284,34 +281,35 @@ def lm_folders(tiny_models, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_gradient_shards_merge_to_one_pass(lm_folders, data, name, k):
+def test_gradient_shards_merge_to_one_pass(lm_folders, data, name):
     from isotui.core.gradients import GradAccumulator
     from isotui.experiments.gradients import finish_gradients, gradients_state, merge_gradients_states
 
     spec = make_spec(str(lm_folders[name]), data, max_length=24, batch_size=1)
     one = gradients_state(spec, top_k=3)
-    parts = [gradients_state(spec, top_k=3, sample_ids=p) for p in shards(N_SAMPLES, k)]
-    merged = merge_gradients_states(parts)
-    assert merged["loss_tokens"] == one["loss_tokens"]
-    assert merged["loss_sum"] == pytest.approx(one["loss_sum"], rel=1e-12)
-    for i, (a, b) in enumerate(zip(one["accumulators"], merged["accumulators"], strict=True)):
-        for key in GradAccumulator._COUNTS:
-            assert a[key] == b[key], f"layer {i} {key}"
-        for key in GradAccumulator._SUMS:
-            assert_close(a[key], b[key], f"layer {i} {key}")
-        ca, cb = centred(a, "sum_xs", None, "x2"), centred(b, "sum_xs", None, "x2")
-        assert_close(ca["x2"], cb["x2"], f"layer {i} centred x2")
-    ra, rb = finish_gradients(one), finish_gradients(merged)
-    assert ra.objective == rb.objective == ("causal" if name == "gpt2" else "masked")
-    for a, b in zip(ra.rows, rb.rows, strict=True):
-        assert_stats_equal(a, b, f"layer {a.layer}")
+    ra = finish_gradients(one)
+    for k in (2, 3):
+        merged = merge_gradients_states(
+            [gradients_state(spec, top_k=3, sample_ids=p) for p in shards(N_SAMPLES, k)]
+        )
+        assert merged["loss_tokens"] == one["loss_tokens"]
+        assert merged["loss_sum"] == pytest.approx(one["loss_sum"], rel=1e-12)
+        for i, (a, b) in enumerate(zip(one["accumulators"], merged["accumulators"], strict=True)):
+            for key in GradAccumulator._COUNTS:
+                assert a[key] == b[key], f"layer {i} {key}"
+            for key in GradAccumulator._SUMS:
+                assert_close(a[key], b[key], f"layer {i} {key}")
+            ca, cb = centred(a, "sum_xs", None, "x2"), centred(b, "sum_xs", None, "x2")
+            assert_close(ca["x2"], cb["x2"], f"layer {i} centred x2")
+        rb = finish_gradients(merged)
+        assert ra.objective == rb.objective == ("causal" if name == "gpt2" else "masked")
+        for a, b in zip(ra.rows, rb.rows, strict=True):
+            assert_stats_equal(a, b, f"{k} shards, layer {a.layer}")
 
 
-@pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("name", ["bert", "gpt_neox"])
-def test_attention_shards_merge_to_one_pass(tiny_models, data, float64_products, name, k):
+def test_attention_shards_merge_to_one_pass(tiny_models, data, float64_products, name):
     import torch
 
     from isotui.experiments.layerwise import extract_options, load_prepared, prepare
@@ -336,35 +334,37 @@ def test_attention_shards_merge_to_one_pass(tiny_models, data, float64_products,
         )
 
     one = state()
-    merged = merge_attention_states([state(p) for p in shards(N_SAMPLES, k)])
-    assert merged["n_tokens"] == one["n_tokens"]
-    for ma, mb in zip(one["modules"], merged["modules"], strict=True):
-        where = f"module {ma['site']['name']}"
-        assert ma["site"] == mb["site"] and ma["rope"] == mb["rope"]
-        for key, a in ma["acc"].items():
-            b = mb["acc"][key]
-            if key.endswith(("min", "max", "hist")) or not isinstance(a, torch.Tensor):
-                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f"{where} {key}"
-            else:
-                assert_close(a, b, f"{where} {key}")
-        for part in ("pre_q", "pre_k"):
-            assert (part in ma) == (part in mb)
-            for key in ma.get(part, {}):
-                assert_close(ma[part][key], mb[part][key], f"{where} {part} {key}")
-        for part in ("q_sample", "k_sample"):
-            a, b = ma[part], mb[part]
-            assert len(a["keys"]) == 30  # a real subsample of more positions
-            what = f"{where} {part}"
-            assert_reservoirs_equal(a["keys"], a["vectors"], b["keys"], b["vectors"], what, dim=1)
+    ea = finish_attention(one)
+    for k in (2, 3):
+        merged = merge_attention_states([state(p) for p in shards(N_SAMPLES, k)])
+        assert merged["n_tokens"] == one["n_tokens"]
+        for ma, mb in zip(one["modules"], merged["modules"], strict=True):
+            where = f"module {ma['site']['name']}"
+            assert ma["site"] == mb["site"] and ma["rope"] == mb["rope"]
+            for key, a in ma["acc"].items():
+                b = mb["acc"][key]
+                if key.endswith(("min", "max", "hist")) or not isinstance(a, torch.Tensor):
+                    assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f"{where} {key}"
+                else:
+                    assert_close(a, b, f"{where} {key}")
+            for part in ("pre_q", "pre_k"):
+                assert (part in ma) == (part in mb)
+                for key in ma.get(part, {}):
+                    assert_close(ma[part][key], mb[part][key], f"{where} {part} {key}")
+            for part in ("q_sample", "k_sample"):
+                a, b = ma[part], mb[part]
+                assert len(a["keys"]) == 30  # a real subsample of more positions
+                what = f"{where} {part}"
+                assert_reservoirs_equal(a["keys"], a["vectors"], b["keys"], b["vectors"], what, dim=1)
+        eb = finish_attention(merged)
+        for a, b in zip(ea.modules, eb.modules, strict=True):
+            for ha, hb in zip(a.heads, b.heads, strict=True):
+                assert_stats_equal(ha, hb, f"{k} shards, {a.site.name} head {ha.head}")
+            np.testing.assert_array_equal(a.histograms, b.histograms)
+            if a.pre_rope:
+                assert_close(np.array(a.pre_rope), np.array(b.pre_rope), "pre-rope")
     if name == "gpt_neox":
         assert all("pre_q" in m for m in one["modules"])  # rotary: the pre-rotation sums merged too
-    ea, eb = finish_attention(one), finish_attention(merged)
-    for a, b in zip(ea.modules, eb.modules, strict=True):
-        for ha, hb in zip(a.heads, b.heads, strict=True):
-            assert_stats_equal(ha, hb, f"{a.site.name} head {ha.head}")
-        np.testing.assert_array_equal(a.histograms, b.histograms)
-        if a.pre_rope:
-            assert_close(np.array(a.pre_rope), np.array(b.pre_rope), "pre-rope")
 
 
 def test_states_are_safetensors_storable(tiny_models, data, tmp_path):
