@@ -184,15 +184,10 @@ def _layer_states(model: str, data: str, parts, **spec_kwargs):
     prepared = prepare(spec)
     loaded, device = load_prepared(prepared)
     opts = extract_options(spec)
-    one = extract_state(loaded, prepared.samples, device=device, opts=opts, model_name=model)
+    kw = {"device": device, "model_name": model, "modality": spec.data.modality}
+    one = extract_state(loaded, prepared.samples, opts=opts, **kw)
     return one, [
-        extract_state(
-            loaded,
-            prepared.samples,
-            device=device,
-            opts=dataclasses.replace(opts, sample_ids=p),
-            model_name=model,
-        )
+        extract_state(loaded, prepared.samples, opts=dataclasses.replace(opts, sample_ids=p), **kw)
         for p in parts
     ]
 
@@ -386,3 +381,23 @@ def test_states_are_safetensors_storable(tiny_models, data, tmp_path):
     b = LayerAccumulator.from_state(back).finalize()
     assert a.avg_cos == b.avg_cos and a.isoscore == b.isoscore
     assert math.isfinite(a.avg_cos_centered) and a.avg_cos_centered == b.avg_cos_centered
+
+
+def test_audio_shards_merge_to_one_pass_with_their_own_seconds(float64_products):
+    """Speech (no token types, frames as units): the merged audio seconds are the corpus's and the
+    merged layers the one-pass layers."""
+    from isotui.extract.runner import finish_extraction, merge_extraction_states
+
+    model = (
+        "random:wav2vec2:hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64,"
+        "conv_dim=[16,16],conv_stride=[5,4],conv_kernel=[10,4],num_feat_extract_layers=2,"
+        "num_conv_pos_embeddings=16,num_conv_pos_embedding_groups=2"
+    )
+    one, states = _layer_states(model, "synthetic:audio", shards(5, 2), max_samples=5)
+    assert 0 < states[0]["audio_seconds"] < one["audio_seconds"]
+    merged = merge_extraction_states(states)
+    assert merged["audio_seconds"] == pytest.approx(one["audio_seconds"], rel=1e-12)
+    assert not one["components"]["model"][0]["weighted"]  # frames: no type-uniform view
+    a, b = finish_extraction(one), finish_extraction(merged)
+    for i, (x, y) in enumerate(zip(a.layers, b.layers, strict=True)):
+        assert_stats_equal(x, y, f"layer {i}")

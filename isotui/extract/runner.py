@@ -597,6 +597,9 @@ def _stream(loaded, samples, device, opts, on_progress, should_stop, model_name,
     elapsed = time.perf_counter() - start
     memory = memory_in_use(device)
     on_progress(Progress(done, total, n_tokens, elapsed, stage="finalize", memory_bytes=memory))
+    audio = getattr(runner.feeder, "seconds", None)  # the whole corpus's; a shard's own below
+    if audio is not None and opts.sample_ids is not None:
+        audio = float(runner.feeder.n_samples[runner.selected(len(samples))].sum()) / runner.feeder.rate
     facts = {
         "final_norm": runner.final_norm,
         "final_norm_module": ", ".join(runner.final_norm_names) or None,
@@ -611,7 +614,7 @@ def _stream(loaded, samples, device, opts, on_progress, should_stop, model_name,
         "saw_maps": runner.saw_maps,
         "reservoir_capped": runner.reservoir_capped,
         "max_dim": runner.max_dim,
-        "audio_seconds": getattr(runner.feeder, "seconds", None),
+        "audio_seconds": audio,
     }
     return runner, facts
 
