@@ -227,11 +227,12 @@ class _Parser(argparse.ArgumentParser):
         raise IsotuiError(message)
 
 
-def _subparser(command: list[str]) -> argparse.ArgumentParser:
-    """The parser of ``isotui COMMAND...`` (``["run"]``, ``["experiment", "attention"]``)."""
+def _subparser(command: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The parser of ``isotui COMMAND...`` (``["run"]``, ``["experiment", "attention"]``) within
+    ``parser`` (default: a new one of the whole command line)."""
     from isotui.cli import build_parser
 
-    parser: argparse.ArgumentParser = build_parser(parser_class=_Parser)
+    parser = parser or build_parser(parser_class=_Parser)
     for word in command:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parser = sub.choices[word]
@@ -245,7 +246,6 @@ def _argv(parser: argparse.ArgumentParser, what: str, options: dict[str, Any]) -
         for flag in action.option_strings:
             if flag.startswith("--"):
                 flags[flag[2:].replace("-", "_")] = flag
-    flags["model"] = flags.get("model", "--model")
     argv: list[str] = []
     for name, value in options.items():
         if name in _NOT_OPTIONS:
@@ -285,17 +285,18 @@ def _call(command: str, options: dict[str, Any], positional: list[str], *, cache
     """Parse ``options`` as the command's flags and run the command's ``collect``."""
     from rich.console import Console
 
+    from isotui.cli import build_parser
+
     words = ["run"] if command == "run" else ["experiment", command]
-    parser = _subparser(words)
+    root = build_parser(parser_class=_Parser)
+    parser = _subparser(words, root)
     what = "isotui.run" if command == "run" else f"experiment {command!r}"
     argv = [*positional, *_argv(parser, what, options)]
     if not cache and any("--no-cache" in a.option_strings for a in parser._actions):
         argv.append("--no-cache")
     if not progress:
         argv.append("--quiet")
-    from isotui.cli import build_parser
-
-    args = build_parser(parser_class=_Parser).parse_args([*words, *argv])
+    args = root.parse_args([*words, *argv])
     err = Console(stderr=True, soft_wrap=True)
     if command == "run":
         from isotui.cli import collect_run
