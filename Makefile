@@ -17,6 +17,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check isotui tests benchmarks scripts
 	$(BIN)/ruff format --check isotui tests benchmarks scripts
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

@@ -96,8 +96,10 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser):
+    """The whole command line; ``parser_class`` (for every subcommand too) lets the Python API
+    turn a bad option into an exception instead of an exit."""
+    parser = parser_class(
         prog="isotui", description="A terminal lab for the anisotropy of neural representations."
     )
     parser.add_argument("--version", action="version", version=f"isotui {__version__}")
@@ -204,13 +206,40 @@ def _config_path(config: Path | None) -> Path | None:
 
 
 def _cmd_run(args: argparse.Namespace, err) -> int:
+    from isotui.cli_experiments import report
+
+    out = stdout_console()
+    outcome = collect_run(
+        args,
+        err,
+        width=out.width,
+        on_table=lambda table: (out.print(table), out.print()),
+        on_error=lambda _model, text: print_error(err, text),
+    )
+    if outcome.failed and len(outcome.failed) + len(outcome.results) > 1:
+        failed = [model for model, _ in outcome.failed]
+        n = len(failed) + len(outcome.results)
+        err.print(f"isotui: {len(failed)} of {n} models failed: {', '.join(failed)}")
+    return report(outcome, args, err)
+
+
+def print_error(err, text: str) -> None:
+    """A model's failure, as the one sentence the command prints before going on."""
+    err.print(f"[bold red]isotui: error:[/] {text}", highlight=False)
+
+
+def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=None, on_error=None):
+    """``isotui run``'s work without its output: an :class:`~isotui.results.Outcome` with one
+    layer table per model that succeeded (``on_table`` sees each as soon as it is made) and one
+    sentence per model that failed (``on_error``). The CLI and :func:`isotui.run` both call this."""
     from isotui.data.sources import check_source
     from isotui.experiments.layerwise import measure
     from isotui.paths import cache_dir
     from isotui.render import result_table
+    from isotui.results import Outcome
     from isotui.spec import make_spec
     from isotui.store.cache import ResultCache
-    from isotui.store.export import write_csv, write_json
+    from isotui.store.export import layer_csv_rows
     from isotui.store.files import check_output
 
     args.config = _config_path(args.config)
@@ -239,30 +268,27 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
     for key in ("csv", "json"):  # say it before a long run, not after
         if s.get(key):
             check_output(s[key], f"--{key}")
+    args.csv, args.json = s.get("csv"), s.get("json")  # the config file may name them
     cache = None if args.no_cache else ResultCache(cache_dir(s.get("cache_dir")))
-    out = stdout_console()
-    results, failed = [], []
+    outcome = Outcome("run", [], [], {})
     for model in models:
         try:
             result = _measure_with_progress(
                 base.with_model(model), cache, err, quiet=args.quiet, measure=measure
             )
         except IsotuiError as exc:
-            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
-            failed.append(model)
+            outcome.failed.append((model, str(exc)))
+            if on_error:
+                on_error(model, str(exc))
             continue
-        results.append(result)
-        out.print(result_table(result, out.width))
-        out.print()
-    if results and s.get("csv"):
-        path = write_csv(results, Path(s["csv"]))
-        err.print(f"wrote {path}")
-    if results and s.get("json"):
-        path = write_json(results, Path(s["json"]))
-        err.print(f"wrote {path}")
-    if failed and len(models) > 1:
-        err.print(f"isotui: {len(failed)} of {len(models)} models failed: {', '.join(failed)}")
-    return EXIT_BAD_INPUT if failed else 0
+        outcome.results.append(result)
+        table = result_table(result, width)
+        outcome.tables.append(table)
+        if on_table:
+            on_table(table)
+    outcome.rows = layer_csv_rows(outcome.results)
+    outcome.payload = {"results": [r.to_json() for r in outcome.results]}
+    return outcome
 
 
 def _measure_with_progress(spec, cache, err, *, quiet: bool, measure):

@@ -89,6 +89,40 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise IsotuiError(f"--{flag} {value} is a directory; give a file name")
 
 
+def report(outcome, args: argparse.Namespace, err) -> int:
+    """Write a command's --csv and --json (when it measured anything); its exit code."""
+    from pathlib import Path
+
+    from isotui.cli import EXIT_BAD_INPUT
+    from isotui.store.export import write_dicts_csv, write_payload_json
+
+    if outcome.results and getattr(args, "csv", None):
+        err.print(f"wrote {write_dicts_csv(outcome.rows, Path(args.csv))}")
+    if outcome.results and getattr(args, "json", None):
+        err.print(f"wrote {write_payload_json(outcome.payload, Path(args.json))}")
+    return EXIT_BAD_INPUT if outcome.failed else 0
+
+
+def command_main(collect):
+    """A command's ``main(args, err)`` from its ``collect(args, err, ...)``: tables printed as
+    they come, a failed model's sentence printed and the next one tried, then :func:`report`."""
+
+    def main(args: argparse.Namespace, err) -> int:
+        from isotui.cli import print_error, stdout_console
+
+        out = stdout_console()
+        outcome = collect(
+            args,
+            err,
+            width=out.width,
+            on_table=lambda table: (out.print(table), out.print()),
+            on_error=lambda _model, text: print_error(err, text),
+        )
+        return report(outcome, args, err)
+
+    return main
+
+
 def progress_printer(err, name: str, *, quiet: bool):
     """The headless progress bar (see :func:`isotui.cli.progress_printer`)."""
     from isotui.cli import progress_printer as printer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -115,3 +116,21 @@ class ModelResult:
             meta=data["meta"],
             arrays=arrays,
         )
+
+
+@dataclass
+class Outcome:
+    """What one command (``run`` or an experiment) computed, before anything is printed or
+    written: the CLI prints ``tables`` and writes ``rows`` (--csv) and ``payload`` (--json); the
+    Python API (:mod:`isotui.api`) hands the same object to a notebook."""
+
+    command: str  # "run" or the experiment's name
+    results: list  # the experiment's own result objects, one per model (or one per series)
+    rows: list[dict[str, Any]]  # the --csv rows, keys in column order
+    payload: dict[str, Any]  # the --json document
+    tables: list = field(default_factory=list, repr=False)  # rich renderables, in print order
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (model, the one-sentence error)
+
+
+TableCallback = Callable[[Any], None]
+ErrorCallback = Callable[[str, str], None]

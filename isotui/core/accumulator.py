@@ -440,9 +440,141 @@ class LayerAccumulator:
         std[constant] = 0.0
         return std
 
+    def state(self) -> dict:
+        """Everything the accumulator has folded in, as tensors and plain scalars (no pickle:
+        safetensors can store it), for :meth:`from_state` and :meth:`merge` elsewhere."""
+        return _layer_state(self)
+
+    @classmethod
+    def from_state(cls, state: dict, device: torch.device | None = None) -> LayerAccumulator:
+        """An accumulator holding ``state`` (a copy), on ``device`` (default: the CPU)."""
+        return _layer_from_state(cls, state, device)
+
+    def merge(self, other: LayerAccumulator) -> None:
+        """Fold in another shard's accumulator (disjoint samples, same corpus-level choices): sums
+        add, the shifted second moments are re-centred to this one's shift exactly, min/max take
+        min/max, and the reservoir keeps the smallest keys of the union (the one-pass reservoir,
+        since keys depend only on the global sample index and position)."""
+        _layer_merge(self, other)
+
     def constant_dims(self) -> np.ndarray:
         """Mask of dimensions in which every vector has exactly the same value."""
         return (self.x_min == self.x_max).cpu().numpy() & (self.n_all > 0)
+
+
+# --- mergeable state: shards of a corpus measured apart, then combined -------------------------
+
+# sums that add across shards (tensors) and counts (ints); extend these when adding a sum
+_LAYER_SUMS = (
+    "sum_u",
+    "sum_u2",
+    "sum_x",
+    "sum_norm",
+    "within",
+    "sum_wu",
+    "sum_wx",
+    "sum_w",
+    "sum_w2",
+    "sum_w_all",
+    "intra",
+    "type_u",
+    "type_n",
+    "type_within",
+    "type_within_n",
+)
+_LAYER_COUNTS = ("n", "n_all", "pairs_within", "n_sentences")
+_LAYER_SHAPE = ("dim", "full_cov", "reservoir_size", "types")
+
+
+def recentre(shift_from, shift_to, n: int, sum_s, sum_s2=None, gram=None) -> tuple:
+    """Sums of ``n`` vectors shifted by ``shift_from`` re-expressed around ``shift_to``, exactly:
+    with delta = shift_from - shift_to, x - shift_to = (x - shift_from) + delta, so
+    sum = sum_s + n delta, per-dimension squares = sum_s2 + 2 delta sum_s + n delta^2 and
+    second moment = gram + sum_s delta^T + delta sum_s^T + n delta delta^T."""
+    import torch
+
+    delta = shift_from - shift_to
+    out_s = sum_s + n * delta
+    out_s2 = None if sum_s2 is None else sum_s2 + 2 * delta * sum_s + n * delta * delta
+    out_g = None
+    if gram is not None:
+        cross = torch.outer(sum_s, delta)
+        out_g = gram + cross + cross.T + n * torch.outer(delta, delta)
+    return out_s, out_s2, out_g
+
+
+def keep_smallest(keys, values, size: int, dim: int = 0) -> tuple:
+    """The ``size`` entries with the smallest keys (all of them when there are fewer): the
+    keyed reservoir of a union, whatever order its parts arrived in."""
+    import torch
+
+    if len(keys) <= size:
+        return keys, values
+    keep = torch.topk(keys, size, largest=False).indices
+    return keys[keep], values.index_select(dim, keep.to(values.device))
+
+
+def _layer_state(acc: LayerAccumulator) -> dict:
+    state: dict = {k: getattr(acc, k) for k in (*_LAYER_SHAPE, *_LAYER_COUNTS)}
+    state["weighted"] = acc.weighted
+    for k in (*_LAYER_SUMS, "sum_xs", "sum_xs2", "x_min", "x_max", "shift", "gram", "res", "res_keys"):
+        if getattr(acc, k) is not None:
+            state[k] = getattr(acc, k)
+    return state
+
+
+def _layer_from_state(cls, state: dict, device) -> LayerAccumulator:
+    import torch
+
+    device = torch.device("cpu") if device is None else device
+    acc = cls(
+        int(state["dim"]),
+        device,
+        full_cov=bool(state["full_cov"]),
+        reservoir=int(state["reservoir_size"]),
+        types=int(state["types"]),
+    )
+    for k in _LAYER_COUNTS:
+        setattr(acc, k, int(state[k]))
+    acc.weighted = bool(state["weighted"])
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            setattr(acc, k, v.to(device).clone())
+    return acc
+
+
+def _layer_merge(acc: LayerAccumulator, other: LayerAccumulator) -> None:
+    import torch
+
+    mine = tuple(getattr(acc, k) for k in _LAYER_SHAPE)
+    theirs = tuple(getattr(other, k) for k in _LAYER_SHAPE)
+    if mine != theirs:
+        raise ValueError(f"cannot merge accumulators of different shapes {mine} and {theirs}")
+    dev = acc.device
+    for k in _LAYER_COUNTS:
+        setattr(acc, k, getattr(acc, k) + getattr(other, k))
+    acc.weighted = acc.weighted or other.weighted
+    for k in _LAYER_SUMS:
+        getattr(acc, k).add_(getattr(other, k).to(dev))
+    torch.minimum(acc.x_min, other.x_min.to(dev), out=acc.x_min)
+    torch.maximum(acc.x_max, other.x_max.to(dev), out=acc.x_max)
+    if other.shift is not None:  # None: the other saw no vector, its shifted sums are zero
+        o_s, o_s2 = other.sum_xs.to(dev), other.sum_xs2.to(dev)
+        o_g = other.gram.to(dev) if acc.full_cov else None
+        if acc.shift is None:
+            acc.shift = other.shift.to(dev).clone()
+        else:
+            o_s, o_s2, o_g = recentre(other.shift.to(dev), acc.shift, other.n_all, o_s, o_s2, o_g)
+        acc.sum_xs.add_(o_s)
+        acc.sum_xs2.add_(o_s2)
+        if acc.full_cov:
+            acc.gram.add_(o_g)
+    if other.res is not None:
+        res, keys = other.res.to(dev), other.res_keys.to(dev)
+        if acc.res is not None:
+            res, keys = torch.cat([acc.res, res]), torch.cat([acc.res_keys, keys])
+        acc.res_keys, acc.res = keep_smallest(keys, res, acc.reservoir_size)
+        acc.res, acc.res_keys = acc.res.clone(), acc.res_keys.clone()
 
 
 def _centered_avg_cos(sample: np.ndarray, mean: np.ndarray) -> float:

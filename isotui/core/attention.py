@@ -93,8 +93,42 @@ class HeadStats:
     entropy: float
 
 
-class VectorSums:
+class _Sums:
+    """Mergeable state for a set of float64 sums (``SUMS``, which add) and running extremes
+    (``MINS``/``MAXES``, which take min/max): a shard's state merges into another's exactly."""
+
+    SUMS: tuple[str, ...] = ()
+    MINS: tuple[str, ...] = ()
+    MAXES: tuple[str, ...] = ()
+
+    def state(self) -> dict:
+        """The tensors, by name (safetensors-storable)."""
+        return {k: getattr(self, k) for k in (*self.SUMS, *self.MINS, *self.MAXES)}
+
+    def load_state(self, state: dict) -> None:
+        """Take (a copy of) ``state``, on this object's device."""
+        for k in (*self.SUMS, *self.MINS, *self.MAXES):
+            mine = getattr(self, k)
+            if state[k].shape != mine.shape:
+                raise ValueError(f"cannot load {k} of shape {tuple(state[k].shape)} into {tuple(mine.shape)}")
+            setattr(self, k, state[k].to(mine.device).clone())
+
+    def merge(self, other: _Sums) -> None:
+        """Fold in another shard's sums."""
+        import torch
+
+        for k in self.SUMS:
+            getattr(self, k).add_(getattr(other, k).to(getattr(self, k).device))
+        for k in self.MINS:
+            setattr(self, k, torch.minimum(getattr(self, k), getattr(other, k).to(getattr(self, k).device)))
+        for k in self.MAXES:
+            setattr(self, k, torch.maximum(getattr(self, k), getattr(other, k).to(getattr(self, k).device)))
+
+
+class VectorSums(_Sums):
     """Float64 sums over the kept vectors of each head: mean vector, mean norm, exact avg_cos."""
+
+    SUMS = ("n", "sum", "sum_unit", "sum_norm", "n_nonzero")
 
     def __init__(self, heads: int, dim: int, device: torch.device) -> None:
         import torch
@@ -137,8 +171,10 @@ class VectorSums:
         return mean_norm, bar_norm, avg_cos
 
 
-class ScoreSums:
+class ScoreSums(_Sums):
     """Per head: histogram of pre-softmax scores and running moments, over allowed pairs."""
+
+    SUMS, MINS, MAXES = ("hist", "n", "sum", "sumsq"), ("min",), ("max",)
 
     def __init__(self, heads: int, device: torch.device) -> None:
         import torch
@@ -170,8 +206,10 @@ class ScoreSums:
         self.max = torch.maximum(self.max, s.masked_fill(~pairs, -math.inf).amax(per_head).double())
 
 
-class RowSums:
+class RowSums(_Sums):
     """Per head: sums over kept query rows of the softmax row max, median, min and entropy."""
+
+    SUMS = ("n", "sums")
 
     def __init__(self, heads: int, device: torch.device) -> None:
         import torch
@@ -226,6 +264,36 @@ class AttentionAccumulator:
         pairs = allowed & q_keep[:, None, :, None]
         self.scores.add(scores, pairs)
         self.rows.add(probs, allowed, q_keep)
+
+    _PARTS = ("q", "k", "scores", "rows")
+
+    def state(self) -> dict:
+        """All sums as one flat dict (``q.sum``, ``scores.hist``, ...) plus the head layout."""
+        out: dict = {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+        for part in self._PARTS:
+            out |= {f"{part}.{k}": v for k, v in getattr(self, part).state().items()}
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict, device: torch.device | None = None) -> AttentionAccumulator:
+        """An accumulator holding (a copy of) ``state``, on ``device`` (default: the CPU)."""
+        import torch
+
+        device = torch.device("cpu") if device is None else device
+        acc = cls(int(state["heads"]), int(state["kv_heads"]), int(state["head_dim"]), device)
+        for part in cls._PARTS:
+            prefix = f"{part}."
+            getattr(acc, part).load_state(
+                {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            )
+        return acc
+
+    def merge(self, other: AttentionAccumulator) -> None:
+        """Fold in another shard's accumulator of the same module (sums add, extremes min/max)."""
+        if (self.heads, self.kv_heads, self.head_dim) != (other.heads, other.kv_heads, other.head_dim):
+            raise ValueError("cannot merge attention accumulators of different head layouts")
+        for part in self._PARTS:
+            getattr(self, part).merge(getattr(other, part))
 
     def finalize(self) -> list[HeadStats]:
         q_mean_norm, q_bar_norm, q_avg = self.q.summary()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from isotui.core.accumulator import avg_cos_from_sums
+from isotui.core.accumulator import avg_cos_from_sums, recentre
 
 if TYPE_CHECKING:
     import torch
@@ -110,6 +110,50 @@ class GradAccumulator:
         xs = x64 - self.shift
         self.sum_xs += xs.sum(0)
         self.x2 += xs.T @ xs
+
+    _SUMS = ("sum_gu", "sum_g", "sum_gnorm", "g2", "sum_xu")
+    _COUNTS = ("n_all", "n_grad", "n_act")
+
+    def state(self) -> dict:
+        """The folded sums as tensors and plain scalars (safetensors-storable, no pickle)."""
+        state: dict = {"dim": self.dim} | {k: getattr(self, k) for k in self._COUNTS}
+        for k in (*self._SUMS, "sum_xs", "x2", "shift"):
+            if getattr(self, k) is not None:
+                state[k] = getattr(self, k)
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict, device: torch.device | None = None) -> GradAccumulator:
+        """An accumulator holding (a copy of) ``state``, on ``device`` (default: the CPU)."""
+        import torch
+
+        acc = cls(int(state["dim"]), torch.device("cpu") if device is None else device)
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                setattr(acc, k, v.to(acc.device).clone())
+            elif k in cls._COUNTS:
+                setattr(acc, k, int(v))
+        return acc
+
+    def merge(self, other: GradAccumulator) -> None:
+        """Fold in another shard's accumulator: sums add; the activations' shifted second moment
+        is re-centred to this one's shift exactly (see :func:`isotui.core.accumulator.recentre`)."""
+        if other.dim != self.dim:
+            raise ValueError(f"cannot merge gradient accumulators of sizes {self.dim} and {other.dim}")
+        dev = self.device
+        for k in self._COUNTS:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        for k in self._SUMS:
+            getattr(self, k).add_(getattr(other, k).to(dev))
+        if other.shift is None:
+            return
+        o_s, o_x2 = other.sum_xs.to(dev), other.x2.to(dev)
+        if self.shift is None:
+            self.shift = other.shift.to(dev).clone()
+        else:
+            o_s, _, o_x2 = recentre(other.shift.to(dev), self.shift, other.n_all, o_s, gram=o_x2)
+        self.sum_xs.add_(o_s)
+        self.x2.add_(o_x2)
 
     def finalize(self, k: int, basis: np.ndarray) -> GradLayerStats:
         """The metrics, with the top-``k`` principal directions and the random ``basis`` (d x k)."""

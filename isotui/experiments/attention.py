@@ -371,21 +371,18 @@ def add_arguments(p) -> None:
     p.add_argument("--heads", action="store_true", help="print every head, not heads averaged per layer")
 
 
-def main(args, err) -> int:
-    from pathlib import Path
-
-    from isotui.cli import EXIT_BAD_INPUT, stdout_console
+def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
+    """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.errors import IsotuiError
     from isotui.paths import cache_dir
     from isotui.render_attention import attention_table
-    from isotui.store.export import write_payload_json, write_rows_csv
+    from isotui.results import Outcome
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
     cache = None if args.no_cache else attention_cache(cache_dir(args.cache_dir))
-    out = stdout_console()
-    results, failed = [], []
+    outcome = Outcome("attention", [], [], {})
     for model in models:
         try:
             with progress_printer(err, model, quiet=args.quiet) as on_progress:
@@ -396,19 +393,25 @@ def main(args, err) -> int:
                     on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
                 )
         except IsotuiError as exc:
-            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
-            failed.append(model)
+            outcome.failed.append((model, str(exc)))
+            if on_error:
+                on_error(model, str(exc))
             continue
-        results.append(result)
-        out.print(attention_table(result, out.width, per_head=args.heads))
-        out.print()
-    if results and args.csv:
-        err.print(f"wrote {write_rows_csv([r for res in results for r in res.rows], Path(args.csv))}")
-    if results and args.json:
-        payload = {
-            "results": [
-                res.to_json() | {"arrays": {k: v.tolist() for k, v in res.arrays.items()}} for res in results
-            ]
-        }
-        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
-    return EXIT_BAD_INPUT if failed else 0
+        outcome.results.append(result)
+        outcome.tables.append(attention_table(result, width, per_head=args.heads))
+        if on_table:
+            on_table(outcome.tables[-1])
+    outcome.rows = [asdict(r) for res in outcome.results for r in res.rows]
+    outcome.payload = {
+        "results": [
+            res.to_json() | {"arrays": {k: v.tolist() for k, v in res.arrays.items()}}
+            for res in outcome.results
+        ]
+    }
+    return outcome
+
+
+def main(args, err) -> int:
+    from isotui.cli_experiments import command_main
+
+    return command_main(collect)(args, err)

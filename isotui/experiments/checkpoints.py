@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -166,13 +165,13 @@ def add_arguments(p) -> None:
     add_common(p, device_seed=False)
 
 
-def main(args, err) -> int:
-    from isotui.cli import stdout_console
+def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
+    """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.experiments.qk_dynamics import resolve_checkpoints
     from isotui.paths import cache_dir
+    from isotui.results import Outcome
     from isotui.store.cache import ResultCache
-    from isotui.store.export import write_dicts_csv, write_payload_json
 
     checkpoints = resolve_checkpoints(args.model, args.checkpoints)
     base = spec_from_args(args, checkpoints[0].model)
@@ -186,15 +185,19 @@ def main(args, err) -> int:
         progress=lambda i, c: progress_printer(err, f"{i + 1}/{n} {c.label}", quiet=args.quiet),
         on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
     )
+    payload = {
+        "series": result.series,
+        "checkpoints": [c.__dict__ for c in checkpoints],
+        "results": [r.to_json() for r in result.results],
+    }
+    return Outcome("checkpoints", [result], result.csv_rows(), payload, [heatmap(result, args.metric)])
+
+
+def main(args, err) -> int:
+    from isotui.cli import stdout_console
+    from isotui.cli_experiments import report
+
     out = stdout_console()
-    out.print(heatmap(result, args.metric))
-    if args.csv:
-        err.print(f"wrote {write_dicts_csv(result.csv_rows(), Path(args.csv))}")
-    if args.json:
-        payload = {
-            "series": result.series,
-            "checkpoints": [c.__dict__ for c in checkpoints],
-            "results": [r.to_json() for r in result.results],
-        }
-        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
-    return 0
+    outcome = collect(args, err, width=out.width)
+    out.print(outcome.tables[0])
+    return report(outcome, args, err)

@@ -1031,17 +1031,17 @@ def n_star_line(result: DriftBlockResult) -> str:
     return text
 
 
-def main(args: argparse.Namespace, err) -> int:
+def collect(args: argparse.Namespace, err, *, width: int = 200, on_table=None, on_error=None):
+    """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as Bar
 
-    from isotui.cli import stdout_console
     from isotui.paths import cache_dir
-    from isotui.store.export import write_payload_json, write_rows_csv
+    from isotui.results import Outcome
 
     config = config_from_args(args)
     for flag in ("csv", "json"):  # say it before a long run, not after
-        value = getattr(args, flag)
+        value = getattr(args, flag, None)
         if value and Path(value).expanduser().is_dir():
             raise IsotuiError(f"--{flag} {value} is a directory; give a file name")
     cache = None if args.no_cache else drift_cache(cache_dir(args.cache_dir))
@@ -1058,16 +1058,22 @@ def main(args: argparse.Namespace, err) -> int:
             bar.update(task, completed=ev.samples_done, total=ev.samples_total)
 
         result = run_drift_block(config, cache, on_progress=on_progress)
+    rows = [asdict(r) for r in result.rows]
+    return Outcome("drift-block", [result], rows, result.to_json(), [result_table(result, width)])
+
+
+def main(args: argparse.Namespace, err) -> int:
+    from isotui.cli import stdout_console
+    from isotui.cli_experiments import report
+
     out = stdout_console()
-    out.print(result_table(result, out.width), highlight=False)
+    outcome = collect(args, err, width=out.width)
+    result = outcome.results[0]
+    out.print(outcome.tables[0], highlight=False)
     if not args.quiet:
         cached = sum(result.from_cache)
         parts = [f"{cached} of {len(result.seeds)} seeds from the cache"] if cached else []
         if cached < len(result.seeds):
             parts.append(f"{result.seconds:.1f} s computing on {result.device}")
         err.print(", ".join(parts), highlight=False)
-    if args.csv:
-        err.print(f"wrote {write_rows_csv(result.rows, Path(args.csv))}")
-    if args.json:
-        err.print(f"wrote {write_payload_json(result.to_json(), Path(args.json))}")
-    return 0
+    return report(outcome, args, err)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -124,6 +123,60 @@ def measure_final_norm(spec, *, on_progress=None, should_stop=None) -> FinalNorm
 def measure_norms(spec, *, every_layer: bool, on_progress=None, should_stop=None) -> list[FinalNormResult]:
     """The final norm, or (``every_layer``) every block's output norm, over ``spec``'s data, in one
     pass: each norm's input and output streamed into a pair of accumulators."""
+    accs, facts = _stream_norms(spec, every_layer, on_progress, should_stop, None)
+    return _finish_norms(accs, facts)
+
+
+def norms_state(
+    spec, *, every_layer: bool, sample_ids=None, on_progress=None, should_stop=None
+) -> dict[str, Any]:
+    """:func:`measure_norms`'s streamed state over the samples ``sample_ids`` (global indices into
+    ``spec``'s corpus; None: all): per norm its name, kind, gain, bias and the before/after
+    accumulator states. Shards merge with :func:`merge_norms_states`; :func:`finish_norms` ends."""
+    accs, facts = _stream_norms(spec, every_layer, on_progress, should_stop, sample_ids)
+    return {**facts, "accumulators": [[a.state() for a in pair] for pair in accs]}
+
+
+def merge_norms_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state from disjoint shards of the same corpus: accumulators merged, counts added."""
+    from isotui.core.accumulator import LayerAccumulator
+
+    first = states[0]
+    accs = [[LayerAccumulator.from_state(s) for s in pair] for pair in first["accumulators"]]
+    for other in states[1:]:
+        if [site["name"] for site in other["sites"]] != [site["name"] for site in first["sites"]]:
+            raise ValueError("cannot merge the states of different norms")
+        for pair, theirs in zip(accs, other["accumulators"], strict=True):
+            for acc, s in zip(pair, theirs, strict=True):
+                acc.merge(LayerAccumulator.from_state(s))
+    return {
+        **first,
+        "accumulators": [[a.state() for a in pair] for pair in accs],
+        "n_samples": sum(s["n_samples"] for s in states),
+        "seconds": sum(s["seconds"] for s in states),
+    }
+
+
+def finish_norms(state: dict[str, Any]) -> list[FinalNormResult]:
+    """The results of a (possibly merged) :func:`norms_state`."""
+    from isotui.core.accumulator import LayerAccumulator
+
+    accs = [[LayerAccumulator.from_state(s) for s in pair] for pair in state["accumulators"]]
+    return _finish_norms(accs, {k: v for k, v in state.items() if k != "accumulators"})
+
+
+def _finish_norms(accs, facts: dict[str, Any]) -> list[FinalNormResult]:
+    out = []
+    for site, (acc_in, acc_out) in zip(facts["sites"], accs, strict=True):
+        out.append(_result(facts, site, acc_in.finalize(), acc_out.finalize()))
+    return out
+
+
+def _stream_norms(
+    spec, every_layer: bool, on_progress, should_stop, sample_ids
+) -> tuple[list, dict[str, Any]]:
+    """Stream the batches; (per norm the [before, after] accumulators, the facts to finish)."""
+    import dataclasses
     import time
 
     import torch
@@ -143,7 +196,8 @@ def measure_norms(spec, *, every_layer: bool, on_progress=None, should_stop=None
     sites = block_output_norms(model) if every_layer else [norm_module(model)]
     if not sites:
         raise IsotuiError(f"{type(model).__name__} has no blocks with a norm to analyse")
-    runner = _Runner(loaded, device, extract_options(spec), lambda _e: None)
+    opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
+    runner = _Runner(loaded, device, opts, lambda _e: None)
     runner.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
     seen: dict[int, tuple] = {}
     blocks: dict[int, Any] = {}
@@ -169,7 +223,7 @@ def measure_norms(spec, *, every_layer: bool, on_progress=None, should_stop=None
             block = named[".".join(n.split(".")[: len(parents[i].split(".")) + 1])]
             handles.append(block.register_forward_hook(block_hook(i)))
     accs: list[list[LayerAccumulator]] = []
-    start, done, total = time.perf_counter(), 0, len(prepared.samples)
+    start, done, total = time.perf_counter(), 0, len(runner.selected(len(prepared.samples)))
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
     try:
         for idx in runner.batches(runner.feeder.lengths):
@@ -215,24 +269,32 @@ def measure_norms(spec, *, every_layer: bool, on_progress=None, should_stop=None
             handle.remove()
     if not accs:
         raise IsotuiError("no sample reached the norm")
-    seconds = time.perf_counter() - start
-    out = []
-    for (name, module, kind), (acc_in, acc_out) in zip(sites, accs, strict=True):
-        out.append(
-            _result(spec.model, name, kind, module, acc_in.finalize(), acc_out.finalize(), seconds, prepared)
-        )
-    return out
+    facts = {
+        "model": spec.model,
+        "data": prepared.spec.data.describe(),
+        "n_samples": total,
+        "seconds": time.perf_counter() - start,
+        "sites": [{"name": name, "kind": kind, **_gain_bias(module)} for name, module, kind in sites],
+    }
+    return accs, facts
 
 
-def _result(model, name, kind, module, before, after, seconds, prepared) -> FinalNormResult:
-    from scipy.stats import spearmanr
-
+def _gain_bias(module) -> dict[str, np.ndarray]:
+    """A norm's gain and bias (zeros when it has none) as float64 arrays."""
     gain = module.weight.detach().float().cpu().numpy().astype(np.float64)
     bias = (
         module.bias.detach().float().cpu().numpy().astype(np.float64)
         if getattr(module, "bias", None) is not None
         else np.zeros_like(gain)
     )
+    return {"gain": gain, "bias": bias}
+
+
+def _result(facts: dict[str, Any], site: dict[str, Any], before, after) -> FinalNormResult:
+    from scipy.stats import spearmanr
+
+    model, name, kind = facts["model"], site["name"], site["kind"]
+    gain, bias = site["gain"], site["bias"]
     share_b = before.dim_contrib / before.avg_cos
     share_a = after.dim_contrib / after.avg_cos
     dims = [
@@ -266,9 +328,9 @@ def _result(model, name, kind, module, before, after, seconds, prepared) -> Fina
         rho_share_gain=float(r2.statistic),
         p_share_gain=float(r2.pvalue),
         meta={
-            "data": prepared.spec.data.describe(),
-            "n_samples": len(prepared.samples),
-            "seconds": round(seconds, 3),
+            "data": facts["data"],
+            "n_samples": facts["n_samples"],
+            "seconds": round(facts["seconds"], 3),
         },
     )
 
@@ -393,43 +455,47 @@ def add_arguments(p) -> None:
     add_common(p, device_seed=False, cache=False)
 
 
-def main(args, err) -> int:
-    from isotui.cli import EXIT_BAD_INPUT, stdout_console
+def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
+    """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
     from isotui.cli_experiments import progress_printer, spec_from_args
-    from isotui.store.export import write_payload_json, write_rows_csv
+    from isotui.results import Outcome
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
-    out = stdout_console()
-    results, failed = [], []
+    outcome = Outcome("final-norm", [], [], {})
     for model in models:
         try:
             with progress_printer(err, model, quiet=args.quiet) as bar:
                 found = measure_norms(base.with_model(model), every_layer=args.every_layer, on_progress=bar)
         except IsotuiError as exc:
-            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
-            failed.append(model)
+            outcome.failed.append((model, str(exc)))
+            if on_error:
+                on_error(model, str(exc))
             continue
-        results += found
-        out.print(per_block_table(found) if args.every_layer else final_norm_table(found[0]))
-        out.print()
-    if results and args.csv:
-        err.print(f"wrote {write_rows_csv([d for r in results for d in r.dims], Path(args.csv))}")
-    if results and args.json:
-        payload = {
-            "results": [
-                {
-                    "model": r.model,
-                    "module": r.module,
-                    "kind": r.kind,
-                    "verdict": r.verdict(),
-                    "before": {k: v for k, v in asdict(r.before).items() if not isinstance(v, np.ndarray)},
-                    "after": {k: v for k, v in asdict(r.after).items() if not isinstance(v, np.ndarray)},
-                    "dims": [asdict(d) for d in r.dims],
-                    "meta": r.meta,
-                }
-                for r in results
-            ]
-        }
-        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
-    return EXIT_BAD_INPUT if failed else 0
+        outcome.results += found
+        outcome.tables.append(per_block_table(found) if args.every_layer else final_norm_table(found[0]))
+        if on_table:
+            on_table(outcome.tables[-1])
+    outcome.rows = [asdict(d) for r in outcome.results for d in r.dims]
+    outcome.payload = {
+        "results": [
+            {
+                "model": r.model,
+                "module": r.module,
+                "kind": r.kind,
+                "verdict": r.verdict(),
+                "before": {k: v for k, v in asdict(r.before).items() if not isinstance(v, np.ndarray)},
+                "after": {k: v for k, v in asdict(r.after).items() if not isinstance(v, np.ndarray)},
+                "dims": [asdict(d) for d in r.dims],
+                "meta": r.meta,
+            }
+            for r in outcome.results
+        ]
+    }
+    return outcome
+
+
+def main(args, err) -> int:
+    from isotui.cli_experiments import command_main
+
+    return command_main(collect)(args, err)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from isotui.errors import IsotuiError
@@ -90,12 +89,50 @@ def mlm_mask(seed: int, sample_ids, positions, candidates):
 
 def measure_gradients(spec, *, top_k: int = 10, on_progress=None, should_stop=None) -> GradientResult:
     """Stream ``spec``'s data through the model with its LM head, backward to every hidden state."""
+    accs, facts = _stream_gradients(spec, top_k, on_progress, should_stop, None)
+    return _finish_gradients(accs, facts)
+
+
+def gradients_state(spec, *, top_k: int = 10, sample_ids=None, on_progress=None, should_stop=None) -> dict:
+    """:func:`measure_gradients`'s streamed state over the samples ``sample_ids`` (global indices
+    into ``spec``'s corpus, which also seed the masked-LM masks; None: all): per layer the
+    accumulator state, and the loss sums. Shards merge with :func:`merge_gradients_states`."""
+    accs, facts = _stream_gradients(spec, top_k, on_progress, should_stop, sample_ids)
+    return {**facts, "accumulators": [a.state() for a in accs]}
+
+
+def merge_gradients_states(states: list[dict]) -> dict:
+    """One state from disjoint shards of the same corpus: accumulators merged, sums added."""
+    from isotui.core.gradients import GradAccumulator
+
+    accs = [GradAccumulator.from_state(s) for s in states[0]["accumulators"]]
+    for other in states[1:]:
+        for acc, s in zip(accs, other["accumulators"], strict=True):
+            acc.merge(GradAccumulator.from_state(s))
+    added = ("loss_sum", "loss_tokens", "n_samples", "seconds")
+    return {
+        **states[0],
+        "accumulators": [a.state() for a in accs],
+        **{k: sum(s[k] for s in states) for k in added},
+    }
+
+
+def finish_gradients(state: dict) -> GradientResult:
+    """The result of a (possibly merged) :func:`gradients_state`."""
+    from isotui.core.gradients import GradAccumulator
+
+    accs = [GradAccumulator.from_state(s) for s in state["accumulators"]]
+    return _finish_gradients(accs, {k: v for k, v in state.items() if k != "accumulators"})
+
+
+def _stream_gradients(spec, top_k: int, on_progress, should_stop, sample_ids) -> tuple[list, dict]:
+    """Stream the batches forward and backward; (per layer the accumulator, the facts to finish)."""
+    import dataclasses
     import time
 
     import torch
     from transformers import AutoModelForMaskedLM
 
-    from isotui.core.gradients import random_basis
     from isotui.errors import Cancelled
     from isotui.experiments.layerwise import extract_options, load_prepared, prepare
     from isotui.extract.progress import Progress
@@ -118,12 +155,13 @@ def measure_gradients(spec, *, top_k: int = 10, on_progress=None, should_stop=No
     mask_id = getattr(loaded.tokenizer, "mask_token_id", None)
     if objective == "masked" and mask_id is None:
         raise IsotuiError(f"the tokenizer of model {spec.model!r} has no mask token, so no masked-LM loss")
-    runner = _Runner(loaded, device, extract_options(spec), lambda _e: None)
+    opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
+    runner = _Runner(loaded, device, opts, lambda _e: None)
     runner.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
     acc_device = torch.device(device if device.startswith("cuda") else "cpu")
     accs: list = []  # GradAccumulator per layer, made at the first batch
     loss_sum, loss_tokens, n_tokens = 0.0, 0, 0
-    start, done, total = time.perf_counter(), 0, len(prepared.samples)
+    start, done, total = time.perf_counter(), 0, len(runner.selected(len(prepared.samples)))
     for idx in runner.batches(runner.feeder.lengths):
         if should_stop and should_stop():
             raise Cancelled()
@@ -185,27 +223,50 @@ def measure_gradients(spec, *, top_k: int = 10, on_progress=None, should_stop=No
             f"no token of the {total} samples was kept: all were special tokens, padding or last "
             "tokens; use --special-tokens include or longer samples"
         )
+    facts = {
+        "model": spec.model,
+        "objective": objective,
+        "top_k": top_k,
+        "seed": spec.seed,
+        "model_notes": list(loaded.notes),
+        "data": prepared.spec.data.describe(),
+        "n_samples": total,
+        "lm_class": type(model).__name__,
+        "loss_sum": loss_sum,
+        "loss_tokens": loss_tokens,
+        "special_tokens": spec.special_tokens,
+        "dtype": prepared.dtype,
+        "seconds": time.perf_counter() - start,
+    }
+    return accs, facts
+
+
+def _finish_gradients(accs: list, facts: dict) -> GradientResult:
+    from isotui.core.gradients import random_basis
+
+    model, objective, top_k = facts["model"], facts["objective"], facts["top_k"]
     rows, bases = [], {}
     for layer, acc in enumerate(accs):
         if acc.dim not in bases:  # one seeded random subspace per hidden size
-            bases[acc.dim] = random_basis(acc.dim, top_k, spec.seed)
+            bases[acc.dim] = random_basis(acc.dim, top_k, facts["seed"])
         s = acc.finalize(top_k, bases[acc.dim])
-        rows.append(GradientRow(spec.model, objective, "model", layer, top_k=top_k, **asdict(s)))
+        rows.append(GradientRow(model, objective, "model", layer, top_k=top_k, **asdict(s)))
+    loss_tokens = facts["loss_tokens"]
     return GradientResult(
-        spec.model,
+        model,
         objective,
         rows,
-        notes=[*loaded.notes, *_notes(objective, top_k)],
+        notes=[*facts["model_notes"], *_notes(objective, top_k)],
         meta={
-            "data": prepared.spec.data.describe(),
-            "n_samples": total,
-            "lm_class": type(model).__name__,
+            "data": facts["data"],
+            "n_samples": facts["n_samples"],
+            "lm_class": facts["lm_class"],
             "loss_tokens": loss_tokens,
-            "loss_per_token": loss_sum / loss_tokens if loss_tokens else math.nan,
-            "special_tokens": spec.special_tokens,
-            "dtype": prepared.dtype,
-            "seed": spec.seed,
-            "seconds": round(time.perf_counter() - start, 3),
+            "loss_per_token": facts["loss_sum"] / loss_tokens if loss_tokens else math.nan,
+            "special_tokens": facts["special_tokens"],
+            "dtype": facts["dtype"],
+            "seed": facts["seed"],
+            "seconds": round(facts["seconds"], 3),
         },
     )
 
@@ -315,28 +376,33 @@ def add_arguments(p) -> None:
     )
 
 
-def main(args, err) -> int:
-    from isotui.cli import EXIT_BAD_INPUT, stdout_console
+def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
+    """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
     from isotui.cli_experiments import progress_printer, spec_from_args
-    from isotui.store.export import write_payload_json, write_rows_csv
+    from isotui.results import Outcome
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
-    out = stdout_console()
-    results, failed = [], []
+    outcome = Outcome("gradients", [], [], {})
     for model in models:
         try:
             with progress_printer(err, model, quiet=args.quiet) as bar:
-                results.append(measure_gradients(base.with_model(model), top_k=args.top_k, on_progress=bar))
+                result = measure_gradients(base.with_model(model), top_k=args.top_k, on_progress=bar)
         except IsotuiError as exc:
-            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
-            failed.append(model)
+            outcome.failed.append((model, str(exc)))
+            if on_error:
+                on_error(model, str(exc))
             continue
-        out.print(gradients_table(results[-1]))
-        out.print()
-    if results and args.csv:
-        err.print(f"wrote {write_rows_csv([r for res in results for r in res.rows], Path(args.csv))}")
-    if results and args.json:
-        payload = {"results": [asdict(r) for r in results]}
-        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
-    return EXIT_BAD_INPUT if failed else 0
+        outcome.results.append(result)
+        outcome.tables.append(gradients_table(result))
+        if on_table:
+            on_table(outcome.tables[-1])
+    outcome.rows = [asdict(r) for res in outcome.results for r in res.rows]
+    outcome.payload = {"results": [asdict(r) for r in outcome.results]}
+    return outcome
+
+
+def main(args, err) -> int:
+    from isotui.cli_experiments import command_main
+
+    return command_main(collect)(args, err)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -323,13 +323,14 @@ def add_arguments(p) -> None:
     add_common(p, device_seed=False)
 
 
-def main(args, err) -> int:
-    from isotui.cli import stdout_console
+def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
+    """The command's work without its output (see :func:`isotui.cli.collect_run`): the tables,
+    then the trajectory figure (``--plot``) as one more renderable."""
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.experiments.attention import attention_cache
     from isotui.paths import cache_dir
     from isotui.render_attention import dynamics_tables
-    from isotui.store.export import write_payload_json, write_rows_csv
+    from isotui.results import Outcome
 
     try:
         sample = int(args.sample)
@@ -351,26 +352,32 @@ def main(args, err) -> int:
         progress=lambda i, c: progress_printer(err, f"{i + 1}/{n} {c.label}", quiet=args.quiet),
         on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
     )
-    out = stdout_console()
-    for table in dynamics_tables(result):
-        out.print(table)
-        out.print()
+    tables = list(dynamics_tables(result))
     if plot is not None:
         from rich.text import Text
 
-        out.print(Text.from_ansi(trajectory_text(result, *plot, basis=args.basis, width=min(out.width, 100))))
-    if args.csv:
-        err.print(f"wrote {write_rows_csv(result.rows, Path(args.csv))}")
-    if args.json:
-        payload = {
-            "series": result.series,
-            "checkpoints": [c.__dict__ for c in checkpoints],
-            "sites": result.sites,
-            "rows": [r.__dict__ for r in result.rows],
-            "meta": result.meta,
-        }
-        err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
-    return 0
+        tables.append(Text.from_ansi(trajectory_text(result, *plot, basis=args.basis, width=min(width, 100))))
+    payload = {
+        "series": result.series,
+        "checkpoints": [c.__dict__ for c in checkpoints],
+        "sites": result.sites,
+        "rows": [r.__dict__ for r in result.rows],
+        "meta": result.meta,
+    }
+    return Outcome("qk-dynamics", [result], [asdict(r) for r in result.rows], payload, tables)
+
+
+def main(args, err) -> int:
+    from isotui.cli import stdout_console
+    from isotui.cli_experiments import report
+
+    out = stdout_console()
+    outcome = collect(args, err, width=out.width)
+    for i, table in enumerate(outcome.tables):
+        out.print(table)
+        if args.plot is None or i < len(outcome.tables) - 1:  # a blank line after each table
+            out.print()
+    return report(outcome, args, err)
 
 
 def _parse_plot(text: str | None) -> tuple[int, int] | None:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from isotui.core.accumulator import sample_keys
+from isotui.core.accumulator import keep_smallest, sample_keys
 from isotui.core.attention import AttentionAccumulator, HeadStats, VectorSums
 from isotui.errors import IsotuiError
 from isotui.extract.runner import ExtractOptions, _Runner
@@ -155,6 +155,31 @@ class Subsample:
 
     def array(self) -> np.ndarray:
         return np.zeros((0, 0, 0), np.float32) if self.vectors is None else self.vectors.numpy()
+
+    def state(self) -> dict:
+        """Size, seed and (once anything was seen) the keys and (H, m, d) vectors."""
+        out: dict = {"size": self.size, "seed": self.seed}
+        if self.keys is not None:
+            out |= {"keys": self.keys, "vectors": self.vectors}
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict) -> Subsample:
+        sub = cls(int(state["size"]), int(state["seed"]))
+        if "keys" in state:
+            sub.keys, sub.vectors = state["keys"].clone(), state["vectors"].clone()
+        return sub
+
+    def merge(self, other: Subsample) -> None:
+        """The subsample of the union: the smallest keys of both (keys are global)."""
+        import torch
+
+        if other.keys is None:
+            return
+        keys, vectors = other.keys, other.vectors
+        if self.keys is not None:
+            keys, vectors = torch.cat([self.keys, keys]), torch.cat([self.vectors, vectors], dim=1)
+        self.keys, self.vectors = keep_smallest(keys, vectors, self.size, dim=1)
 
 
 class _ModuleProbe:
@@ -378,27 +403,90 @@ class AttentionRun(_Runner):
         return int(fed.valid.sum()) if fed.valid is not None else len(idx)
 
     def results(self) -> list[ModuleResult]:
-        out = []
-        for probe in sorted(self.probes.values(), key=lambda p: p.site.order):
-            if probe.acc is None:
-                continue
-            pre = None
-            if probe.pre_q is not None and probe.rope:
-                pre = _pre_summary(probe.acc, probe.pre_q, probe.pre_k)
-            out.append(
-                ModuleResult(
-                    site=probe.site,
-                    heads=probe.acc.finalize(),
-                    rope=probe.rope,
-                    pre_rope=pre,
-                    histograms=probe.acc.histograms(),
-                    q_bar=probe.acc.q.mean(),
-                    k_bar=probe.acc.k.mean(),
-                    q_sample=probe.q_sample.array() if probe.q_sample else None,
-                    k_sample=probe.k_sample.array() if probe.k_sample else None,
-                )
+        return _module_results(p for p in self.probes.values() if p.acc is not None)
+
+    def state(self) -> list[dict]:
+        """Each measured module's folded state, in layer order (see :func:`extract_attention_state`)."""
+        probes = sorted((p for p in self.probes.values() if p.acc is not None), key=lambda p: p.site.order)
+        return [_probe_state(p) for p in probes]
+
+
+@dataclass
+class _Folded:
+    """One module's state outside a run (a shard's, or merged shards'): what a probe holds."""
+
+    site: ModuleSite
+    acc: AttentionAccumulator
+    rope: bool
+    pre_q: VectorSums | None = None
+    pre_k: VectorSums | None = None
+    q_sample: Subsample | None = None
+    k_sample: Subsample | None = None
+
+
+def _probe_state(probe) -> dict:
+    """A probe's (or :class:`_Folded`'s) state: tensors and plain scalars, nested by part."""
+    out: dict = {"site": asdict(probe.site), "rope": probe.rope, "acc": probe.acc.state()}
+    for part in ("pre_q", "pre_k", "q_sample", "k_sample"):
+        if getattr(probe, part) is not None:
+            out[part] = getattr(probe, part).state()
+    return out
+
+
+def _vector_sums(state: dict) -> VectorSums:
+    import torch
+
+    sums = VectorSums(*state["sum"].shape, torch.device("cpu"))
+    sums.load_state(state)
+    return sums
+
+
+def _folded(state: dict) -> _Folded:
+    return _Folded(
+        site=ModuleSite(**state["site"]),
+        acc=AttentionAccumulator.from_state(state["acc"]),
+        rope=bool(state["rope"]),
+        pre_q=_vector_sums(state["pre_q"]) if "pre_q" in state else None,
+        pre_k=_vector_sums(state["pre_k"]) if "pre_k" in state else None,
+        q_sample=Subsample.from_state(state["q_sample"]) if "q_sample" in state else None,
+        k_sample=Subsample.from_state(state["k_sample"]) if "k_sample" in state else None,
+    )
+
+
+def _merge_folded(mine: _Folded, other: _Folded) -> None:
+    if mine.site != other.site:
+        raise ValueError(f"cannot merge the states of modules {mine.site.name} and {other.site.name}")
+    mine.acc.merge(other.acc)
+    mine.rope = mine.rope or other.rope
+    for part in ("pre_q", "pre_k", "q_sample", "k_sample"):
+        a, b = getattr(mine, part), getattr(other, part)
+        if a is None:
+            setattr(mine, part, b)
+        elif b is not None:
+            a.merge(b)
+
+
+def _module_results(probes) -> list[ModuleResult]:
+    """Per module, in layer order: heads, histograms, mean vectors and subsamples."""
+    out = []
+    for probe in sorted(probes, key=lambda p: p.site.order):
+        pre = None
+        if probe.pre_q is not None and probe.rope:
+            pre = _pre_summary(probe.acc, probe.pre_q, probe.pre_k)
+        out.append(
+            ModuleResult(
+                site=probe.site,
+                heads=probe.acc.finalize(),
+                rope=probe.rope,
+                pre_rope=pre,
+                histograms=probe.acc.histograms(),
+                q_bar=probe.acc.q.mean(),
+                k_bar=probe.acc.k.mean(),
+                q_sample=probe.q_sample.array() if probe.q_sample else None,
+                k_sample=probe.k_sample.array() if probe.k_sample else None,
             )
-        return out
+        )
+    return out
 
 
 def _pre_summary(acc: AttentionAccumulator, pre_q: VectorSums, pre_k: VectorSums) -> list[tuple]:
@@ -425,6 +513,75 @@ def extract_attention(
     sample_size: int = 0,
 ) -> AttentionExtraction:
     """Attention statistics of every attention module of ``loaded`` over ``samples``."""
+    run, facts = _stream_attention(
+        loaded, samples, device, opts, on_progress, should_stop, model_name, modality, sample_size
+    )
+    return _finish_attention(run.results(), facts)
+
+
+def extract_attention_state(
+    loaded,
+    samples: list[str],
+    *,
+    device: str,
+    opts: ExtractOptions,
+    on_progress,
+    should_stop,
+    model_name: str,
+    modality: str,
+    sample_size: int = 0,
+) -> dict:
+    """:func:`extract_attention`'s streamed state (over ``opts.sample_ids`` when it is a shard):
+    per module its accumulators and subsamples. Merge shards with :func:`merge_attention_states`,
+    end with :func:`finish_attention`."""
+    run, facts = _stream_attention(
+        loaded, samples, device, opts, on_progress, should_stop, model_name, modality, sample_size
+    )
+    return {**facts, "modules": run.state()}
+
+
+def merge_attention_states(states: list[dict]) -> dict:
+    """One state from disjoint shards of the same corpus: sums add, extremes min/max, the
+    subsamples keep the smallest keys of the union."""
+    modules = [_folded(m) for m in states[0]["modules"]]
+    for other in states[1:]:
+        if len(other["modules"]) != len(modules):
+            raise ValueError("cannot merge the states of runs that measured different modules")
+        for mine, theirs in zip(modules, other["modules"], strict=True):
+            _merge_folded(mine, _folded(theirs))
+    return {
+        **states[0],
+        "modules": [_probe_state(m) for m in modules],
+        "n_samples": sum(s["n_samples"] for s in states),
+        "n_tokens": sum(s["n_tokens"] for s in states),
+        "seconds": sum(s["seconds"] for s in states),
+        "notes": list(dict.fromkeys(n for s in states for n in s["notes"])),
+    }
+
+
+def finish_attention(state: dict) -> AttentionExtraction:
+    """The statistics of a (possibly merged) :func:`extract_attention_state`."""
+    return _finish_attention(_module_results(_folded(m) for m in state["modules"]), state)
+
+
+def _finish_attention(modules: list[ModuleResult], facts: dict) -> AttentionExtraction:
+    notes = list(facts["notes"])
+    if any(m.site.kind == "self" and m.rope and m.pre_rope is None for m in modules):
+        notes.append("queries and keys before rotary embedding could not be read for this architecture")
+    return AttentionExtraction(
+        modules=modules,
+        n_samples=facts["n_samples"],
+        n_tokens=facts["n_tokens"],
+        max_length=facts["max_length"],
+        seconds=facts["seconds"],
+        notes=notes,
+    )
+
+
+def _stream_attention(
+    loaded, samples, device, opts, on_progress, should_stop, model_name, modality, sample_size
+) -> tuple:
+    """Run the batches under the probe; (the run with its probes, the facts to finish)."""
     import time
 
     from isotui.errors import Cancelled
@@ -437,7 +594,7 @@ def extract_attention(
     run.install()
     start = time.perf_counter()
     done = n_tokens = 0
-    total = len(samples)
+    total = len(run.selected(len(samples)))
     try:
         on_progress(Progress(0, total, 0, 0.0))
         for idx in run.batches(run.feeder.lengths):
@@ -448,15 +605,11 @@ def extract_attention(
             on_progress(Progress(done, total, n_tokens, time.perf_counter() - start))
     finally:
         run.uninstall()
-    modules = run.results()
-    notes = list(run.notes)
-    if any(m.site.kind == "self" and m.rope and m.pre_rope is None for m in modules):
-        notes.append("queries and keys before rotary embedding could not be read for this architecture")
-    return AttentionExtraction(
-        modules=modules,
-        n_samples=total,
-        n_tokens=n_tokens,
-        max_length=max_length,
-        seconds=time.perf_counter() - start,
-        notes=notes,
-    )
+    facts = {
+        "n_samples": total,
+        "n_tokens": n_tokens,
+        "max_length": max_length,
+        "seconds": time.perf_counter() - start,
+        "notes": list(run.notes),
+    }
+    return run, facts

@@ -43,6 +43,9 @@ class ExtractOptions:
     reservoir: int = 4096
     map_units: str = "auto"
     cap_max_length: bool = False  # see RunSpec.cap_max_length
+    # a shard: measure only these samples (indices into the whole corpus, which still sets the
+    # reservoir keys, masks, type weights and tracked types); None: every sample
+    sample_ids: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -246,7 +249,8 @@ class _Runner:
         lengths = [int(n) for n in lengths]
         same = getattr(self.feeder, "same_length_key", None)  # only equal inputs share a batch
         order = sorted(
-            range(len(lengths)), key=lambda i: (-lengths[i], -int(same[i]) if same is not None else 0, i)
+            self.selected(len(lengths)),
+            key=lambda i: (-lengths[i], -int(same[i]) if same is not None else 0, i),
         )
         pos = 0
         while pos < len(order):
@@ -257,6 +261,15 @@ class _Runner:
                 batch = [i for i in batch if same[i] == same[batch[0]]]
             yield batch
             pos += len(batch)
+
+    def selected(self, n: int) -> list[int]:
+        """The sample indices this run measures: all ``n``, or the shard of ``opts.sample_ids``."""
+        if self.opts.sample_ids is None:
+            return list(range(n))
+        ids = sorted(set(self.opts.sample_ids))
+        if ids and (ids[0] < 0 or ids[-1] >= n):
+            raise IsotuiError(f"sample ids must lie in 0..{n - 1} (the corpus has {n} samples)")
+        return ids
 
     def _forward(self, inputs: dict[str, Any]) -> dict[str, tuple]:
         """Hidden states per component."""
@@ -516,11 +529,77 @@ def extract(
     modality: str = "text",
 ) -> Extraction:
     """Measure every hidden layer of ``loaded`` over ``samples`` (see design.md for metrics)."""
+    runner, facts = _stream(loaded, samples, device, opts, on_progress, should_stop, model_name, modality)
+    assert runner.accs is not None
+    return _finish(runner.accs, facts)
+
+
+def extract_state(
+    loaded: LoadedModel,
+    samples: list[str],
+    *,
+    device: str,
+    opts: ExtractOptions,
+    on_progress: ProgressCallback = no_progress,
+    should_stop: StopCheck = never_stop,
+    model_name: str = "",
+    modality: str = "text",
+) -> dict:
+    """:func:`extract`'s streamed state instead of its metrics: per component, each layer's
+    accumulator state, and the run's facts. Shards (``opts.sample_ids``) merge with
+    :func:`merge_extraction_states`; :func:`finish_extraction` turns a state into the metrics."""
+    runner, facts = _stream(loaded, samples, device, opts, on_progress, should_stop, model_name, modality)
+    assert runner.accs is not None
+    facts.pop("start")  # a clock reading means nothing elsewhere; ``seconds`` says how long
+    return {"components": {c: [a.state() for a in accs] for c, accs in runner.accs.items()}, **facts}
+
+
+def merge_extraction_states(states: Sequence[dict]) -> dict:
+    """One state from the states of disjoint shards of the same corpus (same model and options):
+    accumulators merged (see :meth:`LayerAccumulator.merge`), counts and seconds added."""
+    if not states:
+        raise ValueError("nothing to merge")
+    first = states[0]
+    accs = {
+        c: [LayerAccumulator.from_state(s) for s in layer_states]
+        for c, layer_states in first["components"].items()
+    }
+    for other in states[1:]:
+        if list(other["components"]) != list(accs):
+            raise ValueError("cannot merge the states of runs with different components")
+        for c, layer_states in other["components"].items():
+            for acc, s in zip(accs[c], layer_states, strict=True):
+                acc.merge(LayerAccumulator.from_state(s))
+    notes = list(dict.fromkeys(n for s in states for n in s["notes"]))
+    audio = [s["audio_seconds"] for s in states if s["audio_seconds"] is not None]
+    return {
+        **first,
+        "components": {c: [a.state() for a in layer_accs] for c, layer_accs in accs.items()},
+        "n_samples": sum(s["n_samples"] for s in states),
+        "n_tokens": sum(s["n_tokens"] for s in states),
+        "seconds": sum(s["seconds"] for s in states),
+        "notes": notes,
+        "saw_maps": any(s["saw_maps"] for s in states),
+        "reservoir_capped": any(s["reservoir_capped"] for s in states),
+        "max_dim": max(s["max_dim"] for s in states),
+        "audio_seconds": sum(audio) if audio else None,
+    }
+
+
+def finish_extraction(state: dict) -> Extraction:
+    """The per-layer metrics of a (possibly merged) :func:`extract_state`."""
+    accs = {c: [LayerAccumulator.from_state(s) for s in states] for c, states in state["components"].items()}
+    facts = {k: v for k, v in state.items() if k != "components"}
+    return _finish(accs, facts)
+
+
+def _stream(loaded, samples, device, opts, on_progress, should_stop, model_name, modality) -> tuple:
+    """Run the batches; (the runner with its accumulators, the facts :func:`_finish` needs)."""
     runner = _Runner(loaded, device, opts, on_progress)
     max_length = effective_max_length(loaded, opts, model_name, on_progress)
     runner.prepare(samples, modality, max_length)
     assert runner.feeder is not None
-    total = len(samples)
+    total = len(runner.selected(len(samples)))
     start = time.perf_counter()
     done = n_tokens = 0
     on_progress(Progress(0, total, 0, 0.0))
@@ -534,7 +613,8 @@ def extract(
         on_progress(
             Progress(done, total, n_tokens, time.perf_counter() - start, memory_bytes=memory_in_use(device))
         )
-    assert runner.accs is not None
+    if runner.accs is None:
+        raise IsotuiError("no sample to measure: the selected sample ids are empty")
     first = next(iter(runner.accs.values()))[0]
     if first.n_all == 0:
         raise IsotuiError(
@@ -544,26 +624,51 @@ def extract(
     elapsed = time.perf_counter() - start
     memory = memory_in_use(device)
     on_progress(Progress(done, total, n_tokens, elapsed, stage="finalize", memory_bytes=memory))
-    components = {c: [acc.finalize() for acc in accs] for c, accs in runner.accs.items()}
+    audio = getattr(runner.feeder, "seconds", None)  # the whole corpus's; a shard's own below
+    if audio is not None and opts.sample_ids is not None:
+        audio = float(runner.feeder.n_samples[runner.selected(len(samples))].sum()) / runner.feeder.rate
+    facts = {
+        "final_norm": runner.final_norm,
+        "final_norm_module": ", ".join(runner.final_norm_names) or None,
+        "n_samples": total,
+        "n_tokens": n_tokens,
+        "max_length": max_length,
+        "start": start,
+        "seconds": elapsed,
+        "notes": runner.notes,
+        "map_units": runner.map_units,
+        "map_units_asked": opts.map_units,
+        "saw_maps": runner.saw_maps,
+        "reservoir_capped": runner.reservoir_capped,
+        "max_dim": runner.max_dim,
+        "audio_seconds": audio,
+    }
+    return runner, facts
+
+
+def _finish(accs: dict[str, list[LayerAccumulator]], facts: dict) -> Extraction:
+    """Metrics and notes from the accumulators and the facts of :func:`_stream` (or a merge)."""
+    components = {c: [acc.finalize() for acc in layer_accs] for c, layer_accs in accs.items()}
     all_stats = [s for stats in components.values() for s in stats]
-    runner.notes.extend(_sample_notes(runner, all_stats))
-    runner.notes.extend(_rank_notes(all_stats))
-    runner.notes.extend(constant_notes(components))
-    if opts.map_units != "auto" and not runner.saw_maps:
-        runner.notes.append(
-            f"--map-units {opts.map_units} has no effect: this model's layers are token sequences"
-        )
+    notes = list(facts["notes"])
+    notes.extend(_sample_notes(facts, all_stats))
+    notes.extend(_rank_notes(all_stats))
+    notes.extend(constant_notes(components))
+    asked = facts["map_units_asked"]
+    if asked != "auto" and not facts["saw_maps"]:
+        notes.append(f"--map-units {asked} has no effect: this model's layers are token sequences")
+    start = facts.get("start")  # one pass: its wall time up to now; merged shards: their sum
     return Extraction(
         components=components,
-        final_norm=runner.final_norm,
-        final_norm_module=", ".join(runner.final_norm_names) or None,
-        n_samples=total,
-        n_tokens=n_tokens,
-        max_length=max_length,
-        seconds=time.perf_counter() - start,
-        notes=runner.notes,
-        map_units=runner.map_units if runner.saw_maps else None,
-        audio_seconds=getattr(runner.feeder, "seconds", None),
+        final_norm=facts["final_norm"],
+        final_norm_module=facts["final_norm_module"],
+        n_samples=facts["n_samples"],
+        n_tokens=facts["n_tokens"],
+        max_length=facts["max_length"],
+        seconds=time.perf_counter() - start if start is not None else facts["seconds"],
+        notes=notes,
+        map_units=facts["map_units"] if facts["saw_maps"] else None,
+        audio_seconds=facts["audio_seconds"],
     )
 
 
@@ -600,7 +705,7 @@ def _rank_notes(stats: list[LayerStats]) -> list[str]:
     ]
 
 
-def _sample_notes(runner: _Runner, stats: list[LayerStats]) -> list[str]:
+def _sample_notes(facts: dict, stats: list[LayerStats]) -> list[str]:
     """Say which metrics came from the reservoir sample rather than from every vector."""
     partial = [s for s in stats if s.n_sample < s.n_vectors]
     if not partial:
@@ -612,9 +717,9 @@ def _sample_notes(runner: _Runner, stats: list[LayerStats]) -> list[str]:
         f"{what} from a uniform sample of {partial[0].n_sample:,} vectors in {len(partial)} of "
         f"{len(stats)} layers (--reservoir)"
     )
-    if runner.reservoir_capped:
+    if facts["reservoir_capped"]:
         note += (
             f"; the sample is capped so that all layers' samples fit in "
-            f"{RESERVOIR_BUDGET_BYTES >> 20} MiB (d up to {runner.max_dim:,})"
+            f"{RESERVOIR_BUDGET_BYTES >> 20} MiB (d up to {facts['max_dim']:,})"
         )
     return [note]

@@ -24,18 +24,24 @@ def _atomic_write(path: Path, write) -> Path:
 RUN_COLUMNS = ("data", "n_samples", "max_length", "special_tokens", "dtype", "run_key")
 
 
+def layer_csv_rows(results: Iterable[ModelResult]) -> list[dict]:
+    """The rows of :func:`write_csv` as dicts (keys in column order)."""
+    out = []
+    for r in results:
+        run = {c: r.meta.get(c, "") for c in RUN_COLUMNS[:-1]} | {"run_key": r.key}
+        out.extend(asdict(row) | run for row in r.rows)
+    return out
+
+
 def write_csv(results: Iterable[ModelResult], path: Path) -> Path:
     """One row per model, component and layer; columns as :meth:`LayerRow.columns`, then
     :data:`RUN_COLUMNS` from the run's metadata."""
-    results = list(results)
+    rows = layer_csv_rows(results)
 
     def write(f) -> None:
         writer = csv.DictWriter(f, fieldnames=[*LayerRow.columns(), *RUN_COLUMNS])
         writer.writeheader()
-        for r in results:
-            run = {c: r.meta.get(c, "") for c in RUN_COLUMNS[:-1]} | {"run_key": r.key}
-            for row in r.rows:
-                writer.writerow(asdict(row) | run)
+        writer.writerows(rows)
 
     return _atomic_write(path, write)
 

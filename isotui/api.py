@@ -1,0 +1,312 @@
+"""The Python API, for notebooks: ``isotui.run``, ``isotui.experiment``, ``isotui.load``.
+
+Each call is the command line's own path: the keyword options become the flags the command would
+get, its own parser reads them (same defaults, same checks, same one-sentence errors, raised as
+:class:`~isotui.errors.IsotuiError`), and the function the command calls to do its work
+(``collect``) computes, reading and writing the same result cache. So the numbers, the cache
+entries and the files of :meth:`Result.to_csv` / :meth:`Result.to_json` are the CLI's, byte for
+byte. Nothing here imports torch until a model must run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from isotui.errors import IsotuiError
+
+# API keywords that are not the command's flags, and flags the API spells differently
+_NOT_OPTIONS = ("csv", "json", "quiet")  # files: Result.to_csv / to_json; quiet: progress=False
+
+
+@dataclass
+class Result:
+    """One command's result, as the CLI prints and writes it.
+
+    ``rows``: the ``--csv`` rows (dicts, keys in column order); ``payload``: the ``--json``
+    document; ``results``: the experiment's own result objects (a layer run's
+    :class:`~isotui.results.ModelResult`, with ``.rows``, ``.meta``, ``.arrays``...); ``tables``:
+    the rich tables the CLI prints (``show()``, or just display the object in a notebook).
+    """
+
+    command: str
+    models: list[str]
+    rows: list[dict[str, Any]] = field(repr=False)
+    payload: dict[str, Any] = field(repr=False)
+    results: list = field(repr=False)
+    tables: list = field(default_factory=list, repr=False)
+
+    def __repr__(self) -> str:
+        key = f", key={self.key[:12]}" if self.key else ""
+        return f"Result({self.command}, models={self.models}, {len(self.rows)} rows{key})"
+
+    @property
+    def result(self):
+        """The one result object (a run of one model), e.g. a ``ModelResult``."""
+        if len(self.results) != 1:
+            raise IsotuiError(f"this result holds {len(self.results)} results; use .results")
+        return self.results[0]
+
+    @property
+    def key(self) -> str | None:
+        """The cache key (``isotui.load(key)`` reopens it), for results that are cached by one."""
+        return getattr(self.results[0], "key", None) if len(self.results) == 1 else None
+
+    def to_csv(self, path: str | Path) -> Path:
+        """Write the table as the CLI's ``--csv`` does (the same bytes); returns the path."""
+        from isotui.store.export import write_dicts_csv
+
+        return write_dicts_csv(self.rows, Path(path))
+
+    def to_json(self, path: str | Path) -> Path:
+        """Write everything as the CLI's ``--json`` does (NaN as null); returns the path."""
+        from isotui.store.export import write_payload_json
+
+        return write_payload_json(self.payload, Path(path))
+
+    def to_pandas(self):
+        """The rows as a pandas DataFrame (columns in CSV order); needs pandas installed."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise IsotuiError("to_pandas needs pandas: pip install pandas") from None
+        return pd.DataFrame.from_records(self.rows, columns=list(self.rows[0]) if self.rows else None)
+
+    def show(self, console=None) -> None:
+        """Print the tables the CLI prints (to ``console``, default a new rich console)."""
+        from rich.console import Console
+
+        console = console or Console()
+        for table in self.tables:
+            console.print(table)
+
+    def __rich_console__(self, console, options):
+        yield from self.tables
+
+    def _repr_html_(self) -> str:
+        """Jupyter shows the tables, coloured as in the terminal."""
+        from rich.console import Console
+
+        console = Console(record=True, width=200, file=io.StringIO())
+        self.show(console)
+        return console.export_html(inline_styles=True)
+
+
+class Results(list):
+    """Several models' :class:`Result` (one per model, in the order asked), plus their common
+    table: ``rows``, ``to_csv`` and ``to_json`` give what the CLI writes for all of them at once
+    (``isotui run -m A -m B --csv ...``)."""
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return [row for r in self for row in r.rows]
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        return {"results": [x for r in self for x in r.payload["results"]]}
+
+    to_csv = Result.to_csv
+    to_json = Result.to_json
+    to_pandas = Result.to_pandas
+
+    def show(self, console=None) -> None:
+        for r in self:
+            r.show(console)
+
+
+def run(
+    model: str | Sequence[str] = "minilm",
+    data: str | None = None,
+    *,
+    config: str | Path | None = None,
+    max_samples: int | None = None,
+    max_length: int | None = None,
+    special_tokens: str | None = None,
+    batch_size: int | str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    seed: int | None = None,
+    reservoir: int | None = None,
+    map_units: str | None = None,
+    trust_remote_code: bool | None = None,
+    cache: bool = True,
+    cache_dir: str | Path | None = None,
+    progress: bool = False,
+) -> Result | Results:
+    """Layer-wise anisotropy, as ``isotui run`` (same defaults: ``data`` builtin, the model's
+    length limit up to 512, 4096-vector reservoir, seed 0, ...; ``config`` a TOML file or preset
+    whose settings the keywords override). One model name gives a :class:`Result`; a list gives
+    :class:`Results`, one per model. ``cache=False`` recomputes and stores nothing;
+    ``progress=True`` draws the CLI's progress bar on stderr."""
+    options = {
+        "data": data,
+        "max_samples": max_samples,
+        "max_length": max_length,
+        "special_tokens": special_tokens,
+        "batch_size": batch_size,
+        "device": device,
+        "dtype": dtype,
+        "seed": seed,
+        "reservoir": reservoir,
+        "map_units": map_units,
+        "trust_remote_code": trust_remote_code,
+        "cache_dir": cache_dir,
+    }
+    positional = [str(config)] if config is not None else []
+    return _per_model("run", model, options, positional, cache=cache, progress=progress)
+
+
+def experiment(name: str, *, cache: bool = True, progress: bool = False, **options: Any) -> Result | Results:
+    """One of the experiments of ``isotui experiment NAME`` (attention, final-norm, gradients,
+    qk-dynamics, checkpoints, drift-block), with its flags as keywords (``max_samples=200``,
+    ``every_layer=True``, ``checkpoints=["step1000", "step2000"]``...). Experiments over models
+    take ``model`` (a name, or a list: :class:`Results`); the series experiments take ``model``
+    and ``checkpoints``; drift-block takes its own sizes."""
+    from isotui.cli_experiments import EXPERIMENTS
+
+    if name not in EXPERIMENTS:
+        raise IsotuiError(f"no experiment {name!r}; experiments: {', '.join(EXPERIMENTS)}")
+    series = name in ("qk-dynamics", "checkpoints")
+    parser = _subparser(["experiment", name])
+    takes_models = any(a.dest == "models" for a in parser._actions)
+    if takes_models and not series:
+        return _per_model(name, options.pop("model", "minilm"), options, [], cache=cache, progress=progress)
+    return _call(name, options, [], cache=cache, progress=progress)
+
+
+def load(key: str, cache_dir: str | Path | None = None) -> Result:
+    """Reopen a cached result by its key or a unique prefix of it (``isotui cache ls`` lists
+    them; ``Result.key`` gives one): a layer run, or an attention experiment's result."""
+    from isotui.experiments.attention import FOLDER, AttentionResult, attention_cache
+    from isotui.paths import cache_dir as default_cache_dir
+    from isotui.render import result_table
+    from isotui.render_attention import attention_table
+    from isotui.store.cache import CacheProblem, ResultCache
+    from isotui.store.export import layer_csv_rows
+
+    root = default_cache_dir(str(cache_dir) if cache_dir is not None else None)
+    caches = {"runs": ResultCache(root), FOLDER: attention_cache(root)}
+    matches = [
+        (folder, path.stem)
+        for folder, c in caches.items()
+        if c.runs.is_dir()
+        for path in sorted(c.runs.glob(f"{key}*.safetensors"))
+    ]
+    if len(matches) != 1 or not key:
+        what = "no cached result" if not matches else f"{len(matches)} cached results"
+        raise IsotuiError(f"key {key!r} matches {what} in {root}; see `isotui cache ls`")
+    folder, full = matches[0]
+    try:
+        if folder == "runs":
+            found = caches[folder].get(full)
+            assert found is not None
+            rows, payload = layer_csv_rows([found]), {"results": [found.to_json()]}
+            return Result("run", [found.model], rows, payload, [found], [result_table(found, 200)])
+        data = caches[folder].get_payload(full)
+        assert data is not None
+    except CacheProblem as problem:
+        raise IsotuiError(str(problem)) from None
+    res = AttentionResult.from_json(*data)
+    payload = {"results": [res.to_json() | {"arrays": {k: v.tolist() for k, v in res.arrays.items()}}]}
+    rows = [asdict(r) for r in res.rows]
+    return Result("attention", [res.model], rows, payload, [res], [attention_table(res, 200, per_head=False)])
+
+
+# --- the command line's path -----------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """The CLI's parser, saying a bad option as an :class:`IsotuiError` instead of exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise IsotuiError(message)
+
+
+def _subparser(command: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The parser of ``isotui COMMAND...`` (``["run"]``, ``["experiment", "attention"]``) within
+    ``parser`` (default: a new one of the whole command line)."""
+    from isotui.cli import build_parser
+
+    parser = parser or build_parser(parser_class=_Parser)
+    for word in command:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    return parser
+
+
+def _argv(parser: argparse.ArgumentParser, what: str, options: dict[str, Any]) -> list[str]:
+    """The flags ``options`` (API keywords) stand for; a keyword the command lacks is said."""
+    flags = {}
+    for action in parser._actions:
+        for flag in action.option_strings:
+            if flag.startswith("--"):
+                flags[flag[2:].replace("-", "_")] = flag
+    argv: list[str] = []
+    for name, value in options.items():
+        if name in _NOT_OPTIONS:
+            raise IsotuiError(
+                f"{name}= is not an option of the Python API: "
+                + ("use progress=" if name == "quiet" else f"write files with result.to_{name}(path)")
+            )
+        if name not in flags or name in ("help", "no_cache"):
+            known = sorted(k for k in flags if k not in (*_NOT_OPTIONS, "help", "no_cache"))
+            options_said = ", ".join([*known, "cache", "progress"])
+            raise IsotuiError(f"{what} has no option {name!r}; its options: {options_said}")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flags[name])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                argv += [flags[name], str(item)]
+        else:
+            argv += [flags[name], str(value)]
+    return argv
+
+
+def _per_model(command: str, model, options: dict[str, Any], positional: list[str], *, cache, progress):
+    """One :class:`Result` for a model name; :class:`Results` (one per model) for a list."""
+    if isinstance(model, str):
+        return _call(command, {**options, "model": model}, positional, cache=cache, progress=progress)
+    models = list(model)
+    if not models:
+        raise IsotuiError("give at least one model")
+    return Results(
+        _call(command, {**options, "model": m}, positional, cache=cache, progress=progress) for m in models
+    )
+
+
+def _call(command: str, options: dict[str, Any], positional: list[str], *, cache: bool, progress: bool):
+    """Parse ``options`` as the command's flags and run the command's ``collect``."""
+    from rich.console import Console
+
+    from isotui.cli import build_parser
+
+    words = ["run"] if command == "run" else ["experiment", command]
+    root = build_parser(parser_class=_Parser)
+    parser = _subparser(words, root)
+    what = "isotui.run" if command == "run" else f"experiment {command!r}"
+    argv = [*positional, *_argv(parser, what, options)]
+    if not cache and any("--no-cache" in a.option_strings for a in parser._actions):
+        argv.append("--no-cache")
+    if not progress:
+        argv.append("--quiet")
+    args = root.parse_args([*words, *argv])
+    err = Console(stderr=True, soft_wrap=True)
+    if command == "run":
+        from isotui.cli import collect_run
+
+        outcome = collect_run(args, err)
+    else:
+        from isotui.cli_experiments import EXPERIMENTS
+
+        outcome = importlib.import_module(EXPERIMENTS[command]).collect(args, err)
+    if outcome.failed:
+        raise IsotuiError(outcome.failed[0][1])
+    models = [str(m) for m in (options.get("model"),) if m is not None]
+    return Result(command, models, outcome.rows, outcome.payload, outcome.results, outcome.tables)
