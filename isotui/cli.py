@@ -18,6 +18,47 @@ from isotui import __version__
 from isotui.errors import Cancelled, IsotuiError
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 1
+
+
+class ModelFailures:
+    """The failures of a multi-model command, each its own: said in one sentence as it happens,
+    so the other models still run and whatever succeeded is printed, exported and cached."""
+
+    def __init__(self, err) -> None:
+        self.err = err
+        self.bad: list[str] = []  # bad input or environment (IsotuiError): exit 2
+        self.internal: list[str] = []  # a bug: exit 1
+
+    def attempt(self, name: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, or None after saying why it failed; Ctrl-C still stops all."""
+        try:
+            return fn(*args, **kwargs)
+        except (KeyboardInterrupt, Cancelled):
+            raise
+        except IsotuiError as exc:
+            self.err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
+            self.bad.append(name)
+        except Exception as exc:
+            if os.environ.get("ISOTUI_DEBUG"):
+                raise
+            self.err.print(
+                f"[bold red]isotui: internal error[/] in {name}: {type(exc).__name__}: {exc} "
+                "(set ISOTUI_DEBUG=1 for the traceback)",
+                highlight=False,
+            )
+            self.internal.append(name)
+        return None
+
+    def exit_code(self, total: int, what: str = "models") -> int:
+        """0 when all succeeded, else 1 if any failure was internal, 2 if all were bad input;
+        with several, one closing line names the failed ones."""
+        failed = self.bad + self.internal
+        if failed and total > 1:
+            self.err.print(
+                f"isotui: {len(failed)} of {total} {what} failed: {', '.join(failed)}", highlight=False
+            )
+        return EXIT_INTERNAL if self.internal else EXIT_BAD_INPUT if self.bad else 0
 
 
 def stdout_console():
@@ -237,15 +278,13 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
             raise IsotuiError(f"--{key} {s[key]} is a directory; give a file name")
     cache = None if args.no_cache else ResultCache(cache_dir(s.get("cache_dir")))
     out = stdout_console()
-    results, failed = [], []
+    results, failures = [], ModelFailures(err)
     for model in models:
-        try:
-            result = _measure_with_progress(
-                base.with_model(model), cache, err, quiet=args.quiet, measure=measure
-            )
-        except IsotuiError as exc:
-            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
-            failed.append(model)
+        spec = base.with_model(model)
+        result = failures.attempt(
+            model, _measure_with_progress, spec, cache, err, quiet=args.quiet, measure=measure
+        )
+        if result is None:
             continue
         results.append(result)
         out.print(result_table(result, out.width))
@@ -256,9 +295,7 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
     if results and s.get("json"):
         path = write_json(results, Path(s["json"]))
         err.print(f"wrote {path}")
-    if failed and len(models) > 1:
-        err.print(f"isotui: {len(failed)} of {len(models)} models failed: {', '.join(failed)}")
-    return EXIT_BAD_INPUT if failed else 0
+    return failures.exit_code(len(models))
 
 
 def _measure_with_progress(spec, cache, err, *, quiet: bool, measure):

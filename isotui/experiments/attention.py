@@ -344,9 +344,8 @@ def add_arguments(p) -> None:
 def main(args, err) -> int:
     from pathlib import Path
 
-    from isotui.cli import EXIT_BAD_INPUT, stdout_console
+    from isotui.cli import ModelFailures, stdout_console
     from isotui.cli_experiments import progress_printer, spec_from_args
-    from isotui.errors import IsotuiError
     from isotui.paths import cache_dir
     from isotui.render_attention import attention_table
     from isotui.store.export import write_payload_json, write_rows_csv
@@ -355,19 +354,20 @@ def main(args, err) -> int:
     base = spec_from_args(args, models[0])
     cache = None if args.no_cache else attention_cache(cache_dir(args.cache_dir))
     out = stdout_console()
-    results, failed = [], []
+    results, failures = [], ModelFailures(err)
+
+    def one(model: str):
+        with progress_printer(err, model, quiet=args.quiet) as on_progress:
+            return measure_attention(
+                base.with_model(model),
+                cache,
+                on_progress=on_progress,
+                on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+            )
+
     for model in models:
-        try:
-            with progress_printer(err, model, quiet=args.quiet) as on_progress:
-                result = measure_attention(
-                    base.with_model(model),
-                    cache,
-                    on_progress=on_progress,
-                    on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
-                )
-        except IsotuiError as exc:
-            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
-            failed.append(model)
+        result = failures.attempt(model, one, model)
+        if result is None:
             continue
         results.append(result)
         out.print(attention_table(result, out.width, per_head=args.heads))
@@ -381,4 +381,4 @@ def main(args, err) -> int:
             ]
         }
         err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
-    return EXIT_BAD_INPUT if failed else 0
+    return failures.exit_code(len(models))

@@ -394,21 +394,22 @@ def add_arguments(p) -> None:
 
 
 def main(args, err) -> int:
-    from isotui.cli import EXIT_BAD_INPUT, stdout_console
+    from isotui.cli import ModelFailures, stdout_console
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.store.export import write_payload_json, write_rows_csv
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
     out = stdout_console()
-    results, failed = [], []
+    results, failures = [], ModelFailures(err)
+
+    def one(model: str):
+        with progress_printer(err, model, quiet=args.quiet) as bar:
+            return measure_norms(base.with_model(model), every_layer=args.every_layer, on_progress=bar)
+
     for model in models:
-        try:
-            with progress_printer(err, model, quiet=args.quiet) as bar:
-                found = measure_norms(base.with_model(model), every_layer=args.every_layer, on_progress=bar)
-        except IsotuiError as exc:
-            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
-            failed.append(model)
+        found = failures.attempt(model, one, model)
+        if found is None:
             continue
         results += found
         out.print(per_block_table(found) if args.every_layer else final_norm_table(found[0]))
@@ -432,4 +433,4 @@ def main(args, err) -> int:
             ]
         }
         err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
-    return EXIT_BAD_INPUT if failed else 0
+    return failures.exit_code(len(models))

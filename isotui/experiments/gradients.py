@@ -316,22 +316,24 @@ def add_arguments(p) -> None:
 
 
 def main(args, err) -> int:
-    from isotui.cli import EXIT_BAD_INPUT, stdout_console
+    from isotui.cli import ModelFailures, stdout_console
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.store.export import write_payload_json, write_rows_csv
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
     out = stdout_console()
-    results, failed = [], []
+    results, failures = [], ModelFailures(err)
+
+    def one(model: str):
+        with progress_printer(err, model, quiet=args.quiet) as bar:
+            return measure_gradients(base.with_model(model), top_k=args.top_k, on_progress=bar)
+
     for model in models:
-        try:
-            with progress_printer(err, model, quiet=args.quiet) as bar:
-                results.append(measure_gradients(base.with_model(model), top_k=args.top_k, on_progress=bar))
-        except IsotuiError as exc:
-            err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
-            failed.append(model)
+        result = failures.attempt(model, one, model)
+        if result is None:
             continue
+        results.append(result)
         out.print(gradients_table(results[-1]))
         out.print()
     if results and args.csv:
@@ -339,4 +341,4 @@ def main(args, err) -> int:
     if results and args.json:
         payload = {"results": [asdict(r) for r in results]}
         err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
-    return EXIT_BAD_INPUT if failed else 0
+    return failures.exit_code(len(models))

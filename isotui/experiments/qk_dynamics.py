@@ -246,24 +246,28 @@ def run_dynamics(
     progress=None,
     should_stop=None,
     on_notice=None,
-) -> DynamicsResult:
+    failures=None,
+) -> DynamicsResult | None:
     """Measure every checkpoint (each cached on its own), then build the trajectories.
 
     ``progress(i, checkpoint)``, if given, returns a context manager yielding that checkpoint's
-    progress callback (a bar headless, job events in the app).
+    progress callback (a bar headless, job events in the app). ``failures`` (a
+    :class:`isotui.cli.ModelFailures`): a checkpoint that fails is said and left out, the series
+    is built from the rest (None when none is left); without it the first failure ends the series.
     """
     from contextlib import nullcontext
 
     from isotui.experiments.attention import measure_attention
     from isotui.extract.progress import never_stop, no_progress
 
-    results = []
+    kept, results = [], []
     for i, ckpt in enumerate(checkpoints):
         context = progress(i, ckpt) if progress else nullcontext(no_progress)
         with context as on_progress:
-            try:
-                results.append(
-                    measure_attention(
+
+            def one(ckpt=ckpt, on_progress=on_progress):
+                try:
+                    return measure_attention(
                         base_spec.with_model(ckpt.model),
                         cache,
                         sample_size=sample_size,
@@ -271,10 +275,14 @@ def run_dynamics(
                         should_stop=should_stop or never_stop,
                         on_notice=on_notice,
                     )
-                )
-            except IsotuiError as exc:
-                raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
-    return assemble(model, checkpoints, results, sample_size)
+                except IsotuiError as exc:
+                    raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
+
+            result = failures.attempt(ckpt.label, one) if failures is not None else one()
+        if result is not None:
+            kept.append(ckpt)
+            results.append(result)
+    return assemble(model, kept, results, sample_size) if results else None
 
 
 def assemble(
@@ -324,7 +332,7 @@ def add_arguments(p) -> None:
 
 
 def main(args, err) -> int:
-    from isotui.cli import stdout_console
+    from isotui.cli import ModelFailures, stdout_console
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.experiments.attention import attention_cache
     from isotui.paths import cache_dir
@@ -341,7 +349,7 @@ def main(args, err) -> int:
     checkpoints = resolve_checkpoints(args.model, args.checkpoints)
     base = spec_from_args(args, checkpoints[0].model)
     cache = None if args.no_cache else attention_cache(cache_dir(args.cache_dir))
-    n = len(checkpoints)
+    n, failures = len(checkpoints), ModelFailures(err)
     result = run_dynamics(
         args.model,
         checkpoints,
@@ -350,7 +358,10 @@ def main(args, err) -> int:
         sample_size=sample,
         progress=lambda i, c: progress_printer(err, f"{i + 1}/{n} {c.label}", quiet=args.quiet),
         on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+        failures=failures,
     )
+    if result is None:
+        return failures.exit_code(n, "checkpoints")
     out = stdout_console()
     for table in dynamics_tables(result):
         out.print(table)
@@ -364,13 +375,13 @@ def main(args, err) -> int:
     if args.json:
         payload = {
             "series": result.series,
-            "checkpoints": [c.__dict__ for c in checkpoints],
+            "checkpoints": [c.__dict__ for c in result.checkpoints],
             "sites": result.sites,
             "rows": [r.__dict__ for r in result.rows],
             "meta": result.meta,
         }
         err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
-    return 0
+    return failures.exit_code(n, "checkpoints")
 
 
 def _parse_plot(text: str | None) -> tuple[int, int] | None:

@@ -237,11 +237,18 @@ def _load_random(
             f"model {ref.name!r}: {type(config).__name__} has no setting {unknown[0]!r}; "
             "check the spelling against the model's config.json"
         )
-    if kind == "type":  # through the constructor, so derived settings follow (T5's num_decoder_layers)
-        config = AutoConfig.for_model(ref.source, **overrides)
-    else:
-        for key, value in overrides.items():
-            setattr(config, key, value)
+    try:
+        if kind == "type":  # through the constructor, so derived settings follow (T5's num_decoder_layers)
+            config = AutoConfig.for_model(ref.source, **overrides)
+        else:
+            for key, value in overrides.items():
+                setattr(config, key, value)
+    except Exception as exc:  # a value of the wrong type (hidden_size=abc): transformers validates it
+        given = ", ".join(f"{k}={v}" for k, v in ref.overrides)
+        raise IsotuiError(
+            f"model {ref.name!r}: {type(config).__name__} refuses the settings {given} "
+            f"({' '.join(str(exc).split())[:300]})"
+        ) from None
     model_cls = lm_class(config, ref.name) if head else _model_class(config)
     modality = MODALITY_OF_INPUT.get(getattr(model_cls, "main_input_name", "input_ids"), "text")
     tokenizer, own_tokenizer = None, True
