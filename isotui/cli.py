@@ -206,7 +206,6 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """Config file settings, overridden by the flags that were given."""
     from isotui.config import load_run_config
 
-    settings: dict[str, Any] = load_run_config(args.config) if args.config else {}
     flags = {
         "models": args.models,
         "data": args.data,
@@ -224,6 +223,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "csv": args.csv,
         "json": args.json,
     }
+    given = [key for key, value in flags.items() if value is not None]
+    settings: dict[str, Any] = load_run_config(args.config, given) if args.config else {}
     for key, value in flags.items():
         if value is not None:
             settings[key] = value

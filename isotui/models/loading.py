@@ -125,7 +125,8 @@ def load_model(
     except IsotuiError:
         raise
     except Exception as exc:
-        hint = "" if trust_remote_code else " (if it needs its own code, pass --trust-remote-code)"
+        own_code = not trust_remote_code and _names_own_code(where, kwargs)
+        hint = " (it needs its own code: pass --trust-remote-code if you trust it)" if own_code else ""
         raise IsotuiError(f"could not load model {ref.name!r}: {_short(exc)}{hint}") from None
     loaded = LoadedModel(model.to(device).eval(), None, modality=_modality(model, ref.name))
     if loaded.modality == "text":
@@ -136,6 +137,20 @@ def load_model(
     else:
         _attach_processor(loaded, where, kwargs)
     return loaded
+
+
+def _names_own_code(where: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether the checkpoint's config.json asks for code of its own (``auto_map``) or names a
+    ``model_type`` this transformers does not know: only then is --trust-remote-code the advice."""
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config, _ = PretrainedConfig.get_config_dict(where, revision=kwargs.get("revision"))
+    except Exception:
+        return False  # no readable config: the load error itself says what is wrong
+    model_type = config.get("model_type")
+    return "auto_map" in config or (isinstance(model_type, str) and model_type not in CONFIG_MAPPING)
 
 
 def _modality(model: Any, name: str) -> str:
