@@ -19,6 +19,7 @@ from isotui.errors import Cancelled, IsotuiError
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 1
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
 
 
 class ModelFailures:
@@ -34,7 +35,7 @@ class ModelFailures:
         """``fn(*args, **kwargs)``, or None after saying why it failed; Ctrl-C still stops all."""
         try:
             return fn(*args, **kwargs)
-        except (KeyboardInterrupt, Cancelled):
+        except (KeyboardInterrupt, Cancelled, BrokenPipeError):
             raise
         except IsotuiError as exc:
             self.err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
@@ -65,8 +66,13 @@ def stdout_console():
     """The console for results: full-width tables when piped, not an 80-column squeeze."""
     from rich.console import Console
 
-    out = Console()
-    return out if out.is_terminal else Console(width=200)
+    class Out(Console):
+        def on_broken_pipe(self) -> None:  # rich would exit 1; main() ends quietly instead
+            self.quiet = True
+            raise BrokenPipeError
+
+    out = Out()
+    return out if out.is_terminal else Out(width=200)
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -191,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, Cancelled):
         err.print("isotui: cancelled")
         return 130
+    except BrokenPipeError:  # stdout closed early (`| head`): end quietly, as a SIGPIPE would
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except Exception as exc:
         if os.environ.get("ISOTUI_DEBUG"):
             raise
@@ -200,6 +209,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             highlight=False,
         )
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush cannot complain again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
