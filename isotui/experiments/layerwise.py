@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -31,7 +31,7 @@ class Prepared:
 
     spec: RunSpec
     key: str
-    samples: list[str]
+    samples: Sequence[str]
     model_fingerprint: str
     data_fingerprint: str
     dtype: str
@@ -42,7 +42,7 @@ def prepare(spec: RunSpec) -> Prepared:
     """Resolve names, data and dtype and derive the cache key, importing torch only if needed."""
     ref = parse_model(spec.model)
     model_fp = ref.fingerprint()
-    samples = load_samples(spec.data, spec.max_samples)
+    samples = load_samples(spec.data, spec.max_samples, spec.max_length)
     data_fp = fingerprint(samples, spec.data)
     declared = ref.declared_dtype()
     device = None
@@ -211,7 +211,7 @@ def compute(
         "reservoir": spec.reservoir,
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
-        "notes": loaded.notes + ex.notes,
+        "notes": loaded.notes + ex.notes + list(getattr(prepared.samples, "notes", [])),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {
             "isotui": __version__,
