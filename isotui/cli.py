@@ -100,6 +100,12 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", help="seed for random init and the reservoir sample (default 0)")
     p.add_argument(
+        "--tokenizer",
+        metavar="NAME_OR_DIR",
+        help="a text model's tokenizer, for a model folder without a usable one of its own "
+        "(a hub id, minilm, or a folder)",
+    )
+    p.add_argument(
         "--trust-remote-code",
         action="store_true",
         default=None,
@@ -237,6 +243,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "reservoir": args.reservoir,
         "trust_remote_code": args.trust_remote_code,
         "map_units": args.map_units,
+        "tokenizer": args.tokenizer,
         "cache_dir": args.cache_dir,
         "csv": args.csv,
         "json": args.json,
@@ -288,6 +295,7 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
             reservoir=s.get("reservoir", 4096),
             trust_remote_code=s.get("trust_remote_code", False),
             map_units=s.get("map_units", "auto"),
+            tokenizer=s.get("tokenizer"),
         )
     except IsotuiError as exc:
         raise IsotuiError(f"{where}{exc}") from None

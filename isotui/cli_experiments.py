@@ -71,6 +71,7 @@ def spec_from_args(args: argparse.Namespace, model: str):
         dtype=args.dtype or "auto",
         seed=args.seed if args.seed is not None else 0,
         trust_remote_code=bool(args.trust_remote_code),
+        tokenizer=args.tokenizer,
     )
     check_source(spec.data)
     check_outputs(args)

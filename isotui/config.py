@@ -31,6 +31,7 @@ RUN_SETTINGS: dict[str, tuple[type, ...]] = {
     "reservoir": (int,),
     "trust_remote_code": (bool,),
     "map_units": (str,),
+    "tokenizer": (str,),
     "cache_dir": (str,),
     "csv": (str,),
     "json": (str,),
@@ -97,5 +98,8 @@ def load_run_config(path: Path, given: Collection[str] = ()) -> dict[str, Any]:
         prefix, rest = ("random:", m[7:]) if m.startswith("random:") else ("", m)
         if rest.startswith(("./", "../")):  # a folder next to the config file
             data["models"][i] = prefix + str((base / rest).resolve())
+    tokenizer = data.get("tokenizer", "")
+    if tokenizer.startswith(("./", "../")):  # a tokenizer folder next to the config file
+        data["tokenizer"] = str((base / tokenizer).resolve())
     data["base_dir"] = base
     return data

@@ -61,6 +61,7 @@ def prepare(spec: RunSpec) -> Prepared:
         "seed": spec.seed,
         "reservoir": spec.reservoir,
         **({"map_units": spec.map_units} if spec.data.modality == "image" else {}),
+        **({"tokenizer": spec.tokenizer} if spec.tokenizer else {}),  # only when given: old keys hold
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
     return Prepared(spec, key, samples, model_fp, data_fp, dtype, device)
@@ -155,6 +156,7 @@ def load_prepared(prepared: Prepared, **kwargs):
         dtype=prepared.dtype,
         seed=spec.seed,
         trust_remote_code=spec.trust_remote_code,
+        tokenizer=spec.tokenizer,
         **kwargs,
     )
     return loaded, device
