@@ -265,6 +265,15 @@ def test_text_model_without_a_usable_tokenizer(
     assert cached_runs(tmp_path) == cached
 
 
+def test_untrained_model_with_a_large_vocabulary_keeps_its_stand_in_tokenizer(tmp_path):
+    """200,000 embedding rows, MiniLM's 30,522 tokens: deliberate for an untrained model."""
+    proc = isotui(
+        "run", "-m", "random:gpt2:n_embd=32,n_layer=1,n_head=4,vocab_size=200000", *SMALL, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert cached_runs(tmp_path) == 1
+
+
 def test_tokenizer_flag_is_a_stand_in_and_part_of_the_key_only_when_given(tokenizer_folders, tiny_models):
     from isotui.experiments.layerwise import load_prepared, prepare
     from isotui.extract.inputs import takes_token_types

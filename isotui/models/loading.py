@@ -112,7 +112,7 @@ def load_model(
     if loaded.modality == "text" and tokenizer is not None and ref.kind != "random":
         loaded.tokenizer, loaded.own_tokenizer = _given_tokenizer(tokenizer, trust_remote_code), False
         loaded.notes.append(f"fed the tokenizer {tokenizer} (--tokenizer), not the model's own")
-    if loaded.modality == "text":
+    if loaded.modality == "text" and ref.kind != "random":  # untrained: any tokenizer is a stand-in
         check_tokenizer(loaded)
     return loaded
 
