@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -141,6 +142,19 @@ class Backend:
         """Jobs queued or running, oldest first."""
         with self._lock:
             return sorted((j.job_id, j.spec) for j in self._active.values())
+
+    def busy(self) -> bool:
+        """Whether a job is in flight (queued or running)."""
+        with self._lock:
+            return bool(self._active)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """After :meth:`close`: wait up to ``timeout`` seconds for the workers to end (a running
+        job stops at its next safe point); True if they all did."""
+        deadline = time.monotonic() + timeout
+        for thread in list(self._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
     def close(self, wait: bool = True) -> None:
         """Stop taking jobs, cancel those in flight, and (optionally) wait for the workers."""

@@ -18,14 +18,62 @@ from isotui import __version__
 from isotui.errors import Cancelled, IsotuiError
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 1
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
+
+
+class ModelFailures:
+    """The failures of a multi-model command, each its own: said in one sentence as it happens,
+    so the other models still run and whatever succeeded is printed, exported and cached."""
+
+    def __init__(self, outcome, on_error=None) -> None:
+        self.outcome = outcome
+        self.on_error = on_error  # (name, sentence): the CLI prints it; the Python API does not
+
+    def attempt(self, name: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, or None after recording (and saying) why it failed; Ctrl-C
+        and a closed stdout still stop everything."""
+        try:
+            return fn(*args, **kwargs)
+        except (KeyboardInterrupt, Cancelled, BrokenPipeError):
+            raise
+        except IsotuiError as exc:
+            text = str(exc)
+        except Exception as exc:
+            if os.environ.get("ISOTUI_DEBUG"):
+                raise
+            text = f"internal error in {name}: {type(exc).__name__}: {exc}"
+            text += " (set ISOTUI_DEBUG=1 for the traceback)"
+            self.outcome.internal.append(name)
+        self.outcome.failed.append((name, text))
+        if self.on_error:
+            self.on_error(name, text)
+        return None
+
+
+def exit_code(outcome, err) -> int:
+    """0 when all succeeded, else 1 if any failure was internal, 2 if all were bad input; with
+    several models (or checkpoints), one closing line names the failed ones."""
+    failed = [name for name, _ in outcome.failed]
+    total = outcome.total or len(failed) + len(outcome.results)
+    if failed and total > 1:
+        err.print(
+            f"isotui: {len(failed)} of {total} {outcome.what} failed: {', '.join(failed)}", highlight=False
+        )
+    return EXIT_INTERNAL if outcome.internal else EXIT_BAD_INPUT if failed else 0
 
 
 def stdout_console():
     """The console for results: full-width tables when piped, not an 80-column squeeze."""
     from rich.console import Console
 
-    out = Console()
-    return out if out.is_terminal else Console(width=200)
+    class Out(Console):
+        def on_broken_pipe(self) -> None:  # rich would exit 1; main() ends quietly instead
+            self.quiet = True
+            raise BrokenPipeError
+
+    out = Out()
+    return out if out.is_terminal else Out(width=200)
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -52,6 +100,12 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
         help="auto: float32 on CPU, the checkpoint's half dtype on a GPU",
     )
     p.add_argument("--seed", help="seed for random init and the reservoir sample (default 0)")
+    p.add_argument(
+        "--tokenizer",
+        metavar="NAME_OR_DIR",
+        help="a text model's tokenizer, for a model folder without a usable one of its own "
+        "(a hub id, minilm, or a folder)",
+    )
     p.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -155,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, Cancelled):
         err.print("isotui: cancelled")
         return 130
+    except BrokenPipeError:  # stdout closed early (`| head`): end quietly, as a SIGPIPE would
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except Exception as exc:
         if os.environ.get("ISOTUI_DEBUG"):
             raise
@@ -166,11 +223,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush cannot complain again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """Config file settings, overridden by the flags that were given."""
     from isotui.config import load_run_config
 
-    settings: dict[str, Any] = load_run_config(args.config) if args.config else {}
     flags = {
         "models": args.models,
         "data": args.data,
@@ -184,10 +249,13 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "reservoir": args.reservoir,
         "trust_remote_code": args.trust_remote_code,
         "map_units": args.map_units,
+        "tokenizer": args.tokenizer,
         "cache_dir": args.cache_dir,
         "csv": args.csv,
         "json": args.json,
     }
+    given = [key for key, value in flags.items() if value is not None]
+    settings: dict[str, Any] = load_run_config(args.config, given) if args.config else {}
     for key, value in flags.items():
         if value is not None:
             settings[key] = value
@@ -216,10 +284,6 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
         on_table=lambda table: (out.print(table), out.print()),
         on_error=lambda _model, text: print_error(err, text),
     )
-    if outcome.failed and len(outcome.failed) + len(outcome.results) > 1:
-        failed = [model for model, _ in outcome.failed]
-        n = len(failed) + len(outcome.results)
-        err.print(f"isotui: {len(failed)} of {n} models failed: {', '.join(failed)}")
     return report(outcome, args, err)
 
 
@@ -261,6 +325,7 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
             reservoir=s.get("reservoir", 4096),
             trust_remote_code=s.get("trust_remote_code", False),
             map_units=s.get("map_units", "auto"),
+            tokenizer=s.get("tokenizer"),
         )
     except IsotuiError as exc:
         raise IsotuiError(f"{where}{exc}") from None
@@ -270,16 +335,14 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
             check_output(s[key], f"--{key}")
     args.csv, args.json = s.get("csv"), s.get("json")  # the config file may name them
     cache = None if args.no_cache else ResultCache(cache_dir(s.get("cache_dir")))
-    outcome = Outcome("run", [], [], {})
+    outcome = Outcome("run", [], [], {}, total=len(models))
+    failures = ModelFailures(outcome, on_error)
     for model in models:
-        try:
-            result = _measure_with_progress(
-                base.with_model(model), cache, err, quiet=args.quiet, measure=measure
-            )
-        except IsotuiError as exc:
-            outcome.failed.append((model, str(exc)))
-            if on_error:
-                on_error(model, str(exc))
+        spec = base.with_model(model)
+        result = failures.attempt(
+            model, _measure_with_progress, spec, cache, err, quiet=args.quiet, measure=measure
+        )
+        if result is None:
             continue
         outcome.results.append(result)
         table = result_table(result, width)

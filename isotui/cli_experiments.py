@@ -71,6 +71,7 @@ def spec_from_args(args: argparse.Namespace, model: str):
         dtype=args.dtype or "auto",
         seed=args.seed if args.seed is not None else 0,
         trust_remote_code=bool(args.trust_remote_code),
+        tokenizer=args.tokenizer,
     )
     check_source(spec.data)
     check_outputs(args)
@@ -93,14 +94,14 @@ def report(outcome, args: argparse.Namespace, err) -> int:
     """Write a command's --csv and --json (when it measured anything); its exit code."""
     from pathlib import Path
 
-    from isotui.cli import EXIT_BAD_INPUT
+    from isotui.cli import exit_code
     from isotui.store.export import write_dicts_csv, write_payload_json
 
     if outcome.results and getattr(args, "csv", None):
         err.print(f"wrote {write_dicts_csv(outcome.rows, Path(args.csv))}")
     if outcome.results and getattr(args, "json", None):
         err.print(f"wrote {write_payload_json(outcome.payload, Path(args.json))}")
-    return EXIT_BAD_INPUT if outcome.failed else 0
+    return exit_code(outcome, err)
 
 
 def command_main(collect):

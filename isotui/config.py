@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,13 @@ RUN_SETTINGS: dict[str, tuple[type, ...]] = {
     "reservoir": (int,),
     "trust_remote_code": (bool,),
     "map_units": (str,),
+    "tokenizer": (str,),
     "cache_dir": (str,),
     "csv": (str,),
     "json": (str,),
 }
 PATH_SETTINGS = ("cache_dir", "csv", "json")
+OUTPUT_SETTINGS = ("csv", "json")  # files a run writes: kept inside the config file's folder
 
 
 def read_toml(path: Path, what: str = "config file") -> dict[str, Any]:
@@ -46,12 +49,19 @@ def read_toml(path: Path, what: str = "config file") -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise IsotuiError(f"{what} {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise IsotuiError(f"{what} {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     except OSError as exc:
         raise IsotuiError(f"{what} {path} cannot be read: {exc.strerror}") from None
 
 
-def load_run_config(path: Path) -> dict[str, Any]:
-    """Validated run settings from ``path``; relative paths are made relative to its folder."""
+def load_run_config(path: Path, given: Collection[str] = ()) -> dict[str, Any]:
+    """Validated run settings from ``path``; relative paths are made relative to its folder.
+
+    A config file is data, not a command: it cannot turn on a model's own code (only the
+    ``--trust-remote-code`` flag can) and its outputs stay inside its own folder, unless the
+    command line names them (``given``: the settings the command line sets, which win anyway).
+    """
     data = read_toml(path)
     for key, value in data.items():
         if key not in RUN_SETTINGS:
@@ -70,13 +80,26 @@ def load_run_config(path: Path) -> dict[str, Any]:
         data["models"] = models
     elif "model" in data:
         data["models"] = [data.pop("model")]
+    if data.get("trust_remote_code") and "trust_remote_code" not in given:
+        raise IsotuiError(
+            f"config file {path} sets trust_remote_code = true, but a config file cannot run a "
+            "model's own code; pass --trust-remote-code on the command line if you trust it"
+        )
     base = path.resolve().parent
     for key in PATH_SETTINGS:
         if key in data:
             data[key] = str((base / Path(data[key]).expanduser()).resolve())
+            if key in OUTPUT_SETTINGS and key not in given and not Path(data[key]).is_relative_to(base):
+                raise IsotuiError(
+                    f"config file {path}: {key} = {data[key]!r} is outside the config file's folder "
+                    f"{base}; name it with --{key} on the command line instead"
+                )
     for i, m in enumerate(data.get("models", [])):
         prefix, rest = ("random:", m[7:]) if m.startswith("random:") else ("", m)
         if rest.startswith(("./", "../")):  # a folder next to the config file
             data["models"][i] = prefix + str((base / rest).resolve())
+    tokenizer = data.get("tokenizer", "")
+    if tokenizer.startswith(("./", "../")):  # a tokenizer folder next to the config file
+        data["tokenizer"] = str((base / tokenizer).resolve())
     data["base_dir"] = base
     return data

@@ -130,6 +130,9 @@ class Outcome:
     payload: dict[str, Any]  # the --json document
     tables: list = field(default_factory=list, repr=False)  # rich renderables, in print order
     failed: list[tuple[str, str]] = field(default_factory=list)  # (model, the one-sentence error)
+    internal: list[str] = field(default_factory=list)  # the failed ones whose failure was a bug
+    total: int = 0  # how many models (or checkpoints) were asked for; 0: results + failed
+    what: str = "models"  # what ``total`` counts, for the closing line
 
 
 TableCallback = Callable[[Any], None]

@@ -24,6 +24,7 @@ SPEC_OPTIONS = (
     "reservoir",
     "trust_remote_code",
     "map_units",
+    "tokenizer",
 )
 
 SPECIAL_TOKENS = ("exclude", "include")
@@ -48,6 +49,7 @@ class RunSpec:
     # the app's max length is a ceiling: longer than the model accepts is capped (with a notice),
     # where the CLI's explicit --max-length is refused
     cap_max_length: bool = False
+    tokenizer: str | None = None  # a text model's tokenizer when not its own (--tokenizer)
 
     def with_model(self, model: str) -> RunSpec:
         return replace(self, model=model)
@@ -81,6 +83,7 @@ def make_spec(
     reservoir: object = 4096,
     trust_remote_code: bool = False,
     map_units: str = "auto",
+    tokenizer: str | None = None,
 ) -> RunSpec:
     """Build a :class:`RunSpec`, turning each bad value into one sentence naming the setting."""
     if special_tokens not in SPECIAL_TOKENS:
@@ -110,4 +113,21 @@ def make_spec(
         reservoir=_positive("reservoir", reservoir, allow_none=False) or 4096,
         trust_remote_code=bool(trust_remote_code),
         map_units=map_units,
+        tokenizer=_tokenizer(tokenizer),
     )
+
+
+def _tokenizer(value: object) -> str | None:
+    """A hub id as given; a local folder (``./tok``, ``~/tok``, an existing path) made absolute
+    (a config file has made its own relative folders absolute already)."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if not text:
+        raise IsotuiError("tokenizer must name a tokenizer: a hub id, minilm, or a folder")
+    local = Path(text).expanduser()
+    if text.startswith((".", "/", "~")) or local.is_dir():
+        if not local.is_dir():
+            raise IsotuiError(f"tokenizer folder {local} does not exist")
+        return str(local.resolve())
+    return text

@@ -33,6 +33,11 @@ def load_image(sample: str):
     try:
         with Image.open(sample) as img:
             return img.convert("RGB")
+    except Image.DecompressionBombError:
+        raise IsotuiError(
+            f"image file {sample} claims more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels, which is "
+            "either damaged or a decompression bomb; remove it or shrink it"
+        ) from None
     except (OSError, UnidentifiedImageError) as exc:
         raise IsotuiError(
             f"image file {sample} cannot be read as an image ({exc}); remove or fix it"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,9 @@ SCHEMES = ("builtin", "text", "jsonl", "hf", "images", "audio", "synthetic")
 MEDIA = {"images": "image", "audio": "audio"}  # scheme (or synthetic kind) -> modality
 SYNTHETIC_KINDS = ("images", "audio")
 SYNTHETIC_DEFAULT_COUNT = 256
+SYNTHETIC_MAX = 10_000_000  # items a synthetic source gives at most (each one a forward pass)
+LINE_CHARS_PER_TOKEN = 64  # a text sample is cut at 64 characters per token of --max-length ...
+DEFAULT_MAX_LENGTH = 512  # ... or of the default limit, while reading: never tokenised whole
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 AUDIO_SUFFIXES = (".wav", ".flac", ".mp3", ".ogg")  # Common Voice ships mp3
 _SPLIT = re.compile(r"^(train|validation|valid|test|dev)(\[.*\])?$")
@@ -109,8 +113,58 @@ def parse_data(value: str, base_dir: Path | None = None) -> DataSpec:
     return DataSpec("hf", name=name, config=config, split=split, field=field or "text")
 
 
-def load_samples(spec: DataSpec, max_samples: int | None = None) -> list[str]:
-    """The first ``max_samples`` non-empty samples of ``spec``, in source order."""
+class Samples(list):
+    """A list of text samples with what reading them did to them (``notes``: cut lines)."""
+
+    notes: list[str]
+
+
+class SyntheticSamples(Sequence):
+    """``synthetic:NAME#0`` .. ``#count-1``, made on demand: a large --max-samples costs nothing
+    until each item is fed."""
+
+    def __init__(self, name: str, count: int) -> None:
+        self.name, self.count = name, count
+        self.notes: list[str] = []
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.count))]
+        if index < 0:
+            index += self.count
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        return f"synthetic:{self.name}#{index}"
+
+    def __iter__(self) -> Iterator[str]:
+        return (f"synthetic:{self.name}#{i}" for i in range(self.count))
+
+
+def line_cap(max_length: int | None) -> int:
+    """Characters a text sample keeps while reading: far more than ``max_length`` tokens span."""
+    return LINE_CHARS_PER_TOKEN * (max_length or DEFAULT_MAX_LENGTH)
+
+
+def load_samples(
+    spec: DataSpec, max_samples: int | None = None, max_length: int | None = None
+) -> Sequence[str]:
+    """The first ``max_samples`` non-empty samples of ``spec``, in source order.
+
+    Text samples longer than :func:`line_cap` characters are cut as they are read (said in the
+    samples' ``notes``); synthetic sources are lazy (:class:`SyntheticSamples`).
+    """
+    if spec.scheme == "synthetic":
+        count = max_samples or SYNTHETIC_DEFAULT_COUNT
+        if count > SYNTHETIC_MAX:
+            raise IsotuiError(
+                f"--max-samples {count:,} is more than synthetic:{spec.name} gives "
+                f"(at most {SYNTHETIC_MAX:,} items); give a smaller number"
+            )
+        return SyntheticSamples(spec.name, count)
+    cap = line_cap(max_length)
     if spec.scheme == "builtin":
         samples = _read_lines(builtin_corpus_path(), "the built-in corpus")
     elif spec.scheme == "text":
@@ -120,18 +174,25 @@ def load_samples(spec: DataSpec, max_samples: int | None = None) -> list[str]:
     elif spec.scheme in MEDIA:
         suffixes = IMAGE_SUFFIXES if spec.scheme == "images" else AUDIO_SUFFIXES
         samples = _list_media(Path(spec.path), suffixes, spec.scheme)
-    elif spec.scheme == "synthetic":
-        count = max_samples or SYNTHETIC_DEFAULT_COUNT
-        samples = [f"synthetic:{spec.name}#{i}" for i in range(count)]
     else:
         samples = _read_hf(spec, max_samples)
-    samples = samples[:max_samples] if max_samples is not None else samples
+    samples = Samples(samples[:max_samples] if max_samples is not None else samples)
+    samples.notes = []
     if not samples:
         raise IsotuiError(f"data source {spec.describe()} has no non-empty samples")
+    if spec.modality == "text":
+        cut = [i for i, s in enumerate(samples) if len(s) > cap]
+        for i in cut:
+            samples[i] = samples[i][:cap]
+        if cut:
+            samples.notes.append(
+                f"{len(cut)} sample(s) longer than {cap:,} characters ({LINE_CHARS_PER_TOKEN} per token "
+                "of the length limit) were cut while reading"
+            )
     return samples
 
 
-def fingerprint(samples: list[str], spec: DataSpec | None = None) -> str:
+def fingerprint(samples: Sequence[str], spec: DataSpec | None = None) -> str:
     """A hash of exactly the samples that are measured: texts, or media files' contents (a
     renamed folder with the same files is the same data), or the synthetic generator's version."""
     h = hashlib.sha256()

@@ -373,8 +373,8 @@ def add_arguments(p) -> None:
 
 def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
+    from isotui.cli import ModelFailures
     from isotui.cli_experiments import progress_printer, spec_from_args
-    from isotui.errors import IsotuiError
     from isotui.paths import cache_dir
     from isotui.render_attention import attention_table
     from isotui.results import Outcome
@@ -382,20 +382,21 @@ def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
     cache = None if args.no_cache else attention_cache(cache_dir(args.cache_dir))
-    outcome = Outcome("attention", [], [], {})
+    outcome = Outcome("attention", [], [], {}, total=len(models))
+    failures = ModelFailures(outcome, on_error)
+
+    def one(model: str):
+        with progress_printer(err, model, quiet=args.quiet) as on_progress:
+            return measure_attention(
+                base.with_model(model),
+                cache,
+                on_progress=on_progress,
+                on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+            )
+
     for model in models:
-        try:
-            with progress_printer(err, model, quiet=args.quiet) as on_progress:
-                result = measure_attention(
-                    base.with_model(model),
-                    cache,
-                    on_progress=on_progress,
-                    on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
-                )
-        except IsotuiError as exc:
-            outcome.failed.append((model, str(exc)))
-            if on_error:
-                on_error(model, str(exc))
+        result = failures.attempt(model, one, model)
+        if result is None:
             continue
         outcome.results.append(result)
         outcome.tables.append(attention_table(result, width, per_head=args.heads))

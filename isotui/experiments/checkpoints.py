@@ -72,29 +72,40 @@ def run_series(
     progress=None,
     on_notice=None,
     should_stop=None,
+    failures=None,
 ):
-    """Measure (or read from the cache) every checkpoint's layer table."""
+    """Measure (or read from the cache) every checkpoint's layer table.
+
+    ``failures`` (a :class:`isotui.cli.ModelFailures`): a checkpoint that fails is said and left
+    out, the series is built from the rest (None when none is left); without it the first failure
+    ends the series.
+    """
     from contextlib import nullcontext
 
     from isotui.experiments.layerwise import measure
     from isotui.extract.progress import never_stop, no_progress
 
-    results = []
+    kept, results = [], []
     for i, ckpt in enumerate(checkpoints):
         with progress(i, ckpt) if progress else nullcontext(no_progress) as on_progress:
-            try:
-                results.append(
-                    measure(
+
+            def one(ckpt=ckpt, on_progress=on_progress):
+                try:
+                    return measure(
                         base_spec.with_model(ckpt.model),
                         cache,
                         on_progress=on_progress,
                         on_notice=on_notice,
                         should_stop=should_stop or never_stop,
                     )
-                )
-            except IsotuiError as exc:
-                raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
-    return assemble_series(series, checkpoints, results)
+                except IsotuiError as exc:
+                    raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
+
+            result = failures.attempt(ckpt.label, one) if failures is not None else one()
+        if result is not None:
+            kept.append(ckpt)
+            results.append(result)
+    return assemble_series(series, kept, results) if results else None
 
 
 def assemble_series(series: str | None, checkpoints: list, results: list) -> CheckpointSeries:
@@ -167,6 +178,7 @@ def add_arguments(p) -> None:
 
 def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
+    from isotui.cli import ModelFailures
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.experiments.qk_dynamics import resolve_checkpoints
     from isotui.paths import cache_dir
@@ -177,6 +189,8 @@ def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     base = spec_from_args(args, checkpoints[0].model)
     cache = None if args.no_cache else ResultCache(cache_dir(args.cache_dir))
     n = len(checkpoints)
+    outcome = Outcome("checkpoints", [], [], {}, total=n, what="checkpoints")
+    failures = ModelFailures(outcome, on_error)
     result = run_series(
         args.model,
         checkpoints,
@@ -184,20 +198,23 @@ def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
         cache,
         progress=lambda i, c: progress_printer(err, f"{i + 1}/{n} {c.label}", quiet=args.quiet),
         on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+        failures=failures,
     )
-    payload = {
+    if result is None:  # every checkpoint failed, each said as it did
+        return outcome
+    outcome.results, outcome.rows = [result], result.csv_rows()
+    outcome.payload = {
         "series": result.series,
-        "checkpoints": [c.__dict__ for c in checkpoints],
+        "checkpoints": [c.__dict__ for c in result.checkpoints],
         "results": [r.to_json() for r in result.results],
     }
-    return Outcome("checkpoints", [result], result.csv_rows(), payload, [heatmap(result, args.metric)])
+    outcome.tables = [heatmap(result, args.metric)]
+    if on_table:
+        on_table(outcome.tables[0])
+    return outcome
 
 
 def main(args, err) -> int:
-    from isotui.cli import stdout_console
-    from isotui.cli_experiments import report
+    from isotui.cli_experiments import command_main
 
-    out = stdout_console()
-    outcome = collect(args, err, width=out.width)
-    out.print(outcome.tables[0])
-    return report(outcome, args, err)
+    return command_main(collect)(args, err)

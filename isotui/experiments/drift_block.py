@@ -198,6 +198,16 @@ class DriftBlockConfig:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    def memory_bytes(self) -> int:
+        """A lower bound of the memory one seed needs (float32): the embedding table (kept on
+        the device), the block, and one N's activations (inputs, Q/K/V, outputs, the feed-forward
+        and the attention scores with their softmax)."""
+        h, i, tokens = self.hidden, self.intermediate, self.batch * self.seq_len
+        table = self.vocab * h
+        block = 4 * h * h + 2 * h * i
+        activations = tokens * (8 * h + 2 * i) + 2 * self.batch * self.heads * self.seq_len**2
+        return 4 * (table + block + activations) + 8 * tokens
+
     def settings(self) -> dict[str, Any]:
         """The settings that decide the numbers (not the seeds or the device)."""
         return {
@@ -713,6 +723,24 @@ def _measure(built: BlockInputs, norm: float, heads: int, device) -> _Step:
 # ----------------------------------------------------------------------------- the sweep
 
 
+def _too_big(config: DriftBlockConfig, device: str, have: int | None) -> IsotuiError:
+    free = f", and {have / 2**30:.1f} GiB is free on {device}" if have is not None else f" on {device}"
+    return IsotuiError(
+        f"drift-block with --vocab {config.vocab} --hidden {config.hidden} --intermediate "
+        f"{config.intermediate} --batch {config.batch} --seq-len {config.seq_len} needs at least "
+        f"{config.memory_bytes() / 2**30:.1f} GiB{free}; give smaller sizes"
+    )
+
+
+def _check_memory(config: DriftBlockConfig, device: str) -> None:
+    """Refuse sizes that cannot fit before allocating anything, saying the memory they need."""
+    from isotui.extract.device import available_memory
+
+    have = available_memory(device)
+    if have is not None and config.memory_bytes() > have:
+        raise _too_big(config, device, have)
+
+
 def _run_seed(
     config: DriftBlockConfig,
     seed: int,
@@ -725,11 +753,18 @@ def _run_seed(
     import torch
 
     start = time.perf_counter()
-    built = build_block(config, seed)
-    built.block.to(device)
-    built.embeddings = built.embeddings.to(device)
-    built.ids = built.ids.to(device)
-    built.b_u = built.b_u.to(device)
+    try:  # the estimate is a lower bound: an allocation that still fails is said the same way
+        built = build_block(config, seed)
+        built.block.to(device)
+        built.embeddings = built.embeddings.to(device)
+        built.ids = built.ids.to(device)
+        built.b_u = built.b_u.to(device)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise _too_big(config, device, None) from None
+    except RuntimeError as exc:
+        if "allocate" not in str(exc):
+            raise
+        raise _too_big(config, device, None) from None
     with torch.inference_mode():
         steps = []
         for norm in config.norms:
@@ -842,6 +877,7 @@ def run_drift_block(
                 from isotui.extract.device import resolve_device
 
                 device = resolve_device(config.device)
+                _check_memory(config, device)
 
             def tick(_norm: float) -> None:
                 nonlocal done

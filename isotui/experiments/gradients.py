@@ -378,20 +378,22 @@ def add_arguments(p) -> None:
 
 def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
+    from isotui.cli import ModelFailures
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.results import Outcome
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
-    outcome = Outcome("gradients", [], [], {})
+    outcome = Outcome("gradients", [], [], {}, total=len(models))
+    failures = ModelFailures(outcome, on_error)
+
+    def one(model: str):
+        with progress_printer(err, model, quiet=args.quiet) as bar:
+            return measure_gradients(base.with_model(model), top_k=args.top_k, on_progress=bar)
+
     for model in models:
-        try:
-            with progress_printer(err, model, quiet=args.quiet) as bar:
-                result = measure_gradients(base.with_model(model), top_k=args.top_k, on_progress=bar)
-        except IsotuiError as exc:
-            outcome.failed.append((model, str(exc)))
-            if on_error:
-                on_error(model, str(exc))
+        result = failures.attempt(model, one, model)
+        if result is None:
             continue
         outcome.results.append(result)
         outcome.tables.append(gradients_table(result))

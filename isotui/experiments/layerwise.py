@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -31,7 +31,7 @@ class Prepared:
 
     spec: RunSpec
     key: str
-    samples: list[str]
+    samples: Sequence[str]
     model_fingerprint: str
     data_fingerprint: str
     dtype: str
@@ -44,7 +44,7 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
     ``cache``: where local weights' content digests are remembered (None: hash them anew)."""
     ref = parse_model(spec.model)
     model_fp = ref.fingerprint(cache.root if cache is not None else None)
-    samples = load_samples(spec.data, spec.max_samples)
+    samples = load_samples(spec.data, spec.max_samples, spec.max_length)
     data_fp = fingerprint(samples, spec.data)
     declared = ref.declared_dtype()
     device = None
@@ -63,6 +63,7 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
         "seed": spec.seed,
         "reservoir": spec.reservoir,
         **({"map_units": spec.map_units} if spec.data.modality == "image" else {}),
+        **({"tokenizer": spec.tokenizer} if spec.tokenizer else {}),  # only when given: old keys hold
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
     return Prepared(spec, key, samples, model_fp, data_fp, dtype, device)
@@ -156,6 +157,7 @@ def load_prepared(prepared: Prepared, **kwargs):
         dtype=prepared.dtype,
         seed=spec.seed,
         trust_remote_code=spec.trust_remote_code,
+        tokenizer=spec.tokenizer,
         **kwargs,
     )
     return loaded, device
@@ -212,7 +214,7 @@ def compute(
         "reservoir": spec.reservoir,
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
-        "notes": loaded.notes + ex.notes,
+        "notes": loaded.notes + ex.notes + list(getattr(prepared.samples, "notes", [])),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {
             "isotui": __version__,

@@ -246,24 +246,28 @@ def run_dynamics(
     progress=None,
     should_stop=None,
     on_notice=None,
-) -> DynamicsResult:
+    failures=None,
+) -> DynamicsResult | None:
     """Measure every checkpoint (each cached on its own), then build the trajectories.
 
     ``progress(i, checkpoint)``, if given, returns a context manager yielding that checkpoint's
-    progress callback (a bar headless, job events in the app).
+    progress callback (a bar headless, job events in the app). ``failures`` (a
+    :class:`isotui.cli.ModelFailures`): a checkpoint that fails is said and left out, the series
+    is built from the rest (None when none is left); without it the first failure ends the series.
     """
     from contextlib import nullcontext
 
     from isotui.experiments.attention import measure_attention
     from isotui.extract.progress import never_stop, no_progress
 
-    results = []
+    kept, results = [], []
     for i, ckpt in enumerate(checkpoints):
         context = progress(i, ckpt) if progress else nullcontext(no_progress)
         with context as on_progress:
-            try:
-                results.append(
-                    measure_attention(
+
+            def one(ckpt=ckpt, on_progress=on_progress):
+                try:
+                    return measure_attention(
                         base_spec.with_model(ckpt.model),
                         cache,
                         sample_size=sample_size,
@@ -271,10 +275,14 @@ def run_dynamics(
                         should_stop=should_stop or never_stop,
                         on_notice=on_notice,
                     )
-                )
-            except IsotuiError as exc:
-                raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
-    return assemble(model, checkpoints, results, sample_size)
+                except IsotuiError as exc:
+                    raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
+
+            result = failures.attempt(ckpt.label, one) if failures is not None else one()
+        if result is not None:
+            kept.append(ckpt)
+            results.append(result)
+    return assemble(model, kept, results, sample_size) if results else None
 
 
 def assemble(
@@ -326,6 +334,7 @@ def add_arguments(p) -> None:
 def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     """The command's work without its output (see :func:`isotui.cli.collect_run`): the tables,
     then the trajectory figure (``--plot``) as one more renderable."""
+    from isotui.cli import ModelFailures
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.experiments.attention import attention_cache
     from isotui.paths import cache_dir
@@ -343,6 +352,8 @@ def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     base = spec_from_args(args, checkpoints[0].model)
     cache = None if args.no_cache else attention_cache(cache_dir(args.cache_dir))
     n = len(checkpoints)
+    outcome = Outcome("qk-dynamics", [], [], {}, total=n, what="checkpoints")
+    failures = ModelFailures(outcome, on_error)
     result = run_dynamics(
         args.model,
         checkpoints,
@@ -351,28 +362,32 @@ def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
         sample_size=sample,
         progress=lambda i, c: progress_printer(err, f"{i + 1}/{n} {c.label}", quiet=args.quiet),
         on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+        failures=failures,
     )
+    if result is None:  # too few checkpoints left, each failure said as it happened
+        return outcome
     tables = list(dynamics_tables(result))
     if plot is not None:
         from rich.text import Text
 
         tables.append(Text.from_ansi(trajectory_text(result, *plot, basis=args.basis, width=min(width, 100))))
-    payload = {
+    outcome.results, outcome.rows, outcome.tables = [result], [asdict(r) for r in result.rows], tables
+    outcome.payload = {
         "series": result.series,
-        "checkpoints": [c.__dict__ for c in checkpoints],
+        "checkpoints": [c.__dict__ for c in result.checkpoints],
         "sites": result.sites,
         "rows": [r.__dict__ for r in result.rows],
         "meta": result.meta,
     }
-    return Outcome("qk-dynamics", [result], [asdict(r) for r in result.rows], payload, tables)
+    return outcome
 
 
 def main(args, err) -> int:
-    from isotui.cli import stdout_console
+    from isotui.cli import print_error, stdout_console
     from isotui.cli_experiments import report
 
     out = stdout_console()
-    outcome = collect(args, err, width=out.width)
+    outcome = collect(args, err, width=out.width, on_error=lambda _name, text: print_error(err, text))
     for i, table in enumerate(outcome.tables):
         out.print(table)
         if args.plot is None or i < len(outcome.tables) - 1:  # a blank line after each table

@@ -268,9 +268,14 @@ def _prepare_out(out: Path, settings: Settings, force: bool) -> None:
     """Refuse a foreign or earlier output (unless --force for ours); clear ours when forced."""
     if out.exists() and not out.is_dir():
         raise IsotuiError(f"--out {out} is a file, not a folder; give a new or empty folder")
-    if not out.exists() or not any(out.iterdir()):
-        out.mkdir(parents=True, exist_ok=True)
-        return
+    try:
+        if not out.exists() or not any(out.iterdir()):
+            out.mkdir(parents=True, exist_ok=True)
+            return
+    except OSError as exc:
+        raise IsotuiError(
+            f"--out {out} cannot be created or read ({exc.strerror}); give a folder you can write to"
+        ) from None
     earlier = read_run(out)
     if earlier is None:
         raise IsotuiError(

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import re
+
 from isotui.errors import IsotuiError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _HALF = ("bfloat16", "float16")
 
 
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:[0-9]+)?)$")
+
+
 def validate_device(device: str) -> str:
-    kind = device.split(":", 1)[0]
-    if kind not in ("auto", "cpu", "cuda", "mps"):
-        raise IsotuiError(f"device {device!r} is not one of auto, cpu, cuda, cuda:N or mps")
+    """The device's form (no torch needed): auto, cpu, mps, cuda or cuda:N with N a number."""
+    if not _DEVICE.match(device):
+        raise IsotuiError(f"device {device!r} is not one of auto, cpu, cuda, cuda:N (N a GPU number) or mps")
     return device
 
 
@@ -29,6 +34,13 @@ def resolve_device(device: str) -> str:
         raise IsotuiError(
             f"device {device!r} was asked for but this torch sees no CUDA GPU; use --device cpu"
         )
+    if kind == "cuda" and ":" in device:
+        index, count = int(device.split(":", 1)[1]), torch.cuda.device_count()
+        if index >= count:
+            raise IsotuiError(
+                f"device {device!r} does not exist: this machine has {count} CUDA GPU(s), "
+                f"cuda:0 to cuda:{count - 1}"
+            )
     if kind == "mps" and not torch.backends.mps.is_available():
         raise IsotuiError("device 'mps' was asked for but it is not available here; use --device cpu")
     return device
@@ -51,6 +63,26 @@ def resolve_dtype(dtype: str, device_kind: str | None, declared: str | None) -> 
     if declared in _HALF and device_kind not in (None, "cpu"):
         return declared
     return "float32"
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes a job could still allocate on ``device``: free GPU memory, or the system's available
+    RAM on CPU (Linux); None where it cannot be told."""
+    import torch
+
+    kind = device.split(":", 1)[0]
+    if kind == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if kind != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def memory_in_use(device: str) -> int:

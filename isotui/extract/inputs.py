@@ -25,7 +25,7 @@ import numpy as np
 from isotui.data.media import SYNTHETIC_AUDIO_RATE, load_audio, load_image, synthetic_audio
 from isotui.errors import IsotuiError
 from isotui.extract.tokens import Tokens, tokenize
-from isotui.models.loading import LoadedModel
+from isotui.models.loading import UNKNOWN_CHECK_SAMPLES, LoadedModel, check_unknown_share
 
 PADDING_SENSITIVE = ("canine",)  # text models whose real positions change when a batch is padded
 IMAGE_NOMINAL_UNITS = 256  # an image's weight in the token budget (a ViT-B/16 has 197 tokens)
@@ -66,6 +66,8 @@ class TextFeeder:
             loaded.tokenizer, samples, max_length, with_types=takes_token_types(loaded, runner_accepts)
         )
         self.lengths = self.tokens.lengths
+        first = int(self.tokens.offsets[min(UNKNOWN_CHECK_SAMPLES, len(self.lengths))])
+        check_unknown_share(loaded, self.tokens.ids[:first], self.tokens.special[:first])
         self.pad_id = _pad_id(loaded.tokenizer)
         # CANINE's downsampled layers see padding (its molecules are built over padded characters):
         # batch only samples of the same length, so that no sample is padded.

@@ -246,17 +246,17 @@ class _Runner:
 
         A generator, so that a back-off after running out of memory shrinks later batches too.
         """
-        lengths = [int(n) for n in lengths]
+        lengths = np.asarray(lengths, dtype=np.int64)
         same = getattr(self.feeder, "same_length_key", None)  # only equal inputs share a batch
-        order = sorted(
-            self.selected(len(lengths)),
-            key=lambda i: (-lengths[i], -int(same[i]) if same is not None else 0, i),
-        )
+        chosen = np.asarray(self.selected(len(lengths)), dtype=np.int64)
+        sub = lengths[chosen]
+        keys = (-sub,) if same is None else (-np.asarray(same, dtype=np.int64)[chosen], -sub)
+        order = chosen[np.lexsort(keys)]  # stable: longest first, then by key, then in sample order
         pos = 0
         while pos < len(order):
-            width = max(lengths[order[pos]], 1)
+            width = max(int(lengths[order[pos]]), 1)
             cap = self.batch_cap or max(1, self.token_budget // width)
-            batch = order[pos : pos + cap]
+            batch = order[pos : pos + cap].tolist()
             if same is not None:  # equal keys sit next to each other in this order
                 batch = [i for i in batch if same[i] == same[batch[0]]]
             yield batch

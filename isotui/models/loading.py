@@ -48,7 +48,8 @@ class LoadedModel:
     modality: str = "text"
     processor: Any = None
     family: str = "transformers"
-    own_tokenizer: bool = True  # False: a stand-in (untrained models fed MiniLM's tokenizer)
+    own_tokenizer: bool = True  # False: a stand-in (untrained models fed MiniLM's tokenizer, --tokenizer)
+    name: str = ""  # as the user named the model, for messages
 
     @property
     def model_type(self) -> str:
@@ -85,18 +86,45 @@ def _short(exc: BaseException) -> str:
 
 
 def load_model(
-    ref: ModelRef, *, device: str, dtype: str, seed: int, trust_remote_code: bool, head: str | None = None
+    ref: ModelRef,
+    *,
+    device: str,
+    dtype: str,
+    seed: int,
+    trust_remote_code: bool,
+    head: str | None = None,
+    tokenizer: str | None = None,
 ) -> LoadedModel:
     """Load ``ref`` onto ``device`` in ``dtype``; every failure becomes one :class:`IsotuiError`.
+
+    ``tokenizer`` (``--tokenizer``): a text model is fed this tokenizer instead of its own
+    (``own_tokenizer`` False); without it, a checkpoint with no usable tokenizer of its own is
+    refused (see :func:`check_tokenizer`) rather than measured on unknown tokens.
 
     ``head="lm"``: the model with its language-model head (masked LM for encoders, causal LM for
     decoders, see :func:`lm_class`) instead of the bare ``AutoModel``; a checkpoint that lacks
     the head's weights is refused in one sentence rather than given a random head.
     """
+    loaded = _load(
+        ref, device=device, dtype=dtype, seed=seed, trust=trust_remote_code, head=head, tokenizer=tokenizer
+    )
+    loaded.name = ref.name
+    if loaded.modality == "text" and tokenizer is not None and ref.kind != "random":
+        loaded.tokenizer, loaded.own_tokenizer = _given_tokenizer(tokenizer, trust_remote_code), False
+        loaded.notes.append(f"fed the tokenizer {tokenizer} (--tokenizer), not the model's own")
+    if loaded.modality == "text" and ref.kind != "random":  # untrained: any tokenizer is a stand-in
+        check_tokenizer(loaded)
+    return loaded
+
+
+def _load(
+    ref: ModelRef, *, device: str, dtype: str, seed: int, trust: bool, head: str | None, tokenizer: str | None
+) -> LoadedModel:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
     _quiet_transformers()
+    trust_remote_code = trust
     torch_dtype = getattr(torch, dtype)
     if ref.kind == "timm" or (ref.kind == "random" and ref.random_source_kind == "timm"):
         if head:
@@ -104,7 +132,13 @@ def load_model(
         return _load_timm(ref, device=device, torch_dtype=torch_dtype, seed=seed)
     if ref.kind == "random":
         return _load_random(
-            ref, device=device, torch_dtype=torch_dtype, seed=seed, trust=trust_remote_code, head=head
+            ref,
+            device=device,
+            torch_dtype=torch_dtype,
+            seed=seed,
+            trust=trust_remote_code,
+            head=head,
+            tokenizer=tokenizer,
         )
     folder = ref.local_dir()
     if folder is not None and ref.kind == "hub" and not _has_weights(folder):
@@ -125,17 +159,93 @@ def load_model(
     except IsotuiError:
         raise
     except Exception as exc:
-        hint = "" if trust_remote_code else " (if it needs its own code, pass --trust-remote-code)"
+        own_code = not trust_remote_code and _names_own_code(where, kwargs)
+        hint = " (it needs its own code: pass --trust-remote-code if you trust it)" if own_code else ""
         raise IsotuiError(f"could not load model {ref.name!r}: {_short(exc)}{hint}") from None
     loaded = LoadedModel(model.to(device).eval(), None, modality=_modality(model, ref.name))
     if loaded.modality == "text":
         try:
             loaded.tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
         except Exception as exc:
-            raise IsotuiError(f"could not load the tokenizer of model {ref.name!r}: {_short(exc)}") from None
+            raise IsotuiError(
+                f"could not load the tokenizer of model {ref.name!r} ({_short(exc)}); pass the tokenizer it "
+                "was trained with as --tokenizer NAME_OR_DIR"
+            ) from None
     else:
         _attach_processor(loaded, where, kwargs)
     return loaded
+
+
+def _names_own_code(where: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether the checkpoint's config.json asks for code of its own (``auto_map``) or names a
+    ``model_type`` this transformers does not know: only then is --trust-remote-code the advice."""
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config, _ = PretrainedConfig.get_config_dict(where, revision=kwargs.get("revision"))
+    except Exception:
+        return False  # no readable config: the load error itself says what is wrong
+    model_type = config.get("model_type")
+    return "auto_map" in config or (isinstance(model_type, str) and model_type not in CONFIG_MAPPING)
+
+
+TOKENIZER_MIN_SHARE = 0.5  # a tokenizer covering less of the embedding table is not the model's
+UNKNOWN_MAX_SHARE = 0.5  # more unknown tokens than this on the first samples: a foreign tokenizer
+UNKNOWN_CHECK_SAMPLES = 64
+
+
+def _given_tokenizer(name: str, trust: bool) -> Any:
+    """The tokenizer ``--tokenizer`` names: ``minilm``, a hub id, or a folder."""
+    from transformers import AutoTokenizer
+
+    where = str(bundled_minilm_dir()) if name == "minilm" else name
+    try:
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust)
+    except Exception as exc:
+        raise IsotuiError(
+            f"--tokenizer {name}: could not load it ({_short(exc)}); give a hub id, minilm, or a folder "
+            "with tokenizer files"
+        ) from None
+
+
+def _fix_advice(loaded: LoadedModel) -> str:
+    return (
+        "pass the tokenizer it was trained with as --tokenizer NAME_OR_DIR"
+        if loaded.own_tokenizer
+        else "pass another one as --tokenizer NAME_OR_DIR"
+    )
+
+
+def check_tokenizer(loaded: LoadedModel) -> None:
+    """Refuse a text model whose tokenizer cannot be the right one: its vocabulary covers less
+    than half of the model's embedding table (transformers builds a 5-token tokenizer for a
+    folder without tokenizer files, which turns every word into the unknown token)."""
+    try:
+        rows = getattr(loaded.model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):  # CANINE hashes characters: no table to compare
+        rows = None
+    size = len(loaded.tokenizer)
+    if isinstance(rows, int) and size < TOKENIZER_MIN_SHARE * rows:
+        whose = "its tokenizer" if loaded.own_tokenizer else "the tokenizer given"
+        raise IsotuiError(
+            f"model {loaded.name!r} has {rows:,} token embeddings but {whose} knows only {size:,} tokens, "
+            f"so most words would be fed as unknown; {_fix_advice(loaded)}"
+        )
+
+
+def check_unknown_share(loaded: LoadedModel, ids: Any, special: Any) -> None:
+    """Refuse a tokenizer that makes most of the first samples' tokens its unknown token."""
+    unk = getattr(loaded.tokenizer, "unk_token_id", None)
+    if not isinstance(unk, int):
+        return
+    words = ids[~special]
+    if len(words) and (words == unk).mean() > UNKNOWN_MAX_SHARE:
+        token = getattr(loaded.tokenizer, "unk_token", "unknown")
+        raise IsotuiError(
+            f"the tokenizer of model {loaded.name!r} turns {(words == unk).mean():.0%} of the first "
+            f"samples' tokens into the unknown token {token}; {_fix_advice(loaded)}"
+        )
 
 
 def _modality(model: Any, name: str) -> str:
@@ -212,7 +322,14 @@ def _load_timm(ref: ModelRef, *, device: str, torch_dtype: Any, seed: int) -> Lo
 
 
 def _load_random(
-    ref: ModelRef, *, device: str, torch_dtype: Any, seed: int, trust: bool, head: str | None = None
+    ref: ModelRef,
+    *,
+    device: str,
+    torch_dtype: Any,
+    seed: int,
+    trust: bool,
+    head: str | None = None,
+    tokenizer: str | None = None,
 ) -> LoadedModel:
     import torch
     from transformers import AutoConfig, AutoModel
@@ -237,16 +354,28 @@ def _load_random(
             f"model {ref.name!r}: {type(config).__name__} has no setting {unknown[0]!r}; "
             "check the spelling against the model's config.json"
         )
-    if kind == "type":  # through the constructor, so derived settings follow (T5's num_decoder_layers)
-        config = AutoConfig.for_model(ref.source, **overrides)
-    else:
-        for key, value in overrides.items():
-            setattr(config, key, value)
+    try:
+        if kind == "type":  # through the constructor, so derived settings follow (T5's num_decoder_layers)
+            config = AutoConfig.for_model(ref.source, **overrides)
+        else:
+            for key, value in overrides.items():
+                setattr(config, key, value)
+    except Exception as exc:  # a value of the wrong type (hidden_size=abc): transformers validates it
+        given = ", ".join(f"{k}={v}" for k, v in ref.overrides)
+        raise IsotuiError(
+            f"model {ref.name!r}: {type(config).__name__} refuses the settings {given} "
+            f"({' '.join(str(exc).split())[:300]})"
+        ) from None
     model_cls = lm_class(config, ref.name) if head else _model_class(config)
     modality = MODALITY_OF_INPUT.get(getattr(model_cls, "main_input_name", "input_ids"), "text")
-    tokenizer, own_tokenizer = None, True
+    own_tokenizer, given = True, tokenizer
+    tokenizer = None
     if modality == "text":
-        tokenizer, own_tokenizer = _random_tokenizer(ref, config, trust, notes)
+        if given is not None:
+            tokenizer, own_tokenizer = _given_tokenizer(given, trust), False
+            notes.append(f"untrained model fed the tokenizer {tokenizer.name_or_path} (--tokenizer)")
+        else:
+            tokenizer, own_tokenizer = _random_tokenizer(ref, config, trust, notes)
         vocab = getattr(config, "vocab_size", None)
         if isinstance(vocab, int) and vocab < len(tokenizer):
             config.vocab_size = len(tokenizer)

@@ -59,6 +59,7 @@ DEVICE_REFRESH_S = 10.0
 MAIN_ONLY_ACTIONS = frozenset(
     {"focus_input", "toggle_compare", "toggle_depth", "sort", "lab", "export_table", "run", "cycle_metric"}
 )
+QUIT_WAIT_S = 15.0  # how long quitting waits for a running job to stop at a safe point
 
 
 def _num(value: float, digits: int) -> str:
@@ -196,6 +197,7 @@ class IsotuiApp(App):
         self.device_line = ""
         self.backend_factory = backend_factory  # tests pass a backend with a fake, slow model
         self.backend: Backend | None = None
+        self._stopping = False  # quitting: waiting for the running job to stop
         self.entries: list[Entry] = []
         self.results: dict[str, ModelResult] = {}
         # the attention lab's results: attention per model, the latest dynamics and drift block
@@ -367,6 +369,35 @@ class IsotuiApp(App):
         self.save_session()
         if self.backend is not None:
             self.backend.close(wait=False)
+
+    async def action_quit(self) -> None:
+        """Quit; with a job in flight, cancel it and wait (at most :data:`QUIT_WAIT_S`) for its
+        worker to reach a safe point: leaving while a torch thread computes aborts the process."""
+        if self.backend is None or not self.backend.busy():
+            self.exit()
+            return
+        if self._stopping:
+            return  # already on its way out
+        self._stopping = True
+        self.notify(
+            f"stopping... cancelling the running job (at most {QUIT_WAIT_S:.0f} s)",
+            title="quitting",
+            timeout=60,
+        )
+        self.backend.close(wait=False)
+        self._exit_when_idle()
+
+    @work(thread=True, group="quit")
+    def _exit_when_idle(self) -> None:
+        self.backend.wait_idle(QUIT_WAIT_S)
+        self.call_from_thread(self.exit)
+
+    def action_help_quit(self) -> None:
+        """Ctrl+C: say how to quit, in plain text (notifications here are not Rich markup)."""
+        for key, active in self.active_bindings.items():
+            if active.binding.action in ("quit", "app.quit"):
+                self.notify(f"Press {key} to quit the app", title="Do you want to quit?")
+                return
 
     # -- header ------------------------------------------------------------------------------
 
@@ -865,6 +896,17 @@ class IsotuiApp(App):
         plt.xticks(ticks, [str(t) for t in ticks])
 
 
-def run_app(fresh: bool = False) -> None:
-    """Entry point of ``isotui`` with no arguments (``--fresh``: without the last session)."""
-    IsotuiApp(fresh=fresh).run()
+def run_app(app: IsotuiApp | None = None, *, fresh: bool = False, **run_kwargs: Any) -> None:
+    """Entry point of ``isotui`` with no arguments (``--fresh``: without the last session;
+    ``run_kwargs``: e.g. headless with a pilot)."""
+    app = app or IsotuiApp(fresh=fresh)
+    app.run(**run_kwargs)
+    if app.backend is not None and not app.backend.wait_idle(0):
+        # A worker still inside torch past the bounded wait: leave without the interpreter's
+        # teardown, which would abort ("terminate called without an active exception", 134).
+        import os
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
