@@ -36,10 +36,31 @@ class Prepared:
     data_fingerprint: str
     dtype: str
     device: str | None
+    max_length: int | None = None  # resolved (text), None when only loading can tell
+    legacy_keys: tuple[str, ...] = ()  # older keys of the same computation, still read
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every key this computation may be cached under: the current one first."""
+        return (self.key, *self.legacy_keys)
+
+
+def run_key(key_fields: dict) -> str:
+    """The hash of a run's resolved settings."""
+    return hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def prepare(spec: RunSpec) -> Prepared:
-    """Resolve names, data and dtype and derive the cache key, importing torch only if needed."""
+    """Resolve names, data, dtype and max length and derive the cache key, importing torch only
+    if needed.
+
+    The key hashes resolved values, so one computation has one key: the max length a run will
+    use (``--max-length 512`` on MiniLM is the default run), the dtype it will run in, never
+    the device. Entries written before the max length was resolved hashed the requested one
+    (None for a default run); that key is kept in ``legacy_keys`` and still read.
+    """
+    from isotui.models.limits import declared_default_length
+
     ref = parse_model(spec.model)
     model_fp = ref.fingerprint()
     samples = load_samples(spec.data, spec.max_samples)
@@ -51,19 +72,27 @@ def prepare(spec: RunSpec) -> Prepared:
     elif needs_device_for_dtype(spec.dtype, declared):
         device = resolve_device("auto")
     dtype = resolve_dtype(spec.dtype, device.split(":")[0] if device else None, declared)
+    text = spec.data.modality == "text"
+    default = declared_default_length(ref) if text else None
+    max_length = spec.max_length if text else None
+    if text and default is not None and (max_length is None or max_length <= default):
+        max_length = max_length or default  # a longer request is refused when the model loads
     key_fields = {
         "schema": SCHEMA_VERSION,
         "model": model_fp,
         "data": data_fp,
-        "max_length": spec.max_length if spec.data.modality == "text" else None,  # text only
+        "max_length": max_length,  # text only
         "special_tokens": spec.special_tokens,
         "dtype": dtype,
         "seed": spec.seed,
         "reservoir": spec.reservoir,
         **({"map_units": spec.map_units} if spec.data.modality == "image" else {}),
     }
-    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
-    return Prepared(spec, key, samples, model_fp, data_fp, dtype, device)
+    key = run_key(key_fields)
+    legacy = ()
+    if default is not None and max_length == default:  # a default run hashed None before
+        legacy = (run_key({**key_fields, "max_length": None}),)
+    return Prepared(spec, key, samples, model_fp, data_fp, dtype, device, max_length, legacy)
 
 
 NoticeCallback = Callable[[str], None]
@@ -79,11 +108,15 @@ def lookup(
     """The cached result for ``prepared``, or None; a damaged entry is reported and ignored."""
     if cache is None:
         return None
-    try:
-        hit = cache.get(prepared.key)
-    except CacheProblem as problem:
-        on_notice(f"{problem}; recomputing")
-        return None
+    hit = None
+    for key in prepared.keys:
+        try:
+            hit = cache.get(key)
+        except CacheProblem as problem:
+            on_notice(f"{problem}; recomputing")
+            return None
+        if hit is not None:
+            break
     if hit is not None:  # same key: same numbers; the names are the ones asked for now
         hit.model = prepared.spec.model
         for row in hit.rows:

@@ -23,9 +23,9 @@ from isotui.extract.device import memory_in_use
 from isotui.extract.heap import TRIM_EVERY, release_free_memory
 from isotui.extract.inputs import make_feeder
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
+from isotui.models.limits import config_position_limit, default_length, tokenizer_limit
 from isotui.models.loading import LoadedModel, final_norm_modules
 
-DEFAULT_MAX_LENGTH_CAP = 512
 TOKEN_BUDGET = {"cpu": 4096, "mps": 8192, "cuda": 32768}
 COV_BUDGET_BYTES = 1 << 30  # exact streamed covariance while all layers' d x d fit in 1 GiB
 RESERVOIR_BUDGET_BYTES = 1 << 30  # all layers' reservoirs together (float32): caps huge-d layers
@@ -68,12 +68,7 @@ class Extraction:
 
 def position_limit(loaded: LoadedModel) -> int | None:
     """How many positions the model's embeddings have, when its config says so."""
-    config = loaded.model.config
-    for attr in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return config_position_limit(loaded.model.config)
 
 
 def _special_count(tokenizer: Any) -> int:
@@ -102,11 +97,7 @@ def resolve_max_length(loaded: LoadedModel, requested: int | None, model_name: s
                 f"({limit} positions); use --max-length {limit} or less"
             )
         return requested
-    limits = [DEFAULT_MAX_LENGTH_CAP] + ([limit] if limit else [])
-    tok_max = getattr(loaded.tokenizer, "model_max_length", None)
-    if isinstance(tok_max, int) and 0 < tok_max < 1_000_000:
-        limits.append(tok_max)
-    return min(limits)
+    return default_length(limit, tokenizer_limit(getattr(loaded.tokenizer, "model_max_length", None)))
 
 
 def _frequent_types(ids: np.ndarray, kept: np.ndarray, offsets: np.ndarray) -> np.ndarray:
