@@ -344,7 +344,9 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
         for path in experiments:
             path.unlink()
         if experiments:
-            err.print(f"removed {len(experiments)} cached experiment result(s) (attention, drift-block)")
+            err.print(
+                f"removed {len(experiments)} cached experiment result(s) ({', '.join(EXPERIMENT_FOLDERS)})"
+            )
     chosen = entries if args.all else []
     for prefix in args.keys:
         matches = [e for e in entries if e.key.startswith(prefix)]
@@ -358,7 +360,7 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
     return 0
 
 
-EXPERIMENT_FOLDERS = ("attention", "drift-block")  # experiments that cache beside runs/
+EXPERIMENT_FOLDERS = ("attention", "final-norm", "gradients", "drift-block")  # cached beside runs/
 
 
 def _experiment_entries(root: Path) -> list[Path]:

@@ -32,6 +32,12 @@ HELP = "loss gradients w.r.t. hidden states: their anisotropy and share in the a
 MASK_RATE = 0.15
 MASK_SALT = 0x6D6C6D  # separates the masking hash from the reservoir's (same seed)
 GRAM_BUDGET_BYTES = 4 << 30  # all layers' two d x d float64 sums
+FOLDER = "gradients"  # the result cache's folder for this experiment
+SCHEMA = 1
+OFFLINE_LMS = (
+    "random:bert:num_hidden_layers=4 (untrained) or a checkpoint folder of `isotui train-tiny` "
+    "(e.g. runs/tiny/step_000400, trained)"
+)
 
 
 @dataclass
@@ -64,6 +70,42 @@ class GradientResult:
     rows: list[GradientRow]
     notes: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    from_cache: bool = False
+
+
+def cached_gradients(
+    spec, cache, *, top_k: int = 10, on_progress=None, should_stop=None, on_notice=None
+) -> GradientResult:
+    """:func:`measure_gradients` through the result cache (folder ``gradients``; ``cache`` from
+    :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
+    from isotui.experiments.cached import find, keep
+    from isotui.experiments.layerwise import prepare
+
+    _refuse_bundled(spec.model)
+    prepared = prepare(spec)
+    key, found = find(cache, prepared, FOLDER, SCHEMA, {"top_k": top_k}, on_notice)
+    if found is not None:
+        data = found[0]
+        rows = [GradientRow(**{**r, "model": spec.model}) for r in data["rows"]]
+        meta = {**data["meta"], "data": spec.data.describe()}
+        return GradientResult(spec.model, data["objective"], rows, data["notes"], meta, from_cache=True)
+    result = measure_gradients(
+        spec, top_k=top_k, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+    )
+    payload = {k: v for k, v in asdict(result).items() if k != "from_cache"}
+    keep(cache, key, payload, {}, on_notice)
+    return result
+
+
+def _refuse_bundled(model: str) -> None:
+    """The bundled MiniLM is a sentence encoder saved without its masked-LM head: no loss."""
+    from isotui.models.naming import parse_model
+
+    if parse_model(model).kind == "bundled":
+        raise IsotuiError(
+            f"model {model!r} (the bundled MiniLM) is a sentence encoder saved without its masked-LM "
+            f"head, so it has no loss to differentiate; offline, use {OFFLINE_LMS}"
+        )
 
 
 def mlm_mask(seed: int, sample_ids, positions, candidates):
@@ -88,7 +130,9 @@ def mlm_mask(seed: int, sample_ids, positions, candidates):
     return masked
 
 
-def measure_gradients(spec, *, top_k: int = 10, on_progress=None, should_stop=None) -> GradientResult:
+def measure_gradients(
+    spec, *, top_k: int = 10, on_progress=None, should_stop=None, prepared=None
+) -> GradientResult:
     """Stream ``spec``'s data through the model with its LM head, backward to every hidden state."""
     import time
 
@@ -103,7 +147,8 @@ def measure_gradients(spec, *, top_k: int = 10, on_progress=None, should_stop=No
 
     if top_k < 1:
         raise IsotuiError(f"top-k must be a positive integer (got {top_k})")
-    prepared = prepare(spec)
+    _refuse_bundled(spec.model)
+    prepared = prepared or prepare(spec)
     if spec.data.modality != "text":
         raise IsotuiError("the gradient experiment reads language models; give text data")
 
@@ -249,7 +294,6 @@ def _notes(objective: str, top_k: int) -> list[str]:
         f"top-{top_k} share: Σ‖P_k g‖² / Σ‖g‖², P_k onto the top-{top_k} eigenvectors of the layer's "
         "activation covariance (centered, same tokens); random: a seeded random subspace of the same "
         "rank (QR of a Gaussian), expected k/d; best: the most any such subspace can hold",
-        "not cached: recomputed on every run",
     ]
 
 
@@ -265,7 +309,8 @@ def gradients_table(result: GradientResult):
     table = Table(
         title=f"[bold]{escape(result.model)}[/]  {m.get('lm_class')} ({result.objective} LM)  "
         f"{escape(str(m.get('data')))}, {m.get('n_samples')} samples, "
-        f"loss {_f(m.get('loss_per_token', math.nan), 3)} nats/token over {m.get('loss_tokens')} targets",
+        f"loss {_f(m.get('loss_per_token', math.nan), 3)} nats/token over {m.get('loss_tokens')} targets  "
+        f"({'cache' if result.from_cache else format(m.get('seconds', 0), '.1f') + ' s'})",
         title_justify="left",
         header_style="bold",
         pad_edge=False,
@@ -309,7 +354,7 @@ def add_arguments(p) -> None:
         "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
     )
     add_run_flags(p)
-    add_common(p, device_seed=False, cache=False)
+    add_common(p, device_seed=False)
     p.add_argument(
         "--top-k", type=int, default=10, help="principal directions of the activations (default 10)"
     )
@@ -318,16 +363,27 @@ def add_arguments(p) -> None:
 def main(args, err) -> int:
     from isotui.cli import EXIT_BAD_INPUT, stdout_console
     from isotui.cli_experiments import progress_printer, spec_from_args
+    from isotui.experiments.cached import experiment_cache
+    from isotui.paths import cache_dir
     from isotui.store.export import write_payload_json, write_rows_csv
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
+    cache = None if args.no_cache else experiment_cache(cache_dir(args.cache_dir), FOLDER, SCHEMA)
     out = stdout_console()
     results, failed = [], []
     for model in models:
         try:
             with progress_printer(err, model, quiet=args.quiet) as bar:
-                results.append(measure_gradients(base.with_model(model), top_k=args.top_k, on_progress=bar))
+                results.append(
+                    cached_gradients(
+                        base.with_model(model),
+                        cache,
+                        top_k=args.top_k,
+                        on_progress=bar,
+                        on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+                    )
+                )
         except IsotuiError as exc:
             err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
             failed.append(model)
@@ -337,6 +393,6 @@ def main(args, err) -> int:
     if results and args.csv:
         err.print(f"wrote {write_rows_csv([r for res in results for r in res.rows], Path(args.csv))}")
     if results and args.json:
-        payload = {"results": [asdict(r) for r in results]}
+        payload = {"results": [{k: v for k, v in asdict(r).items() if k != "from_cache"} for r in results]}
         err.print(f"wrote {write_payload_json(payload, Path(args.json))}")
     return EXIT_BAD_INPUT if failed else 0
