@@ -94,6 +94,14 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--csv", help="write the per-layer table of all models here")
     p.add_argument("--json", help="write everything (tables, drift correlation, metadata) here")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--wide",
+        nargs="?",
+        const="avg_cos",
+        metavar="METRIC",
+        help="also one table of layers (rows) by models (columns) for METRIC (default avg_cos)",
+    )
+    p.add_argument("--wide-csv", metavar="PATH", help="write that layer x model table here as CSV")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,11 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     cache = sub.add_parser("cache", help="inspect or clear the result cache")
     cache.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui)")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
-    cache_sub.add_parser("ls", help="list cached runs")
-    cache_sub.add_parser("path", help="print the cache folder")
+    ls = cache_sub.add_parser("ls", help="list cached runs")
+    path = cache_sub.add_parser("path", help="print the cache folder")
     rm = cache_sub.add_parser("rm", help="remove cached runs by key (or prefix)")
     rm.add_argument("keys", nargs="*")
     rm.add_argument("--all", action="store_true", help="remove every cached run")
+    for p in (ls, path, rm):  # `cache ls --cache-dir X` as well as `cache --cache-dir X ls`
+        p.add_argument(
+            "--cache-dir", default=argparse.SUPPRESS, help="result cache (default ~/.cache/isotui)"
+        )
+    show = sub.add_parser("show", help="print the table of a cached run (key or prefix from `cache ls`)")
+    show.add_argument("key", help="the run's key, or an unambiguous prefix of at least 6 characters")
+    show.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
+    show.add_argument("--csv", help="write the per-layer table here")
+    show.add_argument("--json", help="write everything (table, drift correlation, metadata) here")
     from isotui.cli_experiments import add_parsers
 
     add_parsers(sub)
@@ -134,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "cache":
             return _cmd_cache(args, err)
+        if args.command == "show":
+            return _cmd_show(args, err)
         if args.command:
             from isotui.cli_experiments import run
 
@@ -235,6 +254,7 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
     for key in ("csv", "json"):  # say it before a long run, not after
         if s.get(key) and Path(s[key]).expanduser().is_dir():
             raise IsotuiError(f"--{key} {s[key]} is a directory; give a file name")
+    wide = _wide_metric(args)
     cache = None if args.no_cache else ResultCache(cache_dir(s.get("cache_dir")))
     out = stdout_console()
     results, failed = [], []
@@ -250,6 +270,18 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
         results.append(result)
         out.print(result_table(result, out.width))
         out.print()
+    if results and args.wide:
+        from isotui.render import wide_table
+
+        out.print(wide_table(results, wide, out.width))
+        out.print()
+    if results and args.wide_csv:
+        from isotui.render import wide_rows
+        from isotui.store.export import write_dicts_csv
+
+        names, rows = wide_rows(results, wide)
+        dicts = [{"component": r[0], "layer": r[1], **dict(zip(names, r[2:], strict=True))} for r in rows]
+        err.print(f"wrote {write_dicts_csv(dicts, Path(args.wide_csv))}")
     if results and s.get("csv"):
         path = write_csv(results, Path(s["csv"]))
         err.print(f"wrote {path}")
@@ -259,6 +291,18 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
     if failed and len(models) > 1:
         err.print(f"isotui: {len(failed)} of {len(models)} models failed: {', '.join(failed)}")
     return EXIT_BAD_INPUT if failed else 0
+
+
+def _wide_metric(args: argparse.Namespace) -> str:
+    """The metric of the layer x model table (``--wide METRIC``), checked before any run."""
+    from isotui.results import LAYER_METRICS
+
+    metric = args.wide or "avg_cos"
+    if metric not in LAYER_METRICS:
+        raise IsotuiError(f"--wide {metric} is not a layer metric; choose one of {', '.join(LAYER_METRICS)}")
+    if args.wide_csv and Path(args.wide_csv).expanduser().is_dir():
+        raise IsotuiError(f"--wide-csv {args.wide_csv} is a directory; give a file name")
+    return metric
 
 
 def _measure_with_progress(spec, cache, err, *, quiet: bool, measure):
@@ -323,14 +367,27 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
             _print_experiment_entries(out, cache.root)
             return 0
         table = Table(title=f"cached runs in {cache.root}", title_justify="left")
-        for col in ("key", "model", "data", "samples", "created", "size"):
+        for col in (
+            "key",
+            "model",
+            "data",
+            "samples",
+            "max len",
+            "dtype",
+            "special",
+            "seed",
+            "created",
+            "size",
+        ):
             table.add_column(col)
         for e in entries:
+            params = _run_params(e.path)
             table.add_row(
                 e.key[:12],
                 e.model,
                 e.data,
                 str(e.n_samples),
+                *(params.get(k, "") for k in ("max_length", "dtype", "special_tokens", "seed")),
                 e.created,
                 f"{e.size_bytes / 1024:.0f} KiB",
             )
@@ -357,6 +414,64 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
     for e in chosen:
         cache.remove(e.key)
     err.print(f"removed {len(chosen)} cached run{'s' if len(chosen) != 1 else ''}")
+    return 0
+
+
+def _run_params(path: Path) -> dict[str, str]:
+    """The settings that tell two entries of one model and data apart (``cache ls``): max length
+    (``-`` for images and audio), dtype, special tokens and seed, from the entry's header."""
+    from isotui.store.cache import ResultCache
+
+    try:
+        meta = ResultCache._header(path)["result"]["meta"]
+    except Exception:  # an unreadable entry is listed as such already
+        return {}
+    modality = meta.get("modality", "text")
+    return {
+        "max_length": str(meta.get("max_length") or "-") if modality == "text" else "-",
+        "dtype": str(meta.get("dtype", "")),
+        "special_tokens": str(meta.get("special_tokens", "")) if modality == "text" else "-",
+        "seed": str(meta.get("seed", "")),
+    }
+
+
+MIN_KEY_PREFIX = 6
+
+
+def _cmd_show(args: argparse.Namespace, err) -> int:
+    """Print a cached run's table; ``--csv``/``--json`` export it as ``isotui run`` would."""
+    from isotui.paths import cache_dir
+    from isotui.render import result_table
+    from isotui.store.cache import CacheProblem, ResultCache
+    from isotui.store.export import write_csv, write_json
+
+    prefix = args.key.strip()
+    if len(prefix) < MIN_KEY_PREFIX:
+        raise IsotuiError(
+            f"key {prefix!r} is too short: give at least {MIN_KEY_PREFIX} characters (see `isotui cache ls`)"
+        )
+    cache = ResultCache(cache_dir(args.cache_dir))
+    matches = [e for e in cache.entries() if e.key.startswith(prefix)]
+    if len(matches) != 1:
+        what = "no cached run" if not matches else f"{len(matches)} cached runs; give more characters"
+        raise IsotuiError(f"key {prefix!r} matches {what} in {cache.root} (see `isotui cache ls`)")
+    for flag in ("csv", "json"):
+        value = getattr(args, flag)
+        if value and Path(value).expanduser().is_dir():
+            raise IsotuiError(f"--{flag} {value} is a directory; give a file name")
+    try:
+        result = cache.get(matches[0].key)
+    except CacheProblem as problem:
+        raise IsotuiError(f"{problem}; remove it with `isotui cache rm {matches[0].key[:12]}`") from None
+    if result is None:
+        raise IsotuiError(f"cached run {matches[0].key[:12]} was removed meanwhile")
+    result.from_cache = True
+    out = stdout_console()
+    out.print(result_table(result, out.width))
+    if args.csv:
+        err.print(f"wrote {write_csv([result], Path(args.csv))}")
+    if args.json:
+        err.print(f"wrote {write_json([result], Path(args.json))}")
     return 0
 
 

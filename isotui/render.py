@@ -133,3 +133,45 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
     table.caption = "\n".join(notes)
     table.caption_justify = "left"
     return table
+
+
+def wide_rows(results: list[ModelResult], metric: str = "avg_cos") -> tuple[list[str], list[list[Any]]]:
+    """(model names, rows): one row per (component, layer) of any model, one value per model
+    (None where a model has no such layer): the layer x model view of Godey et al. Fig. 1."""
+    sites: list[tuple[str, int]] = []
+    values: dict[tuple[str, int], dict[int, float]] = {}
+    for i, result in enumerate(results):
+        for r in result.rows:
+            site = (r.component, r.layer)
+            if site not in values:
+                sites.append(site)
+                values[site] = {}
+            values[site][i] = getattr(r, metric)
+    order = {c: n for n, c in enumerate(dict.fromkeys(c for c, _ in sites))}
+    sites.sort(key=lambda s: (order[s[0]], s[1]))
+    rows = [[c, layer, *(values[(c, layer)].get(i) for i in range(len(results)))] for c, layer in sites]
+    return [r.model for r in results], rows
+
+
+def wide_table(results: list[ModelResult], metric: str = "avg_cos", width: int = 200) -> Table:
+    """Layers (rows) by models (columns) for one metric; the per-model tables have the rest."""
+    models, rows = wide_rows(results, metric)
+    table = Table(
+        title=f"[bold]{metric}[/] per layer, {len(models)} models", title_justify="left", header_style="bold"
+    )
+    table.pad_edge = False
+    many = len({row[0] for row in rows}) > 1
+    table.add_column("layer", justify="right", no_wrap=True)
+    cell = max(8, min(24, (width - 10) // max(1, len(models)) - 3))
+    for model in models:
+        table.add_column(escape(shorten(model, cell)), justify="right", overflow="fold")
+    digits = 1 if metric == "eff_rank" else (3 if metric in ("drift_norm", "mean_norm") else 4)
+    for component, layer, *cells in rows:
+        label = str(layer) if not many and component == "model" else f"{component} {layer}"
+        table.add_row(label, *(_f(v, digits) if v is not None else "" for v in cells))
+    table.caption = (
+        "depth differs between models: compare by row (layer index) or see the per-model tables; "
+        "--wide METRIC shows another metric; --wide-csv writes this table"
+    )
+    table.caption_justify = "left"
+    return table
