@@ -95,6 +95,9 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", help="write everything (tables, drift correlation, metadata) here")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.add_argument(
+        "--verbose", "-v", action="store_true", help="print each phase and the time breakdown on stderr"
+    )
+    p.add_argument(
         "--wide",
         nargs="?",
         const="avg_cos",
@@ -261,7 +264,7 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
     for model in models:
         try:
             result = _measure_with_progress(
-                base.with_model(model), cache, err, quiet=args.quiet, measure=measure
+                base.with_model(model), cache, err, quiet=args.quiet, measure=measure, verbose=args.verbose
             )
         except IsotuiError as exc:
             err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
@@ -305,21 +308,59 @@ def _wide_metric(args: argparse.Namespace) -> str:
     return metric
 
 
-def _measure_with_progress(spec, cache, err, *, quiet: bool, measure):
-    """Run one model with a rich progress bar (samples, tokens, tokens/s) on stderr."""
-    with progress_printer(err, spec.model, quiet=quiet) as on_progress:
-        return measure(
+def _measure_with_progress(spec, cache, err, *, quiet: bool, measure, verbose: bool = False):
+    """Run one model with a rich progress bar (the phase, samples, tokens, tokens/s) on stderr;
+    ``verbose`` also prints each phase and where the time went."""
+    from isotui.render import timing_note
+
+    with progress_printer(err, spec.model, quiet=quiet, verbose=verbose) as on_progress:
+        result = measure(
             spec,
             cache,
             on_progress=on_progress,
             on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
         )
+    if verbose:
+        note = timing_note(result.meta)
+        where = "from the cache" if result.from_cache else "computed"
+        err.print(f"{spec.model}: {where}" + (f"; {note}" if note and not result.from_cache else ""))
+    return result
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-:--"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
+
+
+def progress_status(ev) -> str:
+    """What a job is doing, in words: the phase, and while running samples, tokens, rate, ETA."""
+    if ev.phase == "resolving":
+        return f"resolving {ev.detail}".strip()
+    if ev.phase == "loading":
+        return f"loading the model ({ev.detail})" if ev.detail else "loading the model"
+    if ev.phase == "tokenising":
+        return ev.detail or "tokenising"
+    if ev.phase == "finalising":
+        return f"computing metrics: layer {ev.layers_done + 1}/{ev.layers_total}  ETA {_clock(ev.eta_s)}"
+    if ev.phase == "writing":
+        return f"writing {ev.detail}".strip()
+    total = ev.samples_total or "?"
+    return (
+        f"{ev.samples_done}/{total} samples  {ev.tokens_done:,} tokens  {ev.tokens_per_s:,.0f} tok/s  "
+        f"ETA {_clock(ev.eta_s)}"
+    )
 
 
 @contextmanager
-def progress_printer(err, name: str, *, quiet: bool):
-    """A progress callback drawing a rich bar (samples, tokens, tokens/s) on stderr while open;
-    one-off messages (an out-of-memory back-off) are printed above it."""
+def progress_printer(err, name: str, *, quiet: bool, verbose: bool = False):
+    """A progress callback drawing a rich bar on stderr while open: the phase (resolving, loading,
+    tokenising, running with samples, tokens, tok/s and an ETA that covers the metrics'
+    finalisation, finalising layer by layer, writing); one-off messages (an out-of-memory
+    back-off) are printed above it, and with ``verbose`` each phase as it starts."""
+    import time
+
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from isotui.extract.progress import Progress as Event
@@ -327,24 +368,30 @@ def progress_printer(err, name: str, *, quiet: bool):
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} samples"),
-        TextColumn("{task.fields[tokens]} tokens  {task.fields[rate]:.0f} tok/s"),
+        TextColumn("{task.fields[status]}"),
         TimeElapsedColumn(),
     )
+    started = time.perf_counter()
+    seen: list[str] = []
     with Progress(*columns, console=err, transient=True, disable=quiet) as bar:
-        task = bar.add_task(name, total=None, tokens=0, rate=0.0)
+        task = bar.add_task(name, total=None, status="starting")
 
         def on_progress(ev: Event) -> None:
             if ev.message:
                 bar.console.print(f"[yellow]{name}: {ev.message}[/]", highlight=False)
                 return
-            bar.update(
-                task,
-                total=ev.samples_total,
-                completed=ev.samples_done,
-                tokens=ev.tokens_done,
-                rate=ev.tokens_per_s,
-            )
+            phase = ev.phase or "running"
+            if verbose and phase not in seen:
+                seen.append(phase)
+                line = f"{name}: {phase}: {progress_status(ev)}" if ev.phase else f"{name}: running"
+                bar.console.print(f"[dim]{time.perf_counter() - started:7.1f} s  {line}[/]", highlight=False)
+            if phase == "finalising":
+                total, completed = ev.layers_total, ev.layers_done
+            elif phase == "running" or ev.samples_total:
+                total, completed = ev.samples_total or None, ev.samples_done
+            else:
+                total, completed = None, 0
+            bar.update(task, total=total, completed=completed, status=progress_status(ev))
 
         yield on_progress
 

@@ -102,10 +102,35 @@ COLUMNS: list[Column] = [
 ]
 
 
+TIMING_PARTS = (
+    ("load_s", "load"),
+    ("tokenise_s", "tokenise"),
+    ("forward_s", "forward"),
+    ("metrics_s", "per-batch metrics"),
+    ("finalise_s", "finalise"),
+    ("write_s", "cache write"),
+)
+
+
+def total_seconds(meta: dict[str, Any]) -> float:
+    """The run's wall time from loading to writing (older entries: the extraction's seconds)."""
+    timings = meta.get("timings") or {}
+    return sum(timings.get(k, 0.0) for k, _ in TIMING_PARTS) if timings else meta.get("seconds", 0.0)
+
+
+def timing_note(meta: dict[str, Any]) -> str | None:
+    """``time: load 2.1 s, forward 20.3 s, ...; total 41.0 s`` (what a run spent where)."""
+    timings = meta.get("timings")
+    if not timings:
+        return None
+    parts = [f"{label} {timings[k]:.1f} s" for k, label in TIMING_PARTS if k in timings]
+    return f"time: {', '.join(parts)}; total {total_seconds(meta):.1f} s"
+
+
 def result_table(result: ModelResult, width: int = 200) -> Table:
     """The per-layer table of one model, with the isotropic null and final-norm marks."""
     meta = result.meta
-    source = "cache" if result.from_cache else f"{meta.get('seconds', 0):.1f} s"
+    source = "cache" if result.from_cache else f"{total_seconds(meta):.1f} s"
     title = (
         f"[bold]{escape(result.model)}[/]  {escape(str(meta.get('data')))}  {amount(meta)}  "
         f"{meta.get('dtype')} on {meta.get('device')}  ({source})"
@@ -130,6 +155,9 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
             f"(p={_p(d.spearman_p)}), Pearson r={_f(d.pearson_r, 3)} (p={_p(d.pearson_p)})"
         )
     notes.extend(meta.get("notes", []))
+    timing = timing_note(meta)
+    if timing:
+        notes.append(timing if not result.from_cache else f"time when computed: {timing[6:]}")
     table.caption = "\n".join(notes)
     table.caption_justify = "left"
     return table

@@ -151,14 +151,50 @@ def measure(
     ``cache=None`` recomputes and stores nothing. ``on_notice`` receives one-sentence news
     (e.g. a damaged cache entry being recomputed).
     """
+    from isotui.extract.progress import Progress
+
     notice = on_notice or _no_notice
+    on_progress(
+        Progress(0, 0, 0, 0.0, stage="prepare", phase="resolving", detail="model, data and cache key")
+    )
     prepared = prepare(spec)
     hit = lookup(prepared, cache, notice)
     if hit is not None:
         return hit
     result = compute(prepared, on_progress=on_progress, should_stop=should_stop)
-    store(result, cache, notice)
+    if cache is not None:
+        n = result.meta.get("n_samples") or 0
+        on_progress(
+            Progress(
+                n,
+                n,
+                result.meta.get("n_tokens") or 0,
+                0.0,
+                stage="write",
+                phase="writing",
+                detail="the cache",
+            )
+        )
+        started = time.perf_counter()
+        store(result, cache, notice)
+        result.meta.setdefault("timings", {})["write_s"] = round(time.perf_counter() - started, 3)
     return result
+
+
+def weights_size(spec: RunSpec) -> str:
+    """The model's weight files on disk (``90.9 MB``), or what is known without them."""
+    ref = parse_model(spec.model)
+    if ref.kind == "random":
+        return "untrained, built from its config"
+    try:
+        folder = ref.local_dir()
+    except Exception:
+        folder = None
+    if folder is None:
+        return ""
+    suffixes = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and f.name.endswith(suffixes))
+    return f"{size / 1e6:.1f} MB" if size else ""
 
 
 def extract_options(spec: RunSpec):
@@ -200,10 +236,15 @@ def compute(
     should_stop: StopCheck = never_stop,
 ) -> ModelResult:
     """Load the model, run the extraction and build the table."""
+    from isotui.extract.progress import Progress
     from isotui.extract.runner import extract
 
     spec = prepared.spec
+    n = len(prepared.samples)
+    on_progress(Progress(0, n, 0, 0.0, stage="prepare", phase="loading", detail=weights_size(spec)))
+    started = time.perf_counter()
     loaded, device = load_prepared(prepared)
+    load_s = time.perf_counter() - started
     ex = extract(
         loaded,
         prepared.samples,
@@ -244,6 +285,7 @@ def compute(
         "reservoir": spec.reservoir,
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
+        "timings": {"load_s": round(load_s, 3), **{k: round(v, 3) for k, v in ex.timings.items()}},
         "notes": loaded.notes + ex.notes,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {
