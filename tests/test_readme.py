@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,27 @@ def test_readme_command_runs(argv, workdir):
         timeout=900,
     )
     assert proc.returncode == 0, f"{shlex.join(small(argv))}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
+def test_make_run_installs_only_what_running_needs(tmp_path):
+    """`make run` installs isotui alone (no test extras); `make test` still adds them, as CI on a
+    clean clone needs; TORCH_INDEX puts the CPU torch wheel first."""
+    root = README.parent
+
+    def plan(*args: str) -> str:
+        proc = subprocess.run(
+            ["make", "-n", "-C", str(root), *args, f"VENV={tmp_path / 'venv'}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    run = plan("run")
+    assert "pip install -e .\n" in run and "[test]" not in run and "--index-url" not in run
+    assert "pip install -e '.[test]'" in plan("test")
+    cpu = plan("run", "TORCH_INDEX=https://download.pytorch.org/whl/cpu")
+    torch_line = cpu.index("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    assert torch_line < cpu.index("pip install -e .")
