@@ -374,7 +374,7 @@ def progress_printer(err, name: str, *, quiet: bool, verbose: bool = False):
     started = time.perf_counter()
     seen: list[str] = []
     with Progress(*columns, console=err, transient=True, disable=quiet) as bar:
-        task = bar.add_task(name, total=None, status="starting")
+        task = bar.add_task(name, total=None, status="starting: resolving and loading the model")
 
         def on_progress(ev: Event) -> None:
             if ev.message:
