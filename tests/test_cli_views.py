@@ -53,8 +53,8 @@ def test_show_prints_and_exports_a_cached_run(tiny_models, data, tmp_path, capsy
     assert main(args) == 0
     out = capsys.readouterr().out
     assert str(tiny_models["gpt2"]) in out and "(cache)" in out and "avg_cos" in out
-    table = run_out[run_out.index("┏") :].rstrip()
-    assert table == out[out.index("┏") :].rstrip()  # the same table as the run printed
+    table = run_out[run_out.index("┏") : run_out.rindex("┘")]
+    assert table == out[out.index("┏") : out.rindex("┘")]  # the same table as the run printed
     assert first.read_text() == shown.read_text()
     assert json.loads(shown_json.read_text())["results"][0]["key"] == key
 
