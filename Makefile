@@ -2,16 +2,29 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+STAMP := $(VENV)/.installed-test
+# CPU-only machine: `make run TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU
+# torch wheel first (PyPI's default torch on Linux is the CUDA build, several GB).
+TORCH_INDEX ?=
 
 .PHONY: run test lint format bench clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -e '.[test]'
-	touch $(STAMP)
 
-run: $(STAMP)
+# `make run` installs what running needs; `make test` adds the test extras (pytest, ruff...).
+$(RUN_STAMP): pyproject.toml | $(BIN)/python
+	$(if $(TORCH_INDEX),$(BIN)/pip install torch --index-url $(TORCH_INDEX))
+	$(BIN)/pip install -e .
+	touch $(RUN_STAMP)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(if $(TORCH_INDEX),$(BIN)/pip install torch --index-url $(TORCH_INDEX))
+	$(BIN)/pip install -e '.[test]'
+	touch $(STAMP) $(RUN_STAMP)
+
+run: $(RUN_STAMP)
 	$(BIN)/isotui run sample_configs/minilm_builtin.toml --csv results/minilm_builtin.csv
 
 test: $(STAMP)

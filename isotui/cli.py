@@ -148,6 +148,17 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--csv", help="write the per-layer table of all models here")
     p.add_argument("--json", help="write everything (tables, drift correlation, metadata) here")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--verbose", "-v", action="store_true", help="print each phase and the time breakdown on stderr"
+    )
+    p.add_argument(
+        "--wide",
+        nargs="?",
+        const="avg_cos",
+        metavar="METRIC",
+        help="also one table of layers (rows) by models (columns) for METRIC (default avg_cos)",
+    )
+    p.add_argument("--wide-csv", metavar="PATH", help="write that layer x model table here as CSV")
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser):
@@ -166,11 +177,20 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     cache = sub.add_parser("cache", help="inspect or clear the result cache")
     cache.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui)")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
-    cache_sub.add_parser("ls", help="list cached runs")
-    cache_sub.add_parser("path", help="print the cache folder")
+    ls = cache_sub.add_parser("ls", help="list cached runs")
+    path = cache_sub.add_parser("path", help="print the cache folder")
     rm = cache_sub.add_parser("rm", help="remove cached runs by key (or prefix)")
     rm.add_argument("keys", nargs="*")
     rm.add_argument("--all", action="store_true", help="remove every cached run")
+    for p in (ls, path, rm):  # `cache ls --cache-dir X` as well as `cache --cache-dir X ls`
+        p.add_argument(
+            "--cache-dir", default=argparse.SUPPRESS, help="result cache (default ~/.cache/isotui)"
+        )
+    show = sub.add_parser("show", help="print the table of a cached run (key or prefix from `cache ls`)")
+    show.add_argument("key", help="the run's key, or an unambiguous prefix of at least 6 characters")
+    show.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
+    show.add_argument("--csv", help="write the per-layer table here")
+    show.add_argument("--json", help="write everything (table, drift correlation, metadata) here")
     from isotui.cli_experiments import add_parsers
 
     add_parsers(sub)
@@ -193,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "cache":
             return _cmd_cache(args, err)
+        if args.command == "show":
+            return _cmd_show(args, err)
         if args.command:
             from isotui.cli_experiments import run
 
@@ -284,6 +306,13 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
         on_table=lambda table: (out.print(table), out.print()),
         on_error=lambda _model, text: print_error(err, text),
     )
+    if outcome.results and getattr(args, "wide_csv", None):
+        from isotui.render import wide_rows
+        from isotui.store.export import write_dicts_csv
+
+        names, rows = wide_rows(outcome.results, _wide_metric(args))
+        dicts = [{"component": r[0], "layer": r[1], **dict(zip(names, r[2:], strict=True))} for r in rows]
+        err.print(f"wrote {write_dicts_csv(dicts, Path(args.wide_csv))}")
     return report(outcome, args, err)
 
 
@@ -334,13 +363,21 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
         if s.get(key):
             check_output(s[key], f"--{key}")
     args.csv, args.json = s.get("csv"), s.get("json")  # the config file may name them
+    wide = _wide_metric(args)
     cache = None if args.no_cache else ResultCache(cache_dir(s.get("cache_dir")))
     outcome = Outcome("run", [], [], {}, total=len(models))
     failures = ModelFailures(outcome, on_error)
     for model in models:
         spec = base.with_model(model)
         result = failures.attempt(
-            model, _measure_with_progress, spec, cache, err, quiet=args.quiet, measure=measure
+            model,
+            _measure_with_progress,
+            spec,
+            cache,
+            err,
+            quiet=args.quiet,
+            measure=measure,
+            verbose=getattr(args, "verbose", False),
         )
         if result is None:
             continue
@@ -349,26 +386,83 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
         outcome.tables.append(table)
         if on_table:
             on_table(table)
+    if outcome.results and getattr(args, "wide", None):
+        from isotui.render import wide_table
+
+        outcome.tables.append(wide_table(outcome.results, wide, width))
+        if on_table:
+            on_table(outcome.tables[-1])
     outcome.rows = layer_csv_rows(outcome.results)
     outcome.payload = {"results": [r.to_json() for r in outcome.results]}
     return outcome
 
 
-def _measure_with_progress(spec, cache, err, *, quiet: bool, measure):
-    """Run one model with a rich progress bar (samples, tokens, tokens/s) on stderr."""
-    with progress_printer(err, spec.model, quiet=quiet) as on_progress:
-        return measure(
+def _wide_metric(args: argparse.Namespace) -> str:
+    """The metric of the layer x model table (``--wide METRIC``), checked before any run."""
+    from isotui.results import LAYER_METRICS
+    from isotui.store.files import check_output
+
+    metric = getattr(args, "wide", None) or "avg_cos"
+    if metric not in LAYER_METRICS:
+        raise IsotuiError(f"--wide {metric} is not a layer metric; choose one of {', '.join(LAYER_METRICS)}")
+    if getattr(args, "wide_csv", None):
+        check_output(args.wide_csv, "--wide-csv")
+    return metric
+
+
+def _measure_with_progress(spec, cache, err, *, quiet: bool, measure, verbose: bool = False):
+    """Run one model with a rich progress bar (the phase, samples, tokens, tokens/s) on stderr;
+    ``verbose`` also prints each phase and where the time went."""
+    from isotui.render import timing_note
+
+    with progress_printer(err, spec.model, quiet=quiet, verbose=verbose) as on_progress:
+        result = measure(
             spec,
             cache,
             on_progress=on_progress,
             on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
         )
+    if verbose:
+        note = timing_note(result.meta)
+        where = "from the cache" if result.from_cache else "computed"
+        err.print(f"{spec.model}: {where}" + (f"; {note}" if note and not result.from_cache else ""))
+    return result
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-:--"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
+
+
+def progress_status(ev) -> str:
+    """What a job is doing, in words: the phase, and while running samples, tokens, rate, ETA."""
+    if ev.phase == "resolving":
+        return f"resolving {ev.detail}".strip()
+    if ev.phase == "loading":
+        return f"loading the model ({ev.detail})" if ev.detail else "loading the model"
+    if ev.phase == "tokenising":
+        return ev.detail or "tokenising"
+    if ev.phase == "finalising":
+        return f"computing metrics: layer {ev.layers_done + 1}/{ev.layers_total}  ETA {_clock(ev.eta_s)}"
+    if ev.phase == "writing":
+        return f"writing {ev.detail}".strip()
+    total = ev.samples_total or "?"
+    return (
+        f"{ev.samples_done}/{total} samples  {ev.tokens_done:,} tokens  {ev.tokens_per_s:,.0f} tok/s  "
+        f"ETA {_clock(ev.eta_s)}"
+    )
 
 
 @contextmanager
-def progress_printer(err, name: str, *, quiet: bool):
-    """A progress callback drawing a rich bar (samples, tokens, tokens/s) on stderr while open;
-    one-off messages (an out-of-memory back-off) are printed above it."""
+def progress_printer(err, name: str, *, quiet: bool, verbose: bool = False):
+    """A progress callback drawing a rich bar on stderr while open: the phase (resolving, loading,
+    tokenising, running with samples, tokens, tok/s and an ETA that covers the metrics'
+    finalisation, finalising layer by layer, writing); one-off messages (an out-of-memory
+    back-off) are printed above it, and with ``verbose`` each phase as it starts."""
+    import time
+
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from isotui.extract.progress import Progress as Event
@@ -376,24 +470,30 @@ def progress_printer(err, name: str, *, quiet: bool):
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} samples"),
-        TextColumn("{task.fields[tokens]} tokens  {task.fields[rate]:.0f} tok/s"),
+        TextColumn("{task.fields[status]}"),
         TimeElapsedColumn(),
     )
+    started = time.perf_counter()
+    seen: list[str] = []
     with Progress(*columns, console=err, transient=True, disable=quiet) as bar:
-        task = bar.add_task(name, total=None, tokens=0, rate=0.0)
+        task = bar.add_task(name, total=None, status="starting: resolving and loading the model")
 
         def on_progress(ev: Event) -> None:
             if ev.message:
                 bar.console.print(f"[yellow]{name}: {ev.message}[/]", highlight=False)
                 return
-            bar.update(
-                task,
-                total=ev.samples_total,
-                completed=ev.samples_done,
-                tokens=ev.tokens_done,
-                rate=ev.tokens_per_s,
-            )
+            phase = ev.phase or "running"
+            if verbose and phase not in seen:
+                seen.append(phase)
+                line = f"{name}: {phase}: {progress_status(ev)}" if ev.phase else f"{name}: running"
+                bar.console.print(f"[dim]{time.perf_counter() - started:7.1f} s  {line}[/]", highlight=False)
+            if phase == "finalising":
+                total, completed = ev.layers_total, ev.layers_done
+            elif phase == "running" or ev.samples_total:
+                total, completed = ev.samples_total or None, ev.samples_done
+            else:
+                total, completed = None, 0
+            bar.update(task, total=total, completed=completed, status=progress_status(ev))
 
         yield on_progress
 
@@ -415,14 +515,18 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
             out.print(f"no cached runs in {cache.root}")
         else:
             table = Table(title=f"cached runs in {cache.root}", title_justify="left")
-            for col in ("key", "model", "data", "samples", "created", "size"):
+            for col in ("key", "model", "data", "samples", "max len", "dtype", "special", "seed"):
                 table.add_column(col)
+            table.add_column("created")
+            table.add_column("size")
             for e in scan.entries:
+                params = _run_params(e.path)
                 table.add_row(
                     e.key[:12],
                     e.model,
                     e.data,
                     str(e.n_samples),
+                    *(params.get(k, "") for k in ("max_length", "dtype", "special_tokens", "seed")),
                     e.created,
                     f"{e.size_bytes / 1024:.0f} KiB",
                 )
@@ -464,7 +568,7 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
                 f"{done} of {len(chosen)} removed"
             ) from None
     if removed[True]:
-        err.print(f"removed {removed[True]} cached experiment result(s) (attention, drift-block)")
+        err.print(f"removed {removed[True]} cached experiment result(s) ({', '.join(EXPERIMENT_FOLDERS)})")
     err.print(f"removed {removed[False]} cached run{'s' if removed[False] != 1 else ''}")
     if args.all:
         left = sum(sc.skipped for _, sc in folders)
@@ -473,8 +577,67 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
     return 0
 
 
-EXPERIMENT_FOLDERS = ("attention", "drift-block")  # experiments that cache beside runs/
-KEY_PREFIX_MIN = 6  # `cache rm` takes a full key or a prefix this long (an unset $KEY is '')
+KEY_PREFIX_MIN = 6  # `cache rm` and `show` take a full key or a prefix this long (an unset $KEY is '')
+
+
+def _run_params(path: Path) -> dict[str, str]:
+    """The settings that tell two entries of one model and data apart (``cache ls``): max length
+    (``-`` for images and audio), dtype, special tokens and seed, from the entry's header."""
+    from isotui.store.cache import ResultCache
+
+    try:
+        meta = ResultCache._header(path)["result"]["meta"]
+    except Exception:  # an unreadable entry is listed as such already
+        return {}
+    modality = meta.get("modality", "text")
+    return {
+        "max_length": str(meta.get("max_length") or "-") if modality == "text" else "-",
+        "dtype": str(meta.get("dtype", "")),
+        "special_tokens": str(meta.get("special_tokens", "")) if modality == "text" else "-",
+        "seed": str(meta.get("seed", "")),
+    }
+
+
+def _cmd_show(args: argparse.Namespace, err) -> int:
+    """Print a cached run's table; ``--csv``/``--json`` export it as ``isotui run`` would."""
+    from isotui.paths import cache_dir
+    from isotui.render import result_table
+    from isotui.store.cache import CacheProblem, ResultCache
+    from isotui.store.export import write_csv, write_json
+
+    prefix = args.key.strip()
+    if len(prefix) < KEY_PREFIX_MIN:
+        raise IsotuiError(
+            f"key {prefix!r} is too short: give at least {KEY_PREFIX_MIN} characters (see `isotui cache ls`)"
+        )
+    cache = ResultCache(cache_dir(args.cache_dir))
+    matches = [e for e in cache.entries() if e.key.startswith(prefix)]
+    if len(matches) != 1:
+        what = "no cached run" if not matches else f"{len(matches)} cached runs; give more characters"
+        raise IsotuiError(f"key {prefix!r} matches {what} in {cache.root} (see `isotui cache ls`)")
+    from isotui.store.files import check_output
+
+    for flag in ("csv", "json"):
+        value = getattr(args, flag)
+        if value:
+            check_output(value, f"--{flag}")
+    try:
+        result = cache.get(matches[0].key)
+    except CacheProblem as problem:
+        raise IsotuiError(f"{problem}; remove it with `isotui cache rm {matches[0].key[:12]}`") from None
+    if result is None:
+        raise IsotuiError(f"cached run {matches[0].key[:12]} was removed meanwhile")
+    result.from_cache = True
+    out = stdout_console()
+    out.print(result_table(result, out.width))
+    if args.csv:
+        err.print(f"wrote {write_csv([result], Path(args.csv))}")
+    if args.json:
+        err.print(f"wrote {write_json([result], Path(args.json))}")
+    return 0
+
+
+EXPERIMENT_FOLDERS = ("attention", "final-norm", "gradients", "drift-block")  # cached beside runs/
 
 
 def _print_experiment_entries(out, root: Path) -> int:

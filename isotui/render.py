@@ -102,10 +102,35 @@ COLUMNS: list[Column] = [
 ]
 
 
+TIMING_PARTS = (
+    ("load_s", "load"),
+    ("tokenise_s", "tokenise"),
+    ("forward_s", "forward"),
+    ("metrics_s", "per-batch metrics"),
+    ("finalise_s", "finalise"),
+    ("write_s", "cache write"),
+)
+
+
+def total_seconds(meta: dict[str, Any]) -> float:
+    """The run's wall time from loading to writing (older entries: the extraction's seconds)."""
+    timings = meta.get("timings") or {}
+    return sum(timings.get(k, 0.0) for k, _ in TIMING_PARTS) if timings else meta.get("seconds", 0.0)
+
+
+def timing_note(meta: dict[str, Any]) -> str | None:
+    """``time: load 2.1 s, forward 20.3 s, ...; total 41.0 s`` (what a run spent where)."""
+    timings = meta.get("timings")
+    if not timings:
+        return None
+    parts = [f"{label} {timings[k]:.1f} s" for k, label in TIMING_PARTS if k in timings]
+    return f"time: {', '.join(parts)}; total {total_seconds(meta):.1f} s"
+
+
 def result_table(result: ModelResult, width: int = 200) -> Table:
     """The per-layer table of one model, with the isotropic null and final-norm marks."""
     meta = result.meta
-    source = "cache" if result.from_cache else f"{meta.get('seconds', 0):.1f} s"
+    source = "cache" if result.from_cache else f"{total_seconds(meta):.1f} s"
     title = (
         f"[bold]{escape(result.model)}[/]  {escape(str(meta.get('data')))}  {amount(meta)}  "
         f"{meta.get('dtype')} on {meta.get('device')}  ({source})"
@@ -130,6 +155,51 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
             f"(p={_p(d.spearman_p)}), Pearson r={_f(d.pearson_r, 3)} (p={_p(d.pearson_p)})"
         )
     notes.extend(meta.get("notes", []))
+    timing = timing_note(meta)
+    if timing:
+        notes.append(timing if not result.from_cache else f"time when computed: {timing[6:]}")
     table.caption = "\n".join(notes)
+    table.caption_justify = "left"
+    return table
+
+
+def wide_rows(results: list[ModelResult], metric: str = "avg_cos") -> tuple[list[str], list[list[Any]]]:
+    """(model names, rows): one row per (component, layer) of any model, one value per model
+    (None where a model has no such layer): the layer x model view of Godey et al. Fig. 1."""
+    sites: list[tuple[str, int]] = []
+    values: dict[tuple[str, int], dict[int, float]] = {}
+    for i, result in enumerate(results):
+        for r in result.rows:
+            site = (r.component, r.layer)
+            if site not in values:
+                sites.append(site)
+                values[site] = {}
+            values[site][i] = getattr(r, metric)
+    order = {c: n for n, c in enumerate(dict.fromkeys(c for c, _ in sites))}
+    sites.sort(key=lambda s: (order[s[0]], s[1]))
+    rows = [[c, layer, *(values[(c, layer)].get(i) for i in range(len(results)))] for c, layer in sites]
+    return [r.model for r in results], rows
+
+
+def wide_table(results: list[ModelResult], metric: str = "avg_cos", width: int = 200) -> Table:
+    """Layers (rows) by models (columns) for one metric; the per-model tables have the rest."""
+    models, rows = wide_rows(results, metric)
+    table = Table(
+        title=f"[bold]{metric}[/] per layer, {len(models)} models", title_justify="left", header_style="bold"
+    )
+    table.pad_edge = False
+    many = len({row[0] for row in rows}) > 1
+    table.add_column("layer", justify="right", no_wrap=True)
+    cell = max(8, min(24, (width - 10) // max(1, len(models)) - 3))
+    for model in models:
+        table.add_column(escape(shorten(model, cell)), justify="right", overflow="fold")
+    digits = 1 if metric == "eff_rank" else (3 if metric in ("drift_norm", "mean_norm") else 4)
+    for component, layer, *cells in rows:
+        label = str(layer) if not many and component == "model" else f"{component} {layer}"
+        table.add_row(label, *(_f(v, digits) if v is not None else "" for v in cells))
+    table.caption = (
+        "depth differs between models: compare by row (layer index) or see the per-model tables; "
+        "--wide METRIC shows another metric; --wide-csv writes this table"
+    )
     table.caption_justify = "left"
     return table

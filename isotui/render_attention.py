@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.cells import cell_len
 from rich.markup import escape
 from rich.table import Table
 
@@ -14,8 +20,70 @@ def _site(component: str, layer: int, attention: str, many: bool) -> str:
     return label + (" x" if attention == "cross" else "")
 
 
+def _clean(text: str) -> str:
+    """``-0.000`` -> ``0.000``: a value that rounds to zero has no sign."""
+    return text[1:] if text.startswith("-") and not text.strip("-0.e+") else text
+
+
+def column_formatter(kind: str, values: Sequence[float]) -> Callable[[float], str]:
+    """One formatter for every cell of a column, chosen by the column's kind (and, for kinds that
+    span decades, once for the whole column from its values): never ``5.28e-05`` above
+    ``0.0001`` in one column, never ``-0.000``, counts without decimals."""
+    finite = [abs(v) for v in values if v is not None and math.isfinite(v)]
+    if kind == "count":
+        return lambda v: "-" if v is None or not math.isfinite(v) else str(int(v))
+    if kind == "cos":  # in [-1, 1]
+        digits, sci = 3, False
+    elif kind == "nats":
+        digits, sci = 2, False
+    elif kind == "prob":  # in [0, 1], the smallest ones tiny
+        tiny = [v for v in finite if v > 0]
+        digits, sci = 4, bool(tiny) and min(tiny) < 1e-3
+    else:  # magnitudes: fixed unless the column spans decades below 0.01 or above 1e4
+        nonzero = [v for v in finite if v > 0]
+        digits = 2
+        sci = bool(nonzero) and (min(nonzero) < 1e-2 or max(nonzero) >= 1e4)
+    if sci:
+        return lambda v: "-" if v is None or not math.isfinite(v) else _clean(f"{v:.2e}")
+    return lambda v: "-" if v is None or not math.isfinite(v) else _clean(f"{v:.{digits}f}")
+
+
+@dataclass(frozen=True)
+class AttnColumn:
+    """A column of the attention table: header, the value(s) it shows and its kind (one formatter
+    per kind). :data:`ATTENTION_COLUMNS` is in priority order: a narrow terminal drops columns
+    from the end until the table fits (the CSV always has everything)."""
+
+    header: str
+    values: Callable[[Any], tuple[float, ...]]
+    kind: str
+    per_head: bool | None = None  # None: both views; True/False: only that view
+    rope: bool = False  # only for rotary models
+    joiner: str = ""
+
+
+ATTENTION_COLUMNS: list[AttnColumn] = [
+    AttnColumn("head", lambda r: (r.head,), "count", per_head=True),
+    AttnColumn("heads", lambda r: (r.heads,), "count", per_head=False),
+    AttnColumn("cos(Q̄,K̄)", lambda r: (r.cos_qk_bar,), "cos"),
+    AttnColumn("range", lambda r: (r.cos_qk_bar_min, r.cos_qk_bar_max), "cos", per_head=False, joiner=".."),
+    AttnColumn("|Q̄|", lambda r: (r.q_bar_norm,), "magnitude"),
+    AttnColumn("|K̄|", lambda r: (r.k_bar_norm,), "magnitude"),
+    AttnColumn("entropy", lambda r: (r.entropy,), "nats"),
+    AttnColumn("p max", lambda r: (r.softmax_max,), "prob"),
+    AttnColumn("Q̄·K̄", lambda r: (r.dot_qk_bar,), "magnitude"),
+    AttnColumn("q avg_cos", lambda r: (r.q_avg_cos,), "cos"),
+    AttnColumn("k avg_cos", lambda r: (r.k_avg_cos,), "cos"),
+    AttnColumn("score μ±σ", lambda r: (r.score_mean, r.score_std), "magnitude", joiner="±"),
+    AttnColumn("p med", lambda r: (r.softmax_median,), "prob"),
+    AttnColumn("p min", lambda r: (r.softmax_min,), "prob"),
+    AttnColumn("cos pre-rope", lambda r: (r.cos_qk_bar_pre_rope,), "cos", rope=True),
+]
+
+
 def attention_table(result: AttentionResult, width: int = 200, *, per_head: bool = False) -> Table:
-    """One row per attention module (heads averaged; cos range over heads), or per head."""
+    """One row per attention module (heads averaged; cos range over heads), or per head. Columns
+    are dropped by priority on narrow terminals, as in the layer table."""
     meta = result.meta
     source = "cache" if result.from_cache else f"{meta.get('seconds', 0):.1f} s"
     title = (
@@ -25,38 +93,43 @@ def attention_table(result: AttentionResult, width: int = 200, *, per_head: bool
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
     many = len({m["component"] for m in result.modules()}) > 1
     rope = any(r.rope for r in result.rows)
-    heads = ["layer"] + (["head"] if per_head else ["heads"])
-    heads += ["cos(Q̄,K̄)"] + ([] if per_head else ["range"]) + ["Q̄·K̄", "|Q̄|", "|K̄|"]
-    if rope and width >= 130:
-        heads += ["cos pre-rope"]
-    heads += ["q avg_cos", "k avg_cos", "score μ±σ", "p max", "p med", "p min", "entropy"]
-    for h in heads:
-        table.add_column(h, justify="right")
     if per_head:
-        for r in result.rows:
-            cells = [_site(r.component, r.layer, r.attention, many), str(r.head), _f(r.cos_qk_bar, 3)]
-            cells += [_f(r.dot_qk_bar, 2), _f(r.q_bar_norm, 2), _f(r.k_bar_norm, 2)]
-            if rope and width >= 130:
-                cells.append(_f(r.cos_qk_bar_pre_rope, 3))
-            cells += [_f(r.q_avg_cos, 3), _f(r.k_avg_cos, 3), f"{_f(r.score_mean, 2)}±{_f(r.score_std, 2)}"]
-            cells += [_f(r.softmax_max, 3), _f(r.softmax_median, 4), _f(r.softmax_min, 4), _f(r.entropy, 2)]
-            table.add_row(*cells)
+        items: list[Any] = list(result.rows)
     else:
-        for s in summarize(result):
-            rows = [
-                r
-                for r in result.rows
-                if (r.component, r.layer, r.attention) == (s.component, s.layer, s.attention)
-            ]
-            cells = [_site(s.component, s.layer, s.attention, many), str(s.heads), _f(s.cos_qk_bar, 3)]
-            cells += [f"{_f(s.cos_qk_bar_min, 2)}..{_f(s.cos_qk_bar_max, 2)}"]
-            cells += [_f(s.dot_qk_bar, 2), _f(s.q_bar_norm, 2), _f(s.k_bar_norm, 2)]
-            if rope and width >= 130:
-                pre = [r.cos_qk_bar_pre_rope for r in rows]
-                cells.append(_f(sum(pre) / len(pre), 3))
-            cells += [_f(s.q_avg_cos, 3), _f(s.k_avg_cos, 3), f"{_f(s.score_mean, 2)}±{_f(s.score_std, 2)}"]
-            cells += [_f(s.softmax_max, 3), _f(s.softmax_median, 4), _f(s.softmax_min, 4), _f(s.entropy, 2)]
-            table.add_row(*cells)
+        items = summarize(result)
+        pre = {}
+        for r in result.rows:
+            pre.setdefault((r.component, r.layer, r.attention), []).append(r.cos_qk_bar_pre_rope)
+        for s in items:  # the heads' mean of the pre-rope cosine, for the rope column
+            values = pre[(s.component, s.layer, s.attention)]
+            s.cos_qk_bar_pre_rope = sum(values) / len(values)
+    possible = [
+        c
+        for c in ATTENTION_COLUMNS
+        if (c.per_head is None or c.per_head == per_head) and (rope or not c.rope)
+    ]
+    labels = [_site(item.component, item.layer, item.attention, many) for item in items]
+    cells: dict[str, list[str]] = {}
+    for c in possible:
+        parts = [c.values(item) for item in items]
+        fmt = column_formatter(c.kind, [v for vs in parts for v in vs])
+        cells[c.header] = [(c.joiner or " ").join(fmt(v) for v in vs) for vs in parts]
+
+    def room(header: str, column: list[str]) -> int:  # its width with a border and padding
+        return max([cell_len(header), *(cell_len(x) for x in column)]) + 3
+
+    used = 1 - 2 + room("layer", labels)  # the outer border; no padding at the edges
+    columns = []
+    for c in possible:
+        if used + room(c.header, cells[c.header]) > width and columns:
+            break
+        columns.append(c)
+        used += room(c.header, cells[c.header])
+    table.add_column("layer", justify="right", no_wrap=True)
+    for c in columns:
+        table.add_column(c.header, justify="right", no_wrap=True)
+    for i, label in enumerate(labels):
+        table.add_row(label, *(cells[c.header][i] for c in columns))
     notes = [
         "Q̄, K̄: mean query and key of a head over the kept tokens; layer L is the attention of the block "
         "that outputs hidden-state row L; p max/med/min: softmax row statistics averaged over query rows; "
@@ -65,6 +138,9 @@ def attention_table(result: AttentionResult, width: int = 200, *, per_head: bool
     ]
     if rope:
         notes.append("queries and keys after rotary embedding (as scored); cos pre-rope: before it")
+    if len(columns) < len(possible):
+        hidden = ", ".join(c.header for c in possible if c not in columns)
+        notes.append(f"(narrow terminal: {hidden} hidden; --csv has them all)")
     notes.extend(meta.get("notes", []))
     table.caption = "\n".join(notes)
     table.caption_justify = "left"

@@ -161,7 +161,7 @@ def test_cli_table_and_csv(lm_models, tmp_path, capsys):
     args = ["experiment", "gradients", "-m", str(lm_models["gpt2"]), "--max-samples", "5", "--top-k", "3"]
     assert main([*args, "--max-length", "16", "--csv", str(out), "-q"]) == 0
     text = capsys.readouterr().out
-    assert "GPT2LMHeadModel (causal LM)" in text and "top-3 share" in text and "not cached" in text
+    assert "GPT2LMHeadModel (causal LM)" in text and "top-3 share" in text and "(cache)" not in text
     rows = list(csv.DictReader(out.open()))
     assert [r["layer"] for r in rows] == ["0", "1", "2"]
     assert {"grad_avg_cos", "grad_drift_norm", "grad_mean_norm", "top_share", "random_share"} <= set(rows[0])

@@ -232,8 +232,12 @@ def find_attention(spec, cache, sample_size: int = 0, on_notice=None):
     key = cache_key(prepared.key, sample_size)
     if cache is None:
         return prepared, key, None
+    found = None
     try:
-        found = cache.get_payload(key)
+        for layer_key in prepared.keys:  # the current key, then one an older isotui wrote
+            found = cache.get_payload(cache_key(layer_key, sample_size))
+            if found is not None:
+                break
     except CacheProblem as problem:
         (on_notice or (lambda _t: None))(f"{problem}; recomputing")
         found = None

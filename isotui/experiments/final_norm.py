@@ -20,6 +20,8 @@ from isotui.errors import IsotuiError
 
 HELP = "metrics before and after the final norm, per dimension (Machina & Mercer 2024)"
 TOP = 5
+FOLDER = "final-norm"  # the result cache's folder for this experiment
+SCHEMA = 1
 
 
 @dataclass
@@ -50,6 +52,7 @@ class FinalNormResult:
     rho_share_gain: float  # Spearman(share of avg_cos before, gamma_k)
     p_share_gain: float
     meta: dict[str, Any] = field(default_factory=dict)
+    from_cache: bool = False
 
     def verdict(self) -> str:
         """One sentence: does the norm raise or lower isotropy, and through which dimensions."""
@@ -120,10 +123,76 @@ def measure_final_norm(spec, *, on_progress=None, should_stop=None) -> FinalNorm
     return measure_norms(spec, every_layer=False, on_progress=on_progress, should_stop=should_stop)[0]
 
 
-def measure_norms(spec, *, every_layer: bool, on_progress=None, should_stop=None) -> list[FinalNormResult]:
+def cached_norms(
+    spec, cache, *, every_layer: bool, on_progress=None, should_stop=None, on_notice=None
+) -> list[FinalNormResult]:
+    """:func:`measure_norms` through the result cache (folder ``final-norm``; ``cache`` from
+    :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
+    from isotui.experiments.cached import find, keep
+    from isotui.experiments.layerwise import prepare
+
+    prepared = prepare(spec, cache)
+    key, found = find(cache, prepared, FOLDER, SCHEMA, {"every_layer": every_layer}, on_notice)
+    if found is not None:
+        results = results_from_payload(*found)
+        for r in results:
+            r.model, r.from_cache = spec.model, True
+            r.meta["data"] = spec.data.describe()
+            for d in r.dims:
+                d.model = spec.model
+        return results
+    results = measure_norms(
+        spec, every_layer=every_layer, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+    )
+    keep(cache, key, *results_payload(results), on_notice)
+    return results
+
+
+_STAT_ARRAYS = ("dim_contrib", "eigenvalues", "mean")
+
+
+def results_payload(results: list[FinalNormResult]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(JSON payload, arrays) of one run's results, for the cache."""
+    items, arrays = [], {}
+    for i, r in enumerate(results):
+        item = {k: v for k, v in asdict(r).items() if k not in ("before", "after", "from_cache")}
+        for side in ("before", "after"):
+            stats = getattr(r, side)
+            item[side] = {
+                k: list(v) if isinstance(v, tuple) else v
+                for k, v in asdict(stats).items()
+                if k not in _STAT_ARRAYS
+            }
+            for name in _STAT_ARRAYS:
+                arrays[f"{i}.{side}.{name}"] = np.asarray(getattr(stats, name), dtype=np.float64)
+        items.append(item)
+    return {"results": items}, arrays
+
+
+def results_from_payload(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[FinalNormResult]:
+    """The results :func:`results_payload` stored."""
+    from isotui.core.accumulator import LayerStats
+
+    out = []
+    for i, item in enumerate(payload["results"]):
+        sides = {}
+        for side in ("before", "after"):
+            fields_ = dict(item[side])
+            fields_["constant_dims"] = tuple(fields_.get("constant_dims", ()))
+            for name in _STAT_ARRAYS:
+                fields_[name] = arrays[f"{i}.{side}.{name}"]
+            sides[side] = LayerStats(**fields_)
+        rest = {k: v for k, v in item.items() if k not in ("before", "after", "dims")}
+        out.append(FinalNormResult(**rest, **sides, dims=[DimRow(**d) for d in item["dims"]]))
+    return out
+
+
+def measure_norms(
+    spec, *, every_layer: bool, on_progress=None, should_stop=None, prepared=None
+) -> list[FinalNormResult]:
     """The final norm, or (``every_layer``) every block's output norm, over ``spec``'s data, in one
     pass: each norm's input and output streamed into a pair of accumulators."""
-    accs, facts = _stream_norms(spec, every_layer, on_progress, should_stop, None)
+    accs, facts = _stream_norms(spec, every_layer, on_progress, should_stop, None, prepared)
     return _finish_norms(accs, facts)
 
 
@@ -173,7 +242,7 @@ def _finish_norms(accs, facts: dict[str, Any]) -> list[FinalNormResult]:
 
 
 def _stream_norms(
-    spec, every_layer: bool, on_progress, should_stop, sample_ids
+    spec, every_layer: bool, on_progress, should_stop, sample_ids, prepared=None
 ) -> tuple[list, dict[str, Any]]:
     """Stream the batches; (per norm the [before, after] accumulators, the facts to finish)."""
     import dataclasses
@@ -187,7 +256,7 @@ def _stream_norms(
     from isotui.extract.progress import Progress
     from isotui.extract.runner import COV_BUDGET_BYTES, _Runner, resolve_max_length
 
-    prepared = prepare(spec)
+    prepared = prepared or prepare(spec)
 
     loaded, device = load_prepared(prepared)
     if loaded.family != "transformers" or loaded.modality != "text":
@@ -223,7 +292,8 @@ def _stream_norms(
             block = named[".".join(n.split(".")[: len(parents[i].split(".")) + 1])]
             handles.append(block.register_forward_hook(block_hook(i)))
     accs: list[list[LayerAccumulator]] = []
-    start, done, total = time.perf_counter(), 0, len(runner.selected(len(prepared.samples)))
+    start, done, n_tokens = time.perf_counter(), 0, 0
+    total = len(runner.selected(len(prepared.samples)))
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
     try:
         for idx in runner.batches(runner.feeder.lengths):
@@ -261,9 +331,11 @@ def _stream_norms(
                 for acc, x in zip(accs[i], (x_in, x_out), strict=True):
                     vec = x.reshape(-1, x.shape[-1]).index_select(0, flat.to(x.device)).float().cpu()
                     acc.commit(acc.partial(vec, ids, keys))
+                if i == 0:
+                    n_tokens += int(flat.numel())  # the tokens measured (kept by the first norm)
             done += len(idx)
             if on_progress:
-                on_progress(Progress(done, total, 0, time.perf_counter() - start))
+                on_progress(Progress(done, total, n_tokens, time.perf_counter() - start))
     finally:
         for handle in handles:
             handle.remove()
@@ -335,6 +407,11 @@ def _result(facts: dict[str, Any], site: dict[str, Any], before, after) -> Final
     )
 
 
+def _source(result: FinalNormResult) -> str:
+    """Where the numbers came from: ``cache``, or the seconds they took."""
+    return "cache" if result.from_cache else f"{result.meta.get('seconds', 0):.1f} s"
+
+
 def final_norm_table(result: FinalNormResult):
     """Before/after metrics, then the dimensions that carry avg_cos before the norm."""
     from rich.console import Group
@@ -345,7 +422,8 @@ def final_norm_table(result: FinalNormResult):
 
     metrics = Table(
         title=f"[bold]{escape(result.model)}[/]  {escape(result.module)} ({result.kind})  "
-        f"{escape(str(result.meta.get('data')))}, {result.meta.get('n_samples')} samples",
+        f"{escape(str(result.meta.get('data')))}, {result.meta.get('n_samples')} samples  "
+        f"({_source(result)})",
         title_justify="left",
         header_style="bold",
         pad_edge=False,
@@ -401,7 +479,7 @@ def per_block_table(results: list[FinalNormResult]):
     first = results[0]
     table = Table(
         title=f"[bold]{escape(first.model)}[/]  every block's output norm  "
-        f"{escape(str(first.meta.get('data')))}, {first.meta.get('n_samples')} samples",
+        f"{escape(str(first.meta.get('data')))}, {first.meta.get('n_samples')} samples  ({_source(first)})",
         title_justify="left",
         header_style="bold",
         pad_edge=False,
@@ -452,23 +530,32 @@ def add_arguments(p) -> None:
         help="every block's output norm (post-LN models such as BERT), one table row per block",
     )
     add_run_flags(p)
-    add_common(p, device_seed=False, cache=False)
+    add_common(p, device_seed=False)
 
 
 def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
     from isotui.cli import ModelFailures
     from isotui.cli_experiments import progress_printer, spec_from_args
+    from isotui.experiments.cached import experiment_cache
+    from isotui.paths import cache_dir
     from isotui.results import Outcome
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
+    cache = None if args.no_cache else experiment_cache(cache_dir(args.cache_dir), FOLDER, SCHEMA)
     outcome = Outcome("final-norm", [], [], {}, total=len(models))
     failures = ModelFailures(outcome, on_error)
 
     def one(model: str):
         with progress_printer(err, model, quiet=args.quiet) as bar:
-            return measure_norms(base.with_model(model), every_layer=args.every_layer, on_progress=bar)
+            return cached_norms(
+                base.with_model(model),
+                cache,
+                every_layer=args.every_layer,
+                on_progress=bar,
+                on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+            )
 
     for model in models:
         found = failures.attempt(model, one, model)

@@ -31,6 +31,12 @@ HELP = "loss gradients w.r.t. hidden states: their anisotropy and share in the a
 MASK_RATE = 0.15
 MASK_SALT = 0x6D6C6D  # separates the masking hash from the reservoir's (same seed)
 GRAM_BUDGET_BYTES = 4 << 30  # all layers' two d x d float64 sums
+FOLDER = "gradients"  # the result cache's folder for this experiment
+SCHEMA = 1
+OFFLINE_LMS = (
+    "random:bert:num_hidden_layers=4 (untrained) or a checkpoint folder of `isotui train-tiny` "
+    "(e.g. runs/tiny/step_000400, trained)"
+)
 
 
 @dataclass
@@ -63,6 +69,42 @@ class GradientResult:
     rows: list[GradientRow]
     notes: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    from_cache: bool = False
+
+
+def cached_gradients(
+    spec, cache, *, top_k: int = 10, on_progress=None, should_stop=None, on_notice=None
+) -> GradientResult:
+    """:func:`measure_gradients` through the result cache (folder ``gradients``; ``cache`` from
+    :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
+    from isotui.experiments.cached import find, keep
+    from isotui.experiments.layerwise import prepare
+
+    _refuse_bundled(spec.model)
+    prepared = prepare(spec, cache)
+    key, found = find(cache, prepared, FOLDER, SCHEMA, {"top_k": top_k}, on_notice)
+    if found is not None:
+        data = found[0]
+        rows = [GradientRow(**{**r, "model": spec.model}) for r in data["rows"]]
+        meta = {**data["meta"], "data": spec.data.describe()}
+        return GradientResult(spec.model, data["objective"], rows, data["notes"], meta, from_cache=True)
+    result = measure_gradients(
+        spec, top_k=top_k, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+    )
+    payload = {k: v for k, v in asdict(result).items() if k != "from_cache"}
+    keep(cache, key, payload, {}, on_notice)
+    return result
+
+
+def _refuse_bundled(model: str) -> None:
+    """The bundled MiniLM is a sentence encoder saved without its masked-LM head: no loss."""
+    from isotui.models.naming import parse_model
+
+    if parse_model(model).kind == "bundled":
+        raise IsotuiError(
+            f"model {model!r} (the bundled MiniLM) is a sentence encoder saved without its masked-LM "
+            f"head, so it has no loss to differentiate; offline, use {OFFLINE_LMS}"
+        )
 
 
 def mlm_mask(seed: int, sample_ids, positions, candidates):
@@ -87,9 +129,11 @@ def mlm_mask(seed: int, sample_ids, positions, candidates):
     return masked
 
 
-def measure_gradients(spec, *, top_k: int = 10, on_progress=None, should_stop=None) -> GradientResult:
+def measure_gradients(
+    spec, *, top_k: int = 10, on_progress=None, should_stop=None, prepared=None
+) -> GradientResult:
     """Stream ``spec``'s data through the model with its LM head, backward to every hidden state."""
-    accs, facts = _stream_gradients(spec, top_k, on_progress, should_stop, None)
+    accs, facts = _stream_gradients(spec, top_k, on_progress, should_stop, None, prepared)
     return _finish_gradients(accs, facts)
 
 
@@ -125,7 +169,9 @@ def finish_gradients(state: dict) -> GradientResult:
     return _finish_gradients(accs, {k: v for k, v in state.items() if k != "accumulators"})
 
 
-def _stream_gradients(spec, top_k: int, on_progress, should_stop, sample_ids) -> tuple[list, dict]:
+def _stream_gradients(
+    spec, top_k: int, on_progress, should_stop, sample_ids, prepared=None
+) -> tuple[list, dict]:
     """Stream the batches forward and backward; (per layer the accumulator, the facts to finish)."""
     import dataclasses
     import time
@@ -140,7 +186,8 @@ def _stream_gradients(spec, top_k: int, on_progress, should_stop, sample_ids) ->
 
     if top_k < 1:
         raise IsotuiError(f"top-k must be a positive integer (got {top_k})")
-    prepared = prepare(spec)
+    _refuse_bundled(spec.model)
+    prepared = prepared or prepare(spec)
     if spec.data.modality != "text":
         raise IsotuiError("the gradient experiment reads language models; give text data")
 
@@ -310,7 +357,6 @@ def _notes(objective: str, top_k: int) -> list[str]:
         f"top-{top_k} share: Σ‖P_k g‖² / Σ‖g‖², P_k onto the top-{top_k} eigenvectors of the layer's "
         "activation covariance (centered, same tokens); random: a seeded random subspace of the same "
         "rank (QR of a Gaussian), expected k/d; best: the most any such subspace can hold",
-        "not cached: recomputed on every run",
     ]
 
 
@@ -326,7 +372,8 @@ def gradients_table(result: GradientResult):
     table = Table(
         title=f"[bold]{escape(result.model)}[/]  {m.get('lm_class')} ({result.objective} LM)  "
         f"{escape(str(m.get('data')))}, {m.get('n_samples')} samples, "
-        f"loss {_f(m.get('loss_per_token', math.nan), 3)} nats/token over {m.get('loss_tokens')} targets",
+        f"loss {_f(m.get('loss_per_token', math.nan), 3)} nats/token over {m.get('loss_tokens')} targets  "
+        f"({'cache' if result.from_cache else format(m.get('seconds', 0), '.1f') + ' s'})",
         title_justify="left",
         header_style="bold",
         pad_edge=False,
@@ -370,7 +417,7 @@ def add_arguments(p) -> None:
         "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
     )
     add_run_flags(p)
-    add_common(p, device_seed=False, cache=False)
+    add_common(p, device_seed=False)
     p.add_argument(
         "--top-k", type=int, default=10, help="principal directions of the activations (default 10)"
     )
@@ -380,16 +427,25 @@ def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
     from isotui.cli import ModelFailures
     from isotui.cli_experiments import progress_printer, spec_from_args
+    from isotui.experiments.cached import experiment_cache
+    from isotui.paths import cache_dir
     from isotui.results import Outcome
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])
+    cache = None if args.no_cache else experiment_cache(cache_dir(args.cache_dir), FOLDER, SCHEMA)
     outcome = Outcome("gradients", [], [], {}, total=len(models))
     failures = ModelFailures(outcome, on_error)
 
     def one(model: str):
         with progress_printer(err, model, quiet=args.quiet) as bar:
-            return measure_gradients(base.with_model(model), top_k=args.top_k, on_progress=bar)
+            return cached_gradients(
+                base.with_model(model),
+                cache,
+                top_k=args.top_k,
+                on_progress=bar,
+                on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
+            )
 
     for model in models:
         result = failures.attempt(model, one, model)
@@ -400,7 +456,9 @@ def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
         if on_table:
             on_table(outcome.tables[-1])
     outcome.rows = [asdict(r) for res in outcome.results for r in res.rows]
-    outcome.payload = {"results": [asdict(r) for r in outcome.results]}
+    outcome.payload = {
+        "results": [{k: v for k, v in asdict(r).items() if k != "from_cache"} for r in outcome.results]
+    }
     return outcome
 
 

@@ -36,12 +36,32 @@ class Prepared:
     data_fingerprint: str
     dtype: str
     device: str | None
+    max_length: int | None = None  # resolved (text), None when only loading can tell
+    legacy_keys: tuple[str, ...] = ()  # older keys of the same computation, still read
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every key this computation may be cached under: the current one first."""
+        return (self.key, *self.legacy_keys)
+
+
+def run_key(key_fields: dict) -> str:
+    """The hash of a run's resolved settings."""
+    return hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
-    """Resolve names, data and dtype and derive the cache key, importing torch only if needed.
+    """Resolve names, data, dtype and max length and derive the cache key, importing torch only
+    if needed.
 
-    ``cache``: where local weights' content digests are remembered (None: hash them anew)."""
+    The key hashes resolved values, so one computation has one key: the max length a run will
+    use (``--max-length 512`` on MiniLM is the default run), the dtype it will run in, never
+    the device. Entries written before the max length was resolved hashed the requested one
+    (None for a default run); that key is kept in ``legacy_keys`` and still read.
+    ``cache``: where local weights' content digests are remembered (None: hash them anew).
+    """
+    from isotui.models.limits import declared_default_length
+
     ref = parse_model(spec.model)
     model_fp = ref.fingerprint(cache.root if cache is not None else None)
     samples = load_samples(spec.data, spec.max_samples, spec.max_length)
@@ -53,11 +73,16 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
     elif needs_device_for_dtype(spec.dtype, declared):
         device = resolve_device("auto")
     dtype = resolve_dtype(spec.dtype, device.split(":")[0] if device else None, declared)
+    text = spec.data.modality == "text"
+    default = declared_default_length(ref) if text else None
+    max_length = spec.max_length if text else None
+    if text and default is not None and (max_length is None or max_length <= default):
+        max_length = max_length or default  # a longer request is refused when the model loads
     key_fields = {
         "schema": SCHEMA_VERSION,
         "model": model_fp,
         "data": data_fp,
-        "max_length": spec.max_length if spec.data.modality == "text" else None,  # text only
+        "max_length": max_length,  # text only
         "special_tokens": spec.special_tokens,
         "dtype": dtype,
         "seed": spec.seed,
@@ -65,8 +90,11 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
         **({"map_units": spec.map_units} if spec.data.modality == "image" else {}),
         **({"tokenizer": spec.tokenizer} if spec.tokenizer else {}),  # only when given: old keys hold
     }
-    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
-    return Prepared(spec, key, samples, model_fp, data_fp, dtype, device)
+    key = run_key(key_fields)
+    legacy = ()
+    if default is not None and max_length == default:  # a default run hashed None before
+        legacy = (run_key({**key_fields, "max_length": None}),)
+    return Prepared(spec, key, samples, model_fp, data_fp, dtype, device, max_length, legacy)
 
 
 NoticeCallback = Callable[[str], None]
@@ -82,11 +110,15 @@ def lookup(
     """The cached result for ``prepared``, or None; a damaged entry is reported and ignored."""
     if cache is None:
         return None
-    try:
-        hit = cache.get(prepared.key)
-    except CacheProblem as problem:
-        on_notice(f"{problem}; recomputing")
-        return None
+    hit = None
+    for key in prepared.keys:
+        try:
+            hit = cache.get(key)
+        except CacheProblem as problem:
+            on_notice(f"{problem}; recomputing")
+            return None
+        if hit is not None:
+            break
     if hit is not None:  # same key: same numbers; the names are the ones asked for now
         hit.model = prepared.spec.model
         for row in hit.rows:
@@ -119,14 +151,50 @@ def measure(
     ``cache=None`` recomputes and stores nothing. ``on_notice`` receives one-sentence news
     (e.g. a damaged cache entry being recomputed).
     """
+    from isotui.extract.progress import Progress
+
     notice = on_notice or _no_notice
+    on_progress(
+        Progress(0, 0, 0, 0.0, stage="prepare", phase="resolving", detail="model, data and cache key")
+    )
     prepared = prepare(spec, cache)
     hit = lookup(prepared, cache, notice)
     if hit is not None:
         return hit
     result = compute(prepared, on_progress=on_progress, should_stop=should_stop)
-    store(result, cache, notice)
+    if cache is not None:
+        n = result.meta.get("n_samples") or 0
+        on_progress(
+            Progress(
+                n,
+                n,
+                result.meta.get("n_tokens") or 0,
+                0.0,
+                stage="write",
+                phase="writing",
+                detail="the cache",
+            )
+        )
+        started = time.perf_counter()
+        store(result, cache, notice)
+        result.meta.setdefault("timings", {})["write_s"] = round(time.perf_counter() - started, 3)
     return result
+
+
+def weights_size(spec: RunSpec) -> str:
+    """The model's weight files on disk (``90.9 MB``), or what is known without them."""
+    ref = parse_model(spec.model)
+    if ref.kind == "random":
+        return "untrained, built from its config"
+    try:
+        folder = ref.local_dir()
+    except Exception:
+        folder = None
+    if folder is None:
+        return ""
+    suffixes = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file() and f.name.endswith(suffixes))
+    return f"{size / 1e6:.1f} MB" if size else ""
 
 
 def extract_options(spec: RunSpec):
@@ -170,10 +238,15 @@ def compute(
     should_stop: StopCheck = never_stop,
 ) -> ModelResult:
     """Load the model, run the extraction and build the table."""
+    from isotui.extract.progress import Progress
     from isotui.extract.runner import extract
 
     spec = prepared.spec
+    n = len(prepared.samples)
+    on_progress(Progress(0, n, 0, 0.0, stage="prepare", phase="loading", detail=weights_size(spec)))
+    started = time.perf_counter()
     loaded, device = load_prepared(prepared)
+    load_s = time.perf_counter() - started
     ex = extract(
         loaded,
         prepared.samples,
@@ -214,6 +287,7 @@ def compute(
         "reservoir": spec.reservoir,
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
+        "timings": {"load_s": round(load_s, 3), **{k: round(v, 3) for k, v in ex.timings.items()}},
         "notes": loaded.notes + ex.notes + list(getattr(prepared.samples, "notes", [])),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {

@@ -5,10 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+PHASES = ("resolving", "loading", "tokenising", "running", "finalising", "writing")
+
 
 @dataclass(frozen=True)
 class Progress:
-    """Where a job stands. ``message`` carries one-off news (e.g. an out-of-memory back-off)."""
+    """Where a job stands. ``message`` carries one-off news (e.g. an out-of-memory back-off).
+
+    ``stage``: ``prepare`` (resolving, loading, tokenising), ``extract`` (the forward passes),
+    ``finalize``, ``write``, or ``oom`` for a back-off message.
+    ``phase`` (one of :data:`PHASES`; empty from producers that do not say) tells what the job is
+    doing, so no display shows ``0/None samples`` while a model loads or sits at 100% while the
+    metrics are finalised; ``detail`` adds what is known (the model's size while loading);
+    ``layers_done/layers_total`` count finalised layers; ``finalize_left_s`` estimates the
+    finalisation still to come, so :attr:`eta_s` covers it.
+    """
 
     samples_done: int
     samples_total: int
@@ -17,13 +28,22 @@ class Progress:
     message: str | None = None
     stage: str = "extract"
     memory_bytes: int = 0  # GPU memory allocated, or the process's RSS on CPU
+    phase: str = ""
+    detail: str = ""
+    layers_done: int = 0
+    layers_total: int = 0
+    finalize_left_s: float | None = None
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at the rate so far; None before the first batch."""
+        """Seconds left: the forward passes at the rate so far plus the estimated finalisation;
+        during finalisation, the finalisation left; None before the first batch."""
+        if self.phase == "finalising":
+            return self.finalize_left_s
         if self.samples_done <= 0 or self.elapsed_s <= 0 or self.samples_total <= 0:
             return None
-        return self.elapsed_s * (self.samples_total - self.samples_done) / self.samples_done
+        forward = self.elapsed_s * (self.samples_total - self.samples_done) / self.samples_done
+        return forward + (self.finalize_left_s or 0.0)
 
     @property
     def tokens_per_s(self) -> float:

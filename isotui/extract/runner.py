@@ -23,9 +23,9 @@ from isotui.extract.device import memory_in_use
 from isotui.extract.heap import TRIM_EVERY, release_free_memory
 from isotui.extract.inputs import make_feeder
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
+from isotui.models.limits import config_position_limit, default_length, tokenizer_limit
 from isotui.models.loading import LoadedModel, final_norm_modules
 
-DEFAULT_MAX_LENGTH_CAP = 512
 TOKEN_BUDGET = {"cpu": 4096, "mps": 8192, "cuda": 32768}
 COV_BUDGET_BYTES = 1 << 30  # exact streamed covariance while all layers' d x d fit in 1 GiB
 RESERVOIR_BUDGET_BYTES = 1 << 30  # all layers' reservoirs together (float32): caps huge-d layers
@@ -63,6 +63,7 @@ class Extraction:
     notes: list[str] = field(default_factory=list)
     map_units: str | None = None
     audio_seconds: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # tokenise/forward/metrics/finalise s
 
     @property
     def layers(self) -> list[LayerStats]:
@@ -72,12 +73,7 @@ class Extraction:
 
 def position_limit(loaded: LoadedModel) -> int | None:
     """How many positions the model's embeddings have, when its config says so."""
-    config = loaded.model.config
-    for attr in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return config_position_limit(loaded.model.config)
 
 
 def _special_count(tokenizer: Any) -> int:
@@ -111,11 +107,7 @@ def resolve_max_length(
                 f"({limit} positions); use --max-length {limit} or less"
             )
         return requested
-    limits = [DEFAULT_MAX_LENGTH_CAP] + ([limit] if limit else [])
-    tok_max = getattr(loaded.tokenizer, "model_max_length", None)
-    if isinstance(tok_max, int) and 0 < tok_max < 1_000_000:
-        limits.append(tok_max)
-    return min(limits)
+    return default_length(limit, tokenizer_limit(getattr(loaded.tokenizer, "model_max_length", None)))
 
 
 def effective_max_length(
@@ -198,6 +190,8 @@ class _Runner:
         self.reservoir_capped = False
         self.max_dim = 0
         self.dtype = next((p.dtype for p in self.model.parameters()), None)
+        self.forward_s = 0.0  # feeding and forward passes
+        self.metrics_s = 0.0  # folding each batch into the accumulators
 
     def _map_units(self) -> str:
         """``image`` (one flattened vector per image) for conv maps; ``position`` for token grids."""
@@ -312,6 +306,7 @@ class _Runner:
         import torch
 
         assert self.feeder is not None
+        started = time.perf_counter()
         fed = self.feeder.feed(idx)
         inputs = self.device_inputs(fed)
         hook_out: dict[str, Any] = {}
@@ -330,6 +325,8 @@ class _Runner:
         finally:
             for handle in handles:
                 handle.remove()
+        forwarded = time.perf_counter()
+        self.forward_s += forwarded - started
         if self.accs is None:
             self._first_batch(components, hook_out)
         assert self.accs is not None
@@ -351,6 +348,7 @@ class _Runner:
                     partials.append((acc, acc.partial(vectors, local, keys, weights, types)))
             for acc, p in partials:  # only now: all or nothing
                 acc.commit(p)
+        self.metrics_s += time.perf_counter() - forwarded
         if fed.valid is not None:
             return int(fed.valid.sum())
         return len(idx)
@@ -531,7 +529,7 @@ def extract(
     """Measure every hidden layer of ``loaded`` over ``samples`` (see design.md for metrics)."""
     runner, facts = _stream(loaded, samples, device, opts, on_progress, should_stop, model_name, modality)
     assert runner.accs is not None
-    return _finish(runner.accs, facts)
+    return _finish(runner.accs, facts, on_progress, facts.pop("at"), facts.pop("estimate"))
 
 
 def extract_state(
@@ -550,7 +548,8 @@ def extract_state(
     :func:`merge_extraction_states`; :func:`finish_extraction` turns a state into the metrics."""
     runner, facts = _stream(loaded, samples, device, opts, on_progress, should_stop, model_name, modality)
     assert runner.accs is not None
-    facts.pop("start")  # a clock reading means nothing elsewhere; ``seconds`` says how long
+    for name in ("start", "at", "estimate"):  # a clock reading, a live event: meaningless elsewhere
+        facts.pop(name)
     return {"components": {c: [a.state() for a in accs] for c, accs in runner.accs.items()}, **facts}
 
 
@@ -597,12 +596,19 @@ def _stream(loaded, samples, device, opts, on_progress, should_stop, model_name,
     """Run the batches; (the runner with its accumulators, the facts :func:`_finish` needs)."""
     runner = _Runner(loaded, device, opts, on_progress)
     max_length = effective_max_length(loaded, opts, model_name, on_progress)
-    runner.prepare(samples, modality, max_length)
-    assert runner.feeder is not None
     total = len(runner.selected(len(samples)))
     start = time.perf_counter()
+    unit = "tokenising" if modality == "text" else "reading"
+    on_progress(
+        Progress(0, total, 0, 0.0, stage="prepare", phase="tokenising", detail=f"{unit} {total} samples")
+    )
+    runner.prepare(samples, modality, max_length)
+    assert runner.feeder is not None
+    tokenise_s = time.perf_counter() - start
+    start = time.perf_counter()
     done = n_tokens = 0
-    on_progress(Progress(0, total, 0, 0.0))
+    estimate = None
+    on_progress(Progress(0, total, 0, 0.0, phase="running"))
     for batch_no, idx in enumerate(runner.batches(runner.feeder.lengths), 1):
         if should_stop():
             raise Cancelled()
@@ -610,8 +616,18 @@ def _stream(loaded, samples, device, opts, on_progress, should_stop, model_name,
         done += len(idx)
         if device == "cpu" and batch_no % TRIM_EVERY == 0:
             release_free_memory()
+        if estimate is None or batch_no % 8 == 0:  # the reservoir fills as batches come
+            estimate = finalize_estimate_s(runner)
         on_progress(
-            Progress(done, total, n_tokens, time.perf_counter() - start, memory_bytes=memory_in_use(device))
+            Progress(
+                done,
+                total,
+                n_tokens,
+                time.perf_counter() - start,
+                memory_bytes=memory_in_use(device),
+                phase="running",
+                finalize_left_s=estimate,
+            )
         )
     if runner.accs is None:
         raise IsotuiError("no sample to measure: the selected sample ids are empty")
@@ -623,7 +639,6 @@ def _stream(loaded, samples, device, opts, on_progress, should_stop, model_name,
         )
     elapsed = time.perf_counter() - start
     memory = memory_in_use(device)
-    on_progress(Progress(done, total, n_tokens, elapsed, stage="finalize", memory_bytes=memory))
     audio = getattr(runner.feeder, "seconds", None)  # the whole corpus's; a shard's own below
     if audio is not None and opts.sample_ids is not None:
         audio = float(runner.feeder.n_samples[runner.selected(len(samples))].sum()) / runner.feeder.rate
@@ -642,13 +657,27 @@ def _stream(loaded, samples, device, opts, on_progress, should_stop, model_name,
         "reservoir_capped": runner.reservoir_capped,
         "max_dim": runner.max_dim,
         "audio_seconds": audio,
+        "tokenise_s": tokenise_s,
+        "forward_s": runner.forward_s,
+        "metrics_s": runner.metrics_s,
+        "at": Progress(done, total, n_tokens, elapsed, memory_bytes=memory),
+        "estimate": estimate,
     }
     return runner, facts
 
 
-def _finish(accs: dict[str, list[LayerAccumulator]], facts: dict) -> Extraction:
-    """Metrics and notes from the accumulators and the facts of :func:`_stream` (or a merge)."""
-    components = {c: [acc.finalize() for acc in layer_accs] for c, layer_accs in accs.items()}
+def _finish(
+    accs: dict[str, list[LayerAccumulator]],
+    facts: dict,
+    on_progress: ProgressCallback = no_progress,
+    at: Progress | None = None,
+    estimate: float | None = None,
+) -> Extraction:
+    """Metrics and notes from the accumulators and the facts of :func:`_stream` (or a merge);
+    ``at``: the last running event, from which finalisation's per-layer events go on."""
+    begin = time.perf_counter()
+    components = finalize_all(accs, on_progress, at or Progress(0, 0, 0, 0.0), estimate)
+    finalize_s = time.perf_counter() - begin
     all_stats = [s for stats in components.values() for s in stats]
     notes = list(facts["notes"])
     notes.extend(_sample_notes(facts, all_stats))
@@ -669,7 +698,67 @@ def _finish(accs: dict[str, list[LayerAccumulator]], facts: dict) -> Extraction:
         notes=notes,
         map_units=facts["map_units"] if facts["saw_maps"] else None,
         audio_seconds=facts["audio_seconds"],
+        timings={
+            "tokenise_s": facts.get("tokenise_s", 0.0),
+            "forward_s": facts.get("forward_s", 0.0),
+            "metrics_s": facts.get("metrics_s", 0.0),
+            "finalise_s": finalize_s,
+        },
     )
+
+
+# Finalisation per layer on a 2-core CPU, reservoir 4096 full (MiniLM, d=384: 2.6 s; a GPT-2-size
+# model, d=768: 3.5 s; issue 12): an estimate from d for the ETA before finalisation starts; once
+# it runs, the layers already finalised give the time per layer.
+FINALIZE_BASE_S = 1.7
+FINALIZE_PER_DIM_S = 0.0023
+
+
+def finalize_estimate_s(runner: _Runner) -> float | None:
+    """Seconds the finalisation of every layer will take, estimated from each layer's d and how
+    full its reservoir is (the pairwise reservoir metrics dominate at small d)."""
+    if not runner.accs:
+        return None
+    total = 0.0
+    for accs in runner.accs.values():
+        for acc in accs:
+            fill = min(1.0, acc.n_all / max(1, acc.reservoir_size))
+            total += (FINALIZE_BASE_S + FINALIZE_PER_DIM_S * acc.dim) * max(fill, 0.05)
+    return total
+
+
+def finalize_all(
+    all_accs: dict[str, list[LayerAccumulator]],
+    on_progress: ProgressCallback,
+    at: Progress,
+    estimate: float | None,
+) -> dict[str, list[LayerStats]]:
+    """Finalise every layer, posting one progress event per layer with the time left (from the
+    layers done so far, else ``estimate``)."""
+    from dataclasses import replace
+
+    n_layers = sum(len(accs) for accs in all_accs.values())
+    start = time.perf_counter()
+    done = 0
+    out: dict[str, list[LayerStats]] = {}
+    for component, accs in all_accs.items():
+        out[component] = []
+        for acc in accs:
+            spent = time.perf_counter() - start
+            left = spent / done * (n_layers - done) if done else estimate
+            on_progress(
+                replace(
+                    at,
+                    stage="finalize",
+                    phase="finalising",
+                    layers_done=done,
+                    layers_total=n_layers,
+                    finalize_left_s=left,
+                )
+            )
+            out[component].append(acc.finalize())
+            done += 1
+    return out
 
 
 def constant_notes(components: dict[str, list[LayerStats]]) -> list[str]:

@@ -1,0 +1,64 @@
+"""The result cache of an experiment that computes over a model (final-norm, gradients...).
+
+Each experiment keeps its results in a folder of its own under the cache root, with its own
+schema number, keyed by the layer run's key (model, data, resolved max length, dtype, seed...)
+plus the experiment's own parameters: the same scheme as attention (see
+:func:`isotui.experiments.attention.cache_key`). Reading also tries the layer run's legacy keys,
+so results cached before a key change stay readable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+Notice = Callable[[str], None]
+
+
+def experiment_key(layer_key: str, folder: str, schema: int, params: dict[str, Any]) -> str:
+    """The key of one experiment result: the run's key plus the experiment, schema and parameters."""
+    fields = {"run": layer_key, "experiment": folder, "schema": schema, **params}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def experiment_cache(root, folder: str, schema: int):
+    """The experiment's folder of the result cache at ``root``."""
+    from isotui.store.cache import ResultCache
+
+    return ResultCache(root, folder=folder, schema=schema)
+
+
+def find(
+    cache, prepared, folder: str, schema: int, params: dict[str, Any], on_notice: Notice | None = None
+) -> tuple[str, tuple[dict[str, Any], dict[str, np.ndarray]] | None]:
+    """(key to store under, cached (payload, arrays) or None); a damaged entry is said and ignored.
+    ``cache`` None (``--no-cache``) finds nothing."""
+    from isotui.store.cache import CacheProblem
+
+    keys = [experiment_key(k, folder, schema, params) for k in prepared.keys]
+    if cache is None:
+        return keys[0], None
+    try:
+        for key in keys:
+            found = cache.get_payload(key)
+            if found is not None:
+                return keys[0], found
+    except CacheProblem as problem:
+        (on_notice or (lambda _t: None))(f"{problem}; recomputing")
+    return keys[0], None
+
+
+def keep(cache, key: str, payload: dict[str, Any], arrays: dict[str, np.ndarray], on_notice=None) -> None:
+    """Store one result; a cache that cannot be written is said, never fatal."""
+    from isotui.store.cache import CacheWriteError
+
+    if cache is None:
+        return
+    try:
+        cache.put_payload(key, payload, arrays)
+    except CacheWriteError as exc:  # the result itself is fine: said in one sentence, kept
+        (on_notice or (lambda _t: None))(str(exc))
