@@ -237,6 +237,10 @@ class DriftBlockConfig:
             "measure": self.measure,
         }
 
+    def describe_block(self) -> str:
+        """``post-ln, output after-norm``, ``post-ln, output before-norm`` or ``pre-ln`` (no final norm)."""
+        return self.block if self.block == "pre-ln" else f"{self.block}, output {self.measure}"
+
     @property
     def ends_in_norm(self) -> bool:
         """Whether the measured output is a LayerNorm's output (post-LN block, after its norm)."""
@@ -1076,8 +1080,7 @@ def result_table(result: DriftBlockResult, width: int = 200):
     seeds = ",".join(str(s) for s in result.seeds)
     title = (
         f"[bold]drift-block[/]  BERT block d={c.hidden} heads={c.heads} ffn={c.intermediate} "
-        f"std={c.init_std:g}  {c.batch}x{c.seq_len} tokens  vocab {c.vocab}  {c.block}, "
-        f"output {c.measure}  "
+        f"std={c.init_std:g}  {c.batch}x{c.seq_len} tokens  vocab {c.vocab}  {c.describe_block()}  "
         f"seed{'s' if len(result.seeds) > 1 else ''} {seeds}"
     )
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)

@@ -1,9 +1,8 @@
 """The lab's Drift block tab: the untrained block under a drift of norm N (Godey et al. Figs. 6-10).
 
 Settings are typed as ``key=value`` pairs (``hidden=256 heads=4 norms=0:30:16 seeds=0,1
-block=pre-ln``); the
-table has one row per N (mean ± std over the seeds); ``m`` cycles the figures; the table cursor
-picks the N that Figs. 7 and 9 show.
+block=pre-ln``); the table has one row per N (mean ± std over the seeds); ``m`` cycles the
+figures; the table cursor picks the N that Figs. 7 and 9 show.
 """
 
 from __future__ import annotations
@@ -144,8 +143,8 @@ def show_drift(screen) -> None:
         star += f" ± {result.n_star_std:.2f}"
     source = "cache" if all(result.from_cache) else f"{result.seconds:.1f} s"
     info.update(
-        f"d={c.hidden}, {c.heads} heads, init std {c.init_std}, {c.batch}x{c.seq_len} tokens, {c.block} "
-        f"block, output {c.measure}, seeds {', '.join(map(str, result.seeds))} · fixed point N* = {star} "
+        f"d={c.hidden}, {c.heads} heads, init std {c.init_std}, {c.batch}x{c.seq_len} tokens, "
+        f"{c.describe_block()}, seeds {', '.join(map(str, result.seeds))} · fixed point N* = {star} "
         f"· {source}" + "".join(f"\n{note}" for note in result.notes)
     )
     table.add_columns(*(label for label, _ in COLUMNS))
