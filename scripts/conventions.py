@@ -11,7 +11,8 @@ numpy. Each alternative convention is implemented the way its authors' code does
   over the eigenvectors c of W^T W as the solver returns them (one sign each), min Z / max Z;
   "centred" subtracts the mean first. isotui takes both signs of every eigenvector, so its
   I(W) is at most theirs by construction (the solver's sign choice is arbitrary).
-- All-but-the-top, Mu & Viswanath 2018 (Algorithm 1 and their released code): v~ = v - mean,
+- All-but-the-top, Mu & Viswanath 2018 (their Algorithm 1, and the implementation widely copied
+  from it): v~ = v - mean,
   u_1..u_D the top principal components of v~, v' = v~ - sum_i (u_i . v) u_i, projecting the
   *uncentred* v, which leaves the shared vector -sum_i (u_i . mean) u_i in every v'. isotui
   projects the centred v~ (the correction Bis et al. 2021 use). avg_cos of the result, D = ceil(d/100).
