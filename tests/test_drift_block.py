@@ -385,3 +385,156 @@ def test_table_fits_a_narrow_terminal(result):
     assert "some columns hidden" in text and "in cos" in text and "out |x|" in text
     assert "fixed point N*" in text and "floor min" not in text
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+# ----------------------------------------------------------------------------- block and measure
+
+
+def plain_block(cfg: DriftBlockConfig, seed: int) -> list[dict]:
+    """The block re-implemented in float64 numpy from its weights, as ``cfg.block`` wires it;
+    per N the measured output's statistics (before the output LayerNorm for ``before-norm``) and
+    the softmax rows' max, median and min."""
+    from scipy.special import erf
+
+    built = build_block(cfg, seed)
+    w = {n: p.detach().double().numpy() for n, p in built.block.named_parameters()}
+    eps1 = built.block.attention.output.LayerNorm.eps
+    eps2 = built.block.output.LayerNorm.eps
+    e, ids, b_u = built.embeddings.double().numpy(), built.ids.numpy(), built.b_u.double().numpy()
+    bsz, t, d, h = cfg.batch, cfg.seq_len, cfg.hidden, cfg.heads
+    dk = d // h
+
+    def linear(x, name):
+        return x @ w[f"{name}.weight"].T + w[f"{name}.bias"]
+
+    def layer_norm(x, name, eps):
+        mu = x.mean(-1, keepdims=True)
+        var = ((x - mu) ** 2).mean(-1, keepdims=True)
+        return (x - mu) / np.sqrt(var + eps) * w[f"{name}.weight"] + w[f"{name}.bias"]
+
+    def attention(x):
+        split = lambda a: a.reshape(bsz, t, h, dk).transpose(0, 2, 1, 3)  # noqa: E731
+        q = linear(x, "attention.self.query")
+        k = linear(x, "attention.self.key")
+        v = linear(x, "attention.self.value")
+        s = split(q) @ split(k).transpose(0, 1, 3, 2) / math.sqrt(dk)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        context = (p @ split(v)).transpose(0, 2, 1, 3).reshape(bsz, t, d)
+        return linear(context, "attention.output.dense"), q, p
+
+    def ffn(x):
+        a = linear(x, "intermediate.dense")
+        return linear(0.5 * a * (1 + erf(a / math.sqrt(2))), "output.dense")  # BERT's exact GELU
+
+    out = []
+    for norm in cfg.norms:
+        x = e[ids] + norm * b_u / np.linalg.norm(b_u)
+        if cfg.block == "post-ln":
+            a, q, p = attention(x)
+            hid = layer_norm(x + a, "attention.output.LayerNorm", eps1)
+            y = hid + ffn(hid)
+            if cfg.measure == "after-norm":
+                y = layer_norm(y, "output.LayerNorm", eps2)
+        else:
+            a, q, p = attention(layer_norm(x, "attention.output.LayerNorm", eps1))
+            hid = x + a
+            y = hid + ffn(layer_norm(hid, "output.LayerNorm", eps2))
+        Y, X, Q = y.reshape(-1, d), x.reshape(-1, d), q.reshape(-1, d)
+        out.append(
+            {
+                "in_mean_norm": np.linalg.norm(X, axis=1).mean(),
+                "out_avg_cos": avg_cos(Y),
+                "out_mean_norm": np.linalg.norm(Y, axis=1).mean(),
+                "out_drift_norm": np.linalg.norm(Y.mean(0)),
+                "q_avg_cos": avg_cos(Q),
+                "softmax_max": p.max(-1).mean(),
+                "softmax_median": np.median(p, axis=-1).mean(),
+                "softmax_min": p.min(-1).mean(),
+            }
+        )
+    return out
+
+
+VARIANTS = [("post-ln", "after-norm"), ("post-ln", "before-norm"), ("pre-ln", "after-norm")]
+
+
+@pytest.mark.parametrize(("block", "measure"), VARIANTS)
+def test_each_block_and_measure_matches_a_plain_block(block, measure):
+    cfg = config(init_std=0.1, block=block, measure=measure, norms=(0.0, 4.0, 12.0, 30.0, 60.0))
+    got = run_drift_block(cfg, None)
+    want = plain_block(cfg, 0)
+    for row, ref in zip(got.rows, want, strict=True):
+        assert (row.block, row.measure) == (block, measure)
+        for name, value in ref.items():
+            assert getattr(row, name) == pytest.approx(value, rel=2e-4, abs=2e-6), (row.norm, name)
+    star = crossing(list(cfg.norms), [r["in_mean_norm"] for r in want], [r["out_mean_norm"] for r in want])
+    assert got.n_star == pytest.approx(star, rel=1e-4, nan_ok=True)
+
+
+def test_the_norm_note_exactly_when_the_block_ends_in_a_norm():
+    cfg = config(init_std=0.1, norms=(0.0, 12.0))
+    ends = run_drift_block(cfg, None)
+    # what the note claims: the output LayerNorm (weight 1, bias 0) pins the norm at ~sqrt(d)
+    assert [r.out_mean_norm for r in ends.rows] == pytest.approx([math.sqrt(cfg.hidden)] * 2, rel=1e-5)
+    assert sum("ends in its output LayerNorm" in n for n in ends.notes) == 1
+    for block, measure in VARIANTS[1:]:
+        other = run_drift_block(config(init_std=0.1, norms=(0.0, 12.0), block=block, measure=measure), None)
+        assert not any("LayerNorm" in n for n in other.notes), (block, measure)
+        # attention of the post-ln block is the same whichever output is measured
+        if block == "post-ln":
+            assert [r.softmax_max for r in other.rows] == [r.softmax_max for r in ends.rows]
+            assert other.rows[1].out_mean_norm != pytest.approx(math.sqrt(cfg.hidden), rel=1e-3)
+
+
+def test_cli_says_so_in_the_output(tmp_path, capsys):
+    base = ["experiment", "drift-block", *SMALL_FLAGS, "--norms", "0,12", "--no-cache", "-q"]
+    assert main(base) == 0
+    assert "ends in its output LayerNorm" in capsys.readouterr().out.replace("\n", " ")
+    for extra in (["--measure", "before-norm"], ["--block", "pre-ln"]):
+        assert main([*base, *extra]) == 0
+        out = capsys.readouterr().out
+        assert "ends in its output" not in out.replace("\n", " ") and extra[1] in out
+
+
+def test_default_block_keeps_the_earlier_cache_key():
+    cfg = config()
+    earlier = {  # the key's fields before --block and --measure existed
+        "experiment": "drift-block",
+        "schema": db.SCHEMA,
+        "torch": db._version("torch"),
+        "transformers": db._version("transformers"),
+        "dtype": "float32",
+        "seed": 0,
+        **{k: v for k, v in cfg.settings().items() if k not in ("block", "measure")},
+    }
+    assert (
+        cfg.key(0)
+        == __import__("hashlib").sha256(json.dumps(earlier, sort_keys=True).encode()).hexdigest()[:32]
+    )
+    keys = {config(block=b, measure=m).key(0) for b, m in VARIANTS}
+    assert len(keys) == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (["--block", "mid-ln"], "--block"),
+        (["--measure", "inside"], "--measure"),
+        (["--block", "pre-ln", "--measure", "before-norm"], "--measure before-norm"),
+    ],
+)
+def test_bad_block_or_measure_exits_2(capsys, flags, flag):
+    code = main(["experiment", "drift-block", *SMALL_FLAGS, *flags, "--no-cache"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and flag in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_lab_settings_take_block_and_measure():
+    from isotui.tui.lab_drift import parse_settings
+
+    cfg = parse_settings("hidden=32 heads=4 block=pre-ln")
+    assert (cfg.block, cfg.measure) == ("pre-ln", "after-norm")
+    assert parse_settings("measure=before-norm").measure == "before-norm"
+    with pytest.raises(IsotuiError, match="block"):
+        parse_settings("block=sandwich")

@@ -12,6 +12,17 @@ uniform over the vocabulary, and a direction ``b_u ~ N(0, I_d)``. For each N of 
 block's input is ``x = E[ids] + N * b_u / ||b_u||`` (the same direction for every N; no
 embedding LayerNorm, no positions, no mask: every position attends to every position).
 
+Block (``--block``): ``post-ln`` (default) is BERT's ``BertLayer`` as transformers runs it,
+``LN2(h + FFN(h))`` with ``h = LN1(x + Attn(x))``; it ends in its output LayerNorm, whose weight 1
+and bias 0 give every output vector the norm ``sqrt(d * v / (v + eps))`` (``v`` the vector's
+variance over its dimensions), i.e. sqrt(d) whatever the input, so N* there is where the input's
+mean norm reaches sqrt(d): a property of the norm, not of attention. ``pre-ln`` runs the same
+modules (same weights, same draws) as a pre-LayerNorm block, ``h = x + Attn(LN1(x))``,
+``out = h + FFN(LN2(h))`` (LN1 is the attention's output LayerNorm, LN2 the block's output
+LayerNorm; both weight 1, bias 0), which ends in the residual sum. Measured output
+(``--measure``): ``after-norm`` (default) is the block's output; ``before-norm`` (post-ln only)
+is the input of its output LayerNorm, ``h + FFN(h)``, read by a forward pre-hook.
+
 Definitions (over the ``n = B * T`` vectors; float64 sums, as in ``isotui.core``):
 
 - Fig. 6: ``in_*`` are the block's inputs ``x``, ``out_*`` its outputs (after the attention and
@@ -73,6 +84,8 @@ FOLDER = "drift-block"
 DEFAULT_NORMS = "0:30:31"
 MAX_NORMS = 1000
 SOFTMAX_STATS = ("max", "median", "min")  # the stat axis of softmax_position
+BLOCKS = ("post-ln", "pre-ln")
+MEASURES = ("after-norm", "before-norm")
 
 HELP = (
     "an untrained BERT block fed token embeddings plus a random bias of norm N, swept over N "
@@ -160,8 +173,19 @@ class DriftBlockConfig:
     norms: tuple[float, ...] = field(default_factory=_settings_defaults)
     seeds: tuple[int, ...] = (0,)
     device: str = "auto"
+    block: str = "post-ln"
+    measure: str = "after-norm"
 
     def __post_init__(self) -> None:
+        if self.block not in BLOCKS:
+            raise IsotuiError(f"--block {self.block!r} is not one of {', '.join(BLOCKS)}")
+        if self.measure not in MEASURES:
+            raise IsotuiError(f"--measure {self.measure!r} is not one of {', '.join(MEASURES)}")
+        if self.block == "pre-ln" and self.measure == "before-norm":
+            raise IsotuiError(
+                "--measure before-norm needs --block post-ln: a pre-LN block does not end in a "
+                "LayerNorm, so its output is already the un-normalised residual sum"
+            )
         for name in ("hidden", "heads", "intermediate", "vocab", "batch", "seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -219,7 +243,18 @@ class DriftBlockConfig:
             "batch": self.batch,
             "seq_len": self.seq_len,
             "norms": [float(v) for v in self.norms],
+            "block": self.block,
+            "measure": self.measure,
         }
+
+    def describe_block(self) -> str:
+        """``post-ln, output after-norm``, ``post-ln, output before-norm`` or ``pre-ln`` (no final norm)."""
+        return self.block if self.block == "pre-ln" else f"{self.block}, output {self.measure}"
+
+    @property
+    def ends_in_norm(self) -> bool:
+        """Whether the measured output is a LayerNorm's output (post-LN block, after its norm)."""
+        return self.block == "post-ln" and self.measure == "after-norm"
 
     def key(self, seed: int) -> str:
         """The cache key of one seed's sweep."""
@@ -232,6 +267,9 @@ class DriftBlockConfig:
             "seed": int(seed),
             **self.settings(),
         }
+        for name, default in (("block", "post-ln"), ("measure", "after-norm")):
+            if fields_[name] == default:  # keys of the default sweep stay those of earlier versions
+                del fields_[name]
         return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -286,6 +324,8 @@ class DriftBlockRow:
     vocab: int
     batch: int
     seq_len: int
+    block: str = "post-ln"  # defaults: entries cached before these settings existed still load
+    measure: str = "after-norm"
 
     @classmethod
     def metrics(cls) -> list[str]:
@@ -304,6 +344,8 @@ _NOT_METRICS = {
     "vocab",
     "batch",
     "seq_len",
+    "block",
+    "measure",
 }
 
 HEAD_METRICS = (
@@ -516,6 +558,17 @@ class BlockInputs:
     block: torch.nn.Module  # transformers BertLayer, eval mode
     ids: torch.Tensor  # (batch, seq_len) int64
     b_u: torch.Tensor  # (hidden,) the raw N(0, I) draw; the bias at norm N is N * b_u / ||b_u||
+    kind: str = "post-ln"  # how ``run`` wires the block's modules (``DriftBlockConfig.block``)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output for input ``x``: BertLayer itself (post-ln), or its modules pre-LN."""
+        layer = self.block
+        if self.kind == "post-ln":
+            out = layer(x)
+            return out[0] if isinstance(out, tuple) else out  # transformers 4 returns a tuple
+        context = _self_attention(layer)(layer.attention.output.LayerNorm(x))[0]
+        h = x + layer.attention.output.dense(context)
+        return h + layer.output.dense(layer.intermediate(layer.output.LayerNorm(h)))
 
     def inputs_at(self, norm: float) -> torch.Tensor:
         """(batch, seq_len, hidden) the block's input for bias norm ``norm``."""
@@ -552,7 +605,7 @@ def build_block(config: DriftBlockConfig, seed: int, *, attn_implementation: str
     block.eval()
     for p in block.parameters():
         p.requires_grad_(False)
-    return BlockInputs(embeddings, block, ids, b_u)
+    return BlockInputs(embeddings, block, ids, b_u, config.block)
 
 
 def init_like_bert(module: torch.nn.Module, std: float, gen: torch.Generator) -> None:
@@ -590,8 +643,10 @@ class _Step:
     position: np.ndarray  # (3, T)
 
 
-def _measure(built: BlockInputs, norm: float, heads: int, device) -> _Step:
-    """Run the block at one N and fold every statistic (float64 sums, one head at a time)."""
+def _measure(built: BlockInputs, norm: float, heads: int, device, measure: str = "after-norm") -> _Step:
+    """Run the block at one N and fold every statistic (float64 sums, one head at a time).
+
+    ``measure="before-norm"`` takes as the output the input of the block's output LayerNorm."""
     import torch
 
     from isotui.core.attention import ScoreSums, VectorSums, row_stats
@@ -606,14 +661,22 @@ def _measure(built: BlockInputs, norm: float, heads: int, device) -> _Step:
         return hook
 
     handles = [attn.query.register_forward_hook(grab("q")), attn.key.register_forward_hook(grab("k"))]
+    if measure == "before-norm":
+
+        def grab_norm_input(_module, inputs):
+            captured["pre_norm"] = inputs[0]
+
+        handles.append(built.block.output.LayerNorm.register_forward_pre_hook(grab_norm_input))
     try:
         x = built.inputs_at(norm).to(device)
-        out = built.block(x)
+        out = built.run(x)
     finally:
         for h in handles:
             h.remove()
-    if isinstance(out, tuple):  # transformers 4 returns a tuple
-        out = out[0]
+    if measure == "before-norm":
+        if "pre_norm" not in captured:
+            raise RuntimeError("the block's output LayerNorm was not called; cannot read its input")
+        out = captured.pop("pre_norm")
     if "q" not in captured or "k" not in captured:
         raise RuntimeError("the block's query/key Linear layers were not called; cannot capture them")
     q, k = captured["q"], captured["k"]
@@ -770,7 +833,7 @@ def _run_seed(
         for norm in config.norms:
             if should_stop():
                 raise Cancelled(f"drift-block stopped at seed {seed}, N={norm:g}")
-            steps.append(_measure(built, norm, config.heads, device))
+            steps.append(_measure(built, norm, config.heads, device, config.measure))
             tick(norm)
     n_star, note = fixed_point(
         config.norms, [s.values["in_mean_norm"] for s in steps], [s.values["out_mean_norm"] for s in steps]
@@ -893,6 +956,18 @@ def run_drift_block(
     return _assemble(config, runs, notes, device)
 
 
+def norm_note(config: DriftBlockConfig, out_norms: list[float]) -> str:
+    """The sentence that says N* of a block ending in a LayerNorm is that norm's fixed output norm."""
+    low, high = min(out_norms), max(out_norms)
+    measured = f"{low:.3f}" if f"{low:.3f}" == f"{high:.3f}" else f"{low:.3f} to {high:.3f}"
+    return (
+        f"the block ends in its output LayerNorm (weight 1, bias 0), which gives every output vector "
+        f"the norm sqrt(d) = {math.sqrt(config.hidden):.3f} less the eps term (here {measured} for "
+        "every N), so N* is where the input's mean norm reaches that fixed value, not an effect of "
+        "attention; --measure before-norm or --block pre-ln measure the block without it"
+    )
+
+
 def _assemble(
     config: DriftBlockConfig, runs: list[SeedRun], notes: list[str], device: str | None
 ) -> DriftBlockResult:
@@ -913,6 +988,8 @@ def _assemble(
     n_star_std = float(np.std(finite, ddof=1)) if len(finite) > 1 else math.nan
     if 0 < len(finite) < len(stars):
         notes.append(f"N* is the mean over the {len(finite)} of {len(stars)} seeds whose norms cross")
+    if config.ends_in_norm and rows:
+        notes.insert(0, norm_note(config, [r.out_mean_norm for r in rows]))
     computed = [run for run in runs if not run.from_cache]
     return DriftBlockResult(
         config=config,
@@ -955,6 +1032,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "write --norms=-1,5 for a list that starts with a minus",
     )
     p.add_argument("--seeds", help="several seeds, e.g. 0,1,2 (overrides --seed); rows give mean ± std")
+    p.add_argument(
+        "--block",
+        default="post-ln",
+        help="post-ln (default): BERT's BertLayer, ending in its output LayerNorm; pre-ln: the same "
+        "modules as a pre-LayerNorm block, x + Attn(LN(x)), then + FFN(LN(.))",
+    )
+    p.add_argument(
+        "--measure",
+        default="after-norm",
+        help="after-norm (default): the block's output; before-norm: the post-ln block's output "
+        "before its final LayerNorm (whose fixed output norm otherwise sets N*)",
+    )
     add_common(p)
 
 
@@ -985,6 +1074,8 @@ def config_from_args(args: argparse.Namespace) -> DriftBlockConfig:
         norms=parse_norms(args.norms),
         seeds=seeds,
         device=args.device,
+        block=str(args.block).strip(),
+        measure=str(args.measure).strip(),
     )
 
 
@@ -1027,7 +1118,7 @@ def result_table(result: DriftBlockResult, width: int = 200):
     seeds = ",".join(str(s) for s in result.seeds)
     title = (
         f"[bold]drift-block[/]  BERT block d={c.hidden} heads={c.heads} ffn={c.intermediate} "
-        f"std={c.init_std:g}  {c.batch}x{c.seq_len} tokens  vocab {c.vocab}  "
+        f"std={c.init_std:g}  {c.batch}x{c.seq_len} tokens  vocab {c.vocab}  {c.describe_block()}  "
         f"seed{'s' if len(result.seeds) > 1 else ''} {seeds}"
     )
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)

@@ -132,7 +132,8 @@ class DriftBlockRequest:
     @property
     def model(self) -> str:
         c = self.config
-        return f"d={c.hidden} heads={c.heads} std={c.init_std} seeds={','.join(map(str, c.seeds))}"
+        variant = "".join(f" {v}" for v in (c.block, c.measure) if v not in ("post-ln", "after-norm"))
+        return f"d={c.hidden} heads={c.heads} std={c.init_std}{variant} seeds={','.join(map(str, c.seeds))}"
 
     @property
     def device(self) -> str:

@@ -1,8 +1,8 @@
 """The lab's Drift block tab: the untrained block under a drift of norm N (Godey et al. Figs. 6-10).
 
-Settings are typed as ``key=value`` pairs (``hidden=256 heads=4 norms=0:30:16 seeds=0,1``); the
-table has one row per N (mean ± std over the seeds); ``m`` cycles the figures; the table cursor
-picks the N that Figs. 7 and 9 show.
+Settings are typed as ``key=value`` pairs (``hidden=256 heads=4 norms=0:30:16 seeds=0,1
+block=pre-ln``); the table has one row per N (mean ± std over the seeds); ``m`` cycles the
+figures; the table cursor picks the N that Figs. 7 and 9 show.
 """
 
 from __future__ import annotations
@@ -25,7 +25,19 @@ FIGURES = (
     "Fig. 9: softmax max, median, min per position at the cursor's N",
     "Fig. 10: softmax extremes over the sequence",
 )
-SETTING_NAMES = ("hidden", "heads", "intermediate", "init_std", "vocab", "batch", "seq_len", "norms", "seeds")
+SETTING_NAMES = (
+    "hidden",
+    "heads",
+    "intermediate",
+    "init_std",
+    "vocab",
+    "batch",
+    "seq_len",
+    "norms",
+    "seeds",
+    "block",
+    "measure",
+)
 COLUMNS = (
     ("N", "norm"),
     ("in avg_cos", "in_avg_cos"),
@@ -44,7 +56,8 @@ COLUMNS = (
 def compose_drift() -> ComposeResult:
     yield Input(
         placeholder="settings (BERT-base default): hidden=768 heads=12 intermediate=3072 init_std=0.02 "
-        "batch=16 seq_len=512 norms=0:30:31 seeds=0; enter runs",
+        "batch=16 seq_len=512 norms=0:30:31 seeds=0 block=post-ln|pre-ln measure=after-norm|before-norm; "
+        "enter runs",
         id="drift-input",
     )
     yield Static(id="drift-info")
@@ -73,6 +86,8 @@ def parse_settings(text: str):
                 values[name] = parse_seeds(value)
             elif name == "init_std":
                 values[name] = float(value)
+            elif name in ("block", "measure"):
+                values[name] = value
             else:
                 values[name] = int(value)
         except ValueError:
@@ -134,8 +149,9 @@ def show_drift(screen) -> None:
         star += f" ± {result.n_star_std:.2f}"
     source = "cache" if all(result.from_cache) else f"{result.seconds:.1f} s"
     info.update(
-        f"d={c.hidden}, {c.heads} heads, init std {c.init_std}, {c.batch}x{c.seq_len} tokens, seeds "
-        f"{', '.join(map(str, result.seeds))} · fixed point N* = {star} · {source}"
+        f"d={c.hidden}, {c.heads} heads, init std {c.init_std}, {c.batch}x{c.seq_len} tokens, "
+        f"{c.describe_block()}, seeds {', '.join(map(str, result.seeds))} · fixed point N* = {star} "
+        f"· {source}" + "".join(f"\n{note}" for note in result.notes)
     )
     table.add_columns(*(label for label, _ in COLUMNS))
     for i, norm in enumerate(result.norms):

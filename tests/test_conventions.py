@@ -1,0 +1,99 @@
+"""scripts/conventions.py: the relations its table claims, on a tiny run (never its numbers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "conventions.py"
+
+
+@pytest.fixture(scope="module")
+def conv():
+    spec = importlib.util.spec_from_file_location("conventions_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def res(conv):
+    return conv.run(30)
+
+
+def test_isotui_equals_each_plain_definition(res):
+    assert res["n_vectors"] > res["dim"]  # more vectors than dimensions: eigenvectors are unique
+    pairs = [
+        ("avg_cos", "avg_cos"),
+        ("avg_cos_xctx", "avg_cos_xctx"),
+        ("drift_norm", "drift_norm"),
+        ("mean_norm", "mean_norm"),
+        ("avg_cos_centered", "avg_cos_centered"),
+        ("eff_rank", "eff_rank"),
+        ("top_pc_share", "top_pc_share"),
+        ("isoscore", "isoscore_f64"),
+        ("iw", "iw_both"),
+        ("iw_centered", "iw_centered_both"),
+        ("avg_cos_abtt", "abtt_centred"),
+        ("avg_cos_std", "avg_cos_std"),
+        ("avg_cos_types", "avg_cos_types"),
+        ("drift_norm_types", "drift_norm_types"),
+        ("intra_sim", "intra_sim"),
+        ("null_p95", "null_p95"),
+    ]
+    for layer in res["layers"]:
+        assert layer["isotui"]["n_sample"] == res["n_vectors"]  # the reservoir held every vector
+        for mine, plain in pairs:
+            assert layer["isotui"][mine] == pytest.approx(layer["plain"][plain], rel=1e-5, abs=1e-9), mine
+
+
+def test_conventions_relations(res):
+    for layer in res["layers"]:
+        iso, plain = layer["isotui"], layer["plain"]
+        # both signs of each eigenvector: a superset of the Z(c) the one-sign convention takes (the
+        # same eigenvectors in float64; isotui's own value is within its 1e-5 of the float64 one)
+        for both, one in (("iw_both", "iw_one_sign"), ("iw_centered_both", "iw_centered_one_sign")):
+            assert plain[both] <= plain[one] * (1 + 1e-12)
+        assert iso["iw"] <= plain["iw_one_sign"] * (1 + 1e-5)
+        assert iso["iw_centered"] <= plain["iw_centered_one_sign"] * (1 + 1e-5)
+        # Ethayarajh's intra-sentence similarity: every sentence, each rounded to 3 decimals
+        assert abs(plain["eth_intra_sim"] - iso["intra_sim"]) <= 1e-3 + 1e-12
+        # the isoscore package's departure from float64 is its float32 sqrt(d), nothing else
+        assert plain["isoscore_pkg"] == pytest.approx(plain["isoscore_f32_sqrt"], abs=1e-12)
+        assert abs(plain["isoscore_pkg"] - plain["isoscore_f64"]) < 1e-6
+
+
+def test_ethayarajh_baseline_expectation_by_enumeration(conv):
+    rng = np.random.default_rng(0)
+    per_sample = [rng.normal(size=(k, 6)) + 0.7 for k in (3, 5, 2, 4)]
+    tokens = [(list(range(len(x))), [f"w{i}" for i in range(len(x))]) for x in per_sample]
+    got = conv.ethayarajh(per_sample, tokens, random.Random(0))
+    units = [x / np.linalg.norm(x, axis=1, keepdims=True) for x in per_sample]
+    # one token per sentence, then two of those M tokens with replacement: a token with itself is 1
+    total, m = 0.0, len(units)
+    for a, b in itertools.product(range(m), repeat=2):
+        total += 1.0 if a == b else float(np.mean(units[a] @ units[b].T))
+    assert got["baseline_expected"] == pytest.approx(total / m**2, rel=1e-12)
+
+
+def test_one_sign_iw_and_original_abtt(conv):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(200, 8)) * np.linspace(0.2, 2.0, 8) + 1.5
+    both, one = conv.iw_both_signs(x, False), conv.iw_one_sign(x, False)
+    flipped = x @ np.diag([-1.0] * 8)  # the sign choice moves the one-sign value, never isotui's
+    assert both <= one and both == pytest.approx(conv.iw_both_signs(flipped, False), rel=1e-9)
+    assert math.isfinite(conv.abtt(x, original=True))
+    # Mu & Viswanath's projection of the uncentred v leaves the shared vector -U U^T mean
+    tilde = x - x.mean(0)
+    vals, vecs = np.linalg.eigh(tilde.T @ tilde)
+    u = vecs[:, [np.argmax(vals)]].T
+    shared = -(x.mean(0) @ u.T) @ u
+    orig = tilde - (x @ u.T) @ u
+    np.testing.assert_allclose(orig.mean(0), shared, atol=1e-12)
+    assert conv.abtt(x, original=False) == pytest.approx(conv.mean_cos(tilde - (tilde @ u.T) @ u), rel=1e-9)
