@@ -56,6 +56,18 @@ def _p(value: float) -> str:
     return "-" if not math.isfinite(value) else f"{value:.2g}"
 
 
+def _spearman_p(d) -> str:
+    """The permutation p, how it was found, and scipy's t approximation beside it."""
+    p = _p(d.spearman_p)
+    if d.spearman_p_method == "monte-carlo":
+        p += f"±{d.spearman_p_se:.1g} Monte Carlo"
+    elif d.spearman_p_method:
+        p += f" {d.spearman_p_method}"
+    if math.isfinite(d.spearman_p_t):
+        p += f"; t approx. {_p(d.spearman_p_t)}"
+    return p
+
+
 def _rogue(text: str) -> str:
     """``63:0.4497|383:0.0881`` -> ``63:.45 383:.09`` (the CSV keeps full precision)."""
     parts = []
@@ -127,7 +139,7 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
         prefix = "" if comp == "model" else f"{comp}: "
         notes.append(
             f"{prefix}drift vs avg_cos over {d.n_layers} layers: Spearman rho={_f(d.spearman_rho, 3)} "
-            f"(p={_p(d.spearman_p)}), Pearson r={_f(d.pearson_r, 3)} (p={_p(d.pearson_p)})"
+            f"(p={_spearman_p(d)}), Pearson r={_f(d.pearson_r, 3)} (p={_p(d.pearson_p)})"
         )
     notes.extend(meta.get("notes", []))
     table.caption = "\n".join(notes)

@@ -46,7 +46,7 @@ DEFAULT_THEME = "isotui-dark"
 PLOT_METRICS = LAYER_METRICS
 # comparable to the isotropic null
 NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "avg_cos_abtt", "avg_cos_std", "avg_cos_types")
-DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ")
+DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ", "spearman p (t)")
 DEVICE_REFRESH_S = 10.0
 
 
@@ -587,6 +587,7 @@ class IsotuiApp(App):
                     _pvalue(d.spearman_p),
                     _num(d.pearson_r, 3),
                     _pvalue(d.pearson_p),
+                    _pvalue(d.spearman_p_t),  # scipy's t approximation, beside the permutation p
                 )
         plot = self.query_one("#drift-plot", PlotextPlot)
         plt = plot.plt
