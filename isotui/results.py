@@ -13,7 +13,9 @@ from isotui.core.correlation import DriftCorrelation
 # 2: isoscore_star, iw, iw_centered, avg_cos_abtt, avg_cos_std, *_types
 # 3: no token types for models without a token-type vocabulary; T5 decoders batch-invariant with
 #    special tokens included; avg_cos_std's per-dimension variance in float64 (no underflow)
-SCHEMA_VERSION = 3
+# 4: IsoScore* shrinks toward (tr C / d) I (scale-invariant); standard errors of the sampled
+#    metrics; Spearman's permutation p beside the t approximation
+SCHEMA_VERSION = 4
 
 ROGUE_TOP = 3
 

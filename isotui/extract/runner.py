@@ -569,7 +569,8 @@ def _rank_notes(stats: list[LayerStats]) -> list[str]:
         f"{len(short)} of {len(stats)} layers have no more vectors than dimensions "
         f"(n={short[0].n_vectors:,}, d={short[0].dim:,}): their covariance is rank-deficient, so "
         "IsoScore is low by construction; "
-        f"IsoScore* shrinks it toward the identity (zeta {ISOSCORE_STAR_ZETA}); measure more samples"
+        f"IsoScore* shrinks it toward the isotropic covariance of the same total variance "
+        f"((tr C / d) I, zeta {ISOSCORE_STAR_ZETA}); measure more samples"
     ]
 
 
