@@ -89,6 +89,13 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         "position for token grids (SegFormer, timm ViTs)",
     )
     p.add_argument("--reservoir", help="vectors per layer kept for centred metrics (default 4096)")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        default=None,
+        help="a second pass over the data: avg_cos_centered, I(W), all-but-the-top and "
+        "standardised avg_cos over every vector rather than the reservoir (about twice the time)",
+    )
     p.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
     p.add_argument("--no-cache", action="store_true", help="recompute, and store nothing")
     p.add_argument("--csv", help="write the per-layer table of all models here")
@@ -179,6 +186,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "reservoir": args.reservoir,
         "trust_remote_code": args.trust_remote_code,
         "map_units": args.map_units,
+        "exact": args.exact,
         "cache_dir": args.cache_dir,
         "csv": args.csv,
         "json": args.json,
@@ -228,6 +236,7 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
             reservoir=s.get("reservoir", 4096),
             trust_remote_code=s.get("trust_remote_code", False),
             map_units=s.get("map_units", "auto"),
+            exact=s.get("exact", False),
         )
     except IsotuiError as exc:
         raise IsotuiError(f"{where}{exc}") from None

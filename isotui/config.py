@@ -30,6 +30,7 @@ RUN_SETTINGS: dict[str, tuple[type, ...]] = {
     "reservoir": (int,),
     "trust_remote_code": (bool,),
     "map_units": (str,),
+    "exact": (bool,),
     "cache_dir": (str,),
     "csv": (str,),
     "json": (str,),

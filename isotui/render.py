@@ -56,6 +56,15 @@ def _p(value: float) -> str:
     return "-" if not math.isfinite(value) else f"{value:.2g}"
 
 
+def _se(se: float) -> str:
+    """``±4e-4``: a sampled metric's standard error in one significant digit; nothing when it
+    is exact (0) or unknown."""
+    if se is None or not math.isfinite(se) or se == 0:
+        return ""
+    mantissa, _, exponent = f"{se:.0e}".partition("e")
+    return f"±{mantissa}e{int(exponent)}"
+
+
 def _spearman_p(d) -> str:
     """The permutation p, how it was found, and scipy's t approximation beside it."""
     p = _p(d.spearman_p)
@@ -104,7 +113,7 @@ COLUMNS: list[Column] = [
     Column("n", lambda r: str(r.n_vectors), 0, "n_vectors"),
     Column("avg_cos", _avg_cos, 0, "avg_cos"),
     Column("xctx", lambda r: _f(r.avg_cos_xctx), 100, "avg_cos_xctx"),
-    Column("centered", lambda r: _f(r.avg_cos_centered), 90, "avg_cos_centered"),
+    Column("centered", lambda r: _f(r.avg_cos_centered) + _se(r.avg_cos_centered_se), 90, "avg_cos_centered"),
     Column("drift", lambda r: _f(r.drift_norm, 3), 0, "drift_norm"),
     Column("norm", lambda r: _f(r.mean_norm, 3), 0, "mean_norm"),
     Column("isoscore", lambda r: _f(r.isoscore), 0, "isoscore"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -41,6 +42,10 @@ LAYER_METRICS = (
 )
 
 
+# Standard errors of the reservoir metrics (0 when exact: n <= reservoir, or --exact).
+SE_FIELDS = ("avg_cos_centered_se", "iw_se", "iw_centered_se", "avg_cos_abtt_se", "avg_cos_std_se")
+
+
 @dataclass
 class LayerRow:
     """One row of the per-layer table (and of the CSV, in this column order)."""
@@ -78,6 +83,12 @@ class LayerRow:
     intra_sim: float
     self_sim: float
     self_sim_types: int
+    # added after RUN_COLUMNS existed: the CSV writes them after those (see store.export)
+    avg_cos_centered_se: float = math.nan
+    iw_se: float = math.nan
+    iw_centered_se: float = math.nan
+    avg_cos_abtt_se: float = math.nan
+    avg_cos_std_se: float = math.nan
 
     @classmethod
     def columns(cls) -> list[str]:

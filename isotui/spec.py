@@ -24,6 +24,7 @@ SPEC_OPTIONS = (
     "reservoir",
     "trust_remote_code",
     "map_units",
+    "exact",
 )
 
 SPECIAL_TOKENS = ("exclude", "include")
@@ -45,6 +46,7 @@ class RunSpec:
     reservoir: int = 4096
     trust_remote_code: bool = False
     map_units: str = "auto"  # conv maps: auto, image (one flattened vector each) or position
+    exact: bool = False  # a second pass: the reservoir metrics over every vector
 
     def with_model(self, model: str) -> RunSpec:
         return replace(self, model=model)
@@ -78,6 +80,7 @@ def make_spec(
     reservoir: object = 4096,
     trust_remote_code: bool = False,
     map_units: str = "auto",
+    exact: object = False,
 ) -> RunSpec:
     """Build a :class:`RunSpec`, turning each bad value into one sentence naming the setting."""
     if special_tokens not in SPECIAL_TOKENS:
@@ -86,6 +89,8 @@ def make_spec(
         raise IsotuiError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     if map_units not in MAP_UNITS:
         raise IsotuiError(f"map-units must be auto, image or position (got {map_units!r})")
+    if not isinstance(exact, bool):
+        raise IsotuiError(f"exact must be true or false (got {exact!r})")
     if batch_size == "auto":
         batch_size = None
     try:
@@ -107,4 +112,5 @@ def make_spec(
         reservoir=_positive("reservoir", reservoir, allow_none=False) or 4096,
         trust_remote_code=bool(trust_remote_code),
         map_units=map_units,
+        exact=exact,
     )

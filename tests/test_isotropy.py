@@ -64,7 +64,9 @@ def test_isoscore_star_does_not_depend_on_the_scale():
         got = isoscore_star(eigenvalues(c))
         assert got == pytest.approx(_isoscore_numpy(shrunk), abs=1e-10)
         scores.append(got)
-    assert scores[0] == pytest.approx(scores[1], abs=1e-12) and scores[2] == pytest.approx(scores[1], abs=1e-12)
+    assert scores[0] == pytest.approx(scores[1], abs=1e-12) and scores[2] == pytest.approx(
+        scores[1], abs=1e-12
+    )
     assert 0.0 < scores[1] < 1.0
 
 

@@ -80,21 +80,37 @@ def partition_isotropy(x, *, centered: bool = False) -> float:
     return _iw(x, *_principal(x))
 
 
-def sample_metrics(x, mean, std) -> dict[str, float]:
+def sample_metrics(x, mean, std, groups: tuple | None = None) -> dict[str, float]:
     """I(W), centred I(W), all-but-the-top and standardised avg_cos of the rows of ``x`` given the
     exact ``mean`` and per-dimension ``std``; the centred eigendecomposition serves both the
-    centred I(W) and all-but-the-top."""
+    centred I(W) and all-but-the-top. With ``groups`` (disjoint row indices), also their
+    jackknife standard errors (``*_se``, see :mod:`isotui.core.sampled`), from the same
+    eigendecompositions."""
     x = _t(x)
     if len(x) < 2:
         return {}
     centred = x - _t(mean, x.device)
+    vecs, null = _principal(x)
     vecs_c, null_c = _principal(centred)
-    return {
-        "iw": _iw(x, *_principal(x)),
+    out = {
+        "iw": _iw(x, vecs, null),
         "iw_centered": _iw(centred, vecs_c, null_c),
         "avg_cos_abtt": _abtt(centred, vecs_c),
         "avg_cos_std": standardized_avg_cos(x, mean, std),
     }
+    if groups is not None:
+        from isotui.core.sampled import cos_jackknife_se, iw_jackknife_se
+
+        pcs = vecs_c[:, : abtt_components(x.shape[1])]
+        std_t = _t(std, x.device)
+        live = std_t > 0
+        out |= {
+            "iw_se": iw_jackknife_se(x, vecs, null, groups),
+            "iw_centered_se": iw_jackknife_se(centred, vecs_c, null_c, groups),
+            "avg_cos_abtt_se": cos_jackknife_se(centred - (centred @ pcs) @ pcs.T, groups),
+            "avg_cos_std_se": cos_jackknife_se(centred[:, live] / std_t[live], groups),
+        }
+    return out
 
 
 def _mean_cos(v) -> float:

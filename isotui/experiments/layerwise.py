@@ -20,7 +20,7 @@ from isotui.data.sources import fingerprint, load_samples
 from isotui.extract.device import needs_device_for_dtype, resolve_device, resolve_dtype
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
-from isotui.results import ROGUE_TOP, SCHEMA_VERSION, LayerRow, ModelResult
+from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult
 from isotui.spec import RunSpec
 from isotui.store.cache import CacheProblem, ResultCache
 
@@ -61,6 +61,7 @@ def prepare(spec: RunSpec) -> Prepared:
         "seed": spec.seed,
         "reservoir": spec.reservoir,
         **({"map_units": spec.map_units} if spec.data.modality == "image" else {}),
+        **({"exact": True} if spec.exact else {}),  # off: the keys of earlier runs stay valid
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
     return Prepared(spec, key, samples, model_fp, data_fp, dtype, device)
@@ -139,6 +140,7 @@ def extract_options(spec: RunSpec):
         seed=spec.seed,
         reservoir=spec.reservoir,
         map_units=spec.map_units,
+        exact=spec.exact,
     )
 
 
@@ -209,6 +211,7 @@ def compute(
         "device": device,
         "seed": spec.seed,
         "reservoir": spec.reservoir,
+        "exact": spec.exact,
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
         "notes": loaded.notes + ex.notes,
@@ -287,6 +290,7 @@ def build_rows(model: str, component: str, layers: list[LayerStats], *, final_no
                 intra_sim=s.intra_sim,
                 self_sim=s.self_sim,
                 self_sim_types=s.self_sim_types,
+                **{f: getattr(s, f) for f in SE_FIELDS},
             )
         )
     return rows

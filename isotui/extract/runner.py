@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
+from isotui.core.sampled import SE_GROUPS, ExactPass
 from isotui.errors import Cancelled, IsotuiError
 from isotui.extract.device import memory_in_use
 from isotui.extract.heap import TRIM_EVERY, release_free_memory
@@ -42,6 +43,7 @@ class ExtractOptions:
     seed: int = 0
     reservoir: int = 4096
     map_units: str = "auto"
+    exact: bool = False  # a second pass: the reservoir metrics over every vector
 
 
 @dataclass
@@ -158,6 +160,7 @@ class _Runner:
         self.tracked: np.ndarray | None = None  # token id -> self-similarity slot (-1: none)
         self.n_tracked = 0
         self.accs: dict[str, list[LayerAccumulator]] | None = None
+        self.second: dict[str, list[ExactPass]] | None = None  # --exact's second pass, when on
         self.final_norm: dict[str, bool] = {}
         self.final_norm_names: list[str] = []
         self.notes: list[str] = []
@@ -298,8 +301,9 @@ class _Runner:
         index: dict[tuple, tuple] = {}  # layers of one shape share their units' index and keys
         partials = []
         with torch.inference_mode():
+            targets = self.second if self.second is not None else self.accs
             for component, hidden in components.items():
-                for acc, h in zip(self.accs[component], hidden, strict=True):
+                for acc, h in zip(targets[component], hidden, strict=True):
                     shape = (component, *h.shape[1:]) if h.ndim == 3 else (h.ndim, *h.shape[2:])
                     if shape not in index:
                         flat, local, positions = self._index(fed, component, h)
@@ -495,18 +499,8 @@ def extract(
     assert runner.feeder is not None
     total = len(samples)
     start = time.perf_counter()
-    done = n_tokens = 0
     on_progress(Progress(0, total, 0, 0.0))
-    for batch_no, idx in enumerate(runner.batches(runner.feeder.lengths), 1):
-        if should_stop():
-            raise Cancelled()
-        n_tokens += runner.process(idx)
-        done += len(idx)
-        if device == "cpu" and batch_no % TRIM_EVERY == 0:
-            release_free_memory()
-        on_progress(
-            Progress(done, total, n_tokens, time.perf_counter() - start, memory_bytes=memory_in_use(device))
-        )
+    done, n_tokens = _stream(runner, total, start, device, on_progress, should_stop)
     assert runner.accs is not None
     first = next(iter(runner.accs.values()))[0]
     if first.n_all == 0:
@@ -518,6 +512,8 @@ def extract(
     memory = memory_in_use(device)
     on_progress(Progress(done, total, n_tokens, elapsed, stage="finalize", memory_bytes=memory))
     components = {c: [acc.finalize() for acc in accs] for c, accs in runner.accs.items()}
+    if opts.exact and any(s.n_sample < s.n_vectors for stats in components.values() for s in stats):
+        components = _exact_pass(runner, components, total, device, on_progress, should_stop)
     all_stats = [s for stats in components.values() for s in stats]
     runner.notes.extend(_sample_notes(runner, all_stats))
     runner.notes.extend(_rank_notes(all_stats))
@@ -538,6 +534,87 @@ def extract(
         map_units=runner.map_units if runner.saw_maps else None,
         audio_seconds=getattr(runner.feeder, "seconds", None),
     )
+
+
+def _stream(
+    runner: _Runner,
+    total: int,
+    start: float,
+    device: str,
+    on_progress: ProgressCallback,
+    should_stop: StopCheck,
+    message: str | None = None,
+) -> tuple[int, int]:
+    """One pass over the corpus in batches; (samples done, input units)."""
+    assert runner.feeder is not None
+    done = n_tokens = 0
+    for batch_no, idx in enumerate(runner.batches(runner.feeder.lengths), 1):
+        if should_stop():
+            raise Cancelled()
+        n_tokens += runner.process(idx)
+        done += len(idx)
+        if device == "cpu" and batch_no % TRIM_EVERY == 0:
+            release_free_memory()
+        on_progress(
+            Progress(
+                done,
+                total,
+                n_tokens,
+                time.perf_counter() - start,
+                message=message if batch_no == 1 else None,
+                memory_bytes=memory_in_use(device),
+            )
+        )
+    return done, n_tokens
+
+
+def _exact_pass(
+    runner: _Runner,
+    components: dict[str, list[LayerStats]],
+    total: int,
+    device: str,
+    on_progress: ProgressCallback,
+    should_stop: StopCheck,
+) -> dict[str, list[LayerStats]]:
+    """``--exact``: run the corpus again, folding every vector into :class:`ExactPass` with the
+    first pass's mean, std and eigenvectors, and replace the sampled metrics by the exact ones."""
+    assert runner.accs is not None
+    runner.second = {}
+    for c, accs in runner.accs.items():
+        runner.second[c] = []
+        for acc in accs:
+            runner.second[c].append(ExactPass(acc))
+            acc.gram = acc.res = None  # finalized: free the d x d sums before the next layer's
+    start = time.perf_counter()
+    on_progress(Progress(0, total, 0, 0.0, message="second pass over the data (--exact)"))
+    _stream(runner, total, start, device, on_progress, should_stop)
+    out = {
+        c: [p.apply(s) for p, s in zip(runner.second[c], stats, strict=True)]
+        for c, stats in components.items()
+    }
+    runner.notes.extend(_exact_notes(runner, out))
+    runner.second = None
+    return out
+
+
+def _exact_notes(runner: _Runner, components: dict[str, list[LayerStats]]) -> list[str]:
+    """Say what the second pass computed over every vector, and where it fell back to the sample."""
+    assert runner.second is not None
+    passes = [p for ps in runner.second.values() for p in ps]
+    n = len(passes)
+    wide = sum(not p.eigen for p in passes)
+    notes = [
+        "--exact: avg_cos_centered, I(W), centred I(W), all-but-the-top and standardised avg_cos "
+        "over every vector (a second pass with the final mean, per-dimension std and the "
+        "eigenvectors of the exact second moment and covariance)"
+    ]
+    if wide:
+        notes.append(
+            f"--exact: I(W), centred I(W) and all-but-the-top of {wide} of {n} layers come from the "
+            f"sample (with standard errors): their d x d covariance is not held (all layers' d x d "
+            f"over {COV_BUDGET_BYTES >> 30} GiB)"
+        )
+    return notes
 
 
 def constant_notes(components: dict[str, list[LayerStats]]) -> list[str]:
@@ -581,11 +658,23 @@ def _sample_notes(runner: _Runner, stats: list[LayerStats]) -> list[str]:
         return []
     spectrum = any(s.spectrum_from.startswith("sample:") for s in partial)
     sampled = "avg_cos_centered, I(W), all-but-the-top and standardised avg_cos"
-    what = f"{sampled} and the spectrum metrics" if spectrum else sampled
+    if runner.opts.exact:  # the second pass gives those over every vector
+        if not spectrum:
+            return []
+        sampled = ""
+    if spectrum:
+        what = f"{sampled} and the spectrum metrics" if sampled else "the spectrum metrics"
+    else:
+        what = sampled
     note = (
         f"{what} from a uniform sample of {partial[0].n_sample:,} vectors in {len(partial)} of "
         f"{len(stats)} layers (--reservoir)"
     )
+    if not runner.opts.exact:
+        note += (
+            f"; ± their standard errors from {SE_GROUPS} disjoint sub-samples (the *_se columns; "
+            "--exact computes them over every vector)"
+        )
     if runner.reservoir_capped:
         note += (
             f"; the sample is capped so that all layers' samples fit in "

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from isotui.errors import IsotuiError
-from isotui.results import LayerRow, ModelResult
+from isotui.results import SE_FIELDS, LayerRow, ModelResult
 
 
 def _atomic_write(path: Path, write) -> Path:
@@ -43,11 +43,12 @@ RUN_COLUMNS = ("data", "n_samples", "max_length", "special_tokens", "dtype", "ru
 
 def write_csv(results: Iterable[ModelResult], path: Path) -> Path:
     """One row per model, component and layer; columns as :meth:`LayerRow.columns`, then
-    :data:`RUN_COLUMNS` from the run's metadata."""
+    :data:`RUN_COLUMNS` from the run's metadata, then the standard errors (added later)."""
     results = list(results)
 
     def write(f) -> None:
-        writer = csv.DictWriter(f, fieldnames=[*LayerRow.columns(), *RUN_COLUMNS])
+        base = [c for c in LayerRow.columns() if c not in SE_FIELDS]  # earlier columns keep their places
+        writer = csv.DictWriter(f, fieldnames=[*base, *RUN_COLUMNS, *SE_FIELDS])
         writer.writeheader()
         for r in results:
             run = {c: r.meta.get(c, "") for c in RUN_COLUMNS[:-1]} | {"run_key": r.key}

@@ -440,6 +440,7 @@ class IsotuiApp(App):
             f"max length {o.get('max_length') or 'auto'}, batch size {o.get('batch_size') or 'auto'}, "
             f"device {o.get('device', 'auto')}, dtype {o.get('dtype', 'auto')}, "
             f"special tokens {o.get('special_tokens', 'exclude')}, map units {o.get('map_units', 'auto')}"
+            + (", exact (2nd pass)" if o.get("exact") else "")
         )
 
     def _export(self, chosen: list[ModelResult], what: str) -> None:
