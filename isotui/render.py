@@ -119,7 +119,7 @@ COLUMNS: list[Column] = [
     Column("isoscore", lambda r: _f(r.isoscore), 0, "isoscore"),
     Column("erank", lambda r: _f(r.eff_rank, 1), 70, "eff_rank"),
     Column("top_pc", lambda r: _f(r.top_pc_share, 3), 80, "top_pc_share"),
-    Column("rogue dim:share", lambda r: _rogue(r.rogue_dims), 115, "top_rogue_share"),
+    Column("rogue dim:share", lambda r: _rogue(r.rogue_dims), 119, "top_rogue_share"),
 ]
 
 

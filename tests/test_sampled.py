@@ -137,3 +137,22 @@ def test_exact_setting_is_checked():
     assert make_spec("minilm", exact=True).exact is True
     with pytest.raises(IsotuiError, match="exact must be true or false"):
         make_spec("minilm", exact="yes")
+
+
+def test_exact_in_config_files_and_settings(tmp_path, capsys):
+    from isotui.cli import main
+    from isotui.config import load_run_config
+    from isotui.settings import load_settings
+
+    good = tmp_path / "good.toml"
+    good.write_text("exact = true\n")
+    assert load_run_config(good)["exact"] is True
+    bad = tmp_path / "bad.toml"
+    bad.write_text('exact = "yes"\nmodel = "minilm"\n')
+    assert main(["run", str(bad), "--no-cache"]) == 2
+    err = capsys.readouterr().err
+    assert "setting 'exact' must be a bool" in err and "Traceback" not in err
+    settings = tmp_path / "isotui.toml"
+    settings.write_text("[run]\nexact = true\n")
+    loaded = load_settings(settings)
+    assert loaded.run == {"exact": True} and not loaded.problems

@@ -99,17 +99,12 @@ def sample_metrics(x, mean, std, groups: tuple | None = None) -> dict[str, float
         "avg_cos_std": standardized_avg_cos(x, mean, std),
     }
     if groups is not None:
-        from isotui.core.sampled import cos_jackknife_se, iw_jackknife_se
+        from isotui.core.sampled import cos_jackknife_se, eigen_jackknife_se
 
-        pcs = vecs_c[:, : abtt_components(x.shape[1])]
         std_t = _t(std, x.device)
         live = std_t > 0
-        out |= {
-            "iw_se": iw_jackknife_se(x, vecs, null, groups),
-            "iw_centered_se": iw_jackknife_se(centred, vecs_c, null_c, groups),
-            "avg_cos_abtt_se": cos_jackknife_se(centred - (centred @ pcs) @ pcs.T, groups),
-            "avg_cos_std_se": cos_jackknife_se(centred[:, live] / std_t[live], groups),
-        }
+        out["avg_cos_std_se"] = cos_jackknife_se(centred[:, live] / std_t[live], groups)
+        out |= eigen_jackknife_se(x, centred, groups)
     return out
 
 

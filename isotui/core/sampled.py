@@ -8,12 +8,12 @@ computes them on the reservoir sample. Two ways to know how far that is from eve
   keys (uniform and independent of the data), is cut into G = :data:`SE_GROUPS` groups, and each
   metric gets the delete-a-group jackknife, SE^2 = (G - 1) / G sum_g (theta_(g) - mean)^2 with
   theta_(g) the metric without group g. The mean cosines come from per-group unit-vector sums;
-  I(W) from per-group log Z per direction, the directions (and all-but-the-top's top components)
-  held at the whole reservoir's. Why the jackknife rather than batch means (sd of the groups'
-  own values / sqrt(G)): a mean cosine of centred vectors is close to a degenerate U-statistic,
-  whose variance falls as 1 / K^2, not 1 / K (batch means: sqrt(8) = 2.8x too high; the
-  jackknife at most ~1.5x), and I(W) on K / G vectors is far from I(W) on K. They measure
-  sampling noise, not a small sample's bias, and are 0 when the reservoir holds every vector.
+  I(W), centred I(W) and all-but-the-top are recomputed without each group, principal directions
+  included. Why the jackknife rather than batch means (sd of the groups' own values / sqrt(G)):
+  a mean cosine of centred vectors is close to a degenerate U-statistic, whose variance falls as
+  1 / K^2, not 1 / K (batch means: sqrt(8) = 2.8x too high; the jackknife at most ~1.5x), and
+  I(W) on K / G vectors is far from I(W) on K. They measure sampling noise, not a small sample's
+  bias, and are 0 when the reservoir holds every vector.
 - :class:`ExactPass` (``--exact``): a second pass over the data with the first pass's mean,
   per-dimension std and the eigenvectors of the exact second moment and covariance, summing over
   every vector: unit-vector sums for the three mean cosines, a running logsumexp per direction
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 SE_GROUPS = 8
 SAMPLED = ("avg_cos_centered", "iw", "iw_centered", "avg_cos_abtt", "avg_cos_std")
 EIGEN_METRICS = ("iw", "iw_centered", "avg_cos_abtt")  # need the covariance's eigenvectors
+EIGEN_JACKKNIFE_MAX_DIM = 1024  # wider: no SE for those three (2 G eigendecompositions per layer)
 
 
 def se_name(metric: str) -> str:
@@ -80,20 +81,27 @@ def cos_jackknife_se(v: torch.Tensor, parts: tuple) -> float:
     return _jackknife((np.einsum("gd,gd->g", rest, rest) - n_rest) / (n_rest * (n_rest - 1)))
 
 
-def iw_jackknife_se(x: torch.Tensor, vecs: torch.Tensor, null: bool, parts: tuple) -> float:
-    """Jackknife SE of I(W) of the rows of ``x`` with the directions ``vecs`` held fixed: each
-    group's log Z per direction, combined without one group at a time."""
+def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: tuple) -> dict[str, float]:
+    """Jackknife SEs of I(W), centred I(W) and all-but-the-top, the principal directions found
+    again without each group (their estimation is most of these metrics' sampling noise: holding
+    them fixed gave a third of the spread between reservoirs on MiniLM). 2 G eigendecompositions:
+    skipped (NaN) above :data:`EIGEN_JACKKNIFE_MAX_DIM` dims, where ``--exact`` is the answer."""
     import torch
 
-    proj = x @ vecs
-    per = torch.stack([torch.cat([torch.logsumexp(proj[i], 0), torch.logsumexp(-proj[i], 0)]) for i in parts])
-    theta = []
-    for g in range(len(parts)):
-        rest = torch.logsumexp(torch.cat([per[:g], per[g + 1 :]]), 0)
-        if null:  # a null-space direction has Z = the number of vectors
-            rest = torch.cat([rest, rest.new_tensor([math.log(len(x) - len(parts[g]))])])
-        theta.append(float(torch.exp(rest.min() - rest.max())))
-    return _jackknife(np.asarray(theta))
+    from isotui.core.isotropy import _abtt, _iw, _principal
+
+    if x.shape[1] > EIGEN_JACKKNIFE_MAX_DIM:
+        return {se_name(m): math.nan for m in EIGEN_METRICS}
+    theta: dict[str, list[float]] = {m: [] for m in EIGEN_METRICS}
+    for idx in parts:
+        keep = torch.ones(len(x), dtype=torch.bool, device=x.device)
+        keep[idx] = False
+        rest, rest_c = x[keep], centred[keep]
+        vecs_c, null_c = _principal(rest_c)
+        theta["iw"].append(_iw(rest, *_principal(rest)))
+        theta["iw_centered"].append(_iw(rest_c, vecs_c, null_c))
+        theta["avg_cos_abtt"].append(_abtt(rest_c, vecs_c))
+    return {se_name(m): _jackknife(np.asarray(v)) for m, v in theta.items()}
 
 
 class ExactPass:
