@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
-from isotui.core.sampled import SE_GROUPS, ExactPass
+from isotui.core.sampled import EIGEN_JACKKNIFE_MAX_DIM, SE_GROUPS, ExactPass
 from isotui.errors import Cancelled, IsotuiError
 from isotui.extract.device import memory_in_use
 from isotui.extract.heap import TRIM_EVERY, release_free_memory
@@ -675,6 +675,11 @@ def _sample_notes(runner: _Runner, stats: list[LayerStats]) -> list[str]:
             f"; ± their standard errors from {SE_GROUPS} disjoint sub-samples (the *_se columns; "
             "--exact computes them over every vector)"
         )
+        if any(s.dim > EIGEN_JACKKNIFE_MAX_DIM for s in partial):
+            note += (
+                f"; I(W) and all-but-the-top have none in layers wider than {EIGEN_JACKKNIFE_MAX_DIM:,} "
+                "dims (16 more eigendecompositions each)"
+            )
     if runner.reservoir_capped:
         note += (
             f"; the sample is capped so that all layers' samples fit in "
