@@ -143,6 +143,13 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         "position for token grids (SegFormer, timm ViTs)",
     )
     p.add_argument("--reservoir", help="vectors per layer kept for centred metrics (default 4096)")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        default=None,
+        help="a second pass over the data: avg_cos_centered, I(W), all-but-the-top and "
+        "standardised avg_cos over every vector rather than the reservoir (about twice the time)",
+    )
     p.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
     p.add_argument("--no-cache", action="store_true", help="recompute, and store nothing")
     p.add_argument("--csv", help="write the per-layer table of all models here")
@@ -272,6 +279,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "trust_remote_code": args.trust_remote_code,
         "map_units": args.map_units,
         "tokenizer": args.tokenizer,
+        "exact": args.exact,
         "cache_dir": args.cache_dir,
         "csv": args.csv,
         "json": args.json,
@@ -355,6 +363,7 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
             trust_remote_code=s.get("trust_remote_code", False),
             map_units=s.get("map_units", "auto"),
             tokenizer=s.get("tokenizer"),
+            exact=s.get("exact", False),
         )
     except IsotuiError as exc:
         raise IsotuiError(f"{where}{exc}") from None

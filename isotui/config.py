@@ -32,6 +32,7 @@ RUN_SETTINGS: dict[str, tuple[type, ...]] = {
     "trust_remote_code": (bool,),
     "map_units": (str,),
     "tokenizer": (str,),
+    "exact": (bool,),
     "cache_dir": (str,),
     "csv": (str,),
     "json": (str,),

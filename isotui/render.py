@@ -56,6 +56,27 @@ def _p(value: float) -> str:
     return "-" if not math.isfinite(value) else f"{value:.2g}"
 
 
+def _se(se: float) -> str:
+    """``±4e-4``: a sampled metric's standard error in one significant digit; nothing when it
+    is exact (0) or unknown."""
+    if se is None or not math.isfinite(se) or se == 0:
+        return ""
+    mantissa, _, exponent = f"{se:.0e}".partition("e")
+    return f"±{mantissa}e{int(exponent)}"
+
+
+def _spearman_p(d) -> str:
+    """The permutation p, how it was found, and scipy's t approximation beside it."""
+    p = _p(d.spearman_p)
+    if d.spearman_p_method == "monte-carlo":
+        p += f"±{d.spearman_p_se:.1g} Monte Carlo"
+    elif d.spearman_p_method:
+        p += f" {d.spearman_p_method}"
+    if math.isfinite(d.spearman_p_t):
+        p += f"; t approx. {_p(d.spearman_p_t)}"
+    return p
+
+
 def _rogue(text: str) -> str:
     """``63:0.4497|383:0.0881`` -> ``63:.45 383:.09`` (the CSV keeps full precision)."""
     parts = []
@@ -92,13 +113,13 @@ COLUMNS: list[Column] = [
     Column("n", lambda r: str(r.n_vectors), 0, "n_vectors"),
     Column("avg_cos", _avg_cos, 0, "avg_cos"),
     Column("xctx", lambda r: _f(r.avg_cos_xctx), 100, "avg_cos_xctx"),
-    Column("centered", lambda r: _f(r.avg_cos_centered), 90, "avg_cos_centered"),
+    Column("centered", lambda r: _f(r.avg_cos_centered) + _se(r.avg_cos_centered_se), 90, "avg_cos_centered"),
     Column("drift", lambda r: _f(r.drift_norm, 3), 0, "drift_norm"),
     Column("norm", lambda r: _f(r.mean_norm, 3), 0, "mean_norm"),
     Column("isoscore", lambda r: _f(r.isoscore), 0, "isoscore"),
     Column("erank", lambda r: _f(r.eff_rank, 1), 70, "eff_rank"),
     Column("top_pc", lambda r: _f(r.top_pc_share, 3), 80, "top_pc_share"),
-    Column("rogue dim:share", lambda r: _rogue(r.rogue_dims), 115, "top_rogue_share"),
+    Column("rogue dim:share", lambda r: _rogue(r.rogue_dims), 119, "top_rogue_share"),
 ]
 
 
@@ -152,7 +173,7 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
         prefix = "" if comp == "model" else f"{comp}: "
         notes.append(
             f"{prefix}drift vs avg_cos over {d.n_layers} layers: Spearman rho={_f(d.spearman_rho, 3)} "
-            f"(p={_p(d.spearman_p)}), Pearson r={_f(d.pearson_r, 3)} (p={_p(d.pearson_p)})"
+            f"(p={_spearman_p(d)}), Pearson r={_f(d.pearson_r, 3)} (p={_p(d.pearson_p)})"
         )
     notes.extend(meta.get("notes", []))
     timing = timing_note(meta)

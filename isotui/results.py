@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -14,7 +15,9 @@ from isotui.core.correlation import DriftCorrelation
 # 2: isoscore_star, iw, iw_centered, avg_cos_abtt, avg_cos_std, *_types
 # 3: no token types for models without a token-type vocabulary; T5 decoders batch-invariant with
 #    special tokens included; avg_cos_std's per-dimension variance in float64 (no underflow)
-SCHEMA_VERSION = 3
+# 4: IsoScore* shrinks toward (tr C / d) I (scale-invariant); standard errors of the sampled
+#    metrics; Spearman's permutation p beside the t approximation
+SCHEMA_VERSION = 4
 
 ROGUE_TOP = 3
 
@@ -38,6 +41,10 @@ LAYER_METRICS = (
     "intra_sim",
     "self_sim",
 )
+
+
+# Standard errors of the reservoir metrics (0 when exact: n <= reservoir, or --exact).
+SE_FIELDS = ("avg_cos_centered_se", "iw_se", "iw_centered_se", "avg_cos_abtt_se", "avg_cos_std_se")
 
 
 @dataclass
@@ -77,6 +84,12 @@ class LayerRow:
     intra_sim: float
     self_sim: float
     self_sim_types: int
+    # added after RUN_COLUMNS existed: the CSV writes them after those (see store.export)
+    avg_cos_centered_se: float = math.nan
+    iw_se: float = math.nan
+    iw_centered_se: float = math.nan
+    avg_cos_abtt_se: float = math.nan
+    avg_cos_std_se: float = math.nan
 
     @classmethod
     def columns(cls) -> list[str]:

@@ -83,7 +83,7 @@ def _check_run(table: dict[str, Any], settings: Settings, where: str) -> None:
             settings.problems.append(f"{where}: [run] has no setting {key!r} (known: {', '.join(RUN_KEYS)})")
             continue
         allowed = RUN_SETTINGS[key]
-        if isinstance(value, bool) or not isinstance(value, allowed):
+        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
             settings.problems.append(f"{where}: [run] {key} has the wrong type (got {value!r})")
             continue
         try:

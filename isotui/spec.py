@@ -25,6 +25,7 @@ SPEC_OPTIONS = (
     "trust_remote_code",
     "map_units",
     "tokenizer",
+    "exact",
 )
 
 SPECIAL_TOKENS = ("exclude", "include")
@@ -50,6 +51,7 @@ class RunSpec:
     # where the CLI's explicit --max-length is refused
     cap_max_length: bool = False
     tokenizer: str | None = None  # a text model's tokenizer when not its own (--tokenizer)
+    exact: bool = False  # a second pass: the reservoir metrics over every vector
 
     def with_model(self, model: str) -> RunSpec:
         return replace(self, model=model)
@@ -84,6 +86,7 @@ def make_spec(
     trust_remote_code: bool = False,
     map_units: str = "auto",
     tokenizer: str | None = None,
+    exact: object = False,
 ) -> RunSpec:
     """Build a :class:`RunSpec`, turning each bad value into one sentence naming the setting."""
     if special_tokens not in SPECIAL_TOKENS:
@@ -92,6 +95,8 @@ def make_spec(
         raise IsotuiError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     if map_units not in MAP_UNITS:
         raise IsotuiError(f"map-units must be auto, image or position (got {map_units!r})")
+    if not isinstance(exact, bool):
+        raise IsotuiError(f"exact must be true or false (got {exact!r})")
     if batch_size == "auto":
         batch_size = None
     try:
@@ -114,6 +119,7 @@ def make_spec(
         trust_remote_code=bool(trust_remote_code),
         map_units=map_units,
         tokenizer=_tokenizer(tokenizer),
+        exact=exact,
     )
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +12,7 @@ from IsoScore import IsoScore
 from scipy import stats
 
 from isotui.core.accumulator import LayerAccumulator, sample_keys
-from isotui.core.correlation import drift_correlation
+from isotui.core.correlation import drift_correlation, s_distribution
 from isotui.core.null import null_cos_quantile
 from isotui.core.spectrum import isoscore_from_eigenvalues
 
@@ -111,28 +114,87 @@ def test_drift_correlation_matches_scipy_and_handles_degenerate():
     assert np.isnan(drift_correlation([1.0, 1.0, 1.0], [0.1, 0.2, 0.3]).pearson_r)
 
 
-def exact_spearman_p(x, y):
-    """scipy's exact permutation test of Spearman's rho (every pairing)."""
+def _rho_statistic(y):
+    """Spearman's rho of each resample of x against ``y``, vectorised (average ranks for ties)."""
+    ry = stats.rankdata(y)
+    ryc = ry - ry.mean()
+
+    def statistic(a, axis=-1):
+        ra = stats.rankdata(a, axis=axis)
+        rac = ra - ra.mean(axis=axis, keepdims=True)
+        return (rac * ryc).sum(axis=axis) / np.sqrt((rac * rac).sum(axis=axis) * (ryc @ ryc))
+
+    return statistic
+
+
+def exact_spearman_p(x, y, n_resamples=np.inf):
+    """scipy's permutation test of Spearman's rho (every pairing unless ``n_resamples``)."""
     return stats.permutation_test(
-        (np.asarray(x),),
-        lambda a: stats.spearmanr(a, y).statistic,
+        (np.asarray(x, dtype=float),),
+        _rho_statistic(y),
         permutation_type="pairings",
-        n_resamples=np.inf,
+        n_resamples=n_resamples,
+        vectorized=True,
+        random_state=1,
     ).pvalue
 
 
-@pytest.mark.parametrize("n", [3, 4, 6, 7, 12])  # scipy's exact test is slow beyond 7
-def test_spearman_p_is_exact_for_few_layers(n):
-    rng = np.random.default_rng(n)
+def _layers(n, ties, seed):
+    rng = np.random.default_rng(seed)
     drift = rng.normal(size=n)
-    cos = drift + rng.normal(size=n)
+    cos = drift + 1.5 * rng.normal(size=n)
+    if ties:  # repeated values in both, as in a plateau of drift norms
+        drift[1] = drift[0]
+        cos[-1] = cos[0]
+    return drift, cos
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("n", range(3, 13))
+def test_spearman_p_is_scipys_permutation_p(n, ties):
+    drift, cos = _layers(n, ties, seed=n)
+    assert ties == (len(np.unique(drift)) < n or len(np.unique(cos)) < n)
     got = drift_correlation(list(drift), list(cos))
-    if n <= 9:
-        assert got.spearman_p == pytest.approx(exact_spearman_p(drift, cos))
-    else:  # enough layers for scipy's t approximation
-        assert got.spearman_p == pytest.approx(stats.spearmanr(drift, cos).pvalue)
+    assert got.spearman_p_t == pytest.approx(stats.spearmanr(drift, cos).pvalue)
+    if n <= 9:  # scipy enumerates every pairing
+        assert got.spearman_p_method == "exact" and got.spearman_p_se == 0.0
+        assert got.spearman_p == pytest.approx(exact_spearman_p(drift, cos), rel=1e-9)
+    else:  # scipy's Monte Carlo; ours is exact (no ties) or Monte Carlo with 1e6 (ties, n > 10)
+        m = 200_000
+        want = exact_spearman_p(drift, cos, n_resamples=m)
+        want_se = 2 * np.sqrt(want / 2 * (1 - want / 2) / m)
+        assert got.spearman_p_method == ("exact" if n <= 10 or not ties else "monte-carlo")
+        assert abs(got.spearman_p - want) <= 4 * np.hypot(want_se, got.spearman_p_se) + 1e-12
+
+
+def test_spearman_p_is_exact_for_a_perfect_order_over_12_layers():
+    got = drift_correlation(list(range(12)), [0.1 * k for k in range(12)])
+    assert got.spearman_p == pytest.approx(2 / math.factorial(12), rel=1e-12)  # 2 of the 12! orders
+    assert got.spearman_p_t == 0.0  # scipy's t approximation: what was printed before
     perfect = drift_correlation([1.0, 2.0, 3.0], [0.1, 0.2, 0.3])
     assert perfect.spearman_p == pytest.approx(1 / 3)  # 2 of the 6 orderings are as extreme
+
+
+def test_spearman_s_distribution_counts_every_permutation():
+    for n in range(2, 8):
+        want = np.zeros(n * (n * n - 1) // 3 + 1, dtype=np.int64)
+        for perm in itertools.permutations(range(n)):
+            want[sum((i - k) ** 2 for i, k in enumerate(perm))] += 1
+        assert np.array_equal(s_distribution(n), want)
+
+
+def test_spearman_p_monte_carlo_beyond_exact_with_its_standard_error():
+    drift, cos = _layers(40, ties=False, seed=7)
+    cos = drift + 6 * np.random.default_rng(8).normal(size=40)
+    got = drift_correlation(list(drift), list(cos))
+    assert got.spearman_p_method == "monte-carlo"
+    want = exact_spearman_p(drift, cos, n_resamples=200_000)
+    want_se = 2 * np.sqrt(want / 2 * (1 - want / 2) / 200_000)
+    assert 0 < got.spearman_p_se < 1e-3
+    half = got.spearman_p / 2
+    assert got.spearman_p_se == pytest.approx(2 * np.sqrt(half * (1 - half) / 1e6), rel=1e-3)
+    assert abs(got.spearman_p - want) <= 4 * np.hypot(want_se, got.spearman_p_se)
+    assert drift_correlation(list(drift), list(cos)) == got  # seeded
 
 
 def test_reservoir_holds_the_smallest_keys_whatever_the_batching(cloud):

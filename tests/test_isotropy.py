@@ -33,14 +33,41 @@ def _all_pairs(v):
 
 
 def test_isoscore_star_matches_the_package():
+    """The package's IsoScore* given isotui's target C0 = (tr(C) / d) I."""
     import torch
     from IsoScore import IsoScore
 
     x = _cloud()
+    d = x.shape[1]
+    c0 = torch.eye(d, dtype=torch.float64) * float(np.trace(np.cov(x, rowvar=False))) / d
     for zeta in (0.0, 0.2, 0.7):
-        want = float(IsoScore.IsoScore_star(x, torch.eye(x.shape[1], dtype=torch.float64), zeta))
+        want = float(IsoScore.IsoScore_star(x, c0, zeta))
         # the package takes sqrt(d) of an integer tensor, in float32: agreement to ~1e-8
         assert isoscore_star(eigenvalues(np.cov(x, rowvar=False)), zeta) == pytest.approx(want, abs=1e-7)
+
+
+def _isoscore_numpy(cov):
+    """IsoScore of a covariance by the paper's steps, written out in numpy."""
+    d = len(cov)
+    lam = np.linalg.eigvalsh(cov)
+    lam = lam * np.sqrt(d) / np.linalg.norm(lam)
+    defect = np.linalg.norm(lam - 1) / np.sqrt(2 * (d - np.sqrt(d)))
+    return ((d - defect**2 * (d - np.sqrt(d))) ** 2 - d) / (d * (d - 1))
+
+
+def test_isoscore_star_does_not_depend_on_the_scale():
+    x = _cloud(n=400, d=16)
+    scores = []
+    for scale in (0.1, 1.0, 10.0):
+        c = np.cov(x * scale, rowvar=False)
+        shrunk = 0.8 * c + 0.2 * np.trace(c) / len(c) * np.eye(len(c))  # explicit construction
+        got = isoscore_star(eigenvalues(c))
+        assert got == pytest.approx(_isoscore_numpy(shrunk), abs=1e-10)
+        scores.append(got)
+    assert scores[0] == pytest.approx(scores[1], abs=1e-12) and scores[2] == pytest.approx(
+        scores[1], abs=1e-12
+    )
+    assert 0.0 < scores[1] < 1.0
 
 
 def test_partition_isotropy_direct_and_overflow():

@@ -232,12 +232,14 @@ def test_options_screen_checks_values_and_sets_the_next_jobs(tmp_path):
             screen.query_one("#opt-data", Input).value = f"text:{data}"
             screen.query_one("#opt-dtype", Select).value = "bfloat16"
             screen.query_one("#opt-special_tokens", Select).value = "include"
+            screen.query_one("#opt-exact", Select).value = "on"
             await pilot.press("ctrl+s")
             assert app.screen is not screen
             await _run_typed(pilot, app, "some-model")
             await _wait(pilot, lambda: len(submitted) == 1)
             (spec,) = submitted
             assert spec.max_samples == 5 and spec.dtype == "bfloat16" and spec.special_tokens == "include"
+            assert spec.exact is True
             assert spec.data.path == str(data)
             await pilot.press("o", "escape")  # backing out changes nothing
             assert app.spec_defaults["max_samples"] == "5"

@@ -80,6 +80,12 @@ class LayerStats:
     self_sim: float = math.nan
     self_sim_types: int = 0
     constant_dims: tuple[int, ...] = ()  # dimensions with one value in every vector (std 0)
+    # standard errors of the reservoir metrics (isotui.core.sampled); 0 when exact
+    avg_cos_centered_se: float = math.nan
+    iw_se: float = math.nan
+    iw_centered_se: float = math.nan
+    avg_cos_abtt_se: float = math.nan
+    avg_cos_std_se: float = math.nan
 
 
 def _gram_dtype(x64: torch.Tensor) -> torch.dtype:
@@ -368,6 +374,7 @@ class LayerAccumulator:
         else:
             spec, eig = Spectrum(math.nan, math.nan, math.nan), np.full(d, np.nan)
         extra = self._sample_metrics(sample, mean, n_all) | self._type_uniform()
+        extra |= self._sample_errors(sample, mean, n_all)
         return LayerStats(
             dim=d,
             n_vectors=n_all,
@@ -425,7 +432,34 @@ class LayerAccumulator:
         if sample is None or len(sample) < 2 or self.dim > SAMPLE_METRICS_MAX_DIM:
             return {}
         x = self.res.to(torch.float64)  # the sample, on the accumulator's device (GPU: fast eigh)
-        return sample_metrics(x, mean, self.dim_std(n_all))
+        return sample_metrics(x, mean, self.dim_std(n_all), self._se_groups(n_all))
+
+    def _se_groups(self, n_all: int) -> tuple | None:
+        """The reservoir's disjoint groups for standard errors; None when it holds every vector
+        (the metrics are exact: see :meth:`_sample_errors`)."""
+        from isotui.core.sampled import key_groups
+
+        if self.res is None or len(self.res) >= n_all:
+            return None
+        return key_groups(self.res_keys)
+
+    def _sample_errors(self, sample: np.ndarray | None, mean: np.ndarray, n_all: int) -> dict[str, float]:
+        """avg_cos_centered's standard error from disjoint sub-samples, and 0 for every reservoir
+        metric when the reservoir holds every vector (exact); see :mod:`isotui.core.sampled`."""
+        import torch
+
+        from isotui.core.sampled import SAMPLED, cos_jackknife_se, se_name
+
+        if sample is None or len(sample) < 2:
+            return {}
+        if len(sample) == n_all:
+            names = SAMPLED if self.dim <= SAMPLE_METRICS_MAX_DIM else ("avg_cos_centered",)
+            return {se_name(m): 0.0 for m in names}
+        groups = self._se_groups(n_all)
+        if groups is None:
+            return {}
+        centred = self.res.to(torch.float64) - torch.as_tensor(mean, device=self.res.device)
+        return {"avg_cos_centered_se": cos_jackknife_se(centred, groups)}
 
     def dim_std(self, n_all: int) -> np.ndarray:
         """Each dimension's standard deviation over all vectors, from float64 sums of values

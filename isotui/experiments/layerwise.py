@@ -20,7 +20,7 @@ from isotui.data.sources import fingerprint, load_samples
 from isotui.extract.device import needs_device_for_dtype, resolve_device, resolve_dtype
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
-from isotui.results import ROGUE_TOP, SCHEMA_VERSION, LayerRow, ModelResult
+from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult
 from isotui.spec import RunSpec
 from isotui.store.cache import CacheProblem, CacheWriteError, ResultCache
 
@@ -89,6 +89,7 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
         "reservoir": spec.reservoir,
         **({"map_units": spec.map_units} if spec.data.modality == "image" else {}),
         **({"tokenizer": spec.tokenizer} if spec.tokenizer else {}),  # only when given: old keys hold
+        **({"exact": True} if spec.exact else {}),  # off: the keys of earlier runs stay valid
     }
     key = run_key(key_fields)
     legacy = ()
@@ -209,6 +210,7 @@ def extract_options(spec: RunSpec):
         reservoir=spec.reservoir,
         map_units=spec.map_units,
         cap_max_length=spec.cap_max_length,
+        exact=spec.exact,
     )
 
 
@@ -285,6 +287,7 @@ def compute(
         "device": device,
         "seed": spec.seed,
         "reservoir": spec.reservoir,
+        "exact": spec.exact,
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
         "timings": {"load_s": round(load_s, 3), **{k: round(v, 3) for k, v in ex.timings.items()}},
@@ -364,6 +367,7 @@ def build_rows(model: str, component: str, layers: list[LayerStats], *, final_no
                 intra_sim=s.intra_sim,
                 self_sim=s.self_sim,
                 self_sim_types=s.self_sim_types,
+                **{f: getattr(s, f) for f in SE_FIELDS},
             )
         )
     return rows

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
+from isotui.core.sampled import EIGEN_JACKKNIFE_MAX_DIM, SE_GROUPS, ExactPass
 from isotui.errors import Cancelled, IsotuiError
 from isotui.extract.device import memory_in_use
 from isotui.extract.heap import TRIM_EVERY, release_free_memory
@@ -46,6 +47,7 @@ class ExtractOptions:
     # a shard: measure only these samples (indices into the whole corpus, which still sets the
     # reservoir keys, masks, type weights and tracked types); None: every sample
     sample_ids: tuple[int, ...] | None = None
+    exact: bool = False  # a second pass: the reservoir metrics over every vector
 
 
 @dataclass
@@ -180,6 +182,7 @@ class _Runner:
         self.tracked: np.ndarray | None = None  # token id -> self-similarity slot (-1: none)
         self.n_tracked = 0
         self.accs: dict[str, list[LayerAccumulator]] | None = None
+        self.second: dict[str, list[ExactPass]] | None = None  # --exact's second pass, when on
         self.final_norm: dict[str, bool] = {}
         self.final_norm_names: list[str] = []
         self.notes: list[str] = []
@@ -335,8 +338,9 @@ class _Runner:
         index: dict[tuple, tuple] = {}  # layers of one shape share their units' index and keys
         partials = []
         with torch.inference_mode():
+            targets = self.second if self.second is not None else self.accs
             for component, hidden in components.items():
-                for acc, h in zip(self.accs[component], hidden, strict=True):
+                for acc, h in zip(targets[component], hidden, strict=True):
                     shape = (component, *h.shape[1:]) if h.ndim == 3 else (h.ndim, *h.shape[2:])
                     if shape not in index:
                         flat, local, positions = self._index(fed, component, h)
@@ -529,7 +533,14 @@ def extract(
     """Measure every hidden layer of ``loaded`` over ``samples`` (see design.md for metrics)."""
     runner, facts = _stream(loaded, samples, device, opts, on_progress, should_stop, model_name, modality)
     assert runner.accs is not None
-    return _finish(runner.accs, facts, on_progress, facts.pop("at"), facts.pop("estimate"))
+    ex = _finish(runner.accs, facts, on_progress, facts.pop("at"), facts.pop("estimate"))
+    if opts.exact and any(s.n_sample < s.n_vectors for stats in ex.components.values() for s in stats):
+        before = len(runner.notes)
+        ex.components = _exact_pass(
+            runner, ex.components, facts["n_samples"], device, on_progress, should_stop
+        )
+        ex.notes.extend(runner.notes[before:])
+    return ex
 
 
 def extract_state(
@@ -606,29 +617,8 @@ def _stream(loaded, samples, device, opts, on_progress, should_stop, model_name,
     assert runner.feeder is not None
     tokenise_s = time.perf_counter() - start
     start = time.perf_counter()
-    done = n_tokens = 0
-    estimate = None
     on_progress(Progress(0, total, 0, 0.0, phase="running"))
-    for batch_no, idx in enumerate(runner.batches(runner.feeder.lengths), 1):
-        if should_stop():
-            raise Cancelled()
-        n_tokens += runner.process(idx)
-        done += len(idx)
-        if device == "cpu" and batch_no % TRIM_EVERY == 0:
-            release_free_memory()
-        if estimate is None or batch_no % 8 == 0:  # the reservoir fills as batches come
-            estimate = finalize_estimate_s(runner)
-        on_progress(
-            Progress(
-                done,
-                total,
-                n_tokens,
-                time.perf_counter() - start,
-                memory_bytes=memory_in_use(device),
-                phase="running",
-                finalize_left_s=estimate,
-            )
-        )
+    done, n_tokens, estimate = _batch_pass(runner, total, start, device, on_progress, should_stop)
     if runner.accs is None:
         raise IsotuiError("no sample to measure: the selected sample ids are empty")
     first = next(iter(runner.accs.values()))[0]
@@ -662,6 +652,7 @@ def _stream(loaded, samples, device, opts, on_progress, should_stop, model_name,
         "metrics_s": runner.metrics_s,
         "at": Progress(done, total, n_tokens, elapsed, memory_bytes=memory),
         "estimate": estimate,
+        "exact": opts.exact,
     }
     return runner, facts
 
@@ -761,6 +752,92 @@ def finalize_all(
     return out
 
 
+def _batch_pass(
+    runner: _Runner,
+    total: int,
+    start: float,
+    device: str,
+    on_progress: ProgressCallback,
+    should_stop: StopCheck,
+    phase: str = "running",
+) -> tuple[int, int, float | None]:
+    """One pass over the corpus in batches; (samples done, input units, the estimate of the
+    finalisation still to come, refreshed as the reservoirs fill)."""
+    assert runner.feeder is not None
+    done = n_tokens = 0
+    estimate = None
+    for batch_no, idx in enumerate(runner.batches(runner.feeder.lengths), 1):
+        if should_stop():
+            raise Cancelled()
+        n_tokens += runner.process(idx)
+        done += len(idx)
+        if device == "cpu" and batch_no % TRIM_EVERY == 0:
+            release_free_memory()
+        if phase == "running" and (estimate is None or batch_no % 8 == 0):
+            estimate = finalize_estimate_s(runner)
+        on_progress(
+            Progress(
+                done,
+                total,
+                n_tokens,
+                time.perf_counter() - start,
+                memory_bytes=memory_in_use(device),
+                phase=phase,
+                finalize_left_s=estimate,
+            )
+        )
+    return done, n_tokens, estimate
+
+
+def _exact_pass(
+    runner: _Runner,
+    components: dict[str, list[LayerStats]],
+    total: int,
+    device: str,
+    on_progress: ProgressCallback,
+    should_stop: StopCheck,
+) -> dict[str, list[LayerStats]]:
+    """``--exact``: run the corpus again, folding every vector into :class:`ExactPass` with the
+    first pass's mean, std and eigenvectors, and replace the sampled metrics by the exact ones."""
+    assert runner.accs is not None
+    runner.second = {}
+    for c, accs in runner.accs.items():
+        runner.second[c] = []
+        for acc in accs:
+            runner.second[c].append(ExactPass(acc))
+            acc.gram = acc.res = None  # finalized: free the d x d sums before the next layer's
+    start = time.perf_counter()
+    on_progress(Progress(0, total, 0, 0.0, message="second pass over the data (--exact)"))
+    _batch_pass(runner, total, start, device, on_progress, should_stop, phase="second pass")
+    out = {
+        c: [p.apply(s) for p, s in zip(runner.second[c], stats, strict=True)]
+        for c, stats in components.items()
+    }
+    runner.notes.extend(_exact_notes(runner, out))
+    runner.second = None
+    return out
+
+
+def _exact_notes(runner: _Runner, components: dict[str, list[LayerStats]]) -> list[str]:
+    """Say what the second pass computed over every vector, and where it fell back to the sample."""
+    assert runner.second is not None
+    passes = [p for ps in runner.second.values() for p in ps]
+    n = len(passes)
+    wide = sum(not p.eigen for p in passes)
+    notes = [
+        "--exact: avg_cos_centered, I(W), centred I(W), all-but-the-top and standardised avg_cos "
+        "over every vector (a second pass with the final mean, per-dimension std and the "
+        "eigenvectors of the exact second moment and covariance)"
+    ]
+    if wide:
+        notes.append(
+            f"--exact: I(W), centred I(W) and all-but-the-top of {wide} of {n} layers come from the "
+            f"sample (with standard errors): their d x d covariance is not held (all layers' d x d "
+            f"over {COV_BUDGET_BYTES >> 30} GiB)"
+        )
+    return notes
+
+
 def constant_notes(components: dict[str, list[LayerStats]]) -> list[str]:
     """Say which dimensions standardised avg_cos leaves out: those exactly constant in a layer."""
     parts = []
@@ -790,7 +867,8 @@ def _rank_notes(stats: list[LayerStats]) -> list[str]:
         f"{len(short)} of {len(stats)} layers have no more vectors than dimensions "
         f"(n={short[0].n_vectors:,}, d={short[0].dim:,}): their covariance is rank-deficient, so "
         "IsoScore is low by construction; "
-        f"IsoScore* shrinks it toward the identity (zeta {ISOSCORE_STAR_ZETA}); measure more samples"
+        f"IsoScore* shrinks it toward the isotropic covariance of the same total variance "
+        f"((tr C / d) I, zeta {ISOSCORE_STAR_ZETA}); measure more samples"
     ]
 
 
@@ -801,11 +879,28 @@ def _sample_notes(facts: dict, stats: list[LayerStats]) -> list[str]:
         return []
     spectrum = any(s.spectrum_from.startswith("sample:") for s in partial)
     sampled = "avg_cos_centered, I(W), all-but-the-top and standardised avg_cos"
-    what = f"{sampled} and the spectrum metrics" if spectrum else sampled
+    if facts.get("exact"):  # the second pass gives those over every vector
+        if not spectrum:
+            return []
+        sampled = ""
+    if spectrum:
+        what = f"{sampled} and the spectrum metrics" if sampled else "the spectrum metrics"
+    else:
+        what = sampled
     note = (
         f"{what} from a uniform sample of {partial[0].n_sample:,} vectors in {len(partial)} of "
         f"{len(stats)} layers (--reservoir)"
     )
+    if not facts.get("exact"):
+        note += (
+            f"; ± their standard errors from {SE_GROUPS} disjoint sub-samples (the *_se columns; "
+            "--exact computes them over every vector)"
+        )
+        if any(s.dim > EIGEN_JACKKNIFE_MAX_DIM for s in partial):
+            note += (
+                f"; I(W) and all-but-the-top have none in layers wider than {EIGEN_JACKKNIFE_MAX_DIM:,} "
+                "dims (16 more eigendecompositions each)"
+            )
     if facts["reservoir_capped"]:
         note += (
             f"; the sample is capped so that all layers' samples fit in "

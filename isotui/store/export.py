@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from isotui.errors import IsotuiError
-from isotui.results import LayerRow, ModelResult
+from isotui.results import SE_FIELDS, LayerRow, ModelResult
 from isotui.store.files import write_output
 
 
@@ -25,21 +25,26 @@ RUN_COLUMNS = ("data", "n_samples", "max_length", "special_tokens", "dtype", "ru
 
 
 def layer_csv_rows(results: Iterable[ModelResult]) -> list[dict]:
-    """The rows of :func:`write_csv` as dicts (keys in column order)."""
+    """The rows of :func:`write_csv` as dicts, keys in column order: the layer metrics, the run's
+    settings, then the standard errors (added later, so earlier columns keep their places)."""
+    base = [c for c in LayerRow.columns() if c not in SE_FIELDS]
     out = []
     for r in results:
         run = {c: r.meta.get(c, "") for c in RUN_COLUMNS[:-1]} | {"run_key": r.key}
-        out.extend(asdict(row) | run for row in r.rows)
+        for row in r.rows:
+            d = asdict(row)
+            out.append({c: d[c] for c in base} | run | {c: d[c] for c in SE_FIELDS})
     return out
 
 
 def write_csv(results: Iterable[ModelResult], path: Path) -> Path:
     """One row per model, component and layer; columns as :meth:`LayerRow.columns`, then
-    :data:`RUN_COLUMNS` from the run's metadata."""
+    :data:`RUN_COLUMNS` from the run's metadata, then the standard errors (added later)."""
     rows = layer_csv_rows(results)
 
     def write(f) -> None:
-        writer = csv.DictWriter(f, fieldnames=[*LayerRow.columns(), *RUN_COLUMNS])
+        base = [c for c in LayerRow.columns() if c not in SE_FIELDS]  # earlier columns keep their places
+        writer = csv.DictWriter(f, fieldnames=[*base, *RUN_COLUMNS, *SE_FIELDS])
         writer.writeheader()
         writer.writerows(rows)
 

@@ -53,7 +53,7 @@ DEFAULT_THEME = "isotui-dark"
 PLOT_METRICS = LAYER_METRICS
 # comparable to the isotropic null
 NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "avg_cos_abtt", "avg_cos_std", "avg_cos_types")
-DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ")
+DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ", "spearman p (t)")
 DEVICE_REFRESH_S = 10.0
 # app keys that belong to the main screen: hidden and inert in the attention lab
 MAIN_ONLY_ACTIONS = frozenset(
@@ -650,6 +650,7 @@ class IsotuiApp(App):
             f"max length {o.get('max_length') or 'auto'}, batch size {o.get('batch_size') or 'auto'}, "
             f"device {o.get('device', 'auto')}, dtype {o.get('dtype', 'auto')}, "
             f"special tokens {o.get('special_tokens', 'exclude')}, map units {o.get('map_units', 'auto')}"
+            + (", exact (2nd pass)" if o.get("exact") else "")
         )
 
     def _export(self, chosen: list[ModelResult], what: str) -> None:
@@ -828,6 +829,7 @@ class IsotuiApp(App):
                     _pvalue(d.spearman_p),
                     _num(d.pearson_r, 3),
                     _pvalue(d.pearson_p),
+                    _pvalue(d.spearman_p_t),  # scipy's t approximation, beside the permutation p
                 )
         plot = self.main_screen.query_one("#drift-plot", PlotextPlot)
         plt = plot.plt

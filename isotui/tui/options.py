@@ -35,6 +35,8 @@ CHOICES = (
     ("special_tokens", "special tokens", ("exclude", "include")),
     ("map_units", "conv map units", ("auto", "image", "position")),
 )
+# (key, label) for on/off options (a Select of off/on, a bool in the options)
+SWITCHES = (("exact", "exact (2nd pass)"),)
 
 
 def check_options(options: dict[str, Any]) -> None:
@@ -71,6 +73,11 @@ class OptionsScreen(ModalScreen[dict[str, Any] | None]):
                     yield Label(label)
                     options = [(c, c) for c in values]
                     yield Select(options, value=current, allow_blank=False, id=f"opt-{key}", compact=True)
+                for key, label in SWITCHES:
+                    yield Label(label)
+                    current = "on" if self.options.get(key) else "off"
+                    on_off = [("off", "off"), ("on", "on")]
+                    yield Select(on_off, value=current, allow_blank=False, id=f"opt-{key}", compact=True)
             yield Static("", id="options-error")
             with Horizontal(id="options-buttons"):
                 yield Button("Apply (ctrl+s)", variant="primary", id="options-apply", compact=True)
@@ -86,6 +93,8 @@ class OptionsScreen(ModalScreen[dict[str, Any] | None]):
             out[key] = text or (None if key != "data" else "builtin")
         for key, _, _ in CHOICES:
             out[key] = self.query_one(f"#opt-{key}", Select).value
+        for key, _ in SWITCHES:
+            out[key] = self.query_one(f"#opt-{key}", Select).value == "on"
         return out
 
     def action_apply(self) -> None:

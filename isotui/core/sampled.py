@@ -1,0 +1,184 @@
+"""The reservoir-sampled metrics' uncertainty, and their exact values from a second pass.
+
+avg_cos_centered, I(W), centred I(W), all-but-the-top and standardised avg_cos need the final
+mean (and std, and principal directions) before they can look at a vector, so one streaming pass
+computes them on the reservoir sample. Two ways to know how far that is from every vector:
+
+- standard errors from disjoint sub-samples (:func:`key_groups`): the reservoir, sorted by its
+  keys (uniform and independent of the data), is cut into G = :data:`SE_GROUPS` groups, and each
+  metric gets the delete-a-group jackknife, SE^2 = (G - 1) / G sum_g (theta_(g) - mean)^2 with
+  theta_(g) the metric without group g. The mean cosines come from per-group unit-vector sums;
+  I(W), centred I(W) and all-but-the-top are recomputed without each group, principal directions
+  included. Why the jackknife rather than batch means (sd of the groups' own values / sqrt(G)):
+  a mean cosine of centred vectors is close to a degenerate U-statistic, whose variance falls as
+  1 / K^2, not 1 / K (batch means: sqrt(8) = 2.8x too high; the jackknife at most ~1.5x), and
+  I(W) on K / G vectors is far from I(W) on K. They measure sampling noise, not a small sample's
+  bias, and are 0 when the reservoir holds every vector.
+- :class:`ExactPass` (``--exact``): a second pass over the data with the first pass's mean,
+  per-dimension std and the eigenvectors of the exact second moment and covariance, summing over
+  every vector: unit-vector sums for the three mean cosines, a running logsumexp per direction
+  (both signs) for I(W). Where a layer's d x d covariance was not held (very wide layers), I(W)
+  and all-but-the-top stay the sample's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from isotui.core.isotropy import abtt_components
+
+if TYPE_CHECKING:
+    import torch
+
+    from isotui.core.accumulator import LayerAccumulator, LayerStats
+
+SE_GROUPS = 8
+SAMPLED = ("avg_cos_centered", "iw", "iw_centered", "avg_cos_abtt", "avg_cos_std")
+EIGEN_METRICS = ("iw", "iw_centered", "avg_cos_abtt")  # need the covariance's eigenvectors
+EIGEN_JACKKNIFE_MAX_DIM = 1024  # wider: no SE for those three (2 G eigendecompositions per layer)
+
+
+def se_name(metric: str) -> str:
+    return f"{metric}_se"
+
+
+def key_groups(keys: torch.Tensor, groups: int = SE_GROUPS) -> tuple | None:
+    """The reservoir's row indices cut into ``groups`` disjoint groups in key order (each a
+    uniform sample, the keys being independent of the data); None when a group would be tiny."""
+    import torch
+
+    if len(keys) < 2 * groups:
+        return None
+    return torch.tensor_split(torch.argsort(keys), groups)
+
+
+def _jackknife(theta: np.ndarray) -> float:
+    """The delete-a-group jackknife SE from the G leave-one-group-out values."""
+    g = len(theta)
+    if not np.all(np.isfinite(theta)):
+        return math.nan
+    return float(math.sqrt((g - 1) / g * ((theta - theta.mean()) ** 2).sum()))
+
+
+def cos_jackknife_se(v: torch.Tensor, parts: tuple) -> float:
+    """Jackknife SE of the mean pairwise cosine of the rows of ``v`` (zero rows left out), from
+    each group's sum of unit vectors: O(d) per group."""
+    import torch
+
+    norms = torch.linalg.vector_norm(v, dim=1)
+    keep = norms > 0
+    u = torch.where(keep[:, None], v / torch.where(keep, norms, 1.0)[:, None], 0.0)
+    sums = torch.stack([u[idx].sum(0) for idx in parts]).cpu().numpy()
+    counts = np.array([int(keep[idx].sum()) for idx in parts], dtype=np.float64)
+    rest = sums.sum(0) - sums
+    n_rest = counts.sum() - counts
+    if np.any(n_rest < 2):
+        return math.nan
+    return _jackknife((np.einsum("gd,gd->g", rest, rest) - n_rest) / (n_rest * (n_rest - 1)))
+
+
+def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: tuple) -> dict[str, float]:
+    """Jackknife SEs of I(W), centred I(W) and all-but-the-top, the principal directions found
+    again without each group (their estimation is most of these metrics' sampling noise: holding
+    them fixed gave a third of the spread between reservoirs on MiniLM). 2 G eigendecompositions:
+    skipped (NaN) above :data:`EIGEN_JACKKNIFE_MAX_DIM` dims, where ``--exact`` is the answer."""
+    import torch
+
+    from isotui.core.isotropy import _abtt, _iw, _principal
+
+    if x.shape[1] > EIGEN_JACKKNIFE_MAX_DIM:
+        return {se_name(m): math.nan for m in EIGEN_METRICS}
+    theta: dict[str, list[float]] = {m: [] for m in EIGEN_METRICS}
+    for idx in parts:
+        keep = torch.ones(len(x), dtype=torch.bool, device=x.device)
+        keep[idx] = False
+        rest, rest_c = x[keep], centred[keep]
+        vecs_c, null_c = _principal(rest_c)
+        theta["iw"].append(_iw(rest, *_principal(rest)))
+        theta["iw_centered"].append(_iw(rest_c, vecs_c, null_c))
+        theta["avg_cos_abtt"].append(_abtt(rest_c, vecs_c))
+    return {se_name(m): _jackknife(np.asarray(v)) for m, v in theta.items()}
+
+
+class ExactPass:
+    """One layer's second pass: every vector, the first pass's mean, std and eigenvectors.
+
+    Same two-phase interface as :class:`~isotui.core.accumulator.LayerAccumulator` (``partial``
+    allocates, ``commit`` adds), so a batch that runs out of memory can be retried."""
+
+    def __init__(self, acc: LayerAccumulator) -> None:
+        import torch
+
+        f64, dev = torch.float64, acc.device
+        self.device = dev
+        n = acc.n_all
+        self.mean = acc.sum_x / n
+        std = torch.as_tensor(acc.dim_std(n), dtype=f64, device=dev)
+        self.live = std > 0
+        self.std = std[self.live]
+        self.eigen = acc.full_cov and n >= 2
+        if self.eigen:
+            s, sum_xs = acc.shift, acc.sum_xs
+            second = acc.gram + torch.outer(s, sum_xs) + torch.outer(sum_xs, s) + n * torch.outer(s, s)
+            ms = sum_xs / n
+            scatter = acc.gram - n * torch.outer(ms, ms)
+            self.vecs = torch.linalg.eigh(second)[1]
+            self.vecs_c = torch.linalg.eigh(scatter)[1].flip(1)  # largest first
+            self.top = self.vecs_c[:, : abtt_components(acc.dim)]
+            self.log_z = torch.full((2 * acc.dim,), -math.inf, dtype=f64, device=dev)
+            self.log_zc = torch.full((2 * acc.dim,), -math.inf, dtype=f64, device=dev)
+        self.sums = {m: torch.zeros(acc.dim, dtype=f64, device=dev) for m in ("centered", "abtt")}
+        self.sums["std"] = torch.zeros(int(self.live.sum()), dtype=f64, device=dev)
+        self.counts = dict.fromkeys(self.sums, 0)
+
+    def partial(self, x: torch.Tensor, *_ignored) -> dict:
+        """Sums of one batch's vectors ``x`` (m x d)."""
+        import torch
+
+        x64 = x.to(self.device).to(torch.float64)
+        v = x64 - self.mean
+        parts = {"centered": v, "std": v[:, self.live] / self.std}
+        out: dict = {}
+        if self.eigen:
+            parts["abtt"] = v - (v @ self.top) @ self.top.T
+            proj, proj_c = x64 @ self.vecs, v @ self.vecs_c
+            out["log_z"] = torch.cat([torch.logsumexp(proj, 0), torch.logsumexp(-proj, 0)])
+            out["log_zc"] = torch.cat([torch.logsumexp(proj_c, 0), torch.logsumexp(-proj_c, 0)])
+        for name, rows in parts.items():
+            norms = torch.linalg.vector_norm(rows, dim=1)
+            keep = norms > 0
+            out[name] = ((rows[keep] / norms[keep, None]).sum(0), int(keep.sum()))
+        return out
+
+    def commit(self, p: dict) -> None:
+        import torch
+
+        for name in self.sums:
+            if name in p:
+                self.sums[name].add_(p[name][0])
+                self.counts[name] += p[name][1]
+        if "log_z" in p and len(p["log_z"]):
+            torch.logaddexp(self.log_z, p["log_z"], out=self.log_z)
+            torch.logaddexp(self.log_zc, p["log_zc"], out=self.log_zc)
+
+    def values(self) -> dict[str, float]:
+        """The exact metrics (and their standard errors, 0)."""
+        from isotui.core.accumulator import avg_cos_from_sums
+
+        def mean_cos(name: str) -> float:
+            return avg_cos_from_sums(self.sums[name].cpu().numpy(), self.counts[name])
+
+        out = {"avg_cos_centered": mean_cos("centered"), "avg_cos_std": mean_cos("std")}
+        if self.eigen:
+            out["avg_cos_abtt"] = mean_cos("abtt")
+            out["iw"] = float(np.exp(float(self.log_z.min() - self.log_z.max())))
+            out["iw_centered"] = float(np.exp(float(self.log_zc.min() - self.log_zc.max())))
+        return out | {se_name(m): 0.0 for m in out}
+
+    def apply(self, stats: LayerStats) -> LayerStats:
+        """``stats`` with the sampled metrics replaced by the exact ones."""
+        return dataclasses.replace(stats, **self.values())

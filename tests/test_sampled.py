@@ -1,0 +1,158 @@
+"""The reservoir metrics' exact second pass (--exact) against plain all-vectors numpy, and their
+standard errors from disjoint sub-samples against the spread over independent reservoirs."""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+from scipy.special import logsumexp
+
+from isotui.errors import IsotuiError
+
+
+def _mean_cos(v):
+    """Mean cosine over all ordered pairs i != j, zero vectors left out."""
+    v = v[np.linalg.norm(v, axis=1) > 0]
+    u = v / np.linalg.norm(v, axis=1, keepdims=True)
+    g = u @ u.T
+    n = len(u)
+    return (g.sum() - np.trace(g)) / (n * (n - 1))
+
+
+def _iw(x, vecs):
+    """min over max of Z(c) = sum_i exp(c . x_i), c the columns of ``vecs`` and their negatives."""
+    proj = x @ vecs
+    log_z = np.concatenate([logsumexp(proj, axis=0), logsumexp(-proj, axis=0)])
+    return np.exp(log_z.min() - log_z.max())
+
+
+def _all_vectors(x):
+    """Every reservoir metric over all rows of ``x``, in plain numpy float64."""
+    mean = x.mean(0)
+    v = x - mean
+    _, vecs = np.linalg.eigh(x.T @ x)
+    _, vecs_c = np.linalg.eigh(v.T @ v)
+    top = vecs_c[:, ::-1][:, : max(1, int(np.ceil(x.shape[1] / 100)))]
+    std = x.std(0, ddof=1)
+    return {
+        "avg_cos_centered": _mean_cos(v),
+        "iw": _iw(x, vecs),
+        "iw_centered": _iw(v, vecs_c),
+        "avg_cos_abtt": _mean_cos(v - v @ top @ top.T),
+        "avg_cos_std": _mean_cos(v[:, std > 0] / std[std > 0]),
+    }
+
+
+SAMPLED = ("avg_cos_centered", "iw", "iw_centered", "avg_cos_abtt", "avg_cos_std")
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_exact_pass_equals_every_vector(tiny_models, arch):
+    from isotui.experiments.layerwise import measure, prepare
+    from isotui.spec import make_spec
+
+    from .conftest import corpus
+    from .reference import hidden_vectors
+
+    texts = corpus(12)
+    folder = str(tiny_models[arch])
+    kw = {"max_samples": 12, "max_length": 64, "reservoir": 40, "batch_size": 5}
+    exact = measure(make_spec(folder, "builtin", exact=True, **kw), None)
+    sampled = measure(make_spec(folder, "builtin", **kw), None)
+    layers, _ = hidden_vectors(tiny_models[arch], texts, max_length=64)
+    differs = 0
+    for row, plain, x in zip(exact.rows, sampled.rows, layers, strict=True):
+        assert row.n_sample == 40 < row.n_vectors == len(x)  # the reservoir holds a part only
+        want = _all_vectors(x)
+        for name in SAMPLED:
+            assert getattr(row, name) == pytest.approx(want[name], rel=1e-5, abs=1e-9), (row.layer, name)
+            assert getattr(row, f"{name}_se") == 0.0
+            se = getattr(plain, f"{name}_se")
+            assert np.isfinite(se) and se > 0, (row.layer, name)
+            differs += getattr(plain, name) != pytest.approx(want[name], rel=1e-5, abs=1e-9)
+    assert differs  # the reservoir alone would not have given these
+    assert any("--exact" in note for note in exact.meta["notes"]) and exact.meta["exact"] is True
+    assert any("standard errors" in note for note in sampled.meta["notes"])
+    # the cache key changes only when --exact is on
+    assert prepare(make_spec(folder, "builtin", exact=True, **kw)).key != sampled.key
+
+
+def _accumulate(x, reservoir, seed):
+    """A layer accumulator fed ``x`` in batches of 1,000 (one sample per batch row block)."""
+    import torch
+
+    from isotui.core.accumulator import LayerAccumulator, sample_keys
+
+    acc = LayerAccumulator(x.shape[1], torch.device("cpu"), full_cov=True, reservoir=reservoir)
+    xt = torch.from_numpy(x)
+    for start in range(0, len(x), 1000):
+        rows = torch.arange(start, min(start + 1000, len(x)))
+        ids = torch.zeros(len(rows), dtype=torch.long)
+        keys = sample_keys(seed, rows // 50, rows % 50)
+        acc.commit(acc.partial(xt[rows], ids, keys))
+    return acc.finalize()
+
+
+def test_standard_errors_are_finite_shrink_and_match_the_spread_over_reservoirs():
+    rng = np.random.default_rng(0)
+    d = 24
+    x = rng.normal(size=(20_000, d)) * np.linspace(0.2, 0.03, d) + 0.1 * rng.normal(size=d)
+    x[:, 3] *= 1 + (rng.random(20_000) < 0.05) * 8  # a heavy-tailed rogue dimension
+    small = _accumulate(x, 256, seed=1)
+    large = _accumulate(x, 4096, seed=1)
+    for name in SAMPLED:
+        se_small, se_large = getattr(small, f"{name}_se"), getattr(large, f"{name}_se")
+        assert np.isfinite(se_small) and np.isfinite(se_large) and se_small > 0
+        assert se_large < se_small, name
+    # the reported SE against the spread of the estimate over independent reservoirs
+    runs = [_accumulate(x, 512, seed=s) for s in range(2, 22)]
+    for name in SAMPLED:
+        spread = np.std([getattr(r, name) for r in runs], ddof=1)
+        reported = np.mean([getattr(r, f"{name}_se") for r in runs])
+        assert 1 / 3 < reported / spread < 3.0, (name, reported, spread)
+
+
+def test_csv_keeps_its_columns_and_appends_the_errors(tmp_path):
+    from isotui.results import SE_FIELDS, LayerRow
+    from isotui.store.export import RUN_COLUMNS, write_csv
+
+    from .test_snapshots import fixture_result
+
+    result = fixture_result("m", 3, 8, 0.1)
+
+    path = write_csv([result], tmp_path / "x.csv")
+    with path.open() as f:
+        header = next(csv.reader(f))
+    n = len(LayerRow.columns()) - len(SE_FIELDS)
+    assert header[:n] == [c for c in LayerRow.columns() if c not in SE_FIELDS]
+    assert header[n : n + len(RUN_COLUMNS)] == list(RUN_COLUMNS)
+    assert header[-len(SE_FIELDS) :] == list(SE_FIELDS) == [f"{m}_se" for m in SAMPLED]
+
+
+def test_exact_setting_is_checked():
+    from isotui.spec import make_spec
+
+    assert make_spec("minilm", exact=True).exact is True
+    with pytest.raises(IsotuiError, match="exact must be true or false"):
+        make_spec("minilm", exact="yes")
+
+
+def test_exact_in_config_files_and_settings(tmp_path, capsys):
+    from isotui.cli import main
+    from isotui.config import load_run_config
+    from isotui.settings import load_settings
+
+    good = tmp_path / "good.toml"
+    good.write_text("exact = true\n")
+    assert load_run_config(good)["exact"] is True
+    bad = tmp_path / "bad.toml"
+    bad.write_text('exact = "yes"\nmodel = "minilm"\n')
+    assert main(["run", str(bad), "--no-cache"]) == 2
+    err = capsys.readouterr().err
+    assert "setting 'exact' must be a bool" in err and "Traceback" not in err
+    settings = tmp_path / "isotui.toml"
+    settings.write_text("[run]\nexact = true\n")
+    loaded = load_settings(settings)
+    assert loaded.run == {"exact": True} and not loaded.problems
