@@ -432,7 +432,7 @@ def _measure_with_progress(spec, cache, err, *, quiet: bool, measure, verbose: b
             on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
         )
     if verbose:
-        note = timing_note(result.meta)
+        note = timing_note(result.meta, result.write_seconds)
         where = "from the cache" if result.from_cache else "computed"
         err.print(f"{spec.model}: {where}" + (f"; {note}" if note and not result.from_cache else ""))
     return result

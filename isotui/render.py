@@ -133,19 +133,20 @@ TIMING_PARTS = (
 )
 
 
-def total_seconds(meta: dict[str, Any]) -> float:
+def total_seconds(meta: dict[str, Any], write_s: float | None = None) -> float:
     """The run's wall time from loading to writing (older entries: the extraction's seconds)."""
-    timings = meta.get("timings") or {}
+    timings = {**(meta.get("timings") or {}), **({"write_s": write_s} if write_s is not None else {})}
     return sum(timings.get(k, 0.0) for k, _ in TIMING_PARTS) if timings else meta.get("seconds", 0.0)
 
 
-def timing_note(meta: dict[str, Any]) -> str | None:
-    """``time: load 2.1 s, forward 20.3 s, ...; total 41.0 s`` (what a run spent where)."""
-    timings = meta.get("timings")
-    if not timings:
+def timing_note(meta: dict[str, Any], write_s: float | None = None) -> str | None:
+    """``time: load 2.1 s, forward 20.3 s, ...; total 41.0 s`` (what a run spent where);
+    ``write_s``: the cache write, known only to the run that wrote it."""
+    timings = {**(meta.get("timings") or {}), **({"write_s": write_s} if write_s is not None else {})}
+    if not meta.get("timings"):
         return None
     parts = [f"{label} {timings[k]:.1f} s" for k, label in TIMING_PARTS if k in timings]
-    return f"time: {', '.join(parts)}; total {total_seconds(meta):.1f} s"
+    return f"time: {', '.join(parts)}; total {total_seconds(meta, write_s):.1f} s"
 
 
 def result_table(result: ModelResult, width: int = 200) -> Table:
@@ -176,7 +177,7 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
             f"(p={_spearman_p(d)}), Pearson r={_f(d.pearson_r, 3)} (p={_p(d.pearson_p)})"
         )
     notes.extend(meta.get("notes", []))
-    timing = timing_note(meta)
+    timing = timing_note(meta, result.write_seconds)
     if timing:
         notes.append(timing if not result.from_cache else f"time when computed: {timing[6:]}")
     table.caption = "\n".join(notes)

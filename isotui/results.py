@@ -107,6 +107,9 @@ class ModelResult:
     meta: dict[str, Any]
     arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     from_cache: bool = False
+    # seconds the cache write took: shown in the table and --verbose, not in the JSON or the
+    # cache (a result read back from the cache exports the same bytes as when it was computed)
+    write_seconds: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (arrays excluded; the cache stores them beside it)."""

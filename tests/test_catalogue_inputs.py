@@ -182,17 +182,20 @@ def test_an_internal_error_in_one_model_is_its_own(tmp_path, monkeypatch, capsys
 def test_a_failing_checkpoint_leaves_the_rest_of_the_series(tmp_path, capsys):
     from rich.console import Console
 
-    from isotui.cli import ModelFailures
+    from isotui.cli import ModelFailures, exit_code, print_error
     from isotui.experiments.checkpoints import run_series
     from isotui.experiments.qk_dynamics import Checkpoint
+    from isotui.results import Outcome
     from isotui.spec import make_spec
 
     ckpts = [Checkpoint(TINY, "step0", 0), Checkpoint(BAD, "step1", 1), Checkpoint(TINY_B, "step2", 2)]
-    failures = ModelFailures(Console(stderr=True))
+    err = Console(stderr=True)
+    outcome = Outcome("checkpoints", [], [], {}, total=3, what="checkpoints")
+    failures = ModelFailures(outcome, lambda _name, text: print_error(err, text))
     base = make_spec(TINY, max_samples=10)
     result = run_series(None, ckpts, base, ResultCache(tmp_path / "cache"), failures=failures)
     assert [c.label for c in result.checkpoints] == ["step0", "step2"]
-    assert failures.exit_code(3, "checkpoints") == 2
+    assert exit_code(outcome, err) == 2
     assert "checkpoint step1:" in capsys.readouterr().err
     with pytest.raises(Exception, match="checkpoint step1"):  # the app's way: the series stops
         run_series(None, ckpts, base, ResultCache(tmp_path / "cache"))
@@ -555,7 +558,10 @@ def test_batch_order_from_numpy_matches_the_sorted_reference():
     lengths = rng.integers(1, 40, size=500)
     for same in (None, rng.integers(0, 3, size=500) * 1000):
         runner = SimpleNamespace(
-            feeder=SimpleNamespace(same_length_key=same), batch_cap=None, token_budget=120
+            feeder=SimpleNamespace(same_length_key=same),
+            batch_cap=None,
+            token_budget=120,
+            selected=lambda n: list(range(n)),
         )
         got = list(_Runner.batches(runner, lengths))
         order = sorted(range(500), key=lambda i: (-lengths[i], -int(same[i]) if same is not None else 0, i))

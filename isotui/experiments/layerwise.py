@@ -178,7 +178,7 @@ def measure(
         )
         started = time.perf_counter()
         store(result, cache, notice)
-        result.meta.setdefault("timings", {})["write_s"] = round(time.perf_counter() - started, 3)
+        result.write_seconds = round(time.perf_counter() - started, 3)
     return result
 
 
