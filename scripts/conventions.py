@@ -230,7 +230,8 @@ def layer_numbers(per_sample: list[np.ndarray], tokens: list, seed: int) -> dict
     d = x.shape[1]
     cov = np.cov(x, rowvar=False)
     vals = np.clip(np.linalg.eigvalsh(cov)[::-1], 0, None)
-    shrunk = np.clip(np.linalg.eigvalsh(0.8 * cov + 0.2 * np.eye(d))[::-1], 0, None)
+    target = np.trace(cov) / d  # IsoScore*'s C0 = (tr C / d) I: the same total variance, isotropic
+    shrunk = np.clip(np.linalg.eigvalsh(0.8 * cov + 0.2 * target * np.eye(d))[::-1], 0, None)
     ids = np.concatenate([np.asarray(i) for i, _ in tokens])
     counts = {t: c for t, c in zip(*np.unique(ids, return_counts=True), strict=True)}
     w = np.array([1.0 / counts[t] for t in ids])
@@ -251,7 +252,9 @@ def layer_numbers(per_sample: list[np.ndarray], tokens: list, seed: int) -> dict
         "isoscore_pkg": float(IsoScore.IsoScore(x)),
         "isoscore_f32_sqrt": package_formula_f32_sqrt(vals),
         "isoscore_star_f64": package_formula_f64(shrunk),
-        "isoscore_star_pkg": float(IsoScore.IsoScore_star(x, torch.eye(d, dtype=torch.float64), 0.2)),
+        "isoscore_star_pkg": float(
+            IsoScore.IsoScore_star(x, target * torch.eye(d, dtype=torch.float64), 0.2)
+        ),
         "iw_both": iw_both_signs(x, False),
         "iw_one_sign": iw_one_sign(x, False),
         "iw_centered_both": iw_both_signs(x, True),
@@ -447,7 +450,7 @@ def print_tables(res: dict) -> None:
                 [abs(p["isoscore_pkg"] - p["isoscore_f32_sqrt"]) for p in pl],
             ),
             ("isotui isoscore_star", [r["isoscore_star"] for r in iso]),
-            ("package IsoScore_star(C0=I, 0.2)", [p["isoscore_star_pkg"] for p in pl]),
+            ("package IsoScore_star(C0=tr/d I, 0.2)", [p["isoscore_star_pkg"] for p in pl]),
             (
                 "|package - float64 formula|, star",
                 [abs(p["isoscore_star_pkg"] - p["isoscore_star_f64"]) for p in pl],

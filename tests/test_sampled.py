@@ -156,3 +156,24 @@ def test_exact_in_config_files_and_settings(tmp_path, capsys):
     settings.write_text("[run]\nexact = true\n")
     loaded = load_settings(settings)
     assert loaded.run == {"exact": True} and not loaded.problems
+
+
+def test_app_plot_band_is_one_standard_error_each_side(tiny_models, tmp_path):
+    """The app draws a sampled metric with its ±1 SE band; an exact metric (SE 0) has none."""
+    from isotui.experiments.layerwise import measure
+    from isotui.spec import make_spec
+    from isotui.tui.app import se_band
+
+    from .conftest import corpus
+
+    data = tmp_path / "t.txt"
+    data.write_text("\n".join(corpus(20)) + "\n", encoding="utf-8")
+    result = measure(make_spec(str(tiny_models["bert"]), f"text:{data}", reservoir=40), None)
+    lower, upper = se_band(result.rows, "avg_cos_centered")
+    for row, lo, hi in zip(result.rows, lower, upper, strict=True):
+        assert row.avg_cos_centered_se > 0
+        assert lo == pytest.approx(row.avg_cos_centered - row.avg_cos_centered_se)
+        assert hi == pytest.approx(row.avg_cos_centered + row.avg_cos_centered_se)
+    assert se_band(result.rows, "avg_cos") is None  # exact over all pairs: no band
+    full = measure(make_spec(str(tiny_models["bert"]), f"text:{data}"), None)  # reservoir holds all
+    assert se_band(full.rows, "avg_cos_centered") is None

@@ -8,6 +8,7 @@ torch or transformers: the first frame draws before they load (in the backend, o
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,7 +34,7 @@ from isotui.errors import IsotuiError
 from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import find_preset
 from isotui.render import amount, shorten
-from isotui.results import LAYER_METRICS, ModelResult
+from isotui.results import LAYER_METRICS, SE_FIELDS, ModelResult
 from isotui.settings import load_settings
 from isotui.spec import SPEC_OPTIONS, RunSpec, make_spec
 from isotui.store.cache import CacheProblem, ResultCache
@@ -603,7 +604,10 @@ class IsotuiApp(App):
         return f"{n} model{'s' * (n != 1)} compared"
 
     def show_marks(self) -> None:
-        """Mark the compared models (and their cached runs) in the list."""
+        """Mark the compared models (and their cached runs) in the list (once it is listed: a
+        restored comparison can come back before the worker that lists the models)."""
+        if not self.entries:
+            return
         self.filter_models(self.main_screen.query_one("#model-input", Input).value, keep_cursor=True)
 
     def action_cycle_metric(self) -> None:
@@ -868,8 +872,11 @@ class IsotuiApp(App):
             plot.refresh()
             return
         nulls = self.metric in NULL_METRICS
+        band = any(se_band(self.results[m].rows, self.metric) is not None for m in self.comparison)
         plt.title(
-            f"{self.metric} by {'depth' if self.depth else 'layer'}" + (" (— null p95)" if nulls else "")
+            f"{self.metric} by {'depth' if self.depth else 'layer'}"
+            + (" (— null p95)" if nulls else "")
+            + (" (dots: ±1 SE)" if band else "")
         )
         colours = self.model_colours()
         for i, model in enumerate(self.comparison):
@@ -882,6 +889,10 @@ class IsotuiApp(App):
                 color=colour,
                 marker="braille",
             )
+            band = se_band(rows, self.metric)
+            if band is not None:  # a sampled metric: ±1 standard error, dotted
+                for edge in band:
+                    plt.plot(self.x_values(rows), edge, color=colour, marker="dot")
             if nulls and rows:
                 plt.hline(rows[0].null_p95, colour)
         longest = max((self.results[m].rows for m in self.comparison), key=len)
@@ -896,6 +907,22 @@ class IsotuiApp(App):
         step = max(1, -(-last // 6))
         ticks = list(range(0, last + 1, step))
         plt.xticks(ticks, [str(t) for t in ticks])
+
+
+def se_band(rows, metric: str) -> tuple[list[float], list[float]] | None:
+    """(metric - SE, metric + SE) per layer for a metric with a standard error (the reservoir's
+    sampled metrics), or None when it has none or every SE is 0 (exact, or ``--exact``)."""
+    name = f"{metric}_se"
+    if name not in SE_FIELDS or not rows:
+        return None
+    values = [getattr(r, metric) for r in rows]
+    errors = [getattr(r, name) for r in rows]
+    if not any(math.isfinite(e) and e > 0 for e in errors):
+        return None
+    errors = [e if math.isfinite(e) else 0.0 for e in errors]
+    return [v - e for v, e in zip(values, errors, strict=True)], [
+        v + e for v, e in zip(values, errors, strict=True)
+    ]
 
 
 def run_app(app: IsotuiApp | None = None, *, fresh: bool = False, **run_kwargs: Any) -> None:
