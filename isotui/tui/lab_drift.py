@@ -56,8 +56,7 @@ COLUMNS = (
 def compose_drift() -> ComposeResult:
     yield Input(
         placeholder="settings (BERT-base default): hidden=768 heads=12 intermediate=3072 init_std=0.02 "
-        "batch=16 seq_len=512 norms=0:30:31 seeds=0 block=post-ln|pre-ln measure=after-norm|before-norm; "
-        "enter runs",
+        "batch=16 seq_len=512 norms=0:30:31 seeds=0; enter runs",
         id="drift-input",
     )
     yield Static(id="drift-info")
