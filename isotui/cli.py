@@ -22,35 +22,6 @@ EXIT_INTERNAL = 1
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
 
 
-class ModelFailures:
-    """The failures of a multi-model command, each its own: said in one sentence as it happens,
-    so the other models still run and whatever succeeded is printed, exported and cached."""
-
-    def __init__(self, outcome, on_error=None) -> None:
-        self.outcome = outcome
-        self.on_error = on_error  # (name, sentence): the CLI prints it; the Python API does not
-
-    def attempt(self, name: str, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)``, or None after recording (and saying) why it failed; Ctrl-C
-        and a closed stdout still stop everything."""
-        try:
-            return fn(*args, **kwargs)
-        except (KeyboardInterrupt, Cancelled, BrokenPipeError):
-            raise
-        except IsotuiError as exc:
-            text = str(exc)
-        except Exception as exc:
-            if os.environ.get("ISOTUI_DEBUG"):
-                raise
-            text = f"internal error in {name}: {type(exc).__name__}: {exc}"
-            text += " (set ISOTUI_DEBUG=1 for the traceback)"
-            self.outcome.internal.append(name)
-        self.outcome.failed.append((name, text))
-        if self.on_error:
-            self.on_error(name, text)
-        return None
-
-
 def exit_code(outcome, err) -> int:
     """0 when all succeeded, else 1 if any failure was internal, 2 if all were bad input; with
     several models (or checkpoints), one closing line names the failed ones."""
@@ -337,7 +308,7 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
     from isotui.experiments.layerwise import measure
     from isotui.paths import cache_dir
     from isotui.render import result_table
-    from isotui.results import Outcome
+    from isotui.results import ModelFailures, Outcome
     from isotui.spec import make_spec
     from isotui.store.cache import ResultCache
     from isotui.store.export import layer_csv_rows

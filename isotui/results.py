@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from isotui.core.correlation import DriftCorrelation
+from isotui.errors import Cancelled, IsotuiError
 
 # Bump when a metric's definition or the stored layout changes: old entries are recomputed.
 # 2: isoscore_star, iw, iw_centered, avg_cos_abtt, avg_cos_std, *_types
@@ -153,3 +155,32 @@ class Outcome:
 
 TableCallback = Callable[[Any], None]
 ErrorCallback = Callable[[str, str], None]
+
+
+class ModelFailures:
+    """The failures of a multi-model command, each its own: said in one sentence as it happens,
+    so the other models still run and whatever succeeded is printed, exported and cached."""
+
+    def __init__(self, outcome, on_error=None) -> None:
+        self.outcome = outcome
+        self.on_error = on_error  # (name, sentence): the CLI prints it; the Python API does not
+
+    def attempt(self, name: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, or None after recording (and saying) why it failed; Ctrl-C
+        and a closed stdout still stop everything."""
+        try:
+            return fn(*args, **kwargs)
+        except (KeyboardInterrupt, Cancelled, BrokenPipeError):
+            raise
+        except IsotuiError as exc:
+            text = str(exc)
+        except Exception as exc:
+            if os.environ.get("ISOTUI_DEBUG"):
+                raise
+            text = f"internal error in {name}: {type(exc).__name__}: {exc}"
+            text += " (set ISOTUI_DEBUG=1 for the traceback)"
+            self.outcome.internal.append(name)
+        self.outcome.failed.append((name, text))
+        if self.on_error:
+            self.on_error(name, text)
+        return None

@@ -182,10 +182,10 @@ def test_an_internal_error_in_one_model_is_its_own(tmp_path, monkeypatch, capsys
 def test_a_failing_checkpoint_leaves_the_rest_of_the_series(tmp_path, capsys):
     from rich.console import Console
 
-    from isotui.cli import ModelFailures, exit_code, print_error
+    from isotui.cli import exit_code, print_error
     from isotui.experiments.checkpoints import run_series
     from isotui.experiments.qk_dynamics import Checkpoint
-    from isotui.results import Outcome
+    from isotui.results import ModelFailures, Outcome
     from isotui.spec import make_spec
 
     ckpts = [Checkpoint(TINY, "step0", 0), Checkpoint(BAD, "step1", 1), Checkpoint(TINY_B, "step2", 2)]

@@ -377,11 +377,10 @@ def add_arguments(p) -> None:
 
 def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
-    from isotui.cli import ModelFailures
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.paths import cache_dir
     from isotui.render_attention import attention_table
-    from isotui.results import Outcome
+    from isotui.results import ModelFailures, Outcome
 
     models = args.models or ["minilm"]
     base = spec_from_args(args, models[0])

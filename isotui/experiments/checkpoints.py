@@ -178,11 +178,10 @@ def add_arguments(p) -> None:
 
 def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
-    from isotui.cli import ModelFailures
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.experiments.qk_dynamics import resolve_checkpoints
     from isotui.paths import cache_dir
-    from isotui.results import Outcome
+    from isotui.results import ModelFailures, Outcome
     from isotui.store.cache import ResultCache
 
     checkpoints = resolve_checkpoints(args.model, args.checkpoints)

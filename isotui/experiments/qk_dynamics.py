@@ -334,12 +334,11 @@ def add_arguments(p) -> None:
 def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
     """The command's work without its output (see :func:`isotui.cli.collect_run`): the tables,
     then the trajectory figure (``--plot``) as one more renderable."""
-    from isotui.cli import ModelFailures
     from isotui.cli_experiments import progress_printer, spec_from_args
     from isotui.experiments.attention import attention_cache
     from isotui.paths import cache_dir
     from isotui.render_attention import dynamics_tables
-    from isotui.results import Outcome
+    from isotui.results import ModelFailures, Outcome
 
     try:
         sample = int(args.sample)

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import os
 import re
 from dataclasses import dataclass
 from importlib import metadata
@@ -221,11 +222,20 @@ class _DigestMemo:
     def save(self) -> None:
         if self.path is None or not self.dirty:
             return
-        from isotui.store.files import write_bytes_atomic
+        import tempfile
 
         kept = dict(list(self.known.items())[-_MEMO_LIMIT:])
         with contextlib.suppress(OSError):  # a read-only or full cache: the next run hashes again
-            write_bytes_atomic(self.path.parent, self.path.name, json.dumps(kept).encode())
+            # a private memo, written atomically here: the engine layer does not reach up to store/
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{DIGESTS_FILE}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(kept, f)
+                os.replace(tmp, self.path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
 
 
 def parse_model(name: str) -> ModelRef:
