@@ -275,16 +275,13 @@ def _config_path(config: Path | None) -> Path | None:
 
 
 def _cmd_run(args: argparse.Namespace, err) -> int:
-    from isotui.cli_experiments import report
+    from isotui.cli_experiments import command_main
 
-    out = stdout_console()
-    outcome = collect_run(
-        args,
-        err,
-        width=out.width,
-        on_table=lambda table: (out.print(table), out.print()),
-        on_error=lambda _model, text: print_error(err, text),
-    )
+    return command_main(collect_run, before_report=_write_wide_csv)(args, err)
+
+
+def _write_wide_csv(outcome, args: argparse.Namespace, err) -> None:
+    """``--wide-csv``: the layer x model table of a run, beside its --csv/--json."""
     if outcome.results and getattr(args, "wide_csv", None):
         from isotui.render import wide_rows
         from isotui.store.export import write_dicts_csv
@@ -292,7 +289,6 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
         names, rows = wide_rows(outcome.results, _wide_metric(args))
         dicts = [{"component": r[0], "layer": r[1], **dict(zip(names, r[2:], strict=True))} for r in rows]
         err.print(f"wrote {write_dicts_csv(dicts, Path(args.wide_csv))}")
-    return report(outcome, args, err)
 
 
 def print_error(err, text: str) -> None:

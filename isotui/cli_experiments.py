@@ -104,9 +104,10 @@ def report(outcome, args: argparse.Namespace, err) -> int:
     return exit_code(outcome, err)
 
 
-def command_main(collect):
+def command_main(collect, before_report=None):
     """A command's ``main(args, err)`` from its ``collect(args, err, ...)``: tables printed as
-    they come, a failed model's sentence printed and the next one tried, then :func:`report`."""
+    they come, a failed model's sentence printed and the next one tried, then ``before_report``
+    (a command's extra outputs, e.g. run's --wide-csv) and :func:`report`."""
 
     def main(args: argparse.Namespace, err) -> int:
         from isotui.cli import print_error, stdout_console
@@ -119,6 +120,8 @@ def command_main(collect):
             on_table=lambda table: (out.print(table), out.print()),
             on_error=lambda _model, text: print_error(err, text),
         )
+        if before_report is not None:
+            before_report(outcome, args, err)
         return report(outcome, args, err)
 
     return main
