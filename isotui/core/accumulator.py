@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
 import numpy as np
+import numpy.typing as npt
 
 from isotui.core.isotropy import isoscore_star, sample_metrics
 from isotui.core.spectrum import (
@@ -24,6 +25,17 @@ from isotui.core.spectrum import (
 
 if TYPE_CHECKING:
     import torch
+
+    from isotui.core.sampled import Groups
+
+# a batch's reservoir change (see LayerAccumulator._merge_reservoir)
+ReservoirChange: TypeAlias = """(
+    tuple[Literal["set"], torch.Tensor, torch.Tensor]
+    | tuple[Literal["none"]]
+    | tuple[Literal["update"], torch.Tensor, torch.Tensor, torch.Tensor]
+)"""
+# tensors and counts by name: a batch's partial sums, or an accumulator's state
+Sums: TypeAlias = dict[str, Any]
 
 _MASK62 = (1 << 62) - 1
 SAMPLE_METRICS_MAX_DIM = 8192  # wider (flattened conv maps): no I(W), ABTT, standardised (memory)
@@ -66,9 +78,9 @@ class LayerStats:
     eff_rank: float
     top_pc_share: float
     spectrum_from: str
-    dim_contrib: np.ndarray = field(repr=False)
-    eigenvalues: np.ndarray = field(repr=False)
-    mean: np.ndarray = field(repr=False)  # the mean vector x_bar (its norm is drift_norm)
+    dim_contrib: npt.NDArray[np.float64] = field(repr=False)
+    eigenvalues: npt.NDArray[np.float64] = field(repr=False)
+    mean: npt.NDArray[np.float64] = field(repr=False)  # the mean vector x_bar (its norm is drift_norm)
     isoscore_star: float = math.nan  # see isotui.core.isotropy for these five
     iw: float = math.nan
     iw_centered: float = math.nan
@@ -105,7 +117,7 @@ def _gram_dtype(x64: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
-def avg_cos_from_sums(sum_u: np.ndarray, n: int) -> float:
+def avg_cos_from_sums(sum_u: npt.NDArray[np.float64], n: int) -> float:
     """Exact mean cosine over all n(n-1) ordered distinct pairs of unit vectors summing to sum_u."""
     if n < 2:
         return math.nan
@@ -175,7 +187,7 @@ class LayerAccumulator:
         keys: torch.Tensor,
         weights: torch.Tensor | None = None,
         type_index: torch.Tensor | None = None,
-    ) -> dict:
+    ) -> Sums:
         """Statistics of one batch of vectors ``x`` (m x d) from samples ``sample_ids`` (0..B-1);
         when the units are tokens, ``weights`` (m, float64) are their type-uniform weights and
         ``type_index`` (m, int64) their tracked type (-1: not tracked) for self-similarity."""
@@ -229,7 +241,16 @@ class LayerAccumulator:
         out["reservoir"] = self._merge_reservoir(x, keys)
         return out
 
-    def _sentences(self, x64, norms, nonzero, u, ids, per_sample, n_samples) -> dict:
+    def _sentences(
+        self,
+        x64: torch.Tensor,
+        norms: torch.Tensor,
+        nonzero: torch.Tensor,
+        u: torch.Tensor,
+        ids: torch.Tensor,
+        per_sample: torch.Tensor,
+        n_samples: int,
+    ) -> Sums:
         """Intra-sentence similarity (Ethayarajh 2019): per sample, the mean cosine between its
         vectors and its mean vector, summed over the batch's samples that have vectors."""
         import torch
@@ -242,7 +263,9 @@ class LayerAccumulator:
         cos = (per_sample[live] * sum_x[live]).sum(1) / (n_s[live] * bar_norm[live])
         return {"intra": cos.sum(), "n_sentences": int(live.sum())}
 
-    def _type_sums(self, u, ids, type_index, n_samples) -> dict:
+    def _type_sums(
+        self, u: torch.Tensor, ids: torch.Tensor, type_index: torch.Tensor, n_samples: int
+    ) -> Sums:
         """Per tracked type: sum of unit vectors, count, and the same-sample parts."""
         import torch
 
@@ -273,7 +296,7 @@ class LayerAccumulator:
             return x64.mean(0)
         return torch.zeros(self.dim, dtype=torch.float64, device=self.device)
 
-    def _merge_reservoir(self, x: torch.Tensor, keys: torch.Tensor) -> tuple:
+    def _merge_reservoir(self, x: torch.Tensor, keys: torch.Tensor) -> ReservoirChange:
         """The reservoir update for a batch: the K smallest keys seen so far win.
 
         While filling, returns the new (vectors, keys); once full, only the slots that change
@@ -283,7 +306,7 @@ class LayerAccumulator:
 
         x32 = x.to(self.device).to(torch.float32)
         k = self.reservoir_size
-        if self.res is None or len(self.res) < k:
+        if self.res is None or self.res_keys is None or len(self.res) < k:  # both set, or neither
             vecs = x32 if self.res is None else torch.cat([self.res, x32])
             all_keys = keys if self.res_keys is None else torch.cat([self.res_keys, keys])
             if len(all_keys) > k:
@@ -301,7 +324,7 @@ class LayerAccumulator:
         entering = kept[k:].nonzero().squeeze(1)
         return ("update", evicted, cand[entering], cand_keys[entering])
 
-    def commit(self, p: dict) -> None:
+    def commit(self, p: Sums) -> None:
         """Add a batch's :meth:`partial` into the running state (no large allocations)."""
         import torch
 
@@ -325,12 +348,12 @@ class LayerAccumulator:
         if "x_min" in p:
             torch.minimum(self.x_min, p["x_min"], out=self.x_min)
             torch.maximum(self.x_max, p["x_max"], out=self.x_max)
-        if self.full_cov:
+        if self.gram is not None:  # full_cov
             self.gram.add_(p["gram"])
-        change = p["reservoir"]
+        change: ReservoirChange = p["reservoir"]
         if change[0] == "set":
             self.res, self.res_keys = change[1], change[2]
-        elif change[0] == "update":
+        elif change[0] == "update" and self.res is not None and self.res_keys is not None:
             self.res[change[1]] = change[2]
             self.res_keys[change[1]] = change[3]
 
@@ -359,7 +382,7 @@ class LayerAccumulator:
             # rank-deficient data, n <= d, the float32 batch products would blur the null space)
             eig = sample_eigenvalues(sample) if d > n_sample else eigenvalues(np.cov(sample, rowvar=False))
             spectrum_from = "all"
-        elif self.full_cov and n_all >= 2:
+        elif self.gram is not None and n_all >= 2:  # full_cov
             ms = self.sum_xs.cpu().numpy() / n_all
             eig = eigenvalues((self.gram.cpu().numpy() - n_all * np.outer(ms, ms)) / (n_all - 1))
             spectrum_from = "all"
@@ -375,6 +398,7 @@ class LayerAccumulator:
             spec, eig = Spectrum(math.nan, math.nan, math.nan), np.full(d, np.nan)
         extra = self._sample_metrics(sample, mean, n_all) | self._type_uniform()
         extra |= self._sample_errors(sample, mean, n_all)
+        self_sim_types = int(extra.pop("self_sim_types", 0))  # the one count among the floats
         return LayerStats(
             dim=d,
             n_vectors=n_all,
@@ -394,6 +418,7 @@ class LayerAccumulator:
             mean=mean,
             isoscore_star=isoscore_star(eig),
             constant_dims=tuple(int(k) for k in np.flatnonzero(self.constant_dims())),
+            self_sim_types=self_sim_types,
             **extra,
         )
 
@@ -424,33 +449,37 @@ class LayerAccumulator:
             out["self_sim_types"] = int(live.sum())
         return out
 
-    def _sample_metrics(self, sample: np.ndarray | None, mean: np.ndarray, n_all: int) -> dict[str, float]:
+    def _sample_metrics(
+        self, sample: npt.NDArray[np.float64] | None, mean: npt.NDArray[np.float64], n_all: int
+    ) -> dict[str, float]:
         """I(W), all-but-the-top and standardised avg_cos, from the reservoir (exact when it holds
         every vector, as avg_cos_centered); skipped above :data:`SAMPLE_METRICS_MAX_DIM` dims."""
         import torch
 
-        if sample is None or len(sample) < 2 or self.dim > SAMPLE_METRICS_MAX_DIM:
+        if self.res is None or sample is None or len(sample) < 2 or self.dim > SAMPLE_METRICS_MAX_DIM:
             return {}
         x = self.res.to(torch.float64)  # the sample, on the accumulator's device (GPU: fast eigh)
         return sample_metrics(x, mean, self.dim_std(n_all), self._se_groups(n_all))
 
-    def _se_groups(self, n_all: int) -> tuple | None:
+    def _se_groups(self, n_all: int) -> Groups | None:
         """The reservoir's disjoint groups for standard errors; None when it holds every vector
         (the metrics are exact: see :meth:`_sample_errors`)."""
         from isotui.core.sampled import key_groups
 
-        if self.res is None or len(self.res) >= n_all:
+        if self.res is None or self.res_keys is None or len(self.res) >= n_all:
             return None
         return key_groups(self.res_keys)
 
-    def _sample_errors(self, sample: np.ndarray | None, mean: np.ndarray, n_all: int) -> dict[str, float]:
+    def _sample_errors(
+        self, sample: npt.NDArray[np.float64] | None, mean: npt.NDArray[np.float64], n_all: int
+    ) -> dict[str, float]:
         """avg_cos_centered's standard error from disjoint sub-samples, and 0 for every reservoir
         metric when the reservoir holds every vector (exact); see :mod:`isotui.core.sampled`."""
         import torch
 
         from isotui.core.sampled import SAMPLED, cos_jackknife_se, se_name
 
-        if sample is None or len(sample) < 2:
+        if self.res is None or sample is None or len(sample) < 2:
             return {}
         if len(sample) == n_all:
             names = SAMPLED if self.dim <= SAMPLE_METRICS_MAX_DIM else ("avg_cos_centered",)
@@ -461,7 +490,7 @@ class LayerAccumulator:
         centred = self.res.to(torch.float64) - torch.as_tensor(mean, device=self.res.device)
         return {"avg_cos_centered_se": cos_jackknife_se(centred, groups)}
 
-    def dim_std(self, n_all: int) -> np.ndarray:
+    def dim_std(self, n_all: int) -> npt.NDArray[np.float64]:
         """Each dimension's standard deviation over all vectors, from float64 sums of values
         shifted by the first batch's mean (stable for any scale); exactly 0 for a dimension whose
         every value is the same (and only for those: see :meth:`constant_dims`)."""
@@ -474,13 +503,13 @@ class LayerAccumulator:
         std[constant] = 0.0
         return std
 
-    def state(self) -> dict:
+    def state(self) -> Sums:
         """Everything the accumulator has folded in, as tensors and plain scalars (no pickle:
         safetensors can store it), for :meth:`from_state` and :meth:`merge` elsewhere."""
         return _layer_state(self)
 
     @classmethod
-    def from_state(cls, state: dict, device: torch.device | None = None) -> LayerAccumulator:
+    def from_state(cls, state: Sums, device: torch.device | None = None) -> LayerAccumulator:
         """An accumulator holding ``state`` (a copy), on ``device`` (default: the CPU)."""
         return _layer_from_state(cls, state, device)
 
@@ -491,9 +520,10 @@ class LayerAccumulator:
         since keys depend only on the global sample index and position)."""
         _layer_merge(self, other)
 
-    def constant_dims(self) -> np.ndarray:
+    def constant_dims(self) -> npt.NDArray[np.bool_]:
         """Mask of dimensions in which every vector has exactly the same value."""
-        return (self.x_min == self.x_max).cpu().numpy() & (self.n_all > 0)
+        same: npt.NDArray[np.bool_] = (self.x_min == self.x_max).cpu().numpy()
+        return same & (self.n_all > 0)
 
 
 # --- mergeable state: shards of a corpus measured apart, then combined -------------------------
@@ -520,7 +550,33 @@ _LAYER_COUNTS = ("n", "n_all", "pairs_within", "n_sentences")
 _LAYER_SHAPE = ("dim", "full_cov", "reservoir_size", "types")
 
 
-def recentre(shift_from, shift_to, n: int, sum_s, sum_s2=None, gram=None) -> tuple:
+@overload
+def recentre(
+    shift_from: torch.Tensor,
+    shift_to: torch.Tensor,
+    n: int,
+    sum_s: torch.Tensor,
+    sum_s2: torch.Tensor,
+    gram: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+@overload
+def recentre(
+    shift_from: torch.Tensor,
+    shift_to: torch.Tensor,
+    n: int,
+    sum_s: torch.Tensor,
+    sum_s2: None = None,
+    *,
+    gram: torch.Tensor,
+) -> tuple[torch.Tensor, None, torch.Tensor]: ...
+def recentre(
+    shift_from: torch.Tensor,
+    shift_to: torch.Tensor,
+    n: int,
+    sum_s: torch.Tensor,
+    sum_s2: torch.Tensor | None = None,
+    gram: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Sums of ``n`` vectors shifted by ``shift_from`` re-expressed around ``shift_to``, exactly:
     with delta = shift_from - shift_to, x - shift_to = (x - shift_from) + delta, so
     sum = sum_s + n delta, per-dimension squares = sum_s2 + 2 delta sum_s + n delta^2 and
@@ -537,7 +593,9 @@ def recentre(shift_from, shift_to, n: int, sum_s, sum_s2=None, gram=None) -> tup
     return out_s, out_s2, out_g
 
 
-def keep_smallest(keys, values, size: int, dim: int = 0) -> tuple:
+def keep_smallest(
+    keys: torch.Tensor, values: torch.Tensor, size: int, dim: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``size`` entries with the smallest keys (all of them when there are fewer): the
     keyed reservoir of a union, whatever order its parts arrived in."""
     import torch
@@ -548,8 +606,8 @@ def keep_smallest(keys, values, size: int, dim: int = 0) -> tuple:
     return keys[keep], values.index_select(dim, keep.to(values.device))
 
 
-def _layer_state(acc: LayerAccumulator) -> dict:
-    state: dict = {k: getattr(acc, k) for k in (*_LAYER_SHAPE, *_LAYER_COUNTS)}
+def _layer_state(acc: LayerAccumulator) -> Sums:
+    state: Sums = {k: getattr(acc, k) for k in (*_LAYER_SHAPE, *_LAYER_COUNTS)}
     state["weighted"] = acc.weighted
     for k in (*_LAYER_SUMS, "sum_xs", "sum_xs2", "x_min", "x_max", "shift", "gram", "res", "res_keys"):
         if getattr(acc, k) is not None:
@@ -557,7 +615,9 @@ def _layer_state(acc: LayerAccumulator) -> dict:
     return state
 
 
-def _layer_from_state(cls, state: dict, device) -> LayerAccumulator:
+def _layer_from_state(
+    cls: type[LayerAccumulator], state: Sums, device: torch.device | None
+) -> LayerAccumulator:
     import torch
 
     device = torch.device("cpu") if device is None else device
@@ -594,24 +654,24 @@ def _layer_merge(acc: LayerAccumulator, other: LayerAccumulator) -> None:
     torch.maximum(acc.x_max, other.x_max.to(dev), out=acc.x_max)
     if other.shift is not None:  # None: the other saw no vector, its shifted sums are zero
         o_s, o_s2 = other.sum_xs.to(dev), other.sum_xs2.to(dev)
-        o_g = other.gram.to(dev) if acc.full_cov else None
+        o_g = other.gram.to(dev) if other.gram is not None else None  # full_cov, as acc
         if acc.shift is None:
             acc.shift = other.shift.to(dev).clone()
         else:
             o_s, o_s2, o_g = recentre(other.shift.to(dev), acc.shift, other.n_all, o_s, o_s2, o_g)
         acc.sum_xs.add_(o_s)
         acc.sum_xs2.add_(o_s2)
-        if acc.full_cov:
+        if acc.gram is not None and o_g is not None:
             acc.gram.add_(o_g)
-    if other.res is not None:
+    if other.res is not None and other.res_keys is not None:
         res, keys = other.res.to(dev), other.res_keys.to(dev)
-        if acc.res is not None:
+        if acc.res is not None and acc.res_keys is not None:
             res, keys = torch.cat([acc.res, res]), torch.cat([acc.res_keys, keys])
         acc.res_keys, acc.res = keep_smallest(keys, res, acc.reservoir_size)
         acc.res, acc.res_keys = acc.res.clone(), acc.res_keys.clone()
 
 
-def _centered_avg_cos(sample: np.ndarray, mean: np.ndarray) -> float:
+def _centered_avg_cos(sample: npt.NDArray[np.float64], mean: npt.NDArray[np.float64]) -> float:
     """Mean pairwise cosine of ``sample`` after subtracting the exact full-data ``mean``."""
     v = sample - mean
     norms = np.linalg.norm(v, axis=1)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:
     import torch
@@ -101,11 +102,11 @@ class _Sums:
     MINS: tuple[str, ...] = ()
     MAXES: tuple[str, ...] = ()
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, torch.Tensor]:
         """The tensors, by name (safetensors-storable)."""
         return {k: getattr(self, k) for k in (*self.SUMS, *self.MINS, *self.MAXES)}
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Take (a copy of) ``state``, on this object's device."""
         for k in (*self.SUMS, *self.MINS, *self.MAXES):
             mine = getattr(self, k)
@@ -153,11 +154,12 @@ class VectorSums(_Sums):
         self.n_nonzero += nonzero.sum(1)
         self.sum_unit += (v / torch.where(nonzero, norms, 1.0)[..., None]).sum(1)
 
-    def mean(self) -> np.ndarray:
+    def mean(self) -> npt.NDArray[np.float64]:
         """(H, d) mean vectors (NaN for a head that saw nothing)."""
         n = self.n.cpu().numpy()
         with np.errstate(invalid="ignore", divide="ignore"):
-            return self.sum.cpu().numpy() / n[:, None]
+            out: npt.NDArray[np.float64] = self.sum.cpu().numpy() / n[:, None]
+        return out
 
     def summary(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per head: mean norm, norm of the mean, exact mean pairwise cosine."""
@@ -224,10 +226,11 @@ class RowSums(_Sums):
             self.sums[i] += x.permute(1, 0, 2)[:, rows].sum(1)
         self.n += int(rows.sum())
 
-    def means(self) -> np.ndarray:
+    def means(self) -> npt.NDArray[np.float64]:
         """(4, H): mean row max, median, min, entropy."""
         with np.errstate(invalid="ignore", divide="ignore"):
-            return self.sums.cpu().numpy() / self.n.cpu().numpy()[None, :]
+            out: npt.NDArray[np.float64] = self.sums.cpu().numpy() / self.n.cpu().numpy()[None, :]
+        return out
 
 
 class AttentionAccumulator:
@@ -267,15 +270,15 @@ class AttentionAccumulator:
 
     _PARTS = ("q", "k", "scores", "rows")
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """All sums as one flat dict (``q.sum``, ``scores.hist``, ...) plus the head layout."""
-        out: dict = {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+        out: dict[str, Any] = {"heads": self.heads, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
         for part in self._PARTS:
             out |= {f"{part}.{k}": v for k, v in getattr(self, part).state().items()}
         return out
 
     @classmethod
-    def from_state(cls, state: dict, device: torch.device | None = None) -> AttentionAccumulator:
+    def from_state(cls, state: dict[str, Any], device: torch.device | None = None) -> AttentionAccumulator:
         """An accumulator holding (a copy of) ``state``, on ``device`` (default: the CPU)."""
         import torch
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 # Without ties the null distribution of S = sum d^2 is counted exactly by a dynamic programme
 # over the subsets of ranks used (2^n x n^3/6 counts: 60 MB at n = 14); with ties, all n!
@@ -125,7 +127,7 @@ def spearman_permutation_p(
     return PermutationP(p, "monte-carlo", se)
 
 
-def _permutation_chunks(n: int):
+def _permutation_chunks(n: int) -> Iterator[npt.NDArray[np.int8]]:
     """Every permutation of range(n) as rows of int8 arrays, in chunks of whole prefixes (the
     first element fixed per chunk, at most (n-1)! rows each)."""
     rest = _all_permutations(n - 1)
@@ -167,7 +169,7 @@ def _exact_no_ties(rx: np.ndarray, ry: np.ndarray) -> PermutationP:
 
 
 @functools.lru_cache(maxsize=4)
-def s_distribution(n: int) -> np.ndarray:
+def s_distribution(n: int) -> npt.NDArray[np.int64]:
     """counts[s] = how many permutations pi of 1..n have sum (i - pi(i))^2 = s.
 
     Position by position over the sets of values already used: at step k only the C(n, k) sets
@@ -190,4 +192,5 @@ def s_distribution(n: int) -> np.ndarray:
             nxt[target, step:] += f[free, : top + 1 - step]
         masks, f = nxt_masks, nxt
     f.setflags(write=False)  # cached: shared by every caller
-    return f[0]
+    counts: npt.NDArray[np.int64] = f[0]
+    return counts

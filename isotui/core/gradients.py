@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -114,16 +114,16 @@ class GradAccumulator:
     _SUMS = ("sum_gu", "sum_g", "sum_gnorm", "g2", "sum_xu")
     _COUNTS = ("n_all", "n_grad", "n_act")
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """The folded sums as tensors and plain scalars (safetensors-storable, no pickle)."""
-        state: dict = {"dim": self.dim} | {k: getattr(self, k) for k in self._COUNTS}
+        state: dict[str, Any] = {"dim": self.dim} | {k: getattr(self, k) for k in self._COUNTS}
         for k in (*self._SUMS, "sum_xs", "x2", "shift"):
             if getattr(self, k) is not None:
                 state[k] = getattr(self, k)
         return state
 
     @classmethod
-    def from_state(cls, state: dict, device: torch.device | None = None) -> GradAccumulator:
+    def from_state(cls, state: dict[str, Any], device: torch.device | None = None) -> GradAccumulator:
         """An accumulator holding (a copy of) ``state``, on ``device`` (default: the CPU)."""
         import torch
 

@@ -19,15 +19,25 @@ so that they run on the accumulators' device).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from isotui.core.spectrum import isoscore_from_eigenvalues
+
+if TYPE_CHECKING:
+    import torch
+
+    from isotui.core.sampled import Groups
+
+# rows of vectors (or a vector) as numpy or torch: ``_t`` makes either a float64 tensor
+Vectors: TypeAlias = "npt.ArrayLike | torch.Tensor"
 
 ISOSCORE_STAR_ZETA = 0.2
 
 
-def isoscore_star(eigenvalues: np.ndarray, zeta: float = ISOSCORE_STAR_ZETA) -> float:
+def isoscore_star(eigenvalues: npt.NDArray[np.float64], zeta: float = ISOSCORE_STAR_ZETA) -> float:
     """IsoScore* with C0 = (tr(C) / d) I, from the covariance eigenvalues (all d of them): the
     target has the data's own scale, so scaling the vectors leaves the score unchanged."""
     vals = np.asarray(eigenvalues, dtype=np.float64)
@@ -36,14 +46,14 @@ def isoscore_star(eigenvalues: np.ndarray, zeta: float = ISOSCORE_STAR_ZETA) -> 
     return isoscore_from_eigenvalues((1.0 - zeta) * vals + zeta * vals.mean())
 
 
-def _t(x, device=None):
+def _t(x: Vectors, device: torch.device | None = None) -> torch.Tensor:
     """float64 torch tensor (on ``x``'s own device when it is one: a GPU does the eigh in ms)."""
     import torch
 
     return torch.as_tensor(x, dtype=torch.float64, device=device)
 
 
-def _principal(x):
+def _principal(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Principal directions of the rows of ``x`` (torch float64): the eigenvectors of x^T x as
     columns (``eigh``, never ``eig``), largest eigenvalue first; when d > n, the n right singular
     vectors, plus a flag that the other d - n directions (a null space) exist."""
@@ -57,7 +67,7 @@ def _principal(x):
     return vt.T, True
 
 
-def _iw(x, vecs, null: bool) -> float:
+def _iw(x: torch.Tensor, vecs: torch.Tensor, null: bool) -> float:
     """min over max of Z(c) = sum_i exp(c . x_i) over the directions (both signs), in log space;
     a null-space direction has Z = n."""
     import torch
@@ -69,7 +79,7 @@ def _iw(x, vecs, null: bool) -> float:
     return float(torch.exp(log_z.min() - log_z.max()))
 
 
-def partition_isotropy(x, *, centered: bool = False) -> float:
+def partition_isotropy(x: Vectors, *, centered: bool = False) -> float:
     """I(W) of the rows of ``x`` (numpy or torch): min_c Z(c) / max_c Z(c) over the eigenvectors
     c of X^T X, computed as exp(min log Z - max log Z)."""
     x = _t(x)
@@ -80,7 +90,7 @@ def partition_isotropy(x, *, centered: bool = False) -> float:
     return _iw(x, *_principal(x))
 
 
-def sample_metrics(x, mean, std, groups: tuple | None = None) -> dict[str, float]:
+def sample_metrics(x: Vectors, mean: Vectors, std: Vectors, groups: Groups | None = None) -> dict[str, float]:
     """I(W), centred I(W), all-but-the-top and standardised avg_cos of the rows of ``x`` given the
     exact ``mean`` and per-dimension ``std``; the centred eigendecomposition serves both the
     centred I(W) and all-but-the-top. With ``groups`` (disjoint row indices), also their
@@ -108,7 +118,7 @@ def sample_metrics(x, mean, std, groups: tuple | None = None) -> dict[str, float
     return out
 
 
-def _mean_cos(v) -> float:
+def _mean_cos(v: torch.Tensor) -> float:
     import torch
 
     norms = torch.linalg.vector_norm(v, dim=1)
@@ -125,7 +135,7 @@ def abtt_components(d: int) -> int:
     return max(1, math.ceil(d / 100))
 
 
-def abtt_avg_cos(x, mean, top: int | None = None) -> float:
+def abtt_avg_cos(x: Vectors, mean: Vectors, top: int | None = None) -> float:
     """avg_cos of ``x`` after subtracting ``mean`` and the top principal components of the result."""
     v = _t(x) - _t(mean, _t(x).device)
     if len(v) < 2:
@@ -133,7 +143,7 @@ def abtt_avg_cos(x, mean, top: int | None = None) -> float:
     return _abtt(v, _principal(v)[0], top)
 
 
-def _abtt(v, vecs, top: int | None = None) -> float:
+def _abtt(v: torch.Tensor, vecs: torch.Tensor, top: int | None = None) -> float:
     """avg_cos of the centred rows ``v`` without their projections on the top principal
     directions ``vecs`` (columns, largest first)."""
     top = abtt_components(v.shape[1]) if top is None else top
@@ -141,7 +151,7 @@ def _abtt(v, vecs, top: int | None = None) -> float:
     return _mean_cos(v - (v @ pcs.T) @ pcs)
 
 
-def standardized_avg_cos(x, mean, std) -> float:
+def standardized_avg_cos(x: Vectors, mean: Vectors, std: Vectors) -> float:
     """avg_cos of ``x`` with every dimension z-scored; constant dimensions (std 0) are dropped."""
     x = _t(x)
     std = _t(std, x.device)

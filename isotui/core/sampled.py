@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from isotui.core.isotropy import abtt_components
 
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     import torch
 
     from isotui.core.accumulator import LayerAccumulator, LayerStats
+
+# disjoint groups of reservoir row indices (index tensors), from :func:`key_groups`
+Groups: TypeAlias = "tuple[torch.Tensor, ...]"
 
 SE_GROUPS = 8
 SAMPLED = ("avg_cos_centered", "iw", "iw_centered", "avg_cos_abtt", "avg_cos_std")
@@ -46,7 +50,7 @@ def se_name(metric: str) -> str:
     return f"{metric}_se"
 
 
-def key_groups(keys: torch.Tensor, groups: int = SE_GROUPS) -> tuple | None:
+def key_groups(keys: torch.Tensor, groups: int = SE_GROUPS) -> Groups | None:
     """The reservoir's row indices cut into ``groups`` disjoint groups in key order (each a
     uniform sample, the keys being independent of the data); None when a group would be tiny."""
     import torch
@@ -56,7 +60,7 @@ def key_groups(keys: torch.Tensor, groups: int = SE_GROUPS) -> tuple | None:
     return torch.tensor_split(torch.argsort(keys), groups)
 
 
-def _jackknife(theta: np.ndarray) -> float:
+def _jackknife(theta: npt.NDArray[np.float64]) -> float:
     """The delete-a-group jackknife SE from the G leave-one-group-out values."""
     g = len(theta)
     if not np.all(np.isfinite(theta)):
@@ -64,7 +68,7 @@ def _jackknife(theta: np.ndarray) -> float:
     return float(math.sqrt((g - 1) / g * ((theta - theta.mean()) ** 2).sum()))
 
 
-def cos_jackknife_se(v: torch.Tensor, parts: tuple) -> float:
+def cos_jackknife_se(v: torch.Tensor, parts: Groups) -> float:
     """Jackknife SE of the mean pairwise cosine of the rows of ``v`` (zero rows left out), from
     each group's sum of unit vectors: O(d) per group."""
     import torch
@@ -81,7 +85,7 @@ def cos_jackknife_se(v: torch.Tensor, parts: tuple) -> float:
     return _jackknife((np.einsum("gd,gd->g", rest, rest) - n_rest) / (n_rest * (n_rest - 1)))
 
 
-def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: tuple) -> dict[str, float]:
+def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: Groups) -> dict[str, float]:
     """Jackknife SEs of I(W), centred I(W) and all-but-the-top, the principal directions found
     again without each group (their estimation is most of these metrics' sampling noise: holding
     them fixed gave a third of the spread between reservoirs on MiniLM). 2 G eigendecompositions:
@@ -120,12 +124,14 @@ class ExactPass:
         std = torch.as_tensor(acc.dim_std(n), dtype=f64, device=dev)
         self.live = std > 0
         self.std = std[self.live]
-        self.eigen = acc.full_cov and n >= 2
-        if self.eigen:
-            s, sum_xs = acc.shift, acc.sum_xs
-            second = acc.gram + torch.outer(s, sum_xs) + torch.outer(sum_xs, s) + n * torch.outer(s, s)
+        # full_cov holds the gram matrix; n >= 2 means a batch has set the shift
+        gram, s = acc.gram, acc.shift
+        self.eigen = gram is not None and s is not None and n >= 2
+        if gram is not None and s is not None and n >= 2:
+            sum_xs = acc.sum_xs
+            second = gram + torch.outer(s, sum_xs) + torch.outer(sum_xs, s) + n * torch.outer(s, s)
             ms = sum_xs / n
-            scatter = acc.gram - n * torch.outer(ms, ms)
+            scatter = gram - n * torch.outer(ms, ms)
             self.vecs = torch.linalg.eigh(second)[1]
             self.vecs_c = torch.linalg.eigh(scatter)[1].flip(1)  # largest first
             self.top = self.vecs_c[:, : abtt_components(acc.dim)]
@@ -135,14 +141,14 @@ class ExactPass:
         self.sums["std"] = torch.zeros(int(self.live.sum()), dtype=f64, device=dev)
         self.counts = dict.fromkeys(self.sums, 0)
 
-    def partial(self, x: torch.Tensor, *_ignored) -> dict:
+    def partial(self, x: torch.Tensor, *_ignored: object) -> dict[str, Any]:
         """Sums of one batch's vectors ``x`` (m x d)."""
         import torch
 
         x64 = x.to(self.device).to(torch.float64)
         v = x64 - self.mean
         parts = {"centered": v, "std": v[:, self.live] / self.std}
-        out: dict = {}
+        out: dict[str, Any] = {}
         if self.eigen:
             parts["abtt"] = v - (v @ self.top) @ self.top.T
             proj, proj_c = x64 @ self.vecs, v @ self.vecs_c
@@ -154,7 +160,7 @@ class ExactPass:
             out[name] = ((rows[keep] / norms[keep, None]).sum(0), int(keep.sum()))
         return out
 
-    def commit(self, p: dict) -> None:
+    def commit(self, p: dict[str, Any]) -> None:
         import torch
 
         for name in self.sums:
@@ -181,4 +187,5 @@ class ExactPass:
 
     def apply(self, stats: LayerStats) -> LayerStats:
         """``stats`` with the sampled metrics replaced by the exact ones."""
-        return dataclasses.replace(stats, **self.values())
+        # mypy checks a **dict against every field; the keys are SAMPLED and their SEs (floats)
+        return dataclasses.replace(stats, **self.values())  # type: ignore[arg-type]

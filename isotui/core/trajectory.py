@@ -5,11 +5,12 @@ decomposition of their queries and keys together (or of the queries only, or the
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 BASES = ("qk", "q", "k")  # the union of queries and keys (the paper's main view), or one side
 
 
-def common_basis(samples: list[np.ndarray], k: int = 2) -> np.ndarray:
+def common_basis(samples: list[npt.NDArray[np.float64]], k: int = 2) -> npt.NDArray[np.float64]:
     """The top ``k`` right singular vectors (k x d) of all ``samples`` stacked, uncentered (the
     mean directions are what the trajectories follow). Each vector's sign is fixed so that its
     largest-magnitude component is positive: the same data always gives the same picture."""
@@ -24,6 +25,7 @@ def common_basis(samples: list[np.ndarray], k: int = 2) -> np.ndarray:
     return basis * np.where(signs == 0, 1.0, signs)[:, None]
 
 
-def project(vectors: np.ndarray, basis: np.ndarray) -> np.ndarray:
+def project(vectors: npt.ArrayLike, basis: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     """Coordinates (..., k) of ``vectors`` (..., d) in ``basis`` (k x d, orthonormal rows)."""
-    return np.asarray(vectors, dtype=np.float64) @ basis.T
+    coords: npt.NDArray[np.float64] = np.asarray(vectors, dtype=np.float64) @ basis.T
+    return coords
