@@ -92,3 +92,14 @@ def test_hf_split_slices_keep_their_colon_and_builtin_takes_no_argument():
     assert (s.config, s.split, s.field) == (None, "test[10:20]", "review")
     with pytest.raises(IsotuiError, match="builtin takes no argument"):
         parse_data("builtin:wikitext")
+
+
+def test_synthetic_samples_are_a_full_sequence():
+    """Sequence's own methods work on the lazy synthetic list (its size once hid ``count``)."""
+    from isotui.data.sources import SyntheticSamples
+
+    s = SyntheticSamples("images", 4)
+    assert s.count("synthetic:images#2") == 1 and s.count("nothing") == 0
+    assert s.index("synthetic:images#3") == 3
+    assert s[1:3] == ["synthetic:images#1", "synthetic:images#2"] and s[-1] == "synthetic:images#3"
+    assert list(s) == [f"synthetic:images#{i}" for i in range(4)]

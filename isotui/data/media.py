@@ -10,10 +10,14 @@ when the generators change, which changes the cache key.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from isotui.errors import IsotuiError
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 SYNTHETIC_VERSION = 1
 SYNTHETIC_IMAGE_SIZE = 224
@@ -24,7 +28,7 @@ def _index(sample: str) -> int:
     return int(sample.rpartition("#")[2])
 
 
-def load_image(sample: str):
+def load_image(sample: str) -> PILImage:
     """A PIL RGB image for a file path or a ``synthetic:images#i`` name."""
     from PIL import Image, UnidentifiedImageError
 
@@ -34,8 +38,9 @@ def load_image(sample: str):
         with Image.open(sample) as img:
             return img.convert("RGB")
     except Image.DecompressionBombError:
+        limit = Image.MAX_IMAGE_PIXELS  # None turns the check off, so it is set here
         raise IsotuiError(
-            f"image file {sample} claims more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels, which is "
+            f"image file {sample} claims more than {2 * (limit or 0):,} pixels, which is "
             "either damaged or a decompression bomb; remove it or shrink it"
         ) from None
     except (OSError, UnidentifiedImageError) as exc:

@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 from isotui.errors import IsotuiError
 from isotui.paths import builtin_corpus_path
@@ -113,34 +114,39 @@ def parse_data(value: str, base_dir: Path | None = None) -> DataSpec:
     return DataSpec("hf", name=name, config=config, split=split, field=field or "text")
 
 
-class Samples(list):
+class Samples(list[str]):
     """A list of text samples with what reading them did to them (``notes``: cut lines)."""
 
     notes: list[str]
 
 
-class SyntheticSamples(Sequence):
+class SyntheticSamples(Sequence[str]):
     """``synthetic:NAME#0`` .. ``#count-1``, made on demand: a large --max-samples costs nothing
     until each item is fed."""
 
     def __init__(self, name: str, count: int) -> None:
-        self.name, self.count = name, count
+        # not ``self.count``: that would hide Sequence.count(value)
+        self.name, self.size = name, count
         self.notes: list[str] = []
 
     def __len__(self) -> int:
-        return self.count
+        return self.size
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+    def __getitem__(self, index: int | slice) -> str | list[str]:
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self.count))]
+            return [self[i] for i in range(*index.indices(self.size))]
         if index < 0:
-            index += self.count
-        if not 0 <= index < self.count:
+            index += self.size
+        if not 0 <= index < self.size:
             raise IndexError(index)
         return f"synthetic:{self.name}#{index}"
 
     def __iter__(self) -> Iterator[str]:
-        return (f"synthetic:{self.name}#{i}" for i in range(self.count))
+        return (f"synthetic:{self.name}#{i}" for i in range(self.size))
 
 
 def line_cap(max_length: int | None) -> int:

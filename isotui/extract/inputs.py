@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from isotui.data.media import SYNTHETIC_AUDIO_RATE, load_audio, load_image, synt
 from isotui.errors import IsotuiError
 from isotui.extract.tokens import Tokens, tokenize
 from isotui.models.loading import UNKNOWN_CHECK_SAMPLES, LoadedModel, check_unknown_share
+
+if TYPE_CHECKING:
+    import torch
 
 PADDING_SENSITIVE = ("canine",)  # text models whose real positions change when a batch is padded
 IMAGE_NOMINAL_UNITS = 256  # an image's weight in the token budget (a ViT-B/16 has 197 tokens)
@@ -44,7 +47,7 @@ class Fed:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def resize_mask(valid, special, length: int):
+def resize_mask(valid: torch.Tensor, special: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``valid``/``special`` (B, T_in) for a layer of ``length`` positions (see module doc)."""
     import torch
 
@@ -100,9 +103,10 @@ class TextFeeder:
             fed.extra["decoder"] = (dec_mask.bool(), dec_special)
         return fed
 
-    def mask(self, fed: Fed, component: str, length: int):
+    def mask(self, fed: Fed, component: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         if component == "decoder" and "decoder" in fed.extra:
-            return resize_mask(*fed.extra["decoder"], length)
+            dec_valid, dec_special = fed.extra["decoder"]
+            return resize_mask(dec_valid, dec_special, length)
         return resize_mask(fed.valid, fed.special, length)
 
 
@@ -147,7 +151,7 @@ class ImageFeeder:
         fed.extra["grid"] = pixels.shape[-2:]
         return fed
 
-    def mask(self, fed: Fed, component: str, length: int):
+    def mask(self, fed: Fed, component: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every position is real; the positions before the patch grid are prefix tokens."""
         import torch
 
@@ -202,7 +206,7 @@ class AudioFeeder:
             inputs["decoder_input_ids"] = torch.full((len(idx), 1), int(start), dtype=torch.long)
         return fed
 
-    def mask(self, fed: Fed, component: str, length: int):
+    def mask(self, fed: Fed, component: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Frames that cover real audio (decoder: its one start position)."""
         import torch
 
@@ -261,10 +265,10 @@ def default_processor(model: Any) -> tuple[Any, str]:
         return WhisperFeatureExtractor(feature_size=bins), f"no feature extractor: Whisper's, {bins} mel bins"
     from transformers import Wav2Vec2FeatureExtractor
 
-    proc = Wav2Vec2FeatureExtractor(
+    extractor = Wav2Vec2FeatureExtractor(
         feature_size=1, sampling_rate=16000, padding_value=0.0, do_normalize=True, return_attention_mask=False
     )
-    return proc, "no feature extractor: wav2vec 2.0's (16 kHz, normalised waveform)"
+    return extractor, "no feature extractor: wav2vec 2.0's (16 kHz, normalised waveform)"
 
 
 def _pad_id(tok: Any) -> int:

@@ -40,7 +40,7 @@ class Tokens:
             start, end = self.offsets[i], self.offsets[i + 1]
             ids[row, : end - start] = self.ids[start:end]
             special[row, : end - start] = self.special[start:end]
-            if types is not None:
+            if types is not None and self.types is not None:  # both or neither
                 types[row, : end - start] = self.types[start:end]
         mask = np.arange(width)[None, :] < lengths[:, None]
         return {

@@ -58,7 +58,7 @@ def resolve_commit(repo_id: str, revision: str | None) -> str:
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        return HfApi().model_info(repo_id, revision=rev).sha
+        sha = HfApi().model_info(repo_id, revision=rev).sha
     except RevisionNotFoundError:
         raise IsotuiError(f"model {repo_id!r} has no revision {rev!r} on the hub") from None
     except RepositoryNotFoundError:
@@ -72,6 +72,11 @@ def resolve_commit(repo_id: str, revision: str | None) -> str:
             f"the hub could not be reached ({type(exc).__name__}); download it first or give a "
             "local directory"
         ) from None
+    if sha is None:  # the hub's answer may leave it out
+        raise IsotuiError(
+            f"the Hugging Face hub gave no commit for model {repo_id!r} (revision {rev}); try again"
+        )
+    return sha
 
 
 @dataclass(frozen=True)

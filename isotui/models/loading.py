@@ -368,24 +368,24 @@ def _load_random(
         ) from None
     model_cls = lm_class(config, ref.name) if head else _model_class(config)
     modality = MODALITY_OF_INPUT.get(getattr(model_cls, "main_input_name", "input_ids"), "text")
-    own_tokenizer, given = True, tokenizer
-    tokenizer = None
+    own_tokenizer = True
+    tok: Any = None  # the tokenizer object (``tokenizer`` is --tokenizer's name)
     if modality == "text":
-        if given is not None:
-            tokenizer, own_tokenizer = _given_tokenizer(given, trust), False
-            notes.append(f"untrained model fed the tokenizer {tokenizer.name_or_path} (--tokenizer)")
+        if tokenizer is not None:
+            tok, own_tokenizer = _given_tokenizer(tokenizer, trust), False
+            notes.append(f"untrained model fed the tokenizer {tok.name_or_path} (--tokenizer)")
         else:
-            tokenizer, own_tokenizer = _random_tokenizer(ref, config, trust, notes)
+            tok, own_tokenizer = _random_tokenizer(ref, config, trust, notes)
         vocab = getattr(config, "vocab_size", None)
-        if isinstance(vocab, int) and vocab < len(tokenizer):
-            config.vocab_size = len(tokenizer)
-            notes.append(f"vocab_size raised from {vocab} to {len(tokenizer)} to fit the tokenizer")
+        if isinstance(vocab, int) and vocab < len(tok):
+            config.vocab_size = len(tok)
+            notes.append(f"vocab_size raised from {vocab} to {len(tok)} to fit the tokenizer")
     torch.manual_seed(seed)
     try:
         model = model_cls(config) if head else AutoModel.from_config(config, trust_remote_code=trust)
     except Exception as exc:
         raise IsotuiError(f"could not build untrained model {ref.name!r}: {_short(exc)}") from None
-    loaded = LoadedModel(model.to(device=device, dtype=torch_dtype).eval(), tokenizer, notes)
+    loaded = LoadedModel(model.to(device=device, dtype=torch_dtype).eval(), tok, notes)
     loaded.own_tokenizer = own_tokenizer
     loaded.modality = _modality(model, ref.name)
     if loaded.modality != "text":

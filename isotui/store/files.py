@@ -123,7 +123,7 @@ def write_output(path: str | os.PathLike[str], write: Callable[[IO[str]], None],
     how, target, mode = _plan(path, flag)
     where = f"{os.fspath(path)} ({flag})" if flag else os.fspath(path)
     try:
-        if how == "fd":
+        if isinstance(target, int):  # how == "fd"
             sys.stdout.flush()
             sys.stderr.flush()
             with os.fdopen(os.dup(target), "w", newline="", encoding="utf-8") as f:
