@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from isotui.errors import IsotuiError
 
@@ -89,13 +90,14 @@ def load_audio(sample: str, rate: int) -> np.ndarray:
     return resample(wave, source_rate, rate)
 
 
-def resample(wave: np.ndarray, source_rate: int, rate: int) -> np.ndarray:
+def resample(wave: np.ndarray, source_rate: int, rate: int) -> npt.NDArray[np.float32]:
     if source_rate == rate:
         return wave.astype(np.float32)
     from scipy.signal import resample_poly
 
     g = math.gcd(int(source_rate), int(rate))
-    return resample_poly(wave, rate // g, source_rate // g).astype(np.float32)
+    out: npt.NDArray[np.float32] = resample_poly(wave, rate // g, source_rate // g).astype(np.float32)
+    return out
 
 
 def synthetic_audio(index: int, rate: int = SYNTHETIC_AUDIO_RATE) -> np.ndarray:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from collections.abc import Callable
 from functools import lru_cache
 
 TRIM_EVERY = 8  # batches
 
 
 @lru_cache(maxsize=1)
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -17,6 +17,7 @@ How components are fed (documented in README):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,9 @@ def resize_mask(valid: torch.Tensor, special: torch.Tensor, length: int) -> tupl
 
 
 class TextFeeder:
-    def __init__(self, loaded: LoadedModel, samples: list[str], max_length: int, runner_accepts) -> None:
+    def __init__(
+        self, loaded: LoadedModel, samples: list[str], max_length: int, runner_accepts: Callable[[str], bool]
+    ) -> None:
         self.loaded = loaded
         self.tokens: Tokens = tokenize(
             loaded.tokenizer, samples, max_length, with_types=takes_token_types(loaded, runner_accepts)
@@ -114,7 +117,7 @@ class TextFeeder:
 SEGMENT_ID_TYPES = ("xlnet",)
 
 
-def takes_token_types(loaded: LoadedModel, accepts) -> bool:
+def takes_token_types(loaded: LoadedModel, accepts: Callable[[str], bool]) -> bool:
     """Whether the model is fed ``token_type_ids``: only when its forward takes them *and* its
     config declares a token-type vocabulary (BERT's ``type_vocab_size``), or it reads segment ids
     with its own tokenizer (XLNet). GPT-2 accepts ``token_type_ids`` but embeds them with its token
@@ -135,7 +138,7 @@ class ImageFeeder:
         self.lengths = np.full(len(samples), IMAGE_NOMINAL_UNITS, dtype=np.int64)
         self.patch = _patch_size(loaded.model)
 
-    def pixel_values(self, idx: list[int]):
+    def pixel_values(self, idx: list[int]) -> torch.Tensor:
         import torch
 
         images = [load_image(self.samples[i]) for i in idx]
@@ -223,7 +226,9 @@ class AudioFeeder:
         return valid, torch.zeros_like(valid)
 
 
-def make_feeder(loaded: LoadedModel, samples: list[str], modality: str, max_length: int, accepts):
+def make_feeder(
+    loaded: LoadedModel, samples: list[str], modality: str, max_length: int, accepts: Callable[[str], bool]
+):
     if modality != loaded.modality:
         what = {"text": "text", "image": "images", "audio": "audio"}
         hint = {

@@ -423,7 +423,7 @@ def lm_class(config: Any, name: str) -> Any:
     )
 
 
-def _check_head(model: Any, info: dict, name: str) -> None:
+def _check_head(model: Any, info: dict[str, Any], name: str) -> None:
     """Refuse a checkpoint whose language-model head would be freshly initialised (a base model)."""
     base = getattr(model, "base_model_prefix", "") or ""
     missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(f"{base}."))

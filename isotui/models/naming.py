@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from isotui.errors import IsotuiError
 from isotui.models import hub
@@ -195,7 +195,7 @@ class _DigestMemo:
 
     def __init__(self, root: Path | None) -> None:
         self.path = Path(root) / DIGESTS_FILE if root else None
-        self.known: dict[str, dict] = {}
+        self.known: dict[str, dict[str, Any]] = {}
         self.dirty = False
         if self.path is not None:
             try:
@@ -210,8 +210,9 @@ class _DigestMemo:
         ident = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
         name = str(path.resolve())
         seen = self.known.get(name, {})
-        if seen.get("id") == ident and isinstance(seen.get("sha256"), str):
-            return seen["sha256"]
+        known = seen.get("sha256")
+        if seen.get("id") == ident and isinstance(known, str):
+            return known
         with open(path, "rb") as f:
             value = hashlib.file_digest(f, "sha256").hexdigest()
         self.known.pop(name, None)
