@@ -31,6 +31,7 @@ test: $(STAMP)
 	$(BIN)/ruff check isotui tests benchmarks scripts
 	$(BIN)/ruff format --check isotui tests benchmarks scripts
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
