@@ -191,10 +191,13 @@ def plot_drift(screen) -> None:
             if math.isfinite(result.n_star):
                 plt.vline(result.n_star, colours[-1])
         elif figure == 1:
+            from isotui.experiments.drift_block import score_bars
+
+            counts, edges = score_bars(result, row)  # the range of this N's scores
             draw_histogram(
                 plt,
-                result.score_hist_pooled()[row],
-                result.score_edges,
+                counts,
+                edges,
                 colours[0],
                 f"{FIGURES[1]} (N={norms[row]:g}, heads and seeds pooled)",
                 log=getattr(screen, "log_counts", False),
