@@ -641,3 +641,30 @@ def test_fig7_at_small_d_spreads_over_many_bars():
     old, _ = np.histogram(ref[0]["_scores"].reshape(-1), score_edges())
     _, old_heights = histogram_bars(np.concatenate([[0], old, [0]]), score_edges())
     assert sum(h > 0 for h in old_heights) < 20
+
+
+def test_range_histograms_of_different_scales_merge_exactly():
+    """Histograms whose ranges differ a thousandfold (and one with a constant value, one with
+    non-finite values) merge onto one grid where each still equals np.histogram of its values."""
+    from isotui.core.attention import merge_range_histograms, range_histogram
+
+    rng = np.random.default_rng(0)
+    values = [
+        rng.normal(0.0, 1e-5, 5000),
+        rng.normal(0.3, 1e-2, 5000),
+        np.full(100, 0.25),
+        np.array([-np.inf, 0.1, np.inf, np.nan, -0.2]),
+    ]
+    hists = [range_histogram([torch.tensor(v, dtype=torch.float32)], bins=64) for v in values]
+    for v, h in zip(values, hists, strict=True):  # each on its own data range: fine and full
+        assert h.edges()[0] <= np.nanmin(v[np.isfinite(v)]) and np.nanmax(v[np.isfinite(v)]) < h.edges()[-1]
+    merged = merge_range_histograms(hists, bins=64)
+    edges = merged[0].edges()
+    assert all(np.array_equal(m.edges(), edges) for m in merged)
+    for v, m in zip(values, merged, strict=True):
+        x = v.astype(np.float32).astype(np.float64)
+        finite = x[np.isfinite(x)]
+        counts, _ = np.histogram(finite, edges)
+        assert m.counts[0, 1:-1].tolist() == counts.tolist()
+        assert m.counts[0, 0] == (x == -np.inf).sum()
+        assert m.counts[0, -1] == np.isposinf(x).sum() + np.isnan(x).sum()
