@@ -66,7 +66,14 @@ result), :mod:`.fixed_point` (N*), :mod:`.model` (the drawn block, one N's measu
 
 from __future__ import annotations
 
-from isotui.experiments.drift_block.cli import HELP, add_arguments, collect, config_from_args, main
+from isotui.experiments.drift_block.cli import (
+    HELP,
+    add_arguments,
+    add_options,
+    collect,
+    config_from_args,
+    main,
+)
 from isotui.experiments.drift_block.config import (
     BLOCKS,
     DEFAULT_NORMS,
@@ -118,6 +125,7 @@ __all__ = [
     "_store",
     "_version",
     "add_arguments",
+    "add_options",
     "build_block",
     "collect",
     "config_from_args",

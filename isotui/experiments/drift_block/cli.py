@@ -30,8 +30,16 @@ HELP = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's flags: drift-block's own (:func:`add_options`) and the shared ones."""
     from isotui.cli_experiments import add_common
 
+    add_options(p)
+    add_common(p)
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """drift-block's own flags (sizes, sweep, seeds, block wiring), without the flags every
+    experiment shares (--device, --seed, --cache-dir, --no-cache, --csv, --json, --quiet)."""
     p.add_argument("--hidden", default="768", help="hidden size d (default 768, BERT-base)")
     p.add_argument("--heads", default="12", help="attention heads; must divide --hidden (default 12)")
     p.add_argument("--intermediate", default="3072", help="feed-forward size (default 3072)")
@@ -58,7 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="after-norm (default): the block's output; before-norm: the post-ln block's output "
         "before its final LayerNorm (whose fixed output norm otherwise sets N*)",
     )
-    add_common(p)
 
 
 def _int(args: argparse.Namespace, name: str) -> int:
