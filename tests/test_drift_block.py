@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from isotui.cli import main
-from isotui.core.attention import score_edges
+from isotui.core.attention import RANGE_BINS
 from isotui.errors import Cancelled, IsotuiError
 from isotui.experiments import drift_block as db
 from isotui.experiments.drift_block import (
@@ -160,7 +160,6 @@ def crossing(norms, a, b) -> float:
 def test_every_number_matches_a_plain_computation(result):
     cfg = result.config
     ref = reference(cfg, 0)
-    edges = score_edges()
     for i, (row, want) in enumerate(zip(result.rows, ref, strict=True)):
         assert row.seed == 0 and row.norm == cfg.norms[i]
         for name in DriftBlockRow.metrics():
@@ -173,15 +172,9 @@ def test_every_number_matches_a_plain_computation(result):
             np.testing.assert_allclose(result.head[name][0, i], values, rtol=2e-4, atol=2e-6, err_msg=name)
         # histograms: np.histogram on the same edges, per head; a score within float32 rounding of
         # an edge may land on the other side of it, nothing else may differ
+        edges = result.score_edges[i]
         hist = result.score_hist[0, i]
-        for h in range(cfg.heads):
-            s = want["_scores"][:, h].reshape(-1)
-            counts, _ = np.histogram(s, edges)
-            counts[-1] -= (s == edges[-1]).sum()  # numpy closes the last bin; isotui counts it above
-            mine = np.concatenate([[(s < edges[0]).sum()], counts, [(s >= edges[-1]).sum()]])
-            near = np.abs(s[:, None] - edges[None, :]).min(1) < 1e-5
-            assert hist[h].sum() == len(s)
-            assert np.abs(hist[h] - mine).sum() <= 2 * near.sum()
+        assert_binned_like_numpy(hist, edges, want["_scores"])
         assert row.score_outside == hist[:, 0].sum() + hist[:, -1].sum() == 0
     in_norm = [w["in_mean_norm"] for w in ref]
     out_norm = [w["out_mean_norm"] for w in ref]
@@ -192,12 +185,31 @@ def test_every_number_matches_a_plain_computation(result):
     assert all(r.n_star == result.n_star for r in result.rows)
 
 
+def assert_binned_like_numpy(hist: np.ndarray, edges: np.ndarray, scores: np.ndarray) -> None:
+    """``hist`` (H, bins + 2) against np.histogram of the plain float64 ``scores`` (B, H, T, T):
+    the edges are the data's (they hold every score, equally spaced), and only a score within
+    float32 rounding of an edge may be counted on the other side of it."""
+    width = np.diff(edges)
+    assert np.all(width == width[0]) and edges[0] <= scores.min() + 1e-6 * np.abs(scores).max()
+    assert scores.max() - 1e-6 * np.abs(scores).max() < edges[-1]
+    for h in range(scores.shape[1]):
+        s = scores[:, h].reshape(-1)
+        counts, _ = np.histogram(s, edges)
+        counts[-1] -= (s == edges[-1]).sum()  # numpy closes the last bin; isotui does not
+        mine = np.concatenate([[(s < edges[0]).sum()], counts, [(s >= edges[-1]).sum()]])
+        near = np.abs(s[:, None] - edges[None, :]).min(1) < 1e-6 * np.abs(s).max()
+        assert near.mean() < 0.01
+        assert hist[h].sum() == len(s)
+        assert np.abs(hist[h] - mine).sum() <= 2 * near.sum()
+
+
 def test_shapes_for_plotting(result):
     cfg = result.config
     n = len(cfg.norms)
     assert result.norms.tolist() == list(cfg.norms)
-    assert result.score_hist.shape == (1, n, cfg.heads, len(score_edges()) + 1)
-    assert result.score_hist_pooled().shape == (n, len(score_edges()) + 1)
+    assert result.score_hist.shape == (1, n, cfg.heads, RANGE_BINS + 2)
+    assert result.score_edges.shape == (n, RANGE_BINS + 1)
+    assert result.score_hist_pooled().shape == (n, RANGE_BINS + 2)
     assert result.softmax_position.shape == (1, n, 3, cfg.seq_len)
     assert result.softmax_position_mean().shape == (n, 3, cfg.seq_len)
     assert all(v.shape == (1, n, cfg.heads) for v in result.head.values())
@@ -276,7 +288,7 @@ def test_cache_hit_returns_the_same_without_running(tmp_path, monkeypatch, resul
     def boom(*a, **k):
         raise AssertionError("recomputed")
 
-    monkeypatch.setattr(db, "_run_seed", boom)
+    monkeypatch.setattr(db.sweep, "_run_seed", boom)
     events = []
     hit = run_drift_block(result.config, cache, on_progress=events.append)
     assert hit.from_cache == (True,)
@@ -349,7 +361,8 @@ def test_cli_table_csv_and_json(tmp_path, capsys):
     assert all(-1 <= float(r["out_avg_cos"]) <= 1 for r in rows)
     data = json.loads(out_json.read_text())
     assert data["seeds"] == [0, 1] and len(data["summary"]) == 4
-    assert np.array(data["score_hist"]).shape == (2, 4, 4, len(score_edges()) + 1)
+    assert np.array(data["score_hist"]).shape == (2, 4, 4, RANGE_BINS + 2)
+    assert np.array(data["score_edges"]).shape == (4, RANGE_BINS + 1)
     assert np.array(data["softmax_position"]).shape == (2, 4, 3, 32)
     # the same question again comes from the cache
     assert main([*args[:-1], "--cache-dir", str(tmp_path / "c")]) == 0
@@ -538,3 +551,120 @@ def test_lab_settings_take_block_and_measure():
     assert parse_settings("measure=before-norm").measure == "before-norm"
     with pytest.raises(IsotuiError, match="block"):
         parse_settings("block=sandwich")
+
+
+# ----------------------------------------------------------------------------- Fig. 7's range
+
+
+def test_seeds_histograms_merge_exactly_on_a_common_grid(result):
+    """Three seeds' histograms of one N sit on one grid (each seed's own, coarsened exactly) and
+    each still equals np.histogram of that seed's plain scores on it."""
+    multi = run_drift_block(config(init_std=0.1, seeds=(0, 1, 2)), None)
+    cfg = multi.config
+    for seed_index, seed in enumerate(multi.seeds):
+        ref = reference(cfg, seed)
+        for i in range(len(cfg.norms)):
+            assert_binned_like_numpy(multi.score_hist[seed_index, i], multi.score_edges[i], ref[i]["_scores"])
+    # the common grid is a coarsening of seed 0's own: power-of-two widths, aligned edges
+    for i in range(len(cfg.norms)):
+        own, common = np.diff(result.score_edges[i])[0], np.diff(multi.score_edges[i])[0]
+        ratio = common / own
+        assert ratio >= 1 and ratio == 2 ** round(math.log2(ratio))
+        assert np.all(np.mod(multi.score_edges[i], common) == 0)
+
+
+class _Plt:
+    """Records what a figure draws (plotext's calls the lab makes; the rest do nothing)."""
+
+    def __init__(self) -> None:
+        self.bars: list[tuple[list[float], list[float]]] = []
+
+    def bar(self, xs, heights, **_kw) -> None:
+        self.bars.append((list(xs), list(heights)))
+
+    def __getattr__(self, _name):
+        return lambda *a, **k: None
+
+
+def fig7_bars(result, row: int, log: bool) -> tuple[list[float], list[float]]:
+    """The bars the lab's Drift tab draws for Fig. 7 at table row ``row``."""
+    from types import SimpleNamespace
+
+    from isotui.tui.lab_drift import plot_drift
+
+    plt = _Plt()
+    widgets = {
+        "#drift-fig": SimpleNamespace(plt=plt, refresh=lambda: None),
+        "#drift-table": SimpleNamespace(cursor_row=row),
+    }
+    screen = SimpleNamespace(
+        app=SimpleNamespace(lab_results={"drift-block": result}),
+        query_one=lambda selector, _type=None: widgets[selector],
+        drift_figure=1,
+        log_counts=log,
+        app_colours=lambda: ["cyan", "orange", "green", "red"],
+    )
+    plot_drift(screen)
+    assert len(plt.bars) == 1
+    return plt.bars[0]
+
+
+def test_fig7_at_small_d_spreads_over_many_bars():
+    """At BERT's init and d=32 the scores lie within about 1e-5 of 0: the fixed asinh bins held
+    them in a handful of bars; the data's range gives Fig. 7 many, each checked against
+    np.histogram of the plainly computed scores on the same edges."""
+    from isotui.core.attention import score_edges
+    from isotui.experiments.drift_block import score_bars
+    from isotui.figures import histogram_bars
+
+    cfg = config(hidden=32, heads=4, intermediate=64, init_std=0.02, norms=(0.0, 5.0))
+    got = run_drift_block(cfg, None)
+    ref = reference(cfg, 0)
+    for i in range(len(cfg.norms)):
+        scores = ref[i]["_scores"].reshape(-1)
+        counts, edges = score_bars(got, i)
+        width = np.diff(edges)
+        assert np.allclose(width, width[0], rtol=1e-9) and len(edges) - 1 <= 60
+        plain, _ = np.histogram(scores, edges)
+        plain[-1] -= (scores == edges[-1]).sum()
+        near = np.abs(scores[:, None] - edges[None, :]).min(1) < 1e-6 * np.abs(scores).max()
+        assert np.abs(counts[1:-1] - plain).sum() <= 2 * near.sum() and near.mean() < 0.01
+        outside = (scores < edges[0]).sum() + (scores >= edges[-1]).sum()
+        assert abs(counts[0] + counts[-1] - outside) <= near.sum()
+        assert counts[0] + counts[-1] <= 0.002 * len(scores) + 2  # only the thin tails left out
+        _, heights = fig7_bars(got, i, log=False)
+        assert sum(h > 0 for h in heights) >= 20, heights
+        assert sum(heights) == pytest.approx(counts[1:-1].sum(), rel=0.002)
+        _, log_heights = fig7_bars(got, i, log=True)  # the l key: log10(1 + count), same bars
+        assert log_heights == pytest.approx([math.log10(1 + h) for h in heights])
+    # what the fixed bins showed for the same scores (the six-bar Fig. 7 this replaces)
+    old, _ = np.histogram(ref[0]["_scores"].reshape(-1), score_edges())
+    _, old_heights = histogram_bars(np.concatenate([[0], old, [0]]), score_edges())
+    assert sum(h > 0 for h in old_heights) < 20
+
+
+def test_range_histograms_of_different_scales_merge_exactly():
+    """Histograms whose ranges differ a thousandfold (and one with a constant value, one with
+    non-finite values) merge onto one grid where each still equals np.histogram of its values."""
+    from isotui.core.attention import merge_range_histograms, range_histogram
+
+    rng = np.random.default_rng(0)
+    values = [
+        rng.normal(0.0, 1e-5, 5000),
+        rng.normal(0.3, 1e-2, 5000),
+        np.full(100, 0.25),
+        np.array([-np.inf, 0.1, np.inf, np.nan, -0.2]),
+    ]
+    hists = [range_histogram([torch.tensor(v, dtype=torch.float32)], bins=64) for v in values]
+    for v, h in zip(values, hists, strict=True):  # each on its own data range: fine and full
+        assert h.edges()[0] <= np.nanmin(v[np.isfinite(v)]) and np.nanmax(v[np.isfinite(v)]) < h.edges()[-1]
+    merged = merge_range_histograms(hists, bins=64)
+    edges = merged[0].edges()
+    assert all(np.array_equal(m.edges(), edges) for m in merged)
+    for v, m in zip(values, merged, strict=True):
+        x = v.astype(np.float32).astype(np.float64)
+        finite = x[np.isfinite(x)]
+        counts, _ = np.histogram(finite, edges)
+        assert m.counts[0, 1:-1].tolist() == counts.tolist()
+        assert m.counts[0, 0] == (x == -np.inf).sum()
+        assert m.counts[0, -1] == np.isposinf(x).sum() + np.isnan(x).sum()

@@ -185,3 +185,22 @@ def test_lab_tab(snap_compare, size, tab, lab_results):
         await pilot.pause()
 
     assert snap_compare(_app(), terminal_size=size, run_before=open_tab)
+
+
+@pytest.mark.parametrize("log", [False, True], ids=("linear", "log"))
+def test_lab_drift_fig7(snap_compare, log, lab_results):
+    """Drift block Fig. 7 at 80x24 for d=32 at BERT's init (N=0: scores within ~1e-5): the bars
+    span the scores' own range (issue 12: it was six bars on fixed bins); ``l`` gives log counts."""
+
+    async def open_fig7(pilot) -> None:
+        await _settle(pilot)
+        app = pilot.app
+        app.lab_results.update(lab_results)
+        await pilot.press("A", "3")
+        await pilot.pause()
+        app.screen.query_one("#drift-table").focus()
+        await pilot.press("m", *(["l"] if log else []))
+        await pilot.pause()
+        await pilot.pause()
+
+    assert snap_compare(_app(), terminal_size=(80, 24), run_before=open_fig7)

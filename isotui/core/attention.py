@@ -44,6 +44,109 @@ def score_bins(s: torch.Tensor) -> torch.Tensor:
     return idx
 
 
+# Data-ranged histogram (drift-block Fig. 7): the fixed bins above put an untrained block's
+# scores at small d into a handful of bins. Here the range comes from the data: bins of width
+# 2**exp at multiples of that width, exp the smallest that covers [min, max] in at most ``bins``
+# bins. A score's bin is floor(s * 2**-exp), exact in float64 for any float32 score, so counts
+# are exact; two such histograms merge exactly by coarsening the finer (each bin of width 2**e
+# lies inside one bin of width 2**(e + j)) onto the smallest common grid that holds both.
+RANGE_BINS = 512
+
+
+@dataclass
+class RangeHistogram:
+    """Counts on bins ``[(start + i) * 2**exp, (start + i + 1) * 2**exp)``, ``i < bins``, along
+    the last axis of ``counts`` (``bins + 2`` long): slot 0 counts -inf, the last slot +inf and
+    NaN (scores no finite range holds), slots 1..bins the bins."""
+
+    exp: int
+    start: int
+    counts: np.ndarray  # (..., bins + 2) int64
+
+    @property
+    def bins(self) -> int:
+        return int(self.counts.shape[-1]) - 2
+
+    def edges(self) -> np.ndarray:
+        """(bins + 1,) the bin edges (exact: integers times a power of two)."""
+        return np.ldexp(np.arange(self.start, self.start + self.bins + 1, dtype=np.float64), self.exp)
+
+    def occupied(self) -> tuple[int, int] | None:
+        """The first and last bin index (absolute, in units of 2**exp) holding a count."""
+        inner = self.counts[..., 1:-1].reshape(-1, self.bins).sum(0)
+        nz = np.flatnonzero(inner)
+        return None if len(nz) == 0 else (self.start + int(nz[0]), self.start + int(nz[-1]))
+
+    def regrid(self, exp: int, start: int, bins: int) -> RangeHistogram:
+        """The same counts on the coarser (or equal) grid ``exp``, ``start``, ``bins`` (exact:
+        each bin falls whole into one of the grid's); :class:`ValueError` if a count falls off it."""
+        if exp < self.exp:
+            raise ValueError(f"cannot regrid bins of width 2**{self.exp} onto finer ones (2**{exp})")
+        shift = exp - self.exp
+        lead = self.counts.shape[:-1]
+        out = np.zeros((*lead, bins + 2), dtype=np.int64)
+        out[..., 0], out[..., -1] = self.counts[..., 0], self.counts[..., -1]
+        inner = self.counts[..., 1:-1]
+        where = np.flatnonzero(inner.reshape(-1, self.bins).any(0))
+        target = ((self.start + where) >> shift) - start  # >> floors negative indices too
+        if len(where) and (target.min() < 0 or target.max() >= bins):
+            raise ValueError("a count falls outside the target grid")
+        for j, t in zip(where.tolist(), target.tolist(), strict=True):
+            out[..., 1 + t] += inner[..., j]
+        return RangeHistogram(exp, start, out)
+
+
+def range_grid(lo: float, hi: float, bins: int = RANGE_BINS, exp: int | None = None) -> tuple[int, int]:
+    """``(exp, start)``: the finest power-of-two width (at least ``2**exp`` when given) whose
+    aligned bins cover ``[lo, hi]`` in at most ``bins`` bins, and the first bin's index."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
+        raise ValueError(f"no histogram range from {lo} to {hi}")
+    span = hi - lo if hi > lo else (abs(lo) or 1.0)
+    e = math.frexp(span / bins)[1] - 1  # 2**e <= span / bins: a lower bound
+    if exp is not None:
+        e = max(e, exp)
+    while math.floor(math.ldexp(hi, -e)) - math.floor(math.ldexp(lo, -e)) + 1 > bins:
+        e += 1
+    return e, math.floor(math.ldexp(lo, -e))
+
+
+def range_histogram(chunks: list[torch.Tensor], bins: int = RANGE_BINS) -> RangeHistogram:
+    """Counts of every value of ``chunks`` (one row per chunk, e.g. per head) on the grid that
+    :func:`range_grid` chooses from their finite min and max (a first pass over the values)."""
+    import torch
+
+    lo, hi = math.inf, -math.inf
+    for s in chunks:
+        finite = s[torch.isfinite(s)]
+        if finite.numel():
+            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+    exp, start = range_grid(lo, hi, bins) if lo <= hi else (0, 0)
+    rows = []
+    for s in chunks:
+        x = s.reshape(-1).double()
+        ok = torch.isfinite(x)
+        idx = torch.floor(x[ok] * math.ldexp(1.0, -exp)).long() - (start - 1)  # exact: a power of 2
+        counts = torch.bincount(idx, minlength=bins + 2)
+        counts[0] += int((x == -math.inf).sum())
+        counts[-1] += int((~ok).sum() - (x == -math.inf).sum())
+        rows.append(counts.cpu().numpy().astype(np.int64))
+    return RangeHistogram(exp, start, np.stack(rows) if rows else np.zeros((0, bins + 2), np.int64))
+
+
+def merge_range_histograms(hists: list[RangeHistogram], bins: int = RANGE_BINS) -> list[RangeHistogram]:
+    """The histograms on one common grid (the coarsest of theirs, coarsened further until their
+    occupied bins fit in ``bins``): counts unchanged, so they add bin by bin."""
+    exp = max(h.exp for h in hists)
+    spans = [(h, h.occupied()) for h in hists]
+    while True:
+        ends = [(a >> (exp - h.exp), b >> (exp - h.exp)) for h, span in spans if span for a, b in [span]]
+        start = min((a for a, _ in ends), default=0)
+        if not ends or max(b for _, b in ends) - start + 1 <= bins:
+            break
+        exp += 1
+    return [h.regrid(exp, start, bins) for h in hists]
+
+
 def row_stats(probs: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per softmax row (last axis): max, median, min over the allowed keys, and entropy in nats.
 
@@ -178,11 +281,12 @@ class ScoreSums(_Sums):
 
     SUMS, MINS, MAXES = ("hist", "n", "sum", "sumsq"), ("min",), ("max",)
 
-    def __init__(self, heads: int, device: torch.device) -> None:
+    def __init__(self, heads: int, device: torch.device, *, histogram: bool = True) -> None:
         import torch
 
         f64 = torch.float64
-        self.hist = torch.zeros((heads, SCORE_BINS + 2), dtype=torch.int64, device=device)
+        bins = SCORE_BINS + 2 if histogram else 0  # drift-block bins its scores on a data range
+        self.hist = torch.zeros((heads, bins), dtype=torch.int64, device=device)
         self.n = torch.zeros(heads, dtype=f64, device=device)
         self.sum = torch.zeros(heads, dtype=f64, device=device)
         self.sumsq = torch.zeros(heads, dtype=f64, device=device)
@@ -196,9 +300,10 @@ class ScoreSums(_Sums):
         heads = scores.shape[1]
         pairs = pairs.expand_as(scores)
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
-        idx = score_bins(s)
-        idx += torch.arange(heads, device=s.device).view(1, heads, 1, 1) * (SCORE_BINS + 2)
-        self.hist += torch.bincount(idx[pairs], minlength=heads * (SCORE_BINS + 2)).view(heads, -1)
+        if self.hist.shape[1]:
+            idx = score_bins(s)
+            idx += torch.arange(heads, device=s.device).view(1, heads, 1, 1) * (SCORE_BINS + 2)
+            self.hist += torch.bincount(idx[pairs], minlength=heads * (SCORE_BINS + 2)).view(heads, -1)
         per_head = (0, 2, 3)
         self.n += pairs.sum(per_head)
         kept = s.masked_fill(~pairs, 0.0)

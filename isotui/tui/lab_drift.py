@@ -8,7 +8,7 @@ figures; the table cursor picks the N that Figs. 7 and 9 show.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from textual.app import ComposeResult
@@ -17,6 +17,9 @@ from textual.widgets import DataTable, Input, Static
 from textual_plotext import PlotextPlot
 
 from isotui.tui.plots import FitPlot
+
+if TYPE_CHECKING:
+    from isotui.experiments.drift_block import DriftBlockConfig
 
 FIGURES = (
     "Fig. 6: input and output mean norm and avg_cos",
@@ -65,7 +68,7 @@ def compose_drift() -> ComposeResult:
         yield FitPlot(id="drift-fig")
 
 
-def parse_settings(text: str):
+def parse_settings(text: str) -> DriftBlockConfig:
     """A :class:`DriftBlockConfig` from ``key=value`` pairs; a bad pair is one sentence."""
     from isotui.errors import IsotuiError
     from isotui.experiments.drift_block import DriftBlockConfig, parse_norms, parse_seeds
@@ -94,7 +97,7 @@ def parse_settings(text: str):
     return DriftBlockConfig(**values)
 
 
-def run_drift(screen) -> bool:
+def run_drift(screen: Any) -> bool:
     """Queue the settings in the box; False (and one sentence in ``key=value`` words) if refused."""
     from isotui.errors import IsotuiError
     from isotui.experiments.requests import DriftBlockRequest
@@ -120,7 +123,7 @@ def run_drift(screen) -> bool:
     return True
 
 
-def cycle_drift(screen) -> None:
+def cycle_drift(screen: Any) -> None:
     screen.drift_figure = (getattr(screen, "drift_figure", 0) + 1) % len(FIGURES)
     plot_drift(screen)
 
@@ -132,7 +135,7 @@ def _cell(mean: float, std: float, digits: int) -> str:
     return text + (f"±{std:.{digits}f}" if math.isfinite(std) else "")
 
 
-def show_drift(screen) -> None:
+def show_drift(screen: Any) -> None:
     app: Any = screen.app
     result = app.lab_results.get("drift-block")
     table = screen.query_one("#drift-table", DataTable)
@@ -162,7 +165,7 @@ def show_drift(screen) -> None:
     plot_drift(screen)
 
 
-def plot_drift(screen) -> None:
+def plot_drift(screen: Any) -> None:
     from isotui.figures import draw_histogram
 
     app: Any = screen.app
@@ -178,7 +181,7 @@ def plot_drift(screen) -> None:
         norms = result.norms.tolist()
         row = min(max(screen.query_one("#drift-table", DataTable).cursor_row, 0), len(norms) - 1)
 
-        def line(name: str, label: str, colour, side: str = "left") -> None:
+        def line(name: str, label: str, colour: str, side: str = "left") -> None:
             plt.plot(
                 norms, result.mean(name).tolist(), label=label, color=colour, marker="braille", yside=side
             )
@@ -191,10 +194,13 @@ def plot_drift(screen) -> None:
             if math.isfinite(result.n_star):
                 plt.vline(result.n_star, colours[-1])
         elif figure == 1:
+            from isotui.experiments.drift_block import score_bars
+
+            counts, edges = score_bars(result, row)  # the range of this N's scores
             draw_histogram(
                 plt,
-                result.score_hist_pooled()[row],
-                result.score_edges,
+                counts,
+                edges,
                 colours[0],
                 f"{FIGURES[1]} (N={norms[row]:g}, heads and seeds pooled)",
                 log=getattr(screen, "log_counts", False),
