@@ -172,7 +172,7 @@ def add_arguments(p) -> None:
 
     add_series_flags(p)
     p.add_argument("--metric", default="avg_cos", choices=METRICS, help="the heatmap's metric (CSV: all)")
-    add_run_flags(p)
+    add_run_flags(p, "checkpoints")
     add_common(p, device_seed=False)
 
 
