@@ -54,11 +54,6 @@ class RunOption:
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
-    @property
-    def said(self) -> str:
-        """How the checks name it (the flag without ``--``: ``max-samples must be ...``)."""
-        return self.name.replace("_", "-")
-
 
 def _option(*, default: Any = None, required: bool = False, **meta: Any) -> Any:
     """A RunSpec field declared as a run option (``required``: a field without a default)."""
