@@ -47,42 +47,29 @@ def stdout_console():
     return out if out.is_terminal else Out(width=200)
 
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """What to measure and how: flags shared by ``run`` and the attention experiments."""
-    p.add_argument(
-        "--data",
-        help="builtin (default), text:PATH, jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD], "
-        "images:DIR, audio:DIR, synthetic:images, synthetic:audio",
-    )
-    p.add_argument("--max-samples", help="keep the first N samples")
-    p.add_argument(
-        "--max-length", help="truncate each sample to L tokens (default: model limit, at most 512)"
-    )
-    p.add_argument(
-        "--special-tokens",
-        choices=["exclude", "include"],
-        help="count CLS/SEP/BOS/EOS... (default exclude)",
-    )
-    p.add_argument("--batch-size", help="samples per batch (default auto: a token budget)")
-    p.add_argument("--device", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
-    p.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: float32 on CPU, the checkpoint's half dtype on a GPU",
-    )
-    p.add_argument("--seed", help="seed for random init and the reservoir sample (default 0)")
-    p.add_argument(
-        "--tokenizer",
-        metavar="NAME_OR_DIR",
-        help="a text model's tokenizer, for a model folder without a usable one of its own "
-        "(a hub id, minilm, or a folder)",
-    )
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        default=None,
-        help="allow a model's own code from the hub (off by default)",
-    )
+def add_run_flags(p: argparse.ArgumentParser, command: str = "run") -> None:
+    """The run options ``command`` (``run`` or an experiment's name) takes, as flags: what to
+    measure and how (declared once, in :mod:`isotui.spec`)."""
+    from isotui.spec import options_for
+
+    for option in options_for(command):
+        kwargs: dict[str, Any] = {"help": option.help}
+        if option.switch:
+            kwargs.update(action="store_true", default=None)
+        if option.choices:
+            kwargs["choices"] = list(option.choices)
+        if option.metavar:
+            kwargs["metavar"] = option.metavar
+        p.add_argument(option.flag, **kwargs)
+
+
+def metrics_help() -> str:
+    """``isotui run --help``'s closing list: each layer metric (a ``--wide`` choice) in one line."""
+    from isotui.results import METRICS
+
+    width = max(len(m.name) for m in METRICS)
+    lines = [f"  {m.name:<{width}}  {m.definition}" for m in METRICS if m.plottable]
+    return "layer metrics (CSV columns; --wide METRIC):\n" + "\n".join(lines)
 
 
 def _run_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,6 +77,8 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         "run",
         help="measure layer-wise anisotropy of one or more models",
         description="Measure layer-wise anisotropy. Flags override CONFIG.toml.",
+        epilog=metrics_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "config",
@@ -106,21 +95,6 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         help="HF id[@revision], local dir, minilm, timm:NAME, or random:TYPE (repeat to compare)",
     )
     add_run_flags(p)
-    p.add_argument(
-        "--map-units",
-        choices=["auto", "image", "position"],
-        help="conv feature maps: image = each image's map flattened to one vector (Godey et al. "
-        "Fig. 4), position = each spatial position's channel vector; auto: image for CNNs, "
-        "position for token grids (SegFormer, timm ViTs)",
-    )
-    p.add_argument("--reservoir", help="vectors per layer kept for centred metrics (default 4096)")
-    p.add_argument(
-        "--exact",
-        action="store_true",
-        default=None,
-        help="a second pass over the data: avg_cos_centered, I(W), all-but-the-top and "
-        "standardised avg_cos over every vector rather than the reservoir (about twice the time)",
-    )
     p.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
     p.add_argument("--no-cache", action="store_true", help="recompute, and store nothing")
     p.add_argument("--csv", help="write the per-layer table of all models here")
@@ -134,7 +108,8 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         nargs="?",
         const="avg_cos",
         metavar="METRIC",
-        help="also one table of layers (rows) by models (columns) for METRIC (default avg_cos)",
+        help="also one table of layers (rows) by models (columns) for METRIC (default avg_cos; the "
+        "layer metrics below)",
     )
     p.add_argument("--wide-csv", metavar="PATH", help="write that layer x model table here as CSV")
 
@@ -235,22 +210,11 @@ def _silence_stdout() -> None:
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """Config file settings, overridden by the flags that were given."""
     from isotui.config import load_run_config
+    from isotui.spec import options_for
 
     flags = {
         "models": args.models,
-        "data": args.data,
-        "max_samples": args.max_samples,
-        "max_length": args.max_length,
-        "special_tokens": args.special_tokens,
-        "batch_size": args.batch_size,
-        "device": args.device,
-        "dtype": args.dtype,
-        "seed": args.seed,
-        "reservoir": args.reservoir,
-        "trust_remote_code": args.trust_remote_code,
-        "map_units": args.map_units,
-        "tokenizer": args.tokenizer,
-        "exact": args.exact,
+        **{o.name: getattr(args, o.name) for o in options_for("run")},
         "cache_dir": args.cache_dir,
         "csv": args.csv,
         "json": args.json,
@@ -305,7 +269,7 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
     from isotui.paths import cache_dir
     from isotui.render import result_table
     from isotui.results import ModelFailures, Outcome
-    from isotui.spec import make_spec
+    from isotui.spec import given_options, make_spec
     from isotui.store.cache import ResultCache
     from isotui.store.export import layer_csv_rows
     from isotui.store.files import check_output
@@ -315,23 +279,7 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
     models = s.get("models") or ["minilm"]
     where = f"config file {args.config}: " if args.config else ""
     try:
-        base = make_spec(
-            models[0],
-            s.get("data", "builtin"),
-            base_dir=s.get("data_base_dir", s.get("base_dir")),
-            max_samples=s.get("max_samples"),
-            max_length=s.get("max_length"),
-            special_tokens=s.get("special_tokens", "exclude"),
-            batch_size=s.get("batch_size"),
-            device=s.get("device", "auto"),
-            dtype=s.get("dtype", "auto"),
-            seed=s.get("seed", 0),
-            reservoir=s.get("reservoir", 4096),
-            trust_remote_code=s.get("trust_remote_code", False),
-            map_units=s.get("map_units", "auto"),
-            tokenizer=s.get("tokenizer"),
-            exact=s.get("exact", False),
-        )
+        base = make_spec(models[0], base_dir=s.get("data_base_dir", s.get("base_dir")), **given_options(s))
     except IsotuiError as exc:
         raise IsotuiError(f"{where}{exc}") from None
     check_source(base.data)  # missing data: one sentence, before any model is looked up

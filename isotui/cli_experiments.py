@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from isotui.spec import RunSpec
 
 EXPERIMENTS = {
     "attention": "isotui.experiments.attention",
@@ -48,31 +52,21 @@ def add_series_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """Data and extraction flags, as ``isotui run`` has them."""
+def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """The run options experiment ``command`` takes (see :func:`isotui.cli.add_run_flags`)."""
     from isotui.cli import add_run_flags as run_flags
 
-    run_flags(p)
+    run_flags(p, command)
 
 
-def spec_from_args(args: argparse.Namespace, model: str):
-    """A validated :class:`~isotui.spec.RunSpec` from the run flags; missing data said first."""
+def spec_from_args(args: argparse.Namespace, model: str) -> RunSpec:
+    """A validated :class:`~isotui.spec.RunSpec` from the run flags of the experiment ``args``
+    names (every option it takes; unset ones keep their defaults); missing data said first."""
     from isotui.data.sources import check_source
-    from isotui.spec import make_spec
+    from isotui.spec import given_options, make_spec
 
-    spec = make_spec(
-        model,
-        args.data or "builtin",
-        max_samples=args.max_samples,
-        max_length=args.max_length,
-        special_tokens=args.special_tokens or "exclude",
-        batch_size=args.batch_size,
-        device=args.device or "auto",
-        dtype=args.dtype or "auto",
-        seed=args.seed if args.seed is not None else 0,
-        trust_remote_code=bool(args.trust_remote_code),
-        tokenizer=args.tokenizer,
-    )
+    command = getattr(args, "experiment", None) or args.command
+    spec = make_spec(model, **given_options(vars(args), command))
     check_source(spec.data)
     check_outputs(args)
     return spec

@@ -8,31 +8,21 @@ from pathlib import Path
 from typing import Any
 
 from isotui.errors import IsotuiError
+from isotui.spec import RUN_OPTIONS
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-# Setting name -> the Python types a TOML value may have.
+# Setting name -> the Python types a TOML value may have: the run options (isotui.spec), the
+# models, the outputs and the file's own name and description.
 RUN_SETTINGS: dict[str, tuple[type, ...]] = {
     "name": (str,),
     "description": (str,),
     "model": (str,),
     "models": (list,),
-    "data": (str,),
-    "max_samples": (int,),
-    "max_length": (int,),
-    "special_tokens": (str,),
-    "batch_size": (int, str),
-    "device": (str,),
-    "dtype": (str,),
-    "seed": (int,),
-    "reservoir": (int,),
-    "trust_remote_code": (bool,),
-    "map_units": (str,),
-    "tokenizer": (str,),
-    "exact": (bool,),
+    **{o.name: o.toml for o in RUN_OPTIONS},
     "cache_dir": (str,),
     "csv": (str,),
     "json": (str,),

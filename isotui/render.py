@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from isotui.results import LayerRow, ModelResult
+from isotui.results import METRIC, METRICS, LayerRow, Metric, ModelResult
 
 
 def amount(meta: dict[str, Any]) -> str:
@@ -108,18 +108,23 @@ class Column:
     field: str
 
 
+def _metric_cell(m: Metric) -> Callable[[LayerRow], Any]:
+    """A metric's cell: its value to its digits, with its standard error where it has one."""
+    if m.name == "avg_cos":
+        return _avg_cos  # marked * above the isotropic null
+    if m.name == "top_rogue_share":
+        return lambda r: _rogue(r.rogue_dims)  # the top dimensions with their shares
+    if m.se:
+        se = m.se
+        return lambda r: _f(getattr(r, m.name), m.digits) + _se(getattr(r, se))
+    return lambda r: _f(getattr(r, m.name), m.digits)
+
+
+# The layer and its vector count, then every metric with a table header (results.METRICS).
 COLUMNS: list[Column] = [
     Column("layer", layer_label, 0, "layer"),
     Column("n", lambda r: str(r.n_vectors), 0, "n_vectors"),
-    Column("avg_cos", _avg_cos, 0, "avg_cos"),
-    Column("xctx", lambda r: _f(r.avg_cos_xctx), 100, "avg_cos_xctx"),
-    Column("centered", lambda r: _f(r.avg_cos_centered) + _se(r.avg_cos_centered_se), 90, "avg_cos_centered"),
-    Column("drift", lambda r: _f(r.drift_norm, 3), 0, "drift_norm"),
-    Column("norm", lambda r: _f(r.mean_norm, 3), 0, "mean_norm"),
-    Column("isoscore", lambda r: _f(r.isoscore), 0, "isoscore"),
-    Column("erank", lambda r: _f(r.eff_rank, 1), 70, "eff_rank"),
-    Column("top_pc", lambda r: _f(r.top_pc_share, 3), 80, "top_pc_share"),
-    Column("rogue dim:share", lambda r: _rogue(r.rogue_dims), 119, "top_rogue_share"),
+    *(Column(m.header, _metric_cell(m), m.min_width, m.name) for m in METRICS if m.header),
 ]
 
 
@@ -215,7 +220,7 @@ def wide_table(results: list[ModelResult], metric: str = "avg_cos", width: int =
     cell = max(8, min(24, (width - 10) // max(1, len(models)) - 3))
     for model in models:
         table.add_column(escape(shorten(model, cell)), justify="right", overflow="fold")
-    digits = 1 if metric == "eff_rank" else (3 if metric in ("drift_norm", "mean_norm") else 4)
+    digits = METRIC[metric].digits
     for component, layer, *cells in rows:
         label = str(layer) if not many and component == "model" else f"{component} {layer}"
         table.add_row(label, *(_f(v, digits) if v is not None else "" for v in cells))

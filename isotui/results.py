@@ -23,30 +23,76 @@ SCHEMA_VERSION = 4
 
 ROGUE_TOP = 3
 
-# The per-layer metrics a plot or a heatmap can show (LayerRow fields), in the app's cycle order.
-LAYER_METRICS = (
-    "avg_cos",
-    "avg_cos_xctx",
-    "drift_norm",
-    "mean_norm",
-    "avg_cos_centered",
-    "isoscore",
-    "eff_rank",
-    "top_pc_share",
-    "isoscore_star",
-    "iw",
-    "iw_centered",
-    "avg_cos_abtt",
-    "avg_cos_std",
-    "avg_cos_types",
-    "drift_norm_types",
-    "intra_sim",
-    "self_sim",
+
+@dataclass(frozen=True)
+class Metric:
+    """One layer metric, declared once: the per-layer table's column, the wide table's digits,
+    the app's plot (its cycle, its null line, its standard-error band), ``--wide`` and
+    checkpoints' ``--metric`` choices, and the definition README's "What is measured" expands."""
+
+    name: str  # the LayerRow field: the CSV column and the JSON key
+    definition: str  # one line
+    header: str = ""  # the per-layer table's column ("": CSV, plot and wide table only)
+    digits: int = 4  # decimals in the tables
+    min_width: int = 0  # the table drops the column on terminals narrower than this
+    plottable: bool = True  # in the app's plot cycle and a choice of --wide
+    null: str | None = None  # the column holding its isotropic-null line (comparable cosines)
+    se: str | None = None  # the column of its standard error (a reservoir metric)
+
+
+# In the order the layer table shows them, then the plot cycles through them (``m``).
+METRICS: tuple[Metric, ...] = (
+    Metric("avg_cos", "mean cosine over all distinct pairs, exactly", "avg_cos", null="null_p95"),
+    Metric(
+        "avg_cos_xctx",
+        "avg_cos over pairs from different samples only",
+        "xctx",
+        min_width=100,
+        null="null_p95",
+    ),
+    Metric(
+        "avg_cos_centered",
+        "avg_cos after subtracting the mean (reservoir, or --exact)",
+        "centered",
+        min_width=90,
+        null="null_p95",
+        se="avg_cos_centered_se",
+    ),
+    Metric("drift_norm", "norm of the mean vector (Godey et al.'s drift)", "drift", digits=3),
+    Metric("mean_norm", "mean of the vectors' norms", "norm", digits=3),
+    Metric("isoscore", "IsoScore of the covariance (Rudman et al. 2022)", "isoscore"),
+    Metric("eff_rank", "exp of the entropy of the covariance's eigenvalues", "erank", digits=1, min_width=70),
+    Metric("top_pc_share", "largest covariance eigenvalue over their sum", "top_pc", digits=3, min_width=80),
+    Metric("isoscore_star", "IsoScore* of the covariance shrunk toward (tr C / d) I"),
+    Metric("iw", "I(W) of Mu & Viswanath 2018 (reservoir, or --exact)", se="iw_se"),
+    Metric("iw_centered", "I(W) of the centred vectors", se="iw_centered_se"),
+    Metric(
+        "avg_cos_abtt",
+        "avg_cos without the mean and the top PCs (all-but-the-top)",
+        null="null_p95",
+        se="avg_cos_abtt_se",
+    ),
+    Metric("avg_cos_std", "avg_cos after z-scoring every dimension", null="null_p95", se="avg_cos_std_se"),
+    Metric("avg_cos_types", "avg_cos with every token type weighted equally", null="null_p95"),
+    Metric("drift_norm_types", "drift_norm with every token type weighted equally"),
+    Metric("intra_sim", "mean cosine of each token to its sample's mean (Ethayarajh)"),
+    Metric("self_sim", "mean cosine of a type's vectors across samples (Ethayarajh)"),
+    Metric(
+        "top_rogue_share",
+        "the largest one dimension's share of avg_cos (rogue dims)",
+        "rogue dim:share",
+        digits=3,
+        min_width=119,
+        plottable=False,
+    ),
 )
-
-
+METRIC: dict[str, Metric] = {m.name: m for m in METRICS}
+# The per-layer metrics a plot or a heatmap can show (LayerRow fields), in the app's cycle order.
+LAYER_METRICS = tuple(m.name for m in METRICS if m.plottable)
 # Standard errors of the reservoir metrics (0 when exact: n <= reservoir, or --exact).
-SE_FIELDS = ("avg_cos_centered_se", "iw_se", "iw_centered_se", "avg_cos_abtt_se", "avg_cos_std_se")
+SE_FIELDS = tuple(m.se for m in METRICS if m.se)
+# The metrics comparable to the isotropic null (the app's plot draws the null's line).
+NULL_METRICS = tuple(m.name for m in METRICS if m.null)
 
 
 @dataclass

@@ -14,10 +14,10 @@ from typing import Any
 from isotui.config import RUN_SETTINGS, read_toml
 from isotui.errors import IsotuiError
 from isotui.paths import config_dir
-from isotui.spec import SPEC_OPTIONS
+from isotui.spec import RUN_OPTIONS
 
-# [run] may set any run option but these: paths come from the file, remote code stays explicit.
-RUN_KEYS = tuple(k for k in SPEC_OPTIONS if k not in ("base_dir", "trust_remote_code"))
+# [run] may set the run options declared for it (remote code stays explicit: not from a file).
+RUN_KEYS = tuple(o.name for o in RUN_OPTIONS if o.in_settings)
 TOP_KEYS = ("theme", "cache_dir", "export_dir", "run", "keys")
 
 

@@ -1,60 +1,64 @@
-"""RunSpec: the validated settings of a layer-wise run, shared by the CLI, config files and TUI."""
+"""RunSpec: the validated settings of a layer-wise run, shared by the CLI, config files and TUI.
+
+Each run option is declared once, here: a :class:`RunSpec` field whose metadata is a
+:class:`RunOption` (help, TOML types, validation, which experiments take it, its field in the
+app's options dialog). The command line's flags (``cli.add_run_flags``), the config file's keys
+(``config.RUN_SETTINGS``), the settings file's ``[run]`` table, :func:`make_spec`, the options
+dialog and README's option table all read :data:`RUN_OPTIONS`; adding an option is one field.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from isotui.data.sources import DataSpec, parse_data
 from isotui.errors import IsotuiError
 from isotui.extract.device import DTYPES, validate_device
 
 MAP_UNITS = ("auto", "image", "position")
-# make_spec's keyword options: what a config file, the settings file or the app may set.
-SPEC_OPTIONS = (
-    "data",
-    "base_dir",
-    "max_samples",
-    "max_length",
-    "special_tokens",
-    "batch_size",
-    "device",
-    "dtype",
-    "seed",
-    "reservoir",
-    "trust_remote_code",
-    "map_units",
-    "tokenizer",
-    "exact",
-)
-
 SPECIAL_TOKENS = ("exclude", "include")
+
+# The commands that take run options: ``isotui run`` and the experiments that stream a model.
+# (drift-block builds its own model from its own settings; train-tiny trains one.)
+RUN_COMMANDS = ("run", "attention", "qk-dynamics", "checkpoints", "final-norm", "gradients")
+# The layer metrics of every kept vector (isotui run, and checkpoints: a run per checkpoint): the
+# only ones a reservoir sample, conv map units or an exact second pass change.
+LAYER_RUNS = ("run", "checkpoints")
+
+Parse = Callable[[Any, Path | None], Any]
 
 
 @dataclass(frozen=True)
-class RunSpec:
-    """How to measure one model. Validated on construction (see :func:`make_spec`)."""
+class RunOption:
+    """One run option as every front end sees it. ``name`` is the RunSpec field, the keyword of
+    :func:`make_spec` and the config key; ``flag`` its command-line spelling."""
 
-    model: str
-    data: DataSpec
-    max_samples: int | None = None
-    max_length: int | None = None
-    special_tokens: str = "exclude"
-    batch_size: int | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    seed: int = 0
-    reservoir: int = 4096
-    trust_remote_code: bool = False
-    map_units: str = "auto"  # conv maps: auto, image (one flattened vector each) or position
-    # the app's max length is a ceiling: longer than the model accepts is capped (with a notice),
-    # where the CLI's explicit --max-length is refused
-    cap_max_length: bool = False
-    tokenizer: str | None = None  # a text model's tokenizer when not its own (--tokenizer)
-    exact: bool = False  # a second pass: the reservoir metrics over every vector
+    name: str
+    default: Any  # the value when not given (as a user would give it: "builtin", not a DataSpec)
+    help: str  # the flag's help; README's option table says the same
+    toml: tuple[type, ...]  # the types a TOML value may have (config and settings files)
+    parse: Parse  # (value given, folder relative paths start from) -> the RunSpec's value
+    choices: tuple[str, ...] = ()  # the command line refuses anything else (argparse)
+    switch: bool = False  # an on/off flag: ``--exact`` turns it on
+    metavar: str | None = None
+    applies_to: tuple[str, ...] = RUN_COMMANDS
+    in_settings: bool = True  # the app's settings file ``[run]`` may set it
+    label: str = ""  # its field in the app's options dialog ("": not in the dialog)
+    hint: str = ""  # a free-text field's placeholder
+    menu: tuple[str, ...] = ()  # a dialog field offering these values (else free text, or on/off)
 
-    def with_model(self, model: str) -> RunSpec:
-        return replace(self, model=model)
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _option(*, default: Any = None, required: bool = False, **meta: Any) -> Any:
+    """A RunSpec field declared as a run option (``required``: a field without a default)."""
+    info = {"run_option": meta | {"default": default}}
+    return field(metadata=info) if required else field(default=default, metadata=info)
 
 
 def _positive(name: str, value: object, allow_none: bool = True) -> int | None:
@@ -70,60 +74,38 @@ def _positive(name: str, value: object, allow_none: bool = True) -> int | None:
     return value
 
 
-def make_spec(
-    model: str,
-    data: str | DataSpec = "builtin",
-    *,
-    base_dir: Path | None = None,
-    max_samples: object = None,
-    max_length: object = None,
-    special_tokens: str = "exclude",
-    batch_size: object = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    seed: object = 0,
-    reservoir: object = 4096,
-    trust_remote_code: bool = False,
-    map_units: str = "auto",
-    tokenizer: str | None = None,
-    exact: object = False,
-) -> RunSpec:
-    """Build a :class:`RunSpec`, turning each bad value into one sentence naming the setting."""
-    if special_tokens not in SPECIAL_TOKENS:
-        raise IsotuiError(f"special-tokens must be exclude or include (got {special_tokens!r})")
-    if dtype not in DTYPES:
-        raise IsotuiError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
-    if map_units not in MAP_UNITS:
-        raise IsotuiError(f"map-units must be auto, image or position (got {map_units!r})")
-    if not isinstance(exact, bool):
-        raise IsotuiError(f"exact must be true or false (got {exact!r})")
-    if batch_size == "auto":
-        batch_size = None
+def _count(name: str, allow_none: bool = True) -> Parse:
+    return lambda value, _base: _positive(name, value, allow_none)
+
+
+def _choice(name: str, choices: tuple[str, ...], said: str) -> Parse:
+    def parse(value: Any, _base: Path | None) -> str:
+        if value not in choices:
+            raise IsotuiError(f"{name} must be {said} (got {value!r})")
+        return str(value)
+
+    return parse
+
+
+def _data(value: Any, base: Path | None) -> DataSpec:
+    return value if isinstance(value, DataSpec) else parse_data(str(value), base)
+
+
+def _batch_size(value: Any, _base: Path | None) -> int | None:
+    return None if value == "auto" else _positive("batch-size", value)
+
+
+def _seed(value: Any, _base: Path | None) -> int:
     try:
-        seed_value = int(seed)  # type: ignore[call-overload]
+        seed = int(value)
     except (TypeError, ValueError):
-        raise IsotuiError(f"seed must be an integer (got {seed!r})") from None
-    if not 0 <= seed_value < 2**32:
-        raise IsotuiError(f"seed must be between 0 and 4294967295 (got {seed_value})")
-    return RunSpec(
-        model=model,
-        data=data if isinstance(data, DataSpec) else parse_data(str(data), base_dir),
-        max_samples=_positive("max-samples", max_samples),
-        max_length=_positive("max-length", max_length),
-        special_tokens=special_tokens,
-        batch_size=_positive("batch-size", batch_size),
-        device=validate_device(str(device)),
-        dtype=dtype,
-        seed=seed_value,
-        reservoir=_positive("reservoir", reservoir, allow_none=False) or 4096,
-        trust_remote_code=bool(trust_remote_code),
-        map_units=map_units,
-        tokenizer=_tokenizer(tokenizer),
-        exact=exact,
-    )
+        raise IsotuiError(f"seed must be an integer (got {value!r})") from None
+    if not 0 <= seed < 2**32:
+        raise IsotuiError(f"seed must be between 0 and 4294967295 (got {seed})")
+    return seed
 
 
-def _tokenizer(value: object) -> str | None:
+def _tokenizer(value: object, _base: Path | None = None) -> str | None:
     """A hub id as given; a local folder (``./tok``, ``~/tok``, an existing path) made absolute
     (a config file has made its own relative folders absolute already)."""
     if value is None:
@@ -137,3 +119,166 @@ def _tokenizer(value: object) -> str | None:
             raise IsotuiError(f"tokenizer folder {local} does not exist")
         return str(local.resolve())
     return text
+
+
+def _exact(value: Any, _base: Path | None) -> bool:
+    if not isinstance(value, bool):
+        raise IsotuiError(f"exact must be true or false (got {value!r})")
+    return value
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """How to measure one model. Validated on construction (see :func:`make_spec`). The fields
+    after ``model`` are the run options, in the order the command line's help and the options
+    dialog list them."""
+
+    model: str
+    data: DataSpec = _option(  # noqa: RUF009 (dataclasses.field with metadata: no default)
+        required=True,
+        default="builtin",
+        help="builtin (default), text:PATH, jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD], "
+        "images:DIR, audio:DIR, synthetic:images, synthetic:audio",
+        toml=(str,),
+        parse=_data,
+        label="data source",
+        hint="builtin, text:PATH, jsonl:PATH, hf:NAME:SPLIT, images:DIR, audio:DIR, synthetic:images",
+    )
+    max_samples: int | None = _option(
+        help="keep the first N samples",
+        toml=(int,),
+        parse=_count("max-samples"),
+        label="max samples",
+        hint="empty: all samples",
+    )
+    max_length: int | None = _option(
+        help="truncate each sample to L tokens (default: model limit, at most 512)",
+        toml=(int,),
+        parse=_count("max-length"),
+        label="max length",
+        hint="tokens per sample; empty: model limit, at most 512",
+    )
+    batch_size: int | None = _option(
+        help="samples per batch (default auto: a token budget)",
+        toml=(int, str),
+        parse=_batch_size,
+        label="batch size",
+        hint="empty: auto (a token budget; halves on out-of-memory)",
+    )
+    device: str = _option(
+        default="auto",
+        help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps",
+        toml=(str,),
+        parse=lambda value, _base: validate_device(str(value)),
+        label="device",
+        menu=("auto", "cpu", "cuda", "mps"),
+    )
+    dtype: str = _option(
+        default="auto",
+        help="auto: float32 on CPU, the checkpoint's half dtype on a GPU",
+        toml=(str,),
+        parse=_choice("dtype", DTYPES, "one of " + ", ".join(DTYPES)),
+        choices=DTYPES,
+        label="dtype",
+        menu=DTYPES,
+    )
+    special_tokens: str = _option(
+        default="exclude",
+        help="count CLS/SEP/BOS/EOS... (default exclude)",
+        toml=(str,),
+        parse=_choice("special-tokens", SPECIAL_TOKENS, "exclude or include"),
+        choices=SPECIAL_TOKENS,
+        label="special tokens",
+        menu=SPECIAL_TOKENS,
+    )
+    seed: int = _option(
+        default=0,
+        help="seed for random init and the reservoir sample (default 0)",
+        toml=(int,),
+        parse=_seed,
+    )
+    # a text model's tokenizer when not its own
+    tokenizer: str | None = _option(
+        help="a text model's tokenizer, for a model folder without a usable one of its own "
+        "(a hub id, minilm, or a folder)",
+        toml=(str,),
+        parse=_tokenizer,
+        metavar="NAME_OR_DIR",
+    )
+    trust_remote_code: bool = _option(
+        default=False,
+        help="allow a model's own code from the hub (off by default)",
+        toml=(bool,),
+        parse=lambda value, _base: bool(value),
+        switch=True,
+        in_settings=False,  # remote code stays explicit: only the command line turns it on
+    )
+    # conv maps: auto, image (one flattened vector each) or position
+    map_units: str = _option(
+        default="auto",
+        help="conv feature maps: image = each image's map flattened to one vector (Godey et al. "
+        "Fig. 4), position = each spatial position's channel vector; auto: image for CNNs, "
+        "position for token grids (SegFormer, timm ViTs)",
+        toml=(str,),
+        parse=_choice("map-units", MAP_UNITS, "auto, image or position"),
+        choices=MAP_UNITS,
+        applies_to=LAYER_RUNS,
+        label="conv map units",
+        menu=MAP_UNITS,
+    )
+    reservoir: int = _option(
+        default=4096,
+        help="vectors per layer kept for centred metrics (default 4096)",
+        toml=(int,),
+        parse=_count("reservoir", allow_none=False),
+        applies_to=(*LAYER_RUNS, "final-norm"),
+    )
+    # a second pass: the reservoir metrics over every vector
+    exact: bool = _option(
+        default=False,
+        help="a second pass over the data: avg_cos_centered, I(W), all-but-the-top and "
+        "standardised avg_cos over every vector rather than the reservoir (about twice the time)",
+        toml=(bool,),
+        parse=_exact,
+        switch=True,
+        applies_to=LAYER_RUNS,
+        label="exact (2nd pass)",
+    )
+    # the app's max length is a ceiling: longer than the model accepts is capped (with a notice),
+    # where the CLI's explicit --max-length is refused
+    cap_max_length: bool = False
+
+    def with_model(self, model: str) -> RunSpec:
+        return replace(self, model=model)
+
+
+RUN_OPTIONS: tuple[RunOption, ...] = tuple(
+    RunOption(name=f.name, **f.metadata["run_option"]) for f in fields(RunSpec) if "run_option" in f.metadata
+)
+OPTIONS_BY_NAME: dict[str, RunOption] = {o.name: o for o in RUN_OPTIONS}
+# make_spec's keyword options: what a config file, the settings file or the app may set.
+SPEC_OPTIONS = ("base_dir", *OPTIONS_BY_NAME)
+
+
+def options_for(command: str) -> tuple[RunOption, ...]:
+    """The run options ``command`` (``run`` or an experiment's name) takes."""
+    return tuple(o for o in RUN_OPTIONS if command in o.applies_to)
+
+
+def make_spec(model: str, data: Any = "builtin", *, base_dir: Path | None = None, **options: Any) -> RunSpec:
+    """Build a :class:`RunSpec` from run options as given (strings from flags, TOML values, the
+    dialog's text); an option not given takes its default. Each bad value is one sentence naming
+    the setting, checked in declaration order."""
+    unknown = set(options) - set(OPTIONS_BY_NAME)
+    if unknown:
+        raise TypeError(f"make_spec() got unknown run options: {', '.join(sorted(unknown))}")
+    given = {"data": data, **options}
+    values = {o.name: o.parse(given.get(o.name, o.default), base_dir) for o in RUN_OPTIONS}
+    return RunSpec(model=model, **values)
+
+
+def given_options(settings: Mapping[str, Any], command: str | None = None) -> dict[str, Any]:
+    """The run options ``settings`` (parsed flags, a config file's keys) gives, for ``command``
+    when named (else any): None means not given, so the option keeps its default."""
+    names = {o.name for o in (options_for(command) if command else RUN_OPTIONS)}
+    return {k: v for k, v in settings.items() if k in names and v is not None}

@@ -370,7 +370,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
     )
-    add_run_flags(p)
+    add_run_flags(p, "attention")
     add_common(p, device_seed=False)
     p.add_argument("--heads", action="store_true", help="print every head, not heads averaged per layer")
 

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from isotui.errors import IsotuiError
-from isotui.results import LAYER_METRICS
+from isotui.results import METRICS as LAYER_METRIC_DECLARATIONS
 
 HELP = "any layer metric along a checkpoint series, as a layer x step heatmap (Machina & Mercer 2024)"
-METRICS = (*LAYER_METRICS, "top_rogue_share")
+METRICS = tuple(m.name for m in LAYER_METRIC_DECLARATIONS)  # the plottable ones and the rogue share
 
 
 @dataclass
@@ -172,7 +172,7 @@ def add_arguments(p) -> None:
 
     add_series_flags(p)
     p.add_argument("--metric", default="avg_cos", choices=METRICS, help="the heatmap's metric (CSV: all)")
-    add_run_flags(p)
+    add_run_flags(p, "checkpoints")
     add_common(p, device_seed=False)
 
 

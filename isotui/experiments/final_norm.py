@@ -529,7 +529,7 @@ def add_arguments(p) -> None:
         action="store_true",
         help="every block's output norm (post-LN models such as BERT), one table row per block",
     )
-    add_run_flags(p)
+    add_run_flags(p, "final-norm")
     add_common(p, device_seed=False)
 
 

@@ -416,7 +416,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
     )
-    add_run_flags(p)
+    add_run_flags(p, "gradients")
     add_common(p, device_seed=False)
     p.add_argument(
         "--top-k", type=int, default=10, help="principal directions of the activations (default 10)"

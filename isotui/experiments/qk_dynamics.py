@@ -320,7 +320,7 @@ def add_arguments(p) -> None:
     from isotui.cli_experiments import add_common, add_run_flags, add_series_flags
 
     add_series_flags(p)
-    add_run_flags(p)
+    add_run_flags(p, "qk-dynamics")
     p.add_argument(
         "--sample",
         default=str(DEFAULT_SAMPLE),

@@ -34,7 +34,7 @@ from isotui.errors import IsotuiError
 from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import find_preset
 from isotui.render import amount, shorten
-from isotui.results import LAYER_METRICS, SE_FIELDS, ModelResult
+from isotui.results import LAYER_METRICS, NULL_METRICS, SE_FIELDS, ModelResult
 from isotui.settings import load_settings
 from isotui.spec import SPEC_OPTIONS, RunSpec, make_spec
 from isotui.store.cache import CacheProblem, ResultCache
@@ -51,9 +51,7 @@ from isotui.tui.themes import load_themes
 from isotui.tui.wording import in_options_terms
 
 DEFAULT_THEME = "isotui-dark"
-PLOT_METRICS = LAYER_METRICS
-# comparable to the isotropic null
-NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "avg_cos_abtt", "avg_cos_std", "avg_cos_types")
+PLOT_METRICS = LAYER_METRICS  # the cycle of `m`, and which draw the null's line: results.METRICS
 DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ", "spearman p (t)")
 DEVICE_REFRESH_S = 10.0
 # app keys that belong to the main screen: hidden and inert in the attention lab

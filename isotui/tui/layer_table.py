@@ -15,10 +15,10 @@ from textual.color import Color
 from textual.widgets import DataTable
 
 from isotui.render import COLUMNS, Column, null_note
-from isotui.results import ModelResult
+from isotui.results import METRIC, ModelResult
 
 SHADE_MAX = 0.55  # the strongest blend towards the primary colour: text stays readable
-UNSHADED = ("layer", "n_vectors")
+UNSHADED = tuple(c.field for c in COLUMNS if c.field not in METRIC)  # the layer and its count
 
 
 def column_range(values: list[float]) -> tuple[float, float] | None:

@@ -16,27 +16,14 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
 from isotui.errors import IsotuiError
-from isotui.spec import make_spec
+from isotui.spec import OPTIONS_BY_NAME, RUN_OPTIONS, make_spec
 
-# (key, label, hint) for the free-text fields; empty means "all" / "auto".
-TEXT_FIELDS = (
-    (
-        "data",
-        "data source",
-        "builtin, text:PATH, jsonl:PATH, hf:NAME:SPLIT, images:DIR, audio:DIR, synthetic:images",
-    ),
-    ("max_samples", "max samples", "empty: all samples"),
-    ("max_length", "max length", "tokens per sample; empty: model limit, at most 512"),
-    ("batch_size", "batch size", "empty: auto (a token budget; halves on out-of-memory)"),
-)
-CHOICES = (
-    ("device", "device", ("auto", "cpu", "cuda", "mps")),
-    ("dtype", "dtype", ("auto", "float32", "bfloat16", "float16")),
-    ("special_tokens", "special tokens", ("exclude", "include")),
-    ("map_units", "conv map units", ("auto", "image", "position")),
-)
-# (key, label) for on/off options (a Select of off/on, a bool in the options)
-SWITCHES = (("exact", "exact (2nd pass)"),)
+# The dialog's fields, from the run options that declare one (isotui.spec): free text (key,
+# label, hint; empty means the option's default: "all" / "auto"), then menus (key, label,
+# values), then on/off switches (key, label).
+TEXT_FIELDS = tuple((o.name, o.label, o.hint) for o in RUN_OPTIONS if o.label and not o.menu and not o.switch)
+CHOICES = tuple((o.name, o.label, o.menu) for o in RUN_OPTIONS if o.label and o.menu)
+SWITCHES = tuple((o.name, o.label) for o in RUN_OPTIONS if o.label and o.switch)
 
 
 def check_options(options: dict[str, Any]) -> None:
@@ -49,7 +36,7 @@ def check_options(options: dict[str, Any]) -> None:
 class OptionsScreen(ModalScreen[dict[str, Any] | None]):
     """Returns the new options (dismiss) or None when the user backs out."""
 
-    BINDINGS: ClassVar[list[Binding]] = [
+    BINDINGS: ClassVar[list[Binding | tuple[str, str] | tuple[str, str, str]]] = [
         Binding("escape", "cancel", "Back", id="options_cancel", priority=True),  # even in a field
         Binding("ctrl+s", "apply", "Apply", id="options_apply", priority=True),
     ]
@@ -90,7 +77,7 @@ class OptionsScreen(ModalScreen[dict[str, Any] | None]):
         out = dict(self.options)
         for key, _, _ in TEXT_FIELDS:
             text = self.query_one(f"#opt-{key}", Input).value.strip()
-            out[key] = text or (None if key != "data" else "builtin")
+            out[key] = text or OPTIONS_BY_NAME[key].default
         for key, _, _ in CHOICES:
             out[key] = self.query_one(f"#opt-{key}", Select).value
         for key, _ in SWITCHES:
