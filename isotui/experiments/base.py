@@ -125,6 +125,7 @@ class Experiment:
     payload: Callable[[list[Any]], Payload]
     add_options: Callable[[argparse.ArgumentParser], None] = lambda _p: None
     decode: Callable[[Payload, Arrays], Any] | None = None
+    check: Callable[[argparse.Namespace], None] = lambda _args: None  # flags said before any work
     command: str = "experiment"  # "run": a top-level command of its own
     run_flags: bool = True  # takes the data and extraction flags of `isotui run`
     what: str = "models"  # what the closing failure line counts
