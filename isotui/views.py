@@ -105,7 +105,7 @@ def _dynamics_tables(result: Any, args: Any, width: int) -> list[Any]:
 # --- checkpoints, final-norm, gradients --------------------------------------------------------------
 
 
-def heatmap(result: CheckpointSeries, metric: str):
+def heatmap(result: CheckpointSeries, metric: str) -> Any:
     """A rich table: layers down, checkpoints across, each cell shaded by its value (dark to light
     over the grid's range)."""
     from rich.markup import escape
@@ -150,7 +150,7 @@ def _source(result: FinalNormResult) -> str:
     return "cache" if result.from_cache else f"{result.meta.get('seconds', 0):.1f} s"
 
 
-def final_norm_table(result: FinalNormResult):
+def final_norm_table(result: FinalNormResult) -> Any:
     """Before/after metrics, then the dimensions that carry avg_cos before the norm."""
     from rich.console import Group
     from rich.markup import escape
@@ -205,7 +205,7 @@ def final_norm_table(result: FinalNormResult):
     return Group(metrics, dims)
 
 
-def per_block_table(results: list[FinalNormResult]):
+def per_block_table(results: list[FinalNormResult]) -> Any:
     """One row per block output norm: what it does to avg_cos and IsoScore, and its top dims."""
     from rich.markup import escape
     from rich.table import Table
@@ -251,7 +251,7 @@ def per_block_table(results: list[FinalNormResult]):
     return table
 
 
-def gradients_table(result: GradientResult):
+def gradients_table(result: GradientResult) -> Any:
     """One row per layer: the gradients' geometry, then where their energy lies."""
     from rich.markup import escape
     from rich.table import Table
@@ -309,7 +309,7 @@ def trajectory_text(result: DynamicsResult, layer: int, head: int, *, basis: str
     plt.clear_figure()
     plt.plotsize(width, 24)
     draw_trajectory(plt, result, sites[0], head, basis)
-    return plt.build()
+    return str(plt.build())
 
 
 # --- drift-block ------------------------------------------------------------------------------------
