@@ -187,19 +187,19 @@ def load(key: str, cache_dir: str | Path | None = None) -> Result:
     from isotui.views import view_of
 
     root = default_cache_dir(str(cache_dir) if cache_dir is not None else None)
-    readable = [e for e in REGISTRY if e.folder is not None and e.decode is not None]
+    readable = [(e, e.folder, e.decode) for e in REGISTRY if e.folder is not None and e.decode is not None]
     matches = [
-        (exp, path.stem)
-        for exp in readable
-        if (root / exp.folder).is_dir()
-        for path in sorted((root / exp.folder).glob(f"{key}*.safetensors"))
+        (exp, decode, path.stem)
+        for exp, folder, decode in readable
+        if (root / folder).is_dir()
+        for path in sorted((root / folder).glob(f"{key}*.safetensors"))
     ]
     if len(matches) != 1 or not key:
         what = "no cached result" if not matches else f"{len(matches)} cached results"
         raise IsotuiError(f"key {key!r} matches {what} in {root}; see `isotui cache ls`")
-    exp, full = matches[0]
+    exp, decode, full = matches[0]
     try:
-        found = read(exp.cache(root), full, exp.decode)
+        found = read(exp.cache(root), full, decode)
     except CacheProblem as problem:
         raise IsotuiError(str(problem)) from None
     if found is None:

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from isotui.experiments.base import Experiment
+    from isotui.results import Outcome
 
 TOP_LEVEL = {"train-tiny": "isotui.experiments.train_tiny"}
 
@@ -87,7 +92,7 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise IsotuiError(f"--{flag} {value} is a directory; give a file name")
 
 
-def report(outcome, args: argparse.Namespace, err) -> int:
+def report(outcome: Outcome, args: argparse.Namespace, err: Any) -> int:
     """Write a command's --csv and --json (when it measured anything); its exit code."""
     from pathlib import Path
 
@@ -101,12 +106,16 @@ def report(outcome, args: argparse.Namespace, err) -> int:
     return exit_code(outcome, err)
 
 
-def command_main(experiment, before_report=None, collect_fn=None):
+def command_main(
+    experiment: Experiment,
+    before_report: Callable[[Any, argparse.Namespace, Any], None] | None = None,
+    collect_fn: Callable[..., Outcome] | None = None,
+) -> Callable[[argparse.Namespace, Any], int]:
     """A command's ``main(args, err)``: :func:`collect` (or ``collect_fn``) with the view's tables
     printed as they come, a failed model's sentence printed and the next one tried, then
     ``before_report`` (a command's extra outputs, e.g. run's --wide-csv) and :func:`report`."""
 
-    def main(args: argparse.Namespace, err) -> int:
+    def main(args: argparse.Namespace, err: Any) -> int:
         from rich.text import Text
 
         from isotui.cli import print_error, stdout_console
@@ -120,7 +129,9 @@ def command_main(experiment, before_report=None, collect_fn=None):
             if view.blank_line and not isinstance(table, Text):  # a figure ends the output
                 out.print()
 
-        run = collect_fn or (lambda *a, **k: collect(experiment, *a, **k))
+        def run(*a: Any, **k: Any) -> Outcome:
+            return collect_fn(*a, **k) if collect_fn else collect(experiment, *a, **k)
+
         outcome = run(
             args,
             err,
@@ -135,18 +146,18 @@ def command_main(experiment, before_report=None, collect_fn=None):
     return main
 
 
-def progress_printer(err, name: str, *, quiet: bool, verbose: bool = False):
+def progress_printer(err: Any, name: str, *, quiet: bool, verbose: bool = False) -> Any:
     """The headless progress bar (see :func:`isotui.cli.progress_printer`)."""
     from isotui.cli import progress_printer as printer
 
     return printer(err, name, quiet=quiet, verbose=verbose)
 
 
-def _progress(err, name: str, args: argparse.Namespace):
+def _progress(err: Any, name: str, args: argparse.Namespace) -> Any:
     return progress_printer(err, name, quiet=bool(args.quiet), verbose=bool(getattr(args, "verbose", False)))
 
 
-def make_requests(experiment, args: argparse.Namespace) -> list[Any]:
+def make_requests(experiment: Experiment, args: argparse.Namespace) -> list[Any]:
     """The requests the flags of ``isotui experiment NAME`` stand for: one per ``--model``, the
     one series of ``--model``/``--checkpoints``, or the one configuration of its own flags."""
     if experiment.inputs == "config":
@@ -163,15 +174,15 @@ def make_requests(experiment, args: argparse.Namespace) -> list[Any]:
 
 
 def collect(
-    experiment,
+    experiment: Experiment,
     args: argparse.Namespace,
-    err,
+    err: Any,
     *,
     width: int = 200,
-    on_table=None,
-    on_error=None,
-    requests=None,
-):
+    on_table: Callable[[Any], None] | None = None,
+    on_error: Callable[[str, str], None] | None = None,
+    requests: list[Any] | None = None,
+) -> Outcome:
     """An experiment's work without its output: an :class:`~isotui.results.Outcome` with the
     view's tables of every request that succeeded (``on_table`` sees each as soon as it is made),
     one sentence per model (or checkpoint) that failed (``on_error``), and the experiment's CSV
@@ -199,18 +210,19 @@ def collect(
     def notice(text: str) -> None:
         err.print(f"[yellow]isotui: {text}[/]", highlight=False)
 
-    def one(request):
+    def one(request: Any) -> Any:
         with progress(err, request.model, args) as bar:
             return experiment.run(request, Context(cache_root, on_progress=bar, notice=notice))
 
     for request in requests:
         if series:  # each checkpoint its own bar; a failed one said, the series built from the rest
             n = len(request.checkpoints)
+
+            def part_progress(i: int, ckpt: Any, n: int = n) -> Any:
+                return progress(err, f"{i + 1}/{n} {ckpt.label}", args)
+
             context = Context(
-                cache_root,
-                notice=notice,
-                attempt=failures.attempt,
-                part_progress=lambda i, c, n=n: progress(err, f"{i + 1}/{n} {c.label}", args),
+                cache_root, notice=notice, attempt=failures.attempt, part_progress=part_progress
             )
             result = experiment.run(request, context)
         elif experiment.inputs == "config":  # one configuration: its failure is the command's
@@ -238,10 +250,14 @@ def collect(
     return outcome
 
 
-def add_experiment_parser(names: argparse._SubParsersAction, experiment) -> argparse.ArgumentParser:
+def add_experiment_parser(
+    names: argparse._SubParsersAction[argparse.ArgumentParser], experiment: Experiment
+) -> argparse.ArgumentParser:
     """The subcommand of one registered experiment: its inputs' flags, its own options, the run
     flags and the output flags (those its own options did not add already)."""
-    p = names.add_parser(experiment.name, help=experiment.help, description=experiment.help)
+    p: argparse.ArgumentParser = names.add_parser(
+        experiment.name, help=experiment.help, description=experiment.help
+    )
     if experiment.inputs == "models":
         p.add_argument(
             "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
@@ -256,7 +272,7 @@ def add_experiment_parser(names: argparse._SubParsersAction, experiment) -> argp
     return p
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``experiment NAME ...`` for every registered experiment, and the top-level commands."""
     from isotui.experiments.registry import EXPERIMENTS
 
@@ -270,7 +286,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         module.add_arguments(p)
 
 
-def run(args: argparse.Namespace, err) -> int | None:
+def run(args: argparse.Namespace, err: Any) -> int | None:
     """Run the experiment or top-level command ``args`` names; None if it names none of them."""
     if args.command == "experiment":
         from isotui.experiments.registry import EXPERIMENTS
@@ -281,5 +297,6 @@ def run(args: argparse.Namespace, err) -> int | None:
                 check_output(getattr(args, flag), f"--{flag}")
         return command_main(EXPERIMENTS[args.experiment])(args, err)
     if args.command in TOP_LEVEL:
-        return importlib.import_module(TOP_LEVEL[args.command]).main(args, err)
+        code: int = importlib.import_module(TOP_LEVEL[args.command]).main(args, err)
+        return code
     return None
