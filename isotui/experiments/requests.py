@@ -10,7 +10,7 @@ app may still submit a plain :class:`~isotui.spec.RunSpec`: :func:`request_for` 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -56,9 +56,16 @@ def _runs(cache_root: Path | None) -> Any:
 
 @dataclass(frozen=True)
 class LayersRequest:
-    """Layer-wise anisotropy of one model (``isotui run``): the layer experiment's job."""
+    """Layer-wise anisotropy of one model (``isotui run``): the layer experiment's job.
+
+    ``prepare_fn(spec)`` and ``compute_fn(prepared, on_progress=, should_stop=)`` default to
+    :func:`~isotui.experiments.layerwise.prepare` (with this cache) and
+    :func:`~isotui.experiments.layerwise.compute`; a front end's test passes fakes (not part of
+    the job's identity: equal specs are one job)."""
 
     spec: RunSpec
+    compute_fn: Any = field(default=None, compare=False, repr=False)
+    prepare_fn: Any = field(default=None, compare=False, repr=False)
     kind: ClassVar[str] = "layers"
 
     @property
@@ -69,16 +76,19 @@ class LayersRequest:
     def device(self) -> str:
         return self.spec.device
 
-    def keys(self, cache_root: Path | None) -> list[str]:
-        from isotui.experiments.layerwise import prepare
+    def _prepare(self, cache: Any) -> Any:
+        from isotui.experiments import layerwise
 
-        return list(prepare(self.spec, _runs(cache_root)).keys)
+        return self.prepare_fn(self.spec) if self.prepare_fn else layerwise.prepare(self.spec, cache)
+
+    def keys(self, cache_root: Path | None) -> list[str]:
+        return list(self._prepare(_runs(cache_root)).keys)
 
     def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
         from isotui.experiments import layerwise
 
         cache = _runs(cache_root)
-        return layerwise.lookup(layerwise.prepare(self.spec, cache), cache, notice)
+        return layerwise.lookup(self._prepare(cache), cache, notice)
 
     def compute(
         self,
@@ -91,14 +101,24 @@ class LayersRequest:
         from isotui.experiments import layerwise
 
         cache = _runs(cache_root)
-        prepared = layerwise.prepare(self.spec, cache)
-        result = layerwise.compute(prepared, on_progress=on_progress, should_stop=should_stop)
+        compute = self.compute_fn or layerwise.compute
+        result = compute(self._prepare(cache), on_progress=on_progress, should_stop=should_stop)
         layerwise.store(result, cache, notice)
         return result
 
     def measure(self, context: Context) -> Any:
         from isotui.experiments.layerwise import measure
 
+        if self.compute_fn or self.prepare_fn:  # a fake's own steps
+            found = self.lookup(context.cache_root, context.notice)
+            if found is not None:
+                return found
+            return self.compute(
+                context.cache_root,
+                on_progress=context.on_progress,
+                should_stop=context.should_stop,
+                notice=context.notice,
+            )
         return measure(
             self.spec,
             _runs(context.cache_root),
