@@ -127,3 +127,17 @@ def test_the_layer_run_is_a_request_like_the_others(tmp_path, tiny_models, data)
     assert hit.from_cache and [r.avg_cos for r in hit.rows] == [r.avg_cos for r in computed.rows]
     again = layerwise.measure(spec, ResultCache(root))
     assert again.from_cache
+
+
+def test_load_reopens_any_registered_experiment_by_key(tiny_models, data, tmp_path):
+    """``isotui.load`` reads every registered folder through the experiment's decode, and gives
+    the rows, JSON and tables the experiment itself gave."""
+    import isotui
+
+    root = tmp_path / "c"
+    r = isotui.experiment("final-norm", model=str(tiny_models["bert"]), data=f"text:{data}", cache_dir=root)
+    (entry,) = (root / "final-norm").glob("*.safetensors")
+    loaded = isotui.load(entry.stem[:10], cache_dir=root)
+    assert loaded.command == "final-norm" and loaded.rows == r.rows
+    assert loaded.payload["results"][0]["verdict"] == r.payload["results"][0]["verdict"]
+    assert len(loaded.tables) == len(r.tables) == 1

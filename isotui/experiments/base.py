@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -129,7 +129,6 @@ class Experiment:
     command: str = "experiment"  # "run": a top-level command of its own
     run_flags: bool = True  # takes the data and extraction flags of `isotui run`
     what: str = "models"  # what the closing failure line counts
-    options: dict[str, Any] = field(default_factory=dict)  # free-form extras (e.g. API defaults)
 
     def request(self, spec: Any, args: argparse.Namespace) -> Any:
         """The request ``spec`` (a RunSpec; a (series, checkpoints, spec) triple; None for a

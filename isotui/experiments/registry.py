@@ -205,9 +205,3 @@ def get(name: str) -> Experiment:
 def cache_folders() -> list[str]:
     """Every folder of the result cache an experiment writes (``runs`` first), for ``cache ls/rm``."""
     return [e.folder for e in REGISTRY if e.folder is not None]
-
-
-def request_for(experiment: str, spec: Any, args: argparse.Namespace | None = None) -> Any:
-    """The request of ``experiment`` for ``spec`` (the app's and the backend's one way to make a
-    job): e.g. ``request_for("layers", spec)`` is a :class:`LayersRequest`."""
-    return get(experiment).request(spec, args if args is not None else argparse.Namespace())
