@@ -141,3 +141,29 @@ def test_load_reopens_any_registered_experiment_by_key(tiny_models, data, tmp_pa
     assert loaded.command == "final-norm" and loaded.rows == r.rows
     assert loaded.payload["results"][0]["verdict"] == r.payload["results"][0]["verdict"]
     assert len(loaded.tables) == len(r.tables) == 1
+
+
+def test_a_layers_request_resolves_once_and_takes_a_front_ends_steps(tmp_path):
+    """The backend's fakes (prepare, compute) run through the request; lookup then compute
+    resolve the spec once, as the backend's own layer branch did."""
+    from isotui.errors import IsotuiError
+    from isotui.experiments.layerwise import Prepared
+    from isotui.experiments.requests import LayersRequest
+    from isotui.spec import make_spec
+
+    spec = make_spec("minilm", "builtin", max_samples=2)
+    prepared: list = []
+
+    def prepare(s):
+        prepared.append(s)
+        return Prepared(s, "f" * 32, [], "fp", "dfp", "float32", "cpu")
+
+    def compute(p, on_progress, should_stop):
+        raise IsotuiError(f"fake compute of {p.key[:4]}")
+
+    request = LayersRequest(spec, compute_fn=compute, prepare_fn=prepare)
+    assert request == LayersRequest(spec) and hash(request) == hash(LayersRequest(spec))
+    assert request.lookup(tmp_path, print) is None
+    with pytest.raises(IsotuiError, match="fake compute of ffff"):
+        request.compute(tmp_path, on_progress=print, should_stop=lambda: False, notice=print)
+    assert prepared == [spec]

@@ -66,6 +66,7 @@ class LayersRequest:
     spec: RunSpec
     compute_fn: Any = field(default=None, compare=False, repr=False)
     prepare_fn: Any = field(default=None, compare=False, repr=False)
+    _resolved: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     kind: ClassVar[str] = "layers"
 
     @property
@@ -77,9 +78,14 @@ class LayersRequest:
         return self.spec.device
 
     def _prepare(self, cache: Any) -> Any:
+        """The spec resolved (names, data, dtype, key): once per request, so that a lookup and the
+        compute after it read the data once (a new request resolves anew)."""
         from isotui.experiments import layerwise
 
-        return self.prepare_fn(self.spec) if self.prepare_fn else layerwise.prepare(self.spec, cache)
+        if "prepared" not in self._resolved:
+            prepare = self.prepare_fn or (lambda spec: layerwise.prepare(spec, cache))
+            self._resolved["prepared"] = prepare(self.spec)
+        return self._resolved["prepared"]
 
     def keys(self, cache_root: Path | None) -> list[str]:
         return list(self._prepare(_runs(cache_root)).keys)
