@@ -25,8 +25,8 @@ class CheckpointSeries:
     """The layer-wise results of a series' checkpoints, in series order."""
 
     series: str
-    checkpoints: list  # of qk_dynamics.Checkpoint
-    results: list  # of ModelResult
+    checkpoints: list[Any]  # of qk_dynamics.Checkpoint
+    results: list[Any]  # of ModelResult
 
     def steps(self) -> list[int]:
         return [c.step if c.step is not None else i for i, c in enumerate(self.checkpoints)]
@@ -36,7 +36,7 @@ class CheckpointSeries:
         return all(r.from_cache for r in self.results)
 
     @property
-    def rows(self) -> list:
+    def rows(self) -> list[dict[str, Any]]:
         """The CSV rows (for the app's export)."""
         return self.csv_rows()
 
@@ -59,21 +59,21 @@ class CheckpointSeries:
         return out
 
 
-def _label(row) -> str:
+def _label(row: Any) -> str:
     return str(row.layer) if row.component == "model" else f"{row.component} {row.layer}"
 
 
 def run_series(
     series: str | None,
-    checkpoints: list,
-    base_spec,
-    cache,
+    checkpoints: list[Any],
+    base_spec: Any,
+    cache: Any,
     *,
-    progress=None,
-    on_notice=None,
-    should_stop=None,
-    failures=None,
-):
+    progress: Any = None,
+    on_notice: Any = None,
+    should_stop: Any = None,
+    failures: Any = None,
+) -> CheckpointSeries | None:
     """Measure (or read from the cache) every checkpoint's layer table.
 
     ``failures`` (a :class:`isotui.cli.ModelFailures`): a checkpoint that fails is said and left
@@ -99,7 +99,7 @@ def run_series(
     return assemble_series(series, kept, results) if results else None
 
 
-def assemble_series(series: str | None, checkpoints: list, results: list) -> CheckpointSeries:
+def assemble_series(series: str | None, checkpoints: list[Any], results: list[Any]) -> CheckpointSeries:
     """The series from its checkpoints' layer results; one architecture or one sentence."""
     from isotui.experiments.qk_dynamics import series_name
 

@@ -165,11 +165,11 @@ class DynamicsResult:
         return q, k
 
 
-def dynamics(series: str, checkpoints: list[Checkpoint], results: list) -> DynamicsResult:
+def dynamics(series: str, checkpoints: list[Checkpoint], results: list[Any]) -> DynamicsResult:
     """Assemble the per-checkpoint attention results (with subsamples) into trajectories."""
     sites = [tuple(m.values()) for m in results[0].modules()]
 
-    def shapes(res) -> list:
+    def shapes(res: Any) -> list[Any]:
         return [(res.arrays[f"q_bar.{i}"].shape, res.arrays[f"k_bar.{i}"].shape) for i in range(len(sites))]
 
     for ckpt, res in zip(checkpoints, results, strict=True):
@@ -239,14 +239,14 @@ def _xy(vector: np.ndarray, basis: np.ndarray) -> tuple[float, float]:
 def run_dynamics(
     model: str | None,
     checkpoints: list[Checkpoint],
-    base_spec,
-    cache,
+    base_spec: Any,
+    cache: Any,
     *,
     sample_size: int = DEFAULT_SAMPLE,
-    progress=None,
-    should_stop=None,
-    on_notice=None,
-    failures=None,
+    progress: Any = None,
+    should_stop: Any = None,
+    on_notice: Any = None,
+    failures: Any = None,
 ) -> DynamicsResult | None:
     """Measure every checkpoint (each cached on its own), then build the trajectories.
 
@@ -276,7 +276,7 @@ def run_dynamics(
 
 
 def assemble(
-    model: str | None, checkpoints: list[Checkpoint], results: list, sample_size: int
+    model: str | None, checkpoints: list[Checkpoint], results: list[Any], sample_size: int
 ) -> DynamicsResult:
     """The series from its checkpoints' attention results (measured or cached)."""
     out = dynamics(model or series_name(checkpoints), checkpoints, results)
