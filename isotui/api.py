@@ -11,10 +11,9 @@ byte. Nothing here imports torch until a model must run.
 from __future__ import annotations
 
 import argparse
-import importlib
 import io
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -167,54 +166,53 @@ def experiment(name: str, *, cache: bool = True, progress: bool = False, **optio
     ``every_layer=True``, ``checkpoints=["step1000", "step2000"]``...). Experiments over models
     take ``model`` (a name, or a list: :class:`Results`); the series experiments take ``model``
     and ``checkpoints``; drift-block takes its own sizes."""
-    from isotui.cli_experiments import EXPERIMENTS
+    from isotui.experiments.registry import EXPERIMENTS
 
     if name not in EXPERIMENTS:
         raise IsotuiError(f"no experiment {name!r}; experiments: {', '.join(EXPERIMENTS)}")
-    series = name in ("qk-dynamics", "checkpoints")
-    parser = _subparser(["experiment", name])
-    takes_models = any(a.dest == "models" for a in parser._actions)
-    if takes_models and not series:
+    exp = EXPERIMENTS[name]
+    if exp.inputs == "models":
         return _per_model(name, options.pop("model", "minilm"), options, [], cache=cache, progress=progress)
     return _call(name, options, [], cache=cache, progress=progress)
 
 
 def load(key: str, cache_dir: str | Path | None = None) -> Result:
     """Reopen a cached result by its key or a unique prefix of it (``isotui cache ls`` lists
-    them; ``Result.key`` gives one): a layer run, or an attention experiment's result."""
-    from isotui.experiments.attention import FOLDER, AttentionResult, attention_cache
+    them; ``Result.key`` gives one): a layer run, or the result of any registered experiment
+    cached one result per entry (attention, final-norm, gradients)."""
+    from isotui.experiments.cached import read
+    from isotui.experiments.registry import REGISTRY
     from isotui.paths import cache_dir as default_cache_dir
-    from isotui.render import result_table
-    from isotui.render_attention import attention_table
-    from isotui.store.cache import CacheProblem, ResultCache
-    from isotui.store.export import layer_csv_rows
+    from isotui.store.cache import CacheProblem
+    from isotui.views import view_of
 
     root = default_cache_dir(str(cache_dir) if cache_dir is not None else None)
-    caches = {"runs": ResultCache(root), FOLDER: attention_cache(root)}
+    readable = [(e, e.folder, e.decode) for e in REGISTRY if e.folder is not None and e.decode is not None]
     matches = [
-        (folder, path.stem)
-        for folder, c in caches.items()
-        if c.runs.is_dir()
-        for path in sorted(c.runs.glob(f"{key}*.safetensors"))
+        (exp, decode, path.stem)
+        for exp, folder, decode in readable
+        if (root / folder).is_dir()
+        for path in sorted((root / folder).glob(f"{key}*.safetensors"))
     ]
     if len(matches) != 1 or not key:
         what = "no cached result" if not matches else f"{len(matches)} cached results"
         raise IsotuiError(f"key {key!r} matches {what} in {root}; see `isotui cache ls`")
-    folder, full = matches[0]
+    exp, decode, full = matches[0]
     try:
-        if folder == "runs":
-            found = caches[folder].get(full)
-            assert found is not None
-            rows, payload = layer_csv_rows([found]), {"results": [found.to_json()]}
-            return Result("run", [found.model], rows, payload, [found], [result_table(found, 200)])
-        data = caches[folder].get_payload(full)
-        assert data is not None
+        found = read(exp.cache(root), full, decode)
     except CacheProblem as problem:
         raise IsotuiError(str(problem)) from None
-    res = AttentionResult.from_json(*data)
-    payload = {"results": [res.to_json() | {"arrays": {k: v.tolist() for k, v in res.arrays.items()}}]}
-    rows = [asdict(r) for r in res.rows]
-    return Result("attention", [res.model], rows, payload, [res], [attention_table(res, 200, per_head=False)])
+    if found is None:
+        raise IsotuiError(f"cached result {full[:12]} was removed meanwhile")
+    results = found if isinstance(found, list) else [found]
+    view = view_of(exp.view)
+    options = _subparser([exp.command] if exp.command == "run" else ["experiment", exp.name]).parse_args([])
+    tables = [
+        t for r in ([found] if isinstance(found, list) else results) for t in view.tables(r, options, 200)
+    ]
+    command = exp.command if exp.command == "run" else exp.name
+    models = sorted({r.model for r in results})
+    return Result(command, models, exp.rows(results), exp.payload(results), results, tables)
 
 
 # --- the command line's path -----------------------------------------------------------------------
@@ -303,9 +301,10 @@ def _call(command: str, options: dict[str, Any], positional: list[str], *, cache
 
         outcome = collect_run(args, err)
     else:
-        from isotui.cli_experiments import EXPERIMENTS
+        from isotui.cli_experiments import collect
+        from isotui.experiments.registry import EXPERIMENTS
 
-        outcome = importlib.import_module(EXPERIMENTS[command]).collect(args, err)
+        outcome = collect(EXPERIMENTS[command], args, err)
     if outcome.failed:
         raise IsotuiError(outcome.failed[0][1])
     models = [str(m) for m in (options.get("model"),) if m is not None]

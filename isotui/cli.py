@@ -240,8 +240,9 @@ def _config_path(config: Path | None) -> Path | None:
 
 def _cmd_run(args: argparse.Namespace, err) -> int:
     from isotui.cli_experiments import command_main
+    from isotui.experiments.registry import LAYERS
 
-    return command_main(collect_run, before_report=_write_wide_csv)(args, err)
+    return command_main(LAYERS, before_report=_write_wide_csv, collect_fn=collect_run)(args, err)
 
 
 def _write_wide_csv(outcome, args: argparse.Namespace, err) -> None:
@@ -263,15 +264,13 @@ def print_error(err, text: str) -> None:
 def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=None, on_error=None):
     """``isotui run``'s work without its output: an :class:`~isotui.results.Outcome` with one
     layer table per model that succeeded (``on_table`` sees each as soon as it is made) and one
-    sentence per model that failed (``on_error``). The CLI and :func:`isotui.run` both call this."""
+    sentence per model that failed (``on_error``). The CLI and :func:`isotui.run` both call this:
+    the settings (config file, then flags) make the layer experiment's requests, and the one loop
+    of every experiment (:func:`isotui.cli_experiments.collect`) runs them."""
+    from isotui.cli_experiments import collect
     from isotui.data.sources import check_source
-    from isotui.experiments.layerwise import measure
-    from isotui.paths import cache_dir
-    from isotui.render import result_table
-    from isotui.results import ModelFailures, Outcome
+    from isotui.experiments.registry import LAYERS
     from isotui.spec import given_options, make_spec
-    from isotui.store.cache import ResultCache
-    from isotui.store.export import layer_csv_rows
     from isotui.store.files import check_output
 
     args.config = _config_path(args.config)
@@ -287,38 +286,10 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
         if s.get(key):
             check_output(s[key], f"--{key}")
     args.csv, args.json = s.get("csv"), s.get("json")  # the config file may name them
-    wide = _wide_metric(args)
-    cache = None if args.no_cache else ResultCache(cache_dir(s.get("cache_dir")))
-    outcome = Outcome("run", [], [], {}, total=len(models))
-    failures = ModelFailures(outcome, on_error)
-    for model in models:
-        spec = base.with_model(model)
-        result = failures.attempt(
-            model,
-            _measure_with_progress,
-            spec,
-            cache,
-            err,
-            quiet=args.quiet,
-            measure=measure,
-            verbose=getattr(args, "verbose", False),
-        )
-        if result is None:
-            continue
-        outcome.results.append(result)
-        table = result_table(result, width)
-        outcome.tables.append(table)
-        if on_table:
-            on_table(table)
-    if outcome.results and getattr(args, "wide", None):
-        from isotui.render import wide_table
-
-        outcome.tables.append(wide_table(outcome.results, wide, width))
-        if on_table:
-            on_table(outcome.tables[-1])
-    outcome.rows = layer_csv_rows(outcome.results)
-    outcome.payload = {"results": [r.to_json() for r in outcome.results]}
-    return outcome
+    _wide_metric(args)  # --wide's metric and --wide-csv said before any model runs
+    args.cache_dir = s.get("cache_dir")  # the config file may name it
+    requests = [LAYERS.request(base.with_model(model), args) for model in models]
+    return collect(LAYERS, args, err, width=width, on_table=on_table, on_error=on_error, requests=requests)
 
 
 def _wide_metric(args: argparse.Namespace) -> str:
@@ -332,25 +303,6 @@ def _wide_metric(args: argparse.Namespace) -> str:
     if getattr(args, "wide_csv", None):
         check_output(args.wide_csv, "--wide-csv")
     return metric
-
-
-def _measure_with_progress(spec, cache, err, *, quiet: bool, measure, verbose: bool = False):
-    """Run one model with a rich progress bar (the phase, samples, tokens, tokens/s) on stderr;
-    ``verbose`` also prints each phase and where the time went."""
-    from isotui.render import timing_note
-
-    with progress_printer(err, spec.model, quiet=quiet, verbose=verbose) as on_progress:
-        result = measure(
-            spec,
-            cache,
-            on_progress=on_progress,
-            on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
-        )
-    if verbose:
-        note = timing_note(result.meta, result.write_seconds)
-        where = "from the cache" if result.from_cache else "computed"
-        err.print(f"{spec.model}: {where}" + (f"; {note}" if note and not result.from_cache else ""))
-    return result
 
 
 def _clock(seconds: float | None) -> str:
@@ -471,7 +423,7 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
                 "shown by `isotui cache ls`; nothing was removed"
             )
     folders = [(cache, scan)] + [
-        (c, c.scan()) for c in (ResultCache(cache.root, folder=f) for f in EXPERIMENT_FOLDERS)
+        (c, c.scan()) for c in (ResultCache(cache.root, folder=f) for f in experiment_folders())
     ]
     chosen = [(c, e) for c, sc in folders for e in sc.entries] if args.all else []
     for prefix in args.keys:
@@ -492,7 +444,7 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
                 f"{done} of {len(chosen)} removed"
             ) from None
     if removed[True]:
-        err.print(f"removed {removed[True]} cached experiment result(s) ({', '.join(EXPERIMENT_FOLDERS)})")
+        err.print(f"removed {removed[True]} cached experiment result(s) ({', '.join(experiment_folders())})")
     err.print(f"removed {removed[False]} cached run{'s' if removed[False] != 1 else ''}")
     if args.all:
         left = sum(sc.skipped for _, sc in folders)
@@ -524,6 +476,7 @@ def _run_params(path: Path) -> dict[str, str]:
 
 def _cmd_show(args: argparse.Namespace, err) -> int:
     """Print a cached run's table; ``--csv``/``--json`` export it as ``isotui run`` would."""
+    from isotui.experiments.layerwise import read
     from isotui.paths import cache_dir
     from isotui.render import result_table
     from isotui.store.cache import CacheProblem, ResultCache
@@ -546,7 +499,7 @@ def _cmd_show(args: argparse.Namespace, err) -> int:
         if value:
             check_output(value, f"--{flag}")
     try:
-        result = cache.get(matches[0].key)
+        result = read(cache, matches[0].key)
     except CacheProblem as problem:
         raise IsotuiError(f"{problem}; remove it with `isotui cache rm {matches[0].key[:12]}`") from None
     if result is None:
@@ -561,7 +514,11 @@ def _cmd_show(args: argparse.Namespace, err) -> int:
     return 0
 
 
-EXPERIMENT_FOLDERS = ("attention", "final-norm", "gradients", "drift-block")  # cached beside runs/
+def experiment_folders() -> list[str]:
+    """The cache folders beside ``runs/`` that registered experiments write (``cache ls/rm``)."""
+    from isotui.experiments.registry import cache_folders
+
+    return [f for f in cache_folders() if f != "runs"]
 
 
 def _print_experiment_entries(out, root: Path) -> int:
@@ -570,7 +527,7 @@ def _print_experiment_entries(out, root: Path) -> int:
     from isotui.store.cache import ResultCache
 
     skipped = 0
-    for folder in EXPERIMENT_FOLDERS:
+    for folder in experiment_folders():
         scan = ResultCache(root, folder=folder).scan()
         skipped += scan.skipped
         if scan.entries:

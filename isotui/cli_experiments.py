@@ -1,27 +1,26 @@
-"""``isotui experiment NAME`` and ``isotui train-tiny``: the attention-side experiments.
+"""``isotui experiment NAME`` (and ``isotui run``'s loop) from the experiment registry, and
+``isotui train-tiny``.
 
-Each experiment module (import-light: no torch at import) provides ``HELP``,
-``add_arguments(parser)`` and ``main(args, err) -> int``; this module only wires them into the
-command line, so adding an experiment is one line in :data:`EXPERIMENTS`.
+The parser gets one subcommand per registered experiment (:mod:`isotui.experiments.registry`):
+the flags of its inputs kind (models or a checkpoint series), its own options, the run flags and
+the output flags. One loop (:func:`collect`) runs every experiment: per model (or per series, or
+the one configuration) the request, read from the cache or computed, with a progress bar; a
+failed model said and the next one tried; the view's tables printed as they come; then --csv and
+--json from the experiment's rows and payload.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from isotui.experiments.base import Experiment
+    from isotui.results import Outcome
     from isotui.spec import RunSpec
 
-EXPERIMENTS = {
-    "attention": "isotui.experiments.attention",
-    "drift-block": "isotui.experiments.drift_block",
-    "qk-dynamics": "isotui.experiments.qk_dynamics",
-    "checkpoints": "isotui.experiments.checkpoints",
-    "final-norm": "isotui.experiments.final_norm",
-    "gradients": "isotui.experiments.gradients",
-}
 TOP_LEVEL = {"train-tiny": "isotui.experiments.train_tiny"}
 
 
@@ -84,7 +83,7 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise IsotuiError(f"--{flag} {value} is a directory; give a file name")
 
 
-def report(outcome, args: argparse.Namespace, err) -> int:
+def report(outcome: Outcome, args: argparse.Namespace, err: Any) -> int:
     """Write a command's --csv and --json (when it measured anything); its exit code."""
     from pathlib import Path
 
@@ -98,20 +97,37 @@ def report(outcome, args: argparse.Namespace, err) -> int:
     return exit_code(outcome, err)
 
 
-def command_main(collect, before_report=None):
-    """A command's ``main(args, err)`` from its ``collect(args, err, ...)``: tables printed as
-    they come, a failed model's sentence printed and the next one tried, then ``before_report``
-    (a command's extra outputs, e.g. run's --wide-csv) and :func:`report`."""
+def command_main(
+    experiment: Experiment,
+    before_report: Callable[[Any, argparse.Namespace, Any], None] | None = None,
+    collect_fn: Callable[..., Outcome] | None = None,
+) -> Callable[[argparse.Namespace, Any], int]:
+    """A command's ``main(args, err)``: :func:`collect` (or ``collect_fn``) with the view's tables
+    printed as they come, a failed model's sentence printed and the next one tried, then
+    ``before_report`` (a command's extra outputs, e.g. run's --wide-csv) and :func:`report`."""
 
-    def main(args: argparse.Namespace, err) -> int:
+    def main(args: argparse.Namespace, err: Any) -> int:
+        from rich.text import Text
+
         from isotui.cli import print_error, stdout_console
+        from isotui.views import view_of
 
         out = stdout_console()
-        outcome = collect(
+        view = view_of(experiment.view)
+
+        def on_table(table: Any) -> None:
+            out.print(table, highlight=None if view.highlight else False)
+            if view.blank_line and not isinstance(table, Text):  # a figure ends the output
+                out.print()
+
+        def run(*a: Any, **k: Any) -> Outcome:
+            return collect_fn(*a, **k) if collect_fn else collect(experiment, *a, **k)
+
+        outcome = run(
             args,
             err,
             width=out.width,
-            on_table=lambda table: (out.print(table), out.print()),
+            on_table=on_table,
             on_error=lambda _model, text: print_error(err, text),
         )
         if before_report is not None:
@@ -121,39 +137,157 @@ def command_main(collect, before_report=None):
     return main
 
 
-def progress_printer(err, name: str, *, quiet: bool):
+def progress_printer(err: Any, name: str, *, quiet: bool, verbose: bool = False) -> Any:
     """The headless progress bar (see :func:`isotui.cli.progress_printer`)."""
     from isotui.cli import progress_printer as printer
 
-    return printer(err, name, quiet=quiet)
+    return printer(err, name, quiet=quiet, verbose=verbose)
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """``experiment NAME ...`` and the top-level commands."""
-    exp = sub.add_parser(
-        "experiment",
-        help="experiments: attention, drift-block, qk-dynamics, checkpoints, final-norm, gradients",
+def _progress(err: Any, name: str, args: argparse.Namespace) -> Any:
+    return progress_printer(err, name, quiet=bool(args.quiet), verbose=bool(getattr(args, "verbose", False)))
+
+
+def make_requests(experiment: Experiment, args: argparse.Namespace) -> list[Any]:
+    """The requests the flags of ``isotui experiment NAME`` stand for: one per ``--model``, the
+    one series of ``--model``/``--checkpoints``, or the one configuration of its own flags."""
+    if experiment.inputs == "config":
+        return [experiment.request(None, args)]
+    if experiment.inputs == "series":
+        from isotui.experiments.qk_dynamics import resolve_checkpoints
+
+        checkpoints = resolve_checkpoints(args.model, args.checkpoints)
+        base = spec_from_args(args, checkpoints[0].model)
+        return [experiment.request((args.model, checkpoints, base), args)]
+    models = args.models or ["minilm"]
+    base = spec_from_args(args, models[0])
+    return [experiment.request(base.with_model(model), args) for model in models]
+
+
+def collect(
+    experiment: Experiment,
+    args: argparse.Namespace,
+    err: Any,
+    *,
+    width: int = 200,
+    on_table: Callable[[Any], None] | None = None,
+    on_error: Callable[[str, str], None] | None = None,
+    requests: list[Any] | None = None,
+) -> Outcome:
+    """An experiment's work without its output: an :class:`~isotui.results.Outcome` with the
+    view's tables of every request that succeeded (``on_table`` sees each as soon as it is made),
+    one sentence per model (or checkpoint) that failed (``on_error``), and the experiment's CSV
+    rows and JSON payload. The CLI and the Python API (:mod:`isotui.api`) both call this.
+    ``requests``: made by the caller (``isotui run`` reads a config file too); default
+    :func:`make_requests`."""
+    from isotui.experiments.base import Context, flatten
+    from isotui.paths import cache_dir
+    from isotui.results import ModelFailures, Outcome
+    from isotui.views import view_of
+
+    view = view_of(experiment.view)
+    experiment.check(args)
+    if requests is None:
+        requests = make_requests(experiment, args)
+    cache_root = None if args.no_cache else cache_dir(args.cache_dir)
+    series = experiment.inputs == "series"
+    total = sum(len(r.checkpoints) for r in requests) if series else len(requests)
+    name = "run" if experiment.command == "run" else experiment.name
+    outcome = Outcome(name, [], [], {}, total=total, what=experiment.what)
+    failures = ModelFailures(outcome, on_error)
+    progress = view.progress or _progress
+    highlight = None if view.highlight else False
+
+    def notice(text: str) -> None:
+        err.print(f"[yellow]isotui: {text}[/]", highlight=False)
+
+    def one(request: Any) -> Any:
+        with progress(err, request.model, args) as bar:
+            return experiment.run(request, Context(cache_root, on_progress=bar, notice=notice))
+
+    for request in requests:
+        if series:  # each checkpoint its own bar; a failed one said, the series built from the rest
+            n = len(request.checkpoints)
+
+            def part_progress(i: int, ckpt: Any, n: int = n) -> Any:
+                return progress(err, f"{i + 1}/{n} {ckpt.label}", args)
+
+            context = Context(
+                cache_root, notice=notice, attempt=failures.attempt, part_progress=part_progress
+            )
+            result = experiment.run(request, context)
+        elif experiment.inputs == "config":  # one configuration: its failure is the command's
+            result = one(request)
+        else:
+            result = failures.attempt(request.model, one, request)
+        if result is None:
+            continue
+        outcome.results += flatten([result])
+        note = view.note(result, args) if view.note else None
+        if note:
+            err.print(note, highlight=highlight)
+        for table in view.tables(result, args, width):
+            outcome.tables.append(table)
+            if on_table:
+                on_table(table)
+    if outcome.results and view.closing:
+        for table in view.closing(outcome.results, args, width):
+            outcome.tables.append(table)
+            if on_table:
+                on_table(table)
+    if outcome.results:
+        outcome.rows = experiment.rows(outcome.results)
+        outcome.payload = experiment.payload(outcome.results)
+    return outcome
+
+
+def add_experiment_parser(
+    names: argparse._SubParsersAction[argparse.ArgumentParser], experiment: Experiment
+) -> argparse.ArgumentParser:
+    """The subcommand of one registered experiment: its inputs' flags, its own options, the run
+    flags and the output flags (those its own options did not add already)."""
+    p: argparse.ArgumentParser = names.add_parser(
+        experiment.name, help=experiment.help, description=experiment.help
     )
+    if experiment.inputs == "models":
+        p.add_argument(
+            "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
+        )
+    elif experiment.inputs == "series":
+        add_series_flags(p)
+    experiment.add_options(p)
+    if experiment.run_flags:
+        add_run_flags(p, experiment.name)
+    if "--csv" not in p._option_string_actions:
+        add_common(p, device_seed=not experiment.run_flags)
+    return p
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``experiment NAME ...`` for every registered experiment, and the top-level commands."""
+    from isotui.experiments.registry import EXPERIMENTS
+
+    exp = sub.add_parser("experiment", help=f"experiments: {', '.join(EXPERIMENTS)}")
     names = exp.add_subparsers(dest="experiment", required=True, metavar="NAME")
-    for name, path in EXPERIMENTS.items():
-        module = importlib.import_module(path)
-        p = names.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(p)
+    for experiment in EXPERIMENTS.values():
+        add_experiment_parser(names, experiment)
     for name, path in TOP_LEVEL.items():
         module = importlib.import_module(path)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
 
 
-def run(args: argparse.Namespace, err) -> int | None:
+def run(args: argparse.Namespace, err: Any) -> int | None:
     """Run the experiment or top-level command ``args`` names; None if it names none of them."""
     if args.command == "experiment":
+        from isotui.experiments.registry import EXPERIMENTS
         from isotui.store.files import check_output
 
         for flag in ("csv", "json"):  # a path that cannot take the output: say it before the run
             if getattr(args, flag, None):
                 check_output(getattr(args, flag), f"--{flag}")
-        return importlib.import_module(EXPERIMENTS[args.experiment]).main(args, err)
+        return command_main(EXPERIMENTS[args.experiment])(args, err)
     if args.command in TOP_LEVEL:
-        return importlib.import_module(TOP_LEVEL[args.command]).main(args, err)
+        code: int = importlib.import_module(TOP_LEVEL[args.command]).main(args, err)
+        return code
     return None

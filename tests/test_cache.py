@@ -113,8 +113,8 @@ def test_concurrent_writers_leave_one_complete_entry(tmp_path, tiny_models, data
     def writer():
         try:
             for _ in range(10):
-                cache.put(result)
-                got = cache.get(result.key)
+                layerwise.store(result, cache)
+                got = layerwise.read(cache, result.key)
                 assert got is not None and got.rows[0].avg_cos == result.rows[0].avg_cos
         except Exception as exc:
             errors.append(exc)
@@ -126,4 +126,4 @@ def test_concurrent_writers_leave_one_complete_entry(tmp_path, tiny_models, data
         t.join()
     assert not errors
     assert [p.name for p in cache.runs.iterdir()] == [f"{result.key}.safetensors"]
-    assert cache.get(result.key).rows[-1].isoscore == result.rows[-1].isoscore
+    assert layerwise.read(cache, result.key).rows[-1].isoscore == result.rows[-1].isoscore

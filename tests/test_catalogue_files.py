@@ -863,12 +863,13 @@ def test_sigint_during_a_cli_run_leaves_no_partial_entry(tmp_path):
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=300)
     assert proc.returncode in (0, 130) and "Traceback" not in err
+    from isotui.experiments.layerwise import read
     from isotui.store.cache import ResultCache
 
     cache = ResultCache(tmp_path)
     assert temps(cache.runs) == []
     for entry in entries(cache.runs):  # finished before the signal: then complete
-        assert cache.get(entry.stem) is not None
+        assert read(cache, entry.stem) is not None
 
 
 def test_three_identical_concurrent_runs_give_one_entry_and_identical_numbers(tmp_path):

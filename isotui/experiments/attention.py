@@ -361,61 +361,23 @@ def _edges() -> np.ndarray:
     return score_edges()
 
 
-# --- command line -------------------------------------------------------------------------------
+# --- export and command-line options ------------------------------------------------------------
 
 
-def add_arguments(p) -> None:
-    from isotui.cli_experiments import add_common, add_run_flags
-
-    p.add_argument(
-        "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
-    )
-    add_run_flags(p, "attention")
-    add_common(p, device_seed=False)
-    p.add_argument("--heads", action="store_true", help="print every head, not heads averaged per layer")
+def csv_rows(results: list[AttentionResult]) -> list[dict[str, Any]]:
+    """The ``--csv`` rows: one per model, layer and head."""
+    return [asdict(r) for res in results for r in res.rows]
 
 
-def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
-    """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
-    from isotui.cli_experiments import progress_printer, spec_from_args
-    from isotui.paths import cache_dir
-    from isotui.render_attention import attention_table
-    from isotui.results import ModelFailures, Outcome
-
-    models = args.models or ["minilm"]
-    base = spec_from_args(args, models[0])
-    cache = None if args.no_cache else attention_cache(cache_dir(args.cache_dir))
-    outcome = Outcome("attention", [], [], {}, total=len(models))
-    failures = ModelFailures(outcome, on_error)
-
-    def one(model: str):
-        with progress_printer(err, model, quiet=args.quiet) as on_progress:
-            return measure_attention(
-                base.with_model(model),
-                cache,
-                on_progress=on_progress,
-                on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
-            )
-
-    for model in models:
-        result = failures.attempt(model, one, model)
-        if result is None:
-            continue
-        outcome.results.append(result)
-        outcome.tables.append(attention_table(result, width, per_head=args.heads))
-        if on_table:
-            on_table(outcome.tables[-1])
-    outcome.rows = [asdict(r) for res in outcome.results for r in res.rows]
-    outcome.payload = {
+def json_payload(results: list[AttentionResult]) -> dict[str, Any]:
+    """The ``--json`` document: each result with its arrays as lists."""
+    return {
         "results": [
-            res.to_json() | {"arrays": {k: v.tolist() for k, v in res.arrays.items()}}
-            for res in outcome.results
+            res.to_json() | {"arrays": {k: v.tolist() for k, v in res.arrays.items()}} for res in results
         ]
     }
-    return outcome
 
 
-def main(args, err) -> int:
-    from isotui.cli_experiments import command_main
-
-    return command_main(collect)(args, err)
+def add_options(p: Any) -> None:
+    """Its own flags (the CLI adds the models, run and output flags)."""
+    p.add_argument("--heads", action="store_true", help="print every head, not heads averaged per layer")

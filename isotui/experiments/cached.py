@@ -32,6 +32,21 @@ def experiment_cache(root, folder: str, schema: int):
     return ResultCache(root, folder=folder, schema=schema)
 
 
+def read(cache: Any, key: str, decode: Callable[[dict[str, Any], dict[str, np.ndarray]], Any]) -> Any:
+    """The result cached under ``key`` (``decode`` of its payload and arrays), None if absent;
+    :class:`~isotui.store.cache.CacheProblem` if it cannot be used (damaged, or a structure this
+    version cannot read: a valid checksum says the bytes are intact, not that they fit)."""
+    from isotui.store.cache import CacheProblem
+
+    found = cache.get_payload(key)
+    if found is None:
+        return None
+    try:
+        return decode(*found)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise CacheProblem(f"cache entry {key}.safetensors is unreadable ({type(exc).__name__})") from None
+
+
 def find(
     cache, prepared, folder: str, schema: int, params: dict[str, Any], on_notice: Notice | None = None
 ) -> tuple[str, tuple[dict[str, Any], dict[str, np.ndarray]] | None]:

@@ -25,8 +25,8 @@ class CheckpointSeries:
     """The layer-wise results of a series' checkpoints, in series order."""
 
     series: str
-    checkpoints: list  # of qk_dynamics.Checkpoint
-    results: list  # of ModelResult
+    checkpoints: list[Any]  # of qk_dynamics.Checkpoint
+    results: list[Any]  # of ModelResult
 
     def steps(self) -> list[int]:
         return [c.step if c.step is not None else i for i, c in enumerate(self.checkpoints)]
@@ -36,7 +36,7 @@ class CheckpointSeries:
         return all(r.from_cache for r in self.results)
 
     @property
-    def rows(self) -> list:
+    def rows(self) -> list[dict[str, Any]]:
         """The CSV rows (for the app's export)."""
         return self.csv_rows()
 
@@ -59,56 +59,47 @@ class CheckpointSeries:
         return out
 
 
-def _label(row) -> str:
+def _label(row: Any) -> str:
     return str(row.layer) if row.component == "model" else f"{row.component} {row.layer}"
 
 
 def run_series(
     series: str | None,
-    checkpoints: list,
-    base_spec,
-    cache,
+    checkpoints: list[Any],
+    base_spec: Any,
+    cache: Any,
     *,
-    progress=None,
-    on_notice=None,
-    should_stop=None,
-    failures=None,
-):
+    progress: Any = None,
+    on_notice: Any = None,
+    should_stop: Any = None,
+    failures: Any = None,
+) -> CheckpointSeries | None:
     """Measure (or read from the cache) every checkpoint's layer table.
 
     ``failures`` (a :class:`isotui.cli.ModelFailures`): a checkpoint that fails is said and left
     out, the series is built from the rest (None when none is left); without it the first failure
     ends the series.
     """
-    from contextlib import nullcontext
-
     from isotui.experiments.layerwise import measure
-    from isotui.extract.progress import never_stop, no_progress
+    from isotui.experiments.series import measure_checkpoints
+    from isotui.extract.progress import never_stop
 
-    kept, results = [], []
-    for i, ckpt in enumerate(checkpoints):
-        with progress(i, ckpt) if progress else nullcontext(no_progress) as on_progress:
-
-            def one(ckpt=ckpt, on_progress=on_progress):
-                try:
-                    return measure(
-                        base_spec.with_model(ckpt.model),
-                        cache,
-                        on_progress=on_progress,
-                        on_notice=on_notice,
-                        should_stop=should_stop or never_stop,
-                    )
-                except IsotuiError as exc:
-                    raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
-
-            result = failures.attempt(ckpt.label, one) if failures is not None else one()
-        if result is not None:
-            kept.append(ckpt)
-            results.append(result)
+    kept, results = measure_checkpoints(
+        checkpoints,
+        lambda ckpt, on_progress: measure(
+            base_spec.with_model(ckpt.model),
+            cache,
+            on_progress=on_progress,
+            on_notice=on_notice,
+            should_stop=should_stop or never_stop,
+        ),
+        progress=progress,
+        attempt=failures.attempt if failures is not None else None,
+    )
     return assemble_series(series, kept, results) if results else None
 
 
-def assemble_series(series: str | None, checkpoints: list, results: list) -> CheckpointSeries:
+def assemble_series(series: str | None, checkpoints: list[Any], results: list[Any]) -> CheckpointSeries:
     """The series from its checkpoints' layer results; one architecture or one sentence."""
     from isotui.experiments.qk_dynamics import series_name
 
@@ -122,98 +113,24 @@ def assemble_series(series: str | None, checkpoints: list, results: list) -> Che
     return CheckpointSeries(series or series_name(checkpoints), checkpoints, results)
 
 
-def heatmap(result: CheckpointSeries, metric: str):
-    """A rich table: layers down, checkpoints across, each cell shaded by its value (dark to light
-    over the grid's range)."""
-    from rich.markup import escape
-    from rich.style import Style
-    from rich.table import Table
-    from rich.text import Text
-
-    from isotui.render import shorten
-
-    labels, values = result.grid(metric)
-    finite = values[np.isfinite(values)]
-    lo, hi = (float(finite.min()), float(finite.max())) if len(finite) else (0.0, 1.0)
-    meta = result.results[0].meta
-    table = Table(
-        title=f"[bold]{escape(shorten(result.series, 50))}[/]  {metric} by layer (rows) and step (columns)  "
-        f"{escape(str(meta.get('data')))}, {meta.get('n_samples')} samples",
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
-    )
-    table.add_column("layer", justify="right")
-    for step in result.steps():
-        table.add_column(str(step), justify="right")
-    for i, label in enumerate(labels):
-        cells = []
-        for v in values[i]:
-            if not math.isfinite(v):
-                cells.append(Text("-"))
-                continue
-            t = (v - lo) / (hi - lo) if hi > lo else 0.5
-            grey = int(40 + 170 * t)
-            fg = "black" if t > 0.55 else "white"
-            cells.append(Text(f"{v:.3f}", style=Style(bgcolor=f"rgb({grey},{grey},{grey})", color=fg)))
-        table.add_row(label, *cells)
-    table.caption = f"darker = lower, lighter = higher ({lo:.3f} .. {hi:.3f}); columns: " + ", ".join(
-        f"{s}={shorten(c.label, 24)}" for s, c in zip(result.steps(), result.checkpoints, strict=True)
-    )
-    table.caption_justify = "left"
-    return table
+# --- export and command-line options ------------------------------------------------------------
 
 
-# --- command line -------------------------------------------------------------------------------
+def csv_rows(results: list[CheckpointSeries]) -> list[dict[str, Any]]:
+    """The ``--csv`` rows: one per checkpoint and layer, every metric."""
+    return [row for result in results for row in result.csv_rows()]
 
 
-def add_arguments(p) -> None:
-    from isotui.cli_experiments import add_common, add_run_flags, add_series_flags
-
-    add_series_flags(p)
-    p.add_argument("--metric", default="avg_cos", choices=METRICS, help="the heatmap's metric (CSV: all)")
-    add_run_flags(p, "checkpoints")
-    add_common(p, device_seed=False)
-
-
-def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
-    """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
-    from isotui.cli_experiments import progress_printer, spec_from_args
-    from isotui.experiments.qk_dynamics import resolve_checkpoints
-    from isotui.paths import cache_dir
-    from isotui.results import ModelFailures, Outcome
-    from isotui.store.cache import ResultCache
-
-    checkpoints = resolve_checkpoints(args.model, args.checkpoints)
-    base = spec_from_args(args, checkpoints[0].model)
-    cache = None if args.no_cache else ResultCache(cache_dir(args.cache_dir))
-    n = len(checkpoints)
-    outcome = Outcome("checkpoints", [], [], {}, total=n, what="checkpoints")
-    failures = ModelFailures(outcome, on_error)
-    result = run_series(
-        args.model,
-        checkpoints,
-        base,
-        cache,
-        progress=lambda i, c: progress_printer(err, f"{i + 1}/{n} {c.label}", quiet=args.quiet),
-        on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
-        failures=failures,
-    )
-    if result is None:  # every checkpoint failed, each said as it did
-        return outcome
-    outcome.results, outcome.rows = [result], result.csv_rows()
-    outcome.payload = {
+def json_payload(results: list[CheckpointSeries]) -> dict[str, Any]:
+    """The ``--json`` document of the series (one per command)."""
+    result = results[0]
+    return {
         "series": result.series,
         "checkpoints": [c.__dict__ for c in result.checkpoints],
         "results": [r.to_json() for r in result.results],
     }
-    outcome.tables = [heatmap(result, args.metric)]
-    if on_table:
-        on_table(outcome.tables[0])
-    return outcome
 
 
-def main(args, err) -> int:
-    from isotui.cli_experiments import command_main
-
-    return command_main(collect)(args, err)
+def add_options(p: Any) -> None:
+    """Its own flags (the CLI adds the series, run and output flags)."""
+    p.add_argument("--metric", default="avg_cos", choices=METRICS, help="the heatmap's metric (CSV: all)")

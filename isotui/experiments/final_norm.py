@@ -407,165 +407,17 @@ def _result(facts: dict[str, Any], site: dict[str, Any], before, after) -> Final
     )
 
 
-def _source(result: FinalNormResult) -> str:
-    """Where the numbers came from: ``cache``, or the seconds they took."""
-    return "cache" if result.from_cache else f"{result.meta.get('seconds', 0):.1f} s"
+# --- export and command-line options ------------------------------------------------------------
 
 
-def final_norm_table(result: FinalNormResult):
-    """Before/after metrics, then the dimensions that carry avg_cos before the norm."""
-    from rich.console import Group
-    from rich.markup import escape
-    from rich.table import Table
-
-    from isotui.render import _f
-
-    metrics = Table(
-        title=f"[bold]{escape(result.model)}[/]  {escape(result.module)} ({result.kind})  "
-        f"{escape(str(result.meta.get('data')))}, {result.meta.get('n_samples')} samples  "
-        f"({_source(result)})",
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
-    )
-    for h in ("", "n", "avg_cos", "centered", "drift", "norm", "isoscore", "erank", "top_pc"):
-        metrics.add_column(h, justify="right")
-    for label, s in (("before", result.before), ("after", result.after)):
-        metrics.add_row(
-            label,
-            str(s.n_vectors),
-            _f(s.avg_cos),
-            _f(s.avg_cos_centered),
-            _f(s.drift_norm, 3),
-            _f(s.mean_norm, 3),
-            _f(s.isoscore),
-            _f(s.eff_rank, 1),
-            _f(s.top_pc_share, 3),
-        )
-    dims = Table(
-        title=f"top {TOP} dimensions by share of avg_cos before the norm",
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
-    )
-    for h in ("dim", "x̄ before", "x̄ after", "gain γ", "bias β", "share before", "share after"):
-        dims.add_column(h, justify="right")
-    for r in sorted(result.dims, key=lambda r: -r.share_before)[:TOP]:
-        dims.add_row(
-            str(r.dim),
-            _f(r.mean_before, 3),
-            _f(r.mean_after, 3),
-            _f(r.gain, 3),
-            _f(r.bias, 3),
-            _f(r.share_before, 3),
-            _f(r.share_after, 3),
-        )
-    dims.caption = (
-        f"Spearman(|x̄_k|, γ_k) = {_f(result.rho_mean_gain, 3)} (p={result.p_mean_gain:.2g}); "
-        f"Spearman(share_k, γ_k) = {_f(result.rho_share_gain, 3)} (p={result.p_share_gain:.2g})\n"
-        + result.verdict()
-    )
-    dims.caption_justify = "left"
-    return Group(metrics, dims)
+def csv_rows(results: list[FinalNormResult]) -> list[dict[str, Any]]:
+    """The ``--csv`` rows: one per model, norm and hidden dimension."""
+    return [asdict(d) for r in results for d in r.dims]
 
 
-def per_block_table(results: list[FinalNormResult]):
-    """One row per block output norm: what it does to avg_cos and IsoScore, and its top dims."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from isotui.render import _f
-
-    first = results[0]
-    table = Table(
-        title=f"[bold]{escape(first.model)}[/]  every block's output norm  "
-        f"{escape(str(first.meta.get('data')))}, {first.meta.get('n_samples')} samples  ({_source(first)})",
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
-    )
-    for h in (
-        "layer",
-        "avg_cos before",
-        "after",
-        "isoscore before",
-        "after ",
-        "top dim",
-        "share",
-        "→",
-        "gain",
-    ):
-        table.add_column(h, justify="right")
-    for i, r in enumerate(results, 1):
-        top = max(r.dims, key=lambda d: d.share_before)
-        table.add_row(
-            str(i),
-            _f(r.before.avg_cos),
-            _f(r.after.avg_cos),
-            _f(r.before.isoscore),
-            _f(r.after.isoscore),
-            str(top.dim),
-            _f(top.share_before, 3),
-            _f(top.share_after, 3),
-            _f(top.gain, 4),
-        )
-    table.caption = (
-        "layer L: the norm that ends block L (its output is hidden-state row L); top dim: the dimension "
-        "carrying most of avg_cos before the norm, its share before and after, and its gain γ"
-    )
-    table.caption_justify = "left"
-    return table
-
-
-# --- command line -------------------------------------------------------------------------------
-
-
-def add_arguments(p) -> None:
-    from isotui.cli_experiments import add_common, add_run_flags
-
-    p.add_argument("--model", "-m", action="append", dest="models", metavar="MODEL", help="repeat to compare")
-    p.add_argument(
-        "--every-layer",
-        action="store_true",
-        help="every block's output norm (post-LN models such as BERT), one table row per block",
-    )
-    add_run_flags(p, "final-norm")
-    add_common(p, device_seed=False)
-
-
-def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
-    """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
-    from isotui.cli_experiments import progress_printer, spec_from_args
-    from isotui.experiments.cached import experiment_cache
-    from isotui.paths import cache_dir
-    from isotui.results import ModelFailures, Outcome
-
-    models = args.models or ["minilm"]
-    base = spec_from_args(args, models[0])
-    cache = None if args.no_cache else experiment_cache(cache_dir(args.cache_dir), FOLDER, SCHEMA)
-    outcome = Outcome("final-norm", [], [], {}, total=len(models))
-    failures = ModelFailures(outcome, on_error)
-
-    def one(model: str):
-        with progress_printer(err, model, quiet=args.quiet) as bar:
-            return cached_norms(
-                base.with_model(model),
-                cache,
-                every_layer=args.every_layer,
-                on_progress=bar,
-                on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
-            )
-
-    for model in models:
-        found = failures.attempt(model, one, model)
-        if found is None:
-            continue
-        outcome.results += found
-        outcome.tables.append(per_block_table(found) if args.every_layer else final_norm_table(found[0]))
-        if on_table:
-            on_table(outcome.tables[-1])
-    outcome.rows = [asdict(d) for r in outcome.results for d in r.dims]
-    outcome.payload = {
+def json_payload(results: list[FinalNormResult]) -> dict[str, Any]:
+    """The ``--json`` document: each norm's verdict, before/after metrics and dimensions."""
+    return {
         "results": [
             {
                 "model": r.model,
@@ -577,13 +429,15 @@ def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
                 "dims": [asdict(d) for d in r.dims],
                 "meta": r.meta,
             }
-            for r in outcome.results
+            for r in results
         ]
     }
-    return outcome
 
 
-def main(args, err) -> int:
-    from isotui.cli_experiments import command_main
-
-    return command_main(collect)(args, err)
+def add_options(p: Any) -> None:
+    """Its own flags (the CLI adds the models, run and output flags)."""
+    p.add_argument(
+        "--every-layer",
+        action="store_true",
+        help="every block's output norm (post-LN models such as BERT), one table row per block",
+    )

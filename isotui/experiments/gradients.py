@@ -84,16 +84,26 @@ def cached_gradients(
     prepared = prepare(spec, cache)
     key, found = find(cache, prepared, FOLDER, SCHEMA, {"top_k": top_k}, on_notice)
     if found is not None:
-        data = found[0]
-        rows = [GradientRow(**{**r, "model": spec.model}) for r in data["rows"]]
-        meta = {**data["meta"], "data": spec.data.describe()}
-        return GradientResult(spec.model, data["objective"], rows, data["notes"], meta, from_cache=True)
+        result = gradients_from_payload(*found)
+        result.model, result.from_cache = spec.model, True
+        result.meta["data"] = spec.data.describe()
+        for row in result.rows:
+            row.model = spec.model
+        return result
     result = measure_gradients(
         spec, top_k=top_k, on_progress=on_progress, should_stop=should_stop, prepared=prepared
     )
     payload = {k: v for k, v in asdict(result).items() if k != "from_cache"}
     keep(cache, key, payload, {}, on_notice)
     return result
+
+
+def gradients_from_payload(payload: dict[str, Any], _arrays: dict[str, Any]) -> GradientResult:
+    """The result a cache entry holds (the payload :func:`cached_gradients` stores)."""
+    rows = [GradientRow(**r) for r in payload["rows"]]
+    return GradientResult(
+        payload["model"], payload["objective"], rows, payload["notes"], dict(payload["meta"])
+    )
 
 
 def _refuse_bundled(model: str) -> None:
@@ -360,108 +370,21 @@ def _notes(objective: str, top_k: int) -> list[str]:
     ]
 
 
-def gradients_table(result: GradientResult):
-    """One row per layer: the gradients' geometry, then where their energy lies."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from isotui.render import _f
-
-    m = result.meta
-    k = result.rows[0].top_k if result.rows else 0
-    table = Table(
-        title=f"[bold]{escape(result.model)}[/]  {m.get('lm_class')} ({result.objective} LM)  "
-        f"{escape(str(m.get('data')))}, {m.get('n_samples')} samples, "
-        f"loss {_f(m.get('loss_per_token', math.nan), 3)} nats/token over {m.get('loss_tokens')} targets  "
-        f"({'cache' if result.from_cache else format(m.get('seconds', 0), '.1f') + ' s'})",
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
-    )
-    for h in ("layer", "n", "zero", "grad cos", "grad drift", "grad norm", "act cos"):
-        table.add_column(h, justify="right")
-    for h in (f"top-{k} share", "random", "k/d", f"act var top-{k}", "best"):
-        table.add_column(h, justify="right")
-    for r in result.rows:
-        table.add_row(
-            str(r.layer),
-            str(r.n_vectors),
-            str(r.n_zero),
-            _f(r.grad_avg_cos),
-            _g(r.grad_drift_norm),
-            _g(r.grad_mean_norm),
-            _f(r.act_avg_cos),
-            _f(r.top_share, 3),
-            _f(r.random_share, 3),
-            _f(r.expected_share, 3),
-            _f(r.act_top_var, 3),
-            _f(r.grad_top_share, 3),
-        )
-    table.caption = "\n".join(escape(n) for n in result.notes)
-    table.caption_justify = "left"
-    return table
+# --- export and command-line options ------------------------------------------------------------
 
 
-def _g(x: float) -> str:
-    """Gradient norms span decades: three significant digits."""
-    return "-" if x is None or not math.isfinite(x) else f"{x:.3g}"
+def csv_rows(results: list[GradientResult]) -> list[dict[str, Any]]:
+    """The ``--csv`` rows: one per model and layer."""
+    return [asdict(r) for res in results for r in res.rows]
 
 
-# --- command line -------------------------------------------------------------------------------
+def json_payload(results: list[GradientResult]) -> dict[str, Any]:
+    """The ``--json`` document: each result as its fields."""
+    return {"results": [{k: v for k, v in asdict(r).items() if k != "from_cache"} for r in results]}
 
 
-def add_arguments(p) -> None:
-    from isotui.cli_experiments import add_common, add_run_flags
-
-    p.add_argument(
-        "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
-    )
-    add_run_flags(p, "gradients")
-    add_common(p, device_seed=False)
+def add_options(p: Any) -> None:
+    """Its own flags (the CLI adds the models, run and output flags)."""
     p.add_argument(
         "--top-k", type=int, default=10, help="principal directions of the activations (default 10)"
     )
-
-
-def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
-    """The command's work without its output (see :func:`isotui.cli.collect_run`)."""
-    from isotui.cli_experiments import progress_printer, spec_from_args
-    from isotui.experiments.cached import experiment_cache
-    from isotui.paths import cache_dir
-    from isotui.results import ModelFailures, Outcome
-
-    models = args.models or ["minilm"]
-    base = spec_from_args(args, models[0])
-    cache = None if args.no_cache else experiment_cache(cache_dir(args.cache_dir), FOLDER, SCHEMA)
-    outcome = Outcome("gradients", [], [], {}, total=len(models))
-    failures = ModelFailures(outcome, on_error)
-
-    def one(model: str):
-        with progress_printer(err, model, quiet=args.quiet) as bar:
-            return cached_gradients(
-                base.with_model(model),
-                cache,
-                top_k=args.top_k,
-                on_progress=bar,
-                on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
-            )
-
-    for model in models:
-        result = failures.attempt(model, one, model)
-        if result is None:
-            continue
-        outcome.results.append(result)
-        outcome.tables.append(gradients_table(result))
-        if on_table:
-            on_table(outcome.tables[-1])
-    outcome.rows = [asdict(r) for res in outcome.results for r in res.rows]
-    outcome.payload = {
-        "results": [{k: v for k, v in asdict(r).items() if k != "from_cache"} for r in outcome.results]
-    }
-    return outcome
-
-
-def main(args, err) -> int:
-    from isotui.cli_experiments import command_main
-
-    return command_main(collect)(args, err)

@@ -105,6 +105,14 @@ def _no_notice(_: str) -> None:
     """Default: drop notices."""
 
 
+def read(cache: ResultCache, key: str) -> ModelResult | None:
+    """The layer run cached under ``key``, None if absent; CacheProblem if it cannot be used."""
+    from isotui.experiments.cached import read as read_entry
+
+    found: ModelResult | None = read_entry(cache, key, ModelResult.from_json)
+    return found
+
+
 def lookup(
     prepared: Prepared, cache: ResultCache | None, on_notice: NoticeCallback = _no_notice
 ) -> ModelResult | None:
@@ -114,7 +122,7 @@ def lookup(
     hit = None
     for key in prepared.keys:
         try:
-            hit = cache.get(key)
+            hit = read(cache, key)
         except CacheProblem as problem:
             on_notice(f"{problem}; recomputing")
             return None
@@ -134,7 +142,7 @@ def store(result: ModelResult, cache: ResultCache | None, on_notice: NoticeCallb
     if cache is None:
         return
     try:
-        cache.put(result)
+        cache.put_payload(result.key, result.to_json(), result.arrays)
     except CacheWriteError as exc:  # the result itself is fine: report, keep it, go on
         on_notice(str(exc))
 

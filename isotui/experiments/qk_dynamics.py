@@ -165,11 +165,11 @@ class DynamicsResult:
         return q, k
 
 
-def dynamics(series: str, checkpoints: list[Checkpoint], results: list) -> DynamicsResult:
+def dynamics(series: str, checkpoints: list[Checkpoint], results: list[Any]) -> DynamicsResult:
     """Assemble the per-checkpoint attention results (with subsamples) into trajectories."""
     sites = [tuple(m.values()) for m in results[0].modules()]
 
-    def shapes(res) -> list:
+    def shapes(res: Any) -> list[Any]:
         return [(res.arrays[f"q_bar.{i}"].shape, res.arrays[f"k_bar.{i}"].shape) for i in range(len(sites))]
 
     for ckpt, res in zip(checkpoints, results, strict=True):
@@ -239,14 +239,14 @@ def _xy(vector: np.ndarray, basis: np.ndarray) -> tuple[float, float]:
 def run_dynamics(
     model: str | None,
     checkpoints: list[Checkpoint],
-    base_spec,
-    cache,
+    base_spec: Any,
+    cache: Any,
     *,
     sample_size: int = DEFAULT_SAMPLE,
-    progress=None,
-    should_stop=None,
-    on_notice=None,
-    failures=None,
+    progress: Any = None,
+    should_stop: Any = None,
+    on_notice: Any = None,
+    failures: Any = None,
 ) -> DynamicsResult | None:
     """Measure every checkpoint (each cached on its own), then build the trajectories.
 
@@ -255,38 +255,28 @@ def run_dynamics(
     :class:`isotui.cli.ModelFailures`): a checkpoint that fails is said and left out, the series
     is built from the rest (None when none is left); without it the first failure ends the series.
     """
-    from contextlib import nullcontext
-
     from isotui.experiments.attention import measure_attention
-    from isotui.extract.progress import never_stop, no_progress
+    from isotui.experiments.series import measure_checkpoints
+    from isotui.extract.progress import never_stop
 
-    kept, results = [], []
-    for i, ckpt in enumerate(checkpoints):
-        context = progress(i, ckpt) if progress else nullcontext(no_progress)
-        with context as on_progress:
-
-            def one(ckpt=ckpt, on_progress=on_progress):
-                try:
-                    return measure_attention(
-                        base_spec.with_model(ckpt.model),
-                        cache,
-                        sample_size=sample_size,
-                        on_progress=on_progress,
-                        should_stop=should_stop or never_stop,
-                        on_notice=on_notice,
-                    )
-                except IsotuiError as exc:
-                    raise IsotuiError(f"checkpoint {ckpt.label}: {exc}") from None
-
-            result = failures.attempt(ckpt.label, one) if failures is not None else one()
-        if result is not None:
-            kept.append(ckpt)
-            results.append(result)
+    kept, results = measure_checkpoints(
+        checkpoints,
+        lambda ckpt, on_progress: measure_attention(
+            base_spec.with_model(ckpt.model),
+            cache,
+            sample_size=sample_size,
+            on_progress=on_progress,
+            should_stop=should_stop or never_stop,
+            on_notice=on_notice,
+        ),
+        progress=progress,
+        attempt=failures.attempt if failures is not None else None,
+    )
     return assemble(model, kept, results, sample_size) if results else None
 
 
 def assemble(
-    model: str | None, checkpoints: list[Checkpoint], results: list, sample_size: int
+    model: str | None, checkpoints: list[Checkpoint], results: list[Any], sample_size: int
 ) -> DynamicsResult:
     """The series from its checkpoints' attention results (measured or cached)."""
     out = dynamics(model or series_name(checkpoints), checkpoints, results)
@@ -313,14 +303,28 @@ def series_name(checkpoints: list[Checkpoint]) -> str:
     return prefix or checkpoints[0].label
 
 
-# --- command line -------------------------------------------------------------------------------
+# --- export and command-line options ------------------------------------------------------------
 
 
-def add_arguments(p) -> None:
-    from isotui.cli_experiments import add_common, add_run_flags, add_series_flags
+def csv_rows(results: list[DynamicsResult]) -> list[dict[str, Any]]:
+    """The ``--csv`` rows: one per checkpoint and head."""
+    return [asdict(r) for result in results for r in result.rows]
 
-    add_series_flags(p)
-    add_run_flags(p, "qk-dynamics")
+
+def json_payload(results: list[DynamicsResult]) -> dict[str, Any]:
+    """The ``--json`` document of the series (one per command)."""
+    result = results[0]
+    return {
+        "series": result.series,
+        "checkpoints": [c.__dict__ for c in result.checkpoints],
+        "sites": result.sites,
+        "rows": [r.__dict__ for r in result.rows],
+        "meta": result.meta,
+    }
+
+
+def add_options(p: Any) -> None:
+    """Its own flags (the CLI adds the series, run and output flags)."""
     p.add_argument(
         "--sample",
         default=str(DEFAULT_SAMPLE),
@@ -328,73 +332,26 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--plot", metavar="LAYER[:HEAD]", help="draw Q_bar/K_bar trajectories of one head")
     p.add_argument("--basis", choices=BASES, default="qk", help="SVD of queries+keys (qk), or q or k only")
-    add_common(p, device_seed=False)
 
 
-def collect(args, err, *, width: int = 200, on_table=None, on_error=None):
-    """The command's work without its output (see :func:`isotui.cli.collect_run`): the tables,
-    then the trajectory figure (``--plot``) as one more renderable."""
-    from isotui.cli_experiments import progress_printer, spec_from_args
-    from isotui.experiments.attention import attention_cache
-    from isotui.paths import cache_dir
-    from isotui.render_attention import dynamics_tables
-    from isotui.results import ModelFailures, Outcome
-
+def sample_size(text: str) -> int:
+    """``--sample``, checked: positions kept per module (at least 2, to span two directions)."""
     try:
-        sample = int(args.sample)
+        sample = int(text)
     except ValueError:
-        raise IsotuiError(f"--sample must be a positive integer (got {args.sample!r})") from None
+        raise IsotuiError(f"--sample must be a positive integer (got {text!r})") from None
     if sample < 2:
         raise IsotuiError(f"--sample must be at least 2 to span two directions (got {sample})")
-    plot = _parse_plot(args.plot)
-    checkpoints = resolve_checkpoints(args.model, args.checkpoints)
-    base = spec_from_args(args, checkpoints[0].model)
-    cache = None if args.no_cache else attention_cache(cache_dir(args.cache_dir))
-    n = len(checkpoints)
-    outcome = Outcome("qk-dynamics", [], [], {}, total=n, what="checkpoints")
-    failures = ModelFailures(outcome, on_error)
-    result = run_dynamics(
-        args.model,
-        checkpoints,
-        base,
-        cache,
-        sample_size=sample,
-        progress=lambda i, c: progress_printer(err, f"{i + 1}/{n} {c.label}", quiet=args.quiet),
-        on_notice=lambda text: err.print(f"[yellow]isotui: {text}[/]", highlight=False),
-        failures=failures,
-    )
-    if result is None:  # too few checkpoints left, each failure said as it happened
-        return outcome
-    tables = list(dynamics_tables(result))
-    if plot is not None:
-        from rich.text import Text
-
-        tables.append(Text.from_ansi(trajectory_text(result, *plot, basis=args.basis, width=min(width, 100))))
-    outcome.results, outcome.rows, outcome.tables = [result], [asdict(r) for r in result.rows], tables
-    outcome.payload = {
-        "series": result.series,
-        "checkpoints": [c.__dict__ for c in result.checkpoints],
-        "sites": result.sites,
-        "rows": [r.__dict__ for r in result.rows],
-        "meta": result.meta,
-    }
-    return outcome
+    return sample
 
 
-def main(args, err) -> int:
-    from isotui.cli import print_error, stdout_console
-    from isotui.cli_experiments import report
-
-    out = stdout_console()
-    outcome = collect(args, err, width=out.width, on_error=lambda _name, text: print_error(err, text))
-    for i, table in enumerate(outcome.tables):
-        out.print(table)
-        if args.plot is None or i < len(outcome.tables) - 1:  # a blank line after each table
-            out.print()
-    return report(outcome, args, err)
+def check_options(args: Any) -> None:
+    """``--sample`` and ``--plot`` said before any checkpoint is resolved."""
+    sample_size(args.sample)
+    parse_plot(args.plot)
 
 
-def _parse_plot(text: str | None) -> tuple[int, int] | None:
+def parse_plot(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
     layer, _, head = text.partition(":")
@@ -402,21 +359,3 @@ def _parse_plot(text: str | None) -> tuple[int, int] | None:
         return int(layer), int(head or 0)
     except ValueError:
         raise IsotuiError(f"--plot must be LAYER or LAYER:HEAD, e.g. 3:0 (got {text!r})") from None
-
-
-def trajectory_text(result: DynamicsResult, layer: int, head: int, *, basis: str, width: int = 100) -> str:
-    """The trajectories of one head as a plotext figure (a string), for the headless command."""
-    import plotext as plt
-
-    from isotui.figures import draw_trajectory
-
-    sites = [i for i, s in enumerate(result.sites) if s[1] == layer and s[2] == "self"]
-    if not sites:
-        raise IsotuiError(f"--plot {layer}: no such layer; layers are {sorted({s[1] for s in result.sites})}")
-    heads = {r.head for r in result.rows if r.layer == layer}
-    if head not in heads:
-        raise IsotuiError(f"--plot {layer}:{head}: no such head; heads are 0..{max(heads)}")
-    plt.clear_figure()
-    plt.plotsize(width, 24)
-    draw_trajectory(plt, result, sites[0], head, basis)
-    return plt.build()

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from isotui.results import SCHEMA_VERSION, ModelResult
+from isotui.results import SCHEMA_VERSION
 from isotui.store.files import temp_pattern, write_bytes_atomic
 
 _META_KEY = "isotui"
@@ -68,7 +68,11 @@ def _digest(arrays: dict[str, np.ndarray], result: dict[str, Any]) -> str:
 
 class ResultCache:
     """A folder of entries named by their key: layer-wise runs in ``runs/``; an experiment's
-    results (attention, drift-block...) in a folder of its own, with its own schema number."""
+    results (attention, drift-block...) in a folder of its own, with its own schema number.
+
+    One API for every experiment: :meth:`get_payload` / :meth:`put_payload` hold a JSON payload
+    and arrays; turning them into a result is the experiment's ``decode``
+    (:func:`isotui.experiments.cached.read`)."""
 
     def __init__(self, root: Path, folder: str = "runs", schema: int = SCHEMA_VERSION) -> None:
         self.root = Path(root)
@@ -78,14 +82,17 @@ class ResultCache:
     def path_for(self, key: str) -> Path:
         return self.runs / f"{key}.safetensors"
 
-    def get(self, key: str) -> ModelResult | None:
-        """The cached result for ``key``, None if absent; :class:`CacheProblem` if unusable."""
+    def get(self, key: str) -> Any:
+        """The layer run cached under ``key``, None if absent: kept only for ``tui/app.py`` (owned
+        elsewhere this session) until it calls ``isotui.experiments.cached.read(cache, key,
+        ModelResult.from_json)``, the one way every experiment reads; then delete this."""
+        from isotui.results import ModelResult
+
         found = self.get_payload(key)
         if found is None:
             return None
-        payload, arrays = found
         try:
-            return ModelResult.from_json(payload, arrays)
+            return ModelResult.from_json(*found)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise CacheProblem(
                 f"cache entry {key}.safetensors is unreadable ({type(exc).__name__})"
@@ -124,10 +131,6 @@ class ResultCache:
         if _META_KEY not in meta:
             raise ValueError("no isotui metadata")
         return json.loads(meta[_META_KEY])
-
-    def put(self, result: ModelResult) -> Path:
-        """Write ``result`` atomically (temporary file in the same folder, then rename)."""
-        return self.put_payload(result.key, result.to_json(), result.arrays)
 
     def put_payload(self, key: str, payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> Path:
         """Write one entry atomically (temporary file in the same folder, then rename), with the

@@ -68,11 +68,8 @@ from __future__ import annotations
 
 from isotui.experiments.drift_block.cli import (
     HELP,
-    add_arguments,
     add_options,
-    collect,
     config_from_args,
-    main,
 )
 from isotui.experiments.drift_block.config import (
     BLOCKS,
@@ -124,15 +121,12 @@ __all__ = [
     "_run_seed",
     "_store",
     "_version",
-    "add_arguments",
     "add_options",
     "build_block",
-    "collect",
     "config_from_args",
     "drift_cache",
     "fixed_point",
     "init_like_bert",
-    "main",
     "n_star_line",
     "norm_note",
     "parse_norms",

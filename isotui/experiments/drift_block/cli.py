@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from isotui.errors import IsotuiError
 from isotui.experiments.drift_block.config import DEFAULT_NORMS, DriftBlockConfig, parse_norms, parse_seeds
-from isotui.experiments.drift_block.store import drift_cache
-from isotui.experiments.drift_block.sweep import run_drift_block
-from isotui.experiments.drift_block.view import result_table
-from isotui.extract.progress import Progress
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
-    from isotui.results import Outcome
+    pass
 
 HELP = (
     "an untrained BERT block fed token embeddings plus a random bias of norm N, swept over N "
@@ -27,14 +18,6 @@ HELP = (
     "tokens, 31 norms) takes about 3 minutes per seed on 2 idle CPU cores (7-9 minutes when they "
     "are busy with other work); smaller --hidden/--seq-len/--norms are faster."
 )
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The subcommand's flags: drift-block's own (:func:`add_options`) and the shared ones."""
-    from isotui.cli_experiments import add_common
-
-    add_options(p)
-    add_common(p)
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -98,60 +81,3 @@ def config_from_args(args: argparse.Namespace) -> DriftBlockConfig:
         block=str(args.block).strip(),
         measure=str(args.measure).strip(),
     )
-
-
-def collect(
-    args: argparse.Namespace,
-    err: Console,
-    *,
-    width: int = 200,
-    on_table: Callable[[Any], None] | None = None,
-    on_error: Callable[[str, str], None] | None = None,
-) -> Outcome:
-    """The command's work without its output (see :func:`isotui.cli.collect_run`); one sweep, so
-    ``on_table`` and ``on_error`` (the multi-model commands' hooks) are not called."""
-    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
-    from rich.progress import Progress as Bar
-
-    from isotui.paths import cache_dir
-    from isotui.results import Outcome
-
-    config = config_from_args(args)
-    for flag in ("csv", "json"):  # say it before a long run, not after
-        value = getattr(args, flag, None)
-        if value and Path(value).expanduser().is_dir():
-            raise IsotuiError(f"--{flag} {value} is a directory; give a file name")
-    cache = None if args.no_cache else drift_cache(cache_dir(args.cache_dir))
-    columns = (
-        TextColumn("[bold]drift-block"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} (seed, N)"),
-        TimeElapsedColumn(),
-    )
-    with Bar(*columns, console=err, transient=True, disable=args.quiet) as bar:
-        task = bar.add_task("drift-block", total=len(config.norms) * len(config.seeds))
-
-        def on_progress(ev: Progress) -> None:
-            bar.update(task, completed=ev.samples_done, total=ev.samples_total)
-
-        result = run_drift_block(config, cache, on_progress=on_progress)
-    rows = [asdict(r) for r in result.rows]
-    return Outcome("drift-block", [result], rows, result.to_json(), [result_table(result, width)])
-
-
-def main(args: argparse.Namespace, err: Console) -> int:
-    """Run the command: the table on stdout, the cache and timing line on ``err``; the exit code."""
-    from isotui.cli import stdout_console
-    from isotui.cli_experiments import report
-
-    out: Console = stdout_console()  # type: ignore[no-untyped-call]  # isotui.cli is not typed yet
-    outcome = collect(args, err, width=out.width)
-    result = outcome.results[0]
-    out.print(outcome.tables[0], highlight=False)
-    if not args.quiet:
-        cached = sum(result.from_cache)
-        parts = [f"{cached} of {len(result.seeds)} seeds from the cache"] if cached else []
-        if cached < len(result.seeds):
-            parts.append(f"{result.seconds:.1f} s computing on {result.device}")
-        err.print(", ".join(parts), highlight=False)
-    return report(outcome, args, err)

@@ -1,0 +1,170 @@
+"""The Experiment contract: what every experiment declares, so that the CLI (its parser and its
+one loop over models or series), the result cache, the CSV/JSON export, ``cache ls/rm``, the
+Python API and the app read one table (:mod:`isotui.experiments.registry`) instead of knowing
+each experiment.
+
+An experiment is:
+
+- a **request** type (:class:`Request`): one hashable job (a model's spec and the experiment's
+  parameters, a checkpoint series, a drift-block configuration) that knows how to answer from the
+  cache (quick: ``lookup``) and how to compute (long: ``compute``, which also stores the result);
+  and both in one pass (``measure``, the CLI's and the API's path, see :meth:`Experiment.run`);
+  the app's backend runs requests as they are;
+- a **result** type (whatever ``compute`` returns; a list of results for final-norm);
+- its cache **folder** and **schema** number under the result cache's root, and the **keys** its
+  result is stored under (:meth:`Request.keys`);
+- **rows** (the ``--csv`` rows, dicts in column order) and **payload** (the ``--json``
+  document) of a list of results;
+- **decode**: a cache entry back into a result (``isotui.load``, ``isotui show``);
+- its terminal **view**: a *name*, resolved in the views layer (:mod:`isotui.views`), so that no
+  experiment imports rich tables, plotext figures or the CLI;
+- its own **options** (argparse flags beyond what its ``inputs`` kind gives: the CLI adds the
+  model or series flags, the run flags and the output flags) and how a request is made from them.
+
+Nothing here imports torch, rich or the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
+
+Notice = Callable[[str], None]
+Rows = list[dict[str, Any]]
+Payload = dict[str, Any]
+Arrays = dict[str, np.ndarray]
+Inputs = Literal["models", "series", "config"]
+Attempt = Callable[..., Any]  # (name, fn, *args) -> fn's value, or None once the failure is said
+PartProgress = Callable[[int, Any], AbstractContextManager[ProgressCallback]]
+
+
+def ignore_notice(_text: str) -> None:
+    """Default: drop notices."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where and how a request runs.
+
+    ``cache_root``: the result cache's root (None: ``--no-cache``, read nothing, store nothing);
+    ``on_progress``/``should_stop``: progress events and cancellation; ``notice``: one sentence
+    worth saying that is not a failure (a damaged cache entry, a cache that cannot be written).
+    For a series: ``attempt`` runs one checkpoint, says its failure and goes on (None: the first
+    failure ends the series); ``part_progress(i, checkpoint)`` gives that checkpoint's progress
+    callback (None: one bar over the whole series, from ``on_progress``).
+    """
+
+    cache_root: Path | None = None
+    on_progress: ProgressCallback = no_progress
+    should_stop: StopCheck = never_stop
+    notice: Notice = ignore_notice
+    attempt: Attempt | None = None
+    part_progress: PartProgress | None = None
+
+
+@runtime_checkable
+class Request(Protocol):
+    """One job of an experiment: hashable (identical jobs in flight are merged), with what the
+    jobs pane shows (``model``), which device lane it runs on (``device``) and the two steps the
+    app's backend calls (signatures kept as the backend calls them)."""
+
+    kind: ClassVar[str]
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+    def keys(self, cache_root: Path | None) -> list[str]:
+        """The cache keys its result is (or would be) stored under, in its experiment's folder."""
+        ...
+
+    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+        """The cached result, or None (nothing computed; a damaged entry is said and ignored)."""
+        ...
+
+    def measure(self, context: Context) -> Any:
+        """The cached result when there is one, else computed and stored (one resolution)."""
+        ...
+
+    def compute(
+        self,
+        cache_root: Path | None,
+        *,
+        on_progress: ProgressCallback,
+        should_stop: StopCheck,
+        notice: Notice,
+    ) -> Any:
+        """Compute (loading the model) and store the result; raises IsotuiError in one sentence."""
+        ...
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One registered experiment (see the module's docstring for each field's meaning)."""
+
+    name: str  # the subcommand: `isotui experiment NAME` (or `isotui run` for layers)
+    help: str
+    request_type: type
+    result_type: type
+    folder: str | None  # cache folder under the root; None: its parts are cached by others
+    schema: int
+    view: str  # the terminal view's name in isotui.views.VIEWS
+    inputs: Inputs  # models (-m, repeatable), series (--model/--checkpoints) or config (own flags)
+    make_request: Callable[[Any, argparse.Namespace], Any]  # (spec | series | None, args) -> request
+    rows: Callable[[list[Any]], Rows]
+    payload: Callable[[list[Any]], Payload]
+    add_options: Callable[[argparse.ArgumentParser], None] = lambda _p: None
+    decode: Callable[[Payload, Arrays], Any] | None = None
+    check: Callable[[argparse.Namespace], None] = lambda _args: None  # flags said before any work
+    command: str = "experiment"  # "run": a top-level command of its own
+    run_flags: bool = True  # takes the data and extraction flags of `isotui run`
+    what: str = "models"  # what the closing failure line counts
+
+    def request(self, spec: Any, args: argparse.Namespace) -> Any:
+        """The request ``spec`` (a RunSpec; a (series, checkpoints, spec) triple; None for a
+        config experiment, which reads its own flags) and the parsed flags stand for."""
+        return self.make_request(spec, args)
+
+    def lookup(self, request: Any, context: Context) -> Any:
+        """The cached result of ``request``, or None."""
+        return request.lookup(context.cache_root, context.notice)
+
+    def compute(self, request: Any, context: Context) -> Any:
+        """Compute ``request`` (and store its result when ``context`` has a cache)."""
+        return request.compute(
+            context.cache_root,
+            on_progress=context.on_progress,
+            should_stop=context.should_stop,
+            notice=context.notice,
+        )
+
+    def run(self, request: Any, context: Context) -> Any:
+        """The cached result when there is one, else computed and stored, in one pass (the
+        CLI's and the Python API's path; a series' checkpoints each cached on their own)."""
+        return request.measure(context)
+
+    def cache(self, root: Path) -> Any:
+        """This experiment's folder of the result cache at ``root`` (a ResultCache)."""
+        from isotui.store.cache import ResultCache
+
+        if self.folder is None:
+            raise ValueError(f"experiment {self.name} has no cache folder of its own")
+        return ResultCache(root, folder=self.folder, schema=self.schema)
+
+
+def flatten(results: list[Any]) -> list[Any]:
+    """Results of several requests as one list (a request may give a list, as final-norm does)."""
+    out: list[Any] = []
+    for r in results:
+        out.extend(r if isinstance(r, list) else [r])
+    return out

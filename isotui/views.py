@@ -1,0 +1,380 @@
+"""The experiments' terminal views: the rich tables and plotext figures the CLI prints (and the
+Python API's ``Result.tables``), one :class:`View` per registered experiment, found by the name
+its :class:`~isotui.experiments.base.Experiment` gives (``view``), so experiments never import
+rich, plotext or the CLI.
+
+A view turns one request's result (and the parsed flags: ``--heads``, ``--metric``, ``--plot``...)
+into renderables; optionally closes with tables over every result (``run --wide``), says a line
+on stderr per result, or draws its own progress bar.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from isotui.errors import IsotuiError
+from isotui.figures import draw_trajectory
+from isotui.render import _f, shorten
+
+if TYPE_CHECKING:
+    from isotui.experiments.checkpoints import CheckpointSeries
+    from isotui.experiments.final_norm import FinalNormResult
+    from isotui.experiments.gradients import GradientResult
+    from isotui.experiments.qk_dynamics import DynamicsResult
+
+TOP = 5  # final-norm: the dimensions listed by their share of avg_cos
+
+
+@dataclass(frozen=True)
+class View:
+    """How the CLI shows one experiment's results.
+
+    ``tables(result, args, width)``: the renderables of one request's result, in print order;
+    ``closing(results, args, width)``: more after every result (None: nothing);
+    ``note(result, args)``: a line for stderr once the result is there (None: nothing);
+    ``progress(err, name, args)``: a context manager yielding the progress callback (None: the
+    CLI's bar); ``highlight``: rich's highlighting of printed text; ``blank_line``: a blank line
+    after each table (never after a figure: a :class:`rich.text.Text`).
+    """
+
+    tables: Callable[[Any, Any, int], list[Any]]
+    closing: Callable[[list[Any], Any, int], list[Any]] | None = None
+    note: Callable[[Any, Any], str | None] | None = None
+    progress: Callable[[Any, str, Any], Any] | None = None
+    highlight: bool = True
+    blank_line: bool = True
+
+
+# --- layers (isotui run) ----------------------------------------------------------------------------
+
+
+def _layer_tables(result: Any, _args: Any, width: int) -> list[Any]:
+    from isotui.render import result_table
+
+    return [result_table(result, width)]
+
+
+def _wide(results: list[Any], args: Any, width: int) -> list[Any]:
+    """``--wide METRIC``: one layer x model table after the models' own."""
+    from isotui.render import wide_table
+
+    metric = getattr(args, "wide", None)
+    return [wide_table(results, metric, width)] if metric else []
+
+
+def _layer_note(result: Any, args: Any) -> str | None:
+    """``--verbose``: where the result came from and where the time went."""
+    from isotui.render import timing_note
+
+    if not getattr(args, "verbose", False):
+        return None
+    note = timing_note(result.meta, result.write_seconds)
+    where = "from the cache" if result.from_cache else "computed"
+    return f"{result.model}: {where}" + (f"; {note}" if note and not result.from_cache else "")
+
+
+# --- attention and qk-dynamics ----------------------------------------------------------------------
+
+
+def _attention_tables(result: Any, args: Any, width: int) -> list[Any]:
+    from isotui.render_attention import attention_table
+
+    return [attention_table(result, width, per_head=bool(getattr(args, "heads", False)))]
+
+
+def _dynamics_tables(result: Any, args: Any, width: int) -> list[Any]:
+    """The tables, then the trajectory figure (``--plot``) as one more renderable."""
+    from isotui.experiments.qk_dynamics import parse_plot
+    from isotui.render_attention import dynamics_tables
+
+    tables: list[Any] = list(dynamics_tables(result))
+    plot = parse_plot(getattr(args, "plot", None))
+    if plot is not None:
+        from rich.text import Text
+
+        basis = getattr(args, "basis", "qk")
+        tables.append(Text.from_ansi(trajectory_text(result, *plot, basis=basis, width=min(width, 100))))
+    return tables
+
+
+# --- checkpoints, final-norm, gradients --------------------------------------------------------------
+
+
+def heatmap(result: CheckpointSeries, metric: str) -> Any:
+    """A rich table: layers down, checkpoints across, each cell shaded by its value (dark to light
+    over the grid's range)."""
+    from rich.markup import escape
+    from rich.style import Style
+    from rich.table import Table
+    from rich.text import Text
+
+    labels, values = result.grid(metric)
+    finite = values[np.isfinite(values)]
+    lo, hi = (float(finite.min()), float(finite.max())) if len(finite) else (0.0, 1.0)
+    meta = result.results[0].meta
+    table = Table(
+        title=f"[bold]{escape(shorten(result.series, 50))}[/]  {metric} by layer (rows) and step (columns)  "
+        f"{escape(str(meta.get('data')))}, {meta.get('n_samples')} samples",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+    )
+    table.add_column("layer", justify="right")
+    for step in result.steps():
+        table.add_column(str(step), justify="right")
+    for i, label in enumerate(labels):
+        cells = []
+        for v in values[i]:
+            if not math.isfinite(v):
+                cells.append(Text("-"))
+                continue
+            t = (v - lo) / (hi - lo) if hi > lo else 0.5
+            grey = int(40 + 170 * t)
+            fg = "black" if t > 0.55 else "white"
+            cells.append(Text(f"{v:.3f}", style=Style(bgcolor=f"rgb({grey},{grey},{grey})", color=fg)))
+        table.add_row(label, *cells)
+    table.caption = f"darker = lower, lighter = higher ({lo:.3f} .. {hi:.3f}); columns: " + ", ".join(
+        f"{s}={shorten(c.label, 24)}" for s, c in zip(result.steps(), result.checkpoints, strict=True)
+    )
+    table.caption_justify = "left"
+    return table
+
+
+def _source(result: FinalNormResult) -> str:
+    """Where the numbers came from: ``cache``, or the seconds they took."""
+    return "cache" if result.from_cache else f"{result.meta.get('seconds', 0):.1f} s"
+
+
+def final_norm_table(result: FinalNormResult) -> Any:
+    """Before/after metrics, then the dimensions that carry avg_cos before the norm."""
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+
+    metrics = Table(
+        title=f"[bold]{escape(result.model)}[/]  {escape(result.module)} ({result.kind})  "
+        f"{escape(str(result.meta.get('data')))}, {result.meta.get('n_samples')} samples  "
+        f"({_source(result)})",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+    )
+    for h in ("", "n", "avg_cos", "centered", "drift", "norm", "isoscore", "erank", "top_pc"):
+        metrics.add_column(h, justify="right")
+    for label, s in (("before", result.before), ("after", result.after)):
+        metrics.add_row(
+            label,
+            str(s.n_vectors),
+            _f(s.avg_cos),
+            _f(s.avg_cos_centered),
+            _f(s.drift_norm, 3),
+            _f(s.mean_norm, 3),
+            _f(s.isoscore),
+            _f(s.eff_rank, 1),
+            _f(s.top_pc_share, 3),
+        )
+    dims = Table(
+        title=f"top {TOP} dimensions by share of avg_cos before the norm",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+    )
+    for h in ("dim", "x̄ before", "x̄ after", "gain γ", "bias β", "share before", "share after"):
+        dims.add_column(h, justify="right")
+    for r in sorted(result.dims, key=lambda r: -r.share_before)[:TOP]:
+        dims.add_row(
+            str(r.dim),
+            _f(r.mean_before, 3),
+            _f(r.mean_after, 3),
+            _f(r.gain, 3),
+            _f(r.bias, 3),
+            _f(r.share_before, 3),
+            _f(r.share_after, 3),
+        )
+    dims.caption = (
+        f"Spearman(|x̄_k|, γ_k) = {_f(result.rho_mean_gain, 3)} (p={result.p_mean_gain:.2g}); "
+        f"Spearman(share_k, γ_k) = {_f(result.rho_share_gain, 3)} (p={result.p_share_gain:.2g})\n"
+        + result.verdict()
+    )
+    dims.caption_justify = "left"
+    return Group(metrics, dims)
+
+
+def per_block_table(results: list[FinalNormResult]) -> Any:
+    """One row per block output norm: what it does to avg_cos and IsoScore, and its top dims."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    first = results[0]
+    table = Table(
+        title=f"[bold]{escape(first.model)}[/]  every block's output norm  "
+        f"{escape(str(first.meta.get('data')))}, {first.meta.get('n_samples')} samples  ({_source(first)})",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+    )
+    for h in (
+        "layer",
+        "avg_cos before",
+        "after",
+        "isoscore before",
+        "after ",
+        "top dim",
+        "share",
+        "→",
+        "gain",
+    ):
+        table.add_column(h, justify="right")
+    for i, r in enumerate(results, 1):
+        top = max(r.dims, key=lambda d: d.share_before)
+        table.add_row(
+            str(i),
+            _f(r.before.avg_cos),
+            _f(r.after.avg_cos),
+            _f(r.before.isoscore),
+            _f(r.after.isoscore),
+            str(top.dim),
+            _f(top.share_before, 3),
+            _f(top.share_after, 3),
+            _f(top.gain, 4),
+        )
+    table.caption = (
+        "layer L: the norm that ends block L (its output is hidden-state row L); top dim: the dimension "
+        "carrying most of avg_cos before the norm, its share before and after, and its gain γ"
+    )
+    table.caption_justify = "left"
+    return table
+
+
+def gradients_table(result: GradientResult) -> Any:
+    """One row per layer: the gradients' geometry, then where their energy lies."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    m = result.meta
+    k = result.rows[0].top_k if result.rows else 0
+    table = Table(
+        title=f"[bold]{escape(result.model)}[/]  {m.get('lm_class')} ({result.objective} LM)  "
+        f"{escape(str(m.get('data')))}, {m.get('n_samples')} samples, "
+        f"loss {_f(m.get('loss_per_token', math.nan), 3)} nats/token over {m.get('loss_tokens')} targets  "
+        f"({'cache' if result.from_cache else format(m.get('seconds', 0), '.1f') + ' s'})",
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+    )
+    for h in ("layer", "n", "zero", "grad cos", "grad drift", "grad norm", "act cos"):
+        table.add_column(h, justify="right")
+    for h in (f"top-{k} share", "random", "k/d", f"act var top-{k}", "best"):
+        table.add_column(h, justify="right")
+    for r in result.rows:
+        table.add_row(
+            str(r.layer),
+            str(r.n_vectors),
+            str(r.n_zero),
+            _f(r.grad_avg_cos),
+            _g(r.grad_drift_norm),
+            _g(r.grad_mean_norm),
+            _f(r.act_avg_cos),
+            _f(r.top_share, 3),
+            _f(r.random_share, 3),
+            _f(r.expected_share, 3),
+            _f(r.act_top_var, 3),
+            _f(r.grad_top_share, 3),
+        )
+    table.caption = "\n".join(escape(n) for n in result.notes)
+    table.caption_justify = "left"
+    return table
+
+
+def _g(x: float) -> str:
+    """Gradient norms span decades: three significant digits."""
+    return "-" if x is None or not math.isfinite(x) else f"{x:.3g}"
+
+
+def trajectory_text(result: DynamicsResult, layer: int, head: int, *, basis: str, width: int = 100) -> str:
+    """The trajectories of one head as a plotext figure (a string), for the headless command."""
+    import plotext as plt
+
+    sites = [i for i, s in enumerate(result.sites) if s[1] == layer and s[2] == "self"]
+    if not sites:
+        raise IsotuiError(f"--plot {layer}: no such layer; layers are {sorted({s[1] for s in result.sites})}")
+    heads = {r.head for r in result.rows if r.layer == layer}
+    if head not in heads:
+        raise IsotuiError(f"--plot {layer}:{head}: no such head; heads are 0..{max(heads)}")
+    plt.clear_figure()
+    plt.plotsize(width, 24)
+    draw_trajectory(plt, result, sites[0], head, basis)
+    return str(plt.build())
+
+
+# --- drift-block ------------------------------------------------------------------------------------
+
+
+def _drift_tables(result: Any, _args: Any, width: int) -> list[Any]:
+    from isotui.experiments.drift_block import result_table
+
+    return [result_table(result, width)]
+
+
+def _drift_note(result: Any, args: Any) -> str | None:
+    """How many seeds came from the cache, and how long the rest took (not with ``--quiet``)."""
+    if getattr(args, "quiet", False):
+        return None
+    cached = sum(result.from_cache)
+    parts = [f"{cached} of {len(result.seeds)} seeds from the cache"] if cached else []
+    if cached < len(result.seeds):
+        parts.append(f"{result.seconds:.1f} s computing on {result.device}")
+    return ", ".join(parts)
+
+
+def _drift_progress(err: Any, _name: str, args: Any) -> Any:
+    """A bar counting (seed, N) steps."""
+    from contextlib import contextmanager
+
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bar
+
+    @contextmanager
+    def bar_context() -> Any:
+        columns = (
+            TextColumn("[bold]drift-block"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} (seed, N)"),
+            TimeElapsedColumn(),
+        )
+        with Bar(*columns, console=err, transient=True, disable=bool(args.quiet)) as bar:
+            task = bar.add_task("drift-block", total=None)
+
+            def on_progress(ev: Any) -> None:
+                bar.update(task, completed=ev.samples_done, total=ev.samples_total)
+
+            yield on_progress
+
+    return bar_context()
+
+
+VIEWS: dict[str, View] = {
+    "layers": View(_layer_tables, closing=_wide, note=_layer_note),
+    "attention": View(_attention_tables),
+    "qk-dynamics": View(_dynamics_tables),
+    "checkpoints": View(lambda result, args, _width: [heatmap(result, args.metric)]),
+    "final-norm": View(
+        lambda found, args, _width: [
+            per_block_table(found) if args.every_layer else final_norm_table(found[0])
+        ]
+    ),
+    "gradients": View(lambda result, _args, _width: [gradients_table(result)]),
+    "drift-block": View(
+        _drift_tables, note=_drift_note, progress=_drift_progress, highlight=False, blank_line=False
+    ),
+}
+
+
+def view_of(name: str) -> View:
+    """The view an experiment names (a registered experiment without one is a bug)."""
+    return VIEWS[name]
