@@ -16,8 +16,11 @@ the block whose output is hidden-state row i + 1.
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 import threading
+import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,7 +29,10 @@ import numpy as np
 from isotui.core.accumulator import keep_smallest, sample_keys
 from isotui.core.attention import AttentionAccumulator, HeadStats, VectorSums
 from isotui.errors import IsotuiError
-from isotui.extract.runner import ExtractOptions, _Runner
+from isotui.extract.loop import Batch, BatchLoop, Hooks, merge_facts
+from isotui.extract.planning import ExtractOptions, effective_max_length
+from isotui.extract.progress import Progress, ProgressCallback, StopCheck
+from isotui.models.loading import LoadedModel
 
 PROBE = "isotui_probe"
 SAMPLE_BUDGET_BYTES = 128 << 20  # all modules' query/key subsamples together (float32)
@@ -195,6 +201,17 @@ class _ModuleProbe:
         self.k_sample = Subsample(run.sample_size, run.seed + 1) if run.sample_size else None
         self.rope = False
 
+    def save(self) -> tuple[Any, ...]:
+        """What this probe holds before a batch (copies of the sums folded in place), so that
+        :meth:`restore` can undo a batch the model did not finish (out of memory mid-forward)."""
+        sums = (copy.deepcopy(self.acc), copy.deepcopy(self.pre_q), copy.deepcopy(self.pre_k))
+        subsamples = (copy.copy(self.q_sample), copy.copy(self.k_sample))  # add() replaces, never edits
+        return (*sums, *subsamples, self.rope)
+
+    def restore(self, saved: tuple[Any, ...]) -> None:
+        self.acc, self.pre_q, self.pre_k, self.q_sample, self.k_sample, self.rope = saved
+        self.pre_raw.clear()
+
     def observe(self, q, k, scores, probs, allowed) -> None:
 
         b, h, t, d = q.shape
@@ -234,7 +251,7 @@ class _ModuleProbe:
         self.pre_k.add(pk, k_keep)
 
 
-def _pre_rope_hooks(module, probe: _ModuleProbe) -> list:
+def _pre_rope_hooks(module: Any, probe: _ModuleProbe, hooks: Hooks) -> None:
     """Forward hooks that hand the projected queries/keys (before rotary) to ``probe``."""
     import torch
 
@@ -250,7 +267,9 @@ def _pre_rope_hooks(module, probe: _ModuleProbe) -> list:
     q_mod = children["q_norm"] if "q_norm" in children else children.get("q_proj")
     k_mod = children["k_norm"] if "k_norm" in children else children.get("k_proj")
     if q_mod is not None and k_mod is not None:
-        return [q_mod.register_forward_hook(keep("q")), k_mod.register_forward_hook(keep("k"))]
+        hooks.forward(q_mod, keep("q"))
+        hooks.forward(k_mod, keep("k"))
+        return
     fused = children.get("query_key_value")
     if isinstance(fused, torch.nn.Module) and hasattr(module, "head_size"):  # GPT-NeoX: per head q|k|v
         hd = module.head_size
@@ -260,8 +279,7 @@ def _pre_rope_hooks(module, probe: _ModuleProbe) -> list:
             probe.pre_raw["k"] = qkv[..., hd : 2 * hd].flatten(-2)
             return qkv[..., :hd].flatten(-2)
 
-        return [fused.register_forward_hook(keep("q", split))]
-    return []
+        hooks.forward(fused, keep("q", split))
 
 
 @dataclass
@@ -289,20 +307,26 @@ class AttentionExtraction:
     notes: list[str] = field(default_factory=list)
 
 
-class AttentionRun(_Runner):
-    """The layer runner's batching, devices and out-of-memory back-off, with the attention probe
-    in place of hidden-state hooks."""
+class AttentionRun:
+    """The attention probe's step on a :class:`BatchLoop` (its batching, devices, out-of-memory
+    back-off and progress), with the probe in place of hidden-state hooks."""
 
-    def __init__(self, loaded, device: str, opts: ExtractOptions, on_progress, *, sample_size: int) -> None:
-        super().__init__(loaded, device, opts, on_progress)
+    def __init__(self, loop: BatchLoop, *, sample_size: int) -> None:
+        self.loop = loop
+        self.loaded = loop.loaded
+        self.model = loop.model
         self.sample_size = sample_size
-        self.seed = opts.seed
+        self.seed = loop.opts.seed
         self.probes: dict[int, _ModuleProbe] = {}
-        self.handles: list = []
-        self.masks: dict[tuple, tuple] = {}
-        self.fed = None
-        self.sample_ids = None
-        self.notes: list[str] = []
+        self.masks: dict[tuple[str, int], Any] = {}
+        self.fed: Any = None
+        self.sample_ids: Any = None
+        self.previous: Any = None
+
+    @property
+    def notes(self) -> list[str]:
+        """The run's notes: the loop's (back-offs) and the probe's, in the order they came."""
+        return self.loop.notes
 
     def install(self) -> None:
         if self.loaded.family != "transformers":
@@ -333,7 +357,7 @@ class AttentionRun(_Runner):
                 )
             probe = _ModuleProbe(site, self)
             self.probes[id(module)] = probe
-            self.handles += _pre_rope_hooks(module, probe)
+            _pre_rope_hooks(module, probe, self.loop.hooks)
         self._size_subsamples()
         with _LOCK:
             _ACTIVE.update(self.probes)
@@ -360,8 +384,7 @@ class AttentionRun(_Runner):
             probe.q_sample.size = probe.k_sample.size = size
 
     def uninstall(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        self.loop.hooks.remove()
         with _LOCK:
             for key in self.probes:
                 _ACTIVE.pop(key, None)
@@ -373,34 +396,33 @@ class AttentionRun(_Runner):
         k_comp = "encoder" if site.kind == "cross" else site.component
         return self._mask(site.component, q_len), self._mask(k_comp, k_len)
 
-    def _mask(self, component: str, width: int):
+    def _mask(self, component: str, width: int) -> Any:
         key = (component, width)
         if key not in self.masks:
-            valid, special = self.feeder.mask(self.fed, component, width)
-            keep = valid if self.opts.special_tokens == "include" else valid & ~special
-            self.masks[key] = keep
+            self.masks[key] = self.loop.keep(self.fed, component, width)
         return self.masks[key]
 
-    def run_batch(self, idx: list[int]) -> int:
+    def __call__(self, batch: Batch) -> int:
+        """Run one batch under the probe; every module's statistics fold it in, or (when the
+        model fails part-way, out of memory) none does."""
         import torch
 
-        fed = self.feeder.feed(idx)
-        inputs = self.device_inputs(fed)
-        self.fed, self.masks = fed, {}
-        self.sample_ids = torch.tensor(idx, dtype=torch.long)
+        self.fed, self.masks = batch.fed, {}
+        self.sample_ids = batch.ids
+        saved = {key: probe.save() for key, probe in self.probes.items()}
         try:
-            with torch.inference_mode():
-                self.model(**inputs, return_dict=True)
-        except IsotuiError:
+            with self.loop.model_call("a batch under the attention probe"), torch.inference_mode():
+                self.model(**batch.inputs, return_dict=True)
+        except BaseException:
+            for key, probe in self.probes.items():
+                probe.restore(saved[key])
             raise
-        except Exception as exc:
-            raise self.batch_failure(exc, "a batch under the attention probe") from None
         if not any(p.acc is not None for p in self.probes.values()):
             raise IsotuiError(
                 f"{type(self.model).__name__} does not compute attention through transformers' "
                 "attention interface, so isotui cannot read its queries and keys"
             )
-        return int(fed.valid.sum()) if fed.valid is not None else len(idx)
+        return batch.units
 
     def results(self) -> list[ModuleResult]:
         return _module_results(p for p in self.probes.values() if p.acc is not None)
@@ -466,7 +488,7 @@ def _merge_folded(mine: _Folded, other: _Folded) -> None:
             a.merge(b)
 
 
-def _module_results(probes) -> list[ModuleResult]:
+def _module_results(probes: Iterable[_ModuleProbe | _Folded]) -> list[ModuleResult]:
     """Per module, in layer order: heads, histograms, mean vectors and subsamples."""
     out = []
     for probe in sorted(probes, key=lambda p: p.site.order):
@@ -540,23 +562,17 @@ def extract_attention_state(
     return {**facts, "modules": run.state()}
 
 
-def merge_attention_states(states: list[dict]) -> dict:
+def merge_attention_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One state from disjoint shards of the same corpus: sums add, extremes min/max, the
     subsamples keep the smallest keys of the union."""
+    facts = merge_facts(states)
     modules = [_folded(m) for m in states[0]["modules"]]
     for other in states[1:]:
         if len(other["modules"]) != len(modules):
             raise ValueError("cannot merge the states of runs that measured different modules")
         for mine, theirs in zip(modules, other["modules"], strict=True):
             _merge_folded(mine, _folded(theirs))
-    return {
-        **states[0],
-        "modules": [_probe_state(m) for m in modules],
-        "n_samples": sum(s["n_samples"] for s in states),
-        "n_tokens": sum(s["n_tokens"] for s in states),
-        "seconds": sum(s["seconds"] for s in states),
-        "notes": list(dict.fromkeys(n for s in states for n in s["notes"])),
-    }
+    return {**facts, "modules": [_probe_state(m) for m in modules]}
 
 
 def finish_attention(state: dict) -> AttentionExtraction:
@@ -579,35 +595,31 @@ def _finish_attention(modules: list[ModuleResult], facts: dict) -> AttentionExtr
 
 
 def _stream_attention(
-    loaded, samples, device, opts, on_progress, should_stop, model_name, modality, sample_size
-) -> tuple:
+    loaded: LoadedModel,
+    samples: list[str],
+    device: str,
+    opts: ExtractOptions,
+    on_progress: ProgressCallback,
+    should_stop: StopCheck,
+    model_name: str,
+    modality: str,
+    sample_size: int,
+) -> tuple[AttentionRun, dict[str, Any]]:
     """Run the batches under the probe; (the run with its probes, the facts to finish)."""
-    import time
-
-    from isotui.errors import Cancelled
-    from isotui.extract.progress import Progress
-    from isotui.extract.runner import effective_max_length
-
-    run = AttentionRun(loaded, device, opts, on_progress, sample_size=sample_size)
+    loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
+    run = AttentionRun(loop, sample_size=sample_size)
     max_length = effective_max_length(loaded, opts, model_name, on_progress)
-    run.prepare(samples, modality, max_length)
+    loop.prepare(samples, modality, max_length)
     run.install()
     start = time.perf_counter()
-    done = n_tokens = 0
-    total = len(run.selected(len(samples)))
     try:
-        on_progress(Progress(0, total, 0, 0.0))
-        for idx in run.batches(run.feeder.lengths):
-            if should_stop():
-                raise Cancelled()
-            n_tokens += run.process(idx)
-            done += len(idx)
-            on_progress(Progress(done, total, n_tokens, time.perf_counter() - start))
+        on_progress(Progress(0, loop.total, 0, 0.0))
+        done = loop.run(run, phase="", start=start)
     finally:
         run.uninstall()
     facts = {
-        "n_samples": total,
-        "n_tokens": n_tokens,
+        "n_samples": loop.total,
+        "n_tokens": done.units,
         "max_length": max_length,
         "seconds": time.perf_counter() - start,
         "notes": list(run.notes),
