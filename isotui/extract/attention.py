@@ -51,11 +51,20 @@ def register_probe() -> None:
     AttentionMaskInterface.register(PROBE, eager_mask)
 
 
-def _repeat_kv(x, n: int):
+def _repeat_kv(x: Any, n: int) -> Any:
     return x if n == 1 else x.repeat_interleave(n, dim=1)
 
 
-def probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def probe_attention(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Any, Any]:
     """Eager attention that also measures. Returns (output (B, T, H, d), probabilities)."""
     import torch
 
@@ -111,7 +120,7 @@ class ModuleSite:
     kind: str
 
     @property
-    def order(self) -> tuple:
+    def order(self) -> tuple[int, int, bool]:
         return (
             {"encoder": 0, "model": 0, "decoder": 1}.get(self.component, 2),
             self.layer,
@@ -139,10 +148,10 @@ class Subsample:
 
     def __init__(self, size: int, seed: int) -> None:
         self.size, self.seed = size, seed
-        self.keys = None
-        self.vectors = None  # (H, m, d) float32 on the CPU
+        self.keys: Any = None
+        self.vectors: Any = None  # (H, m, d) float32 on the CPU
 
-    def add(self, x, keep, sample_ids) -> None:
+    def add(self, x: Any, keep: Any, sample_ids: Any) -> None:
         import torch
 
         b, _, t, _ = x.shape
@@ -162,15 +171,15 @@ class Subsample:
     def array(self) -> np.ndarray:
         return np.zeros((0, 0, 0), np.float32) if self.vectors is None else self.vectors.numpy()
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """Size, seed and (once anything was seen) the keys and (H, m, d) vectors."""
-        out: dict = {"size": self.size, "seed": self.seed}
+        out: dict[str, Any] = {"size": self.size, "seed": self.seed}
         if self.keys is not None:
             out |= {"keys": self.keys, "vectors": self.vectors}
         return out
 
     @classmethod
-    def from_state(cls, state: dict) -> Subsample:
+    def from_state(cls, state: dict[str, Any]) -> Subsample:
         sub = cls(int(state["size"]), int(state["seed"]))
         if "keys" in state:
             sub.keys, sub.vectors = state["keys"].clone(), state["vectors"].clone()
@@ -212,7 +221,7 @@ class _ModuleProbe:
         self.acc, self.pre_q, self.pre_k, self.q_sample, self.k_sample, self.rope = saved
         self.pre_raw.clear()
 
-    def observe(self, q, k, scores, probs, allowed) -> None:
+    def observe(self, q: Any, k: Any, scores: Any, probs: Any, allowed: Any) -> None:
 
         b, h, t, d = q.shape
         if b != len(self.run.sample_ids):
@@ -228,14 +237,14 @@ class _ModuleProbe:
         if self.acc is None:
             self.acc = AttentionAccumulator(h, k.shape[1], d, device)
         self.acc.add(q, k, scores, probs, q_keep=q_keep, k_keep=k_keep, allowed=allowed)
-        if self.q_sample is not None:
+        if self.q_sample is not None and self.k_sample is not None:
             ids = self.run.sample_ids
             self.q_sample.add(q, q_keep, ids)
             self.k_sample.add(k, k_keep, ids)
         if self.pre_raw:
             self._fold_pre_rope(q, k, q_keep, k_keep, device)
 
-    def _fold_pre_rope(self, q, k, q_keep, k_keep, device) -> None:
+    def _fold_pre_rope(self, q: Any, k: Any, q_keep: Any, k_keep: Any, device: Any) -> None:
         """Queries and keys as projected, before rotary embedding (hooks filled ``pre_raw``)."""
         raw_q, raw_k = self.pre_raw.pop("q", None), self.pre_raw.pop("k", None)
         self.pre_raw.clear()
@@ -243,7 +252,7 @@ class _ModuleProbe:
             return
         pq = raw_q.reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
         pk = raw_k.reshape(k.shape[0], k.shape[2], k.shape[1], k.shape[3]).transpose(1, 2)
-        if self.pre_q is None:
+        if self.pre_q is None or self.pre_k is None:
             self.pre_q = VectorSums(q.shape[1], q.shape[3], device)
             self.pre_k = VectorSums(k.shape[1], k.shape[3], device)
         self.rope = self.rope or not (pq.shape == q.shape and bool((pq == q).all()))
@@ -255,8 +264,8 @@ def _pre_rope_hooks(module: Any, probe: _ModuleProbe, hooks: Hooks) -> None:
     """Forward hooks that hand the projected queries/keys (before rotary) to ``probe``."""
     import torch
 
-    def keep(slot: str, split=None):
-        def hook(_m, _args, out):
+    def keep(slot: str, split: Any = None) -> Any:
+        def hook(_m: Any, _args: Any, out: Any) -> None:
             if isinstance(out, tuple):
                 out = out[0]
             probe.pre_raw[slot] = out if split is None else split(out)
@@ -274,7 +283,7 @@ def _pre_rope_hooks(module: Any, probe: _ModuleProbe, hooks: Hooks) -> None:
     if isinstance(fused, torch.nn.Module) and hasattr(module, "head_size"):  # GPT-NeoX: per head q|k|v
         hd = module.head_size
 
-        def split(out):
+        def split(out: Any) -> Any:
             qkv = out.view(*out.shape[:-1], -1, 3 * hd)
             probe.pre_raw["k"] = qkv[..., hd : 2 * hd].flatten(-2)
             return qkv[..., :hd].flatten(-2)
@@ -381,7 +390,9 @@ class AttentionRun:
                 f"to stay within {SAMPLE_BUDGET_BYTES >> 20} MiB"
             )
         for probe in self.probes.values():
-            probe.q_sample.size = probe.k_sample.size = size
+            for sub in (probe.q_sample, probe.k_sample):
+                if sub is not None:
+                    sub.size = size
 
     def uninstall(self) -> None:
         self.loop.hooks.remove()
@@ -391,7 +402,7 @@ class AttentionRun:
         with contextlib.suppress(Exception):  # the model is about to be dropped anyway
             self.model.set_attn_implementation(self.previous)
 
-    def keep(self, site: ModuleSite, q_len: int, k_len: int):
+    def keep(self, site: ModuleSite, q_len: int, k_len: int) -> tuple[Any, Any]:
         """(B, T) query positions and (B, S) key positions that count, from the feeder's masks."""
         k_comp = "encoder" if site.kind == "cross" else site.component
         return self._mask(site.component, q_len), self._mask(k_comp, k_len)
@@ -427,7 +438,7 @@ class AttentionRun:
     def results(self) -> list[ModuleResult]:
         return _module_results(p for p in self.probes.values() if p.acc is not None)
 
-    def state(self) -> list[dict]:
+    def state(self) -> list[dict[str, Any]]:
         """Each measured module's folded state, in layer order (see :func:`extract_attention_state`)."""
         probes = sorted((p for p in self.probes.values() if p.acc is not None), key=lambda p: p.site.order)
         return [_probe_state(p) for p in probes]
@@ -446,24 +457,26 @@ class _Folded:
     k_sample: Subsample | None = None
 
 
-def _probe_state(probe) -> dict:
+def _probe_state(probe: _ModuleProbe | _Folded) -> dict[str, Any]:
     """A probe's (or :class:`_Folded`'s) state: tensors and plain scalars, nested by part."""
-    out: dict = {"site": asdict(probe.site), "rope": probe.rope, "acc": probe.acc.state()}
+    assert probe.acc is not None
+    out: dict[str, Any] = {"site": asdict(probe.site), "rope": probe.rope, "acc": probe.acc.state()}
     for part in ("pre_q", "pre_k", "q_sample", "k_sample"):
         if getattr(probe, part) is not None:
             out[part] = getattr(probe, part).state()
     return out
 
 
-def _vector_sums(state: dict) -> VectorSums:
+def _vector_sums(state: dict[str, Any]) -> VectorSums:
     import torch
 
-    sums = VectorSums(*state["sum"].shape, torch.device("cpu"))
+    heads, dim = state["sum"].shape
+    sums = VectorSums(heads, dim, torch.device("cpu"))
     sums.load_state(state)
     return sums
 
 
-def _folded(state: dict) -> _Folded:
+def _folded(state: dict[str, Any]) -> _Folded:
     return _Folded(
         site=ModuleSite(**state["site"]),
         acc=AttentionAccumulator.from_state(state["acc"]),
@@ -492,18 +505,20 @@ def _module_results(probes: Iterable[_ModuleProbe | _Folded]) -> list[ModuleResu
     """Per module, in layer order: heads, histograms, mean vectors and subsamples."""
     out = []
     for probe in sorted(probes, key=lambda p: p.site.order):
+        acc = probe.acc
+        assert acc is not None  # only modules that measured something
         pre = None
-        if probe.pre_q is not None and probe.rope:
-            pre = _pre_summary(probe.acc, probe.pre_q, probe.pre_k)
+        if probe.pre_q is not None and probe.pre_k is not None and probe.rope:
+            pre = _pre_summary(acc, probe.pre_q, probe.pre_k)
         out.append(
             ModuleResult(
                 site=probe.site,
-                heads=probe.acc.finalize(),
+                heads=acc.finalize(),
                 rope=probe.rope,
                 pre_rope=pre,
-                histograms=probe.acc.histograms(),
-                q_bar=probe.acc.q.mean(),
-                k_bar=probe.acc.k.mean(),
+                histograms=acc.histograms(),
+                q_bar=acc.q.mean(),
+                k_bar=acc.k.mean(),
                 q_sample=probe.q_sample.array() if probe.q_sample else None,
                 k_sample=probe.k_sample.array() if probe.k_sample else None,
             )
@@ -511,7 +526,9 @@ def _module_results(probes: Iterable[_ModuleProbe | _Folded]) -> list[ModuleResu
     return out
 
 
-def _pre_summary(acc: AttentionAccumulator, pre_q: VectorSums, pre_k: VectorSums) -> list[tuple]:
+def _pre_summary(
+    acc: AttentionAccumulator, pre_q: VectorSums, pre_k: VectorSums
+) -> list[tuple[float, float, float, float]]:
     qb, kb = pre_q.mean(), pre_k.mean()
     out = []
     for h in range(acc.heads):
@@ -523,13 +540,13 @@ def _pre_summary(acc: AttentionAccumulator, pre_q: VectorSums, pre_k: VectorSums
 
 
 def extract_attention(
-    loaded,
+    loaded: LoadedModel,
     samples: list[str],
     *,
     device: str,
     opts: ExtractOptions,
-    on_progress,
-    should_stop,
+    on_progress: ProgressCallback,
+    should_stop: StopCheck,
     model_name: str,
     modality: str,
     sample_size: int = 0,
@@ -542,17 +559,17 @@ def extract_attention(
 
 
 def extract_attention_state(
-    loaded,
+    loaded: LoadedModel,
     samples: list[str],
     *,
     device: str,
     opts: ExtractOptions,
-    on_progress,
-    should_stop,
+    on_progress: ProgressCallback,
+    should_stop: StopCheck,
     model_name: str,
     modality: str,
     sample_size: int = 0,
-) -> dict:
+) -> dict[str, Any]:
     """:func:`extract_attention`'s streamed state (over ``opts.sample_ids`` when it is a shard):
     per module its accumulators and subsamples. Merge shards with :func:`merge_attention_states`,
     end with :func:`finish_attention`."""
@@ -575,12 +592,12 @@ def merge_attention_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     return {**facts, "modules": [_probe_state(m) for m in modules]}
 
 
-def finish_attention(state: dict) -> AttentionExtraction:
+def finish_attention(state: dict[str, Any]) -> AttentionExtraction:
     """The statistics of a (possibly merged) :func:`extract_attention_state`."""
     return _finish_attention(_module_results(_folded(m) for m in state["modules"]), state)
 
 
-def _finish_attention(modules: list[ModuleResult], facts: dict) -> AttentionExtraction:
+def _finish_attention(modules: list[ModuleResult], facts: dict[str, Any]) -> AttentionExtraction:
     notes = list(facts["notes"])
     if any(m.site.kind == "self" and m.rope and m.pre_rope is None for m in modules):
         notes.append("queries and keys before rotary embedding could not be read for this architecture")
