@@ -110,6 +110,34 @@ def test_gradients_back_off_on_out_of_memory_and_match_autograd(
     check_against_reference(result, xs, gs)  # one sample at a time, by autograd, in the test
 
 
+def test_gradients_out_of_memory_while_adding_says_so_instead_of_counting_twice(
+    lm_models,  # noqa: F811
+    text_file,
+    monkeypatch,
+):
+    import torch
+
+    from isotui.core.gradients import GradAccumulator
+    from isotui.errors import IsotuiError
+    from isotui.experiments.gradients import measure_gradients
+
+    original = GradAccumulator.add
+    calls: list[int] = []
+
+    def add(self, x, g):
+        calls.append(len(x))
+        if len(calls) == 2:  # the first batch's second layer: the first layer holds the batch
+            raise torch.cuda.OutOfMemoryError(OOM)
+        return original(self, x, g)
+
+    monkeypatch.setattr(GradAccumulator, "add", add)
+    _, data = text_file
+    spec = make_spec(str(lm_models["gpt2"]), data, max_length=MAX_LEN, batch_size=4)
+    with pytest.raises(IsotuiError, match="out of cpu memory while adding a batch of 4 samples to the"):
+        measure_gradients(spec, top_k=TOP_K)
+    assert len(calls) == 2
+
+
 def test_attention_probe_undoes_a_batch_the_model_did_not_finish(tiny_models, text_file, monkeypatch):
     """Out of memory in the second attention module: the first had folded the batch already;
     the retry must not count it twice."""

@@ -180,7 +180,7 @@ def _stream_gradients(
     from transformers import AutoModelForMaskedLM
 
     from isotui.experiments.layerwise import extract_options, load_prepared, prepare
-    from isotui.extract.loop import Batch, BatchLoop
+    from isotui.extract.loop import Batch, BatchLoop, is_oom
     from isotui.extract.runner import resolve_max_length
 
     if top_k < 1:
@@ -247,9 +247,17 @@ def _stream_gradients(
         if any(h.shape[1] != ids.shape[1] for h in hidden):
             raise IsotuiError(f"model {spec.model!r} has layers that are not one vector per input token")
         flat = keep.flatten().nonzero().squeeze(1).to(device)
-        for acc, h, g in zip(accs, hidden, grads, strict=True):
-            d = h.shape[-1]
-            acc.add(h.detach().reshape(-1, d)[flat], g.reshape(-1, d)[flat])
+        try:
+            for acc, h, g in zip(accs, hidden, grads, strict=True):
+                d = h.shape[-1]
+                acc.add(h.detach().reshape(-1, d)[flat], g.reshape(-1, d)[flat])
+        except Exception as exc:  # some layers hold the batch already: a retry would count it twice
+            if not is_oom(exc):
+                raise
+            raise IsotuiError(
+                f"out of {device} memory while adding a batch of {len(batch.idx)} samples to the "
+                "gradient sums; use a smaller --batch-size"
+            ) from None
         loss_sum += float(batch_loss.detach())
         loss_tokens += int((labels != -100).sum())
         return int(keep.sum())
