@@ -27,7 +27,8 @@ def main() -> None:
     from isotui.core.attention import row_stats
     from isotui.data.sources import load_samples, parse_data
     from isotui.extract.attention import extract_attention
-    from isotui.extract.runner import ExtractOptions, _Runner
+    from isotui.extract.loop import BatchLoop
+    from isotui.extract.planning import ExtractOptions
     from isotui.models.loading import load_model
     from isotui.models.naming import parse_model
 
@@ -36,9 +37,9 @@ def main() -> None:
         parse_model(args.model), device="cpu", dtype="float32", seed=0, trust_remote_code=False
     )
     opts = ExtractOptions(max_length=args.max_length)
-    runner = _Runner(loaded, "cpu", opts, lambda _e: None)
-    runner.prepare(samples, "text", args.max_length)
-    batches = [runner.feeder.feed(idx).inputs for idx in runner.batches(runner.feeder.lengths)]
+    loop = BatchLoop(loaded, "cpu", opts)
+    loop.prepare(samples, "text", args.max_length)
+    batches = [loop.batch(idx).inputs for idx in loop.batches()]
     eager = AutoModel.from_pretrained(loaded.model.name_or_path, attn_implementation="eager").eval()
 
     def bare() -> float:
@@ -75,7 +76,7 @@ def main() -> None:
 
     bare()  # warm-up
     runs = [(bare(), plain(), ours()) for _ in range(args.repeats)]
-    n_tokens = int(runner.feeder.lengths.sum())
+    n_tokens = int(loop.feeder.lengths.sum())
     b, p, o = (min(r[i] for r in runs) for i in range(3))
     to_bare = sorted(r[2] / r[0] for r in runs)
     to_plain = sorted(r[2] / r[1] for r in runs)

@@ -21,7 +21,8 @@ def _pairs(model_name: str, data: str, n: int, repeats: int, device: str):
     import torch
 
     from isotui.data.sources import load_samples, parse_data
-    from isotui.extract.runner import ExtractOptions, _Runner, extract
+    from isotui.extract.loop import BatchLoop
+    from isotui.extract.runner import ExtractOptions, extract
     from isotui.models.loading import load_model
     from isotui.models.naming import parse_model
 
@@ -33,13 +34,12 @@ def _pairs(model_name: str, data: str, n: int, repeats: int, device: str):
     opts = ExtractOptions()
 
     def bare() -> float:
-        runner = _Runner(loaded, device, opts, lambda _e: None)
-        runner.prepare(samples, spec.modality, 0)
+        loop = BatchLoop(loaded, device, opts)
+        loop.prepare(samples, spec.modality, 0)
         start = time.perf_counter()
         with torch.inference_mode():
-            for idx in runner.batches(runner.feeder.lengths):
-                fed = runner.feeder.feed(idx)
-                loaded.model(**{k: v.to(device) for k, v in fed.inputs.items()}, output_hidden_states=True)
+            for idx in loop.batches():
+                loaded.model(**loop.batch(idx).inputs, output_hidden_states=True)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         return time.perf_counter() - start

@@ -43,7 +43,8 @@ def _worker(mode: str, n: int, path: Path, model: str, max_length: int, pairs: b
     import torch
 
     from isotui.data.sources import load_samples, parse_data
-    from isotui.extract.runner import ExtractOptions, _Runner, extract
+    from isotui.extract.loop import BatchLoop
+    from isotui.extract.runner import ExtractOptions, extract
     from isotui.models.loading import load_model
     from isotui.models.naming import parse_model
 
@@ -56,22 +57,21 @@ def _worker(mode: str, n: int, path: Path, model: str, max_length: int, pairs: b
         ex = extract(loaded, samples, device="cpu", opts=opts)
         avg = [layer.avg_cos for layer in ex.layers]
     elif mode == "bare":  # the forward loop alone: what the allocator does without any metric
-        runner = _Runner(loaded, "cpu", opts, lambda _e: None)
-        runner.prepare(samples, "text", max_length)
-        for idx in runner.batches(runner.feeder.lengths):
-            fed = runner.feeder.feed(idx)
+        loop = BatchLoop(loaded, "cpu", opts)
+        loop.prepare(samples, "text", max_length)
+        for idx in loop.batches():
             with torch.inference_mode():
-                loaded.model(**fed.inputs, output_hidden_states=True)
+                loaded.model(**loop.batch(idx).inputs, output_hidden_states=True)
         avg = []
     else:
-        runner = _Runner(loaded, "cpu", opts, lambda _e: None)
-        runner.prepare(samples, "text", max_length)
+        loop = BatchLoop(loaded, "cpu", opts)
+        loop.prepare(samples, "text", max_length)
         kept: list[list[np.ndarray]] | None = None
-        for idx in runner.batches(runner.feeder.lengths):
-            fed = runner.feeder.feed(idx)
-            keep = fed.valid & ~fed.special
+        for idx in loop.batches():
+            batch = loop.batch(idx)
+            keep = batch.fed.valid & ~batch.fed.special
             with torch.inference_mode():
-                hs = loaded.model(**fed.inputs, output_hidden_states=True).hidden_states
+                hs = loaded.model(**batch.inputs, output_hidden_states=True).hidden_states
             kept = kept or [[] for _ in hs]
             for layer, h in enumerate(hs):
                 kept[layer].append(h[keep].numpy().copy())

@@ -24,7 +24,8 @@ def main() -> None:
     import torch
 
     from isotui.data.sources import load_samples, parse_data
-    from isotui.extract.runner import ExtractOptions, _Runner, extract
+    from isotui.extract.loop import BatchLoop
+    from isotui.extract.runner import ExtractOptions, extract
     from isotui.models.loading import load_model
     from isotui.models.naming import parse_model
 
@@ -33,12 +34,9 @@ def main() -> None:
         parse_model(args.model), device="cpu", dtype="float32", seed=0, trust_remote_code=False
     )
     opts = ExtractOptions(max_length=args.max_length)
-    runner = _Runner(loaded, "cpu", opts, lambda _e: None)
-    runner.prepare(samples, "text", args.max_length)
-    batches = []
-    for idx in runner.batches(runner.feeder.lengths):
-        fed = runner.feeder.feed(idx)
-        batches.append(fed.inputs)
+    loop = BatchLoop(loaded, "cpu", opts)
+    loop.prepare(samples, "text", args.max_length)
+    batches = [loop.batch(idx).inputs for idx in loop.batches()]
 
     def bare() -> float:
         start = time.perf_counter()
@@ -58,7 +56,7 @@ def main() -> None:
         pairs.append((bare(), ours()))
     ratios = sorted(o / b for b, o in pairs)
     b, o = min(p[0] for p in pairs), min(p[1] for p in pairs)
-    n_tokens = int(runner.feeder.lengths.sum())
+    n_tokens = int(loop.feeder.lengths.sum())
     print(
         f"model={args.model} samples={len(samples)} tokens={n_tokens} batches={len(batches)} "
         f"threads={torch.get_num_threads()} repeats={args.repeats}"

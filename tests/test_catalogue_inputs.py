@@ -23,7 +23,6 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -552,18 +551,12 @@ def test_batch_order_from_numpy_matches_the_sorted_reference():
     rather than a Python list of key tuples: the same batches as the plain sort."""
     import numpy as np
 
-    from isotui.extract.runner import _Runner
+    from isotui.extract.planning import BatchPlan
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 40, size=500)
     for same in (None, rng.integers(0, 3, size=500) * 1000):
-        runner = SimpleNamespace(
-            feeder=SimpleNamespace(same_length_key=same),
-            batch_cap=None,
-            token_budget=120,
-            selected=lambda n: list(range(n)),
-        )
-        got = list(_Runner.batches(runner, lengths))
+        got = list(BatchPlan(lengths, range(500), same_key=same, token_budget=120))
         order = sorted(range(500), key=lambda i: (-lengths[i], -int(same[i]) if same is not None else 0, i))
         want, pos = [], 0
         while pos < 500:

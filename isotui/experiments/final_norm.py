@@ -242,8 +242,13 @@ def _finish_norms(accs, facts: dict[str, Any]) -> list[FinalNormResult]:
 
 
 def _stream_norms(
-    spec, every_layer: bool, on_progress, should_stop, sample_ids, prepared=None
-) -> tuple[list, dict[str, Any]]:
+    spec: Any,
+    every_layer: bool,
+    on_progress: Any,
+    should_stop: Any,
+    sample_ids: Any,
+    prepared: Any = None,
+) -> tuple[list[list[Any]], dict[str, Any]]:
     """Stream the batches; (per norm the [before, after] accumulators, the facts to finish)."""
     import dataclasses
     import time
@@ -251,10 +256,9 @@ def _stream_norms(
     import torch
 
     from isotui.core.accumulator import LayerAccumulator, sample_keys
-    from isotui.errors import Cancelled
     from isotui.experiments.layerwise import extract_options, load_prepared, prepare
-    from isotui.extract.progress import Progress
-    from isotui.extract.runner import COV_BUDGET_BYTES, _Runner, resolve_max_length
+    from isotui.extract.loop import Batch, BatchLoop
+    from isotui.extract.runner import COV_BUDGET_BYTES, resolve_max_length
 
     prepared = prepared or prepare(spec)
 
@@ -266,85 +270,81 @@ def _stream_norms(
     if not sites:
         raise IsotuiError(f"{type(model).__name__} has no blocks with a norm to analyse")
     opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
-    runner = _Runner(loaded, device, opts, lambda _e: None)
-    runner.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
-    seen: dict[int, tuple] = {}
+    loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
+    loop.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
+    seen: dict[int, tuple[Any, Any]] = {}
     blocks: dict[int, Any] = {}
 
-    def hook(i):
-        def keep(_m, args, out):
+    def hook(i: int) -> Any:
+        def keep(_m: Any, args: Any, out: Any) -> None:
             seen[i] = (args[0], out[0] if isinstance(out, tuple) else out)
 
         return keep
 
-    handles = [m.register_forward_hook(hook(i)) for i, (_n, m, _k) in enumerate(sites)]
+    for i, (_n, m, _k) in enumerate(sites):
+        loop.hooks.forward(m, hook(i))
     if every_layer:  # each block's own output, to check that its last norm is what it returns
         parents = [n.rsplit(".", 2)[0] for n, _m, _k in sites]
         named = dict(model.named_modules())
 
-        def block_hook(i):
-            def keep(_m, _args, out):
+        def block_hook(i: int) -> Any:
+            def keep(_m: Any, _args: Any, out: Any) -> None:
                 blocks[i] = out[0] if isinstance(out, tuple) else out
 
             return keep
 
         for i, (n, _m, _k) in enumerate(sites):
             block = named[".".join(n.split(".")[: len(parents[i].split(".")) + 1])]
-            handles.append(block.register_forward_hook(block_hook(i)))
+            loop.hooks.forward(block, block_hook(i))
     accs: list[list[LayerAccumulator]] = []
-    start, done, n_tokens = time.perf_counter(), 0, 0
-    total = len(runner.selected(len(prepared.samples)))
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-    try:
-        for idx in runner.batches(runner.feeder.lengths):
-            if should_stop and should_stop():
-                raise Cancelled()
-            fed = runner.feeder.feed(idx)
-            inputs = runner.device_inputs(fed)
-            with torch.inference_mode():
-                model(**inputs, return_dict=True)
-            if not accs:
-                d = seen[0][0].shape[-1]
-                full = len(sites) * 2 * d * d * 8 <= COV_BUDGET_BYTES
-                accs = [
-                    [
-                        LayerAccumulator(d, torch.device("cpu"), full_cov=full, reservoir=spec.reservoir)
-                        for _ in "ab"
-                    ]
-                    for _ in sites
+
+    def step(batch: Batch) -> int:
+        """Both sides of every norm over one batch's kept tokens, all folded or none."""
+        seen.clear()
+        with loop.model_call("a batch"), torch.inference_mode():
+            model(**batch.inputs, return_dict=True)
+        if not accs:
+            d = seen[0][0].shape[-1]
+            full = len(sites) * 2 * d * d * 8 <= COV_BUDGET_BYTES
+            accs.extend(
+                [
+                    LayerAccumulator(d, torch.device("cpu"), full_cov=full, reservoir=spec.reservoir)
+                    for _ in "ab"
                 ]
-                for i, (n, _m, _k) in enumerate(sites):
-                    if every_layer and not torch.equal(seen[i][1], blocks[i]):
-                        raise IsotuiError(
-                            f"{n} is not what its block returns ({type(model).__name__} puts its norms "
-                            "before attention and MLP, pre-LN); analyse its final norm without --every-layer"
-                        )
+                for _ in sites
+            )
             for i, (n, _m, _k) in enumerate(sites):
-                x_in, x_out = seen[i]
-                first = n.split(".")[0]
-                component = "decoder" if "decoder" in first else ("encoder" if encoder_decoder else "model")
-                valid, special = runner.feeder.mask(fed, component, x_in.shape[1])
-                keep = valid if spec.special_tokens == "include" else valid & ~special
-                flat = keep.flatten().nonzero().squeeze(1)
-                ids = flat // x_in.shape[1]
-                keys = sample_keys(spec.seed, torch.tensor(idx)[ids], flat % x_in.shape[1])
-                for acc, x in zip(accs[i], (x_in, x_out), strict=True):
-                    vec = x.reshape(-1, x.shape[-1]).index_select(0, flat.to(x.device)).float().cpu()
-                    acc.commit(acc.partial(vec, ids, keys))
-                if i == 0:
-                    n_tokens += int(flat.numel())  # the tokens measured (kept by the first norm)
-            done += len(idx)
-            if on_progress:
-                on_progress(Progress(done, total, n_tokens, time.perf_counter() - start))
-    finally:
-        for handle in handles:
-            handle.remove()
+                if every_layer and not torch.equal(seen[i][1], blocks[i]):
+                    raise IsotuiError(
+                        f"{n} is not what its block returns ({type(model).__name__} puts its norms "
+                        "before attention and MLP, pre-LN); analyse its final norm without --every-layer"
+                    )
+        partials, measured = [], 0
+        for i, (n, _m, _k) in enumerate(sites):
+            x_in, x_out = seen[i]
+            first = n.split(".")[0]
+            component = "decoder" if "decoder" in first else ("encoder" if encoder_decoder else "model")
+            flat = loop.keep(batch.fed, component, x_in.shape[1]).flatten().nonzero().squeeze(1)
+            ids = flat // x_in.shape[1]
+            keys = sample_keys(spec.seed, batch.ids[ids], flat % x_in.shape[1])
+            for acc, x in zip(accs[i], (x_in, x_out), strict=True):
+                vec = x.reshape(-1, x.shape[-1]).index_select(0, flat.to(x.device)).float().cpu()
+                partials.append((acc, acc.partial(vec, ids, keys)))
+            if i == 0:
+                measured = int(flat.numel())  # the tokens measured (kept by the first norm)
+        for acc, p in partials:
+            acc.commit(p)
+        return measured
+
+    start = time.perf_counter()
+    loop.run(step, phase="", start=start)
     if not accs:
         raise IsotuiError("no sample reached the norm")
     facts = {
         "model": spec.model,
         "data": prepared.spec.data.describe(),
-        "n_samples": total,
+        "n_samples": loop.total,
         "seconds": time.perf_counter() - start,
         "sites": [{"name": name, "kind": kind, **_gain_bias(module)} for name, module, kind in sites],
     }

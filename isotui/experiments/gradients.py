@@ -180,8 +180,8 @@ def finish_gradients(state: dict) -> GradientResult:
 
 
 def _stream_gradients(
-    spec, top_k: int, on_progress, should_stop, sample_ids, prepared=None
-) -> tuple[list, dict]:
+    spec: Any, top_k: int, on_progress: Any, should_stop: Any, sample_ids: Any, prepared: Any = None
+) -> tuple[list[Any], dict[str, Any]]:
     """Stream the batches forward and backward; (per layer the accumulator, the facts to finish)."""
     import dataclasses
     import time
@@ -189,10 +189,9 @@ def _stream_gradients(
     import torch
     from transformers import AutoModelForMaskedLM
 
-    from isotui.errors import Cancelled
     from isotui.experiments.layerwise import extract_options, load_prepared, prepare
-    from isotui.extract.progress import Progress
-    from isotui.extract.runner import _Runner, resolve_max_length
+    from isotui.extract.loop import Batch, BatchLoop, is_oom
+    from isotui.extract.runner import resolve_max_length
 
     if top_k < 1:
         raise IsotuiError(f"top-k must be a positive integer (got {top_k})")
@@ -203,58 +202,50 @@ def _stream_gradients(
 
     loaded, device = load_prepared(prepared, head="lm")
     model = loaded.model
-    masked_map = AutoModelForMaskedLM._model_mapping
+    masked_map: Any = AutoModelForMaskedLM._model_mapping
     objective = (
         "masked"
         if type(model.config) in masked_map and masked_map[type(model.config)] is type(model)
         else "causal"
     )
-    mask_id = getattr(loaded.tokenizer, "mask_token_id", None)
+    mask_id: Any = getattr(loaded.tokenizer, "mask_token_id", None)
     if objective == "masked" and mask_id is None:
         raise IsotuiError(f"the tokenizer of model {spec.model!r} has no mask token, so no masked-LM loss")
     opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
-    runner = _Runner(loaded, device, opts, lambda _e: None)
-    runner.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
+    loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
+    loop.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
     acc_device = torch.device(device if device.startswith("cuda") else "cpu")
-    accs: list = []  # GradAccumulator per layer, made at the first batch
-    loss_sum, loss_tokens, n_tokens = 0.0, 0, 0
-    start, done, total = time.perf_counter(), 0, len(runner.selected(len(prepared.samples)))
-    for idx in runner.batches(runner.feeder.lengths):
-        if should_stop and should_stop():
-            raise Cancelled()
-        fed = runner.feeder.feed(idx)
-        ids = fed.inputs["input_ids"]
-        valid, special = fed.valid, fed.special
+    accs: list[Any] = []  # GradAccumulator per layer, made at the first batch
+    loss_sum, loss_tokens = 0.0, 0
+
+    def step(batch: Batch) -> int:
+        """Forward and backward over one batch; every layer's (activation, gradient) folded in."""
+        nonlocal loss_sum, loss_tokens
+        ids = batch.fed.inputs["input_ids"]
+        valid, special = batch.fed.valid, batch.fed.special
         keep = valid if spec.special_tokens == "include" else valid & ~special
         positions = torch.arange(ids.shape[1])
         if objective == "masked":
-            masked = mlm_mask(spec.seed, torch.tensor(idx), positions, valid & ~special)
+            masked = mlm_mask(spec.seed, batch.ids, positions, valid & ~special)
             labels = torch.where(masked, ids, torch.full_like(ids, -100))
-            fed.inputs["input_ids"] = torch.where(masked, torch.full_like(ids, mask_id), ids)
+            batch.inputs["input_ids"] = torch.where(masked, torch.full_like(ids, int(mask_id)), ids).to(
+                device
+            )
         else:  # position t predicts token t + 1
             labels = torch.full_like(ids, -100)
             labels[:, :-1] = torch.where(valid[:, 1:], ids[:, 1:], labels[:, 1:])
             keep = keep & (labels != -100)  # the last token: no loss depends on it
-        inputs = runner.device_inputs(fed)
-        try:
-            with torch.enable_grad():
-                out = model(**inputs, output_hidden_states=True, return_dict=True)
-                hidden = tuple(out.hidden_states)
-                logits = out.logits.float()
-                loss = torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]),
-                    labels.to(device).reshape(-1),
-                    ignore_index=-100,
-                    reduction="sum",
-                )
-                grads = torch.autograd.grad(loss, hidden, allow_unused=True)
-        except IsotuiError:
-            raise
-        except Exception as exc:
-            raise IsotuiError(
-                f"model {type(model).__name__} failed on a batch ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:200] if str(exc) else ''})"
-            ) from None
+        with loop.model_call("a batch"), torch.enable_grad():
+            out = model(**batch.inputs, output_hidden_states=True, return_dict=True)
+            hidden = tuple(out.hidden_states)
+            logits = out.logits.float()
+            batch_loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                labels.to(device).reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            )
+            grads = torch.autograd.grad(batch_loss, hidden, allow_unused=True)
         if any(g is None for g in grads):
             layer = next(i for i, g in enumerate(grads) if g is None)
             raise IsotuiError(
@@ -262,19 +253,28 @@ def _stream_gradients(
                 "so it has no gradient"
             )
         if not accs:
-            accs = _accumulators(hidden, top_k, spec.model, acc_device)
+            accs.extend(_accumulators(hidden, top_k, spec.model, acc_device))
         if any(h.shape[1] != ids.shape[1] for h in hidden):
             raise IsotuiError(f"model {spec.model!r} has layers that are not one vector per input token")
         flat = keep.flatten().nonzero().squeeze(1).to(device)
-        for acc, h, g in zip(accs, hidden, grads, strict=True):
-            d = h.shape[-1]
-            acc.add(h.detach().reshape(-1, d)[flat], g.reshape(-1, d)[flat])
-        loss_sum += float(loss.detach())
+        try:
+            for acc, h, g in zip(accs, hidden, grads, strict=True):
+                d = h.shape[-1]
+                acc.add(h.detach().reshape(-1, d)[flat], g.reshape(-1, d)[flat])
+        except Exception as exc:  # some layers hold the batch already: a retry would count it twice
+            if not is_oom(exc):
+                raise
+            raise IsotuiError(
+                f"out of {device} memory while adding a batch of {len(batch.idx)} samples to the "
+                "gradient sums; use a smaller --batch-size"
+            ) from None
+        loss_sum += float(batch_loss.detach())
         loss_tokens += int((labels != -100).sum())
-        n_tokens += int(keep.sum())
-        done += len(idx)
-        if on_progress:
-            on_progress(Progress(done, total, n_tokens, time.perf_counter() - start))
+        return int(keep.sum())
+
+    start = time.perf_counter()
+    loop.run(step, phase="", start=start)
+    total = loop.total
     if not accs or accs[0].n_all == 0:
         raise IsotuiError(
             f"no token of the {total} samples was kept: all were special tokens, padding or last "

@@ -16,8 +16,11 @@ the block whose output is hidden-state row i + 1.
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 import threading
+import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,7 +29,10 @@ import numpy as np
 from isotui.core.accumulator import keep_smallest, sample_keys
 from isotui.core.attention import AttentionAccumulator, HeadStats, VectorSums
 from isotui.errors import IsotuiError
-from isotui.extract.runner import ExtractOptions, _Runner
+from isotui.extract.loop import Batch, BatchLoop, Hooks, merge_facts
+from isotui.extract.planning import ExtractOptions, effective_max_length
+from isotui.extract.progress import Progress, ProgressCallback, StopCheck
+from isotui.models.loading import LoadedModel
 
 PROBE = "isotui_probe"
 SAMPLE_BUDGET_BYTES = 128 << 20  # all modules' query/key subsamples together (float32)
@@ -45,11 +51,20 @@ def register_probe() -> None:
     AttentionMaskInterface.register(PROBE, eager_mask)
 
 
-def _repeat_kv(x, n: int):
+def _repeat_kv(x: Any, n: int) -> Any:
     return x if n == 1 else x.repeat_interleave(n, dim=1)
 
 
-def probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def probe_attention(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Any, Any]:
     """Eager attention that also measures. Returns (output (B, T, H, d), probabilities)."""
     import torch
 
@@ -105,7 +120,7 @@ class ModuleSite:
     kind: str
 
     @property
-    def order(self) -> tuple:
+    def order(self) -> tuple[int, int, bool]:
         return (
             {"encoder": 0, "model": 0, "decoder": 1}.get(self.component, 2),
             self.layer,
@@ -133,10 +148,10 @@ class Subsample:
 
     def __init__(self, size: int, seed: int) -> None:
         self.size, self.seed = size, seed
-        self.keys = None
-        self.vectors = None  # (H, m, d) float32 on the CPU
+        self.keys: Any = None
+        self.vectors: Any = None  # (H, m, d) float32 on the CPU
 
-    def add(self, x, keep, sample_ids) -> None:
+    def add(self, x: Any, keep: Any, sample_ids: Any) -> None:
         import torch
 
         b, _, t, _ = x.shape
@@ -156,15 +171,15 @@ class Subsample:
     def array(self) -> np.ndarray:
         return np.zeros((0, 0, 0), np.float32) if self.vectors is None else self.vectors.numpy()
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """Size, seed and (once anything was seen) the keys and (H, m, d) vectors."""
-        out: dict = {"size": self.size, "seed": self.seed}
+        out: dict[str, Any] = {"size": self.size, "seed": self.seed}
         if self.keys is not None:
             out |= {"keys": self.keys, "vectors": self.vectors}
         return out
 
     @classmethod
-    def from_state(cls, state: dict) -> Subsample:
+    def from_state(cls, state: dict[str, Any]) -> Subsample:
         sub = cls(int(state["size"]), int(state["seed"]))
         if "keys" in state:
             sub.keys, sub.vectors = state["keys"].clone(), state["vectors"].clone()
@@ -195,7 +210,18 @@ class _ModuleProbe:
         self.k_sample = Subsample(run.sample_size, run.seed + 1) if run.sample_size else None
         self.rope = False
 
-    def observe(self, q, k, scores, probs, allowed) -> None:
+    def save(self) -> tuple[Any, ...]:
+        """What this probe holds before a batch (copies of the sums folded in place), so that
+        :meth:`restore` can undo a batch the model did not finish (out of memory mid-forward)."""
+        sums = (copy.deepcopy(self.acc), copy.deepcopy(self.pre_q), copy.deepcopy(self.pre_k))
+        subsamples = (copy.copy(self.q_sample), copy.copy(self.k_sample))  # add() replaces, never edits
+        return (*sums, *subsamples, self.rope)
+
+    def restore(self, saved: tuple[Any, ...]) -> None:
+        self.acc, self.pre_q, self.pre_k, self.q_sample, self.k_sample, self.rope = saved
+        self.pre_raw.clear()
+
+    def observe(self, q: Any, k: Any, scores: Any, probs: Any, allowed: Any) -> None:
 
         b, h, t, d = q.shape
         if b != len(self.run.sample_ids):
@@ -211,14 +237,14 @@ class _ModuleProbe:
         if self.acc is None:
             self.acc = AttentionAccumulator(h, k.shape[1], d, device)
         self.acc.add(q, k, scores, probs, q_keep=q_keep, k_keep=k_keep, allowed=allowed)
-        if self.q_sample is not None:
+        if self.q_sample is not None and self.k_sample is not None:
             ids = self.run.sample_ids
             self.q_sample.add(q, q_keep, ids)
             self.k_sample.add(k, k_keep, ids)
         if self.pre_raw:
             self._fold_pre_rope(q, k, q_keep, k_keep, device)
 
-    def _fold_pre_rope(self, q, k, q_keep, k_keep, device) -> None:
+    def _fold_pre_rope(self, q: Any, k: Any, q_keep: Any, k_keep: Any, device: Any) -> None:
         """Queries and keys as projected, before rotary embedding (hooks filled ``pre_raw``)."""
         raw_q, raw_k = self.pre_raw.pop("q", None), self.pre_raw.pop("k", None)
         self.pre_raw.clear()
@@ -226,7 +252,7 @@ class _ModuleProbe:
             return
         pq = raw_q.reshape(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
         pk = raw_k.reshape(k.shape[0], k.shape[2], k.shape[1], k.shape[3]).transpose(1, 2)
-        if self.pre_q is None:
+        if self.pre_q is None or self.pre_k is None:
             self.pre_q = VectorSums(q.shape[1], q.shape[3], device)
             self.pre_k = VectorSums(k.shape[1], k.shape[3], device)
         self.rope = self.rope or not (pq.shape == q.shape and bool((pq == q).all()))
@@ -234,12 +260,12 @@ class _ModuleProbe:
         self.pre_k.add(pk, k_keep)
 
 
-def _pre_rope_hooks(module, probe: _ModuleProbe) -> list:
+def _pre_rope_hooks(module: Any, probe: _ModuleProbe, hooks: Hooks) -> None:
     """Forward hooks that hand the projected queries/keys (before rotary) to ``probe``."""
     import torch
 
-    def keep(slot: str, split=None):
-        def hook(_m, _args, out):
+    def keep(slot: str, split: Any = None) -> Any:
+        def hook(_m: Any, _args: Any, out: Any) -> None:
             if isinstance(out, tuple):
                 out = out[0]
             probe.pre_raw[slot] = out if split is None else split(out)
@@ -250,18 +276,19 @@ def _pre_rope_hooks(module, probe: _ModuleProbe) -> list:
     q_mod = children["q_norm"] if "q_norm" in children else children.get("q_proj")
     k_mod = children["k_norm"] if "k_norm" in children else children.get("k_proj")
     if q_mod is not None and k_mod is not None:
-        return [q_mod.register_forward_hook(keep("q")), k_mod.register_forward_hook(keep("k"))]
+        hooks.forward(q_mod, keep("q"))
+        hooks.forward(k_mod, keep("k"))
+        return
     fused = children.get("query_key_value")
     if isinstance(fused, torch.nn.Module) and hasattr(module, "head_size"):  # GPT-NeoX: per head q|k|v
         hd = module.head_size
 
-        def split(out):
+        def split(out: Any) -> Any:
             qkv = out.view(*out.shape[:-1], -1, 3 * hd)
             probe.pre_raw["k"] = qkv[..., hd : 2 * hd].flatten(-2)
             return qkv[..., :hd].flatten(-2)
 
-        return [fused.register_forward_hook(keep("q", split))]
-    return []
+        hooks.forward(fused, keep("q", split))
 
 
 @dataclass
@@ -289,20 +316,26 @@ class AttentionExtraction:
     notes: list[str] = field(default_factory=list)
 
 
-class AttentionRun(_Runner):
-    """The layer runner's batching, devices and out-of-memory back-off, with the attention probe
-    in place of hidden-state hooks."""
+class AttentionRun:
+    """The attention probe's step on a :class:`BatchLoop` (its batching, devices, out-of-memory
+    back-off and progress), with the probe in place of hidden-state hooks."""
 
-    def __init__(self, loaded, device: str, opts: ExtractOptions, on_progress, *, sample_size: int) -> None:
-        super().__init__(loaded, device, opts, on_progress)
+    def __init__(self, loop: BatchLoop, *, sample_size: int) -> None:
+        self.loop = loop
+        self.loaded = loop.loaded
+        self.model = loop.model
         self.sample_size = sample_size
-        self.seed = opts.seed
+        self.seed = loop.opts.seed
         self.probes: dict[int, _ModuleProbe] = {}
-        self.handles: list = []
-        self.masks: dict[tuple, tuple] = {}
-        self.fed = None
-        self.sample_ids = None
-        self.notes: list[str] = []
+        self.masks: dict[tuple[str, int], Any] = {}
+        self.fed: Any = None
+        self.sample_ids: Any = None
+        self.previous: Any = None
+
+    @property
+    def notes(self) -> list[str]:
+        """The run's notes: the loop's (back-offs) and the probe's, in the order they came."""
+        return self.loop.notes
 
     def install(self) -> None:
         if self.loaded.family != "transformers":
@@ -333,7 +366,7 @@ class AttentionRun(_Runner):
                 )
             probe = _ModuleProbe(site, self)
             self.probes[id(module)] = probe
-            self.handles += _pre_rope_hooks(module, probe)
+            _pre_rope_hooks(module, probe, self.loop.hooks)
         self._size_subsamples()
         with _LOCK:
             _ACTIVE.update(self.probes)
@@ -357,55 +390,55 @@ class AttentionRun(_Runner):
                 f"to stay within {SAMPLE_BUDGET_BYTES >> 20} MiB"
             )
         for probe in self.probes.values():
-            probe.q_sample.size = probe.k_sample.size = size
+            for sub in (probe.q_sample, probe.k_sample):
+                if sub is not None:
+                    sub.size = size
 
     def uninstall(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        self.loop.hooks.remove()
         with _LOCK:
             for key in self.probes:
                 _ACTIVE.pop(key, None)
         with contextlib.suppress(Exception):  # the model is about to be dropped anyway
             self.model.set_attn_implementation(self.previous)
 
-    def keep(self, site: ModuleSite, q_len: int, k_len: int):
+    def keep(self, site: ModuleSite, q_len: int, k_len: int) -> tuple[Any, Any]:
         """(B, T) query positions and (B, S) key positions that count, from the feeder's masks."""
         k_comp = "encoder" if site.kind == "cross" else site.component
         return self._mask(site.component, q_len), self._mask(k_comp, k_len)
 
-    def _mask(self, component: str, width: int):
+    def _mask(self, component: str, width: int) -> Any:
         key = (component, width)
         if key not in self.masks:
-            valid, special = self.feeder.mask(self.fed, component, width)
-            keep = valid if self.opts.special_tokens == "include" else valid & ~special
-            self.masks[key] = keep
+            self.masks[key] = self.loop.keep(self.fed, component, width)
         return self.masks[key]
 
-    def run_batch(self, idx: list[int]) -> int:
+    def __call__(self, batch: Batch) -> int:
+        """Run one batch under the probe; every module's statistics fold it in, or (when the
+        model fails part-way, out of memory) none does."""
         import torch
 
-        fed = self.feeder.feed(idx)
-        inputs = self.device_inputs(fed)
-        self.fed, self.masks = fed, {}
-        self.sample_ids = torch.tensor(idx, dtype=torch.long)
+        self.fed, self.masks = batch.fed, {}
+        self.sample_ids = batch.ids
+        saved = {key: probe.save() for key, probe in self.probes.items()}
         try:
-            with torch.inference_mode():
-                self.model(**inputs, return_dict=True)
-        except IsotuiError:
+            with self.loop.model_call("a batch under the attention probe"), torch.inference_mode():
+                self.model(**batch.inputs, return_dict=True)
+        except BaseException:
+            for key, probe in self.probes.items():
+                probe.restore(saved[key])
             raise
-        except Exception as exc:
-            raise self.batch_failure(exc, "a batch under the attention probe") from None
         if not any(p.acc is not None for p in self.probes.values()):
             raise IsotuiError(
                 f"{type(self.model).__name__} does not compute attention through transformers' "
                 "attention interface, so isotui cannot read its queries and keys"
             )
-        return int(fed.valid.sum()) if fed.valid is not None else len(idx)
+        return batch.units
 
     def results(self) -> list[ModuleResult]:
         return _module_results(p for p in self.probes.values() if p.acc is not None)
 
-    def state(self) -> list[dict]:
+    def state(self) -> list[dict[str, Any]]:
         """Each measured module's folded state, in layer order (see :func:`extract_attention_state`)."""
         probes = sorted((p for p in self.probes.values() if p.acc is not None), key=lambda p: p.site.order)
         return [_probe_state(p) for p in probes]
@@ -424,24 +457,26 @@ class _Folded:
     k_sample: Subsample | None = None
 
 
-def _probe_state(probe) -> dict:
+def _probe_state(probe: _ModuleProbe | _Folded) -> dict[str, Any]:
     """A probe's (or :class:`_Folded`'s) state: tensors and plain scalars, nested by part."""
-    out: dict = {"site": asdict(probe.site), "rope": probe.rope, "acc": probe.acc.state()}
+    assert probe.acc is not None
+    out: dict[str, Any] = {"site": asdict(probe.site), "rope": probe.rope, "acc": probe.acc.state()}
     for part in ("pre_q", "pre_k", "q_sample", "k_sample"):
         if getattr(probe, part) is not None:
             out[part] = getattr(probe, part).state()
     return out
 
 
-def _vector_sums(state: dict) -> VectorSums:
+def _vector_sums(state: dict[str, Any]) -> VectorSums:
     import torch
 
-    sums = VectorSums(*state["sum"].shape, torch.device("cpu"))
+    heads, dim = state["sum"].shape
+    sums = VectorSums(heads, dim, torch.device("cpu"))
     sums.load_state(state)
     return sums
 
 
-def _folded(state: dict) -> _Folded:
+def _folded(state: dict[str, Any]) -> _Folded:
     return _Folded(
         site=ModuleSite(**state["site"]),
         acc=AttentionAccumulator.from_state(state["acc"]),
@@ -466,22 +501,24 @@ def _merge_folded(mine: _Folded, other: _Folded) -> None:
             a.merge(b)
 
 
-def _module_results(probes) -> list[ModuleResult]:
+def _module_results(probes: Iterable[_ModuleProbe | _Folded]) -> list[ModuleResult]:
     """Per module, in layer order: heads, histograms, mean vectors and subsamples."""
     out = []
     for probe in sorted(probes, key=lambda p: p.site.order):
+        acc = probe.acc
+        assert acc is not None  # only modules that measured something
         pre = None
-        if probe.pre_q is not None and probe.rope:
-            pre = _pre_summary(probe.acc, probe.pre_q, probe.pre_k)
+        if probe.pre_q is not None and probe.pre_k is not None and probe.rope:
+            pre = _pre_summary(acc, probe.pre_q, probe.pre_k)
         out.append(
             ModuleResult(
                 site=probe.site,
-                heads=probe.acc.finalize(),
+                heads=acc.finalize(),
                 rope=probe.rope,
                 pre_rope=pre,
-                histograms=probe.acc.histograms(),
-                q_bar=probe.acc.q.mean(),
-                k_bar=probe.acc.k.mean(),
+                histograms=acc.histograms(),
+                q_bar=acc.q.mean(),
+                k_bar=acc.k.mean(),
                 q_sample=probe.q_sample.array() if probe.q_sample else None,
                 k_sample=probe.k_sample.array() if probe.k_sample else None,
             )
@@ -489,7 +526,9 @@ def _module_results(probes) -> list[ModuleResult]:
     return out
 
 
-def _pre_summary(acc: AttentionAccumulator, pre_q: VectorSums, pre_k: VectorSums) -> list[tuple]:
+def _pre_summary(
+    acc: AttentionAccumulator, pre_q: VectorSums, pre_k: VectorSums
+) -> list[tuple[float, float, float, float]]:
     qb, kb = pre_q.mean(), pre_k.mean()
     out = []
     for h in range(acc.heads):
@@ -501,13 +540,13 @@ def _pre_summary(acc: AttentionAccumulator, pre_q: VectorSums, pre_k: VectorSums
 
 
 def extract_attention(
-    loaded,
+    loaded: LoadedModel,
     samples: list[str],
     *,
     device: str,
     opts: ExtractOptions,
-    on_progress,
-    should_stop,
+    on_progress: ProgressCallback,
+    should_stop: StopCheck,
     model_name: str,
     modality: str,
     sample_size: int = 0,
@@ -520,17 +559,17 @@ def extract_attention(
 
 
 def extract_attention_state(
-    loaded,
+    loaded: LoadedModel,
     samples: list[str],
     *,
     device: str,
     opts: ExtractOptions,
-    on_progress,
-    should_stop,
+    on_progress: ProgressCallback,
+    should_stop: StopCheck,
     model_name: str,
     modality: str,
     sample_size: int = 0,
-) -> dict:
+) -> dict[str, Any]:
     """:func:`extract_attention`'s streamed state (over ``opts.sample_ids`` when it is a shard):
     per module its accumulators and subsamples. Merge shards with :func:`merge_attention_states`,
     end with :func:`finish_attention`."""
@@ -540,31 +579,25 @@ def extract_attention_state(
     return {**facts, "modules": run.state()}
 
 
-def merge_attention_states(states: list[dict]) -> dict:
+def merge_attention_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One state from disjoint shards of the same corpus: sums add, extremes min/max, the
     subsamples keep the smallest keys of the union."""
+    facts = merge_facts(states)
     modules = [_folded(m) for m in states[0]["modules"]]
     for other in states[1:]:
         if len(other["modules"]) != len(modules):
             raise ValueError("cannot merge the states of runs that measured different modules")
         for mine, theirs in zip(modules, other["modules"], strict=True):
             _merge_folded(mine, _folded(theirs))
-    return {
-        **states[0],
-        "modules": [_probe_state(m) for m in modules],
-        "n_samples": sum(s["n_samples"] for s in states),
-        "n_tokens": sum(s["n_tokens"] for s in states),
-        "seconds": sum(s["seconds"] for s in states),
-        "notes": list(dict.fromkeys(n for s in states for n in s["notes"])),
-    }
+    return {**facts, "modules": [_probe_state(m) for m in modules]}
 
 
-def finish_attention(state: dict) -> AttentionExtraction:
+def finish_attention(state: dict[str, Any]) -> AttentionExtraction:
     """The statistics of a (possibly merged) :func:`extract_attention_state`."""
     return _finish_attention(_module_results(_folded(m) for m in state["modules"]), state)
 
 
-def _finish_attention(modules: list[ModuleResult], facts: dict) -> AttentionExtraction:
+def _finish_attention(modules: list[ModuleResult], facts: dict[str, Any]) -> AttentionExtraction:
     notes = list(facts["notes"])
     if any(m.site.kind == "self" and m.rope and m.pre_rope is None for m in modules):
         notes.append("queries and keys before rotary embedding could not be read for this architecture")
@@ -579,35 +612,31 @@ def _finish_attention(modules: list[ModuleResult], facts: dict) -> AttentionExtr
 
 
 def _stream_attention(
-    loaded, samples, device, opts, on_progress, should_stop, model_name, modality, sample_size
-) -> tuple:
+    loaded: LoadedModel,
+    samples: list[str],
+    device: str,
+    opts: ExtractOptions,
+    on_progress: ProgressCallback,
+    should_stop: StopCheck,
+    model_name: str,
+    modality: str,
+    sample_size: int,
+) -> tuple[AttentionRun, dict[str, Any]]:
     """Run the batches under the probe; (the run with its probes, the facts to finish)."""
-    import time
-
-    from isotui.errors import Cancelled
-    from isotui.extract.progress import Progress
-    from isotui.extract.runner import effective_max_length
-
-    run = AttentionRun(loaded, device, opts, on_progress, sample_size=sample_size)
+    loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
+    run = AttentionRun(loop, sample_size=sample_size)
     max_length = effective_max_length(loaded, opts, model_name, on_progress)
-    run.prepare(samples, modality, max_length)
+    loop.prepare(samples, modality, max_length)
     run.install()
     start = time.perf_counter()
-    done = n_tokens = 0
-    total = len(run.selected(len(samples)))
     try:
-        on_progress(Progress(0, total, 0, 0.0))
-        for idx in run.batches(run.feeder.lengths):
-            if should_stop():
-                raise Cancelled()
-            n_tokens += run.process(idx)
-            done += len(idx)
-            on_progress(Progress(done, total, n_tokens, time.perf_counter() - start))
+        on_progress(Progress(0, loop.total, 0, 0.0))
+        done = loop.run(run, phase="", start=start)
     finally:
         run.uninstall()
     facts = {
-        "n_samples": total,
-        "n_tokens": n_tokens,
+        "n_samples": loop.total,
+        "n_tokens": done.units,
         "max_length": max_length,
         "seconds": time.perf_counter() - start,
         "notes": list(run.notes),
