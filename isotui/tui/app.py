@@ -390,7 +390,8 @@ class IsotuiApp(App):
 
     @work(thread=True, group="quit")
     def _exit_when_idle(self) -> None:
-        self.backend.wait_idle(QUIT_WAIT_S)
+        if self.backend is not None and not self.backend.wait_idle(QUIT_WAIT_S):
+            self.backend.terminate()  # the last resort: kill a worker process that did not stop
         self.call_from_thread(self.exit)
 
     def action_help_quit(self) -> None:
@@ -930,9 +931,10 @@ def run_app(app: IsotuiApp | None = None, *, fresh: bool = False, **run_kwargs: 
     ``run_kwargs``: e.g. headless with a pilot)."""
     app = app or IsotuiApp(fresh=fresh)
     app.run(**run_kwargs)
-    if app.backend is not None and not app.backend.wait_idle(0):
-        # A worker still inside torch past the bounded wait: leave without the interpreter's
-        # teardown, which would abort ("terminate called without an active exception", 134).
+    if app.backend is not None and not app.backend.wait_idle(0) and not app.backend.terminate():
+        # An in-process worker still inside torch past the bounded wait: leave without the
+        # interpreter's teardown, which would abort ("terminate called without an active
+        # exception", 134). Worker processes are simply killed.
         import os
         import sys
 
