@@ -1,4 +1,4 @@
-"""The app's plot widget: a PlotextPlot whose title and x label always show.
+"""The app's plots: a PlotextPlot whose title and x label always show, and what the plots draw.
 
 plotext leaves out a label that does not fit its width (``check_space``): a long title was blank
 on an 80-column terminal and, before the first layout, on first display. Here each is cut to the
@@ -7,7 +7,14 @@ widget's width at every render instead (the full text stays set, so a wider wind
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import Any, cast
+
 from textual_plotext import PlotextPlot
+
+from isotui.render import shorten
+from isotui.results import SE_FIELDS, ModelResult
 
 
 def fit(text: str | None, width: int) -> str | None:
@@ -18,8 +25,8 @@ def fit(text: str | None, width: int) -> str | None:
 
 
 class FitPlot(PlotextPlot):
-    def render(self):
-        monitor = self.plt.monitor
+    def render(self) -> Any:
+        monitor = cast(Any, self.plt).monitor  # plotext keeps its figure state here
         title, xlabel = monitor.title, list(monitor.xlabel)
         width = self.size.width - 6  # plotext keeps a margin either side of a centred label
         monitor.title = fit(title, width)
@@ -28,3 +35,112 @@ class FitPlot(PlotextPlot):
             return super().render()
         finally:
             monitor.title, monitor.xlabel = title, xlabel
+
+
+# -- what the app's plots draw (the widgets pass in what to show; nothing here reads the app) --
+
+RGB = tuple[int, int, int]
+# comparable to the isotropic null
+NULL_METRICS = ("avg_cos", "avg_cos_xctx", "avg_cos_centered", "avg_cos_abtt", "avg_cos_std", "avg_cos_types")
+
+
+def clear(plot: PlotextPlot) -> Any:
+    """The plot's plotext figure, emptied."""
+    plt = plot.plt
+    plt.clear_data()
+    plt.clear_figure()
+    return plt
+
+
+def x_values(rows: Sequence[Any], depth: bool) -> list[float]:
+    """Layer index, or depth 0..1 (encoder, then decoder)."""
+    last = max(len(rows) - 1, 1)
+    return [i / last if depth else i for i in range(len(rows))]
+
+
+def integer_ticks(plt: Any, rows: Sequence[Any], depth: bool) -> None:
+    """Whole layer numbers on a layer axis (at most 7 ticks); depth keeps plotext's own."""
+    if depth or len(rows) < 2:
+        return
+    last = len(rows) - 1
+    step = max(1, -(-last // 6))
+    ticks = list(range(0, last + 1, step))
+    plt.xticks(ticks, [str(t) for t in ticks])
+
+
+def se_band(rows: Sequence[Any], metric: str) -> tuple[list[float], list[float]] | None:
+    """(metric - SE, metric + SE) per layer for a metric with a standard error (the reservoir's
+    sampled metrics), or None when it has none or every SE is 0 (exact, or ``--exact``)."""
+    name = f"{metric}_se"
+    if name not in SE_FIELDS or not rows:
+        return None
+    values = [getattr(r, metric) for r in rows]
+    errors = [getattr(r, name) for r in rows]
+    if not any(math.isfinite(e) and e > 0 for e in errors):
+        return None
+    errors = [e if math.isfinite(e) else 0.0 for e in errors]
+    return [v - e for v, e in zip(values, errors, strict=True)], [
+        v + e for v, e in zip(values, errors, strict=True)
+    ]
+
+
+def draw_metric_curves(
+    plot: PlotextPlot, curves: Sequence[ModelResult], metric: str, depth: bool, colours: Sequence[RGB]
+) -> None:
+    """One line per compared model of ``metric`` by layer (or depth), with its null line and
+    its ±1 SE band where it has them."""
+    plt = clear(plot)
+    axis = "depth (0..1)" if depth else "layer"
+    if not curves:
+        plt.title(f"{metric} by {axis}: run models to compare them")
+        plot.refresh()
+        return
+    nulls = metric in NULL_METRICS
+    band = any(se_band(r.rows, metric) is not None for r in curves)
+    plt.title(
+        f"{metric} by {'depth' if depth else 'layer'}"
+        + (" (— null p95)" if nulls else "")
+        + (" (dots: ±1 SE)" if band else "")
+    )
+    for i, result in enumerate(curves):
+        rows = result.rows
+        colour = colours[i % len(colours)]
+        plt.plot(
+            x_values(rows, depth),
+            [getattr(r, metric) for r in rows],
+            label=shorten(result.model, 24),
+            color=colour,
+            marker="braille",
+        )
+        edges = se_band(rows, metric)
+        if edges is not None:  # a sampled metric: ±1 standard error, dotted
+            for edge in edges:
+                plt.plot(x_values(rows, depth), edge, color=colour, marker="dot")
+        if nulls and rows:
+            plt.hline(rows[0].null_p95, colour)
+    integer_ticks(plt, max((r.rows for r in curves), key=len), depth)
+    plot.refresh()
+
+
+def draw_drift_curves(
+    plot: PlotextPlot, result: ModelResult | None, depth: bool, colours: Sequence[RGB]
+) -> None:
+    """Drift norm (left axis) and avg cosine (right) per layer of one model (Godey et al. Fig. 5)."""
+    plt = clear(plot)
+    plot.border_title = shorten(result.model, 30) if result else ""  # whose curves these are
+    if result is not None and result.rows:
+        xs = x_values(result.rows, depth)
+        plt.title(f"{shorten(result.model, 20)}: drift (left), avg_cos (right)")
+        integer_ticks(plt, result.rows, depth)
+        plt.plot(xs, [r.drift_norm for r in result.rows], label="drift", color=colours[0], marker="braille")
+        plt.plot(
+            xs,
+            [r.avg_cos for r in result.rows],
+            label="avg_cos",
+            color=colours[1 % len(colours)],
+            marker="braille",
+            yside="right",
+        )
+    else:
+        plt.title("drift norm and avg_cos per layer: run a model")
+    plot.refresh()
