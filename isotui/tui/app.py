@@ -7,7 +7,6 @@ torch or transformers: the first frame draws before they load (in the backend, o
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -22,7 +21,6 @@ from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, OptionList
-from textual.widgets.option_list import OptionDoesNotExist
 
 from isotui.backend import Backend, JobEvent, Post
 from isotui.config import load_run_config
@@ -40,7 +38,8 @@ from isotui.tui.help import HelpScreen, binding_rows
 from isotui.tui.job_events import BackendMessage, EventRelay, JobEventView
 from isotui.tui.jobs import JobsTable
 from isotui.tui.layer_table import LayerTable
-from isotui.tui.model_list import Entry, build_options, first_enabled, gather_entries
+from isotui.tui.model_list import Entry
+from isotui.tui.models_pane import ModelsPane
 from isotui.tui.options import OptionsScreen, check_options
 from isotui.tui.plots import RGB, FitPlot, draw_metric_curves
 from isotui.tui.session import Session, load_session, save_session, session_path
@@ -60,15 +59,6 @@ MAIN_ONLY_ACTIONS = frozenset(
 )
 QUIT_WAIT_S = 15.0  # how long quitting waits for a running job to stop at a safe point
 __all__ = ["BackendMessage", "IsotuiApp", "run_app"]
-
-
-class ModelFilter(Input):
-    """The models pane's box: typing filters the list; enter runs exactly what was typed."""
-
-    BINDINGS: ClassVar[list[Binding]] = [Binding("down", "to_list", show=False)]
-
-    def action_to_list(self) -> None:
-        self.app.query_one("#models", OptionList).focus()
 
 
 class IsotuiApp(App):
@@ -166,7 +156,6 @@ class IsotuiApp(App):
         self.backend_factory = backend_factory  # tests pass a backend with a fake, slow model
         self.backend: Backend | None = None
         self._stopping = False  # quitting: waiting for the running job to stop
-        self.entries: list[Entry] = []
         self.results: dict[str, ModelResult] = {}
         # the attention lab's results: attention per model, the latest dynamics and drift block
         self.lab_results: dict[str, Any] = {
@@ -185,9 +174,13 @@ class IsotuiApp(App):
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         with Horizontal(id="body"):
-            with Vertical(id="left"):
-                yield ModelFilter(placeholder="filter, or type a model + enter", id="model-input")
-                yield OptionList(id="models")
+            yield ModelsPane(
+                self.cache,
+                selected=lambda: self.selected,
+                restore=self.select,
+                marks=self.compared_marks,
+                id="left",
+            )
             with Vertical(id="main"):
                 yield LayerTable(id="layers")
                 with Horizontal(id="charts"):
@@ -376,45 +369,21 @@ class IsotuiApp(App):
 
     # -- models pane -------------------------------------------------------------------------
 
-    @work(thread=True, exclusive=True, group="models")
+    @property
+    def models_pane(self) -> ModelsPane:
+        return self.main_screen.query_one(ModelsPane)
+
+    @property
+    def entries(self) -> list[Entry]:
+        """What the models pane lists (empty until its worker has scanned)."""
+        try:
+            return self.models_pane.entries
+        except NoMatches:
+            return []
+
     def refresh_models(self) -> None:
-        """Re-read presets, the HF cache and cached runs (on a worker thread: a large cache takes
-        a while to scan), then show them, keeping the filter."""
-        entries = gather_entries(self.cache)
-        self.call_from_thread(self._show_entries, entries)
-
-    def _show_entries(self, entries: list[Entry]) -> None:
-        self.entries = entries
-        if not self.screen_stack:  # a worker's answer that came after quitting
-            return
-        models = self.main_screen.query_one("#models", OptionList)
-        restoring = self.selected if models.option_count == 0 else None  # the last session's
-        if restoring is None:
-            self.filter_models(self.main_screen.query_one("#model-input", Input).value, keep_cursor=True)
-            return
-        with models.prevent(OptionList.OptionHighlighted):  # the list's first entry is not picked
-            self.filter_models(self.main_screen.query_one("#model-input", Input).value)
-            with contextlib.suppress(OptionDoesNotExist):
-                models.highlighted = models.get_option_index(f"model:{restoring}")
-        self.select(restoring)
-
-    def filter_models(self, query: str, keep_cursor: bool = False) -> None:
-        models = self.main_screen.query_one("#models", OptionList)
-        index = models.highlighted
-        current = models.get_option_at_index(index).id if keep_cursor and index is not None else None
-        marked = {f"model:{m}" for m in self.comparison} | {
-            f"run:{self.results[m].key}" for m in self.comparison if m in self.results
-        }
-        models.clear_options()
-        models.add_options(build_options(self.entries, query, marked))
-        models.highlighted = first_enabled(models)
-        if current is not None:  # the cursor stays where the user left it
-            with contextlib.suppress(OptionDoesNotExist):
-                models.highlighted = models.get_option_index(current)
-
-    @on(Input.Changed, "#model-input")
-    def _filter(self, event: Input.Changed) -> None:
-        self.filter_models(event.value)
+        """List presets, the HF cache and cached runs again (on a worker thread)."""
+        self.models_pane.refresh_entries()
 
     @on(OptionList.OptionHighlighted, "#models")
     def _highlight(self, event: OptionList.OptionHighlighted) -> None:
@@ -564,11 +533,13 @@ class IsotuiApp(App):
         return f"{n} model{'s' * (n != 1)} compared"
 
     def show_marks(self) -> None:
-        """Mark the compared models (and their cached runs) in the list (once it is listed: a
-        restored comparison can come back before the worker that lists the models)."""
-        if not self.entries:
-            return
-        self.filter_models(self.main_screen.query_one("#model-input", Input).value, keep_cursor=True)
+        """Mark the compared models (and their cached runs) in the models pane."""
+        self.models_pane.show_marks()
+
+    def compared_marks(self) -> set[str]:
+        return {f"model:{m}" for m in self.comparison} | {
+            f"run:{self.results[m].key}" for m in self.comparison if m in self.results
+        }
 
     def action_cycle_metric(self) -> None:
         self.metric = PLOT_METRICS[(PLOT_METRICS.index(self.metric) + 1) % len(PLOT_METRICS)]

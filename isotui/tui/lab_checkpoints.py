@@ -4,7 +4,7 @@ heatmap (Machina & Mercer 2024), each cell shaded by its value within the grid."
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.style import Style
 from rich.text import Text
@@ -14,6 +14,9 @@ from textual.widgets import DataTable, Input, Static
 
 from isotui.render import shorten
 from isotui.tui.layer_table import SHADE_MAX, shade_fraction
+
+if TYPE_CHECKING:
+    from isotui.tui.lab import CheckpointsTab
 
 
 def compose_checkpoints() -> ComposeResult:
@@ -26,29 +29,22 @@ def compose_checkpoints() -> ComposeResult:
     yield DataTable(id="ckpt-table", cursor_type="cell", zebra_stripes=False)
 
 
-def run_checkpoints(screen, text: str) -> bool:
-    """Queue the series typed in ``text``; False (and one sentence) when it is refused."""
-    from isotui.experiments.requests import CheckpointsRequest
-
-    return screen.submit_series(text, CheckpointsRequest, "checkpoints")
-
-
-def show_checkpoints(screen) -> None:
+def show_checkpoints(tab: CheckpointsTab) -> None:
+    """The heatmap of the tab's metric for the series' result (or what to do to get one)."""
     from isotui.experiments.checkpoints import METRICS
 
-    app: Any = screen.app
-    result = app.lab_results.get("checkpoints")
-    table = screen.query_one("#ckpt-table", DataTable)
-    info = screen.query_one("#ckpt-info", Static)
+    result = tab.result()
+    table = tab.query_one("#ckpt-table", DataTable)
+    info = tab.query_one("#ckpt-info", Static)
     table.clear(columns=True)
-    metric = METRICS[getattr(screen, "ckpt_metric", 0) % len(METRICS)]
+    metric = METRICS[tab.metric % len(METRICS)]
     if result is None:
         info.update(f"{metric} by layer and step: give checkpoints above (m: next metric)")
         return
     labels, values = result.grid(metric)
     finite = [v for v in values.flat if math.isfinite(v)]
     bounds = (min(finite), max(finite)) if finite else None
-    theme = app.current_theme
+    theme = tab.host.current_theme
     low = Color.parse(theme.surface or theme.background or "#202020")
     high = Color.parse(theme.primary)
     table.add_columns("layer", *(str(s) for s in result.steps()))

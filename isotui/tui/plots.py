@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, cast
 
+import numpy as np
 from textual_plotext import PlotextPlot
 
 from isotui.render import shorten
@@ -143,4 +144,57 @@ def draw_drift_curves(
         )
     else:
         plt.title("drift norm and avg_cos per layer: run a model")
+    plot.refresh()
+
+
+def draw_head_metric(
+    plot: PlotextPlot, result: Any, summary: Sequence[Any], metric: tuple[str, str], colours: Sequence[RGB]
+) -> None:
+    """The lab's Heads plot: ``metric`` (attribute, name) by layer, heads averaged, each head a dot."""
+    plt = clear(plot)
+    attr, name = metric
+    if result is None:
+        plt.title(f"{name} per layer: run the attention experiment (r)")
+        plot.refresh()
+        return
+    sites = [s for s in summary if s.attention == "self"]
+    xs = list(range(1, len(sites) + 1))
+    plt.title(f"{name} by layer (dots: heads)")
+    heads_x, heads_y = [], []
+    for i, s in enumerate(sites):
+        for r in result.rows:
+            if (r.component, r.layer, r.attention) == (s.component, s.layer, s.attention):
+                v = getattr(r, attr)
+                if math.isfinite(v):
+                    heads_x.append(i + 1)
+                    heads_y.append(v)
+    plt.scatter(heads_x, heads_y, color=colours[1], marker="dot")
+    plt.plot(xs, [getattr(s, attr) for s in sites], color=colours[0], marker="braille")
+    if len(xs) > 1:
+        step = max(1, -(-len(xs) // 8))
+        plt.xticks(xs[::step], [str(x) for x in xs[::step]])
+    plot.refresh()
+
+
+def draw_score_histogram(
+    plot: PlotextPlot, result: Any, summary: Sequence[Any], row: int, colours: Sequence[RGB], *, log: bool
+) -> None:
+    """The lab's Heads histogram: pre-softmax scores of the layer in table row ``row``, all heads."""
+    from isotui.figures import draw_histogram
+
+    plt = clear(plot)
+    if result is None:
+        plt.title("pre-softmax scores of a layer")
+        plot.refresh()
+        return
+    row = min(max(row, 0), len(summary) - 1)
+    s = summary[row]
+    draw_histogram(
+        plt,
+        result.arrays[f"hist.{row}"].sum(0),
+        np.asarray(result.meta["score_edges"]),
+        colours[0],
+        f"QKᵀ/√d, layer {s.layer}{' (cross)' if s.attention == 'cross' else ''}, all heads",
+        log=log,
+    )
     plot.refresh()
