@@ -61,15 +61,15 @@ QUIT_WAIT_S = 15.0  # how long quitting waits for a running job to stop at a saf
 __all__ = ["BackendMessage", "IsotuiApp", "run_app"]
 
 
-class IsotuiApp(App):
+class IsotuiApp(App[None]):
     """The keyboard-driven lab. ``spec_defaults`` are the data and run options for new jobs."""
 
     TITLE = "isotui"
     CSS_PATH = Path(__file__).with_name("app.tcss")
     AUTO_FOCUS = "#models"
-    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (120, "-wide")]
-    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (30, "-tall")]
-    BINDINGS: ClassVar[list[Binding]] = [
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (120, "-wide")]  # type: ignore[misc]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (30, "-tall")]  # type: ignore[misc]
+    BINDINGS: ClassVar[list[Binding]] = [  # type: ignore[assignment]  # Bindings only: help reads ids
         Binding("r", "run", "Run", id="run", tooltip="run the selected model on the current options"),
         Binding(
             "slash",
@@ -125,7 +125,7 @@ class IsotuiApp(App):
         self,
         *,
         cache_root: Path | None = None,
-        spec_defaults: dict | None = None,
+        spec_defaults: dict[str, Any] | None = None,
         export_dir: Path | None = None,
         theme_dirs: list[Path] | None = None,
         settings_file: Path | None = None,
@@ -150,6 +150,7 @@ class IsotuiApp(App):
         self.export_dir = export_dir or self.settings.export_dir or Path.cwd()
         self.session_file = session_path(self.settings.path)
         self.fresh = fresh  # start without the last session (it is overwritten on the next change)
+        self._session_unwritable = False  # said once
         self.lab_inputs: dict[str, str] = {}  # the lab's settings boxes, kept across visits
         self.device_probe = device_probe or (lambda: describe_devices(query_gpus()))
         self.device_line = ""
@@ -283,7 +284,7 @@ class IsotuiApp(App):
         try:
             save_session(self.session_file, self.session())
         except OSError as exc:
-            if not getattr(self, "_session_unwritable", False):
+            if not self._session_unwritable:
                 self._session_unwritable = True
                 self.notify(
                     f"cannot write the session file {self.session_file}: {exc.strerror or exc}",
@@ -307,14 +308,14 @@ class IsotuiApp(App):
             self.notify("\n".join(problems), title="settings skipped", severity="warning", timeout=15)
 
     @property
-    def main_screen(self) -> Screen:
+    def main_screen(self) -> Screen[Any]:
         """The layer view, always the bottom screen: its widgets are updated (a job ending,
         the list refreshed) while the lab or a dialog is shown on top of it."""
         if not self.screen_stack:
             raise NoMatches("the app is closing")
         return self.screen_stack[0]
 
-    def notify(self, message: str, *, markup: bool = False, **kwargs) -> None:
+    def notify(self, message: str, *, markup: bool = False, **kwargs: Any) -> None:
         """Notifications show text as written: paths and ``[keys]`` are not Rich markup."""
         super().notify(message, markup=markup, **kwargs)
 
@@ -564,7 +565,7 @@ class IsotuiApp(App):
         self.notify(f"theme: {self.theme}", timeout=2)
 
     def watch_theme(self, _: str) -> None:
-        if self.is_mounted:  # shades and line colours come from the theme
+        if self.screen_stack:  # shades and line colours come from the theme
             self.show_table()
             self.replot()
             self.show_drift()
@@ -621,7 +622,7 @@ class IsotuiApp(App):
         result = self.results.get(self.selected or "")
         self._export([result] if result else [], "table")
 
-    def action_screenshot(self) -> None:
+    def action_screenshot(self) -> None:  # type: ignore[override]  # the key takes no arguments
         try:
             target = self.export_path("", "svg")
             path = self.save_screenshot(target.name, str(target.parent))
@@ -657,7 +658,7 @@ class IsotuiApp(App):
         sort_key = next(k for k, i, _ in self.key_bindings() if i == "sort")
         self.push_screen(HelpScreen(self.key_bindings(), sort_key, title="isotui keys: models and layers"))
 
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
         """Every isotui action in the command palette (ctrl+p), beside Textual's own."""
         yield from super().get_system_commands(screen)
         for (key, _, what), b in zip(self.key_bindings(), self.BINDINGS, strict=True):
