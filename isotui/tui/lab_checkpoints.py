@@ -4,7 +4,6 @@ heatmap (Machina & Mercer 2024), each cell shaded by its value within the grid."
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from rich.style import Style
 from rich.text import Text
@@ -13,10 +12,8 @@ from textual.color import Color
 from textual.widgets import DataTable, Input, Static
 
 from isotui.render import shorten
+from isotui.tui.lab_tab import LabTab
 from isotui.tui.layer_table import SHADE_MAX, shade_fraction
-
-if TYPE_CHECKING:
-    from isotui.tui.lab import CheckpointsTab
 
 
 def compose_checkpoints() -> ComposeResult:
@@ -63,3 +60,31 @@ def show_checkpoints(tab: CheckpointsTab) -> None:
         f"{shorten(result.series, 40)} · {metric} by layer (rows) and step (columns), {span} · "
         f"{meta.get('data')}, {meta.get('n_samples')} samples · m: next metric"
     )
+
+
+class CheckpointsTab(LabTab):
+    """Any layer metric along a checkpoint series (its view in :mod:`isotui.tui.lab_checkpoints`)."""
+
+    KIND = "checkpoints"
+    BOX = "#ckpt-input"
+    TABLE = "#ckpt-table"
+
+    def __init__(self, title: str, *, id: str) -> None:
+        super().__init__(title, id=id)
+        self.metric = 0  # which layer metric the heatmap shows
+
+    def compose(self) -> ComposeResult:
+        yield from compose_checkpoints()
+
+    def show(self) -> None:
+        show_checkpoints(self)
+
+    def run(self) -> bool:
+        from isotui.experiments.requests import CheckpointsRequest
+
+        text = self.query_one("#ckpt-input", Input).value
+        return self.submit_series(text, CheckpointsRequest, "checkpoints")
+
+    def cycle(self) -> None:
+        self.metric += 1
+        self.show()
