@@ -121,7 +121,8 @@ def _cache(cache_root: Path | None) -> ResultCache | None:
 class LayerRequest:
     """A layer-wise run as a request like the experiments' (the lookup resolves it and keeps what
     it resolved, so the compute step does not resolve it again). ``prepare``/``compute``: tests'
-    fakes (in-process only); by default :mod:`~isotui.experiments.layerwise`'s."""
+    fakes (importable functions, to run in a worker process); by default
+    :mod:`~isotui.experiments.layerwise`'s."""
 
     spec: RunSpec
     prepare: Callable[[RunSpec], layerwise.Prepared] | None = None
@@ -183,7 +184,8 @@ def run_step(
     step: str, request: Request, cache_root: Path | None, send: Send, should_stop: Callable[[], bool]
 ) -> None:
     """Run a job's ``lookup`` or ``compute`` step, telling ``send`` what happens (see
-    :data:`Message`); it never raises (in a worker process or on a backend thread alike)."""
+    :data:`Message`); a failure is its last message, not an exception (in a worker process or
+    on a backend thread alike), unless the messages themselves cannot be sent."""
 
     def notice(text: str) -> None:
         send(("notice", text))
