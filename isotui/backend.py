@@ -92,6 +92,9 @@ Post = Callable[[JobEvent], None]
 Message = tuple[Any, ...]
 Send = Callable[[Message], None]
 LAST_WORDS = frozenset({"done", "miss", "cancelled", "failed"})
+# A device lane's process yields the CPU to the app's: on a busy CPU the keys' redraws come
+# first (issue 12: key latency), and an idle app costs the job nothing.
+LANE_NICENESS = 10
 
 
 class Request(Protocol):
@@ -236,9 +239,10 @@ class _Child:
     pipe. Spawned (a fresh interpreter), never forked: the app has threads, and forking them is
     unsafe. Started on first use and again after it died."""
 
-    def __init__(self, ctx: SpawnContext, name: str) -> None:
+    def __init__(self, ctx: SpawnContext, name: str, niceness: int = 0) -> None:
         self._ctx = ctx
         self.name = name
+        self.niceness = niceness
         self.stop = ctx.Event()  # set: the running step stops at its next batch
         self._process: SpawnProcess | None = None
         self._conn: Connection | None = None
@@ -247,7 +251,7 @@ class _Child:
     def _start(self) -> Connection:
         ours, theirs = self._ctx.Pipe()
         process = self._ctx.Process(
-            target=_worker_main, args=(theirs, self.stop), name=self.name, daemon=True
+            target=_worker_main, args=(theirs, self.stop, self.niceness), name=self.name, daemon=True
         )
         process.start()
         theirs.close()  # so that a dead child reads as the end of the pipe
@@ -316,9 +320,12 @@ class _Child:
         return process.pid if process is not None and process.is_alive() else None
 
 
-def _worker_main(conn: Connection, stop: Any) -> None:
+def _worker_main(conn: Connection, stop: Any, niceness: int = 0) -> None:
     """A worker process: run the steps sent to it until told to end (None) or its parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl+c is a key of the app, not for us
+    if niceness and hasattr(os, "nice"):
+        with contextlib.suppress(OSError):
+            os.nice(niceness)
     devnull = os.open(os.devnull, os.O_WRONLY)  # the app owns the terminal: libraries' chatter goes
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
@@ -403,8 +410,10 @@ class Backend:
         self._threads: list[threading.Thread] = []
         self._closed = False
 
-    def _runner(self, name: str) -> Runner:
-        return _Child(self._ctx, f"isotui-{name}") if self._ctx is not None else _InProcess()
+    def _runner(self, name: str, niceness: int = 0) -> Runner:
+        if self._ctx is None:
+            return _InProcess()
+        return _Child(self._ctx, f"isotui-{name}", niceness)
 
     def submit(self, spec: Any) -> int:
         """Queue a job for ``spec`` (a RunSpec, or an experiment request); an identical job
@@ -497,7 +506,7 @@ class Backend:
             lane = self._lanes.get(device)
             if lane is None:
                 lane = self._lanes[device] = queue.Queue()
-                runner = self._runner(device)
+                runner = self._runner(device, LANE_NICENESS)
                 self._runners.append(runner)
                 thread = threading.Thread(
                     target=self._run_lane, args=(lane, runner), name=f"isotui-{device}", daemon=True

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from isotui.backend import (
+    LANE_NICENESS,
     Backend,
     JobCancelled,
     JobFailed,
@@ -199,6 +200,9 @@ def test_jobs_compute_in_a_worker_process_and_cancel_between_batches(tmp_path):
     job = backend.submit(make_spec("fake-a", device="cpu"))
     pid = _pid_of(events, job)
     assert pid != os.getpid() and pid in backend.worker_pids()
+    # the lane yields the CPU to the app's process (its keys)
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, ours + LANE_NICENESS)
     assert backend.cancel(job)
     assert isinstance(events.wait_end(job, timeout=30), JobCancelled)
     assert not backend.in_flight()
