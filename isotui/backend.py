@@ -478,16 +478,18 @@ class Backend:
     def close(self, wait: bool = True) -> None:
         """Stop taking jobs, cancel those in flight, and (optionally) wait for the workers."""
         with self._lock:
+            first = not self._closed  # quitting closes, and so does unmounting the app
             self._closed = True
             jobs = list(self._active.values())
             for job in jobs:
                 job.stop.set()
                 if job.runner is not None:
                     job.runner.stop.set()
-        self._lookups.submit(self._lookup_runner.close)  # after the lookups queued before it
+        if first:
+            self._lookups.submit(self._lookup_runner.close)  # after the lookups queued before it
+            for lane in self._lanes.values():
+                lane.put(None)
         self._lookups.shutdown(wait=wait)
-        for lane in self._lanes.values():
-            lane.put(None)
         if wait:
             for thread in self._threads:
                 thread.join()

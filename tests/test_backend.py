@@ -238,6 +238,7 @@ def test_quitting_kills_a_worker_that_does_not_stop(tmp_path):
     pid = _pid_of(events, job)
     backend.close(wait=False)
     backend.terminate()
+    backend.close(wait=False)  # the app closes again as it unmounts: nothing more happens
     assert isinstance(events.wait_end(job, timeout=30), JobCancelled)
     assert backend.wait_idle(30)
     with pytest.raises(ProcessLookupError):
