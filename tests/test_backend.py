@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 import pytest
 
 from isotui.backend import (
+    LANE_NICENESS,
     Backend,
     JobCancelled,
     JobFailed,
@@ -16,7 +19,7 @@ from isotui.backend import (
     JobQueued,
     JobStarted,
 )
-from isotui.errors import Cancelled
+from isotui.errors import Cancelled, IsotuiError
 from isotui.experiments import layerwise
 from isotui.extract.progress import Progress
 from isotui.spec import make_spec
@@ -158,3 +161,118 @@ def test_backend_import_does_not_import_torch():
     code = "import sys, isotui.backend; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- worker processes: the fakes below are importable, so a spawned process can run them -------
+
+
+def fake_prepare(spec):
+    return layerwise.Prepared(spec, f"fake-{spec.model}", [], "fp", "dfp", "float32", "cpu")
+
+
+def slow_compute(prepared, *, on_progress, should_stop):
+    """Reports its process id as the progress detail, until told to stop."""
+    for i in range(100_000):
+        if should_stop():
+            raise Cancelled()
+        on_progress(Progress(i + 1, 100_000, i, 0.1, detail=str(os.getpid())))
+        time.sleep(0.02)
+    raise AssertionError("never stopped")
+
+
+def pid_compute(prepared, *, on_progress, should_stop):
+    raise IsotuiError(f"computed in process {os.getpid()}")
+
+
+def _pid_of(events, job_id: int) -> int:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        progress = [e for e in events.of(job_id) if isinstance(e, JobProgress)]
+        if progress:
+            return int(progress[0].progress.detail)
+        time.sleep(0.05)
+    raise AssertionError(f"no progress from job {job_id}: {events.of(job_id)}")
+
+
+def test_jobs_compute_in_a_worker_process_and_cancel_between_batches(tmp_path):
+    events = Events()
+    backend = Backend(None, events, compute=slow_compute, prepare=fake_prepare, processes=True)
+    job = backend.submit(make_spec("fake-a", device="cpu"))
+    pid = _pid_of(events, job)
+    assert pid != os.getpid() and pid in backend.worker_pids()
+    # the lane yields the CPU to the app's process (its keys)
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, ours + LANE_NICENESS)
+    assert backend.cancel(job)
+    assert isinstance(events.wait_end(job, timeout=30), JobCancelled)
+    assert not backend.in_flight()
+    backend.close()
+    assert backend.wait_idle(30) and backend.worker_pids() == []
+
+
+def test_a_killed_worker_is_one_failure_and_the_next_job_gets_a_new_one(tmp_path):
+    events = Events()
+    backend = Backend(None, events, compute=slow_compute, prepare=fake_prepare, processes=True)
+    doomed = backend.submit(make_spec("fake-a", device="cpu"))
+    queued = backend.submit(make_spec("fake-b", device="cpu"))
+    pid = _pid_of(events, doomed)
+    os.kill(pid, signal.SIGKILL)  # as the kernel's out-of-memory killer would
+    end = events.wait_end(doomed, timeout=30)
+    assert isinstance(end, JobFailed), end
+    assert end.message == (
+        "the process computing fake-a ended unexpectedly (killed by SIGKILL, perhaps for lack of "
+        "memory); nothing of it was kept, and other jobs go on"
+    )
+    assert [type(e) for e in events.of(doomed)].count(JobFailed) == 1
+    new_pid = _pid_of(events, queued)  # the queued job runs, in a new process
+    assert new_pid != pid
+    backend.cancel(queued)
+    assert isinstance(events.wait_end(queued, timeout=30), JobCancelled)
+    backend.close()
+
+
+def test_quitting_kills_a_worker_that_does_not_stop(tmp_path):
+    events = Events()
+    backend = Backend(None, events, compute=slow_compute, prepare=fake_prepare, processes=True)
+    job = backend.submit(make_spec("fake-a", device="cpu"))
+    pid = _pid_of(events, job)
+    backend.close(wait=False)
+    backend.terminate()
+    backend.close(wait=False)  # the app closes again as it unmounts: nothing more happens
+    assert isinstance(events.wait_end(job, timeout=30), JobCancelled)
+    assert backend.wait_idle(30)
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):
+            os.kill(pid, 0)
+            time.sleep(0.05)
+
+
+def test_the_app_process_never_imports_torch_while_a_real_job_runs(tiny_models, tmp_path):
+    """A real layer run through the backend: computed (and cached) by a worker process; the
+    calling process gets the result and never imports torch."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "samples.txt"
+    data.write_text("\n".join(corpus(8)) + "\n", encoding="utf-8")
+    code = f"""
+import sys, threading
+from isotui.backend import Backend, JobFinished, JobFailed
+from isotui.spec import make_spec
+from isotui.store.cache import ResultCache
+done, events = threading.Event(), []
+def post(e):
+    events.append(e)
+    if isinstance(e, (JobFinished, JobFailed)):
+        done.set()
+backend = Backend(ResultCache({str(tmp_path / "c")!r}), post)
+backend.submit(make_spec({str(tiny_models["bert"])!r}, "text:{data}", batch_size=4))
+assert done.wait(300), events
+backend.close()
+end = events[-1]
+assert isinstance(end, JobFinished), end
+print(len(end.result.rows), "torch" in sys.modules, len(ResultCache({str(tmp_path / "c")!r}).entries()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "False", "1"]  # 3 rows, no torch here, cached by the worker

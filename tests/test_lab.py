@@ -8,7 +8,7 @@ import numpy as np
 from textual.widgets import DataTable, Input, TabbedContent
 
 from isotui.experiments.attention import summarize
-from isotui.tui.lab import LabScreen
+from isotui.tui.lab import DynamicsTab, HeadsTab, LabScreen
 
 from .test_tui import _app, _wait
 
@@ -42,7 +42,7 @@ def test_lab_heads_and_dynamics(tmp_path, tiny_models):
             assert table.get_row_at(0)[2] == f"{summarize(result)[0].cos_qk_bar:.3f}"
             assert "ready" in str(app.screen.query_one("#lab-status").render())
             await pilot.press("m")  # next metric: Q·K
-            assert app.screen.head_metric == 1
+            assert app.screen.query_one(HeadsTab).metric == 1
             await pilot.press("e")
             await pilot.pause()
             assert list(tmp_path.glob("isotui-*-attention.csv"))
@@ -57,7 +57,7 @@ def test_lab_heads_and_dynamics(tmp_path, tiny_models):
             dyn = app.screen.query_one("#dyn-table", DataTable)
             assert dyn.row_count == 2 and dyn.get_row_at(1)[:2] == ["step_5", "5"]
             await pilot.press("b")  # basis q only
-            assert app.screen.basis == 1
+            assert app.screen.query_one(DynamicsTab).basis == 1
             # a bad series is one sentence, nothing queued
             box.value = str(tmp_path / "nowhere")
             await pilot.press("enter")
@@ -228,7 +228,8 @@ def test_lab_focus_stays_on_error_help_is_the_labs_and_main_keys_are_inert(tmp_p
             await pilot.pause()
             assert box.has_focus and notes and "--" not in notes[-1]
             await pilot.press("m", "b")  # typed into the box, not the figure or basis keys
-            assert box.value.endswith("nowheremb") and app.screen.dyn_metric == 0 and app.screen.basis == 0
+            dynamics = app.screen.query_one(DynamicsTab)
+            assert box.value.endswith("nowheremb") and dynamics.metric == 0 and dynamics.basis == 0
             box.value = ""
             await pilot.press("3")  # into the drift box too: a rejected setting keeps focus
             await pilot.pause()

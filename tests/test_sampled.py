@@ -162,7 +162,7 @@ def test_app_plot_band_is_one_standard_error_each_side(tiny_models, tmp_path):
     """The app draws a sampled metric with its ±1 SE band; an exact metric (SE 0) has none."""
     from isotui.experiments.layerwise import measure
     from isotui.spec import make_spec
-    from isotui.tui.app import se_band
+    from isotui.tui.plots import se_band
 
     from .conftest import corpus
 

@@ -348,7 +348,7 @@ def _compute(prepared, key: str, sample_size: int, on_progress, should_stop) -> 
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {
             "isotui": __version__,
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),  # a plain str: results unpickle without torch
             "transformers": metadata.version("transformers"),
         },
     }

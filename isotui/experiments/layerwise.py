@@ -303,7 +303,7 @@ def compute(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {
             "isotui": __version__,
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),  # a plain str: results unpickle without torch
             "transformers": metadata.version("transformers"),
             **({"timm": metadata.version("timm")} if loaded.family == "timm" else {}),
         },

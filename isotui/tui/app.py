@@ -7,14 +7,11 @@ torch or transformers: the first frame draws before they load (in the backend, o
 
 from __future__ import annotations
 
-import contextlib
-import math
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from textual import on, work
 from textual.app import App, ComposeResult, SystemCommand
@@ -22,95 +19,57 @@ from textual.binding import Binding
 from textual.color import Color
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
-from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Header, Input, OptionList
-from textual.widgets.option_list import OptionDoesNotExist
-from textual_plotext import PlotextPlot
+from textual.widgets import Footer, Header, Input, OptionList
 
-from isotui.backend import Backend, JobEvent, JobFailed, JobFinished, JobNotice, JobProgress, Post
+from isotui.backend import Backend, JobEvent, Post
 from isotui.config import load_run_config
 from isotui.errors import IsotuiError
 from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import find_preset
-from isotui.render import amount, shorten
-from isotui.results import LAYER_METRICS, NULL_METRICS, SE_FIELDS, ModelResult
+from isotui.render import amount
+from isotui.results import LAYER_METRICS, ModelResult
 from isotui.settings import load_settings
 from isotui.spec import SPEC_OPTIONS, RunSpec, make_spec
 from isotui.store.cache import CacheProblem, ResultCache
 from isotui.store.export import write_csv
+from isotui.tui.drift_pane import DriftPane
 from isotui.tui.help import HelpScreen, binding_rows
+from isotui.tui.job_events import BackendMessage, EventRelay, JobEventView
 from isotui.tui.jobs import JobsTable
 from isotui.tui.layer_table import LayerTable
-from isotui.tui.model_list import Entry, build_options, first_enabled, gather_entries
+from isotui.tui.model_list import Entry
+from isotui.tui.models_pane import ModelsPane
 from isotui.tui.options import OptionsScreen, check_options
-from isotui.tui.plots import FitPlot
+from isotui.tui.plots import RGB, FitPlot, draw_metric_curves
 from isotui.tui.session import Session, load_session, save_session, session_path
 from isotui.tui.sysinfo import describe_devices, query_gpus
 from isotui.tui.themes import load_themes
 from isotui.tui.wording import in_options_terms
 
+if TYPE_CHECKING:
+    from isotui.tui.lab import LabScreen
+
 DEFAULT_THEME = "isotui-dark"
-PLOT_METRICS = LAYER_METRICS  # the cycle of `m`, and which draw the null's line: results.METRICS
-DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ", "spearman p (t)")
+PLOT_METRICS = LAYER_METRICS  # the cycle of `m`: results.METRICS, declared once
 DEVICE_REFRESH_S = 10.0
 # app keys that belong to the main screen: hidden and inert in the attention lab
 MAIN_ONLY_ACTIONS = frozenset(
     {"focus_input", "toggle_compare", "toggle_depth", "sort", "lab", "export_table", "run", "cycle_metric"}
 )
 QUIT_WAIT_S = 15.0  # how long quitting waits for a running job to stop at a safe point
+__all__ = ["BackendMessage", "IsotuiApp", "run_app"]
 
 
-def _num(value: float, digits: int) -> str:
-    return f"{value:.{digits}f}" if value == value else "-"
-
-
-def _pvalue(p: float) -> str:
-    """The p-value, marked significant (*) at 0.05."""
-    if p != p:
-        return "-"
-    return f"{p:.2g}" + (" *" if p < 0.05 else "")
-
-
-class BackendMessage(Message):
-    """A backend event, delivered on the UI thread."""
-
-    def __init__(self, event: JobEvent) -> None:
-        super().__init__()
-        self.event = event
-
-    def can_replace(self, message: Message) -> bool:
-        """A plain progress report is superseded by the next one of the same job queued behind it
-        (only the newest is drawn: keys are not kept waiting behind a backlog of redraws)."""
-        return _plain_progress(self.event) and (
-            isinstance(message, BackendMessage)
-            and _plain_progress(message.event)
-            and message.event.job_id == self.event.job_id
-        )
-
-
-def _plain_progress(ev: JobEvent) -> bool:
-    return isinstance(ev, JobProgress) and not ev.progress.message
-
-
-class ModelFilter(Input):
-    """The models pane's box: typing filters the list; enter runs exactly what was typed."""
-
-    BINDINGS: ClassVar[list[Binding]] = [Binding("down", "to_list", show=False)]
-
-    def action_to_list(self) -> None:
-        self.app.query_one("#models", OptionList).focus()
-
-
-class IsotuiApp(App):
+class IsotuiApp(App[None]):
     """The keyboard-driven lab. ``spec_defaults`` are the data and run options for new jobs."""
 
     TITLE = "isotui"
     CSS_PATH = Path(__file__).with_name("app.tcss")
     AUTO_FOCUS = "#models"
-    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (120, "-wide")]
-    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (30, "-tall")]
-    BINDINGS: ClassVar[list[Binding]] = [
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (120, "-wide")]  # type: ignore[misc]
+    VERTICAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-short"), (30, "-tall")]  # type: ignore[misc]
+    BINDINGS: ClassVar[list[Binding]] = [  # type: ignore[assignment]  # Bindings only: help reads ids
         Binding("r", "run", "Run", id="run", tooltip="run the selected model on the current options"),
         Binding(
             "slash",
@@ -166,7 +125,7 @@ class IsotuiApp(App):
         self,
         *,
         cache_root: Path | None = None,
-        spec_defaults: dict | None = None,
+        spec_defaults: dict[str, Any] | None = None,
         export_dir: Path | None = None,
         theme_dirs: list[Path] | None = None,
         settings_file: Path | None = None,
@@ -191,13 +150,13 @@ class IsotuiApp(App):
         self.export_dir = export_dir or self.settings.export_dir or Path.cwd()
         self.session_file = session_path(self.settings.path)
         self.fresh = fresh  # start without the last session (it is overwritten on the next change)
+        self._session_unwritable = False  # said once
         self.lab_inputs: dict[str, str] = {}  # the lab's settings boxes, kept across visits
         self.device_probe = device_probe or (lambda: describe_devices(query_gpus()))
         self.device_line = ""
         self.backend_factory = backend_factory  # tests pass a backend with a fake, slow model
         self.backend: Backend | None = None
         self._stopping = False  # quitting: waiting for the running job to stop
-        self.entries: list[Entry] = []
         self.results: dict[str, ModelResult] = {}
         # the attention lab's results: attention per model, the latest dynamics and drift block
         self.lab_results: dict[str, Any] = {
@@ -206,8 +165,8 @@ class IsotuiApp(App):
             "drift-block": None,
             "checkpoints": None,
         }
-        self._progress_lock = threading.Lock()
-        self._latest_progress: dict[int, JobEvent] = {}  # per job: the newest report not yet drawn
+        self._relay = EventRelay(self.post_message)  # backend threads -> the UI thread
+        self._job_events = JobEventView(self)
         self.comparison: list[str] = []
         self.selected: str | None = None
         self.metric = PLOT_METRICS[0]
@@ -216,18 +175,18 @@ class IsotuiApp(App):
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         with Horizontal(id="body"):
-            with Vertical(id="left"):
-                yield ModelFilter(placeholder="filter, or type a model + enter", id="model-input")
-                yield OptionList(id="models")
+            yield ModelsPane(
+                self.cache,
+                selected=lambda: self.selected,
+                restore=self.select,
+                marks=self.compared_marks,
+                id="left",
+            )
             with Vertical(id="main"):
                 yield LayerTable(id="layers")
                 with Horizontal(id="charts"):
                     yield FitPlot(id="plot")
-                    with Vertical(id="drift-pane"):
-                        drift = DataTable(id="drift", cursor_type="none")
-                        drift.can_focus = False  # nothing to pick in it
-                        yield drift
-                        yield FitPlot(id="drift-plot")
+                    yield DriftPane(id="drift-pane")
         yield JobsTable(id="jobs")
         yield Footer(compact=True)
 
@@ -235,10 +194,6 @@ class IsotuiApp(App):
         self._apply_settings()
         session = self._read_session()
         self.backend = self.backend_factory(self.cache, self._post_event)
-        drift = self.main_screen.query_one("#drift", DataTable)
-        drift.border_title = "drift vs avg_cos (Godey et al. Fig. 5)"
-        for label in DRIFT_COLUMNS:
-            drift.add_column(label, key=label)
         self.refresh_models()
         self.show_header()
         self.probe_device()
@@ -329,7 +284,7 @@ class IsotuiApp(App):
         try:
             save_session(self.session_file, self.session())
         except OSError as exc:
-            if not getattr(self, "_session_unwritable", False):
+            if not self._session_unwritable:
                 self._session_unwritable = True
                 self.notify(
                     f"cannot write the session file {self.session_file}: {exc.strerror or exc}",
@@ -353,14 +308,14 @@ class IsotuiApp(App):
             self.notify("\n".join(problems), title="settings skipped", severity="warning", timeout=15)
 
     @property
-    def main_screen(self) -> Screen:
+    def main_screen(self) -> Screen[Any]:
         """The layer view, always the bottom screen: its widgets are updated (a job ending,
         the list refreshed) while the lab or a dialog is shown on top of it."""
         if not self.screen_stack:
             raise NoMatches("the app is closing")
         return self.screen_stack[0]
 
-    def notify(self, message: str, *, markup: bool = False, **kwargs) -> None:
+    def notify(self, message: str, *, markup: bool = False, **kwargs: Any) -> None:
         """Notifications show text as written: paths and ``[keys]`` are not Rich markup."""
         super().notify(message, markup=markup, **kwargs)
 
@@ -388,7 +343,8 @@ class IsotuiApp(App):
 
     @work(thread=True, group="quit")
     def _exit_when_idle(self) -> None:
-        self.backend.wait_idle(QUIT_WAIT_S)
+        if self.backend is not None and not self.backend.wait_idle(QUIT_WAIT_S):
+            self.backend.terminate()  # the last resort: kill a worker process that did not stop
         self.call_from_thread(self.exit)
 
     def action_help_quit(self) -> None:
@@ -414,45 +370,21 @@ class IsotuiApp(App):
 
     # -- models pane -------------------------------------------------------------------------
 
-    @work(thread=True, exclusive=True, group="models")
+    @property
+    def models_pane(self) -> ModelsPane:
+        return self.main_screen.query_one(ModelsPane)
+
+    @property
+    def entries(self) -> list[Entry]:
+        """What the models pane lists (empty until its worker has scanned)."""
+        try:
+            return self.models_pane.entries
+        except NoMatches:
+            return []
+
     def refresh_models(self) -> None:
-        """Re-read presets, the HF cache and cached runs (on a worker thread: a large cache takes
-        a while to scan), then show them, keeping the filter."""
-        entries = gather_entries(self.cache)
-        self.call_from_thread(self._show_entries, entries)
-
-    def _show_entries(self, entries: list[Entry]) -> None:
-        self.entries = entries
-        if not self.screen_stack:  # a worker's answer that came after quitting
-            return
-        models = self.main_screen.query_one("#models", OptionList)
-        restoring = self.selected if models.option_count == 0 else None  # the last session's
-        if restoring is None:
-            self.filter_models(self.main_screen.query_one("#model-input", Input).value, keep_cursor=True)
-            return
-        with models.prevent(OptionList.OptionHighlighted):  # the list's first entry is not picked
-            self.filter_models(self.main_screen.query_one("#model-input", Input).value)
-            with contextlib.suppress(OptionDoesNotExist):
-                models.highlighted = models.get_option_index(f"model:{restoring}")
-        self.select(restoring)
-
-    def filter_models(self, query: str, keep_cursor: bool = False) -> None:
-        models = self.main_screen.query_one("#models", OptionList)
-        index = models.highlighted
-        current = models.get_option_at_index(index).id if keep_cursor and index is not None else None
-        marked = {f"model:{m}" for m in self.comparison} | {
-            f"run:{self.results[m].key}" for m in self.comparison if m in self.results
-        }
-        models.clear_options()
-        models.add_options(build_options(self.entries, query, marked))
-        models.highlighted = first_enabled(models)
-        if current is not None:  # the cursor stays where the user left it
-            with contextlib.suppress(OptionDoesNotExist):
-                models.highlighted = models.get_option_index(current)
-
-    @on(Input.Changed, "#model-input")
-    def _filter(self, event: Input.Changed) -> None:
-        self.filter_models(event.value)
+        """List presets, the HF cache and cached runs again (on a worker thread)."""
+        self.models_pane.refresh_entries()
 
     @on(OptionList.OptionHighlighted, "#models")
     def _highlight(self, event: OptionList.OptionHighlighted) -> None:
@@ -530,7 +462,7 @@ class IsotuiApp(App):
 
         self.push_screen(LabScreen())
 
-    def lab_screen(self):
+    def lab_screen(self) -> LabScreen | None:
         from isotui.tui.lab import LabScreen
 
         return next((s for s in self.screen_stack if isinstance(s, LabScreen)), None)
@@ -602,11 +534,13 @@ class IsotuiApp(App):
         return f"{n} model{'s' * (n != 1)} compared"
 
     def show_marks(self) -> None:
-        """Mark the compared models (and their cached runs) in the list (once it is listed: a
-        restored comparison can come back before the worker that lists the models)."""
-        if not self.entries:
-            return
-        self.filter_models(self.main_screen.query_one("#model-input", Input).value, keep_cursor=True)
+        """Mark the compared models (and their cached runs) in the models pane."""
+        self.models_pane.show_marks()
+
+    def compared_marks(self) -> set[str]:
+        return {f"model:{m}" for m in self.comparison} | {
+            f"run:{self.results[m].key}" for m in self.comparison if m in self.results
+        }
 
     def action_cycle_metric(self) -> None:
         self.metric = PLOT_METRICS[(PLOT_METRICS.index(self.metric) + 1) % len(PLOT_METRICS)]
@@ -631,7 +565,7 @@ class IsotuiApp(App):
         self.notify(f"theme: {self.theme}", timeout=2)
 
     def watch_theme(self, _: str) -> None:
-        if self.is_mounted:  # shades and line colours come from the theme
+        if self.screen_stack:  # shades and line colours come from the theme
             self.show_table()
             self.replot()
             self.show_drift()
@@ -688,7 +622,7 @@ class IsotuiApp(App):
         result = self.results.get(self.selected or "")
         self._export([result] if result else [], "table")
 
-    def action_screenshot(self) -> None:
+    def action_screenshot(self) -> None:  # type: ignore[override]  # the key takes no arguments
         try:
             target = self.export_path("", "svg")
             path = self.save_screenshot(target.name, str(target.parent))
@@ -724,7 +658,7 @@ class IsotuiApp(App):
         sort_key = next(k for k, i, _ in self.key_bindings() if i == "sort")
         self.push_screen(HelpScreen(self.key_bindings(), sort_key, title="isotui keys: models and layers"))
 
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
         """Every isotui action in the command palette (ctrl+p), beside Textual's own."""
         yield from super().get_system_commands(screen)
         for (key, _, what), b in zip(self.key_bindings(), self.BINDINGS, strict=True):
@@ -737,44 +671,11 @@ class IsotuiApp(App):
     # -- backend events ------------------------------------------------------------------------
 
     def _post_event(self, ev: JobEvent) -> None:
-        """From a backend thread: a job's progress is posted only when none of its reports is
-        waiting to be drawn; the waiting one then draws the newest (see on_backend_message)."""
-        if _plain_progress(ev):
-            with self._progress_lock:
-                waiting = ev.job_id in self._latest_progress
-                self._latest_progress[ev.job_id] = ev
-            if waiting:
-                return
-        self.post_message(BackendMessage(ev))
+        """The backend's callback (from its threads): see :class:`EventRelay`."""
+        self._relay(ev)
 
     def on_backend_message(self, message: BackendMessage) -> None:
-        ev = message.event
-        if _plain_progress(ev):
-            with self._progress_lock:
-                ev = self._latest_progress.pop(ev.job_id, ev)
-        try:
-            self.main_screen.query_one("#jobs", JobsTable).apply(ev)
-        except NoMatches:  # the app is closing; the backend's last words have nowhere to go
-            return
-        model = ev.spec.model
-        lab = self.lab_screen() if not isinstance(ev.spec, RunSpec) else None
-        if lab is not None and isinstance(ev, JobProgress) and not ev.progress.message:
-            p = ev.progress
-            lab.status(f"{ev.spec.kind} {shorten(model, 40)}: {p.samples_done}/{p.samples_total}")
-        elif lab is not None and isinstance(ev, JobFailed):
-            lab.status(f"{ev.spec.kind} {shorten(model, 40)} failed: {in_options_terms(ev.message)}")
-        if isinstance(ev, JobProgress) and ev.progress.message:  # e.g. an out-of-memory back-off
-            self.notify(f"{model}: {in_options_terms(ev.progress.message)}", severity="warning")
-        elif isinstance(ev, JobNotice):
-            self.notify(f"{model}: {in_options_terms(ev.text)}", severity="warning")
-        elif isinstance(ev, JobFinished) and not isinstance(ev.spec, RunSpec):
-            self.add_lab_result(ev.spec.kind, ev.result)
-        elif isinstance(ev, JobFinished):
-            self.add_result(ev.result)
-            if not ev.result.from_cache:
-                self.refresh_models()  # a new cached run to list
-        elif isinstance(ev, JobFailed):
-            self.notify(in_options_terms(ev.message), severity="error", timeout=10)
+        self._job_events.handle(self._relay.newest(message.event))
 
     def add_result(self, result: ModelResult) -> None:
         model = result.model
@@ -806,121 +707,24 @@ class IsotuiApp(App):
         source = "cache" if result.from_cache else f"{result.meta.get('seconds', 0):.1f} s"
         table.border_title = f"{result.model} · {result.meta.get('data')} · {amount(result.meta)} · {source}"
 
-    def model_colours(self) -> list[tuple[int, int, int]]:
+    def model_colours(self) -> list[RGB]:
         """One line colour per compared model, from the theme (so plots follow it)."""
         t = self.current_theme
         names = [t.primary, t.secondary, t.accent, t.success, t.warning, t.error]
         return [Color.parse(n).rgb for n in names if n] or [(255, 255, 255)]
 
-    def x_values(self, rows) -> list[float]:
-        last = max(len(rows) - 1, 1)
-        return [i / last if self.depth else i for i in range(len(rows))]  # encoder, then decoder
+    def compared(self) -> list[ModelResult]:
+        return [self.results[m] for m in self.comparison]
 
     def show_drift(self) -> None:
-        """Per compared model: Spearman and Pearson (significant at 0.05 or not), and a plot of
-        drift norm and avg cosine per layer for the selected model (Godey et al. Fig. 5, 16)."""
-        table = self.main_screen.query_one("#drift", DataTable)
-        table.clear()
-        for model in self.comparison:
-            for component, d in self.results[model].drift.items():
-                label = model if component == "model" else f"{model} ({component})"
-                table.add_row(
-                    shorten(label, 32),
-                    str(d.n_layers),
-                    _num(d.spearman_rho, 3),
-                    _pvalue(d.spearman_p),
-                    _num(d.pearson_r, 3),
-                    _pvalue(d.pearson_p),
-                    _pvalue(d.spearman_p_t),  # scipy's t approximation, beside the permutation p
-                )
-        plot = self.main_screen.query_one("#drift-plot", PlotextPlot)
-        plt = plot.plt
-        plt.clear_data()
-        plt.clear_figure()
-        result = self.results.get(self.selected or "")
-        plot.border_title = shorten(result.model, 30) if result else ""  # whose curves these are
-        if result is not None and result.rows:
-            colours = self.model_colours()
-            xs = self.x_values(result.rows)
-            plt.title(f"{shorten(result.model, 20)}: drift (left), avg_cos (right)")
-            self.integer_ticks(plt, result.rows)
-            plt.plot(
-                xs, [r.drift_norm for r in result.rows], label="drift", color=colours[0], marker="braille"
-            )
-            plt.plot(
-                xs,
-                [r.avg_cos for r in result.rows],
-                label="avg_cos",
-                color=colours[1 % len(colours)],
-                marker="braille",
-                yside="right",
-            )
-        else:
-            plt.title("drift norm and avg_cos per layer: run a model")
-        plot.refresh()
+        """The drift pane: the compared models, and the selected one's curves."""
+        self.main_screen.query_one(DriftPane).show(
+            self.compared(), self.results.get(self.selected or ""), self.depth, self.model_colours()
+        )
 
     def replot(self) -> None:
-        plot = self.main_screen.query_one("#plot", PlotextPlot)
-        plt = plot.plt
-        plt.clear_data()
-        plt.clear_figure()
-        axis = "depth (0..1)" if self.depth else "layer"
-        if not self.comparison:
-            plt.title(f"{self.metric} by {axis}: run models to compare them")
-            plot.refresh()
-            return
-        nulls = self.metric in NULL_METRICS
-        band = any(se_band(self.results[m].rows, self.metric) is not None for m in self.comparison)
-        plt.title(
-            f"{self.metric} by {'depth' if self.depth else 'layer'}"
-            + (" (— null p95)" if nulls else "")
-            + (" (dots: ±1 SE)" if band else "")
-        )
-        colours = self.model_colours()
-        for i, model in enumerate(self.comparison):
-            rows = self.results[model].rows
-            colour = colours[i % len(colours)]
-            plt.plot(
-                self.x_values(rows),
-                [getattr(r, self.metric) for r in rows],
-                label=shorten(model, 24),
-                color=colour,
-                marker="braille",
-            )
-            band = se_band(rows, self.metric)
-            if band is not None:  # a sampled metric: ±1 standard error, dotted
-                for edge in band:
-                    plt.plot(self.x_values(rows), edge, color=colour, marker="dot")
-            if nulls and rows:
-                plt.hline(rows[0].null_p95, colour)
-        longest = max((self.results[m].rows for m in self.comparison), key=len)
-        self.integer_ticks(plt, longest)
-        plot.refresh()
-
-    def integer_ticks(self, plt, rows) -> None:
-        """Whole layer numbers on a layer axis (at most 7 ticks); depth keeps plotext's own."""
-        if self.depth or len(rows) < 2:
-            return
-        last = len(rows) - 1
-        step = max(1, -(-last // 6))
-        ticks = list(range(0, last + 1, step))
-        plt.xticks(ticks, [str(t) for t in ticks])
-
-
-def se_band(rows, metric: str) -> tuple[list[float], list[float]] | None:
-    """(metric - SE, metric + SE) per layer for a metric with a standard error (the reservoir's
-    sampled metrics), or None when it has none or every SE is 0 (exact, or ``--exact``)."""
-    name = f"{metric}_se"
-    if name not in SE_FIELDS or not rows:
-        return None
-    values = [getattr(r, metric) for r in rows]
-    errors = [getattr(r, name) for r in rows]
-    if not any(math.isfinite(e) and e > 0 for e in errors):
-        return None
-    errors = [e if math.isfinite(e) else 0.0 for e in errors]
-    return [v - e for v, e in zip(values, errors, strict=True)], [
-        v + e for v, e in zip(values, errors, strict=True)
-    ]
+        plot = self.main_screen.query_one("#plot", FitPlot)
+        draw_metric_curves(plot, self.compared(), self.metric, self.depth, self.model_colours())
 
 
 def run_app(app: IsotuiApp | None = None, *, fresh: bool = False, **run_kwargs: Any) -> None:
@@ -928,9 +732,10 @@ def run_app(app: IsotuiApp | None = None, *, fresh: bool = False, **run_kwargs: 
     ``run_kwargs``: e.g. headless with a pilot)."""
     app = app or IsotuiApp(fresh=fresh)
     app.run(**run_kwargs)
-    if app.backend is not None and not app.backend.wait_idle(0):
-        # A worker still inside torch past the bounded wait: leave without the interpreter's
-        # teardown, which would abort ("terminate called without an active exception", 134).
+    if app.backend is not None and not app.backend.wait_idle(0) and not app.backend.terminate():
+        # An in-process worker still inside torch past the bounded wait: leave without the
+        # interpreter's teardown, which would abort ("terminate called without an active
+        # exception", 134). Worker processes are simply killed.
         import os
         import sys
 

@@ -6,11 +6,11 @@ that still work there), each with the keys its widgets handle themselves.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from rich.table import Table
 from rich.text import Text
-from textual.app import ComposeResult
+from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
@@ -35,7 +35,9 @@ LAB_WIDGET_KEYS = (
 )
 
 
-def binding_rows(app, bindings: list[Binding], keymap: dict[str, str]) -> list[tuple[str, str, str]]:
+def binding_rows(
+    app: App[Any], bindings: list[Binding], keymap: dict[str, str]
+) -> list[tuple[str, str, str]]:
     """(key as bound now, id, what it does) for ``bindings``, remaps in ``keymap`` included."""
     out = []
     for b in bindings:
@@ -46,7 +48,7 @@ def binding_rows(app, bindings: list[Binding], keymap: dict[str, str]) -> list[t
 
 
 class HelpScreen(ModalScreen[None]):
-    BINDINGS: ClassVar[list[Binding]] = [
+    BINDINGS: ClassVar[list[Binding]] = [  # type: ignore[assignment]  # Bindings only
         Binding("escape,q,question_mark,f1", "close", "Close", id="help_close"),
     ]
 

@@ -8,6 +8,7 @@ sees what happened to a job that ended while they looked elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
@@ -75,10 +76,10 @@ class JobRecord:
         return (str(self.job_id), shorten(self.model, 32), self.state, bar, speed, eta, self.device, memory)
 
 
-class JobsTable(DataTable):
+class JobsTable(DataTable[str]):
     """Focus it (tab or click) to pick a job; the app's cancel key then cancels that one."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)
         self.records: dict[int, JobRecord] = {}
 

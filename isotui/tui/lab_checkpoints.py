@@ -4,7 +4,6 @@ heatmap (Machina & Mercer 2024), each cell shaded by its value within the grid."
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from rich.style import Style
 from rich.text import Text
@@ -13,6 +12,7 @@ from textual.color import Color
 from textual.widgets import DataTable, Input, Static
 
 from isotui.render import shorten
+from isotui.tui.lab_tab import LabTab
 from isotui.tui.layer_table import SHADE_MAX, shade_fraction
 
 
@@ -26,29 +26,22 @@ def compose_checkpoints() -> ComposeResult:
     yield DataTable(id="ckpt-table", cursor_type="cell", zebra_stripes=False)
 
 
-def run_checkpoints(screen, text: str) -> bool:
-    """Queue the series typed in ``text``; False (and one sentence) when it is refused."""
-    from isotui.experiments.requests import CheckpointsRequest
-
-    return screen.submit_series(text, CheckpointsRequest, "checkpoints")
-
-
-def show_checkpoints(screen) -> None:
+def show_checkpoints(tab: CheckpointsTab) -> None:
+    """The heatmap of the tab's metric for the series' result (or what to do to get one)."""
     from isotui.experiments.checkpoints import METRICS
 
-    app: Any = screen.app
-    result = app.lab_results.get("checkpoints")
-    table = screen.query_one("#ckpt-table", DataTable)
-    info = screen.query_one("#ckpt-info", Static)
+    result = tab.result()
+    table = tab.query_one("#ckpt-table", DataTable)
+    info = tab.query_one("#ckpt-info", Static)
     table.clear(columns=True)
-    metric = METRICS[getattr(screen, "ckpt_metric", 0) % len(METRICS)]
+    metric = METRICS[tab.metric % len(METRICS)]
     if result is None:
         info.update(f"{metric} by layer and step: give checkpoints above (m: next metric)")
         return
     labels, values = result.grid(metric)
     finite = [v for v in values.flat if math.isfinite(v)]
     bounds = (min(finite), max(finite)) if finite else None
-    theme = app.current_theme
+    theme = tab.host.current_theme
     low = Color.parse(theme.surface or theme.background or "#202020")
     high = Color.parse(theme.primary)
     table.add_columns("layer", *(str(s) for s in result.steps()))
@@ -67,3 +60,31 @@ def show_checkpoints(screen) -> None:
         f"{shorten(result.series, 40)} · {metric} by layer (rows) and step (columns), {span} · "
         f"{meta.get('data')}, {meta.get('n_samples')} samples · m: next metric"
     )
+
+
+class CheckpointsTab(LabTab):
+    """Any layer metric along a checkpoint series (its view in :mod:`isotui.tui.lab_checkpoints`)."""
+
+    KIND = "checkpoints"
+    BOX = "#ckpt-input"
+    TABLE = "#ckpt-table"
+
+    def __init__(self, title: str, *, id: str) -> None:
+        super().__init__(title, id=id)
+        self.metric = 0  # which layer metric the heatmap shows
+
+    def compose(self) -> ComposeResult:
+        yield from compose_checkpoints()
+
+    def show(self) -> None:
+        show_checkpoints(self)
+
+    def run(self) -> bool:
+        from isotui.experiments.requests import CheckpointsRequest
+
+        text = self.query_one("#ckpt-input", Input).value
+        return self.submit_series(text, CheckpointsRequest, "checkpoints")
+
+    def cycle(self) -> None:
+        self.metric += 1
+        self.show()

@@ -1,4 +1,4 @@
-"""The app's plot widget: a PlotextPlot whose title and x label always show.
+"""The app's plots: a PlotextPlot whose title and x label always show, and what the plots draw.
 
 plotext leaves out a label that does not fit its width (``check_space``): a long title was blank
 on an 80-column terminal and, before the first layout, on first display. Here each is cut to the
@@ -7,7 +7,15 @@ widget's width at every render instead (the full text stays set, so a wider wind
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
 from textual_plotext import PlotextPlot
+
+from isotui.render import shorten
+from isotui.results import NULL_METRICS, SE_FIELDS, ModelResult
 
 
 def fit(text: str | None, width: int) -> str | None:
@@ -18,8 +26,8 @@ def fit(text: str | None, width: int) -> str | None:
 
 
 class FitPlot(PlotextPlot):
-    def render(self):
-        monitor = self.plt.monitor
+    def render(self) -> Any:
+        monitor = cast(Any, self.plt).monitor  # plotext keeps its figure state here
         title, xlabel = monitor.title, list(monitor.xlabel)
         width = self.size.width - 6  # plotext keeps a margin either side of a centred label
         monitor.title = fit(title, width)
@@ -28,3 +36,163 @@ class FitPlot(PlotextPlot):
             return super().render()
         finally:
             monitor.title, monitor.xlabel = title, xlabel
+
+
+# -- what the app's plots draw (the widgets pass in what to show; nothing here reads the app) --
+
+RGB = tuple[int, int, int]
+
+
+def clear(plot: PlotextPlot) -> Any:
+    """The plot's plotext figure, emptied."""
+    plt = plot.plt
+    plt.clear_data()
+    plt.clear_figure()
+    return plt
+
+
+def x_values(rows: Sequence[Any], depth: bool) -> list[float]:
+    """Layer index, or depth 0..1 (encoder, then decoder)."""
+    last = max(len(rows) - 1, 1)
+    return [i / last if depth else i for i in range(len(rows))]
+
+
+def integer_ticks(plt: Any, rows: Sequence[Any], depth: bool) -> None:
+    """Whole layer numbers on a layer axis (at most 7 ticks); depth keeps plotext's own."""
+    if depth or len(rows) < 2:
+        return
+    last = len(rows) - 1
+    step = max(1, -(-last // 6))
+    ticks = list(range(0, last + 1, step))
+    plt.xticks(ticks, [str(t) for t in ticks])
+
+
+def se_band(rows: Sequence[Any], metric: str) -> tuple[list[float], list[float]] | None:
+    """(metric - SE, metric + SE) per layer for a metric with a standard error (the reservoir's
+    sampled metrics), or None when it has none or every SE is 0 (exact, or ``--exact``)."""
+    name = f"{metric}_se"
+    if name not in SE_FIELDS or not rows:
+        return None
+    values = [getattr(r, metric) for r in rows]
+    errors = [getattr(r, name) for r in rows]
+    if not any(math.isfinite(e) and e > 0 for e in errors):
+        return None
+    errors = [e if math.isfinite(e) else 0.0 for e in errors]
+    return [v - e for v, e in zip(values, errors, strict=True)], [
+        v + e for v, e in zip(values, errors, strict=True)
+    ]
+
+
+def draw_metric_curves(
+    plot: PlotextPlot, curves: Sequence[ModelResult], metric: str, depth: bool, colours: Sequence[RGB]
+) -> None:
+    """One line per compared model of ``metric`` by layer (or depth), with its null line and
+    its ±1 SE band where it has them."""
+    plt = clear(plot)
+    axis = "depth (0..1)" if depth else "layer"
+    if not curves:
+        plt.title(f"{metric} by {axis}: run models to compare them")
+        plot.refresh()
+        return
+    nulls = metric in NULL_METRICS
+    band = any(se_band(r.rows, metric) is not None for r in curves)
+    plt.title(
+        f"{metric} by {'depth' if depth else 'layer'}"
+        + (" (— null p95)" if nulls else "")
+        + (" (dots: ±1 SE)" if band else "")
+    )
+    for i, result in enumerate(curves):
+        rows = result.rows
+        colour = colours[i % len(colours)]
+        plt.plot(
+            x_values(rows, depth),
+            [getattr(r, metric) for r in rows],
+            label=shorten(result.model, 24),
+            color=colour,
+            marker="braille",
+        )
+        edges = se_band(rows, metric)
+        if edges is not None:  # a sampled metric: ±1 standard error, dotted
+            for edge in edges:
+                plt.plot(x_values(rows, depth), edge, color=colour, marker="dot")
+        if nulls and rows:
+            plt.hline(rows[0].null_p95, colour)
+    integer_ticks(plt, max((r.rows for r in curves), key=len), depth)
+    plot.refresh()
+
+
+def draw_drift_curves(
+    plot: PlotextPlot, result: ModelResult | None, depth: bool, colours: Sequence[RGB]
+) -> None:
+    """Drift norm (left axis) and avg cosine (right) per layer of one model (Godey et al. Fig. 5)."""
+    plt = clear(plot)
+    plot.border_title = shorten(result.model, 30) if result else ""  # whose curves these are
+    if result is not None and result.rows:
+        xs = x_values(result.rows, depth)
+        plt.title(f"{shorten(result.model, 20)}: drift (left), avg_cos (right)")
+        integer_ticks(plt, result.rows, depth)
+        plt.plot(xs, [r.drift_norm for r in result.rows], label="drift", color=colours[0], marker="braille")
+        plt.plot(
+            xs,
+            [r.avg_cos for r in result.rows],
+            label="avg_cos",
+            color=colours[1 % len(colours)],
+            marker="braille",
+            yside="right",
+        )
+    else:
+        plt.title("drift norm and avg_cos per layer: run a model")
+    plot.refresh()
+
+
+def draw_head_metric(
+    plot: PlotextPlot, result: Any, summary: Sequence[Any], metric: tuple[str, str], colours: Sequence[RGB]
+) -> None:
+    """The lab's Heads plot: ``metric`` (attribute, name) by layer, heads averaged, each head a dot."""
+    plt = clear(plot)
+    attr, name = metric
+    if result is None:
+        plt.title(f"{name} per layer: run the attention experiment (r)")
+        plot.refresh()
+        return
+    sites = [s for s in summary if s.attention == "self"]
+    xs = list(range(1, len(sites) + 1))
+    plt.title(f"{name} by layer (dots: heads)")
+    heads_x, heads_y = [], []
+    for i, s in enumerate(sites):
+        for r in result.rows:
+            if (r.component, r.layer, r.attention) == (s.component, s.layer, s.attention):
+                v = getattr(r, attr)
+                if math.isfinite(v):
+                    heads_x.append(i + 1)
+                    heads_y.append(v)
+    plt.scatter(heads_x, heads_y, color=colours[1], marker="dot")
+    plt.plot(xs, [getattr(s, attr) for s in sites], color=colours[0], marker="braille")
+    if len(xs) > 1:
+        step = max(1, -(-len(xs) // 8))
+        plt.xticks(xs[::step], [str(x) for x in xs[::step]])
+    plot.refresh()
+
+
+def draw_score_histogram(
+    plot: PlotextPlot, result: Any, summary: Sequence[Any], row: int, colours: Sequence[RGB], *, log: bool
+) -> None:
+    """The lab's Heads histogram: pre-softmax scores of the layer in table row ``row``, all heads."""
+    from isotui.figures import draw_histogram
+
+    plt = clear(plot)
+    if result is None:
+        plt.title("pre-softmax scores of a layer")
+        plot.refresh()
+        return
+    row = min(max(row, 0), len(summary) - 1)
+    s = summary[row]
+    draw_histogram(
+        plt,
+        result.arrays[f"hist.{row}"].sum(0),
+        np.asarray(result.meta["score_edges"]),
+        colours[0],
+        f"QKᵀ/√d, layer {s.layer}{' (cross)' if s.attention == 'cross' else ''}, all heads",
+        log=log,
+    )
+    plot.refresh()

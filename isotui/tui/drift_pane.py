@@ -1,0 +1,63 @@
+"""The main screen's drift pane: how drift norm and anisotropy go together across layers
+(Godey et al. Figs. 5, 16): Spearman and Pearson per compared model, significant at 0.05 or not,
+and the selected model's two curves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import DataTable
+
+from isotui.render import shorten
+from isotui.results import ModelResult
+from isotui.tui.plots import RGB, FitPlot, draw_drift_curves
+
+DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ", "spearman p (t)")
+
+
+def _num(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}" if value == value else "-"
+
+
+def _pvalue(p: float) -> str:
+    """The p-value, marked significant (*) at 0.05."""
+    if p != p:
+        return "-"
+    return f"{p:.2g}" + (" *" if p < 0.05 else "")
+
+
+class DriftPane(Vertical):
+    def compose(self) -> ComposeResult:
+        drift: DataTable[str] = DataTable(id="drift", cursor_type="none")
+        drift.can_focus = False  # nothing to pick in it
+        drift.border_title = "drift vs avg_cos (Godey et al. Fig. 5)"
+        for label in DRIFT_COLUMNS:
+            drift.add_column(label, key=label)
+        yield drift
+        yield FitPlot(id="drift-plot")
+
+    def show(
+        self,
+        compared: Sequence[ModelResult],
+        selected: ModelResult | None,
+        depth: bool,
+        colours: Sequence[RGB],
+    ) -> None:
+        """The table for ``compared``, the curves of ``selected``."""
+        table = self.query_one("#drift", DataTable)
+        table.clear()
+        for result in compared:
+            for component, d in result.drift.items():
+                label = result.model if component == "model" else f"{result.model} ({component})"
+                table.add_row(
+                    shorten(label, 32),
+                    str(d.n_layers),
+                    _num(d.spearman_rho, 3),
+                    _pvalue(d.spearman_p),
+                    _num(d.pearson_r, 3),
+                    _pvalue(d.pearson_p),
+                    _pvalue(d.spearman_p_t),  # scipy's t approximation, beside the permutation p
+                )
+        draw_drift_curves(self.query_one("#drift-plot", FitPlot), selected, depth, colours)
