@@ -34,6 +34,7 @@ from typing import Any, Protocol, cast
 
 from isotui.errors import Cancelled, IsotuiError
 from isotui.experiments import layerwise
+from isotui.experiments.requests import LayersRequest
 from isotui.extract.device import resolve_device
 from isotui.extract.progress import Progress
 from isotui.results import ModelResult
@@ -99,7 +100,7 @@ LANE_NICENESS = 10
 
 class Request(Protocol):
     """A job as the backend runs it (the experiments' requests of
-    :mod:`isotui.experiments.requests`, and :class:`LayerRequest`)."""
+    :mod:`isotui.experiments.requests`)."""
 
     @property
     def device(self) -> str: ...
@@ -116,64 +117,24 @@ class Request(Protocol):
     ) -> Any: ...
 
 
-def _cache(cache_root: Path | None) -> ResultCache | None:
-    return ResultCache(cache_root) if cache_root is not None else None
-
-
-@dataclass(eq=False)
-class LayerRequest:
-    """A layer-wise run as a request like the experiments' (the lookup resolves it and keeps what
-    it resolved, so the compute step does not resolve it again). ``prepare``/``compute``: tests'
-    fakes (importable functions, to run in a worker process); by default
-    :mod:`~isotui.experiments.layerwise`'s."""
-
-    spec: RunSpec
-    prepare: Callable[[RunSpec], layerwise.Prepared] | None = None
-    compute_fn: Callable[..., ModelResult] = layerwise.compute
-    prepared: layerwise.Prepared | None = None
-
-    @property
-    def device(self) -> str:
-        return self.spec.device
-
-    def resolved_device(self) -> str:
-        """The device it runs on (what the jobs pane shows once it starts)."""
-        assert self.prepared is not None, "a layer request is looked up before it computes"
-        return self.prepared.device or resolve_device(self.spec.device)
-
-    def lookup(self, cache_root: Path | None, notice: Callable[[str], None]) -> ModelResult | None:
-        cache = _cache(cache_root)
-        # the cache also remembers local weights' content digests (no re-hash on a repeated run)
-        self.prepared = self.prepare(self.spec) if self.prepare else layerwise.prepare(self.spec, cache)
-        return layerwise.lookup(self.prepared, cache, notice)
-
-    def compute(
-        self,
-        cache_root: Path | None,
-        *,
-        on_progress: Callable[[Progress], None],
-        should_stop: Callable[[], bool],
-        notice: Callable[[str], None],
-    ) -> ModelResult:
-        result = self.compute_fn(self.prepared, on_progress=on_progress, should_stop=should_stop)
-        layerwise.store(result, _cache(cache_root), notice)
-        return result
-
-
 def as_request(
-    spec: Any, prepare: Callable[[RunSpec], layerwise.Prepared] | None, compute: Callable[..., ModelResult]
+    spec: Any,
+    prepare: Callable[[RunSpec], layerwise.Prepared] | None,
+    compute: Callable[..., ModelResult] | None,
 ) -> Request:
-    """What the backend runs for ``spec``: a layer-wise RunSpec is wrapped (the one place the
-    backend tells layer runs from the other experiments); an experiment request is itself."""
+    """What the backend runs for ``spec``: the app submits a layer-wise run as its RunSpec, which
+    is the layers experiment's request (``prepare``/``compute``: tests' fakes); an experiment's
+    request is itself."""
     if isinstance(spec, RunSpec):
-        return LayerRequest(spec, prepare, compute)
+        return LayersRequest(spec, compute_fn=compute, prepare_fn=prepare)
     return cast(Request, spec)
 
 
 def _started_device(request: Request) -> str:
-    if isinstance(request, LayerRequest):
-        return request.resolved_device()
-    return resolve_device(request.device)
+    """The device a job runs on, as the jobs pane shows it once it starts: the one its lookup
+    resolved when the request keeps it (a layer run), else the spec's own, resolved."""
+    resolved: Callable[[], str] | None = getattr(request, "resolved_device", None)
+    return resolved() if resolved is not None else resolve_device(request.device)
 
 
 def failure_sentence(exc: BaseException) -> str:
@@ -391,7 +352,7 @@ class Backend:
     ) -> None:
         self.cache = cache
         self._post = post
-        self._compute = compute or layerwise.compute
+        self._compute = compute
         self._prepare = prepare
         if processes is None:
             processes = compute is None and prepare is None

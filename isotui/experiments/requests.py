@@ -90,6 +90,15 @@ class LayersRequest:
     def keys(self, cache_root: Path | None) -> list[str]:
         return list(self._prepare(_runs(cache_root)).keys)
 
+    def resolved_device(self) -> str:
+        """The device it runs on, once looked up (the lookup resolved it): the jobs pane's."""
+        from isotui.extract.device import resolve_device
+
+        prepared = self._resolved.get("prepared")
+        if prepared is not None and prepared.device:
+            return str(prepared.device)
+        return resolve_device(self.spec.device)
+
     def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
         from isotui.experiments import layerwise
 
