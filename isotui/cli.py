@@ -363,6 +363,7 @@ def progress_printer(err, name: str, *, quiet: bool, verbose: bool = False):
                 seen.append(phase)
                 line = f"{name}: {phase}: {progress_status(ev)}" if ev.phase else f"{name}: running"
                 bar.console.print(f"[dim]{time.perf_counter() - started:7.1f} s  {line}[/]", highlight=False)
+            total: int | None
             if phase == "finalising":
                 total, completed = ev.layers_total, ev.layers_done
             elif phase == "running" or ev.samples_total:

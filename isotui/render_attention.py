@@ -97,12 +97,6 @@ def attention_table(result: AttentionResult, width: int = 200, *, per_head: bool
         items: list[Any] = list(result.rows)
     else:
         items = summarize(result)
-        pre = {}
-        for r in result.rows:
-            pre.setdefault((r.component, r.layer, r.attention), []).append(r.cos_qk_bar_pre_rope)
-        for s in items:  # the heads' mean of the pre-rope cosine, for the rope column
-            values = pre[(s.component, s.layer, s.attention)]
-            s.cos_qk_bar_pre_rope = sum(values) / len(values)
     possible = [
         c
         for c in ATTENTION_COLUMNS
@@ -119,7 +113,7 @@ def attention_table(result: AttentionResult, width: int = 200, *, per_head: bool
         return max([cell_len(header), *(cell_len(x) for x in column)]) + 3
 
     used = 1 - 2 + room("layer", labels)  # the outer border; no padding at the edges
-    columns = []
+    columns: list[AttnColumn] = []
     for c in possible:
         if used + room(c.header, cells[c.header]) > width and columns:
             break

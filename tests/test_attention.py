@@ -201,6 +201,17 @@ def test_heads_match_hand_computation(folders, arch):
                 assert row.q_bar_norm_pre_rope == pytest.approx(np.linalg.norm(pq), rel=1e-4)
             else:
                 assert not row.rope and math.isnan(row.cos_qk_bar_pre_rope)
+        # the heads-averaged view's pre-rope cosine: the mean of the heads' hand-computed ones
+        summary = summarize(result)[i]
+        if arch in ("gpt_neox", "llama"):
+            pq_all, pk_all = np.concatenate(r["pq"]), np.concatenate(r["pk"])
+            cosines = []
+            for h in range(q.shape[1]):
+                pq, pk = pq_all[:, h].mean(0), pk_all[:, h // groups].mean(0)
+                cosines.append(pq @ pk / np.linalg.norm(pq) / np.linalg.norm(pk))
+            assert summary.cos_qk_bar_pre_rope == pytest.approx(np.mean(cosines), abs=1e-4)
+        else:
+            assert math.isnan(summary.cos_qk_bar_pre_rope)
 
 
 def _texts_file(folder):

@@ -12,11 +12,19 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
+
+if TYPE_CHECKING:
+    from isotui.experiments.cached import Notice
+    from isotui.experiments.layerwise import Prepared
+    from isotui.spec import RunSpec
+    from isotui.store.cache import ResultCache
 
 HELP = "queries, keys and attention sharpness per layer and head (Godey et al. 2024, sec. 5)"
 SCHEMA = 3  # 3: score bins asinh-spaced with scale 0.001
@@ -116,7 +124,8 @@ class AttentionResult:
 
     def modules(self) -> list[dict[str, Any]]:
         """Each module's site (component, layer, attention kind) in array-index order."""
-        return self.meta["modules"]
+        modules: list[dict[str, Any]] = self.meta["modules"]
+        return modules
 
     def module_rows(self, i: int) -> list[AttentionRow]:
         m = self.modules()[i]
@@ -149,6 +158,7 @@ class LayerSummary:
     softmax_median: float
     softmax_min: float
     entropy: float
+    cos_qk_bar_pre_rope: float  # NaN for a model without rotary embeddings
 
 
 def summarize(result: AttentionResult) -> list[LayerSummary]:
@@ -157,7 +167,7 @@ def summarize(result: AttentionResult) -> list[LayerSummary]:
     for i, m in enumerate(result.modules()):
         rows = result.module_rows(i)
 
-        def mean(attr: str, rows=rows) -> float:
+        def mean(attr: str, rows: list[AttentionRow] = rows) -> float:
             vals = np.array([getattr(r, attr) for r in rows], dtype=float)
             vals = vals[np.isfinite(vals)]
             return float(vals.mean()) if len(vals) else math.nan
@@ -184,6 +194,7 @@ def summarize(result: AttentionResult) -> list[LayerSummary]:
                 softmax_median=mean("softmax_median"),
                 softmax_min=mean("softmax_min"),
                 entropy=mean("entropy"),
+                cos_qk_bar_pre_rope=mean("cos_qk_bar_pre_rope"),
             )
         )
     return out
@@ -196,20 +207,20 @@ def cache_key(layer_key: str, sample_size: int) -> str:
     return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def attention_cache(root) -> Any:
+def attention_cache(root: Path) -> ResultCache:
     from isotui.store.cache import ResultCache
 
     return ResultCache(root, folder=FOLDER, schema=SCHEMA)
 
 
 def measure_attention(
-    spec,
-    cache,
+    spec: RunSpec,
+    cache: ResultCache | None,
     *,
     sample_size: int = 0,
     on_progress: ProgressCallback = no_progress,
     should_stop: StopCheck = never_stop,
-    on_notice=None,
+    on_notice: Notice | None = None,
 ) -> AttentionResult:
     """The attention result for ``spec`` (a :class:`~isotui.spec.RunSpec`): from ``cache`` (an
     :func:`attention_cache`, or None) when present, else computed and stored.
@@ -223,7 +234,9 @@ def measure_attention(
     return compute_attention(prepared, key, sample_size, cache, on_progress, should_stop, on_notice)
 
 
-def find_attention(spec, cache, sample_size: int = 0, on_notice=None):
+def find_attention(
+    spec: RunSpec, cache: ResultCache | None, sample_size: int = 0, on_notice: Notice | None = None
+) -> tuple[Prepared, str, AttentionResult | None]:
     """(prepared run, cache key, cached result or None): the quick part, no model loaded."""
     from isotui.experiments.layerwise import prepare
     from isotui.store.cache import CacheProblem
@@ -232,7 +245,7 @@ def find_attention(spec, cache, sample_size: int = 0, on_notice=None):
     key = cache_key(prepared.key, sample_size)
     if cache is None:
         return prepared, key, None
-    found = None
+    found: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None
     try:
         for layer_key in prepared.keys:  # the current key, then one an older isotui wrote
             found = cache.get_payload(cache_key(layer_key, sample_size))
@@ -259,13 +272,13 @@ def find_attention(spec, cache, sample_size: int = 0, on_notice=None):
 
 
 def compute_attention(
-    prepared,
+    prepared: Prepared,
     key: str,
     sample_size: int,
-    cache,
-    on_progress=no_progress,
-    should_stop=never_stop,
-    on_notice=None,
+    cache: ResultCache | None,
+    on_progress: ProgressCallback = no_progress,
+    should_stop: StopCheck = never_stop,
+    on_notice: Notice | None = None,
 ) -> AttentionResult:
     """Load the model, measure, and store the result (a cache that cannot be written is said)."""
     result = _compute(prepared, key, sample_size, on_progress, should_stop)
@@ -279,7 +292,9 @@ def compute_attention(
     return result
 
 
-def _compute(prepared, key: str, sample_size: int, on_progress, should_stop) -> AttentionResult:
+def _compute(
+    prepared: Prepared, key: str, sample_size: int, on_progress: ProgressCallback, should_stop: StopCheck
+) -> AttentionResult:
     from importlib import metadata
 
     import torch
@@ -301,14 +316,16 @@ def _compute(prepared, key: str, sample_size: int, on_progress, should_stop) -> 
         modality=spec.data.modality,
         sample_size=sample_size,
     )
-    rows, arrays, modules = [], {}, []
+    rows: list[AttentionRow] = []
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    modules: list[dict[str, Any]] = []
     nan = math.nan
     for i, m in enumerate(ex.modules):
         modules.append({"component": m.site.component, "layer": m.site.layer, "attention": m.site.kind})
         arrays[f"hist.{i}"] = m.histograms.astype(np.int64)
         arrays[f"q_bar.{i}"] = m.q_bar.astype(np.float64)
         arrays[f"k_bar.{i}"] = m.k_bar.astype(np.float64)
-        if m.q_sample is not None:
+        if m.q_sample is not None and m.k_sample is not None:  # kept together
             arrays[f"q_sample.{i}"] = m.q_sample.astype(np.float32)
             arrays[f"k_sample.{i}"] = m.k_sample.astype(np.float32)
         for h, s in enumerate(m.heads):
@@ -355,7 +372,7 @@ def _compute(prepared, key: str, sample_size: int, on_progress, should_stop) -> 
     return AttentionResult(spec.model, key, rows, meta, arrays)
 
 
-def _edges() -> np.ndarray:
+def _edges() -> npt.NDArray[np.float64]:
     from isotui.core.attention import score_edges
 
     return score_edges()

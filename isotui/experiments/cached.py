@@ -12,9 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from isotui.experiments.layerwise import Prepared
+    from isotui.store.cache import ResultCache
 
 Notice = Callable[[str], None]
 
@@ -25,14 +31,14 @@ def experiment_key(layer_key: str, folder: str, schema: int, params: dict[str, A
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def experiment_cache(root, folder: str, schema: int):
+def experiment_cache(root: Path, folder: str, schema: int) -> ResultCache:
     """The experiment's folder of the result cache at ``root``."""
     from isotui.store.cache import ResultCache
 
     return ResultCache(root, folder=folder, schema=schema)
 
 
-def read(cache: Any, key: str, decode: Callable[[dict[str, Any], dict[str, np.ndarray]], Any]) -> Any:
+def read(cache: ResultCache, key: str, decode: Callable[[dict[str, Any], dict[str, np.ndarray]], Any]) -> Any:
     """The result cached under ``key`` (``decode`` of its payload and arrays), None if absent;
     :class:`~isotui.store.cache.CacheProblem` if it cannot be used (damaged, or a structure this
     version cannot read: a valid checksum says the bytes are intact, not that they fit)."""
@@ -48,7 +54,12 @@ def read(cache: Any, key: str, decode: Callable[[dict[str, Any], dict[str, np.nd
 
 
 def find(
-    cache, prepared, folder: str, schema: int, params: dict[str, Any], on_notice: Notice | None = None
+    cache: ResultCache | None,
+    prepared: Prepared,
+    folder: str,
+    schema: int,
+    params: dict[str, Any],
+    on_notice: Notice | None = None,
 ) -> tuple[str, tuple[dict[str, Any], dict[str, np.ndarray]] | None]:
     """(key to store under, cached (payload, arrays) or None); a damaged entry is said and ignored.
     ``cache`` None (``--no-cache``) finds nothing."""
@@ -67,7 +78,13 @@ def find(
     return keys[0], None
 
 
-def keep(cache, key: str, payload: dict[str, Any], arrays: dict[str, np.ndarray], on_notice=None) -> None:
+def keep(
+    cache: ResultCache | None,
+    key: str,
+    payload: dict[str, Any],
+    arrays: dict[str, npt.NDArray[Any]],
+    on_notice: Notice | None = None,
+) -> None:
     """Store one result; a cache that cannot be written is said, never fatal."""
     from isotui.store.cache import CacheWriteError
 

@@ -12,11 +12,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from isotui.errors import IsotuiError
+
+if TYPE_CHECKING:
+    import torch
+
+    from isotui.core.accumulator import LayerAccumulator, LayerStats
+    from isotui.experiments.cached import Notice
+    from isotui.experiments.layerwise import Prepared
+    from isotui.extract.progress import ProgressCallback, StopCheck
+    from isotui.spec import RunSpec
+    from isotui.store.cache import ResultCache
 
 HELP = "metrics before and after the final norm, per dimension (Machina & Mercer 2024)"
 TOP = 5
@@ -44,8 +55,8 @@ class FinalNormResult:
     model: str
     module: str  # the norm's name in the model
     kind: str  # "final" or "last block's output norm"
-    before: Any  # LayerStats
-    after: Any
+    before: LayerStats
+    after: LayerStats
     dims: list[DimRow]
     rho_mean_gain: float  # Spearman(|x_bar_k| before, gamma_k)
     p_mean_gain: float
@@ -77,7 +88,7 @@ class FinalNormResult:
         )
 
 
-def norm_module(model) -> tuple[str, Any, str]:
+def norm_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module, str]:
     """(name, module, kind): the model's final norm, else the last block's output LayerNorm."""
     from isotui.models.loading import final_norm_modules
 
@@ -96,12 +107,12 @@ def norm_module(model) -> tuple[str, Any, str]:
     return name, module, "last block's output norm"
 
 
-def block_output_norms(model) -> list[tuple[str, Any, str]]:
+def block_output_norms(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
     """Every block's last norm (BERT's ``output.LayerNorm``), in block order; verified on the
     first batch to be what the block returns (a pre-LN block ends with a residual sum instead)."""
     import torch
 
-    out = []
+    out: list[tuple[str, torch.nn.Module, str]] = []
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.ModuleList) or len(module) < 1:
             continue
@@ -118,13 +129,21 @@ def block_output_norms(model) -> list[tuple[str, Any, str]]:
     return out
 
 
-def measure_final_norm(spec, *, on_progress=None, should_stop=None) -> FinalNormResult:
+def measure_final_norm(
+    spec: RunSpec, *, on_progress: ProgressCallback | None = None, should_stop: StopCheck | None = None
+) -> FinalNormResult:
     """Stream the inputs and outputs of the final norm over ``spec``'s data."""
     return measure_norms(spec, every_layer=False, on_progress=on_progress, should_stop=should_stop)[0]
 
 
 def cached_norms(
-    spec, cache, *, every_layer: bool, on_progress=None, should_stop=None, on_notice=None
+    spec: RunSpec,
+    cache: ResultCache | None,
+    *,
+    every_layer: bool,
+    on_progress: ProgressCallback | None = None,
+    should_stop: StopCheck | None = None,
+    on_notice: Notice | None = None,
 ) -> list[FinalNormResult]:
     """:func:`measure_norms` through the result cache (folder ``final-norm``; ``cache`` from
     :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
@@ -153,7 +172,8 @@ _STAT_ARRAYS = ("dim_contrib", "eigenvalues", "mean")
 
 def results_payload(results: list[FinalNormResult]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(JSON payload, arrays) of one run's results, for the cache."""
-    items, arrays = [], {}
+    items: list[dict[str, Any]] = []
+    arrays: dict[str, npt.NDArray[np.float64]] = {}
     for i, r in enumerate(results):
         item = {k: v for k, v in asdict(r).items() if k not in ("before", "after", "from_cache")}
         for side in ("before", "after"):
@@ -183,12 +203,18 @@ def results_from_payload(payload: dict[str, Any], arrays: dict[str, np.ndarray])
                 fields_[name] = arrays[f"{i}.{side}.{name}"]
             sides[side] = LayerStats(**fields_)
         rest = {k: v for k, v in item.items() if k not in ("before", "after", "dims")}
-        out.append(FinalNormResult(**rest, **sides, dims=[DimRow(**d) for d in item["dims"]]))
+        dims = [DimRow(**d) for d in item["dims"]]
+        out.append(FinalNormResult(**rest, before=sides["before"], after=sides["after"], dims=dims))
     return out
 
 
 def measure_norms(
-    spec, *, every_layer: bool, on_progress=None, should_stop=None, prepared=None
+    spec: RunSpec,
+    *,
+    every_layer: bool,
+    on_progress: ProgressCallback | None = None,
+    should_stop: StopCheck | None = None,
+    prepared: Prepared | None = None,
 ) -> list[FinalNormResult]:
     """The final norm, or (``every_layer``) every block's output norm, over ``spec``'s data, in one
     pass: each norm's input and output streamed into a pair of accumulators."""
@@ -197,7 +223,12 @@ def measure_norms(
 
 
 def norms_state(
-    spec, *, every_layer: bool, sample_ids=None, on_progress=None, should_stop=None
+    spec: RunSpec,
+    *,
+    every_layer: bool,
+    sample_ids: tuple[int, ...] | None = None,
+    on_progress: ProgressCallback | None = None,
+    should_stop: StopCheck | None = None,
 ) -> dict[str, Any]:
     """:func:`measure_norms`'s streamed state over the samples ``sample_ids`` (global indices into
     ``spec``'s corpus; None: all): per norm its name, kind, gain, bias and the before/after
@@ -234,7 +265,7 @@ def finish_norms(state: dict[str, Any]) -> list[FinalNormResult]:
     return _finish_norms(accs, {k: v for k, v in state.items() if k != "accumulators"})
 
 
-def _finish_norms(accs, facts: dict[str, Any]) -> list[FinalNormResult]:
+def _finish_norms(accs: list[list[LayerAccumulator]], facts: dict[str, Any]) -> list[FinalNormResult]:
     out = []
     for site, (acc_in, acc_out) in zip(facts["sites"], accs, strict=True):
         out.append(_result(facts, site, acc_in.finalize(), acc_out.finalize()))
@@ -242,13 +273,13 @@ def _finish_norms(accs, facts: dict[str, Any]) -> list[FinalNormResult]:
 
 
 def _stream_norms(
-    spec: Any,
+    spec: RunSpec,
     every_layer: bool,
-    on_progress: Any,
-    should_stop: Any,
-    sample_ids: Any,
-    prepared: Any = None,
-) -> tuple[list[list[Any]], dict[str, Any]]:
+    on_progress: ProgressCallback | None,
+    should_stop: StopCheck | None,
+    sample_ids: tuple[int, ...] | None,
+    prepared: Prepared | None = None,
+) -> tuple[list[list[LayerAccumulator]], dict[str, Any]]:
     """Stream the batches; (per norm the [before, after] accumulators, the facts to finish)."""
     import dataclasses
     import time
@@ -351,18 +382,22 @@ def _stream_norms(
     return accs, facts
 
 
-def _gain_bias(module) -> dict[str, np.ndarray]:
+def _gain_bias(module: torch.nn.Module) -> dict[str, npt.NDArray[np.float64]]:
     """A norm's gain and bias (zeros when it has none) as float64 arrays."""
-    gain = module.weight.detach().float().cpu().numpy().astype(np.float64)
+    import torch
+
+    weight, bias_ = module.weight, getattr(module, "bias", None)
+    assert isinstance(weight, torch.Tensor)  # norm_module and block_output_norms keep weighted norms
+    gain = weight.detach().float().cpu().numpy().astype(np.float64)
     bias = (
-        module.bias.detach().float().cpu().numpy().astype(np.float64)
-        if getattr(module, "bias", None) is not None
-        else np.zeros_like(gain)
+        bias_.detach().float().cpu().numpy().astype(np.float64) if bias_ is not None else np.zeros_like(gain)
     )
     return {"gain": gain, "bias": bias}
 
 
-def _result(facts: dict[str, Any], site: dict[str, Any], before, after) -> FinalNormResult:
+def _result(
+    facts: dict[str, Any], site: dict[str, Any], before: LayerStats, after: LayerStats
+) -> FinalNormResult:
     from scipy.stats import spearmanr
 
     model, name, kind = facts["model"], site["name"], site["kind"]

@@ -22,10 +22,23 @@ Definitions that keep every number independent of batching:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isotui.errors import IsotuiError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    import torch
+
+    from isotui.core.gradients import GradAccumulator
+    from isotui.experiments.cached import Notice
+    from isotui.experiments.layerwise import Prepared
+    from isotui.extract.progress import ProgressCallback, StopCheck
+    from isotui.spec import RunSpec
+    from isotui.store.cache import ResultCache
 
 HELP = "loss gradients w.r.t. hidden states: their anisotropy and share in the activations' top PCs"
 MASK_RATE = 0.15
@@ -73,7 +86,13 @@ class GradientResult:
 
 
 def cached_gradients(
-    spec, cache, *, top_k: int = 10, on_progress=None, should_stop=None, on_notice=None
+    spec: RunSpec,
+    cache: ResultCache | None,
+    *,
+    top_k: int = 10,
+    on_progress: ProgressCallback | None = None,
+    should_stop: StopCheck | None = None,
+    on_notice: Notice | None = None,
 ) -> GradientResult:
     """:func:`measure_gradients` through the result cache (folder ``gradients``; ``cache`` from
     :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
@@ -117,7 +136,9 @@ def _refuse_bundled(model: str) -> None:
         )
 
 
-def mlm_mask(seed: int, sample_ids, positions, candidates):
+def mlm_mask(
+    seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor
+) -> torch.Tensor:
     """Which positions to mask: (B, T) bool, a pure function of (seed, sample, position).
 
     ``sample_ids`` (B,) are the samples' indices in the corpus, ``positions`` (T,), ``candidates``
@@ -140,14 +161,26 @@ def mlm_mask(seed: int, sample_ids, positions, candidates):
 
 
 def measure_gradients(
-    spec, *, top_k: int = 10, on_progress=None, should_stop=None, prepared=None
+    spec: RunSpec,
+    *,
+    top_k: int = 10,
+    on_progress: ProgressCallback | None = None,
+    should_stop: StopCheck | None = None,
+    prepared: Prepared | None = None,
 ) -> GradientResult:
     """Stream ``spec``'s data through the model with its LM head, backward to every hidden state."""
     accs, facts = _stream_gradients(spec, top_k, on_progress, should_stop, None, prepared)
     return _finish_gradients(accs, facts)
 
 
-def gradients_state(spec, *, top_k: int = 10, sample_ids=None, on_progress=None, should_stop=None) -> dict:
+def gradients_state(
+    spec: RunSpec,
+    *,
+    top_k: int = 10,
+    sample_ids: tuple[int, ...] | None = None,
+    on_progress: ProgressCallback | None = None,
+    should_stop: StopCheck | None = None,
+) -> dict[str, Any]:
     """:func:`measure_gradients`'s streamed state over the samples ``sample_ids`` (global indices
     into ``spec``'s corpus, which also seed the masked-LM masks; None: all): per layer the
     accumulator state, and the loss sums. Shards merge with :func:`merge_gradients_states`."""
@@ -155,7 +188,7 @@ def gradients_state(spec, *, top_k: int = 10, sample_ids=None, on_progress=None,
     return {**facts, "accumulators": [a.state() for a in accs]}
 
 
-def merge_gradients_states(states: list[dict]) -> dict:
+def merge_gradients_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One state from disjoint shards of the same corpus: accumulators merged, sums added."""
     from isotui.core.gradients import GradAccumulator
 
@@ -171,7 +204,7 @@ def merge_gradients_states(states: list[dict]) -> dict:
     }
 
 
-def finish_gradients(state: dict) -> GradientResult:
+def finish_gradients(state: dict[str, Any]) -> GradientResult:
     """The result of a (possibly merged) :func:`gradients_state`."""
     from isotui.core.gradients import GradAccumulator
 
@@ -180,8 +213,13 @@ def finish_gradients(state: dict) -> GradientResult:
 
 
 def _stream_gradients(
-    spec: Any, top_k: int, on_progress: Any, should_stop: Any, sample_ids: Any, prepared: Any = None
-) -> tuple[list[Any], dict[str, Any]]:
+    spec: RunSpec,
+    top_k: int,
+    on_progress: ProgressCallback | None,
+    should_stop: StopCheck | None,
+    sample_ids: tuple[int, ...] | None,
+    prepared: Prepared | None = None,
+) -> tuple[list[GradAccumulator], dict[str, Any]]:
     """Stream the batches forward and backward; (per layer the accumulator, the facts to finish)."""
     import dataclasses
     import time
@@ -215,7 +253,7 @@ def _stream_gradients(
     loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
     loop.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
     acc_device = torch.device(device if device.startswith("cuda") else "cpu")
-    accs: list[Any] = []  # GradAccumulator per layer, made at the first batch
+    accs: list[GradAccumulator] = []  # one per layer, made at the first batch
     loss_sum, loss_tokens = 0.0, 0
 
     def step(batch: Batch) -> int:
@@ -298,11 +336,12 @@ def _stream_gradients(
     return accs, facts
 
 
-def _finish_gradients(accs: list, facts: dict) -> GradientResult:
+def _finish_gradients(accs: list[GradAccumulator], facts: dict[str, Any]) -> GradientResult:
     from isotui.core.gradients import random_basis
 
     model, objective, top_k = facts["model"], facts["objective"], facts["top_k"]
-    rows, bases = [], {}
+    rows: list[GradientRow] = []
+    bases: dict[int, npt.NDArray[np.float64]] = {}
     for layer, acc in enumerate(accs):
         if acc.dim not in bases:  # one seeded random subspace per hidden size
             bases[acc.dim] = random_basis(acc.dim, top_k, facts["seed"])
@@ -328,7 +367,9 @@ def _finish_gradients(accs: list, facts: dict) -> GradientResult:
     )
 
 
-def _accumulators(hidden, top_k: int, model: str, device) -> list:
+def _accumulators(
+    hidden: Sequence[torch.Tensor], top_k: int, model: str, device: torch.device
+) -> list[GradAccumulator]:
     from isotui.core.gradients import GradAccumulator
 
     dims = [int(h.shape[-1]) for h in hidden]

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +24,10 @@ from isotui.models.naming import parse_model
 from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult
 from isotui.spec import RunSpec
 from isotui.store.cache import CacheProblem, CacheWriteError, ResultCache
+
+if TYPE_CHECKING:
+    from isotui.extract.planning import ExtractOptions
+    from isotui.models.loading import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class Prepared:
         return (self.key, *self.legacy_keys)
 
 
-def run_key(key_fields: dict) -> str:
+def run_key(key_fields: dict[str, Any]) -> str:
     """The hash of a run's resolved settings."""
     return hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -92,7 +97,7 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
         **({"exact": True} if spec.exact else {}),  # off: the keys of earlier runs stay valid
     }
     key = run_key(key_fields)
-    legacy = ()
+    legacy: tuple[str, ...] = ()
     if default is not None and max_length == default:  # a default run hashed None before
         legacy = (run_key({**key_fields, "max_length": None}),)
     return Prepared(spec, key, samples, model_fp, data_fp, dtype, device, max_length, legacy)
@@ -206,7 +211,7 @@ def weights_size(spec: RunSpec) -> str:
     return f"{size / 1e6:.1f} MB" if size else ""
 
 
-def extract_options(spec: RunSpec):
+def extract_options(spec: RunSpec) -> ExtractOptions:
     """The extraction options a run's spec asks for (every experiment that feeds batches)."""
     from isotui.extract.runner import ExtractOptions
 
@@ -222,9 +227,9 @@ def extract_options(spec: RunSpec):
     )
 
 
-def load_prepared(prepared: Prepared, **kwargs):
+def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedModel, str]:
     """(loaded model, device) for a prepared run: the device resolved, the run's dtype and seed;
-    ``kwargs`` go to :func:`~isotui.models.loading.load_model` (e.g. ``head="lm"``)."""
+    ``head`` goes to :func:`~isotui.models.loading.load_model` (``"lm"``: the language-model head)."""
     from isotui.models.loading import load_model
 
     spec = prepared.spec
@@ -236,7 +241,7 @@ def load_prepared(prepared: Prepared, **kwargs):
         seed=spec.seed,
         trust_remote_code=spec.trust_remote_code,
         tokenizer=spec.tokenizer,
-        **kwargs,
+        head=head,
     )
     return loaded, device
 

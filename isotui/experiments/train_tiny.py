@@ -32,9 +32,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from isotui.errors import Cancelled, IsotuiError
+
+if TYPE_CHECKING:
+    import torch
 
 HELP = (
     "pretrain a tiny BERT (masked LM) or GPT-2 (causal LM) from scratch on the built-in corpus, "
@@ -43,7 +46,23 @@ HELP = (
 RUN_FILE = "train_tiny.json"
 FORMAT = 1
 ARCHS = ("bert", "gpt2")
-DEFAULTS = {
+
+
+class _Defaults(TypedDict):
+    """The flags' defaults, one type per key (batch size per architecture)."""
+
+    steps: int
+    hidden: int
+    layers: int
+    heads: int
+    seq_len: int
+    batch_size: dict[str, int]
+    lr: float
+    seed: int
+    dropout: float
+
+
+DEFAULTS: _Defaults = {
     "steps": 400,
     "hidden": 128,
     "layers": 4,
@@ -56,6 +75,16 @@ DEFAULTS = {
     "seed": 0,
     "dropout": 0.0,
 }
+
+
+class _TrainState(TypedDict):
+    """What the checkpoints of a run need from the steps before them."""
+
+    last_saved: int  # the step of the last checkpoint written
+    init_loss: float  # the loss of the init, on the first batch
+    lr: float  # the learning rate of the last update
+
+
 WARMUP_FRACTION = 0.1
 WEIGHT_DECAY = 0.01
 CLIP_NORM = 1.0
@@ -339,7 +368,7 @@ def build_model(settings: Settings, tokenizer: Any) -> Any:
             pad_token_id=tokenizer.pad_token_id,
         )
         return BertForMaskedLM(config)
-    config = GPT2Config(
+    gpt_config = GPT2Config(
         vocab_size=len(tokenizer),
         n_embd=s.hidden,
         n_layer=s.layers,
@@ -352,7 +381,7 @@ def build_model(settings: Settings, tokenizer: Any) -> Any:
         eos_token_id=tokenizer.sep_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(gpt_config)
 
 
 def _loss(model: Any, arch: str, batch: dict[str, Any]) -> Any:
@@ -440,7 +469,8 @@ def _optimizer(model: Any, settings: Settings) -> tuple[Any, Any]:
     decay to 0 at the last step."""
     import torch
 
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         (no_decay if param.ndim < 2 or "LayerNorm" in name or ".ln_" in name else decay).append(param)
     opt = torch.optim.AdamW(
@@ -508,6 +538,8 @@ def train(
     ``out`` must be ready (see :func:`_prepare_out`). On KeyboardInterrupt or :class:`Cancelled`,
     the checkpoints already written stay, the JSON says ``interrupted``, and the exception goes on.
     """
+    import logging
+
     import torch
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -515,8 +547,8 @@ def train(
     from isotui.data.sources import fingerprint, load_samples, parse_data
     from isotui.models.naming import bundled_minilm_dir
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity(logging.ERROR)
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
     started = time.perf_counter()
     s = settings
     tokenizer = AutoTokenizer.from_pretrained(str(bundled_minilm_dir()))
@@ -569,7 +601,7 @@ def train(
         )
     _write_json(out / RUN_FILE, payload)  # at once: a run killed before its first checkpoint is still ours
     losses: list[float] = []  # losses[t - 1]: the loss of step t, on the weights after t - 1 updates
-    state = {"last_saved": 0, "init_loss": math.nan, "lr": 0.0}
+    state: _TrainState = {"last_saved": 0, "init_loss": math.nan, "lr": 0.0}
 
     def checkpoint(step: int) -> None:
         _save_checkpoint(model, tokenizer, out, step)

@@ -20,7 +20,7 @@ import copy
 import re
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -541,7 +541,7 @@ def _pre_summary(
 
 def extract_attention(
     loaded: LoadedModel,
-    samples: list[str],
+    samples: Sequence[str],
     *,
     device: str,
     opts: ExtractOptions,
@@ -560,7 +560,7 @@ def extract_attention(
 
 def extract_attention_state(
     loaded: LoadedModel,
-    samples: list[str],
+    samples: Sequence[str],
     *,
     device: str,
     opts: ExtractOptions,
@@ -613,7 +613,7 @@ def _finish_attention(modules: list[ModuleResult], facts: dict[str, Any]) -> Att
 
 def _stream_attention(
     loaded: LoadedModel,
-    samples: list[str],
+    samples: Sequence[str],
     device: str,
     opts: ExtractOptions,
     on_progress: ProgressCallback,

@@ -17,7 +17,7 @@ How components are fed (documented in README):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +65,11 @@ def resize_mask(valid: torch.Tensor, special: torch.Tensor, length: int) -> tupl
 
 class TextFeeder:
     def __init__(
-        self, loaded: LoadedModel, samples: list[str], max_length: int, runner_accepts: Callable[[str], bool]
+        self,
+        loaded: LoadedModel,
+        samples: Sequence[str],
+        max_length: int,
+        runner_accepts: Callable[[str], bool],
     ) -> None:
         self.loaded = loaded
         self.tokens: Tokens = tokenize(
@@ -132,7 +136,7 @@ def takes_token_types(loaded: LoadedModel, accepts: Callable[[str], bool]) -> bo
 
 
 class ImageFeeder:
-    def __init__(self, loaded: LoadedModel, samples: list[str]) -> None:
+    def __init__(self, loaded: LoadedModel, samples: Sequence[str]) -> None:
         self.loaded = loaded
         self.samples = samples
         self.lengths = np.full(len(samples), IMAGE_NOMINAL_UNITS, dtype=np.int64)
@@ -171,7 +175,7 @@ class ImageFeeder:
 
 
 class AudioFeeder:
-    def __init__(self, loaded: LoadedModel, samples: list[str]) -> None:
+    def __init__(self, loaded: LoadedModel, samples: Sequence[str]) -> None:
         self.loaded = loaded
         self.samples = samples
         proc = loaded.processor
@@ -227,7 +231,11 @@ class AudioFeeder:
 
 
 def make_feeder(
-    loaded: LoadedModel, samples: list[str], modality: str, max_length: int, accepts: Callable[[str], bool]
+    loaded: LoadedModel,
+    samples: Sequence[str],
+    modality: str,
+    max_length: int,
+    accepts: Callable[[str], bool],
 ):
     if modality != loaded.modality:
         what = {"text": "text", "image": "images", "audio": "audio"}

@@ -138,7 +138,7 @@ class BatchLoop:
         params = inspect.signature(self.model.forward).parameters
         return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
-    def prepare(self, samples: list[str], modality: str, max_length: int) -> None:
+    def prepare(self, samples: Sequence[str], modality: str, max_length: int) -> None:
         """Tokenise (or read) the corpus and plan its batches; samples outside the shard of
         ``opts.sample_ids`` are read too (they set corpus-level choices) but never run."""
         self._feeder = make_feeder(self.loaded, samples, modality, max_length, self.accepts)

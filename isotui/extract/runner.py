@@ -122,7 +122,7 @@ class LayerStream:
             return "position"
         return "image"
 
-    def prepare(self, samples: list[str], modality: str, max_length: int) -> None:
+    def prepare(self, samples: Sequence[str], modality: str, max_length: int) -> None:
         self.loop.prepare(samples, modality, max_length)
         self.type_weights = self._type_weights()
 
@@ -290,7 +290,7 @@ class LayerStream:
 
 def extract(
     loaded: LoadedModel,
-    samples: list[str],
+    samples: Sequence[str],
     *,
     device: str,
     opts: ExtractOptions,
@@ -312,7 +312,7 @@ def extract(
 
 def extract_state(
     loaded: LoadedModel,
-    samples: list[str],
+    samples: Sequence[str],
     *,
     device: str,
     opts: ExtractOptions,
@@ -362,7 +362,7 @@ def finish_extraction(state: dict[str, Any]) -> Extraction:
 
 def _stream(
     loaded: LoadedModel,
-    samples: list[str],
+    samples: Sequence[str],
     device: str,
     opts: ExtractOptions,
     on_progress: ProgressCallback,

@@ -6,6 +6,7 @@ arrays cost 4-5, so a large corpus does not make the run's memory grow with it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,7 @@ class Tokens:
         }
 
 
-def tokenize(tokenizer: Any, samples: list[str], max_length: int, *, with_types: bool) -> Tokens:
+def tokenize(tokenizer: Any, samples: Sequence[str], max_length: int, *, with_types: bool) -> Tokens:
     """Tokenize in chunks (truncation to ``max_length``), keeping only compact arrays."""
     ids, special, types, lengths = [], [], [], []
     for start in range(0, len(samples), CHUNK):
