@@ -82,22 +82,6 @@ class ResultCache:
     def path_for(self, key: str) -> Path:
         return self.runs / f"{key}.safetensors"
 
-    def get(self, key: str) -> Any:
-        """The layer run cached under ``key``, None if absent: kept only for ``tui/app.py`` (owned
-        elsewhere this session) until it calls ``isotui.experiments.cached.read(cache, key,
-        ModelResult.from_json)``, the one way every experiment reads; then delete this."""
-        from isotui.results import ModelResult
-
-        found = self.get_payload(key)
-        if found is None:
-            return None
-        try:
-            return ModelResult.from_json(*found)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-            raise CacheProblem(
-                f"cache entry {key}.safetensors is unreadable ({type(exc).__name__})"
-            ) from None
-
     def get_payload(self, key: str) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
         """An entry's JSON payload and arrays, checked against its schema and checksum."""
         from safetensors import SafetensorError

@@ -25,6 +25,7 @@ from textual.widgets import Footer, Header, Input, OptionList
 from isotui.backend import Backend, JobEvent, Post
 from isotui.config import load_run_config
 from isotui.errors import IsotuiError
+from isotui.experiments.cached import read
 from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import find_preset
 from isotui.render import amount
@@ -237,7 +238,7 @@ class IsotuiApp(App[None]):
         found, gone = [], []
         for model, key in session.comparison:
             try:
-                result = self.cache.get(key)
+                result = read(self.cache, key, ModelResult.from_json)
             except CacheProblem:
                 result = None
             if result is None:
@@ -419,7 +420,7 @@ class IsotuiApp(App[None]):
     def open_cached(self, key: str) -> None:
         """Show a cached result at once (a file read: no model, no torch)."""
         try:
-            result = self.cache.get(key)
+            result = read(self.cache, key, ModelResult.from_json)
         except CacheProblem as exc:
             self.notify(f"cached run {key[:12]}: {exc}", severity="error")
             return
