@@ -234,7 +234,8 @@ SE_FIELDS_OF = ("avg_cos_centered", "iw", "iw_centered", "avg_cos_abtt", "avg_co
 
 def test_table_columns_plot_cycle_and_wide_choices_come_from_the_metrics():
     from isotui.render import COLUMNS
-    from isotui.tui.app import NULL_METRICS, PLOT_METRICS
+    from isotui.tui.app import PLOT_METRICS
+    from isotui.tui.plots import NULL_METRICS
 
     assert [c.field for c in COLUMNS] == ["layer", "n_vectors", *(m.name for m in METRICS if m.header)]
     assert [c.header for c in COLUMNS[2:]] == [m.header for m in METRICS if m.header]
