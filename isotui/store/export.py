@@ -24,16 +24,25 @@ def _atomic_write(path: Path, write) -> Path:
 RUN_COLUMNS = ("data", "n_samples", "max_length", "special_tokens", "dtype", "run_key")
 
 
+def _layer_columns() -> tuple[list[str], list[str]]:
+    """The layer columns before the run's settings, and those after: every LayerRow field from
+    the first standard error on came later than the run columns, so it is written after them
+    (earlier columns keep their places; a metric added at the end of LayerRow lands last)."""
+    names = LayerRow.columns()
+    first_later = names.index(SE_FIELDS[0])
+    return names[:first_later], names[first_later:]
+
+
 def layer_csv_rows(results: Iterable[ModelResult]) -> list[dict]:
     """The rows of :func:`write_csv` as dicts, keys in column order: the layer metrics, the run's
     settings, then the standard errors (added later, so earlier columns keep their places)."""
-    base = [c for c in LayerRow.columns() if c not in SE_FIELDS]
+    base, later = _layer_columns()
     out = []
     for r in results:
         run = {c: r.meta.get(c, "") for c in RUN_COLUMNS[:-1]} | {"run_key": r.key}
         for row in r.rows:
             d = asdict(row)
-            out.append({c: d[c] for c in base} | run | {c: d[c] for c in SE_FIELDS})
+            out.append({c: d[c] for c in base} | run | {c: d[c] for c in later})
     return out
 
 
@@ -43,8 +52,8 @@ def write_csv(results: Iterable[ModelResult], path: Path) -> Path:
     rows = layer_csv_rows(results)
 
     def write(f) -> None:
-        base = [c for c in LayerRow.columns() if c not in SE_FIELDS]  # earlier columns keep their places
-        writer = csv.DictWriter(f, fieldnames=[*base, *RUN_COLUMNS, *SE_FIELDS])
+        base, later = _layer_columns()
+        writer = csv.DictWriter(f, fieldnames=[*base, *RUN_COLUMNS, *later])
         writer.writeheader()
         writer.writerows(rows)
 
