@@ -23,13 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("name", nargs="?", metavar="NAME", help="the figure (see --list)")
     p.add_argument("--list", action="store_true", help="name every figure and what it shows")
-    p.add_argument("--out", "-o", metavar="PATH", help="the figure file: .pdf, .svg or .png (CSV and JSON beside it)")
-    p.add_argument("--width", choices=("single", "double"), default="single", help="column width: 3.3 in or 6.9 in")
+    p.add_argument("--out", "-o", metavar="PATH", help="the figure: .pdf, .svg or .png (CSV, JSON beside it)")
+    p.add_argument("--width", choices=("single", "double"), default="single", help="3.3 in or 6.9 in")
     p.add_argument("--dpi", type=int, default=300, help="PNG resolution (default 300)")
     p.add_argument("--style", metavar="FILE", help="a matplotlib style file applied over the paper defaults")
     p.add_argument("--depth", action="store_true", help="godey2024-fig1: x is the normalised depth")
     p.add_argument("--dims", metavar="LIST", help="godey2024-fig17: the dimensions d (default 8,32,128,768)")
-    p.add_argument("--metric", default="avg_cos", choices=METRICS, help="machina2024-heatmap: the layer metric")
+    p.add_argument("--metric", default="avg_cos", choices=METRICS, help="machina2024-heatmap's metric")
     p.add_argument(
         "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
     )
@@ -65,7 +65,7 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
     ns.wide = None
     if experiment == "checkpoints":
         if not args.checkpoints:
-            raise IsotuiError(f"{args.name} needs --checkpoints: a checkpoint series (see isotui experiment checkpoints)")
+            raise IsotuiError(f"{args.name} needs --checkpoints (a checkpoint series)")
         if args.models and len(args.models) > 1:
             raise IsotuiError(f"{args.name} draws one series: give at most one --model")
         ns.model = args.models[0] if args.models else None
@@ -86,7 +86,7 @@ def main(args: argparse.Namespace, err: Any) -> int:
     if args.list:
         return _list(stdout_console())
     if not args.name:
-        raise IsotuiError("name a figure (isotui figure NAME --out PATH.pdf); `isotui figure --list` names them")
+        raise IsotuiError("name a figure: isotui figure NAME --out PATH.pdf (isotui figure --list)")
     figure = find(args.name)
     if not args.out:
         raise IsotuiError(f"give --out PATH.pdf, .svg or .png for {args.name}")
@@ -132,7 +132,7 @@ def _write(out: Any, data: bytes, drawing: Any, args: argparse.Namespace) -> Non
     try:
         write_bytes_atomic(out.parent.resolve(), out.name, data)
     except OSError as exc:
-        raise IsotuiError(f"cannot write --out {args.out}: {exc.strerror or exc}; choose another path") from None
+        raise IsotuiError(f"cannot write --out {args.out}: {exc.strerror or exc}") from None
     write_dicts_csv(drawing.rows, out.with_suffix(".csv"))
     argv = getattr(args, "argv", None)
     payload = {

@@ -271,7 +271,8 @@ def draw_null_p95(fig: Any, results: list[Any], _options: Any) -> Drawing:
     names = short_names([r.model for r in results])
     dims = [m.dim for r in results for m in r.rows] or [768]
     top = max(4096, 2 * max(dims))
-    grid = np.unique(np.geomspace(2, top, 160).round().astype(int))
+    spaced = np.geomspace(2, top, 160).round().astype(int)
+    grid = np.unique(np.concatenate([spaced, dims]))  # the models' own d on the curve too
     p95 = [null_cos_quantile(int(d)) for d in grid]
     rows: Rows = [
         {"series": "isotropic p95", "model": "", "d": int(d), "avg_cos": v}
@@ -426,7 +427,7 @@ def render(figure: PaperFigure, results: list[Any], options: Any, out_format: st
     style = getattr(options, "style", None)
     if style and not Path(style).expanduser().is_file():
         raise IsotuiError(f"--style {style} is not a file; give a matplotlib style file (.mplstyle)")
-    with matplotlib.rc_context(rc_params(dpi)):
+    with matplotlib.rc_context(rc_params(dpi)):  # type: ignore[arg-type]
         if style:
             try:
                 matplotlib.style.use(str(Path(style).expanduser()))
@@ -434,11 +435,11 @@ def render(figure: PaperFigure, results: list[Any], options: Any, out_format: st
                 raise IsotuiError(f"--style {style} could not be read as a matplotlib style: {exc}") from None
         fig = Figure(figsize=(WIDTHS[width], HEIGHTS[width]), dpi=dpi, layout="constrained")
         drawing = figure.draw(fig, results, options)
-        metadata: dict[str, Any] = {
-            "pdf": {"Creator": f"isotui {__version__}", "CreationDate": None, "ModDate": None},
-            "svg": {"Creator": f"isotui {__version__}", "Date": None},
-            "png": {"Software": f"isotui {__version__}"},
-        }[out_format]
+        metadata: dict[str, Any] = {"Creator": f"isotui {__version__}", "CreationDate": None}
+        if out_format == "svg":
+            metadata = {"Creator": f"isotui {__version__}", "Date": None}
+        elif out_format == "png":
+            metadata = {"Software": f"isotui {__version__}"}
         buffer = io.BytesIO()
         fig.savefig(buffer, format=out_format, dpi=dpi, metadata=metadata)
     return buffer.getvalue(), drawing
