@@ -125,7 +125,7 @@ def _write(out: Any, data: bytes, drawing: Any, args: argparse.Namespace) -> Non
     """The figure, its CSV and its JSON, each written whole or not at all."""
     from isotui import __version__
     from isotui.errors import IsotuiError
-    from isotui.paper_figures import HEIGHTS, WIDTHS
+    from isotui.paper_figures import WIDTHS
     from isotui.store.export import write_dicts_csv, write_payload_json
     from isotui.store.files import write_bytes_atomic
 
@@ -142,7 +142,7 @@ def _write(out: Any, data: bytes, drawing: Any, args: argparse.Namespace) -> Non
         "file": out.name,
         "csv": out.with_suffix(".csv").name,
         "width_in": WIDTHS[args.width],
-        "height_in": HEIGHTS[args.width],
+        "height_in": round(float(drawing.figure.get_figheight()), 4),
         "dpi": args.dpi,
         "style": args.style,
         "runs": drawing.runs,

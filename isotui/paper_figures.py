@@ -24,13 +24,14 @@ import numpy as np
 from isotui.errors import IsotuiError
 
 WIDTHS = {"single": 3.3, "double": 6.9}  # inches: one column, the full page of a two-column paper
-HEIGHTS = {"single": 2.4, "double": 2.6}
+HEIGHTS = {"single": 2.4, "double": 2.6}  # grown by a long legend's extra rows (JSON: height_in)
 FORMATS = (".pdf", ".svg", ".png")
 OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 NULL_COLOUR = "#777777"
 DEFAULT_DIMS = (8, 32, 128, 768)
 SIGNIFICANCE = 0.05
+LEGEND_ROW = 0.16  # inches: one row of 8 pt legend entries
 
 Rows = list[dict[str, Any]]
 
@@ -107,6 +108,9 @@ def _legend(fig: Any, ax: Any, n: int) -> None:
     else:
         ncols = min(n, 2 if fig.get_figwidth() < 5 else 5)
         fig.legend(loc="outside lower center", ncols=ncols, handlelength=1.6, columnspacing=1.2)
+        rows = math.ceil(n / ncols)
+        if rows > 2:  # the axes keep their height: the figure grows by the legend's extra rows
+            fig.set_figheight(fig.get_figheight() + LEGEND_ROW * (rows - 2))
 
 
 # --- Godey et al. 2024, Fig. 1-4: layer-wise avg_cos per model ----------------------------------
