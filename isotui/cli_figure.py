@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--style", metavar="FILE", help="a matplotlib style file applied over the paper defaults")
     p.add_argument("--depth", action="store_true", help="godey2024-fig1: x is the normalised depth")
     p.add_argument("--dims", metavar="LIST", help="godey2024-fig17: the dimensions d (default 8,32,128,768)")
-    p.add_argument("--metric", default="avg_cos", choices=METRICS, help="machina2024-heatmap's metric")
+    p.add_argument("--metric", default="avg_cos", choices=METRICS, help="machina2024-heatmap/-curves' metric")
     p.add_argument(
         "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
     )
@@ -72,7 +72,7 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
         ns.experiment = "checkpoints"
     else:
         if args.checkpoints:
-            raise IsotuiError(f"--checkpoints is for machina2024-heatmap; {args.name} takes models (-m)")
+            raise IsotuiError(f"--checkpoints is for the machina2024 figures; {args.name} takes models (-m)")
         ns.experiment = "run"
     return ns
 

@@ -324,19 +324,7 @@ def draw_heatmap(fig: Any, results: list[Any], options: Any) -> Drawing:
     """A layer metric (--metric) of a checkpoint series as a layer x step heatmap."""
     metric = getattr(options, "metric", "avg_cos")
     series = results[0]
-    labels, grid = series.grid(metric)
-    steps = series.steps()
-    rows: Rows = [
-        {
-            "series": series.series,
-            "checkpoint": ckpt.label,
-            "step": step,
-            "layer": label,
-            metric: float(grid[i, j]),
-        }
-        for j, (ckpt, step) in enumerate(zip(series.checkpoints, steps, strict=True))
-        for i, label in enumerate(labels)
-    ]
+    labels, grid, steps, rows = _heatmap_rows(series, metric)
     ax = fig.add_subplot()
     image = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest")
     cols = _thin(len(steps), 7)
@@ -349,11 +337,52 @@ def draw_heatmap(fig: Any, results: list[Any], options: Any) -> Drawing:
     ax.set_ylabel("layer")
     ax.spines[["top", "right"]].set_visible(True)
     fig.colorbar(image, ax=ax, label=metric.replace("_", " "), fraction=0.08, pad=0.03)
-    runs = [
-        {"model": c.model, "checkpoint": c.label, "step": s, "key": r.key}
-        for c, s, r in zip(series.checkpoints, steps, series.results, strict=True)
+    return Drawing(fig, rows, _series_runs(series))
+
+
+def _heatmap_rows(series: Any, metric: str) -> tuple[list[str], np.ndarray, list[int], Rows]:
+    """A series' grid of ``metric`` (layers x checkpoints), its steps and its CSV rows."""
+    labels, grid = series.grid(metric)
+    steps = series.steps()
+    rows: Rows = [
+        {"series": series.series, "checkpoint": ckpt.label, "step": step, "layer": label, metric: float(v)}
+        for j, (ckpt, step) in enumerate(zip(series.checkpoints, steps, strict=True))
+        for label, v in zip(labels, grid[:, j], strict=True)
     ]
-    return Drawing(fig, rows, runs)
+    return labels, grid, steps, rows
+
+
+def _series_runs(series: Any) -> list[dict[str, Any]]:
+    return [
+        {"model": c.model, "checkpoint": c.label, "step": s, "key": r.key}
+        for c, s, r in zip(series.checkpoints, series.steps(), series.results, strict=True)
+    ]
+
+
+def draw_curves(fig: Any, results: list[Any], options: Any) -> Drawing:
+    """A layer metric (--metric) of a checkpoint series against the step, one line per layer,
+    coloured from the first layer (dark) to the last (light)."""
+    import matplotlib
+
+    metric = getattr(options, "metric", "avg_cos")
+    series = results[0]
+    labels, grid, steps, rows = _heatmap_rows(series, metric)
+    ax = fig.add_subplot()
+    cmap = matplotlib.colormaps["viridis"]
+    norm = matplotlib.colors.Normalize(0, max(len(labels) - 1, 1))
+    for i in range(len(labels)):
+        ax.plot(steps, grid[i], color=cmap(norm(i)), marker="o", markersize=2, linewidth=1.0)
+    positive = [s for s in steps if s > 0]
+    if positive and max(positive) >= 100 * min(positive):  # Pythia's 0, 1, 2, 4 ... 143000
+        ax.set_xscale("symlog", linthresh=min(positive))
+    ax.set_xlabel("training step")
+    ax.set_ylabel(metric.replace("_", " "))
+    colorbar = fig.colorbar(
+        matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.08, pad=0.03, label="layer"
+    )
+    ticks = _thin(len(labels), 8)
+    colorbar.set_ticks(ticks, labels=[labels[i] for i in ticks])
+    return Drawing(fig, rows, _series_runs(series))
 
 
 FIGURES: dict[str, PaperFigure] = {
@@ -388,6 +417,12 @@ FIGURES: dict[str, PaperFigure] = {
             "Machina & Mercer 2024: a layer metric (--metric) along a checkpoint series, layer x step",
             "checkpoints",
             draw_heatmap,
+        ),
+        PaperFigure(
+            "machina2024-curves",
+            "Machina & Mercer 2024: a layer metric (--metric) along a checkpoint series, a line per layer",
+            "checkpoints",
+            draw_curves,
         ),
     )
 }

@@ -46,7 +46,8 @@ def isotropic_density(c: np.ndarray, d: int) -> np.ndarray:
 def test_list_names_every_figure(capsys):
     assert main(["figure", "--list"]) == 0
     out = capsys.readouterr().out
-    names = ("godey2024-fig1", "godey2024-fig5", "godey2024-fig17", "godey2024-fig18", "machina2024-heatmap")
+    names = ["godey2024-fig1", "godey2024-fig5", "godey2024-fig17", "godey2024-fig18"]
+    names += ["machina2024-heatmap", "machina2024-curves"]
     assert all(name in out for name in names)
 
 
@@ -175,6 +176,10 @@ def test_heatmap_csv_is_the_checkpoint_grid(series, data, tmp_path):
     assert [r["step"] for r in rows[::3]] == ["0", "100", "200"]
     meta = json.loads(out.with_suffix(".json").read_text())
     assert [r["key"] for r in meta["runs"]] == [r["key"] for r in payload["results"]]
+    curves = tmp_path / "curves.svg"
+    args = [*run, "--metric", "isoscore", "--out", str(curves), "-q"]
+    assert main(["figure", "machina2024-curves", *args]) == 0
+    assert curves.with_suffix(".csv").read_text() == out.with_suffix(".csv").read_text()
 
 
 def test_pdf_and_svg_are_deterministic_with_truetype_fonts(tmp_path, tiny_models, data):
