@@ -93,6 +93,8 @@ def main(args: argparse.Namespace, err: Any) -> int:
     out = check_out(args.out)
     if args.dpi <= 0:
         raise IsotuiError(f"--dpi {args.dpi} must be a positive number of dots per inch")
+    if figure.experiment is None and (args.models or args.checkpoints):
+        raise IsotuiError(f"{args.name} is drawn from a formula alone: it takes no -m or -c")
     results: list[Any] = []
     outcome = None
     if figure.experiment is not None:

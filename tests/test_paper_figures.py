@@ -228,6 +228,8 @@ def test_png_has_the_requested_size(tmp_path, width, dpi, size):
         (["figure", "godey2024-fig17", "--dims", "1,8", "--out", "f.pdf"], "at least 2"),
         (["figure", "godey2024-fig17", "--style", "/no/such.mplstyle", "--out", "f.pdf"], "is not a file"),
         (["figure", "machina2024-heatmap", "--out", "f.pdf"], "needs --checkpoints"),
+        (["figure", "godey2024-fig17", "-m", "minilm", "--out", "f.pdf"], "takes no -m or -c"),
+        (["figure", "godey2024-fig1", "-c", "a,b", "--out", "f.pdf"], "takes models (-m)"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(args, needle, capsys, tmp_path, monkeypatch):
