@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The figure's flags: which figure, where, how wide; the models or series and the run flags."""
     from isotui.cli import add_run_flags
     from isotui.experiments.checkpoints import METRICS
+    from isotui.experiments.drift_block.cli import add_options as add_drift_block_options
 
     p.add_argument("name", nargs="?", metavar="NAME", help="the figure (see --list)")
     p.add_argument("--list", action="store_true", help="name every figure and what it shows")
@@ -41,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="machina2024-heatmap: the checkpoint series (as `isotui experiment checkpoints -c`)",
     )
     add_run_flags(p, "run")
+    group = p.add_argument_group("godey2024-fig6: the drift block (as isotui experiment drift-block)")
+    add_drift_block_options(group)  # type: ignore[arg-type]
     p.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
     p.add_argument("--no-cache", action="store_true", help="recompute, and store nothing")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress output")
@@ -70,6 +73,12 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
             raise IsotuiError(f"{args.name} draws one series: give at most one --model")
         ns.model = args.models[0] if args.models else None
         ns.experiment = "checkpoints"
+    elif experiment == "drift-block":
+        if args.checkpoints or args.models:
+            raise IsotuiError(f"{args.name} draws a drift block of its own flags: it takes no -m or -c")
+        ns.experiment = "drift-block"
+        ns.seed = "0" if args.seed is None else args.seed  # the run flags' "not given"
+        ns.device = args.device or "auto"
     else:
         if args.checkpoints:
             raise IsotuiError(f"--checkpoints is for the machina2024 figures; {args.name} takes models (-m)")

@@ -223,6 +223,41 @@ def draw_pvalues(fig: Any, results: list[Any], _options: Any) -> Drawing:
     return Drawing(fig, rows, _layer_runs(results))
 
 
+# --- Godey et al. 2024, Fig. 6: the drift block's input and output, and N* ----------------------
+
+DRIFT_BLOCK_CURVES = ("in_avg_cos", "out_avg_cos", "in_mean_norm", "out_mean_norm")
+
+
+def draw_drift_block(fig: Any, results: list[Any], _options: Any) -> Drawing:
+    """The drift block's avg cos (left) and mean norm (right) of its input and output against the
+    bias norm N, mean over the seeds (a band of one std for several), and the fixed point N*."""
+    result = results[0]
+    norms = np.asarray(result.norms, dtype=np.float64)
+    columns = {name: (result.mean(name), result.std(name)) for name in DRIFT_BLOCK_CURVES}
+    rows: Rows = []
+    for j, n in enumerate(norms):
+        row: dict[str, Any] = {"norm": float(n)}
+        for name, (mean, std) in columns.items():
+            row[name] = float(mean[j])
+            row[f"{name}_std"] = float(std[j])
+        row["n_star"] = result.n_star
+        rows.append(row)
+    left, right = fig.subplots(1, 2)
+    for ax, what, label in ((left, "avg_cos", "avg cos"), (right, "mean_norm", "mean norm")):
+        for side, colour, style in (("in", OKABE_ITO[0], "-"), ("out", OKABE_ITO[3], "--")):
+            mean, std = columns[f"{side}_{what}"]
+            ax.plot(norms, mean, color=colour, linestyle=style, label="input" if side == "in" else "output")
+            if np.isfinite(std).any():
+                ax.fill_between(norms, mean - std, mean + std, color=colour, alpha=0.2, linewidth=0)
+        if math.isfinite(result.n_star):
+            ax.axvline(result.n_star, color=NULL_COLOUR, linewidth=0.8, linestyle=":", label="N*")
+        ax.set_xlabel("bias norm N")
+        ax.set_ylabel(label)
+    fig.legend(*left.get_legend_handles_labels(), loc="outside upper center", ncols=3, handlelength=1.6)
+    runs = [{"seed": s, "key": k} for s, k in zip(result.seeds, result.keys, strict=True)]
+    return Drawing(fig, rows, runs)
+
+
 # --- Godey et al. 2024, Fig. 17 and 18: the isotropic null ---------------------------------------
 
 
@@ -399,6 +434,12 @@ FIGURES: dict[str, PaperFigure] = {
             "Godey et al. 2024 Figs. 5, 16: Spearman and Pearson p of drift vs avg cos per model",
             "layers",
             draw_pvalues,
+        ),
+        PaperFigure(
+            "godey2024-fig6",
+            "Godey et al. 2024 Fig. 6: the drift block's input and output avg cos and norm against N, N*",
+            "drift-block",
+            draw_drift_block,
         ),
         PaperFigure(
             "godey2024-fig17",

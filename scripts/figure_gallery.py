@@ -1,7 +1,8 @@
 """README's figure gallery: every `isotui figure` drawn as PNG into docs/figures/, offline.
 
 Models: the bundled MiniLM and small untrained ones (`random:gpt2`, `random:t5`, an
-encoder-decoder), on the built-in corpus; the checkpoint series is a `train-tiny` run made here.
+encoder-decoder), on the built-in corpus; the checkpoint series is a `train-tiny` run made
+here; the drift block is of hidden size 256.
 Results go to a temporary cache unless --cache-dir is given. Only the PNGs are kept (each
 figure's CSV and JSON name temporary folders).
 
@@ -26,6 +27,9 @@ MODELS = [
     "random:t5:num_layers=3,d_model=128,num_heads=4,d_ff=256,d_kv=32",
 ]
 
+DRIFT_BLOCK = ["--hidden", "256", "--heads", "4", "--intermediate", "1024", "--batch", "4"]
+DRIFT_BLOCK += ["--seq-len", "128", "--seeds", "0,1,2"]
+
 
 def gallery(out: Path, max_samples: int, cache_dir: Path | None) -> int:
     """Draw every figure into ``out``; the first failing command's exit code, else 0."""
@@ -41,6 +45,7 @@ def gallery(out: Path, max_samples: int, cache_dir: Path | None) -> int:
             ["figure", "godey2024-fig1", *MODELS, *samples, "--out", str(out / "godey2024-fig1.png")],
             ["figure", "godey2024-fig5", *MODELS, *samples, "--out", str(out / "godey2024-fig5.png")],
             ["figure", "godey2024-fig17", "--out", str(out / "godey2024-fig17.png")],
+            ["figure", "godey2024-fig6", *DRIFT_BLOCK, "--out", str(out / "godey2024-fig6.png")],
             ["figure", "godey2024-fig18", *MODELS, *samples, "--out", str(out / "godey2024-fig18.png")],
         ]
         for name in ("machina2024-heatmap", "machina2024-curves"):

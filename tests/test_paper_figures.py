@@ -46,7 +46,7 @@ def isotropic_density(c: np.ndarray, d: int) -> np.ndarray:
 def test_list_names_every_figure(capsys):
     assert main(["figure", "--list"]) == 0
     out = capsys.readouterr().out
-    names = ["godey2024-fig1", "godey2024-fig5", "godey2024-fig17", "godey2024-fig18"]
+    names = ["godey2024-fig1", "godey2024-fig5", "godey2024-fig6", "godey2024-fig17", "godey2024-fig18"]
     names += ["machina2024-heatmap", "machina2024-curves"]
     assert all(name in out for name in names)
 
@@ -104,6 +104,25 @@ def test_fig5_pvalues_are_the_drift_statistics(tiny_models, data, tmp_path):
         y = [row["avg_cos"] for row in result["rows"]]
         assert float(got["pearson_p"]) == pytest.approx(pearsonr(x, y).pvalue, rel=1e-9)
     assert "0.05" in out.read_text()
+
+
+def test_fig6_is_the_drift_blocks_mean_over_seeds(tmp_path):
+    block = ["--hidden", "32", "--heads", "4", "--intermediate", "64", "--vocab", "100", "--batch", "2"]
+    block += ["--seq-len", "16", "--norms", "0:12:5", "--seeds", "0,1"]
+    out = tmp_path / "f6.pdf"
+    assert main(["figure", "godey2024-fig6", *block, "--out", str(out), "-q"]) == 0
+    ref = tmp_path / "block.csv"
+    assert main(["experiment", "drift-block", *block, "--csv", str(ref), "-q"]) == 0
+    per_seed = read_csv(ref)
+    rows = read_csv(out.with_suffix(".csv"))
+    assert [float(r["norm"]) for r in rows] == [0.0, 3.0, 6.0, 9.0, 12.0]
+    for name in ("in_avg_cos", "out_avg_cos", "in_mean_norm", "out_mean_norm"):
+        values = np.array([float(r[name]) for r in per_seed]).reshape(2, 5)  # seed by seed
+        assert [float(r[name]) for r in rows] == pytest.approx(values.mean(axis=0).tolist(), rel=1e-12)
+        assert [float(r[f"{name}_std"]) for r in rows] == pytest.approx(values.std(axis=0, ddof=1).tolist())
+    n_star = np.mean([float(r["n_star"]) for r in per_seed])
+    assert float(rows[0]["n_star"]) == pytest.approx(n_star, rel=1e-12)
+    assert [r["seed"] for r in json.loads(out.with_suffix(".json").read_text())["runs"]] == [0, 1]
 
 
 def test_fig17_density_is_the_closed_form(tmp_path):
@@ -230,6 +249,7 @@ def test_png_has_the_requested_size(tmp_path, width, dpi, size):
         (["figure", "machina2024-heatmap", "--out", "f.pdf"], "needs --checkpoints"),
         (["figure", "godey2024-fig17", "-m", "minilm", "--out", "f.pdf"], "takes no -m or -c"),
         (["figure", "godey2024-fig1", "-c", "a,b", "--out", "f.pdf"], "takes models (-m)"),
+        (["figure", "godey2024-fig6", "-m", "minilm", "--out", "f.pdf"], "takes no -m or -c"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(args, needle, capsys, tmp_path, monkeypatch):
