@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -212,8 +213,11 @@ def test_pdf_and_svg_are_deterministic_with_truetype_fonts(tmp_path, tiny_models
         assert files[0] == files[1]
     pdf = (tmp_path / "0.pdf").read_bytes()
     assert b"/FontFile2" in pdf and b"/Type3" not in pdf and b"CreationDate" not in pdf
+    assert pdf.startswith(b"%PDF-") and pdf.rstrip().endswith(b"%%EOF")
     svg = (tmp_path / "0.svg").read_text()
     assert "<text" in svg and "<dc:date>" not in svg  # svg.fonttype none: text stays text
+    root = ElementTree.fromstring(svg.encode())  # well-formed XML
+    assert root.tag == "{http://www.w3.org/2000/svg}svg" and root.get("width") == "237.6pt"  # 3.3 in
 
 
 def test_style_file_applies_over_the_defaults(tmp_path):
