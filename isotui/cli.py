@@ -153,6 +153,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code (0 ok, 2 bad input, 1 internal error, 130 interrupted)."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: `isotui figure` records it
     from rich.console import Console
 
     err = Console(stderr=True, soft_wrap=True)  # one sentence stays one line

@@ -87,7 +87,7 @@ def small(argv: list[str]) -> list[str]:
     argv = list(argv)
     if argv[1] == "train-tiny":
         return argv + TINY_TRAINING
-    if argv[1] in ("run", "experiment"):
+    if argv[1] in ("run", "experiment", "figure") and argv[1:3] != ["figure", "--list"]:
         if "--max-samples" in argv:
             argv[argv.index("--max-samples") + 1] = SMALL
         else:

@@ -1,0 +1,161 @@
+"""``isotui figure NAME --out PATH.pdf|.svg|.png``: a paper's figure from cached (or computed) results.
+
+The results come through the experiments' one loop (:func:`isotui.cli_experiments.collect`, the
+registry's layer run or checkpoint series: read from the cache, what is missing computed and
+stored); :mod:`isotui.paper_figures` draws them. Beside the figure go PATH.csv (exactly the
+plotted numbers) and PATH.json (the command, the settings and the run keys), so a figure can be
+redrawn and cited. Import-light: matplotlib loads only when a figure is drawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import Any
+
+HELP = "draw a paper's figure (PDF, SVG or PNG) from cached or computed results; --list names them"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The figure's flags: which figure, where, how wide; the models or series and the run flags."""
+    from isotui.cli import add_run_flags
+    from isotui.experiments.checkpoints import METRICS
+    from isotui.experiments.drift_block.cli import add_options as add_drift_block_options
+
+    p.add_argument("name", nargs="?", metavar="NAME", help="the figure (see --list)")
+    p.add_argument("--list", action="store_true", help="name every figure and what it shows")
+    p.add_argument("--out", "-o", metavar="PATH", help="the figure: .pdf, .svg or .png (CSV, JSON beside it)")
+    p.add_argument("--width", choices=("single", "double"), default="single", help="3.3 in or 6.9 in")
+    p.add_argument("--dpi", type=int, default=300, help="PNG resolution (default 300)")
+    p.add_argument("--style", metavar="FILE", help="a matplotlib style file applied over the paper defaults")
+    p.add_argument("--depth", action="store_true", help="godey2024-fig1: x is the normalised depth")
+    p.add_argument("--dims", metavar="LIST", help="godey2024-fig17: the dimensions d (default 8,32,128,768)")
+    p.add_argument("--metric", default="avg_cos", choices=METRICS, help="machina2024-heatmap/-curves' metric")
+    p.add_argument(
+        "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
+    )
+    p.add_argument(
+        "--checkpoints",
+        "-c",
+        action="append",
+        metavar="LIST",
+        help="machina2024-heatmap: the checkpoint series (as `isotui experiment checkpoints -c`)",
+    )
+    add_run_flags(p, "run")
+    group = p.add_argument_group("godey2024-fig6: the drift block (as isotui experiment drift-block)")
+    add_drift_block_options(group)  # type: ignore[arg-type]
+    p.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
+    p.add_argument("--no-cache", action="store_true", help="recompute, and store nothing")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    p.add_argument("--verbose", "-v", action="store_true", help="say where each result came from")
+
+
+def _list(out: Any) -> int:
+    from isotui.paper_figures import FIGURES
+
+    width = max(len(n) for n in FIGURES)
+    for figure in FIGURES.values():
+        out.print(f"{figure.name:<{width}}  {figure.help}", highlight=False, markup=False)
+    return 0
+
+
+def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Namespace:
+    """The figure's flags as the experiment's own command would have parsed them."""
+    from isotui.errors import IsotuiError
+
+    ns = argparse.Namespace(**vars(args))
+    ns.csv = ns.json = None
+    ns.wide = None
+    if experiment == "checkpoints":
+        if not args.checkpoints:
+            raise IsotuiError(f"{args.name} needs --checkpoints (a checkpoint series)")
+        if args.models and len(args.models) > 1:
+            raise IsotuiError(f"{args.name} draws one series: give at most one --model")
+        ns.model = args.models[0] if args.models else None
+        ns.experiment = "checkpoints"
+    elif experiment == "drift-block":
+        if args.checkpoints or args.models:
+            raise IsotuiError(f"{args.name} draws a drift block of its own flags: it takes no -m or -c")
+        ns.experiment = "drift-block"
+        ns.seed = "0" if args.seed is None else args.seed  # the run flags' "not given"
+        ns.device = args.device or "auto"
+    else:
+        if args.checkpoints:
+            raise IsotuiError(f"--checkpoints is for the machina2024 figures; {args.name} takes models (-m)")
+        ns.experiment = "run"
+    return ns
+
+
+def main(args: argparse.Namespace, err: Any) -> int:
+    """List the figures, or draw one: check the inputs, collect the results, write the three files."""
+    from isotui.cli import exit_code, print_error, stdout_console
+    from isotui.errors import IsotuiError
+    from isotui.paper_figures import check_out, find
+
+    if args.list:
+        return _list(stdout_console())
+    if not args.name:
+        raise IsotuiError("name a figure: isotui figure NAME --out PATH.pdf (isotui figure --list)")
+    figure = find(args.name)
+    if not args.out:
+        raise IsotuiError(f"give --out PATH.pdf, .svg or .png for {args.name}")
+    out = check_out(args.out)
+    if args.dpi <= 0:
+        raise IsotuiError(f"--dpi {args.dpi} must be a positive number of dots per inch")
+    if figure.experiment is None and (args.models or args.checkpoints):
+        raise IsotuiError(f"{args.name} is drawn from a formula alone: it takes no -m or -c")
+    results: list[Any] = []
+    outcome = None
+    if figure.experiment is not None:
+        from isotui.cli_experiments import collect
+        from isotui.experiments.registry import get
+
+        ns = _experiment_args(args, figure.experiment)
+        outcome = collect(get(figure.experiment), ns, err, on_error=lambda _m, text: print_error(err, text))
+        results = outcome.results
+        if not results:
+            return exit_code(outcome, err)
+    if figure.name == "godey2024-fig17":
+        from isotui.paper_figures import parse_dims
+
+        parse_dims(args.dims)
+    data, drawing = _render(figure, results, args, out.suffix.lower()[1:])
+    _write(out, data, drawing, args)
+    for path in (out, out.with_suffix(".csv"), out.with_suffix(".json")):
+        err.print(f"wrote {path}", highlight=False)
+    return exit_code(outcome, err) if outcome is not None else 0
+
+
+def _render(figure: Any, results: list[Any], args: argparse.Namespace, fmt: str) -> tuple[bytes, Any]:
+    from isotui.paper_figures import render
+
+    return render(figure, results, args, fmt)
+
+
+def _write(out: Any, data: bytes, drawing: Any, args: argparse.Namespace) -> None:
+    """The figure, its CSV and its JSON, each written whole or not at all."""
+    from isotui import __version__
+    from isotui.errors import IsotuiError
+    from isotui.paper_figures import WIDTHS
+    from isotui.store.export import write_dicts_csv, write_payload_json
+    from isotui.store.files import write_bytes_atomic
+
+    try:
+        write_bytes_atomic(out.parent.resolve(), out.name, data)
+    except OSError as exc:
+        raise IsotuiError(f"cannot write --out {args.out}: {exc.strerror or exc}") from None
+    write_dicts_csv(drawing.rows, out.with_suffix(".csv"))
+    argv = getattr(args, "argv", None)
+    payload = {
+        "figure": args.name,
+        "command": "isotui " + shlex.join(argv) if argv is not None else None,
+        "isotui_version": __version__,
+        "file": out.name,
+        "csv": out.with_suffix(".csv").name,
+        "width_in": WIDTHS[args.width],
+        "height_in": round(float(drawing.figure.get_figheight()), 4),
+        "dpi": args.dpi,
+        "style": args.style,
+        "runs": drawing.runs,
+    }
+    write_payload_json(payload, out.with_suffix(".json"))

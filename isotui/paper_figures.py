@@ -1,0 +1,525 @@
+"""The papers' figures as files (``isotui figure NAME --out PATH``), drawn with matplotlib.
+
+Each named figure turns measured results (a layer run per model, or a checkpoint series) into a
+matplotlib figure and the rows of exactly the numbers it plots (the CSV written beside it).
+Paper defaults: a journal column's width (3.3 in single, 6.9 in double), 8 pt text (9 pt titles),
+the Okabe-Ito colour-blind-safe palette (viridis for heatmaps), TrueType fonts embedded in PDF
+(``pdf.fonttype`` 42) and text kept as text in SVG (``svg.fonttype`` none: editable; a user's
+``--style`` may set ``path``), and no dates in the files, so the same numbers give the same bytes.
+
+matplotlib is imported only here, inside the functions: ``isotui run`` and the app never load it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from isotui.errors import IsotuiError
+
+WIDTHS = {"single": 3.3, "double": 6.9}  # inches: one column, the full page of a two-column paper
+HEIGHTS = {"single": 2.4, "double": 2.6}  # grown by a long legend's extra rows (JSON: height_in)
+FORMATS = (".pdf", ".svg", ".png")
+OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+NULL_COLOUR = "#777777"
+DEFAULT_DIMS = (8, 32, 128, 768)
+SIGNIFICANCE = 0.05
+LEGEND_ROW = 0.16  # inches: one row of 8 pt legend entries
+
+Rows = list[dict[str, Any]]
+
+
+@dataclass
+class Drawing:
+    """A drawn figure: the matplotlib Figure, the plotted numbers (CSV rows) and the runs it came from."""
+
+    figure: Any
+    rows: Rows
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PaperFigure:
+    """One named figure: what it shows, the experiment its results come from (``layers``,
+    ``checkpoints`` or None: computed from formulas alone) and how it is drawn."""
+
+    name: str
+    help: str
+    experiment: str | None
+    draw: Callable[[Any, list[Any], Any], Drawing]  # (Figure, results, options) -> Drawing
+
+
+def rc_params(dpi: int) -> dict[str, Any]:
+    """The paper defaults as matplotlib settings (a ``--style`` file is applied on top)."""
+    from cycler import cycler
+
+    return {
+        "pdf.fonttype": 42,
+        "ps.fonttype": 42,
+        "svg.fonttype": "none",
+        "svg.hashsalt": "isotui",
+        "font.size": 8,
+        "axes.titlesize": 9,
+        "axes.labelsize": 8,
+        "xtick.labelsize": 8,
+        "ytick.labelsize": 8,
+        "legend.fontsize": 8,
+        "legend.frameon": False,
+        "axes.prop_cycle": cycler(color=list(OKABE_ITO)),
+        "axes.spines.top": False,
+        "axes.spines.right": False,
+        "axes.linewidth": 0.6,
+        "xtick.major.width": 0.6,
+        "ytick.major.width": 0.6,
+        "lines.linewidth": 1.2,
+        "lines.markersize": 3.5,
+        "image.cmap": "viridis",
+        "figure.dpi": dpi,
+        "savefig.dpi": dpi,
+    }
+
+
+def short_name(model: str) -> str:
+    """A model's name as a legend shows it: the last part of a hub id or a folder path;
+    ``random:TYPE`` without its settings."""
+    if model.startswith("random:"):
+        return ":".join(model.split(":")[:2]).rstrip("/")
+    return model.rstrip("/").split("/")[-1] or model
+
+
+def short_names(models: list[str]) -> list[str]:
+    """Each model's :func:`short_name`, numbered where two would read the same."""
+    names = [short_name(m) for m in models]
+    return [f"{n} ({i + 1})" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+def _legend(fig: Any, ax: Any, n: int) -> None:
+    """A legend that keeps off the data: inside (best corner) for up to 3 entries, else below the
+    axes, outside, in as many columns as the width takes."""
+    if n <= 3:
+        ax.legend(loc="best", handlelength=1.6)
+    else:
+        ncols = min(n, 2 if fig.get_figwidth() < 5 else 5)
+        fig.legend(loc="outside lower center", ncols=ncols, handlelength=1.6, columnspacing=1.2)
+        rows = math.ceil(n / ncols)
+        if rows > 2:  # the axes keep their height: the figure grows by the legend's extra rows
+            fig.set_figheight(fig.get_figheight() + LEGEND_ROW * (rows - 2))
+
+
+# --- Godey et al. 2024, Fig. 1-4: layer-wise avg_cos per model ----------------------------------
+
+
+def layer_positions(n: int, depth: bool) -> list[float]:
+    """x of a model's rows, concatenated over its components: the index, or i / (n - 1) (--depth)."""
+    if not depth:
+        return [float(i) for i in range(n)]
+    return [i / (n - 1) if n > 1 else 0.0 for i in range(n)]
+
+
+def draw_layers(fig: Any, results: list[Any], options: Any) -> Drawing:
+    """avg_cos by layer, one line per model (encoder then decoder for encoder-decoders), and the
+    isotropic null's 95th percentile for each hidden size shown."""
+    depth = bool(getattr(options, "depth", False))
+    ax = fig.add_subplot()
+    rows: Rows = []
+    nulls: dict[int, float] = {}
+    names = short_names([r.model for r in results])
+    two_parts = False
+    for i, result in enumerate(results):
+        xs = layer_positions(len(result.rows), depth)
+        components = list(dict.fromkeys(r.component for r in result.rows))
+        for x, r in zip(xs, result.rows, strict=True):
+            rows.append(
+                {
+                    "model": result.model,
+                    "component": r.component,
+                    "layer": r.layer,
+                    "x": x,
+                    "avg_cos": r.avg_cos,
+                    "dim": r.dim,
+                    "null_p95": r.null_p95,
+                }
+            )
+            nulls.setdefault(r.dim, r.null_p95)
+        label = names[i]
+        two_parts = two_parts or len(components) > 1
+        ax.plot(xs, [r.avg_cos for r in result.rows], marker=MARKERS[i % len(MARKERS)], label=label)
+        if len(components) > 1:  # where the decoder starts
+            first = next(j for j, r in enumerate(result.rows) if r.component == components[1])
+            ax.axvline(xs[first] - (xs[1] - xs[0]) / 2, color=NULL_COLOUR, linewidth=0.5, linestyle=":")
+    styles = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)))
+    for k, (dim, p95) in enumerate(sorted(nulls.items())):  # one line per hidden size shown
+        label = "isotropic p95" + (f" (d={dim})" if len(nulls) > 1 else "")
+        style = styles[k % len(styles)]
+        ax.axhline(p95, color=NULL_COLOUR, linewidth=0.8, linestyle=style, label=label, zorder=1)
+    where = "normalised depth" if depth else "layer"
+    ax.set_xlabel(f"{where} (encoder, then decoder)" if two_parts else where)
+    ax.set_ylabel("avg cos")
+    if not depth:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _legend(fig, ax, len(results) + len(nulls))
+    return Drawing(fig, rows, _layer_runs(results))
+
+
+def _layer_runs(results: list[Any]) -> list[dict[str, Any]]:
+    return [{"model": r.model, "key": r.key} for r in results]
+
+
+# --- Godey et al. 2024, Fig. 5 and 16: drift vs avg_cos p-values per model -----------------------
+
+
+def drift_key(result: Any) -> str:
+    """The drift correlation a model's figure uses: over all its layers (encoder+decoder
+    concatenated for an encoder-decoder, as the paper's T5)."""
+    return max(result.drift, key=lambda k: k.count("+"))
+
+
+def draw_pvalues(fig: Any, results: list[Any], _options: Any) -> Drawing:
+    """Spearman (permutation) and Pearson p-values of drift norm vs avg_cos over layers, per model,
+    on a log scale with the 0.05 line."""
+    ax = fig.add_subplot()
+    rows: Rows = []
+    names = short_names([r.model for r in results])
+    spearman, pearson = [], []
+    for result in results:
+        key = drift_key(result)
+        d = result.drift[key]
+        rows.append(
+            {
+                "model": result.model,
+                "component": key,
+                "n_layers": d.n_layers,
+                "spearman_rho": d.spearman_rho,
+                "spearman_p": d.spearman_p,
+                "spearman_p_method": d.spearman_p_method,
+                "pearson_r": d.pearson_r,
+                "pearson_p": d.pearson_p,
+            }
+        )
+        spearman.append(d.spearman_p)
+        pearson.append(d.pearson_p)
+    x = np.arange(len(results), dtype=float)
+    ax.scatter(x - 0.12, spearman, marker="o", color=OKABE_ITO[0], label="Spearman", zorder=3)
+    ax.scatter(x + 0.12, pearson, marker="s", color=OKABE_ITO[1], label="Pearson", zorder=3)
+    ax.axhline(SIGNIFICANCE, color=NULL_COLOUR, linewidth=0.8, linestyle="--", label="p = 0.05")
+    ax.set_yscale("log")
+    finite = [p for p in spearman + pearson if math.isfinite(p) and p > 0]
+    low = min([*finite, SIGNIFICANCE]) / 3
+    ax.set_ylim(low, 2.0)
+    slanted = sum(len(n) + 2 for n in names) * 0.06 > fig.get_figwidth() * 0.8  # 8 pt: ~0.06 in a letter
+    ax.set_xticks(x, names, rotation=30 if slanted else 0, ha="right" if slanted else "center")
+    ax.set_xlim(-0.6, len(results) - 0.4)
+    ax.set_ylabel("p-value (drift vs avg cos)")
+    fig.legend(loc="outside upper center", ncols=3, handlelength=1.2)
+    return Drawing(fig, rows, _layer_runs(results))
+
+
+# --- Godey et al. 2024, Fig. 6: the drift block's input and output, and N* ----------------------
+
+DRIFT_BLOCK_CURVES = ("in_avg_cos", "out_avg_cos", "in_mean_norm", "out_mean_norm")
+
+
+def draw_drift_block(fig: Any, results: list[Any], _options: Any) -> Drawing:
+    """The drift block's avg cos (left) and mean norm (right) of its input and output against the
+    bias norm N, mean over the seeds (a band of one std for several), and the fixed point N*."""
+    result = results[0]
+    norms = np.asarray(result.norms, dtype=np.float64)
+    columns = {name: (result.mean(name), result.std(name)) for name in DRIFT_BLOCK_CURVES}
+    rows: Rows = []
+    for j, n in enumerate(norms):
+        row: dict[str, Any] = {"norm": float(n)}
+        for name, (mean, std) in columns.items():
+            row[name] = float(mean[j])
+            row[f"{name}_std"] = float(std[j])
+        row["n_star"] = result.n_star
+        rows.append(row)
+    left, right = fig.subplots(1, 2)
+    for ax, what, label in ((left, "avg_cos", "avg cos"), (right, "mean_norm", "mean norm")):
+        for side, colour, style in (("in", OKABE_ITO[0], "-"), ("out", OKABE_ITO[3], "--")):
+            mean, std = columns[f"{side}_{what}"]
+            ax.plot(norms, mean, color=colour, linestyle=style, label="input" if side == "in" else "output")
+            if np.isfinite(std).any():
+                ax.fill_between(norms, mean - std, mean + std, color=colour, alpha=0.2, linewidth=0)
+        if math.isfinite(result.n_star):
+            ax.axvline(result.n_star, color=NULL_COLOUR, linewidth=0.8, linestyle=":", label="N*")
+        ax.set_xlabel("bias norm N")
+        ax.set_ylabel(label)
+    fig.legend(*left.get_legend_handles_labels(), loc="outside upper center", ncols=3, handlelength=1.6)
+    runs = [{"seed": s, "key": k} for s, k in zip(result.seeds, result.keys, strict=True)]
+    return Drawing(fig, rows, runs)
+
+
+# --- Godey et al. 2024, Fig. 17 and 18: the isotropic null ---------------------------------------
+
+
+def null_density(cos: np.ndarray, dim: int) -> np.ndarray:
+    """Density of cos(u, v) for independent uniform u, v on the sphere in R^dim: (cos + 1) / 2 is
+    Beta((d-1)/2, (d-1)/2) (Godey et al. 2024, App. B)."""
+    from scipy.stats import beta
+
+    a = (dim - 1) / 2.0
+    return np.asarray(beta.pdf((cos + 1.0) / 2.0, a, a) / 2.0, dtype=np.float64)
+
+
+def parse_dims(text: str | None) -> tuple[int, ...]:
+    """``--dims 8,32,768`` (each at least 2); the default when not given."""
+    if not text:
+        return DEFAULT_DIMS
+    try:
+        dims = tuple(int(d) for d in text.replace(" ", ",").split(",") if d)
+    except ValueError:
+        raise IsotuiError(f"--dims {text!r} is not a list of whole numbers (e.g. 8,32,768)") from None
+    if not dims or min(dims) < 2:
+        raise IsotuiError(f"--dims {text!r}: every dimension must be at least 2")
+    return dims
+
+
+def draw_null_density(fig: Any, _results: list[Any], options: Any) -> Drawing:
+    """The isotropic cosine density for several d (--dims)."""
+    ax = fig.add_subplot()
+    cos = np.linspace(-1.0, 1.0, 801)
+    rows: Rows = []
+    for i, dim in enumerate(parse_dims(getattr(options, "dims", None))):
+        density = null_density(cos, dim)
+        rows += [{"d": dim, "cos": float(c), "density": float(p)} for c, p in zip(cos, density, strict=True)]
+        ax.plot(cos, density, color=OKABE_ITO[i % len(OKABE_ITO)], label=f"d = {dim}")
+    ax.set_xlabel("cosine of two isotropic vectors")
+    ax.set_ylabel("density")
+    ax.set_xlim(-1, 1)
+    ax.set_xticks([-1.0, -0.5, 0.0, 0.5, 1.0])
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", handlelength=1.6)
+    return Drawing(fig, rows)
+
+
+def draw_null_p95(fig: Any, results: list[Any], _options: Any) -> Drawing:
+    """The isotropic null's 95th percentile against d, with each measured model's avg_cos (mean
+    over its layers of that hidden size) as a point at its d."""
+    from isotui.core.null import null_cos_quantile
+
+    ax = fig.add_subplot()
+    names = short_names([r.model for r in results])
+    dims = [m.dim for r in results for m in r.rows] or [768]
+    top = max(4096, 2 * max(dims))
+    spaced = np.geomspace(2, top, 160).round().astype(int)
+    grid = np.unique(np.concatenate([spaced, dims]))  # the models' own d on the curve too
+    p95 = [null_cos_quantile(int(d)) for d in grid]
+    rows: Rows = [
+        {"series": "isotropic p95", "model": "", "d": int(d), "avg_cos": v}
+        for d, v in zip(grid, p95, strict=True)
+    ]
+    ax.plot(grid, p95, color=NULL_COLOUR, linestyle="--", label="isotropic p95")
+    for i, result in enumerate(results):
+        by_dim: dict[int, list[float]] = {}
+        for r in result.rows:
+            if math.isfinite(r.avg_cos):
+                by_dim.setdefault(r.dim, []).append(r.avg_cos)
+        points = [(d, float(np.mean(v))) for d, v in sorted(by_dim.items())]
+        rows += [{"series": "model", "model": result.model, "d": d, "avg_cos": v} for d, v in points]
+        ax.scatter(
+            [d for d, _ in points],
+            [v for _, v in points],
+            marker=MARKERS[i % len(MARKERS)],
+            color=OKABE_ITO[i % len(OKABE_ITO)],
+            label=names[i],
+            zorder=3,
+        )
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator([2**k for k in range(1, int(math.log2(top)) + 1, 2)]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(lambda v, _pos: f"{int(v)}")
+    ax.set_xlabel("dimension d")
+    ax.set_ylabel("avg cos")
+    ax.set_ylim(bottom=min(0.0, *(v for r in rows for v in [r["avg_cos"]] if math.isfinite(v))))
+    _legend(fig, ax, len(results) + 1)
+    return Drawing(fig, rows, _layer_runs(results))
+
+
+# --- Machina & Mercer 2024: a layer metric along training ---------------------------------------
+
+
+def _thin(n: int, most: int) -> list[int]:
+    """Evenly spaced tick positions of ``n`` columns (every one, or every k-th from the first),
+    at most ``most``."""
+    return list(range(0, n, math.ceil(n / most)))
+
+
+def draw_heatmap(fig: Any, results: list[Any], options: Any) -> Drawing:
+    """A layer metric (--metric) of a checkpoint series as a layer x step heatmap."""
+    metric = getattr(options, "metric", "avg_cos")
+    series = results[0]
+    labels, grid, steps, rows = _heatmap_rows(series, metric)
+    ax = fig.add_subplot()
+    image = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest")
+    cols = _thin(len(steps), 7)
+    ticks = [f"{steps[j]:,}" for j in cols]
+    slanted = sum(len(t) + 2 for t in ticks) * 0.06 > fig.get_figwidth() * 0.6  # 8 pt: ~0.06 in a letter
+    ax.set_xticks(cols, ticks, rotation=30 if slanted else 0, ha="right" if slanted else "center")
+    layer_ticks = _thin(len(labels), 10)
+    ax.set_yticks(layer_ticks, [labels[i] for i in layer_ticks])
+    ax.set_xlabel("training step")
+    ax.set_ylabel("layer")
+    ax.spines[["top", "right"]].set_visible(True)
+    fig.colorbar(image, ax=ax, label=metric.replace("_", " "), fraction=0.08, pad=0.03)
+    return Drawing(fig, rows, _series_runs(series))
+
+
+def _heatmap_rows(series: Any, metric: str) -> tuple[list[str], np.ndarray, list[int], Rows]:
+    """A series' grid of ``metric`` (layers x checkpoints), its steps and its CSV rows."""
+    labels, grid = series.grid(metric)
+    steps = series.steps()
+    rows: Rows = [
+        {"series": series.series, "checkpoint": ckpt.label, "step": step, "layer": label, metric: float(v)}
+        for j, (ckpt, step) in enumerate(zip(series.checkpoints, steps, strict=True))
+        for label, v in zip(labels, grid[:, j], strict=True)
+    ]
+    return labels, grid, steps, rows
+
+
+def _series_runs(series: Any) -> list[dict[str, Any]]:
+    return [
+        {"model": c.model, "checkpoint": c.label, "step": s, "key": r.key}
+        for c, s, r in zip(series.checkpoints, series.steps(), series.results, strict=True)
+    ]
+
+
+def draw_curves(fig: Any, results: list[Any], options: Any) -> Drawing:
+    """A layer metric (--metric) of a checkpoint series against the step, one line per layer,
+    coloured from the first layer (dark) to the last (light)."""
+    import matplotlib
+
+    metric = getattr(options, "metric", "avg_cos")
+    series = results[0]
+    labels, grid, steps, rows = _heatmap_rows(series, metric)
+    ax = fig.add_subplot()
+    cmap = matplotlib.colormaps["viridis"]
+    norm = matplotlib.colors.Normalize(0, max(len(labels) - 1, 1))
+    for i in range(len(labels)):
+        ax.plot(steps, grid[i], color=cmap(norm(i)), marker="o", markersize=2, linewidth=1.0)
+    positive = [s for s in steps if s > 0]
+    if positive and max(positive) >= 100 * min(positive):  # Pythia's 0, 1, 2, 4 ... 143000
+        ax.set_xscale("symlog", linthresh=min(positive))
+    ax.set_xlabel("training step")
+    ax.set_ylabel(metric.replace("_", " "))
+    colorbar = fig.colorbar(
+        matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.08, pad=0.03, label="layer"
+    )
+    ticks = _thin(len(labels), 8)
+    colorbar.set_ticks(ticks, labels=[labels[i] for i in ticks])
+    return Drawing(fig, rows, _series_runs(series))
+
+
+FIGURES: dict[str, PaperFigure] = {
+    f.name: f
+    for f in (
+        PaperFigure(
+            "godey2024-fig1",
+            "Godey et al. 2024 Figs. 1-4: layer-wise avg cos per model, the isotropic null (--depth)",
+            "layers",
+            draw_layers,
+        ),
+        PaperFigure(
+            "godey2024-fig5",
+            "Godey et al. 2024 Figs. 5, 16: Spearman and Pearson p of drift vs avg cos per model",
+            "layers",
+            draw_pvalues,
+        ),
+        PaperFigure(
+            "godey2024-fig6",
+            "Godey et al. 2024 Fig. 6: the drift block's input and output avg cos and norm against N, N*",
+            "drift-block",
+            draw_drift_block,
+        ),
+        PaperFigure(
+            "godey2024-fig17",
+            "Godey et al. 2024 Fig. 17: the isotropic cosine density for several d (--dims)",
+            None,
+            draw_null_density,
+        ),
+        PaperFigure(
+            "godey2024-fig18",
+            "Godey et al. 2024 Fig. 18: the isotropic p95 against d, the models' avg cos as points",
+            "layers",
+            draw_null_p95,
+        ),
+        PaperFigure(
+            "machina2024-heatmap",
+            "Machina & Mercer 2024: a layer metric (--metric) along a checkpoint series, layer x step",
+            "checkpoints",
+            draw_heatmap,
+        ),
+        PaperFigure(
+            "machina2024-curves",
+            "Machina & Mercer 2024: a layer metric (--metric) along a checkpoint series, a line per layer",
+            "checkpoints",
+            draw_curves,
+        ),
+    )
+}
+
+
+def find(name: str) -> PaperFigure:
+    """The named figure, or one sentence naming the way to list them."""
+    if name not in FIGURES:
+        raise IsotuiError(f"unknown figure {name!r}; `isotui figure --list` names them")
+    return FIGURES[name]
+
+
+def check_out(path: str) -> Path:
+    """``--out``: a .pdf, .svg or .png in a folder that can be written, said before any run."""
+    import os
+
+    out = Path(path).expanduser()
+    if out.suffix.lower() not in FORMATS:
+        raise IsotuiError(f"--out {path} must end in .pdf, .svg or .png")
+    if out.is_dir():
+        raise IsotuiError(f"--out {path} is a folder; give a file name")
+    folder = out.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise IsotuiError(f"cannot write --out {path}: {folder} is not a folder isotui can write to")
+    return out
+
+
+def render(figure: PaperFigure, results: list[Any], options: Any, out_format: str) -> tuple[bytes, Drawing]:
+    """Draw ``figure`` from ``results`` and save it as ``out_format`` (pdf, svg, png): the file's
+    bytes (no dates: same numbers, same bytes) and the drawing (its rows and runs)."""
+    import matplotlib
+    import matplotlib.style
+    from matplotlib.figure import Figure
+
+    from isotui import __version__
+
+    width = getattr(options, "width", "single")
+    dpi = int(getattr(options, "dpi", 300))
+    style = getattr(options, "style", None)
+    if style and not Path(style).expanduser().is_file():
+        raise IsotuiError(f"--style {style} is not a file; give a matplotlib style file (.mplstyle)")
+    with matplotlib.rc_context(rc_params(dpi)):  # type: ignore[arg-type]
+        if style:
+            try:
+                matplotlib.style.use(str(Path(style).expanduser()))
+            except (OSError, ValueError) as exc:
+                raise IsotuiError(f"--style {style} could not be read as a matplotlib style: {exc}") from None
+        fig = Figure(figsize=(WIDTHS[width], HEIGHTS[width]), dpi=dpi, layout="constrained")
+        drawing = figure.draw(fig, results, options)
+        metadata: dict[str, Any] = {"Creator": f"isotui {__version__}", "CreationDate": None}
+        if out_format == "svg":
+            metadata = {"Creator": f"isotui {__version__}", "Date": None}
+        elif out_format == "png":
+            metadata = {"Software": f"isotui {__version__}"}
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format=out_format, dpi=dpi, metadata=metadata)
+    return buffer.getvalue(), drawing
