@@ -248,3 +248,25 @@ def test_shards_with_other_run_options_or_another_split_are_refused(tiny_models,
     assert "cannot run in shards" in capsys.readouterr().err
     assert _run(model, data, cache, "--shard", f"{N}/{N + 1}") == 2
     assert f"the data has {N}, fewer than {N + 1} shards" in capsys.readouterr().err
+
+
+def test_python_api_and_a_plain_run_with_some_shards(tiny_models, texts, tmp_path, capsys):
+    """``isotui.run(shard=...)``: an empty result until the merging shard; a plain run that finds
+    only some shards says so and measures in one process (the shards stay for their run)."""
+    import isotui
+
+    _, data = texts
+    model, cache = str(tiny_models["bert"]), tmp_path / "c"
+    kw = {"data": data, "max_length": MAX_LENGTH, "reservoir": 40, "cache_dir": cache}
+    first = isotui.run(model, shard="0/2", **kw)
+    assert first.rows == []
+    assert _run(tiny_models["bert"], data, cache) == 0
+    assert (
+        "the cache holds 1 of 2 shards of this run (0); measuring it in one process"
+        in capsys.readouterr().err
+    )
+    second = isotui.run(model, shard="1/2", **kw)  # the whole run is cached now: answered from it
+    assert len(second.rows) == 3
+    from isotui.experiments.shards import partial_runs
+
+    assert partial_runs(cache) == []  # shard 0/2 was no longer needed

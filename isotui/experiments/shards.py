@@ -244,6 +244,10 @@ def measure_shard(
     hit = layerwise.lookup(prepared, runs, on_notice)
     if hit is not None:
         on_notice(f"the whole run of {spec.model} is cached already (key {prepared.key[:12]}): shard not run")
+        for r in partial_runs(cache_root):  # shards of a run cached whole are no longer needed
+            if r.key == prepared.key:
+                for i in r.have:
+                    shard_cache(cache_root).remove(partial_key(r.key, i, r.count))
         return hit
     n = len(prepared.samples)
     if index >= n:
@@ -338,10 +342,15 @@ def merge_cached(
 
     if cache_root is None:
         return None
-    complete = [
-        r for r in partial_runs(cache_root) if r.key == prepared.key and r.have == tuple(range(r.count))
-    ]
+    mine = [r for r in partial_runs(cache_root) if r.key == prepared.key]
+    complete = [r for r in mine if r.have == tuple(range(r.count))]
     if not complete:
+        if mine and prepared.spec.shard is None:  # a plain run: say why it computes anyway
+            r = mine[0]
+            on_notice(
+                f"the cache holds {len(r.have)} of {r.count} shards of this run "
+                f"({', '.join(map(str, r.have))}); measuring it in one process instead"
+            )
         return None
     count = complete[0].count
     cache = shard_cache(cache_root)
@@ -352,10 +361,14 @@ def merge_cached(
         try:
             found = cache.get_payload(partial_key(prepared.key, i, count))
         except CacheProblem as problem:
-            on_notice(f"{problem}; run shard {i}/{count} again")
-            return None
-        if found is None:  # another process merged and removed them meanwhile
-            return layerwise.lookup(prepared, runs, on_notice)
+            found, said = None, f"{problem}; run shard {i}/{count} again"
+        else:
+            said = ""
+        if found is None:  # another process merged and removed them meanwhile, or damaged
+            hit = layerwise.lookup(prepared, runs, on_notice)
+            if hit is None and said:
+                on_notice(said)
+            return hit
         entries.append(found)
     states = [state_from_payload(*e) for e in entries]
     ex = finish_extraction(merge_extraction_states(states))
