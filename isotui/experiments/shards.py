@@ -355,7 +355,7 @@ def merge_cached(
     count = complete[0].count
     cache = shard_cache(cache_root)
     runs = ResultCache(cache_root)
-    on_progress(Progress(0, 0, 0, 0.0, stage="finalize", phase="merging", detail=f"{count} shards"))
+    on_progress(Progress(0, 0, 0, 0.0, message=f"merging the {count} shards of this run"))
     entries = []
     for i in range(count):
         try:
