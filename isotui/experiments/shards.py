@@ -371,9 +371,14 @@ def merge_cached(
             return hit
         entries.append(found)
     states = [state_from_payload(*e) for e in entries]
-    ex = finish_extraction(merge_extraction_states(states))
+    merged = merge_extraction_states(states)
+    for phase in ("tokenise_s", "forward_s", "metrics_s"):  # the timings: every shard's work
+        merged[phase] = sum(s.get(phase, 0.0) for s in states)
+    ex = finish_extraction(merged)
     ex.notes.append(f"merged from {count} shards")
-    result = layerwise.build_result(prepared, ex, entries[0][0]["shard"]["loaded"])
+    loaded = [e[0]["shard"]["loaded"] for e in entries]
+    facts = {**loaded[0], "load_s": sum(f["load_s"] for f in loaded)}
+    result = layerwise.build_result(prepared, ex, facts)
     layerwise.store(result, runs, on_notice)
     if runs.path_for(prepared.key).is_file():  # kept: the shards are no longer needed
         for i in range(count):
