@@ -133,6 +133,7 @@ def run(
     reservoir: int | None = None,
     map_units: str | None = None,
     trust_remote_code: bool | None = None,
+    shard: str | None = None,
     cache: bool = True,
     cache_dir: str | Path | None = None,
     progress: bool = False,
@@ -141,7 +142,8 @@ def run(
     length limit up to 512, 4096-vector reservoir, seed 0, ...; ``config`` a TOML file or preset
     whose settings the keywords override). One model name gives a :class:`Result`; a list gives
     :class:`Results`, one per model. ``cache=False`` recomputes and stores nothing;
-    ``progress=True`` draws the CLI's progress bar on stderr."""
+    ``progress=True`` draws the CLI's progress bar on stderr. ``shard="I/K"``: one slice of a
+    sharded run (``--shard``), an empty result until the shard that merges all K."""
     options = {
         "data": data,
         "max_samples": max_samples,
@@ -154,6 +156,7 @@ def run(
         "reservoir": reservoir,
         "map_units": map_units,
         "trust_remote_code": trust_remote_code,
+        "shard": shard,
         "cache_dir": cache_dir,
     }
     positional = [str(config)] if config is not None else []

@@ -409,6 +409,7 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
                     f"{e.size_bytes / 1024:.0f} KiB",
                 )
             out.print(table)
+        _print_partial_runs(out, cache.root)
         skipped = scan.skipped + _print_experiment_entries(out, cache.root)
         if skipped:
             err.print(
@@ -430,6 +431,9 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
     chosen = [(c, e) for c, sc in folders for e in sc.entries] if args.all else []
     for prefix in args.keys:
         matches = [(c, e) for c, sc in folders for e in sc.entries if e.key.startswith(prefix)]
+        if _one_partial_run(matches):  # KEY-I-of-K: the shards of one run go together
+            chosen.extend(matches)
+            continue
         if len(matches) != 1:
             what = "no cached run or result" if not matches else f"{len(matches)} cached entries"
             raise IsotuiError(f"key {prefix!r} matches {what}; see `isotui cache ls`; nothing was removed")
@@ -456,6 +460,40 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
 
 
 KEY_PREFIX_MIN = 6  # `cache rm` and `show` take a full key or a prefix this long (an unset $KEY is '')
+
+
+def _one_partial_run(matches: list[Any]) -> bool:
+    """Whether ``matches`` are all shards of one partial run (``shards/KEY-I-of-K``)."""
+    from isotui.experiments.shards import FOLDER
+
+    runs = {e.key.split("-", 1)[0] for c, e in matches if c.runs.name == FOLDER}
+    return bool(matches) and len(runs) == 1 and all(c.runs.name == FOLDER for c, _ in matches)
+
+
+def _print_partial_runs(out, root: Path) -> None:
+    """``cache ls``: the runs whose K shards are not all cached yet (``--shard I/K``)."""
+    from rich.table import Table
+
+    from isotui.experiments.shards import partial_runs
+
+    runs = partial_runs(root)
+    if not runs:
+        return
+    table = Table(title="partial runs (isotui run --shard I/K)", title_justify="left")
+    for col in ("key", "model", "data", "shards", "cached", "samples", "created", "size"):
+        table.add_column(col)
+    for r in runs:
+        table.add_row(
+            r.key[:12],
+            r.model,
+            r.data,
+            f"{len(r.have)} of {r.count}",
+            ", ".join(map(str, r.have)),
+            str(r.n_samples),
+            r.created,
+            f"{r.size_bytes / 1024:.0f} KiB",
+        )
+    out.print(table)
 
 
 def _run_params(path: Path) -> dict[str, str]:
@@ -519,8 +557,9 @@ def _cmd_show(args: argparse.Namespace, err) -> int:
 def experiment_folders() -> list[str]:
     """The cache folders beside ``runs/`` that registered experiments write (``cache ls/rm``)."""
     from isotui.experiments.registry import cache_folders
+    from isotui.experiments.shards import FOLDER
 
-    return [f for f in cache_folders() if f != "runs"]
+    return [*(f for f in cache_folders() if f != "runs"), FOLDER]
 
 
 def _print_experiment_entries(out, root: Path) -> int:

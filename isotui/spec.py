@@ -127,6 +127,31 @@ def _exact(value: Any, _base: Path | None) -> bool:
     return value
 
 
+SHARD_FORM = "I/K, the I-th of K slices counted from 0 as $SLURM_ARRAY_TASK_ID is (0/4 to 3/4 of 4)"
+
+
+def _shard(value: Any, _base: Path | None) -> tuple[int, int] | None:
+    """``I/K`` (or an (I, K) pair from the Python API) -> (I, K), 0 <= I < K."""
+    if value is None:
+        return None
+    if isinstance(value, tuple | list) and len(value) == 2:
+        text = f"{value[0]}/{value[1]}"
+    else:
+        text = str(value).strip()
+    index, _, count = text.partition("/")
+    if not (index.strip().isdigit() and count.strip().isdigit()):
+        raise IsotuiError(f"shard must be {SHARD_FORM} (got {value!r})")
+    i, k = int(index), int(count)
+    if k < 1:
+        raise IsotuiError(f"shard {text} splits the samples into no slices: K must be at least 1")
+    if i >= k:
+        raise IsotuiError(
+            f"shard {text} does not exist: shards count from 0 as $SLURM_ARRAY_TASK_ID does, so {k} "
+            f"shards are 0/{k} to {k - 1}/{k}"
+        )
+    return i, k
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """How to measure one model. Validated on construction (see :func:`make_spec`). The fields
@@ -243,6 +268,17 @@ class RunSpec:
         switch=True,
         applies_to=LAYER_RUNS,
         label="exact (2nd pass)",
+    )
+    # one of K disjoint slices of the samples, its partial state cached to merge with the others
+    shard: tuple[int, int] | None = _option(
+        help="run the I-th of K disjoint slices of the samples (I from 0 to K-1, as "
+        "$SLURM_ARRAY_TASK_ID of --array=0-(K-1)) and keep its partial state in the cache; the "
+        "last of the K shards, or a plain run once all are cached, merges them",
+        toml=(str,),
+        parse=_shard,
+        metavar="I/K",
+        applies_to=("run",),
+        in_settings=False,  # one process's slice: never a lasting setting of the app
     )
     # the app's max length is a ceiling: longer than the model accepts is capped (with a notice),
     # where the CLI's explicit --max-length is refused

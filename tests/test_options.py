@@ -37,6 +37,7 @@ SAMPLES = {
     "map_units": ("position", '"position"', "position"),
     "reservoir": ("50", "50", 50),
     "exact": (None, "true", True),
+    "shard": ("1/4", '"1/4"', (1, 4)),
 }
 # The CSV header of ``isotui run --csv``, as it has been since the standard errors were added.
 CSV_HEADER = (
@@ -163,6 +164,7 @@ def test_options_that_do_not_apply_are_not_flags_there(capsys):
         "map_units",
         "reservoir",
         "exact",
+        "shard",
     }
     with pytest.raises(SystemExit) as stop:
         main(["experiment", "attention", "--reservoir", "50", "-q"])

@@ -27,6 +27,7 @@ from isotui.store.cache import CacheProblem, CacheWriteError, ResultCache
 
 if TYPE_CHECKING:
     from isotui.extract.planning import ExtractOptions
+    from isotui.extract.runner import Extraction
     from isotui.models.loading import LoadedModel
 
 
@@ -175,6 +176,12 @@ def measure(
     hit = lookup(prepared, cache, notice)
     if hit is not None:
         return hit
+    from isotui.experiments.shards import merge_cached
+
+    if cache is not None:  # all K shards of this run cached: merged, not recomputed
+        merged = merge_cached(prepared, cache.root, on_notice=notice, on_progress=on_progress)
+        if merged is not None:
+            return merged
     result = compute(prepared, on_progress=on_progress, should_stop=should_stop)
     if cache is not None:
         n = result.meta.get("n_samples") or 0
@@ -272,6 +279,33 @@ def compute(
         model_name=spec.model,
         modality=spec.data.modality,
     )
+    return build_result(prepared, ex, loaded_facts(loaded, device, load_s))
+
+
+def loaded_facts(loaded: LoadedModel, device: str, load_s: float) -> dict[str, Any]:
+    """What the table's metadata says about the loaded model (JSON: a shard keeps it with its
+    partial state, so that the merged table says what a one-process run's says)."""
+    import torch
+
+    return {
+        "model_class": type(loaded.model).__name__,
+        "modality": loaded.modality,
+        "device": device,
+        "load_s": load_s,
+        "notes": list(loaded.notes),
+        "versions": {
+            "isotui": __version__,
+            "torch": str(torch.__version__),  # a plain str: results unpickle without torch
+            "transformers": metadata.version("transformers"),
+            **({"timm": metadata.version("timm")} if loaded.family == "timm" else {}),
+        },
+    }
+
+
+def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> ModelResult:
+    """The layer table of an extraction (one pass, or merged shards) and the loaded model's
+    ``facts`` (:func:`loaded_facts`)."""
+    spec = prepared.spec
     rows: list[LayerRow] = []
     drift = {}
     for component, layers in ex.components.items():
@@ -282,14 +316,12 @@ def compute(
         drift["+".join(ex.components)] = drift_correlation(
             [r.drift_norm for r in rows], [r.avg_cos for r in rows]
         )
-    import torch
-
     meta = {
         "data": spec.data.describe(),
         "data_fingerprint": prepared.data_fingerprint,
         "model_fingerprint": prepared.model_fingerprint,
-        "model_class": type(loaded.model).__name__,
-        "modality": loaded.modality,
+        "model_class": facts["model_class"],
+        "modality": facts["modality"],
         "map_units": ex.map_units,
         "audio_seconds": ex.audio_seconds,
         "n_samples": ex.n_samples,
@@ -297,21 +329,16 @@ def compute(
         "max_length": ex.max_length or None,
         "special_tokens": spec.special_tokens,
         "dtype": prepared.dtype,
-        "device": device,
+        "device": facts["device"],
         "seed": spec.seed,
         "reservoir": spec.reservoir,
         "exact": spec.exact,
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
-        "timings": {"load_s": round(load_s, 3), **{k: round(v, 3) for k, v in ex.timings.items()}},
-        "notes": loaded.notes + ex.notes + list(getattr(prepared.samples, "notes", [])),
+        "timings": {"load_s": round(facts["load_s"], 3), **{k: round(v, 3) for k, v in ex.timings.items()}},
+        "notes": facts["notes"] + ex.notes + list(getattr(prepared.samples, "notes", [])),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "versions": {
-            "isotui": __version__,
-            "torch": str(torch.__version__),  # a plain str: results unpickle without torch
-            "transformers": metadata.version("transformers"),
-            **({"timm": metadata.version("timm")} if loaded.family == "timm" else {}),
-        },
+        "versions": facts["versions"],
     }
     arrays = _stack_arrays(ex.layers)
     return ModelResult(spec.model, prepared.key, rows, drift, meta, arrays)

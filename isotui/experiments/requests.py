@@ -114,16 +114,34 @@ class LayersRequest:
         notice: Notice,
     ) -> Any:
         from isotui.experiments import layerwise
+        from isotui.experiments.shards import measure_shard, merge_cached
 
+        if self.spec.shard is not None and self.compute_fn is None:
+            return measure_shard(
+                self.spec, cache_root, on_progress=on_progress, should_stop=should_stop, on_notice=notice
+            )
         cache = _runs(cache_root)
+        prepared = self._prepare(cache)
+        merged = None if self.compute_fn else merge_cached(prepared, cache_root, on_notice=notice)
+        if merged is not None:
+            return merged
         compute = self.compute_fn or layerwise.compute
-        result = compute(self._prepare(cache), on_progress=on_progress, should_stop=should_stop)
+        result = compute(prepared, on_progress=on_progress, should_stop=should_stop)
         layerwise.store(result, cache, notice)
         return result
 
     def measure(self, context: Context) -> Any:
         from isotui.experiments.layerwise import measure
+        from isotui.experiments.shards import measure_shard
 
+        if self.spec.shard is not None and not (self.compute_fn or self.prepare_fn):
+            return measure_shard(
+                self.spec,
+                context.cache_root,
+                on_progress=context.on_progress,
+                should_stop=context.should_stop,
+                on_notice=context.notice,
+            )
         if self.compute_fn or self.prepare_fn:  # a fake's own steps
             found = self.lookup(context.cache_root, context.notice)
             if found is not None:

@@ -1,0 +1,386 @@
+"""Sharded layer runs (``isotui run --shard I/K``): each process measures one of K disjoint
+slices of the samples and keeps its partial state in the cache; once all K are there, they merge
+into the one-process result.
+
+A shard's partial state (:func:`isotui.extract.runner.extract_state`: every layer's accumulator
+and the run's facts) is one safetensors entry in ``shards/`` of the result cache, named by the
+run's key (the key of the one-process run: the shard is not in it) and the shard
+(``KEY-I-of-K``). Shard I takes samples I, I+K, I+2K...: deterministic, disjoint, and balanced
+when a corpus is ordered by length or source. Corpus-level choices (the type weights of the
+type-uniform view, the types self-similarity follows) are made from the whole corpus in every
+shard (each tokenises all samples, then runs its own), so the merge is the one pass: sums to
+float64 rounding, reservoir metrics exactly (reservoir keys depend on the global sample index).
+
+The last shard to finish merges; so does a plain run (no ``--shard``) that finds all K cached.
+The merged result is stored under the run's key as a one-process run's would be, and the partial
+states are then removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from isotui.errors import IsotuiError
+from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
+from isotui.store.cache import CacheProblem, CacheWriteError, ResultCache
+
+if TYPE_CHECKING:
+    from isotui.experiments.layerwise import Prepared
+    from isotui.results import ModelResult
+    from isotui.spec import RunSpec
+
+FOLDER = "shards"
+SCHEMA = 1  # the partial state's layout; the layer metrics' schema is in the run key already
+_NAME = re.compile(r"^(?P<key>[0-9a-f]+)-(?P<index>\d+)-of-(?P<count>\d+)$")
+
+Notice = Callable[[str], None]
+_ZERO_DIM = "__zero_dim__"  # a layer's 0-d tensors, by name (stored as 1-element arrays)
+
+
+def _quiet(_text: str) -> None:
+    """Default: drop notices."""
+
+
+def shard_cache(root: Path) -> ResultCache:
+    """The partial states' folder of the result cache at ``root``."""
+    return ResultCache(root, folder=FOLDER, schema=SCHEMA)
+
+
+def shard_ids(n: int, index: int, count: int) -> tuple[int, ...]:
+    """Shard ``index`` of ``count`` over ``n`` samples: every count-th sample from ``index``."""
+    return tuple(range(index, n, count))
+
+
+def partial_key(run_key: str, index: int, count: int) -> str:
+    return f"{run_key}-{index}-of-{count}"
+
+
+def _options(prepared: Prepared) -> dict[str, Any]:
+    """The resolved run options a shard's numbers depend on (what its run key hashes, readable)."""
+    spec = prepared.spec
+    return {
+        "max_length": prepared.max_length,
+        "special_tokens": spec.special_tokens,
+        "dtype": prepared.dtype,
+        "seed": spec.seed,
+        "reservoir": spec.reservoir,
+        "map_units": spec.map_units,
+        "tokenizer": spec.tokenizer,
+    }
+
+
+def _group(prepared: Prepared) -> str:
+    """Model and data, without the run options: shards of one group with other options are a
+    split that cannot merge."""
+    both = f"{prepared.model_fingerprint}\n{prepared.data_fingerprint}"
+    return hashlib.sha256(both.encode()).hexdigest()[:16]
+
+
+# --- a partial state as a cache entry ---------------------------------------------------------------
+
+
+def state_payload(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """An :func:`~isotui.extract.runner.extract_state` as JSON plus arrays (no pickle)."""
+    import torch
+
+    arrays: dict[str, np.ndarray] = {}
+    layers: dict[str, list[dict[str, Any]]] = {}
+    for component, states in state["components"].items():
+        layers[component] = []
+        for i, layer in enumerate(states):
+            scalars: dict[str, Any] = {_ZERO_DIM: []}
+            for name, value in layer.items():
+                if isinstance(value, torch.Tensor):
+                    arrays[f"{component}.{i}.{name}"] = value.detach().cpu().contiguous().numpy()
+                    if value.ndim == 0:  # the cache stores arrays of at least one dimension
+                        scalars[_ZERO_DIM].append(name)
+                else:
+                    scalars[name] = value
+            layers[component].append(scalars)
+    facts = {k: v for k, v in state.items() if k != "components"}
+    return {"facts": facts, "layers": layers}, arrays
+
+
+def state_from_payload(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The state :func:`state_payload` stored."""
+    import torch
+
+    components: dict[str, list[dict[str, Any]]] = {}
+    for component, layers in payload["layers"].items():
+        components[component] = []
+        for i, scalars in enumerate(layers):
+            prefix = f"{component}.{i}."
+            tensors = {
+                k[len(prefix) :]: torch.from_numpy(v) for k, v in arrays.items() if k.startswith(prefix)
+            }
+            kept = {k: v for k, v in scalars.items() if k != _ZERO_DIM}
+            for name in scalars.get(_ZERO_DIM, []):
+                tensors[name] = tensors[name].reshape(())
+            components[component].append({**kept, **tensors})
+    return {**payload["facts"], "components": components}
+
+
+# --- what the cache holds -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartialRun:
+    """The cached shards of one run split K ways (``isotui cache ls``)."""
+
+    key: str  # the run's key
+    count: int  # K
+    have: tuple[int, ...]  # the shards cached
+    model: str
+    data: str
+    n_samples: int  # of the shards cached
+    created: str  # the newest shard's
+    size_bytes: int
+    group: str = ""
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+def partial_runs(root: Path) -> list[PartialRun]:
+    """Every partial run in the cache at ``root``, newest first (headers only)."""
+    found: dict[tuple[str, int], list[tuple[int, dict[str, Any], int, str]]] = {}
+    cache = shard_cache(root)
+    for entry in cache.scan().entries:
+        m = _NAME.match(entry.key)
+        if not m:
+            continue
+        try:
+            head = ResultCache._header(entry.path)["result"]
+        except Exception:  # vanished or damaged since the scan: left out
+            continue
+        group = (m["key"], int(m["count"]))
+        found.setdefault(group, []).append((int(m["index"]), head, entry.size_bytes, entry.created))
+    runs = []
+    for (key, count), shards in found.items():
+        heads = [h for _, h, _, _ in shards]
+        shard_meta = heads[0].get("shard", {})
+        runs.append(
+            PartialRun(
+                key=key,
+                count=count,
+                have=tuple(sorted(i for i, *_ in shards)),
+                model=str(heads[0].get("model", "?")),
+                data=str(heads[0].get("meta", {}).get("data", "?")),
+                n_samples=sum(int(h.get("meta", {}).get("n_samples", 0)) for h in heads),
+                created=max(c for *_, c in shards),
+                size_bytes=sum(s for _, _, s, _ in shards),
+                group=str(shard_meta.get("group", "")),
+                options=tuple(sorted(shard_meta.get("options", {}).items())),
+            )
+        )
+    runs.sort(key=lambda r: r.created, reverse=True)
+    return runs
+
+
+def _check_split(prepared: Prepared, root: Path, index: int, count: int) -> None:
+    """Before a shard runs: one sentence if it cannot merge with the shards already cached, split
+    another number of ways (same run) or with other run options (same model and data)."""
+    runs = partial_runs(root)
+    mine = [r for r in runs if r.key == prepared.key]
+    other_k = [r for r in mine if r.count != count]
+    if other_k:
+        r = other_k[0]
+        held = ", ".join(f"{i}/{r.count}" for i in r.have)
+        raise IsotuiError(
+            f"the cache holds shards of this run split {r.count} ways ({held}), not {count}: run "
+            f"--shard I/{r.count}, or remove them with `isotui cache rm {r.key[:12]}`"
+        )
+    have = {index, *(i for r in mine for i in r.have)}
+    options = _options(prepared)
+    for r in runs:
+        if r.key == prepared.key or r.group != _group(prepared) or r.count != count:
+            continue
+        if have.isdisjoint(r.have) and have | set(r.have) == set(range(count)):
+            theirs = dict(r.options)
+            differ = [f"{k} {theirs.get(k)!r}, here {v!r}" for k, v in options.items() if theirs.get(k) != v]
+            held = ", ".join(f"{i}/{count}" for i in r.have)
+            raise IsotuiError(
+                f"shards {held} of this model and data ran with other run options "
+                f"({'; '.join(differ) or 'another schema'}), so they cannot merge with shard "
+                f"{index}/{count}: run every shard with the same options"
+            )
+
+
+# --- running a shard, merging shards -------------------------------------------------------------------
+
+
+def measure_shard(
+    spec: RunSpec,
+    cache_root: Path | None,
+    *,
+    on_progress: ProgressCallback = no_progress,
+    should_stop: StopCheck = never_stop,
+    on_notice: Notice = _quiet,
+) -> ModelResult | None:
+    """Run shard ``spec.shard`` and keep its partial state; the merged result when it was the
+    last of the K (or the whole run is cached already), else None (said in a notice)."""
+    from isotui.experiments import layerwise
+
+    assert spec.shard is not None
+    index, count = spec.shard
+    if cache_root is None:
+        raise IsotuiError("--shard keeps each shard's partial state in the cache: drop --no-cache")
+    if spec.exact:
+        raise IsotuiError(
+            "--exact's second pass needs the whole corpus's mean and eigenvectors first, so it "
+            "cannot run in shards: drop --exact or --shard"
+        )
+    on_progress(
+        Progress(0, 0, 0, 0.0, stage="prepare", phase="resolving", detail="model, data and cache key")
+    )
+    runs = ResultCache(cache_root)
+    prepared = layerwise.prepare(spec, runs)
+    hit = layerwise.lookup(prepared, runs, on_notice)
+    if hit is not None:
+        on_notice(f"the whole run of {spec.model} is cached already (key {prepared.key[:12]}): shard not run")
+        for r in partial_runs(cache_root):  # shards of a run cached whole are no longer needed
+            if r.key == prepared.key:
+                for i in r.have:
+                    shard_cache(cache_root).remove(partial_key(r.key, i, r.count))
+        return hit
+    n = len(prepared.samples)
+    if index >= n:
+        raise IsotuiError(
+            f"shard {index}/{count} has no samples: the data has {n}, fewer than {count} shards"
+        )
+    _check_split(prepared, cache_root, index, count)
+    cache = shard_cache(cache_root)
+    key = partial_key(prepared.key, index, count)
+    try:
+        cached = cache.get_payload(key) is not None
+    except CacheProblem as problem:
+        on_notice(f"{problem}; recomputing")
+        cached = False
+    if cached:
+        on_notice(f"shard {index}/{count} of {spec.model} is cached already")
+    else:
+        payload, arrays = _run_shard(prepared, index, count, on_progress, should_stop)
+        try:
+            cache.put_payload(key, payload, arrays)
+        except CacheWriteError as exc:
+            raise IsotuiError(f"{exc}; a shard is kept only in the cache, so it is lost") from None
+    merged = merge_cached(prepared, cache_root, on_notice=on_notice, on_progress=on_progress)
+    if merged is None:
+        have = next(
+            (r.have for r in partial_runs(cache_root) if r.key == prepared.key and r.count == count), ()
+        )
+        on_notice(
+            f"shard {index}/{count} of {spec.model} is in the cache ({len(have)} of {count} shards: "
+            f"{', '.join(map(str, have))}); the last shard to finish merges them"
+        )
+    return merged
+
+
+def _run_shard(
+    prepared: Prepared, index: int, count: int, on_progress: ProgressCallback, should_stop: StopCheck
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Load the model, stream this shard's samples, and return the entry to cache."""
+    import dataclasses
+
+    from isotui.experiments.layerwise import extract_options, load_prepared, loaded_facts, weights_size
+    from isotui.extract.runner import extract_state
+
+    spec = prepared.spec
+    ids = shard_ids(len(prepared.samples), index, count)
+    on_progress(Progress(0, len(ids), 0, 0.0, stage="prepare", phase="loading", detail=weights_size(spec)))
+    started = time.perf_counter()
+    loaded, device = load_prepared(prepared)
+    load_s = time.perf_counter() - started
+    state = extract_state(
+        loaded,
+        prepared.samples,
+        device=device,
+        opts=dataclasses.replace(extract_options(spec), sample_ids=ids),
+        on_progress=on_progress,
+        should_stop=should_stop,
+        model_name=spec.model,
+        modality=spec.data.modality,
+    )
+    payload, arrays = state_payload(state)
+    payload.update(
+        model=spec.model,
+        meta={
+            "data": spec.data.describe(),
+            "n_samples": len(ids),
+            "max_length": state["max_length"] or None,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+        shard={
+            "run": prepared.key,
+            "index": index,
+            "count": count,
+            "group": _group(prepared),
+            "options": _options(prepared),
+            "loaded": loaded_facts(loaded, device, load_s),
+        },
+    )
+    return payload, arrays
+
+
+def merge_cached(
+    prepared: Prepared,
+    cache_root: Path | None,
+    *,
+    on_notice: Notice = _quiet,
+    on_progress: ProgressCallback = no_progress,
+) -> ModelResult | None:
+    """The run merged from its K cached shards, stored under the run's key as a one-process run
+    (the shards then removed); None when no K of them are all cached."""
+    from isotui.experiments import layerwise
+    from isotui.extract.runner import finish_extraction, merge_extraction_states
+
+    if cache_root is None:
+        return None
+    mine = [r for r in partial_runs(cache_root) if r.key == prepared.key]
+    complete = [r for r in mine if r.have == tuple(range(r.count))]
+    if not complete:
+        if mine and prepared.spec.shard is None:  # a plain run: say why it computes anyway
+            r = mine[0]
+            on_notice(
+                f"the cache holds {len(r.have)} of {r.count} shards of this run "
+                f"({', '.join(map(str, r.have))}); measuring it in one process instead"
+            )
+        return None
+    count = complete[0].count
+    cache = shard_cache(cache_root)
+    runs = ResultCache(cache_root)
+    on_progress(Progress(0, 0, 0, 0.0, message=f"merging the {count} shards of this run"))
+    entries = []
+    for i in range(count):
+        try:
+            found = cache.get_payload(partial_key(prepared.key, i, count))
+        except CacheProblem as problem:
+            found, said = None, f"{problem}; run shard {i}/{count} again"
+        else:
+            said = ""
+        if found is None:  # another process merged and removed them meanwhile, or damaged
+            hit = layerwise.lookup(prepared, runs, on_notice)
+            if hit is None and said:
+                on_notice(said)
+            return hit
+        entries.append(found)
+    states = [state_from_payload(*e) for e in entries]
+    merged = merge_extraction_states(states)
+    for phase in ("tokenise_s", "forward_s", "metrics_s"):  # the timings: every shard's work
+        merged[phase] = sum(s.get(phase, 0.0) for s in states)
+    ex = finish_extraction(merged)
+    ex.notes.append(f"merged from {count} shards")
+    loaded = [e[0]["shard"]["loaded"] for e in entries]
+    facts = {**loaded[0], "load_s": sum(f["load_s"] for f in loaded)}
+    result = layerwise.build_result(prepared, ex, facts)
+    layerwise.store(result, runs, on_notice)
+    if runs.path_for(prepared.key).is_file():  # kept: the shards are no longer needed
+        for i in range(count):
+            cache.remove(partial_key(prepared.key, i, count))
+    return result
