@@ -43,6 +43,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/process.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/media.py
 	$(BIN)/python benchmarks/attention.py

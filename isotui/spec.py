@@ -198,6 +198,15 @@ class RunSpec:
         label="device",
         menu=("auto", "cpu", "cuda", "mps"),
     )
+    # CPU threads: how fast, never what is measured (not in the cache key; see extract/threads.py)
+    threads: int | None = _option(
+        help="CPU threads for torch (default: the cores this process may use, fewer when the "
+        "load average says the machine is busy)",
+        toml=(int,),
+        parse=_count("threads"),
+        label="threads",
+        hint="empty: the usable cores, fewer on a loaded machine",
+    )
     dtype: str = _option(
         default="auto",
         help="auto: float32 on CPU, the checkpoint's half dtype on a GPU",

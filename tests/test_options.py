@@ -29,6 +29,7 @@ SAMPLES = {
     "max_length": ("33", "33", 33),
     "batch_size": ("5", "5", 5),
     "device": ("cpu", '"cpu"', "cpu"),
+    "threads": ("3", "3", 3),
     "dtype": ("bfloat16", '"bfloat16"', "bfloat16"),
     "special_tokens": ("include", '"include"', "include"),
     "seed": ("9", "9", 9),

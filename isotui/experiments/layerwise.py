@@ -235,12 +235,15 @@ def extract_options(spec: RunSpec) -> ExtractOptions:
 
 
 def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedModel, str]:
-    """(loaded model, device) for a prepared run: the device resolved, the run's dtype and seed;
+    """(loaded model, device) for a prepared run: the device resolved, the run's dtype, seed and
+    CPU threads (``--threads``: torch's, for the rest of the process);
     ``head`` goes to :func:`~isotui.models.loading.load_model` (``"lm"``: the language-model head)."""
+    from isotui.extract.threads import apply_threads
     from isotui.models.loading import load_model
 
     spec = prepared.spec
     device = resolve_device(prepared.device or "auto")
+    threads_note = apply_threads(spec.threads)  # every streaming experiment loads through here
     loaded = load_model(
         parse_model(spec.model),
         device=device,
@@ -250,6 +253,8 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
         tokenizer=spec.tokenizer,
         head=head,
     )
+    if threads_note:
+        loaded.notes.append(threads_note)
     return loaded, device
 
 
@@ -333,6 +338,7 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
         "seed": spec.seed,
         "reservoir": spec.reservoir,
         "exact": spec.exact,
+        "threads": torch.get_num_threads(),  # how fast, not what: not in the key
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
         "timings": {"load_s": round(facts["load_s"], 3), **{k: round(v, 3) for k, v in ex.timings.items()}},
