@@ -297,6 +297,7 @@ def loaded_facts(loaded: LoadedModel, device: str, load_s: float) -> dict[str, A
         "modality": loaded.modality,
         "device": device,
         "load_s": load_s,
+        "threads": torch.get_num_threads(),  # how fast, not what: not in the key
         "notes": list(loaded.notes),
         "versions": {
             "isotui": __version__,
@@ -338,7 +339,7 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
         "seed": spec.seed,
         "reservoir": spec.reservoir,
         "exact": spec.exact,
-        "threads": torch.get_num_threads(),  # how fast, not what: not in the key
+        "threads": facts.get("threads"),  # how fast, not what: not in the key
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
         "timings": {"load_s": round(facts["load_s"], 3), **{k: round(v, 3) for k, v in ex.timings.items()}},
