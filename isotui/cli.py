@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_app(fresh=args.fresh)
         return 0
     except IsotuiError as exc:
-        err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
+        print_error(err, str(exc))
         return EXIT_BAD_INPUT
     except (KeyboardInterrupt, Cancelled):
         err.print("isotui: cancelled")
@@ -267,8 +267,11 @@ def _write_wide_csv(outcome, args: argparse.Namespace, err) -> None:
 
 
 def print_error(err, text: str) -> None:
-    """A model's failure, as the one sentence the command prints before going on."""
-    err.print(f"[bold red]isotui: error:[/] {text}", highlight=False)
+    """A model's failure, as the one sentence the command prints before going on (as written:
+    ``[serve]`` or ``[run]`` in it is text, not Rich markup)."""
+    from rich.markup import escape
+
+    err.print(f"[bold red]isotui: error:[/] {escape(text)}", highlight=False)
 
 
 def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=None, on_error=None):

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from textual import events
 
 from isotui.cli import main
 from isotui.tui.app import EXPORT_DELIVERY, IsotuiApp
@@ -143,6 +144,9 @@ def test_served_app_delivers_exports_and_screenshots_instead_of_writing_on_the_s
                 app.add_result(result)
             await pilot.press("e", "S")
             await pilot.pause()
+            failed = OSError("connection closed")  # the browser went away mid-download
+            app.post_message(events.DeliveryFailed("key", failed, name=EXPORT_DELIVERY))
+            await pilot.pause()
         return delivered, notes
 
     delivered, notes = asyncio.run(scenario(web=True))
@@ -155,6 +159,7 @@ def test_served_app_delivers_exports_and_screenshots_instead_of_writing_on_the_s
     assert svg_name.endswith(".svg") and svg_bytes.lstrip().startswith(b"<svg")
     assert f"sent {csv_name} to your browser (2 models)" in notes
     assert f"sent {svg_name} to your browser" in notes
+    assert "the export did not reach the browser: connection closed" in notes
 
     delivered, notes = asyncio.run(scenario(web=False))
     assert delivered.files == []

@@ -641,7 +641,7 @@ class IsotuiApp(App[None]):
     @on(events.DeliveryFailed)
     def _export_not_delivered(self, event: events.DeliveryFailed) -> None:
         if event.name == EXPORT_DELIVERY:
-            self.notify(f"the browser did not receive {event.path or 'the export'}", severity="error")
+            self.notify(f"the export did not reach the browser: {event.exception}", severity="error")
 
     def action_export(self) -> None:
         """The comparison set (or the shown model when the set is empty)."""
