@@ -39,21 +39,22 @@ def _free_port() -> int:
 def test_serve_answers_with_the_app_page_and_runs_the_app_for_a_browser(tmp_path):
     """The server on 127.0.0.1: its page names isotui and points the browser's websocket back at
     the same address; a websocket client (what the page's script does) gets the app's first
-    screen, drawn by an isotui process with this test's cache folder."""
+    screen (its header and models pane), drawn by the isotui process the server started."""
     aiohttp = pytest.importorskip("aiohttp")
     pytest.importorskip("textual_serve")
     port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "isotui", "serve", "--port", str(port)],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log = tmp_path / "server.log"  # a file, not a pipe: a full pipe would stall the server
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "isotui", "serve", "--port", str(port)],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         page = None
         for _ in range(600):  # until the server listens (or has died)
-            assert server.poll() is None, server.stdout.read() if server.stdout else ""
+            assert server.poll() is None, log.read_text()
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as answer:
                     page = answer.read().decode()
