@@ -144,6 +144,12 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     show.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
     show.add_argument("--csv", help="write the per-layer table here")
     show.add_argument("--json", help="write everything (table, drift correlation, metadata) here")
+    serve = sub.add_parser("serve", help="the app in a browser (textual-serve), on 127.0.0.1 by default")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--public-url", help="the page's address as the browser sees it (default http://HOST:PORT)"
+    )
     from isotui.cli_experiments import add_parsers
 
     add_parsers(sub)
@@ -169,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_cache(args, err)
         if args.command == "show":
             return _cmd_show(args, err)
+        if args.command == "serve":
+            from isotui.tui.serve import serve
+
+            return serve(args.host, args.port, public_url=args.public_url, fresh=args.fresh, err=err)
         if args.command:
             from isotui.cli_experiments import run
 
@@ -180,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_app(fresh=args.fresh)
         return 0
     except IsotuiError as exc:
-        err.print(f"[bold red]isotui: error:[/] {exc}", highlight=False)
+        print_error(err, str(exc))
         return EXIT_BAD_INPUT
     except (KeyboardInterrupt, Cancelled):
         err.print("isotui: cancelled")
@@ -258,8 +268,11 @@ def _write_wide_csv(outcome, args: argparse.Namespace, err) -> None:
 
 
 def print_error(err, text: str) -> None:
-    """A model's failure, as the one sentence the command prints before going on."""
-    err.print(f"[bold red]isotui: error:[/] {text}", highlight=False)
+    """A model's failure, as the one sentence the command prints before going on (as written:
+    ``[serve]`` or ``[run]`` in it is text, not Rich markup)."""
+    from rich.markup import escape
+
+    err.print(f"[bold red]isotui: error:[/] {escape(text)}", highlight=False)
 
 
 def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=None, on_error=None):

@@ -17,6 +17,7 @@ def _isolated(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # no user settings or themes
     monkeypatch.delenv("ISOTUI_CONFIG", raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))  # not the developer's own models
+    monkeypatch.setenv("COLORTERM", "truecolor")  # the default theme, whatever terminal runs the tests
 
 
 def corpus(n: int) -> list[str]:

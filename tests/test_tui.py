@@ -373,6 +373,7 @@ def test_header_names_gpus_from_nvidia_smi_without_torch(monkeypatch):
         calls.append(cmd)
         return sp.CompletedProcess(cmd, 0, stdout=answer, stderr="")
 
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no nvidia-ml-py: nvidia-smi answers
     monkeypatch.setattr(sysinfo.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     monkeypatch.setattr(sysinfo.subprocess, "run", fake_run)
     gpus = sysinfo.query_gpus()

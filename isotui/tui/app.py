@@ -7,13 +7,16 @@ torch or transformers: the first frame draws before they load (in the backend, o
 
 from __future__ import annotations
 
+import io
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from textual import on, work
+from textual import events, on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.color import Color
@@ -45,19 +48,19 @@ from isotui.tui.options import OptionsScreen, check_options
 from isotui.tui.plots import RGB, FitPlot, draw_metric_curves
 from isotui.tui.session import Session, load_session, save_session, session_path
 from isotui.tui.sysinfo import describe_devices, query_gpus
-from isotui.tui.themes import load_themes
+from isotui.tui.themes import load_themes, starting_theme
 from isotui.tui.wording import in_options_terms
 
 if TYPE_CHECKING:
     from isotui.tui.lab import LabScreen
 
-DEFAULT_THEME = "isotui-dark"
 PLOT_METRICS = LAYER_METRICS  # the cycle of `m`: results.METRICS, declared once
 DEVICE_REFRESH_S = 10.0
 # app keys that belong to the main screen: hidden and inert in the attention lab
 MAIN_ONLY_ACTIONS = frozenset(
     {"focus_input", "toggle_compare", "toggle_depth", "sort", "lab", "export_table", "run", "cycle_metric"}
 )
+EXPORT_DELIVERY = "isotui-export"  # the name of an export's delivery to the browser (isotui serve)
 QUIT_WAIT_S = 15.0  # how long quitting waits for a running job to stop at a safe point
 __all__ = ["BackendMessage", "IsotuiApp", "run_app"]
 
@@ -153,7 +156,7 @@ class IsotuiApp(App[None]):
         self.fresh = fresh  # start without the last session (it is overwritten on the next change)
         self._session_unwritable = False  # said once
         self.lab_inputs: dict[str, str] = {}  # the lab's settings boxes, kept across visits
-        self.device_probe = device_probe or (lambda: describe_devices(query_gpus()))
+        self.device_probe = device_probe or (lambda: describe_devices(query_gpus(), self.own_pids()))
         self.device_line = ""
         self.backend_factory = backend_factory  # tests pass a backend with a fake, slow model
         self.backend: Backend | None = None
@@ -297,7 +300,7 @@ class IsotuiApp(App[None]):
         for theme in themes:
             self.register_theme(theme)
         self.theme_names = [t.name for t in themes]
-        wanted = self.settings.theme or DEFAULT_THEME
+        wanted = starting_theme(self.settings.theme, os.environ, web=self.is_web)
         if wanted in self.available_themes:
             self.theme = wanted
         else:
@@ -361,6 +364,10 @@ class IsotuiApp(App[None]):
     def probe_device(self) -> None:
         line = self.device_probe()
         self.call_from_thread(self._set_device_line, line)
+
+    def own_pids(self) -> set[int]:
+        """The app's process and its workers: the header tells their GPU use from others'."""
+        return {os.getpid(), *(self.backend.worker_pids() if self.backend is not None else ())}
 
     def _set_device_line(self, line: str) -> None:
         self.device_line = line
@@ -594,13 +601,15 @@ class IsotuiApp(App[None]):
         if not chosen:
             self.notify("nothing to export yet: run a model", severity="warning")
             return
-        path = self.export_path(what, "csv")
         try:
-            write_csv(chosen, path)
+            where = self.export_file(what, "csv", lambda path: write_csv(chosen, path))
         except IsotuiError as exc:
             self.notify(str(exc), severity="error")
             return
-        self.notify(f"wrote {path} ({len(chosen)} model{'s' * (len(chosen) != 1)})")
+        self.notify(f"{where} ({len(chosen)} model{'s' * (len(chosen) != 1)})")
+
+    def export_name(self, what: str, suffix: str) -> str:
+        return f"isotui-{time.strftime('%Y%m%d-%H%M%S')}{'-' + what if what else ''}.{suffix}"
 
     def export_path(self, what: str, suffix: str) -> Path:
         """A new file in the export folder (settings ``export_dir``; made if missing), absolute,
@@ -610,7 +619,29 @@ class IsotuiApp(App[None]):
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise IsotuiError(f"cannot make the export folder {folder}: {exc.strerror or exc}") from None
-        return folder / f"isotui-{time.strftime('%Y%m%d-%H%M%S')}{'-' + what if what else ''}.{suffix}"
+        return folder / self.export_name(what, suffix)
+
+    def export_file(self, what: str, suffix: str, write: Callable[[Path], object]) -> str:
+        """Write an export (CSV, screenshot, figure) with ``write(path)`` and hand it to the user
+        who asked; returns what happened, for the notification. In a terminal it is a file in the
+        export folder. Served in a browser (``isotui serve``) the server's disk is not where that
+        user is: the file goes to the browser as a download (Textual's delivery API)."""
+        if not self.is_web:
+            path = self.export_path(what, suffix)
+            _write_export(write, path)
+            return f"wrote {path}"
+        name = self.export_name(what, suffix)
+        with tempfile.TemporaryDirectory(prefix="isotui-export-") as tmp:
+            path = Path(tmp) / name
+            _write_export(write, path)
+            data = path.read_bytes()
+        self.deliver_binary(io.BytesIO(data), save_filename=name, name=EXPORT_DELIVERY)
+        return f"sent {name} to your browser"
+
+    @on(events.DeliveryFailed)
+    def _export_not_delivered(self, event: events.DeliveryFailed) -> None:
+        if event.name == EXPORT_DELIVERY:
+            self.notify(f"the export did not reach the browser: {event.exception}", severity="error")
 
     def action_export(self) -> None:
         """The comparison set (or the shown model when the set is empty)."""
@@ -624,16 +655,13 @@ class IsotuiApp(App[None]):
         self._export([result] if result else [], "table")
 
     def action_screenshot(self) -> None:  # type: ignore[override]  # the key takes no arguments
+        svg = self.export_screenshot()
         try:
-            target = self.export_path("", "svg")
-            path = self.save_screenshot(target.name, str(target.parent))
+            where = self.export_file("", "svg", lambda path: path.write_text(svg, encoding="utf-8"))
         except IsotuiError as exc:
             self.notify(str(exc), severity="error")
             return
-        except OSError as exc:
-            self.notify(f"cannot write the screenshot in {target.parent}: {exc.strerror}", severity="error")
-            return
-        self.notify(f"wrote {path}")
+        self.notify(where)
 
     def action_cancel(self) -> None:
         jobs = self.main_screen.query_one("#jobs", JobsTable)
@@ -726,6 +754,13 @@ class IsotuiApp(App[None]):
     def replot(self) -> None:
         plot = self.main_screen.query_one("#plot", FitPlot)
         draw_metric_curves(plot, self.compared(), self.metric, self.depth, self.model_colours())
+
+
+def _write_export(write: Callable[[Path], object], path: Path) -> None:
+    try:
+        write(path)
+    except OSError as exc:
+        raise IsotuiError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def run_app(app: IsotuiApp | None = None, *, fresh: bool = False, **run_kwargs: Any) -> None:

@@ -3,6 +3,7 @@ and a type checker sees every use)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -33,7 +34,7 @@ class AppHost(Protocol):
 
     def save_session(self) -> None: ...
 
-    def export_path(self, what: str, suffix: str) -> Path: ...
+    def export_file(self, what: str, suffix: str, write: Callable[[Path], object]) -> str: ...
 
     def key_bindings(self, bindings: list[Binding] | None = None) -> list[tuple[str, str, str]]: ...
 

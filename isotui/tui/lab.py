@@ -237,14 +237,11 @@ class LabScreen(Screen[None]):
         if result is None:
             self.app.notify("nothing to export yet: run this tab's experiment (r)", severity="warning")
             return
+        rows = result.rows
+        write = write_dicts_csv if rows and isinstance(rows[0], dict) else write_rows_csv
         try:
-            path = self.host.export_path(tab.KIND, "csv")
-            rows = result.rows
-            if rows and isinstance(rows[0], dict):
-                write_dicts_csv(rows, path)
-            else:
-                write_rows_csv(rows, path)
+            where = self.host.export_file(tab.KIND, "csv", lambda path: write(rows, path))
         except IsotuiError as exc:
             self.app.notify(str(exc), severity="error")
             return
-        self.app.notify(f"wrote {path}")
+        self.app.notify(where)

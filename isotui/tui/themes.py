@@ -5,6 +5,7 @@ A broken file is reported (file, field, what is wrong) and skipped; it never sto
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,28 @@ COLOURS = (
     "error",
 )
 REQUIRED = ("name", "primary")
+TRUECOLOR_THEME = "isotui-dark"  # the default where 24-bit colour is announced
+THEME_256 = "isotui-256"  # exact xterm-256 colours: the default where it is not (plain SSH)
+TRUECOLOR_VALUES = ("truecolor", "24bit")
+
+
+def announces_truecolor(environ: Mapping[str, str]) -> bool:
+    """Whether the terminal says it shows 24-bit colour: ``COLORTERM`` (which SSH does not
+    forward unless ``SendEnv``/``SetEnv`` ask), or Textual's own ``TEXTUAL_COLOR_SYSTEM`` (which
+    ``textual-serve`` sets for the browser)."""
+    return (
+        environ.get("COLORTERM", "").strip().lower() in TRUECOLOR_VALUES
+        or environ.get("TEXTUAL_COLOR_SYSTEM", "").strip().lower() == "truecolor"
+    )
+
+
+def starting_theme(setting: str | None, environ: Mapping[str, str], *, web: bool = False) -> str:
+    """The theme the app starts with: the settings file's, else ``isotui-dark`` where truecolor
+    is announced (or in a browser), else ``isotui-256``, whose colours a 256-colour terminal
+    shows exactly instead of Textual's nearest-colour approximations of the dark theme."""
+    if setting:
+        return setting
+    return TRUECOLOR_THEME if web or announces_truecolor(environ) else THEME_256
 
 
 def load_theme(path: Path) -> Theme:
