@@ -17,12 +17,13 @@ from isotui.tui import sysinfo
 real = pytest.importorskip("pynvml")  # nvidia-ml-py: its structures and error classes
 GIB = 2**30
 MIB = 2**20
-NOW_US = int(time.time() * 1e6)
 
 
 def fake_pynvml(*, init_error: int | None = None, unsupported: tuple[str, ...] = (), own_pid: int = 0):
     """A ``pynvml`` module answering as a recorded H100 node does: GPU 0 runs ``own_pid`` (the
-    app's worker) and another user's job, GPU 1 is idle."""
+    app's worker) and another user's job, GPU 1 is idle. Its samples are timed from when it is
+    made (not when this module was collected: NVML's window is a few seconds)."""
+    now_us = int(time.time() * 1e6)
     gpus = [
         {
             "name": "NVIDIA H100 80GB HBM3",
@@ -31,9 +32,9 @@ def fake_pynvml(*, init_error: int | None = None, unsupported: tuple[str, ...] =
             "procs": [(own_pid, 3489660928), (4242, 21474836480)],
             # NVML keeps a few samples per process; the newest one counts
             "samples": [
-                (own_pid, NOW_US - 9_000_000, 12),
-                (own_pid, NOW_US - 1_000_000, 64),
-                (4242, NOW_US, 20),
+                (own_pid, now_us - 9_000_000, 12),
+                (own_pid, now_us - 1_000_000, 64),
+                (4242, now_us, 20),
             ],
         },
         {
