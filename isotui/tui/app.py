@@ -28,7 +28,7 @@ from textual.widgets import Footer, Header, Input, OptionList
 from isotui.backend import Backend, JobEvent, Post
 from isotui.config import load_run_config
 from isotui.errors import IsotuiError
-from isotui.experiments.cached import read
+from isotui.experiments import layerwise
 from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import find_preset
 from isotui.render import amount
@@ -241,7 +241,7 @@ class IsotuiApp(App[None]):
         found, gone = [], []
         for model, key in session.comparison:
             try:
-                result = read(self.cache, key, ModelResult.from_json)
+                result = layerwise.read(self.cache, key)
             except CacheProblem:
                 result = None
             if result is None:
@@ -427,7 +427,7 @@ class IsotuiApp(App[None]):
     def open_cached(self, key: str) -> None:
         """Show a cached result at once (a file read: no model, no torch)."""
         try:
-            result = read(self.cache, key, ModelResult.from_json)
+            result = layerwise.read(self.cache, key)
         except CacheProblem as exc:
             self.notify(f"cached run {key[:12]}: {exc}", severity="error")
             return
