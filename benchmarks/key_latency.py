@@ -68,6 +68,9 @@ def running(lines: list[str]) -> bool:
     return any(re.search(r"\brunning\s+[█░]", line) for line in lines)
 
 
+TRACE: list[str] = []
+
+
 def measure(presses: int, still_busy=lambda: True) -> list[float]:
     """Alternate down/up (two models) ``presses`` times; a short think time between keys."""
     times = []
@@ -76,6 +79,8 @@ def measure(presses: int, still_busy=lambda: True) -> list[float]:
             break
         before = title_line(screen())
         times.append(press("Down" if i % 2 == 0 else "Up", before))
+        jobs = [line.strip() for line in screen() if "running" in line or "finish" in line]
+        TRACE.append(f"{time.monotonic():.2f} {times[-1] * 1000:6.0f} ms  {jobs[:1]}")
         time.sleep(0.15)
     return times
 
@@ -131,6 +136,8 @@ def main() -> None:
     print(summary("idle", idle))
     print(summary("busy", busy) + ("" if still else "  (the job ended before all presses)"))
     print("load:", os.getloadavg(), "cores:", os.cpu_count())
+    if os.environ.get("KEY_LATENCY_TRACE"):
+        Path(os.environ["KEY_LATENCY_TRACE"]).write_text("\n".join(TRACE) + "\n")
 
 
 if __name__ == "__main__":

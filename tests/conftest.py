@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ def _isolated(monkeypatch, tmp_path):
     monkeypatch.delenv("ISOTUI_CONFIG", raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))  # not the developer's own models
     monkeypatch.setenv("COLORTERM", "truecolor")  # the default theme, whatever terminal runs the tests
+    yield
+    if gc.get_freeze_count():  # an app froze the test process's objects (isotui.tui.app.settle_memory)
+        gc.unfreeze()
 
 
 def corpus(n: int) -> list[str]:

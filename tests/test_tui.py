@@ -571,3 +571,63 @@ def test_exports_go_to_the_settings_export_dir_and_say_the_full_path(tmp_path, m
         assert not list(tmp_path.glob("isotui-*.csv"))  # not the current folder
 
     asyncio.run(scenario())
+
+
+def test_moving_through_models_redraws_only_what_changed(tmp_path, monkeypatch):
+    """A key in the models list over models with no result redraws neither the drift pane nor
+    the layer table (each was a plotext figure or a table rebuilt per key: the busy app's key
+    latency, issue 12); a new result still redraws both."""
+    import isotui.tui.drift_pane as drift_pane
+    from isotui.tui.layer_table import LayerTable
+
+    from .test_snapshots import fixture_result
+
+    curves: list[object] = []
+    draw = drift_pane.draw_drift_curves
+    monkeypatch.setattr(
+        drift_pane,
+        "draw_drift_curves",
+        lambda plot, result, *a: (curves.append(result), draw(plot, result, *a)),
+    )
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend([]))
+        async with app.run_test(size=(120, 36)) as pilot:
+            models = app.query_one("#models", OptionList)
+            await _wait(pilot, lambda: models.option_count > 1)
+            table = app.query_one("#layers", LayerTable)
+            tables: list[object] = []
+            redraw = table.redraw
+            table.redraw = lambda: (tables.append(table.result), redraw())
+            models.focus()
+            await pilot.pause()
+            curves.clear()
+            titles = set()
+            for key in ["down", "up"] * 5:
+                await pilot.press(key)
+                await pilot.pause()
+                titles.add(str(table.border_title))
+            assert len(titles) == 2, titles  # the highlighted model is named: the keys did move
+            assert curves == [] and tables == []
+            result = fixture_result("minilm", 7, 384, 0.22)
+            app.add_result(result)
+            await pilot.pause()
+            assert curves[-1] is result and tables[-1] is result
+
+    asyncio.run(scenario())
+
+
+def test_the_app_freezes_its_startup_objects_out_of_the_collector(tmp_path):
+    """After the first frame the app's long-lived objects are frozen (gc.freeze): a full
+    collection no longer walks them (it took 50-220 ms every few dozen keys)."""
+    import gc
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend([]))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            await pilot.pause()
+            assert gc.get_freeze_count() > 10_000
+
+    gc.unfreeze()
+    asyncio.run(scenario())

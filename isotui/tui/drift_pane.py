@@ -5,6 +5,7 @@ and the selected model's two curves."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -29,6 +30,14 @@ def _pvalue(p: float) -> str:
 
 
 class DriftPane(Vertical):
+    """The drift table and curves. Each is redrawn only when what it shows changed: moving through
+    the models list redraws nothing for a model with no result (a key answers faster; issue 12)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._shown_table: tuple[ModelResult, ...] | None = None
+        self._shown_curves: tuple[ModelResult | None, bool, tuple[RGB, ...]] | None = None
+
     def compose(self) -> ComposeResult:
         drift: DataTable[str] = DataTable(id="drift", cursor_type="none")
         drift.can_focus = False  # nothing to pick in it
@@ -46,6 +55,17 @@ class DriftPane(Vertical):
         colours: Sequence[RGB],
     ) -> None:
         """The table for ``compared``, the curves of ``selected``."""
+        if not same(self._shown_table, tuple(compared)):
+            self._shown_table = tuple(compared)
+            self._fill_table(compared)
+        curves = (selected, depth, tuple(colours))
+        if self._shown_curves is None or not (
+            self._shown_curves[0] is selected and self._shown_curves[1:] == curves[1:]
+        ):
+            self._shown_curves = curves
+            draw_drift_curves(self.query_one("#drift-plot", FitPlot), selected, depth, colours)
+
+    def _fill_table(self, compared: Sequence[ModelResult]) -> None:
         table = self.query_one("#drift", DataTable)
         table.clear()
         for result in compared:
@@ -60,4 +80,10 @@ class DriftPane(Vertical):
                     _pvalue(d.pearson_p),
                     _pvalue(d.spearman_p_t),  # scipy's t approximation, beside the permutation p
                 )
-        draw_drift_curves(self.query_one("#drift-plot", FitPlot), selected, depth, colours)
+
+
+def same(shown: tuple[ModelResult, ...] | None, now: tuple[ModelResult, ...]) -> bool:
+    """The same result objects in the same order (identity: a rerun is a new object)."""
+    if shown is None or len(shown) != len(now):
+        return False
+    return all(a is b for a, b in zip(shown, now, strict=True))

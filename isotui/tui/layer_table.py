@@ -42,13 +42,20 @@ class LayerTable(DataTable):
         self.result: ModelResult | None = None
         self.sort_field: str | None = None
         self.sort_reverse = False
+        self._theme = ""
+        self._drawn = False  # redraw() has run since mount
 
     def on_mount(self) -> None:
         for c in COLUMNS:  # the same columns as the headless table
             self.add_column(c.header, key=c.field)
 
     def show(self, result: ModelResult | None) -> None:
-        self.result = result
+        """Show ``result``; the same result under the same theme is already shown (moving through
+        the models list past models with no result redraws nothing)."""
+        shown = (self.result, self._theme)
+        self.result, self._theme = result, self.app.theme
+        if self._drawn and shown[0] is result and shown[1] == self._theme:
+            return
         self.redraw()
 
     def toggle_sort(self, field: str) -> None:
@@ -66,6 +73,7 @@ class LayerTable(DataTable):
         self.toggle_sort(str(event.column_key.value))
 
     def redraw(self) -> None:
+        self._drawn = True
         cursor = self.cursor_coordinate
         self.clear()
         result = self.result
