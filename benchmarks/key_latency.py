@@ -1,10 +1,13 @@
 """How fast the app answers a key, idle and while a layer run computes (issue 12).
 
 Drives the real app in a detached tmux session (a real terminal, as a user has it): moves the
-models list's cursor between two models with ``tmux send-keys`` and times how long until the
-screen shows it (the layer table's title names the highlighted model), by polling
-``tmux capture-pane``. First with nothing running, then while ``--model`` runs on the built-in
-corpus (pressed ``r``). Prints median, p90, p99 and max of each, and the machine's load.
+models list's cursor between two models and times how long until the app has written the change
+(the layer table's title naming the newly highlighted model). Keys go in and the app's output
+comes back through a tmux control-mode client (``tmux -C``), which tmux tells of every write as it
+happens: nothing polls, so the probe does not take CPU from the app it times on a small machine
+(polling ``capture-pane`` every 2 ms took about a core). First with nothing running, then while
+``--model`` runs on the built-in corpus (pressed ``r``). Prints median, p90, p99 and max of each,
+and the machine's load.
 
     python benchmarks/key_latency.py [--presses 60] [--model minilm] [--root PATH]
 
@@ -22,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,16 +55,71 @@ def wait_for(predicate, timeout: float, what: str) -> list[str]:
     raise SystemExit(f"timed out waiting for {what}:\n" + "\n".join(screen()))
 
 
-def press(key: str, before: str, timeout: float = 10.0) -> float:
-    """Seconds from sending ``key`` until the title row differs from ``before``."""
-    start = time.perf_counter()
-    tmux("send-keys", "-t", SESSION, key)
-    end = start + timeout
-    while time.perf_counter() < end:
-        if title_line(screen()) != before:
-            return time.perf_counter() - start
-        time.sleep(0.002)
-    raise SystemExit(f"the screen did not change within {timeout} s of {key!r}")
+class Watcher:
+    """A tmux control-mode client of the session: sends keys, and keeps what the app writes
+    (``%output`` notifications, unescaped) with the time each arrived."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            ["tmux", "-C", "attach", "-t", SESSION], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
+        )
+        self.cond = threading.Condition()
+        self.chunks: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        pending = b""
+        assert self.proc.stdout is not None
+        while data := os.read(self.proc.stdout.fileno(), 65536):
+            now = time.perf_counter()
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            out = [
+                re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), line.split(b" ", 2)[2])
+                for line in lines
+                if line.startswith(b"%output ") and line.count(b" ") >= 2
+            ]
+            if out:
+                with self.cond:
+                    self.chunks.extend((now, chunk.decode("utf-8", "replace")) for chunk in out)
+                    self.cond.notify_all()
+
+    def press(self, key: str, expect: re.Pattern[str], timeout: float = 10.0) -> float:
+        """Seconds from sending ``key`` until the app has written text matching ``expect``."""
+        with self.cond:
+            seen = len(self.chunks)
+        start = time.perf_counter()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"send-keys -t {SESSION} {key}\n".encode())
+        with self.cond:
+            while True:
+                text = "".join(chunk for _, chunk in self.chunks[seen:])
+                if expect.search(text):
+                    return self.chunks[-1][0] - start
+                left = start + timeout - time.perf_counter()
+                if left <= 0 or not self.cond.wait(left):
+                    raise SystemExit(
+                        f"the app did not write {expect.pattern!r} within {timeout} s of {key!r}"
+                    )
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.write(b"detach\n")
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def title_pattern(model: str) -> re.Pattern[str]:
+    """The layer table's title for ``model``: with no result yet, or a result's (``model · ...``)."""
+    return re.compile(re.escape(model) + r" [(·]")
+
+
+def highlighted(lines: list[str]) -> str:
+    """The model the layer table's title names."""
+    match = re.search(r"[─╭┌](\S+?) [(·]", title_line(lines))
+    return match[1] if match else ""
 
 
 def running(lines: list[str]) -> bool:
@@ -71,16 +130,15 @@ def running(lines: list[str]) -> bool:
 TRACE: list[str] = []
 
 
-def measure(presses: int, still_busy=lambda: True) -> list[float]:
-    """Alternate down/up (two models) ``presses`` times; a short think time between keys."""
+def measure(watcher: Watcher, models: tuple[str, str], presses: int, still_busy=lambda: True) -> list[float]:
+    """Alternate down/up between the two ``models`` ``presses`` times; a short think time between keys."""
     times = []
     for i in range(presses):
         if not still_busy():
             break
-        before = title_line(screen())
-        times.append(press("Down" if i % 2 == 0 else "Up", before))
-        jobs = [line.strip() for line in screen() if "running" in line or "finish" in line]
-        TRACE.append(f"{time.monotonic():.2f} {times[-1] * 1000:6.0f} ms  {jobs[:1]}")
+        key, target = ("Down", models[1]) if i % 2 == 0 else ("Up", models[0])
+        times.append(watcher.press(key, title_pattern(target)))
+        TRACE.append(f"{time.monotonic():.2f} {times[-1] * 1000:6.0f} ms")
         time.sleep(0.15)
     return times
 
@@ -118,19 +176,29 @@ def main() -> None:
         command += f" {shlex.quote(sys.executable)} -m isotui"
         subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
         tmux("new-session", "-d", "-s", SESSION, "-x", width, "-y", height, f"cd {tmp} && {command}")
+        watcher = None
         try:
-            wait_for(lambda lines: args.model in title_line(lines), 60, "the first frame")
+            wait_for(lambda lines: highlighted(lines) == args.model, 60, "the first frame")
             time.sleep(1.0)
-            idle = measure(args.presses)
+            watcher = Watcher()
+            tmux("send-keys", "-t", SESSION, "Down")
+            other = highlighted(
+                wait_for(lambda lines: highlighted(lines) not in ("", args.model), 10, "Down")
+            )
+            watcher.press("Up", title_pattern(args.model))
+            models = (args.model, other)
+            idle = measure(watcher, models, args.presses)
             # back on the first model, run it; measure while the jobs pane says it is in flight
-            if args.model not in title_line(screen()):
-                press("Up", title_line(screen()))
+            if highlighted(screen()) != args.model:
+                watcher.press("Up", title_pattern(args.model))
             tmux("send-keys", "-t", SESSION, "r")
             wait_for(running, 300, "the job to run")
             busy_now = lambda: any("in flight" in line for line in screen())  # noqa: E731
-            busy = measure(args.presses, busy_now)
+            busy = measure(watcher, models, args.presses, busy_now)
             still = busy_now()
         finally:
+            if watcher is not None:
+                watcher.close()
             subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
     print(f"isotui from {args.root}, {args.size}, {args.model} running on the built-in corpus")
     print(summary("idle", idle))
