@@ -9,6 +9,7 @@ request ref) with huggingface_hub's own scan_cache_dir, and a tiny model is meas
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import hashlib
 import json
@@ -330,3 +331,29 @@ def test_named_revisions_in_the_cache_need_no_hub(cached_series, monkeypatch):
         "the hub could not be reached (OSError): --checkpoints picks among the branches"
     )
     assert notes[1].startswith("1 of 3 checkpoints serve the same weights")
+
+
+def test_the_apps_checkpoints_tab_takes_a_selector_and_marks_the_duplicate(cached_series, tmp_path):
+    from textual.widgets import DataTable, Input
+
+    from .test_tui import _app, _wait
+
+    async def scenario():
+        app = _app(tmp_path)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await _wait(pilot, lambda: app.entries)
+            await pilot.pause()
+            app.selected = "someorg/tiny-gpt2"
+            await pilot.press("A")
+            await pilot.pause()
+            await pilot.press("4")
+            await pilot.pause()
+            box = app.screen.query_one("#ckpt-input", Input)
+            box.value = "all"
+            await pilot.press("enter")
+            await _wait(pilot, lambda: app.lab_results["checkpoints"] is not None, timeout=180)
+            heat = app.screen.query_one("#ckpt-table", DataTable)
+            assert [str(c.label) for c in heat.columns.values()] == ["layer", "0", "10*", "20"]
+            assert "step10 = step20" in str(app.screen.query_one("#ckpt-info").render())
+
+    asyncio.run(scenario())

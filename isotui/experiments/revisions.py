@@ -205,8 +205,10 @@ def flag_duplicates(
     for c in others:
         pairs[c.model] = _hub_revision(c.model)
     weights = weight_files([p for p in pairs.values() if p is not None], notice)
-    known = [
-        (i, c, weights[p]) for i, c in enumerate([*checkpoints, *others]) if (p := pairs[c.model]) in weights
+    known = [  # a checkpoint with no weight file at its top level (an odd layout) is not compared
+        (i, c, weights[p])
+        for i, c in enumerate([*checkpoints, *others])
+        if (p := pairs[c.model]) in weights and weights[p]
     ]
 
     def order(entry: tuple[int, Checkpoint, Weights]) -> tuple[bool, int, int]:
