@@ -357,3 +357,44 @@ def test_the_apps_checkpoints_tab_takes_a_selector_and_marks_the_duplicate(cache
             assert "step10 = step20" in str(app.screen.query_one("#ckpt-info").render())
 
     asyncio.run(scenario())
+
+
+def test_the_hubs_refusals_are_one_sentence(monkeypatch):
+    """Recorded refusals: a gated model, no such model, no such branch (before any download)."""
+    import httpx2
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.hf_api import GitRefInfo, GitRefs
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    url = "https://huggingface.co/api/models/someorg/m/refs"
+
+    def answer(status: int):
+        return httpx2.Response(status, request=httpx2.Request("GET", url))
+
+    for error, said in (
+        (GatedRepoError("gated", response=answer(403)), "'someorg/m' is gated on the hub: accept its terms"),
+        (RepositoryNotFoundError("404", response=answer(404)), "no model 'someorg/m' on the Hugging Face"),
+    ):
+
+        def refuse(self, repo_id, error=error, **_kw):
+            raise error
+
+        monkeypatch.setattr(HfApi, "list_repo_refs", refuse)
+        with pytest.raises(IsotuiError, match=re.escape(said)):
+            resolve_checkpoints("someorg/m", ["every:1000"])
+
+    refs = GitRefs(branches=[GitRefInfo("step1", "refs/heads/step1", "a" * 40)], converts=[], tags=[])
+    monkeypatch.setattr(HfApi, "list_repo_refs", lambda self, repo_id, **_kw: refs)
+
+    def tree(self, repo_id, path_in_repo=None, *, revision=None, **_kw):
+        if revision != "step1":
+            raise RevisionNotFoundError("no branch", response=answer(404))
+        return iter([])
+
+    monkeypatch.setattr(HfApi, "list_repo_tree", tree)
+    with pytest.raises(IsotuiError, match="model 'someorg/m' has no revision 'step2' on the hub"):
+        resolve_checkpoints("someorg/m", ["step1,step2"])
+    # branches without a weight file at the top (an odd layout) are not compared, nor flagged
+    monkeypatch.setattr(HfApi, "list_repo_tree", lambda self, repo_id, **_kw: iter([]))
+    assert [c.duplicate_of for c in resolve_checkpoints("someorg/m", ["step1,step3"])] == [None, None]

@@ -106,10 +106,14 @@ def _cached_weights(repo: Any, revision: str) -> Weights | None:
 
 def _hub_call(repo_id: str, call: Callable[[], Any], revision: str | None = None) -> Any:
     """``call()`` with the hub's failures in one sentence (or :class:`HubUnreachable`)."""
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
         return call()
+    except GatedRepoError:
+        raise IsotuiError(
+            f"model {repo_id!r} is gated on the hub: accept its terms on its page and log in (hf auth login)"
+        ) from None
     except RevisionNotFoundError:
         raise IsotuiError(f"model {repo_id!r} has no revision {revision!r} on the hub") from None
     except RepositoryNotFoundError:
