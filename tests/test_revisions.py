@@ -398,3 +398,18 @@ def test_the_hubs_refusals_are_one_sentence(monkeypatch):
     # branches without a weight file at the top (an odd layout) are not compared, nor flagged
     monkeypatch.setattr(HfApi, "list_repo_tree", lambda self, repo_id, **_kw: iter([]))
     assert [c.duplicate_of for c in resolve_checkpoints("someorg/m", ["step1,step3"])] == [None, None]
+
+
+def test_a_folder_of_step_folders_is_a_models_branches(tmp_path):
+    """``-m runs/tiny -c every:20``: a train-tiny-style folder's step folders are picked by step."""
+    for step in (0, 10, 20, 30):
+        (tmp_path / "run" / f"step_{step:06d}").mkdir(parents=True)
+        (tmp_path / "run" / f"step_{step:06d}" / "config.json").write_text("{}")
+    run = str(tmp_path / "run")
+    assert [c.step for c in resolve_checkpoints(run, ["every:20"])] == [0, 20]
+    assert [c.label for c in resolve_checkpoints(run, ["step10..step30"])] == [
+        "step_000010",
+        "step_000020",
+        "step_000030",
+    ]
+    assert all(c.duplicate_of is None for c in resolve_checkpoints(run, ["all"]))  # folders: not compared
