@@ -47,7 +47,18 @@ def add_series_flags(p: argparse.ArgumentParser) -> None:
         required=True,
         metavar="LIST",
         help="revisions of --model (step1000,step2000), model ids, checkpoint folders, or a folder of "
-        "them (isotui train-tiny output); comma- or space-separated, repeatable",
+        "them (isotui train-tiny output); or --model's branches: all, every:N (steps that are multiples "
+        "of N), stepA..stepB; comma- or space-separated, repeatable",
+    )
+    add_duplicates_flag(p)
+
+
+def add_duplicates_flag(p: argparse.ArgumentParser) -> None:
+    """``--skip-duplicates``, wherever a checkpoint series is taken."""
+    p.add_argument(
+        "--skip-duplicates",
+        action="store_true",
+        help="leave out checkpoints whose weight files are another step's (checked before downloading)",
     )
 
 
@@ -148,7 +159,9 @@ def _progress(err: Any, name: str, args: argparse.Namespace) -> Any:
     return progress_printer(err, name, quiet=bool(args.quiet), verbose=bool(getattr(args, "verbose", False)))
 
 
-def make_requests(experiment: Experiment, args: argparse.Namespace) -> list[Any]:
+def make_requests(
+    experiment: Experiment, args: argparse.Namespace, notice: Callable[[str], None] | None = None
+) -> list[Any]:
     """The requests the flags of ``isotui experiment NAME`` stand for: one per ``--model``, the
     one series of ``--model``/``--checkpoints``, or the one configuration of its own flags."""
     if experiment.inputs == "config":
@@ -156,7 +169,8 @@ def make_requests(experiment: Experiment, args: argparse.Namespace) -> list[Any]
     if experiment.inputs == "series":
         from isotui.experiments.qk_dynamics import resolve_checkpoints
 
-        checkpoints = resolve_checkpoints(args.model, args.checkpoints)
+        skip = bool(getattr(args, "skip_duplicates", False))
+        checkpoints = resolve_checkpoints(args.model, args.checkpoints, skip_duplicates=skip, notice=notice)
         base = spec_from_args(args, checkpoints[0].model)
         return [experiment.request((args.model, checkpoints, base), args)]
     models = args.models or ["minilm"]
@@ -187,8 +201,12 @@ def collect(
 
     view = view_of(experiment.view)
     experiment.check(args)
+
+    def notice(text: str) -> None:
+        err.print(f"[yellow]isotui: {text}[/]", highlight=False)
+
     if requests is None:
-        requests = make_requests(experiment, args)
+        requests = make_requests(experiment, args, notice)
     cache_root = None if args.no_cache else cache_dir(args.cache_dir)
     series = experiment.inputs == "series"
     total = sum(len(r.checkpoints) for r in requests) if series else len(requests)
@@ -197,9 +215,6 @@ def collect(
     failures = ModelFailures(outcome, on_error)
     progress = view.progress or _progress
     highlight = None if view.highlight else False
-
-    def notice(text: str) -> None:
-        err.print(f"[yellow]isotui: {text}[/]", highlight=False)
 
     def one(request: Any) -> Any:
         with progress(err, request.model, args) as bar:

@@ -19,6 +19,7 @@ HELP = "draw a paper's figure (PDF, SVG or PNG) from cached or computed results;
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The figure's flags: which figure, where, how wide; the models or series and the run flags."""
     from isotui.cli import add_run_flags
+    from isotui.cli_experiments import add_duplicates_flag
     from isotui.experiments.checkpoints import METRICS
     from isotui.experiments.drift_block.cli import add_options as add_drift_block_options
 
@@ -41,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="machina2024-heatmap: the checkpoint series (as `isotui experiment checkpoints -c`)",
     )
+    add_duplicates_flag(p)
     add_run_flags(p, "run")
     group = p.add_argument_group("godey2024-fig6: the drift block (as isotui experiment drift-block)")
     add_drift_block_options(group)  # type: ignore[arg-type]

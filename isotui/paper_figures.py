@@ -371,8 +371,32 @@ def draw_heatmap(fig: Any, results: list[Any], options: Any) -> Drawing:
     ax.set_xlabel("training step")
     ax.set_ylabel("layer")
     ax.spines[["top", "right"]].set_visible(True)
+    _hatch_duplicates(ax, series.checkpoints, len(labels))
     fig.colorbar(image, ax=ax, label=metric.replace("_", " "), fraction=0.08, pad=0.03)
     return Drawing(fig, rows, _series_runs(series))
+
+
+def _hatch_duplicates(ax: Any, checkpoints: list[Any], n_layers: int) -> None:
+    """Hatch the columns of checkpoints that serve a later step's weights (``duplicate_of``:
+    EleutherAI/pythia #205), and say so under the axes."""
+    from matplotlib.patches import Rectangle
+
+    flagged = [j for j, c in enumerate(checkpoints) if c.duplicate_of]
+    for j in flagged:
+        ax.add_patch(
+            Rectangle(
+                (j - 0.5, -0.5),
+                1,
+                n_layers,
+                fill=False,
+                hatch="///",
+                edgecolor="white",
+                linewidth=0,
+                gid=f"duplicate:{checkpoints[j].label}",
+            )
+        )
+    if flagged:
+        ax.set_title(f"hatched: {len(flagged)} checkpoints serving a later step's weights", fontsize="small")
 
 
 def _heatmap_rows(series: Any, metric: str) -> tuple[list[str], np.ndarray, list[int], Rows]:
@@ -380,7 +404,14 @@ def _heatmap_rows(series: Any, metric: str) -> tuple[list[str], np.ndarray, list
     labels, grid = series.grid(metric)
     steps = series.steps()
     rows: Rows = [
-        {"series": series.series, "checkpoint": ckpt.label, "step": step, "layer": label, metric: float(v)}
+        {
+            "series": series.series,
+            "checkpoint": ckpt.label,
+            "step": step,
+            "duplicate_of": ckpt.duplicate_of or "",
+            "layer": label,
+            metric: float(v),
+        }
         for j, (ckpt, step) in enumerate(zip(series.checkpoints, steps, strict=True))
         for label, v in zip(labels, grid[:, j], strict=True)
     ]

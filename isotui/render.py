@@ -230,3 +230,18 @@ def wide_table(results: list[ModelResult], metric: str = "avg_cos", width: int =
     )
     table.caption_justify = "left"
     return table
+
+
+DUPLICATE_MARK = "*"  # a checkpoint serving another step's weights (its duplicate_of)
+
+
+def duplicates_caption(checkpoints: list[Any]) -> str:
+    """The caption's sentence on checkpoints that serve another step's weights ("" if none)."""
+    flagged = [c for c in checkpoints if c.duplicate_of]
+    if not flagged:
+        return ""
+    return (
+        f"; {DUPLICATE_MARK}: serves the weights of a later step, not its own ("
+        + ", ".join(f"{shorten(c.label, 24)} = {shorten(c.duplicate_of, 24)}" for c in flagged)
+        + ")"
+    )

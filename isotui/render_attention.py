@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from isotui.experiments.attention import AttentionResult, summarize
-from isotui.render import _f, amount, shorten
+from isotui.render import DUPLICATE_MARK, _f, amount, duplicates_caption, shorten
 
 
 def _site(component: str, layer: int, attention: str, many: bool) -> str:
@@ -165,11 +165,14 @@ def dynamics_tables(result) -> list[Table]:
         for label in labels:
             table.add_column(label, justify="right")
         for i, ckpt in enumerate(result.checkpoints):
-            table.add_row(escape(shorten(ckpt.label, 28)), str(steps[i]), *(_f(v, digits) for v in values[i]))
+            mark = DUPLICATE_MARK if ckpt.duplicate_of else ""
+            table.add_row(
+                escape(shorten(ckpt.label, 28)) + mark, str(steps[i]), *(_f(v, digits) for v in values[i])
+            )
         tables.append(table)
     tables[-1].caption = (
         "layer L: the attention of the block that outputs hidden-state row L; x: cross-attention; per head "
         "and the 2-D trajectories of Q̄ and K̄: --csv, --plot LAYER:HEAD"
-    )
+    ) + escape(duplicates_caption(result.checkpoints))
     tables[-1].caption_justify = "left"
     return tables

@@ -19,7 +19,7 @@ import numpy as np
 
 from isotui.errors import IsotuiError
 from isotui.figures import draw_trajectory
-from isotui.render import _f, shorten
+from isotui.render import DUPLICATE_MARK, _f, duplicates_caption, shorten
 
 if TYPE_CHECKING:
     from isotui.experiments.checkpoints import CheckpointSeries
@@ -125,8 +125,8 @@ def heatmap(result: CheckpointSeries, metric: str) -> Any:
         pad_edge=False,
     )
     table.add_column("layer", justify="right")
-    for step in result.steps():
-        table.add_column(str(step), justify="right")
+    for step, ckpt in zip(result.steps(), result.checkpoints, strict=True):
+        table.add_column(f"{step}{DUPLICATE_MARK if ckpt.duplicate_of else ''}", justify="right")
     for i, label in enumerate(labels):
         cells = []
         for v in values[i]:
@@ -141,6 +141,7 @@ def heatmap(result: CheckpointSeries, metric: str) -> Any:
     table.caption = f"darker = lower, lighter = higher ({lo:.3f} .. {hi:.3f}); columns: " + ", ".join(
         f"{s}={shorten(c.label, 24)}" for s, c in zip(result.steps(), result.checkpoints, strict=True)
     )
+    table.caption += duplicates_caption(result.checkpoints)
     table.caption_justify = "left"
     return table
 

@@ -55,7 +55,15 @@ class CheckpointSeries:
         out = []
         for ckpt, step, result in zip(self.checkpoints, self.steps(), self.results, strict=True):
             for row in result.rows:
-                out.append({"series": self.series, "checkpoint": ckpt.label, "step": step, **asdict(row)})
+                out.append(
+                    {
+                        "series": self.series,
+                        "checkpoint": ckpt.label,
+                        "step": step,
+                        "duplicate_of": ckpt.duplicate_of or "",
+                        **asdict(row),
+                    }
+                )
         return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,13 @@ _STEP = re.compile(r"step[_-]?0*(\d+)(k?)", re.IGNORECASE)
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One checkpoint: the model name isotui loads, a short label and its training step."""
+    """One checkpoint: the model name isotui loads, a short label and its training step;
+    ``duplicate_of``: the label of the later step whose weights it serves (see revisions)."""
 
     model: str
     label: str
     step: int | None
+    duplicate_of: str | None = None
 
 
 def _step_of(text: str) -> int | None:
@@ -55,17 +58,41 @@ def _series_folder(path: Path) -> list[Path]:
     return sorted(subs, key=lambda p: (_step_of(p.name) is None, _step_of(p.name) or 0, p.name))
 
 
-def resolve_checkpoints(model: str | None, checkpoints: list[str]) -> list[Checkpoint]:
-    """Turn the user's ``--checkpoints`` into a series, in the order given.
+def resolve_checkpoints(
+    model: str | None,
+    checkpoints: str | Sequence[str],
+    *,
+    skip_duplicates: bool = False,
+    notice: Callable[[str], None] | None = None,
+    flag: str = "--checkpoints",
+) -> list[Checkpoint]:
+    """Turn the user's ``--checkpoints`` into a series (the CLI, the app, the Python API and
+    ``isotui sweep`` all call this), in the order given.
 
-    Each item is a hub revision of ``--model`` (``step1000`` -> ``MODEL@step1000``), a model id,
-    a checkpoint folder, or a folder of checkpoint folders (expanded, ordered by step).
+    Each item is a hub revision of ``model`` (``step1000`` -> ``MODEL@step1000``), a model id,
+    a checkpoint folder, a folder of checkpoint folders (expanded, ordered by step), or a selector
+    of ``model``'s branches (``all``, ``every:N``, ``stepA..stepB``: see
+    :mod:`isotui.experiments.revisions`; with one, the series is ordered by step). Checkpoints
+    serving another step's weights get ``duplicate_of`` (before anything is downloaded; said
+    through ``notice``); ``skip_duplicates`` leaves them out. ``flag`` is what a bad input's
+    sentence names (a config file's key, say).
     """
-    items = [t for chunk in checkpoints for t in re.split(r"[,\s]+", chunk) if t]
+    from isotui.experiments import revisions
+
+    given = [checkpoints] if isinstance(checkpoints, str) else list(checkpoints)
+    items = [t for chunk in given for t in re.split(r"[,\s]+", chunk) if t]
     if not items:
-        raise IsotuiError("--checkpoints is empty: give revisions, model ids or checkpoint folders")
+        raise IsotuiError(f"{flag} is empty: give revisions, model ids or checkpoint folders")
     out: list[Checkpoint] = []
+    branches: list[Checkpoint] | None = None
+    selected = False
     for item in items:
+        selector = revisions.parse_selector(item, flag)
+        if selector is not None:
+            branches = branches or revisions.available(model, selector, flag, notice)
+            out += revisions.pick(branches, selector, str(model), flag)
+            selected = True
+            continue
         path = Path(item).expanduser()
         if path.is_dir() and not (path / "config.json").is_file():
             found = _series_folder(path)
@@ -80,11 +107,24 @@ def resolve_checkpoints(model: str | None, checkpoints: list[str]) -> list[Check
             out.append(Checkpoint(str(path) if path.is_dir() else item, label, _step_of(label)))
         else:  # a revision of --model
             out.append(Checkpoint(f"{model}@{item}", item, _step_of(item)))
-    if len(out) < 2:
-        raise IsotuiError(
-            f"--checkpoints names {len(out)} checkpoint; the dynamics need at least 2 (a series)"
-        )
+    if selected:
+        out = revisions.union(out)
+    _enough(out, flag)
+    out = revisions.flag_duplicates(out, model, branches, notice)
+    skip = "--skip-duplicates" if flag.startswith("--") else "skip_duplicates"
+    if any(c.duplicate_of for c in out) and notice is not None:
+        notice(revisions.duplicates_said(out, skip_duplicates, skip))
+    if skip_duplicates:
+        out = [c for c in out if not c.duplicate_of]
+        _enough(out, flag, f" once {skip} left out the checkpoints serving another step's weights")
     return out
+
+
+def _enough(checkpoints: list[Checkpoint], flag: str, after: str = "") -> None:
+    if len(checkpoints) < 2:
+        raise IsotuiError(
+            f"{flag} names {len(checkpoints)} checkpoint{after}; the dynamics need at least 2 (a series)"
+        )
 
 
 @dataclass
@@ -307,8 +347,16 @@ def series_name(checkpoints: list[Checkpoint]) -> str:
 
 
 def csv_rows(results: list[DynamicsResult]) -> list[dict[str, Any]]:
-    """The ``--csv`` rows: one per checkpoint and head."""
-    return [asdict(r) for result in results for r in result.rows]
+    """The ``--csv`` rows: one per checkpoint and head; ``duplicate_of`` after the step."""
+    out = []
+    for result in results:
+        duplicates = {c.label: c.duplicate_of or "" for c in result.checkpoints}
+        for r in result.rows:
+            row = asdict(r)
+            at = list(row).index("step") + 1
+            items = list(row.items())
+            out.append(dict([*items[:at], ("duplicate_of", duplicates.get(r.checkpoint, "")), *items[at:]]))
+    return out
 
 
 def json_payload(results: list[DynamicsResult]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from isotui.errors import IsotuiError
 
@@ -84,24 +85,27 @@ class CachedModel:
     """A model repository found in the local Hugging Face cache."""
 
     repo_id: str
-    revisions: tuple[str, ...]
+    revisions: tuple[str, ...]  # its refs: main, step1000, refs/pr/1 (a pull request)
     size_bytes: int
 
 
-def cached_models() -> list[CachedModel]:
-    """Every model repository in the local Hugging Face cache (empty if there is no cache)."""
+def cached_repos() -> list[Any]:
+    """Every model repository of the local Hugging Face cache (``CachedRepoInfo``, by id) that
+    huggingface_hub's ``scan_cache_dir`` reads as whole; one it calls corrupted is left out."""
+    from huggingface_hub import scan_cache_dir
+
     root = hub_cache_dir()
     if not root.is_dir():
         return []
-    found = []
-    for repo in sorted(root.glob("models--*")):
-        snapshots = repo / "snapshots"
-        if not snapshots.is_dir() or not any(snapshots.iterdir()):
-            continue
-        refs = repo / "refs"
-        names = sorted(p.name for p in refs.iterdir()) if refs.is_dir() else []
-        blobs = repo / "blobs"
-        size = sum(f.stat().st_size for f in blobs.iterdir() if f.is_file()) if blobs.is_dir() else 0
-        repo_id = repo.name[len("models--") :].replace("--", "/")
-        found.append(CachedModel(repo_id, tuple(names), size))
-    return found
+    info = scan_cache_dir(root)
+    return sorted((r for r in info.repos if r.repo_type == "model"), key=lambda r: r.repo_id)
+
+
+def cached_models() -> list[CachedModel]:
+    """Every model repository in the local Hugging Face cache with a snapshot (empty if there is
+    no cache). A ref's name is its path under ``refs/``: a pull request is ``refs/pr/1``."""
+    return [
+        CachedModel(repo.repo_id, tuple(sorted(repo.refs)), repo.size_on_disk)
+        for repo in cached_repos()
+        if repo.revisions
+    ]

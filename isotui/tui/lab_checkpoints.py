@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.color import Color
 from textual.widgets import DataTable, Input, Static
 
-from isotui.render import shorten
+from isotui.render import DUPLICATE_MARK, duplicates_caption, shorten
 from isotui.tui.lab_tab import LabTab
 from isotui.tui.layer_table import SHADE_MAX, shade_fraction
 
@@ -44,7 +44,8 @@ def show_checkpoints(tab: CheckpointsTab) -> None:
     theme = tab.host.current_theme
     low = Color.parse(theme.surface or theme.background or "#202020")
     high = Color.parse(theme.primary)
-    table.add_columns("layer", *(str(s) for s in result.steps()))
+    marks = [DUPLICATE_MARK if c.duplicate_of else "" for c in result.checkpoints]
+    table.add_columns("layer", *(f"{s}{m}" for s, m in zip(result.steps(), marks, strict=True)))
     for label, row in zip(labels, values, strict=True):
         cells = [Text(label, justify="right")]
         for v in row:
@@ -59,6 +60,7 @@ def show_checkpoints(tab: CheckpointsTab) -> None:
     info.update(
         f"{shorten(result.series, 40)} · {metric} by layer (rows) and step (columns), {span} · "
         f"{meta.get('data')}, {meta.get('n_samples')} samples · m: next metric"
+        + duplicates_caption(result.checkpoints)
     )
 
 

@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import DataTable, Input
 
-from isotui.render import shorten
+from isotui.render import DUPLICATE_MARK, shorten
 from isotui.tui.lab_tab import LabTab
 from isotui.tui.lab_tab import fmt as _f
 from isotui.tui.plots import FitPlot
@@ -63,7 +63,8 @@ class DynamicsTab(LabTab):
         table.add_columns("checkpoint", "step", *labels)
         cos = result.layer_means("cos_qk_bar")
         for i, (ckpt, step) in enumerate(zip(result.checkpoints, result.steps(), strict=True)):
-            table.add_row(shorten(ckpt.label, 24), str(step), *(_f(v) for v in cos[i]))
+            mark = DUPLICATE_MARK if ckpt.duplicate_of else ""  # serves a later step's weights
+            table.add_row(shorten(ckpt.label, 24) + mark, str(step), *(_f(v) for v in cos[i]))
         table.border_title = f"{shorten(result.series, 40)}: cos(Q-mean, K-mean) per layer, heads averaged"
         self.plot()
 

@@ -76,7 +76,9 @@ class LabTab(TabPane):
 
         host = self.host
         try:
-            checkpoints = resolve_checkpoints(host.selected, [text])
+            checkpoints = resolve_checkpoints(
+                host.selected, [text], notice=lambda said: host.notify(said, severity="warning")
+            )
             spec = host.spec_for(checkpoints[0].model)
         except IsotuiError as exc:
             from isotui.tui.wording import in_box_terms
