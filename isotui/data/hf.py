@@ -201,11 +201,10 @@ class HFMedia(Sequence[str]):
         decoded)."""
         import pyarrow.compute as pc
 
-        datasets = _datasets(spec)
-        column = ds.select_columns([field]).cast_column(field, getattr(datasets, kind.title())(decode=False))
+        column = ds.select_columns([field]).with_format("arrow")  # the stored structs: nothing decoded
         rows: list[np.ndarray] = []
         start, found = 0, 0
-        for batch in column.with_format("arrow").iter(batch_size=4096):
+        for batch in column.iter(batch_size=4096):
             values = batch.column(0)
             stored = pc.or_(
                 pc.is_valid(pc.struct_field(values, "bytes")), pc.is_valid(pc.struct_field(values, "path"))
@@ -240,7 +239,7 @@ class HFMedia(Sequence[str]):
 
     def encoded(self, idx: Sequence[int]) -> list[dict[str, Any]]:
         """The stored ``{"bytes", "path"}`` of samples ``idx`` (one Arrow read)."""
-        values: list[dict[str, Any]] = self.table[[int(self.rows[i]) for i in idx]][self.field]
+        values: list[dict[str, Any]] = self.table[[int(self.rows[i]) for i in idx]].column(0).to_pylist()
         return values
 
     def _file(self, value: dict[str, Any], i: int) -> str | BinaryIO:

@@ -146,6 +146,7 @@ class Samples(list[str]):
     """A list of text samples with what reading them did to them (``notes``: cut lines)."""
 
     notes: list[str]
+    source = ""  # the hf: spec they came from, for the sentence when the model takes no text
 
 
 class SyntheticSamples(Sequence[str]):
@@ -216,6 +217,8 @@ def load_samples(
         samples = _read_hf(spec, max_samples)
     samples = Samples(samples[:max_samples] if max_samples is not None else samples)
     samples.notes = []
+    if spec.scheme == "hf":
+        samples.source = spec.describe()
     if not samples:
         raise IsotuiError(f"data source {spec.describe()} has no non-empty samples")
     if spec.modality == "text":

@@ -257,7 +257,8 @@ def make_feeder(
             "image": "images:DIR, hf:NAME:SPLIT:FIELD with an image column, or synthetic:images",
             "audio": "audio:DIR, hf:NAME:SPLIT:FIELD with an audio column, or synthetic:audio",
         }
-        source = f" ({samples.source})" if isinstance(samples, HFMedia) else ""
+        named = getattr(samples, "source", "")  # an hf: spec: which column was taken
+        source = f" ({named})" if named else ""
         raise IsotuiError(
             f"the model takes {what[loaded.modality]} but the data{source} is {what[modality]}; "
             f"use --data {hint[loaded.modality]}"
