@@ -91,9 +91,10 @@ def open_split(spec: DataSpec) -> Any:
             raise IsotuiError(
                 f"data source {spec.describe()} has no split {missing.group(1)!r} (it has: {have})"
             ) from None
+        cache = getattr(getattr(datasets, "config", None), "HF_DATASETS_CACHE", "")
         raise IsotuiError(
             f"data source {spec.describe()} could not be loaded ({first}); it must be in the local "
-            "Hugging Face datasets cache, a folder written by save_to_disk, or reachable on the hub"
+            f"Hugging Face datasets cache ({cache}), a folder written by save_to_disk, or on the hub"
         ) from None
 
 

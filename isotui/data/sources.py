@@ -85,7 +85,7 @@ def parse_data(value: str, base_dir: Path | None = None) -> DataSpec:
     if scheme not in SCHEMES:
         raise IsotuiError(
             f"data source {value!r} has an unknown scheme; use builtin, text:PATH, "
-            "jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD], images:DIR, audio:DIR, "
+            "jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD][:N], images:DIR, audio:DIR, "
             "synthetic:images or synthetic:audio"
         )
     if not rest:
