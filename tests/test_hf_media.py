@@ -386,3 +386,45 @@ def test_cli_offline_from_the_cache_and_exit_2_on_a_missing_split(models, hf_dat
     bad = cli("--data", "hf:isotui-test/tiny_images:train")
     assert bad.returncode == 2 and "has no split 'train' (it has: validation)" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_a_dataset_of_files_measures_as_the_folder_of_those_files(models, tmp_path):
+    """The same files through hf: (saved: their bytes embedded) and as images:DIR / audio:DIR give
+    the same numbers; rows that hold only a path (as a cache made from extracted archives does)
+    are read from the file, and hash as the same content."""
+    import datasets
+    import soundfile
+    from PIL import Image
+
+    from isotui.data.hf import HFMedia
+    from isotui.data.sources import load_samples, parse_data
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "wav").mkdir()
+    paths = []
+    for i, img in enumerate(_images()[:4]):
+        paths.append(str(tmp_path / "img" / f"{i}.png"))
+        img.save(paths[-1])
+    ds = datasets.Dataset.from_dict({"image": paths}).cast_column("image", datasets.Image())
+    ds.save_to_disk(str(tmp_path / "img_ds"))
+    spec = parse_data(f"hf:{tmp_path / 'img_ds'}:train")
+    by_path = HFMedia.of(spec, ds, "image", "image", None)  # in memory: the rows hold paths only
+    assert by_path.encoded([0])[0]["bytes"] is None
+    assert by_path.fingerprint() == load_samples(spec).fingerprint()
+    for got, path in zip(by_path.images(range(4)), paths, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(Image.open(path).convert("RGB")))
+    clips = []
+    for i, clip in enumerate(_stereo_clips()):
+        clips.append(str(tmp_path / "wav" / f"{i}.wav"))
+        soundfile.write(clips[-1], clip, RATE_IN, subtype="FLOAT")
+    ds = datasets.Dataset.from_dict({"audio": clips}).cast_column("audio", datasets.Audio())
+    ds.save_to_disk(str(tmp_path / "wav_ds"))
+    for model, folder, saved in (
+        (models["vit"], f"images:{tmp_path / 'img'}", f"hf:{tmp_path / 'img_ds'}:train"),
+        (models["wav2vec2"], f"audio:{tmp_path / 'wav'}", f"hf:{tmp_path / 'wav_ds'}:train"),
+    ):
+        a, b = measure(make_spec(model, folder), None), measure(make_spec(model, saved), None)
+        assert [r.n_vectors for r in a.rows] == [r.n_vectors for r in b.rows]
+        for ra, rb in zip(a.rows, b.rows, strict=True):
+            assert rb.avg_cos == pytest.approx(ra.avg_cos, rel=1e-6)
+            assert rb.mean_norm == pytest.approx(ra.mean_norm, rel=1e-6)
