@@ -345,6 +345,11 @@ def test_bad_hf_input_is_one_sentence_naming_the_spec(models, hf_data):
         f"the model takes images but the data (hf:{hf_data}/audio_dict:validation) is audio",
     )
     fails(f"hf:{hf_data}/images_dict:validation:image", "the model takes text but the data", model="minilm")
+    import datasets
+
+    broken = datasets.Dataset.from_dict({"image": [{"bytes": b"not an image", "path": "x.png"}]})
+    broken.cast_column("image", datasets.Image()).save_to_disk(str(hf_data / "broken"))
+    fails(f"hf:{hf_data}/broken:train", f"image hf:{hf_data}/broken:train#0 cannot be read as an image")
 
 
 def test_the_one_text_column_is_taken_and_two_are_named(hf_data):
