@@ -162,7 +162,7 @@ class RunSpec:
     data: DataSpec = _option(  # noqa: RUF009 (dataclasses.field with metadata: no default)
         required=True,
         default="builtin",
-        help="builtin (default), text:PATH, jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD], "
+        help="builtin (default), text:PATH, jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD][:N], "
         "images:DIR, audio:DIR, synthetic:images, synthetic:audio",
         toml=(str,),
         parse=_data,

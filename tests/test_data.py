@@ -79,7 +79,7 @@ def test_hf_local_dataset_through_datasets(tmp_path):
     samples = load_samples(parse_data(f"hf:{folder}:train"), 5)
     assert samples == [f"sentence number {i}." for i in range(5)]
     assert len(load_samples(parse_data(f"hf:{folder}:train"))) == 7
-    with pytest.raises(IsotuiError, match=r"has no column 'body' \(it has: text, label\)"):
+    with pytest.raises(IsotuiError, match=r"has no column 'body' \(it has: text \(text\), label \(int64\)\)"):
         load_samples(parse_data(f"hf:{folder}:train:body"))
     with pytest.raises(IsotuiError, match="could not be loaded"):
         load_samples(parse_data("hf:no-such-dataset-anywhere:train"))
@@ -87,7 +87,7 @@ def test_hf_local_dataset_through_datasets(tmp_path):
 
 def test_hf_split_slices_keep_their_colon_and_builtin_takes_no_argument():
     s = parse_data("hf:wikitext:wikitext-2-raw-v1:train[:100]")
-    assert (s.name, s.config, s.split, s.field) == ("wikitext", "wikitext-2-raw-v1", "train[:100]", "text")
+    assert (s.name, s.config, s.split, s.field) == ("wikitext", "wikitext-2-raw-v1", "train[:100]", "")
     s = parse_data("hf:imdb:test[10:20]:review")
     assert (s.config, s.split, s.field) == (None, "test[10:20]", "review")
     with pytest.raises(IsotuiError, match="builtin takes no argument"):

@@ -10,7 +10,7 @@ when the generators change, which changes the cache key.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import numpy.typing as npt
@@ -31,23 +31,29 @@ def _index(sample: str) -> int:
 
 def load_image(sample: str) -> PILImage:
     """A PIL RGB image for a file path or a ``synthetic:images#i`` name."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     if sample.startswith("synthetic:images#"):
         return Image.fromarray(synthetic_image(_index(sample)))
+    return read_image(sample, f"image file {sample}")
+
+
+def read_image(source: str | BinaryIO, what: str) -> PILImage:
+    """Decode an image file (a path, or a file object such as a dataset's encoded bytes) to RGB;
+    ``what`` names it in the one-sentence error (``image file PATH``, ``image hf:...#ROW``)."""
+    from PIL import Image, UnidentifiedImageError
+
     try:
-        with Image.open(sample) as img:
+        with Image.open(source) as img:
             return img.convert("RGB")
     except Image.DecompressionBombError:
         limit = Image.MAX_IMAGE_PIXELS  # None turns the check off, so it is set here
         raise IsotuiError(
-            f"image file {sample} claims more than {2 * (limit or 0):,} pixels, which is "
+            f"{what} claims more than {2 * (limit or 0):,} pixels, which is "
             "either damaged or a decompression bomb; remove it or shrink it"
         ) from None
     except (OSError, UnidentifiedImageError) as exc:
-        raise IsotuiError(
-            f"image file {sample} cannot be read as an image ({exc}); remove or fix it"
-        ) from None
+        raise IsotuiError(f"{what} cannot be read as an image ({exc}); remove or fix it") from None
 
 
 def synthetic_image(index: int, size: int = SYNTHETIC_IMAGE_SIZE) -> np.ndarray:
@@ -76,18 +82,34 @@ def synthetic_image(index: int, size: int = SYNTHETIC_IMAGE_SIZE) -> np.ndarray:
 def load_audio(sample: str, rate: int) -> np.ndarray:
     """Mono float32 samples at ``rate`` Hz for a file path or a ``synthetic:audio#i`` name."""
     if sample.startswith("synthetic:audio#"):
-        wave, source_rate = synthetic_audio(_index(sample)), SYNTHETIC_AUDIO_RATE
-    else:
-        import soundfile
+        return resample(synthetic_audio(_index(sample)), SYNTHETIC_AUDIO_RATE, rate)
+    return read_audio(sample, f"audio file {sample}", rate)
 
-        try:
-            data, source_rate = soundfile.read(sample, dtype="float32", always_2d=True)
-        except (RuntimeError, OSError) as exc:  # soundfile raises LibsndfileError (a RuntimeError)
-            raise IsotuiError(f"audio file {sample} cannot be read ({exc}); remove or fix it") from None
-        wave = data.mean(axis=1)
-        if len(wave) == 0:
-            raise IsotuiError(f"audio file {sample} is empty; remove it")
+
+def read_audio(source: str | BinaryIO, what: str, rate: int) -> np.ndarray:
+    """Decode an audio file (a path or a file object) with soundfile, mix its channels to mono
+    (their mean) and resample it to ``rate`` Hz; ``what`` names it in the error."""
+    import soundfile
+
+    try:
+        data, source_rate = soundfile.read(source, dtype="float32", always_2d=True)
+    except (RuntimeError, OSError) as exc:  # soundfile raises LibsndfileError (a RuntimeError)
+        raise IsotuiError(f"{what} cannot be read ({exc}); remove or fix it") from None
+    wave = data.mean(axis=1)
+    if len(wave) == 0:
+        raise IsotuiError(f"{what} is empty; remove it")
     return resample(wave, source_rate, rate)
+
+
+def audio_frames(source: str | BinaryIO, what: str, rate: int) -> int:
+    """The samples an audio file gives at ``rate`` Hz, from its header (nothing decoded)."""
+    import soundfile
+
+    try:
+        info = soundfile.info(source)
+    except (RuntimeError, OSError) as exc:
+        raise IsotuiError(f"{what} cannot be read ({exc}); remove or fix it") from None
+    return max(1, math.ceil(info.frames * rate / info.samplerate))
 
 
 def resample(wave: np.ndarray, source_rate: int, rate: int) -> npt.NDArray[np.float32]:

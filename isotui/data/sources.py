@@ -1,6 +1,6 @@
-"""Data sources. Text: ``builtin``, ``text:PATH``, ``jsonl:PATH[:FIELD]``,
-``hf:NAME[:CONFIG]:SPLIT[:FIELD]``. Media: ``images:DIR``, ``audio:DIR``, ``synthetic:images``,
-``synthetic:audio``.
+"""Data sources. Text: ``builtin``, ``text:PATH``, ``jsonl:PATH[:FIELD]``. Media: ``images:DIR``,
+``audio:DIR``, ``synthetic:images``, ``synthetic:audio``. Either: ``hf:NAME[:CONFIG]:SPLIT[:FIELD][:N]``
+(a text, image or audio column of a Hugging Face dataset: :mod:`isotui.data.hf`).
 
 Every source yields non-empty samples in a fixed order; ``max_samples`` keeps the first N. A text
 sample is its text; a media sample is an absolute file path or a synthetic item's name, decoded
@@ -32,6 +32,9 @@ DEFAULT_MAX_LENGTH = 512  # ... or of the default limit, while reading: never to
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 AUDIO_SUFFIXES = (".wav", ".flac", ".mp3", ".ogg")  # Common Voice ships mp3
 _SPLIT = re.compile(r"^(train|validation|valid|test|dev)(\[.*\])?$")
+# a split as datasets reads it: NAME or NAME[START:END] (rows or percentages), joined with +
+_SPLIT_SPEC = re.compile(r"^[\w.-]+(\[(-?\d+%?)?:(-?\d+%?)?\])?(\+[\w.-]+(\[(-?\d+%?)?:(-?\d+%?)?\])?)*$")
+_COUNT = re.compile(r"^[-+]?\d[\d_,.]*$")  # a last hf: part meant as a row count
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,10 @@ class DataSpec:
         """``text``, ``image`` or ``audio``: what the model must take."""
         if self.scheme == "synthetic":
             return MEDIA[self.name]
+        if self.scheme == "hf":  # the column's type: the dataset is opened once to see it
+            from isotui.data.hf import modality
+
+            return modality(self)
         return MEDIA.get(self.scheme, "text")
 
     def describe(self) -> str:
@@ -64,7 +71,7 @@ class DataSpec:
         if self.scheme == "jsonl":
             return f"jsonl:{self.path}:{self.field}"
         parts = [self.name, *([self.config] if self.config else []), self.split, self.field]
-        return "hf:" + ":".join(parts)
+        return "hf:" + ":".join(p for p in parts if p)
 
 
 def parse_data(value: str, base_dir: Path | None = None) -> DataSpec:
@@ -78,7 +85,7 @@ def parse_data(value: str, base_dir: Path | None = None) -> DataSpec:
     if scheme not in SCHEMES:
         raise IsotuiError(
             f"data source {value!r} has an unknown scheme; use builtin, text:PATH, "
-            "jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD], images:DIR, audio:DIR, "
+            "jsonl:PATH[:FIELD], hf:NAME[:CONFIG]:SPLIT[:FIELD][:N], images:DIR, audio:DIR, "
             "synthetic:images or synthetic:audio"
         )
     if not rest:
@@ -98,26 +105,48 @@ def parse_data(value: str, base_dir: Path | None = None) -> DataSpec:
             path, _, field = rest.rpartition(":")
         return DataSpec("jsonl", path=str((base / Path(path).expanduser()).resolve()), field=field or "text")
     parts = re.split(r":(?![^\[]*\])", rest)  # a split slice like train[:100] keeps its colon
+    count = parts.pop() if len(parts) >= 3 and _COUNT.match(parts[-1]) else None
     if len(parts) == 2:
-        name, config, split, field = parts[0], None, parts[1], "text"
+        name, config, split, field = parts[0], None, parts[1], ""
     elif len(parts) == 3 and _SPLIT.match(parts[1]):
         name, config, split, field = parts[0], None, parts[1], parts[2]
     elif len(parts) == 3:
-        name, config, split, field = parts[0], parts[1], parts[2], "text"
+        name, config, split, field = parts[0], parts[1], parts[2], ""
     elif len(parts) == 4:
         name, config, split, field = parts
     else:
-        raise IsotuiError(f"data source {value!r} is not hf:NAME[:CONFIG]:SPLIT[:FIELD]")
+        raise IsotuiError(f"data source {value!r} is not hf:NAME[:CONFIG]:SPLIT[:FIELD][:N]")
+    split = _hf_slice(value, split, count)
     local = base / Path(name).expanduser()
     if name.startswith((".", "/", "~")) or local.is_dir():
         name = str(local.resolve())
-    return DataSpec("hf", name=name, config=config, split=split, field=field or "text")
+    return DataSpec("hf", name=name, config=config, split=split, field=field)
+
+
+def _hf_slice(value: str, split: str, count: str | None) -> str:
+    """``SPLIT`` with ``:N`` folded in as ``SPLIT[:N]`` (the first N rows, as datasets slices)."""
+    if count is not None:
+        if not count.isdigit() or int(count) < 1:
+            raise IsotuiError(
+                f"data source {value!r}: the row count {count!r} is not a positive integer "
+                "(hf:NAME[:CONFIG]:SPLIT[:FIELD]:N keeps the split's first N rows)"
+            )
+        if "[" in split:
+            raise IsotuiError(f"data source {value!r} slices the split twice; give SPLIT[:N] or :N, not both")
+        split = f"{split}[:{int(count)}]"
+    if not _SPLIT_SPEC.match(split):
+        raise IsotuiError(
+            f"data source {value!r}: split {split!r} is not SPLIT or SPLIT[START:END] "
+            "(rows or percentages, as in validation[:100] or train[10%:20%])"
+        )
+    return split
 
 
 class Samples(list[str]):
     """A list of text samples with what reading them did to them (``notes``: cut lines)."""
 
     notes: list[str]
+    source = ""  # the hf: spec they came from, for the sentence when the model takes no text
 
 
 class SyntheticSamples(Sequence[str]):
@@ -180,10 +209,16 @@ def load_samples(
     elif spec.scheme in MEDIA:
         suffixes = IMAGE_SUFFIXES if spec.scheme == "images" else AUDIO_SUFFIXES
         samples = _list_media(Path(spec.path), suffixes, spec.scheme)
+    elif spec.scheme == "hf" and spec.modality != "text":
+        from isotui.data.hf import media_samples
+
+        return media_samples(spec, max_samples)  # left in the Arrow table, decoded batch by batch
     else:
         samples = _read_hf(spec, max_samples)
     samples = Samples(samples[:max_samples] if max_samples is not None else samples)
     samples.notes = []
+    if spec.scheme == "hf":
+        samples.source = spec.describe()
     if not samples:
         raise IsotuiError(f"data source {spec.describe()} has no non-empty samples")
     if spec.modality == "text":
@@ -202,6 +237,8 @@ def fingerprint(samples: Sequence[str], spec: DataSpec | None = None) -> str:
     """A hash of exactly the samples that are measured: texts, or media files' contents (a
     renamed folder with the same files is the same data), or the synthetic generator's version."""
     h = hashlib.sha256()
+    if hasattr(samples, "fingerprint"):  # an hf: image or audio column: its rows' encoded bytes
+        return str(samples.fingerprint())
     if spec is not None and spec.scheme in MEDIA:
         root = Path(spec.path)
         for s in samples:
@@ -235,6 +272,8 @@ def check_source(spec: DataSpec) -> None:
     loaded or looked up, so a preset whose data is absent says so first."""
     if spec.scheme in ("text", "jsonl") and not Path(spec.path).is_file():
         raise IsotuiError(f"data file {spec.path} does not exist (or is not a file)")
+    if spec.scheme == "hf":  # the dataset, split and column exist (remembered for the run)
+        _ = spec.modality
     if spec.scheme in MEDIA:
         _require_dir(
             Path(spec.path), IMAGE_SUFFIXES if spec.scheme == "images" else AUDIO_SUFFIXES, spec.scheme
@@ -299,28 +338,13 @@ def _read_jsonl(path: Path, field: str, max_samples: int | None) -> list[str]:
 
 
 def _read_hf(spec: DataSpec, max_samples: int | None) -> list[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise IsotuiError(
-            f"data source {spec.describe()} needs the `datasets` package: pip install datasets"
-        ) from None
-    try:
-        ds = datasets.load_dataset(spec.name, spec.config, split=spec.split)
-    except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise IsotuiError(
-            f"data source {spec.describe()} could not be loaded ({first}); it must be in the local "
-            "Hugging Face datasets cache, a local folder, or reachable on the hub"
-        ) from None
-    if spec.field not in ds.column_names:
-        raise IsotuiError(
-            f"data source {spec.describe()} has no column {spec.field!r} "
-            f"(it has: {', '.join(ds.column_names)})"
-        )
+    from isotui.data.hf import open_split, pick_column
+
+    ds = open_split(spec)
+    field, _ = pick_column(spec, ds)
     out: list[str] = []
-    for value in ds[spec.field] if max_samples is None else ds.select_columns([spec.field]):
-        value = value[spec.field] if isinstance(value, dict) else value
+    for value in ds[field] if max_samples is None else ds.select_columns([field]):
+        value = value[field] if isinstance(value, dict) else value
         if isinstance(value, str) and value.strip():
             out.append(value.strip())
             if max_samples is not None and len(out) >= max_samples:

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from isotui.data.media import SYNTHETIC_AUDIO_RATE, load_audio, load_image, synthetic_audio
+from isotui.data.hf import HFMedia
+from isotui.data.media import SYNTHETIC_AUDIO_RATE, audio_frames, load_audio, load_image, synthetic_audio
 from isotui.errors import IsotuiError
 from isotui.extract.tokens import Tokens, tokenize
 from isotui.models.loading import UNKNOWN_CHECK_SAMPLES, LoadedModel, check_unknown_share
@@ -145,7 +146,11 @@ class ImageFeeder:
     def pixel_values(self, idx: list[int]) -> torch.Tensor:
         import torch
 
-        images = [load_image(self.samples[i]) for i in idx]
+        samples = self.samples
+        if isinstance(samples, HFMedia):
+            images = samples.images(idx)
+        else:
+            images = [load_image(samples[i]) for i in idx]
         proc = self.loaded.processor
         if self.loaded.family.startswith("timm"):
             return torch.stack([proc(img) for img in images])
@@ -181,7 +186,11 @@ class AudioFeeder:
         proc = loaded.processor
         self.rate = int(getattr(proc, "sampling_rate", SYNTHETIC_AUDIO_RATE))
         self.whisper = loaded.model.main_input_name == "input_features"
-        self.n_samples = np.array([_audio_length(s, self.rate) for s in samples], dtype=np.int64)
+        self.n_samples = (
+            samples.wave_lengths(self.rate)
+            if isinstance(samples, HFMedia)
+            else np.array([_audio_length(s, self.rate) for s in samples], dtype=np.int64)
+        )
         self.lengths = np.maximum(self.n_samples // AUDIO_FRAME_SAMPLES, 1)
         # A waveform model fed without an attention mask (wav2vec 2.0 base and its kind) would
         # attend to zero padding: batch only clips of the same length, so no clip is padded.
@@ -192,7 +201,11 @@ class AudioFeeder:
     def feed(self, idx: list[int]) -> Fed:
         import torch
 
-        waves = [load_audio(self.samples[i], self.rate) for i in idx]
+        samples = self.samples
+        if isinstance(samples, HFMedia):
+            waves = samples.waves(idx, self.rate)
+        else:
+            waves = [load_audio(samples[i], self.rate) for i in idx]
         proc = self.loaded.processor
         kwargs: dict[str, Any] = {"sampling_rate": self.rate, "return_tensors": "pt"}
         if not self.whisper:
@@ -241,11 +254,13 @@ def make_feeder(
         what = {"text": "text", "image": "images", "audio": "audio"}
         hint = {
             "text": "builtin, text:PATH, jsonl:PATH or hf:...",
-            "image": "images:DIR or synthetic:images",
-            "audio": "audio:DIR or synthetic:audio",
+            "image": "images:DIR, hf:NAME:SPLIT:FIELD with an image column, or synthetic:images",
+            "audio": "audio:DIR, hf:NAME:SPLIT:FIELD with an audio column, or synthetic:audio",
         }
+        named = getattr(samples, "source", "")  # an hf: spec: which column was taken
+        source = f" ({named})" if named else ""
         raise IsotuiError(
-            f"the model takes {what[loaded.modality]} but the data is {what[modality]}; "
+            f"the model takes {what[loaded.modality]} but the data{source} is {what[modality]}; "
             f"use --data {hint[loaded.modality]}"
         )
     if modality == "text":
@@ -304,12 +319,5 @@ def _audio_length(sample: str, rate: int) -> int:
     """Samples at ``rate`` without decoding the file (soundfile reads the header)."""
     if sample.startswith("synthetic:audio#"):
         n, source = len(synthetic_audio(int(sample.rpartition("#")[2]))), SYNTHETIC_AUDIO_RATE
-    else:
-        import soundfile
-
-        try:
-            info = soundfile.info(sample)
-        except (RuntimeError, OSError) as exc:
-            raise IsotuiError(f"audio file {sample} cannot be read ({exc}); remove or fix it") from None
-        n, source = info.frames, info.samplerate
-    return max(1, math.ceil(n * rate / source))
+        return max(1, math.ceil(n * rate / source))
+    return audio_frames(sample, f"audio file {sample}", rate)
