@@ -49,7 +49,8 @@ def probe_runs(
     requests: list[Any] | None, ns: argparse.Namespace, results: list[Any]
 ) -> list[dict[str, Any]]:
     """The JSON's runs of a final-norm or gradients figure: each measured request's model, k and
-    cache key (``isotui show KEY``); empty for the other figures (their results carry their keys)."""
+    cache key (its file in the cache's final-norm/ or gradients/ folder); empty for the other
+    figures (their results carry their keys)."""
     if ns.experiment not in ("final-norm", "gradients") or not results:
         return []
     from isotui.cli_experiments import make_requests
