@@ -114,18 +114,16 @@ def main(args: argparse.Namespace, err: Any) -> int:
     outcome = None
     if figure.experiment is not None:
         from isotui.cli_experiments import collect
-        from isotui.cli_figure_probes import probe_requests, probe_runs
+        from isotui.cli_figure_probes import collect_gradients, probe_runs
         from isotui.experiments.registry import get
 
         ns = _experiment_args(args, figure.experiment)
-        requests = probe_requests(figure.experiment, ns)
-        outcome = collect(
-            get(figure.experiment),
-            ns,
-            err,
-            on_error=lambda _m, text: print_error(err, text),
-            requests=requests,
-        )
+        on_error = lambda _m, text: print_error(err, text)  # noqa: E731
+        requests = None
+        if figure.experiment == "gradients":
+            outcome, requests = collect_gradients(ns, err, on_error)
+        else:
+            outcome = collect(get(figure.experiment), ns, err, on_error=on_error)
         results = outcome.results
         args.probe_runs = probe_runs(requests, ns, results)
         if not results:

@@ -9,6 +9,7 @@ cases without touching these.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -32,17 +33,41 @@ def model_args(args: argparse.Namespace, ns: argparse.Namespace, experiment: str
         ns.top_k = parse_ks(args.ks)[0]
 
 
-def probe_requests(experiment: str, ns: argparse.Namespace) -> list[Any] | None:
-    """gradient-energy's requests: the model's gradients run once per k of ``--ks`` (each its
-    own cache entry); None for every other figure (the experiment's own requests)."""
-    if experiment != "gradients":
-        return None
-    from isotui.cli_experiments import make_requests
+def collect_gradients(
+    ns: argparse.Namespace, err: Any, on_error: Callable[[str, str], None]
+) -> tuple[Any, list[Any]]:
+    """gradient-energy's runs: the model's gradients once per k of ``--ks`` (each its own cache
+    entry), the smallest k first; its hidden size then checks the other k before they run, and a
+    k the model cannot take is said in terms of ``--ks``. (The outcome, the requests measured.)"""
+    from isotui.cli_experiments import collect, make_requests
+    from isotui.errors import IsotuiError
     from isotui.experiments.registry import get
     from isotui.paper_figures_probes import parse_ks
 
-    (first,) = make_requests(get("gradients"), ns)
-    return [replace(first, top_k=k) for k in parse_ks(ns.ks)]
+    experiment = get("gradients")
+    ks = parse_ks(ns.ks)
+    (first,) = make_requests(experiment, ns)
+
+    def said(model: str, text: str) -> None:
+        on_error(
+            model, text.replace(f"--top-k {ks[0]} ", f"k = {ks[0]} of --ks ").replace("use --top-k", "use k")
+        )
+
+    requests = [replace(first, top_k=ks[0])]
+    outcome = collect(experiment, ns, err, on_error=said, requests=requests)
+    if not outcome.results or len(ks) == 1:
+        return outcome, requests
+    d = min(row.dim for row in outcome.results[0].rows)
+    if ks[-1] >= d:
+        raise IsotuiError(f"--ks {ns.ks}: every k must be below the hidden size {d} of model {first.model!r}")
+    rest = [replace(first, top_k=k) for k in ks[1:]]
+    more = collect(experiment, ns, err, on_error=on_error, requests=rest)
+    outcome.results += more.results
+    outcome.rows += more.rows
+    outcome.failed += more.failed
+    outcome.internal += more.internal
+    outcome.total += more.total
+    return outcome, requests + rest
 
 
 def probe_runs(

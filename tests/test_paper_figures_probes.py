@@ -231,3 +231,27 @@ def test_bad_input_is_one_sentence_and_exit_2(args, needle, capsys, tmp_path, mo
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not list(tmp_path.glob("f.*"))
+
+
+@pytest.mark.parametrize(
+    ("ks", "needle"), [("2,64", "every k must be below the hidden size 32"), ("64", "k = 64 of --ks")]
+)
+def test_a_k_the_model_cannot_take_is_said_in_terms_of_ks(ks, needle, capsys, tmp_path):
+    out = tmp_path / "f.pdf"
+    args = [
+        "figure",
+        "gradient-energy",
+        "-m",
+        GPT2,
+        "--max-samples",
+        "4",
+        "--ks",
+        ks,
+        "--out",
+        str(out),
+        "-q",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "--top-k" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
