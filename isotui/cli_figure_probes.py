@@ -33,6 +33,15 @@ def model_args(args: argparse.Namespace, ns: argparse.Namespace, experiment: str
         ns.top_k = parse_ks(args.ks)[0]
 
 
+def check_at_norm(ns: argparse.Namespace) -> None:
+    """godey2024-fig9's ``--at-norm``: one of the sweep's N, checked against the drift block's
+    own flags before anything runs."""
+    from isotui.experiments.drift_block import config_from_args
+    from isotui.paper_figures_probes import parse_at_norm
+
+    parse_at_norm(ns.at_norm, config_from_args(ns).norms)
+
+
 def collect_gradients(
     ns: argparse.Namespace, err: Any, on_error: Callable[[str, str], None]
 ) -> tuple[Any, list[Any]]:

@@ -175,10 +175,65 @@ def _softmax_axes(fig: Any, result: Any, curves: list[tuple[str, str]], ylabel: 
     fig.legend(loc="outside upper center", ncols=len(curves) + 1, handlelength=1.8, columnspacing=1.0)
 
 
-def draw_softmax(fig: Any, results: list[Any], _options: Any) -> Drawing:
+def parse_at_norm(text: str | None, norms: Any) -> int | None:
+    """``--at-norm N``: the index of that N in the sweep (None when not given); a value the sweep
+    does not have is said with the ones it has."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise IsotuiError(f"--at-norm {text!r} is not a number (a bias norm N of the sweep)") from None
+    found = np.flatnonzero(np.isclose(np.asarray(norms, dtype=np.float64), value, rtol=0, atol=1e-9))
+    if found.size == 0:
+        have = ", ".join(f"{n:g}" for n in norms)
+        raise IsotuiError(f"--at-norm {text}: the sweep has no N = {value:g} (it has {have})")
+    return int(found[0])
+
+
+def _softmax_positions(fig: Any, result: Any, index: int) -> Drawing:
+    """Fig. 9 at one N (``--at-norm``): the softmax row max, median and min at each query
+    position, averaged over the batch and heads, then over the seeds (a one-std band)."""
+    from isotui.experiments.drift_block.result import SOFTMAX_STATS
+
+    position = np.asarray(result.softmax_position[:, index], dtype=np.float64)  # (S, 3, T)
+    mean = position.mean(axis=0)
+    std = position.std(axis=0, ddof=1) if position.shape[0] > 1 else np.full_like(mean, np.nan)
+    t = np.arange(mean.shape[-1])
+    ax = fig.add_subplot()
+    styles = ((OKABE_ITO[3], "-"), (OKABE_ITO[0], "--"), (OKABE_ITO[2], "-."))
+    for s, (stat, (colour, style)) in enumerate(zip(SOFTMAX_STATS, styles, strict=True)):
+        _band(ax, t, mean[s], std[s], color=colour, linestyle=style, label=stat)
+    uniform = 1.0 / result.config.seq_len
+    ax.axhline(uniform, color=NULL_COLOUR, linewidth=0.8, linestyle=":", label="uniform 1/T")
+    values = mean[np.isfinite(mean) & (mean > 0)]
+    if values.size and max(values.max(), uniform) / min(values.min(), uniform) > 10:
+        ax.set_yscale("log")
+    else:
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3), useOffset=False)
+    ax.set_xlabel(f"query position (N = {float(result.norms[index]):g})")
+    ax.set_ylabel("softmax row value (mean)")
+    fig.legend(loc="outside upper center", ncols=4, handlelength=1.8, columnspacing=1.0)
+    norm = float(result.norms[index])
+    rows: Rows = []
+    for j in t:
+        row: dict[str, Any] = {"norm": norm, "position": int(j), "n_seeds": position.shape[0]}
+        for s, stat in enumerate(SOFTMAX_STATS):
+            row[f"softmax_{stat}"] = float(mean[s, j])
+            row[f"softmax_{stat}_std"] = float(std[s, j])
+        row["uniform"] = uniform
+        rows.append(row)
+    return Drawing(fig, rows, _drift_runs(result))
+
+
+def draw_softmax(fig: Any, results: list[Any], options: Any) -> Drawing:
     """Fig. 9: each softmax row's max, median and min, averaged over rows (batch, heads, query
-    positions), against N; log scale, the uniform 1/T line."""
+    positions), against N; log scale, the uniform 1/T line. ``--at-norm N``: at that N, against
+    the query position."""
     result = results[0]
+    index = parse_at_norm(getattr(options, "at_norm", None), result.norms)
+    if index is not None:
+        return _softmax_positions(fig, result, index)
     curves = [("softmax_max", "max"), ("softmax_median", "median"), ("softmax_min", "min")]
     _softmax_axes(fig, result, curves, "softmax row value (mean)")
     rows = _curve_rows(result, SOFTMAX_CURVES)

@@ -114,6 +114,16 @@ def test_fig9_and_fig10_are_the_softmax_rows_and_their_extremes(block, tmp_path)
     )
 
 
+def test_fig9_at_one_norm_is_the_per_position_rows(block, tmp_path):
+    position = np.array(block["softmax_position"])  # [seed][N][stat: max, median, min][t]
+    _, rows, _ = figure(tmp_path, "godey2024-fig9", *BLOCK, "--at-norm", "9", suffix="svg")
+    assert [int(r["position"]) for r in rows] == list(range(16)) and {r["norm"] for r in rows} == {"9.0"}
+    for s, name in enumerate(("softmax_max", "softmax_median", "softmax_min")):
+        at = position[:, 3, s, :]  # N = 9 is the sweep's fourth
+        assert floats(rows, name) == pytest.approx(at.mean(axis=0), rel=1e-12)
+        assert floats(rows, f"{name}_std") == pytest.approx(at.std(axis=0, ddof=1), rel=1e-9)
+
+
 def test_fig16_is_pearsons_p_per_model(tiny_models, data, tmp_path):
     from scipy.stats import pearsonr
 
@@ -223,6 +233,8 @@ def test_png_has_the_requested_width_and_the_recorded_height(block, tmp_path, na
         (["figure", "gradient-energy", "-m", "a", "-m", "b", "--out", "f.pdf"], "give at most one --model"),
         (["figure", "machina2024-final-norm", "-c", "a,b", "--out", "f.pdf"], "takes one model (-m)"),
         (["figure", "godey2024-fig7", "-m", "minilm", "--out", "f.pdf"], "takes no -m or -c"),
+        (["figure", "godey2024-fig9", "--at-norm", "2.5", "--out", "f.pdf"], "the sweep has no N = 2.5"),
+        (["figure", "godey2024-fig9", "--at-norm", "x", "--out", "f.pdf"], "--at-norm 'x' is not a number"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(args, needle, capsys, tmp_path, monkeypatch):
@@ -255,3 +267,17 @@ def test_a_k_the_model_cannot_take_is_said_in_terms_of_ks(ks, needle, capsys, tm
     err = capsys.readouterr().err
     assert needle in err and "--top-k" not in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_every_probe_figure_is_in_the_readme_and_the_gallery():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    gallery = (root / "scripts" / "figure_gallery.py").read_text(encoding="utf-8")
+    for name in ("godey2024-fig7", "godey2024-fig8", "godey2024-fig9", "godey2024-fig10", "godey2024-fig16"):
+        assert f"| `{name}` |" in readme and f"docs/figures/{name}.png" in readme and f'"{name}"' in gallery
+        assert (root / "docs" / "figures" / f"{name}.png").is_file()
+    for name in ("machina2024-final-norm", "gradient-energy"):
+        assert f"| `{name}` |" in readme and f"isotui figure {name} " in readme and f'"{name}"' in gallery
+        assert (root / "docs" / "figures" / f"{name}.png").is_file()
