@@ -199,14 +199,23 @@ def test_drift_figures_pdf_and_svg_are_deterministic(block, tmp_path, name):
     assert b"/FontFile2" in pdf and b"CreationDate" not in pdf
 
 
-def test_gradient_energy_svg_is_deterministic(tmp_path):
-    run = ["-m", GPT2, "--max-samples", "4", "--ks", "1,2"]
-    files = []
-    for i in range(2):
-        out = tmp_path / f"{i}.svg"
-        assert main(["figure", "gradient-energy", *run, "--out", str(out), "-q"]) == 0
-        files.append(out.read_bytes())
-    assert files[0] == files[1]
+@pytest.mark.parametrize(
+    ("name", "run"),
+    [
+        ("gradient-energy", ["-m", GPT2, "--max-samples", "4", "--ks", "1,2"]),
+        ("machina2024-final-norm", ["-m", "minilm", "--max-samples", "4"]),
+    ],
+)
+def test_model_figures_pdf_and_svg_are_deterministic(tmp_path, name, run):
+    for suffix in ("pdf", "svg"):
+        files = []
+        for i in range(2):
+            out = tmp_path / f"{i}.{suffix}"
+            assert main(["figure", name, *run, "--out", str(out), "-q"]) == 0
+            files.append(out.read_bytes())
+        assert files[0] == files[1]
+    assert b"/FontFile2" in (tmp_path / "0.pdf").read_bytes()
+    assert "<text" in (tmp_path / "0.svg").read_text()
 
 
 @pytest.mark.parametrize(
