@@ -123,7 +123,10 @@ def main(args: argparse.Namespace, err: Any) -> int:
         from isotui.experiments.registry import get
 
         ns = _experiment_args(args, figure.experiment)
-        on_error = lambda _m, text: print_error(err, text)  # noqa: E731
+
+        def on_error(_model: str, text: str) -> None:
+            print_error(err, text)
+
         requests = None
         if figure.experiment == "gradients":
             outcome, requests = collect_gradients(ns, err, on_error)
