@@ -467,7 +467,7 @@ FIGURES: dict[str, PaperFigure] = {
         ),
         PaperFigure(
             "godey2024-fig9",
-            "Godey et al. 2024 Fig. 9: the drift block's softmax row max, median and min against N",
+            "Godey et al. 2024 Fig. 9: the drift block's softmax row max, median, min against N (--at-norm)",
             "drift-block",
             _probe("draw_softmax"),
         ),
