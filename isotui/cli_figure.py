@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", action="store_true", help="godey2024-fig1: x is the normalised depth")
     p.add_argument("--dims", metavar="LIST", help="godey2024-fig17: the dimensions d (default 8,32,128,768)")
     p.add_argument("--metric", default="avg_cos", choices=METRICS, help="machina2024-heatmap/-curves' metric")
+    p.add_argument("--log-counts", action="store_true", help="godey2024-fig7: a log count axis")
+    p.add_argument("--at-norm", metavar="N", help="godey2024-fig9: against the query position at this N")
+    p.add_argument("--ks", metavar="LIST", help="gradient-energy: the subspace sizes k (default 1,2,4,8,16)")
     p.add_argument(
         "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
     )
@@ -81,6 +84,14 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
         ns.experiment = "drift-block"
         ns.seed = "0" if args.seed is None else args.seed  # the run flags' "not given"
         ns.device = args.device or "auto"
+        if args.at_norm is not None:  # said before the sweep runs
+            from isotui.cli_figure_probes import check_at_norm
+
+            check_at_norm(ns)
+    elif experiment in ("final-norm", "gradients"):
+        from isotui.cli_figure_probes import model_args
+
+        model_args(args, ns, experiment)
     else:
         if args.checkpoints:
             raise IsotuiError(f"--checkpoints is for the machina2024 figures; {args.name} takes models (-m)")
@@ -110,11 +121,21 @@ def main(args: argparse.Namespace, err: Any) -> int:
     outcome = None
     if figure.experiment is not None:
         from isotui.cli_experiments import collect
+        from isotui.cli_figure_probes import collect_gradients, probe_runs
         from isotui.experiments.registry import get
 
         ns = _experiment_args(args, figure.experiment)
-        outcome = collect(get(figure.experiment), ns, err, on_error=lambda _m, text: print_error(err, text))
+
+        def on_error(_model: str, text: str) -> None:
+            print_error(err, text)
+
+        requests = None
+        if figure.experiment == "gradients":
+            outcome, requests = collect_gradients(ns, err, on_error)
+        else:
+            outcome = collect(get(figure.experiment), ns, err, on_error=on_error)
         results = outcome.results
+        args.probe_runs = probe_runs(requests, ns, results)
         if not results:
             return exit_code(outcome, err)
     if figure.name == "godey2024-fig17":

@@ -451,6 +451,18 @@ def draw_curves(fig: Any, results: list[Any], options: Any) -> Drawing:
     return Drawing(fig, rows, _series_runs(series))
 
 
+def _probe(name: str) -> Callable[[Any, list[Any], Any], Drawing]:
+    """A draw function of :mod:`isotui.paper_figures_probes`, loaded when drawn (it imports this module)."""
+
+    def draw(fig: Any, results: list[Any], options: Any) -> Drawing:
+        from isotui import paper_figures_probes
+
+        drawing: Drawing = getattr(paper_figures_probes, name)(fig, results, options)
+        return drawing
+
+    return draw
+
+
 FIGURES: dict[str, PaperFigure] = {
     f.name: f
     for f in (
@@ -462,7 +474,7 @@ FIGURES: dict[str, PaperFigure] = {
         ),
         PaperFigure(
             "godey2024-fig5",
-            "Godey et al. 2024 Figs. 5, 16: Spearman and Pearson p of drift vs avg cos per model",
+            "Godey et al. 2024 Fig. 5: Spearman and Pearson p of drift vs avg cos per model",
             "layers",
             draw_pvalues,
         ),
@@ -471,6 +483,36 @@ FIGURES: dict[str, PaperFigure] = {
             "Godey et al. 2024 Fig. 6: the drift block's input and output avg cos and norm against N, N*",
             "drift-block",
             draw_drift_block,
+        ),
+        PaperFigure(
+            "godey2024-fig7",
+            "Godey et al. 2024 Fig. 7: the drift block's score histograms at a few N (--log-counts)",
+            "drift-block",
+            _probe("draw_scores"),
+        ),
+        PaperFigure(
+            "godey2024-fig8",
+            "Godey et al. 2024 Fig. 8: the drift block's query and key avg cos and mean norms against N",
+            "drift-block",
+            _probe("draw_qk"),
+        ),
+        PaperFigure(
+            "godey2024-fig9",
+            "Godey et al. 2024 Fig. 9: the drift block's softmax row max, median, min against N (--at-norm)",
+            "drift-block",
+            _probe("draw_softmax"),
+        ),
+        PaperFigure(
+            "godey2024-fig10",
+            "Godey et al. 2024 Fig. 10: the drift block's softmax extremes over the sequence against N",
+            "drift-block",
+            _probe("draw_softmax_extremes"),
+        ),
+        PaperFigure(
+            "godey2024-fig16",
+            "Godey et al. 2024 Fig. 16: Pearson p of drift vs avg cos per model, the 0.05 line",
+            "layers",
+            _probe("draw_pearson"),
         ),
         PaperFigure(
             "godey2024-fig17",
@@ -495,6 +537,18 @@ FIGURES: dict[str, PaperFigure] = {
             "Machina & Mercer 2024: a layer metric (--metric) along a checkpoint series, a line per layer",
             "checkpoints",
             draw_curves,
+        ),
+        PaperFigure(
+            "machina2024-final-norm",
+            "Machina & Mercer 2024: the final norm per dimension, |x̄_k| and avg cos share against γ_k",
+            "final-norm",
+            _probe("draw_final_norm"),
+        ),
+        PaperFigure(
+            "gradient-energy",
+            "gradients' energy share in the activations' top-k PCs against k (--ks), random k-subspace, k/d",
+            "gradients",
+            _probe("draw_gradient_share"),
         ),
     )
 }

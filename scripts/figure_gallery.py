@@ -2,11 +2,12 @@
 
 Models: the bundled MiniLM and small untrained ones (`random:gpt2`, `random:t5`, an
 encoder-decoder), on the built-in corpus; the checkpoint series is a `train-tiny` run made
-here; the drift block is of hidden size 256.
+here (its last checkpoint, a trained masked LM, for gradient-energy); the drift block is of hidden
+size 256.
 Results go to a temporary cache unless --cache-dir is given. Only the PNGs are kept (each
 figure's CSV and JSON name temporary folders).
 
-    python scripts/figure_gallery.py [--out docs/figures] [--max-samples 100]
+    python scripts/figure_gallery.py [--out docs/figures] [--max-samples 100] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ DRIFT_BLOCK = ["--hidden", "256", "--heads", "4", "--intermediate", "1024", "--b
 DRIFT_BLOCK += ["--seq-len", "128", "--seeds", "0,1,2"]
 
 
-def gallery(out: Path, max_samples: int, cache_dir: Path | None) -> int:
-    """Draw every figure into ``out``; the first failing command's exit code, else 0."""
+def gallery(out: Path, max_samples: int, cache_dir: Path | None, only: list[str] | None = None) -> int:
+    """Draw every figure (or those named in ``only``) into ``out``; the first failing command's
+    exit code, else 0."""
     out.mkdir(parents=True, exist_ok=True)
     samples = ["--max-samples", str(max_samples)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -41,22 +43,35 @@ def gallery(out: Path, max_samples: int, cache_dir: Path | None) -> int:
         training = ["train-tiny", "--out", str(series), "--steps", "200", "--save-every", "25", "-q"]
         training += ["--hidden", "64", "--layers", "4", "--heads", "4"]
         training += ["--seq-len", "32", "--batch-size", "16"]
-        commands = [
-            ["figure", "godey2024-fig1", *MODELS, *samples, "--out", str(out / "godey2024-fig1.png")],
-            ["figure", "godey2024-fig5", *MODELS, *samples, "--out", str(out / "godey2024-fig5.png")],
-            ["figure", "godey2024-fig17", "--out", str(out / "godey2024-fig17.png")],
-            ["figure", "godey2024-fig6", *DRIFT_BLOCK, "--out", str(out / "godey2024-fig6.png")],
-            ["figure", "godey2024-fig18", *MODELS, *samples, "--out", str(out / "godey2024-fig18.png")],
-        ]
-        for name in ("machina2024-heatmap", "machina2024-curves"):
-            commands.append(["figure", name, "-c", str(series), *samples, "--out", str(out / f"{name}.png")])
-        if main(training) != 0:
+        trained = str(series / "step_000200")  # the series' last checkpoint: a trained masked LM
+        commands = {
+            "godey2024-fig1": [*MODELS, *samples],
+            "godey2024-fig5": [*MODELS, *samples],
+            "godey2024-fig17": [],
+            "godey2024-fig6": DRIFT_BLOCK,
+            "godey2024-fig7": [*DRIFT_BLOCK, "--log-counts"],
+            "godey2024-fig8": DRIFT_BLOCK,
+            "godey2024-fig9": DRIFT_BLOCK,
+            "godey2024-fig10": DRIFT_BLOCK,
+            "godey2024-fig16": [*MODELS, *samples],
+            "godey2024-fig18": [*MODELS, *samples],
+            "machina2024-heatmap": ["-c", str(series), *samples],
+            "machina2024-curves": ["-c", str(series), *samples],
+            "machina2024-final-norm": ["-m", "minilm", *samples],
+            "gradient-energy": ["-m", trained, *samples, "--ks", "1,2,4,8,16,32"],
+        }
+        unknown = sorted(set(only or []) - set(commands))
+        if unknown:
+            print(f"figure_gallery: no gallery figure {', '.join(unknown)}; known: {', '.join(commands)}")
+            return 2
+        names = [n for n in commands if not only or n in only]
+        if any(str(series) in " ".join(commands[n]) for n in names) and main(training) != 0:
             return 1
-        for argv in commands:
-            code = main([*argv, *common])
+        for name in names:
+            png = out / f"{name}.png"
+            code = main(["figure", name, *commands[name], "--out", str(png), *common])
             if code != 0:
                 return code
-            png = Path(argv[argv.index("--out") + 1])
             png.with_suffix(".csv").unlink()
             png.with_suffix(".json").unlink()
     return 0
@@ -67,5 +82,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path("docs/figures"))
     parser.add_argument("--max-samples", type=int, default=100)
     parser.add_argument("--cache-dir", type=Path)
+    parser.add_argument("--only", action="append", metavar="NAME", help="draw only this figure (repeat)")
     args = parser.parse_args()
-    sys.exit(gallery(args.out, args.max_samples, args.cache_dir))
+    sys.exit(gallery(args.out, args.max_samples, args.cache_dir, args.only))
