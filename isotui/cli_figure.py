@@ -19,8 +19,10 @@ HELP = "draw a paper's figure (PDF, SVG or PNG) from cached or computed results;
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The figure's flags: which figure, where, how wide; the models or series and the run flags."""
     from isotui.cli import add_run_flags
+    from isotui.core.trajectory import BASES
     from isotui.experiments.checkpoints import METRICS
     from isotui.experiments.drift_block.cli import add_options as add_drift_block_options
+    from isotui.experiments.qk_dynamics import DEFAULT_SAMPLE
 
     p.add_argument("name", nargs="?", metavar="NAME", help="the figure (see --list)")
     p.add_argument("--list", action="store_true", help="name every figure and what it shows")
@@ -32,6 +34,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dims", metavar="LIST", help="godey2024-fig17: the dimensions d (default 8,32,128,768)")
     p.add_argument("--metric", default="avg_cos", choices=METRICS, help="machina2024-heatmap/-curves' metric")
     p.add_argument(
+        "--basis",
+        choices=BASES,
+        help="godey2024-fig11/12/19-22: the SVD of queries+keys (qk), queries (q) or keys (k); "
+        "default the figure's own (11-12 qk, 19-20 q, 21-22 k)",
+    )
+    p.add_argument("--layer", type=int, help="godey2024-fig11/12/19-22: the layer (default the last)")
+    p.add_argument(
+        "--head", type=int, help="godey2024-fig11/12/19-22: one head (default every head of the layer)"
+    )
+    p.add_argument(
+        "--sample",
+        default=str(DEFAULT_SAMPLE),
+        help=f"godey2024-fig11-15/19-23: query and key positions per module for the SVD (default {DEFAULT_SAMPLE})",
+    )
+    p.add_argument(
         "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
     )
     p.add_argument(
@@ -39,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-c",
         action="append",
         metavar="LIST",
-        help="machina2024-heatmap: the checkpoint series (as `isotui experiment checkpoints -c`)",
+        help="machina2024-heatmap/-curves, godey2024-fig11-15/19-23: the checkpoint series (as "
+        "`isotui experiment checkpoints -c`)",
     )
     add_run_flags(p, "run")
     group = p.add_argument_group("godey2024-fig6: the drift block (as isotui experiment drift-block)")
@@ -66,13 +84,14 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
     ns = argparse.Namespace(**vars(args))
     ns.csv = ns.json = None
     ns.wide = None
-    if experiment == "checkpoints":
+    if experiment in ("checkpoints", "qk-dynamics"):
         if not args.checkpoints:
             raise IsotuiError(f"{args.name} needs --checkpoints (a checkpoint series)")
         if args.models and len(args.models) > 1:
             raise IsotuiError(f"{args.name} draws one series: give at most one --model")
         ns.model = args.models[0] if args.models else None
-        ns.experiment = "checkpoints"
+        ns.experiment = experiment
+        ns.plot = None  # qk-dynamics' terminal figure: not drawn here
     elif experiment == "drift-block":
         if args.checkpoints or args.models:
             raise IsotuiError(f"{args.name} draws a drift block of its own flags: it takes no -m or -c")
@@ -81,7 +100,9 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
         ns.device = args.device or "auto"
     else:
         if args.checkpoints:
-            raise IsotuiError(f"--checkpoints is for the machina2024 figures; {args.name} takes models (-m)")
+            raise IsotuiError(
+                f"--checkpoints is for the figures of a checkpoint series; {args.name} takes models (-m)"
+            )
         ns.experiment = "run"
     return ns
 
