@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sample",
         default=str(DEFAULT_SAMPLE),
-        help=f"godey2024-fig11-15/19-23: query and key positions per module for the SVD (default {DEFAULT_SAMPLE})",
+        help=f"godey2024-fig11-15/19-23: query and key positions per module for the SVD ({DEFAULT_SAMPLE})",
     )
     p.add_argument(
         "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
