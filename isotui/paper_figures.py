@@ -442,7 +442,7 @@ def _dynamics_figures() -> list[PaperFigure]:
         ((21, 22), "k", "the SVD of keys only"),
     ):
         for n in numbers:
-            text = f"Godey et al. 2024 Fig. {n}: Q-mean/K-mean trajectories per head in {what} (-c; --layer, --head)"
+            text = f"Godey et al. 2024 Fig. {n}: Q-mean/K-mean trajectories per head in {what} (-c, --layer)"
             out.append(
                 PaperFigure(f"godey2024-fig{n}", text, "qk-dynamics", _dynamics("trajectory_drawer", basis))
             )
