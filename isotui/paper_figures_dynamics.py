@@ -345,4 +345,5 @@ def draw_dynamics_view(fig: Any, results: list[Any], options: Any) -> Drawing:
     steps = result.steps()
     trajectory_legend(fig, f"step {steps[0]:,}", f"step {steps[-1]:,}")
     out = [{"panel": "trajectory", **r} for r in rows] + [{"panel": options.metric, **r} for r in curves]
-    return Drawing(fig, out, _series_runs(result))
+    columns = list(dict.fromkeys(k for r in out for k in r))  # one CSV: both panels' columns
+    return Drawing(fig, [{k: r.get(k, "") for k in columns} for r in out], _series_runs(result))
