@@ -117,7 +117,7 @@ class IsotuiApp(App[None]):
         Binding(
             "F",
             "save_figure",
-            "Figure",
+            "PDF",
             id="figure",
             tooltip="save the plot on screen as PDF, PNG and the CSV of its numbers",
         ),
