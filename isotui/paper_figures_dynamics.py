@@ -105,27 +105,38 @@ def trajectory_panel(ax: Any, rows: Rows, *, axis_labels: tuple[bool, bool] = (T
         ax.plot(*path[0], marker=marker, markersize=4.5, markerfacecolor="white", color=colour, zorder=3)
         ax.plot(*path[-1], marker=marker, markersize=4.5, color=colour, zorder=3)
     ax.plot(0, 0, marker="+", color=NULL_COLOUR, markersize=5, linestyle="none", zorder=1)
+    from matplotlib.ticker import MaxNLocator
+
     ax.margins(0.12)
-    ax.tick_params(labelsize=6, length=2, pad=1)
+    ax.tick_params(labelsize=7, length=2, pad=1)
+    for axis in (ax.xaxis, ax.yaxis):  # few ticks: a narrow panel's labels never run together
+        axis.set_major_locator(MaxNLocator(nbins=4))
     if axis_labels[0]:
         ax.set_xlabel("SVD direction 1", fontsize=7)
     if axis_labels[1]:
         ax.set_ylabel("SVD direction 2", fontsize=7)
 
 
-def trajectory_legend(fig: Any, first: Any, last: Any) -> None:
-    """Q̄, K̄, and what the open and filled markers mean, above the panels."""
+def trajectory_legend(fig: Any, first: str, last: str) -> None:
+    """Q̄, K̄, what the open and filled markers mean and the origin's cross, below the panels."""
     from matplotlib.lines import Line2D
 
+    mark = {"color": NULL_COLOUR, "linestyle": "none"}
     handles = [
         Line2D([], [], color=Q_COLOUR, marker="o", markersize=3, label=Q_LABEL),
         Line2D([], [], color=K_COLOUR, marker="s", markersize=3, label=K_LABEL),
-        Line2D(
-            [], [], color=NULL_COLOUR, marker="o", markerfacecolor="white", linestyle="none", label=f"{first}"
-        ),
-        Line2D([], [], color=NULL_COLOUR, marker="o", linestyle="none", label=f"{last}"),
+        Line2D([], [], marker="o", markerfacecolor="white", label=first, **mark),
+        Line2D([], [], marker="o", label=last, **mark),
+        Line2D([], [], marker="+", markersize=5, label="origin", **mark),
     ]
-    fig.legend(handles=handles, loc="outside lower center", ncols=4, handlelength=1.4, columnspacing=1.0)
+    fig.legend(
+        handles=handles,
+        loc="outside lower center",
+        ncols=5,
+        handlelength=1.2,
+        handletextpad=0.4,
+        columnspacing=0.8,
+    )
 
 
 def trajectory_drawer(default_basis: str) -> Callable[[Any, list[Any], Any], Drawing]:
@@ -181,6 +192,11 @@ LAYER_CURVES = {
     "dot_qk_bar": r"$\bar{Q} \cdot \bar{K}$",
     "entropy": "attention entropy (nats)",
 }
+AXIS_LABELS = {  # the app's Heads metrics in the papers' notation (others keep the app's name)
+    **LAYER_CURVES,
+    "q_bar_norm": r"$\|\bar{Q}\|$",
+    "k_bar_norm": r"$\|\bar{K}\|$",
+}
 
 
 def layer_curve_rows(result: Any, attr: str) -> Rows:
@@ -227,6 +243,7 @@ def layer_curves_panel(fig: Any, ax: Any, result: Any, attr: str, *, colorbar: b
         ax.set_xscale("symlog", linthresh=min(positive))
     ax.set_xlabel("training step")
     ax.set_ylabel(LAYER_CURVES[attr])
+    ax.yaxis.get_major_formatter().set_useOffset(False)  # the values themselves, not "1e-5 + 2.76"
     if attr == "cos_qk_bar":
         ax.axhline(0.0, color=NULL_COLOUR, linewidth=0.5, linestyle=":", zorder=1)
     if len(labels) <= LEGEND_LAYERS:  # a few layers: named in a legend
@@ -327,7 +344,7 @@ def draw_head_metric(fig: Any, results: list[Any], options: Any) -> Drawing:
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
-    ax.set_ylabel(name)
+    ax.set_ylabel(AXIS_LABELS.get(attr, name))
     ax.legend(loc="best", handlelength=1.4)
     return Drawing(fig, rows, [{"model": result.model, "key": result.key}])
 

@@ -6,7 +6,7 @@ here; the drift block is of hidden size 256.
 Results go to a temporary cache unless --cache-dir is given. Only the PNGs are kept (each
 figure's CSV and JSON name temporary folders).
 
-    python scripts/figure_gallery.py [--out docs/figures] [--max-samples 100]
+    python scripts/figure_gallery.py [--out docs/figures] [--max-samples 100] [NAME ...]
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ MODELS = [
     "random:t5:num_layers=3,d_model=128,num_heads=4,d_ff=256,d_kv=32",
 ]
 
+DYNAMICS = (11, 19, 21, 13, 23, 15)  # one of each layout (12, 14, 20, 22 repeat 11, 13, 19, 21)
+
 DRIFT_BLOCK = ["--hidden", "256", "--heads", "4", "--intermediate", "1024", "--batch", "4"]
 DRIFT_BLOCK += ["--seq-len", "128", "--seeds", "0,1,2"]
 
 
-def gallery(out: Path, max_samples: int, cache_dir: Path | None) -> int:
-    """Draw every figure into ``out``; the first failing command's exit code, else 0."""
+def gallery(out: Path, max_samples: int, cache_dir: Path | None, names: list[str] | None = None) -> int:
+    """Draw every figure (or those ``names``) into ``out``; the first failing command's exit code, else 0."""
     out.mkdir(parents=True, exist_ok=True)
     samples = ["--max-samples", str(max_samples)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -50,9 +52,15 @@ def gallery(out: Path, max_samples: int, cache_dir: Path | None) -> int:
         ]
         for name in ("machina2024-heatmap", "machina2024-curves"):
             commands.append(["figure", name, "-c", str(series), *samples, "--out", str(out / f"{name}.png")])
+        for number in DYNAMICS:  # queries and keys along the same series
+            name = f"godey2024-fig{number}"
+            commands.append(["figure", name, "-c", str(series), *samples, "--out", str(out / f"{name}.png")])
         if main(training) != 0:
             return 1
+        only = set(names or ())
         for argv in commands:
+            if only and argv[1] not in only:
+                continue
             code = main([*argv, *common])
             if code != 0:
                 return code
@@ -67,5 +75,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path("docs/figures"))
     parser.add_argument("--max-samples", type=int, default=100)
     parser.add_argument("--cache-dir", type=Path)
+    parser.add_argument("names", nargs="*", metavar="NAME", help="only these figures (default: all)")
     args = parser.parse_args()
-    sys.exit(gallery(args.out, args.max_samples, args.cache_dir))
+    sys.exit(gallery(args.out, args.max_samples, args.cache_dir, args.names))

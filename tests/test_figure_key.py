@@ -221,3 +221,21 @@ def test_each_lab_tab_saves_its_plot(tmp_path, lab_results):
     assert [float(r["norm"]) for r in fig6] == [0.0, 10.0]
     got = [float(r["out_avg_cos"]) for r in fig6]
     assert got == [float(v) for v in block.mean("out_avg_cos")] and all(math.isfinite(v) for v in got)
+
+
+def test_f_is_listed_in_the_main_and_the_lab_help(tmp_path):
+    from isotui.tui.help import HelpScreen
+
+    async def scenario():
+        app = _app(tmp_path, [])
+        seen = []
+        async with app.run_test(size=(120, 36)) as pilot:
+            for keys in (["question_mark"], ["escape", "A", "question_mark"]):
+                await pilot.press(*keys)
+                await pilot.pause()
+                assert isinstance(app.screen, HelpScreen)
+                seen.append({row[0]: row[1] for row in app.screen.rows() if row[1]})
+        return seen
+
+    main_keys, lab_keys = asyncio.run(scenario())
+    assert main_keys["F"] == "figure" and lab_keys["F"] == "figure"
