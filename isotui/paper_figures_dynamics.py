@@ -109,8 +109,9 @@ def trajectory_panel(ax: Any, rows: Rows, *, axis_labels: tuple[bool, bool] = (T
 
     ax.margins(0.12)
     ax.tick_params(labelsize=7, length=2, pad=1)
-    for axis in (ax.xaxis, ax.yaxis):  # few ticks: a narrow panel's labels never run together
-        axis.set_major_locator(MaxNLocator(nbins=4))
+    # few ticks: a narrow panel's labels (up to five characters, as -0.75) never run together
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=3))
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=4))
     if axis_labels[0]:
         ax.set_xlabel("SVD direction 1", fontsize=7)
     if axis_labels[1]:
@@ -244,7 +245,7 @@ def layer_curves_panel(fig: Any, ax: Any, result: Any, attr: str, *, colorbar: b
     ax.set_xlabel("training step")
     ax.set_ylabel(LAYER_CURVES[attr])
     ax.yaxis.get_major_formatter().set_useOffset(False)  # the values themselves, not "1e-5 + 2.76"
-    if attr == "cos_qk_bar":
+    if attr in ("cos_qk_bar", "dot_qk_bar"):  # the sign matters: aligned or opposed
         ax.axhline(0.0, color=NULL_COLOUR, linewidth=0.5, linestyle=":", zorder=1)
     if len(labels) <= LEGEND_LAYERS:  # a few layers: named in a legend
         for j, label in enumerate(labels):

@@ -704,6 +704,9 @@ class IsotuiApp(App[None]):
         except IsotuiError as exc:
             self.call_from_thread(self.notify, str(exc), severity="error")
             return
+        except Exception as exc:  # a drawing's bug must not end the app: one sentence, nothing lost
+            self.call_from_thread(self.notify, f"could not draw the figure: {exc}", severity="error")
+            return
         self.call_from_thread(self._write_figure, figure.what, pdf, png, rows)
 
     def _write_figure(self, what: str, pdf: bytes, png: bytes, rows: list[dict[str, Any]]) -> None:
