@@ -122,7 +122,7 @@ def trajectory_legend(fig: Any, first: str, last: str) -> None:
     """Q̄, K̄, what the open and filled markers mean and the origin's cross, below the panels."""
     from matplotlib.lines import Line2D
 
-    mark = {"color": NULL_COLOUR, "linestyle": "none"}
+    mark: dict[str, Any] = {"color": NULL_COLOUR, "linestyle": "none"}
     handles = [
         Line2D([], [], color=Q_COLOUR, marker="o", markersize=3, label=Q_LABEL),
         Line2D([], [], color=K_COLOUR, marker="s", markersize=3, label=K_LABEL),
