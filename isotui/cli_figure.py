@@ -13,6 +13,7 @@ import argparse
 import shlex
 from typing import Any
 
+TRAJECTORY_FIGURES = {f"godey2024-fig{n}" for n in (11, 12, 19, 20, 21, 22)}  # --basis, --layer, --head
 HELP = "draw a paper's figure (PDF, SVG or PNG) from cached or computed results; --list names them"
 
 
@@ -123,6 +124,15 @@ def main(args: argparse.Namespace, err: Any) -> int:
     out = check_out(args.out)
     if args.dpi <= 0:
         raise IsotuiError(f"--dpi {args.dpi} must be a positive number of dots per inch")
+    chosen = [
+        f
+        for f, v in (("--basis", args.basis), ("--layer", args.layer), ("--head", args.head))
+        if v is not None
+    ]
+    if chosen and args.name not in TRAJECTORY_FIGURES:
+        raise IsotuiError(
+            f"{chosen[0]} is for the trajectory figures (godey2024-fig11, 12, 19-22); {args.name} takes none"
+        )
     if figure.experiment is None and (args.models or args.checkpoints):
         raise IsotuiError(f"{args.name} is drawn from a formula alone: it takes no -m or -c")
     results: list[Any] = []

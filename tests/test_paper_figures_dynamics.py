@@ -114,6 +114,14 @@ def test_bad_layer_or_head_is_one_sentence(series, tmp_path, capsys, extra, need
     assert not out.exists()
 
 
+@pytest.mark.parametrize("extra", [["--basis", "q"], ["--layer", "1"], ["--head", "0"]])
+def test_trajectory_flags_on_another_figure_are_refused_before_any_run(capsys, tmp_path, extra):
+    out = tmp_path / "f.pdf"
+    assert main(["figure", "godey2024-fig13", "-c", str(tmp_path / "none"), *extra, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{extra[0]} is for the trajectory figures" in err and len(err.strip().splitlines()) == 1
+
+
 def test_a_series_figure_needs_checkpoints(capsys, tmp_path):
     assert main(["figure", "godey2024-fig13", "--out", str(tmp_path / "f.pdf"), "-q"]) == 2
     assert "needs --checkpoints" in capsys.readouterr().err
