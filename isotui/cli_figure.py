@@ -13,6 +13,7 @@ import argparse
 import shlex
 from typing import Any
 
+TRAJECTORY_FIGURES = {f"godey2024-fig{n}" for n in (11, 12, 19, 20, 21, 22)}  # --basis, --layer, --head
 HELP = "draw a paper's figure (PDF, SVG or PNG) from cached or computed results; --list names them"
 
 
@@ -20,8 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The figure's flags: which figure, where, how wide; the models or series and the run flags."""
     from isotui.cli import add_run_flags
     from isotui.cli_experiments import add_duplicates_flag
+    from isotui.core.trajectory import BASES
     from isotui.experiments.checkpoints import METRICS
     from isotui.experiments.drift_block.cli import add_options as add_drift_block_options
+    from isotui.experiments.qk_dynamics import DEFAULT_SAMPLE
 
     p.add_argument("name", nargs="?", metavar="NAME", help="the figure (see --list)")
     p.add_argument("--list", action="store_true", help="name every figure and what it shows")
@@ -36,6 +39,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--at-norm", metavar="N", help="godey2024-fig9: against the query position at this N")
     p.add_argument("--ks", metavar="LIST", help="gradient-energy: the subspace sizes k (default 1,2,4,8,16)")
     p.add_argument(
+        "--basis",
+        choices=BASES,
+        help="godey2024-fig11/12/19-22: the SVD of queries+keys (qk), queries (q) or keys (k); "
+        "default the figure's own (11-12 qk, 19-20 q, 21-22 k)",
+    )
+    p.add_argument("--layer", type=int, help="godey2024-fig11/12/19-22: the layer (default the last)")
+    p.add_argument(
+        "--head", type=int, help="godey2024-fig11/12/19-22: one head (default every head of the layer)"
+    )
+    p.add_argument(
+        "--sample",
+        default=str(DEFAULT_SAMPLE),
+        help=f"godey2024-fig11-15/19-23: query and key positions per module for the SVD ({DEFAULT_SAMPLE})",
+    )
+    p.add_argument(
         "--model", "-m", action="append", dest="models", metavar="MODEL", help="model (repeat to compare)"
     )
     p.add_argument(
@@ -43,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-c",
         action="append",
         metavar="LIST",
-        help="machina2024-heatmap: the checkpoint series (as `isotui experiment checkpoints -c`)",
+        help="machina2024-heatmap/-curves, godey2024-fig11-15/19-23: the checkpoint series (as "
+        "`isotui experiment checkpoints -c`)",
     )
     add_duplicates_flag(p)
     add_run_flags(p, "run")
@@ -71,13 +90,14 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
     ns = argparse.Namespace(**vars(args))
     ns.csv = ns.json = None
     ns.wide = None
-    if experiment == "checkpoints":
+    if experiment in ("checkpoints", "qk-dynamics"):
         if not args.checkpoints:
             raise IsotuiError(f"{args.name} needs --checkpoints (a checkpoint series)")
         if args.models and len(args.models) > 1:
             raise IsotuiError(f"{args.name} draws one series: give at most one --model")
         ns.model = args.models[0] if args.models else None
-        ns.experiment = "checkpoints"
+        ns.experiment = experiment
+        ns.plot = None  # qk-dynamics' terminal figure: not drawn here
     elif experiment == "drift-block":
         if args.checkpoints or args.models:
             raise IsotuiError(f"{args.name} draws a drift block of its own flags: it takes no -m or -c")
@@ -94,7 +114,9 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
         model_args(args, ns, experiment)
     else:
         if args.checkpoints:
-            raise IsotuiError(f"--checkpoints is for the machina2024 figures; {args.name} takes models (-m)")
+            raise IsotuiError(
+                f"--checkpoints is for the figures of a checkpoint series; {args.name} takes models (-m)"
+            )
         ns.experiment = "run"
     return ns
 
@@ -115,6 +137,15 @@ def main(args: argparse.Namespace, err: Any) -> int:
     out = check_out(args.out)
     if args.dpi <= 0:
         raise IsotuiError(f"--dpi {args.dpi} must be a positive number of dots per inch")
+    chosen = [
+        f
+        for f, v in (("--basis", args.basis), ("--layer", args.layer), ("--head", args.head))
+        if v is not None
+    ]
+    if chosen and args.name not in TRAJECTORY_FIGURES:
+        raise IsotuiError(
+            f"{chosen[0]} is for the trajectory figures (godey2024-fig11, 12, 19-22); {args.name} takes none"
+        )
     if figure.experiment is None and (args.models or args.checkpoints):
         raise IsotuiError(f"{args.name} is drawn from a formula alone: it takes no -m or -c")
     results: list[Any] = []

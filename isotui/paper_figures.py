@@ -463,6 +463,45 @@ def _probe(name: str) -> Callable[[Any, list[Any], Any], Drawing]:
     return draw
 
 
+def _dynamics(maker: str, arg: str) -> Callable[[Any, list[Any], Any], Drawing]:
+    """A drawing of :mod:`isotui.paper_figures_dynamics` (which imports this module: loaded when drawn)."""
+
+    def draw(fig: Any, results: list[Any], options: Any) -> Drawing:
+        from isotui import paper_figures_dynamics
+
+        drawer: Callable[[Any, list[Any], Any], Drawing] = getattr(paper_figures_dynamics, maker)(arg)
+        return drawer(fig, results, options)
+
+    return draw
+
+
+def _dynamics_figures() -> list[PaperFigure]:
+    """Godey et al. 2024 Figs. 11-15, 19-23: queries and keys along a checkpoint series
+    (drawn in :mod:`isotui.paper_figures_dynamics`; each paper number with its own basis or curve)."""
+    out = []
+    for numbers, basis, what in (
+        ((11, 12), "qk", "the SVD of queries and keys"),
+        ((19, 20), "q", "the SVD of queries only"),
+        ((21, 22), "k", "the SVD of keys only"),
+    ):
+        for n in numbers:
+            text = f"Godey et al. 2024 Fig. {n}: Q-mean/K-mean trajectories per head in {what} (-c, --layer)"
+            out.append(
+                PaperFigure(f"godey2024-fig{n}", text, "qk-dynamics", _dynamics("trajectory_drawer", basis))
+            )
+    for n, attr, what in (
+        (13, "cos_qk_bar", "cos(Q-mean, K-mean)"),
+        (14, "cos_qk_bar", "cos(Q-mean, K-mean)"),
+        (23, "dot_qk_bar", "Q-mean . K-mean"),
+        (15, "entropy", "attention entropy"),
+    ):
+        text = f"Godey et al. 2024 Fig. {n}: {what} per layer (heads averaged) along a checkpoint series (-c)"
+        out.append(
+            PaperFigure(f"godey2024-fig{n}", text, "qk-dynamics", _dynamics("layer_curves_drawer", attr))
+        )
+    return sorted(out, key=lambda f: int(f.name.removeprefix("godey2024-fig")))
+
+
 FIGURES: dict[str, PaperFigure] = {
     f.name: f
     for f in (
@@ -550,6 +589,7 @@ FIGURES: dict[str, PaperFigure] = {
             "gradients",
             _probe("draw_gradient_share"),
         ),
+        *_dynamics_figures(),
     )
 }
 

@@ -28,6 +28,8 @@ MODELS = [
     "random:t5:num_layers=3,d_model=128,num_heads=4,d_ff=256,d_kv=32",
 ]
 
+DYNAMICS = (11, 19, 21, 13, 23, 15)  # one of each layout (12, 14, 20, 22 repeat 11, 13, 19, 21)
+
 DRIFT_BLOCK = ["--hidden", "256", "--heads", "4", "--intermediate", "1024", "--batch", "4"]
 DRIFT_BLOCK += ["--seq-len", "128", "--seeds", "0,1,2"]
 
@@ -60,6 +62,8 @@ def gallery(out: Path, max_samples: int, cache_dir: Path | None, only: list[str]
             "machina2024-final-norm": ["-m", "minilm", *samples],
             "gradient-energy": ["-m", trained, *samples, "--ks", "1,2,4,8,16,32"],
         }
+        for number in DYNAMICS:  # queries and keys along the same series
+            commands[f"godey2024-fig{number}"] = ["-c", str(series), *samples]
         unknown = sorted(set(only or []) - set(commands))
         if unknown:
             print(f"figure_gallery: no gallery figure {', '.join(unknown)}; known: {', '.join(commands)}")

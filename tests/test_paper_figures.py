@@ -48,6 +48,7 @@ def test_list_names_every_figure(capsys):
     assert main(["figure", "--list"]) == 0
     out = capsys.readouterr().out
     names = ["godey2024-fig1", "godey2024-fig5", "godey2024-fig6", "godey2024-fig17", "godey2024-fig18"]
+    names += [f"godey2024-fig{n}" for n in (11, 12, 13, 14, 15, 19, 20, 21, 22, 23)]
     names += ["machina2024-heatmap", "machina2024-curves"]
     assert all(name in out for name in names)
 

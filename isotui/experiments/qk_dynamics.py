@@ -325,6 +325,7 @@ def assemble(
         "n_samples": results[0].meta.get("n_samples"),
         "sample_size": sample_size,
         "from_cache": [r.from_cache for r in results],
+        "keys": [r.key for r in results],  # each checkpoint's attention result (isotui show KEY)
         "notes": sorted({n for r in results for n in r.meta.get("notes", [])}),
     }
     return out

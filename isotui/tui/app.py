@@ -53,6 +53,7 @@ from isotui.tui.themes import load_themes, starting_theme
 from isotui.tui.wording import in_options_terms
 
 if TYPE_CHECKING:
+    from isotui.tui.figure_export import ScreenFigure
     from isotui.tui.lab import LabScreen
 
 PLOT_METRICS = LAYER_METRICS  # the cycle of `m`: results.METRICS, declared once
@@ -113,6 +114,13 @@ class IsotuiApp(App[None]):
         ),
         Binding(
             "S", "screenshot", "Screenshot", id="screenshot", show=False, tooltip="save an SVG screenshot"
+        ),
+        Binding(
+            "F",
+            "save_figure",
+            "PDF",
+            id="figure",
+            tooltip="save the plot on screen as PDF, PNG and the CSV of its numbers",
         ),
         Binding(
             "x",
@@ -664,6 +672,59 @@ class IsotuiApp(App[None]):
             self.notify(str(exc), severity="error")
             return
         self.notify(where)
+
+    def screen_figure(self) -> ScreenFigure | str:
+        """The figure of the plot on screen (a lab tab's, else the layer view's), or why there is none."""
+        from isotui.tui.figure_export import ScreenFigure
+
+        maker = getattr(self.screen, "screen_figure", None)
+        if maker is not None:
+            figure: ScreenFigure | str = maker()
+            return figure
+        if not self.comparison:
+            return "no plot to save yet: run a model (r)"
+        options = {"metric": self.metric, "depth": self.depth}
+        draw = "isotui.paper_figures_dynamics:draw_metric_by_layer"
+        return ScreenFigure("layers", draw, self.compared(), options)
+
+    def action_save_figure(self) -> None:
+        """``F``: the plot on screen as PDF, PNG and CSV (drawn off the UI thread; matplotlib loads
+        on the first press), written where the other exports go."""
+        figure = self.screen_figure()
+        if isinstance(figure, str):
+            self.notify(figure, severity="warning")
+            return
+        self.notify("drawing the figure...", timeout=2)
+        self._draw_figure(figure)
+
+    @work(thread=True, group="figure")
+    def _draw_figure(self, figure: ScreenFigure) -> None:
+        from isotui.tui.figure_export import render_files
+
+        try:
+            pdf, png, rows = render_files(figure)
+        except IsotuiError as exc:
+            self.call_from_thread(self.notify, str(exc), severity="error")
+            return
+        except Exception as exc:  # a drawing's bug must not end the app: one sentence, nothing lost
+            self.call_from_thread(self.notify, f"could not draw the figure: {exc}", severity="error")
+            return
+        self.call_from_thread(self._write_figure, figure.what, pdf, png, rows)
+
+    def _write_figure(self, what: str, pdf: bytes, png: bytes, rows: list[dict[str, Any]]) -> None:
+        from isotui.store.export import write_dicts_csv
+
+        name = f"figure-{what}"
+        try:
+            said = [
+                self.export_file(name, "pdf", lambda path: path.write_bytes(pdf)),
+                self.export_file(name, "png", lambda path: path.write_bytes(png)),
+                self.export_file(name, "csv", lambda path: write_dicts_csv(rows, path)),
+            ]
+        except IsotuiError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        self.notify("\n".join(said), title="figure", timeout=10)
 
     def action_cancel(self) -> None:
         jobs = self.main_screen.query_one("#jobs", JobsTable)

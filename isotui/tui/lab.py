@@ -20,7 +20,7 @@ come back to :meth:`LabScreen.refresh_all` on the UI thread.
 
 from __future__ import annotations
 
-from typing import ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 from textual import on
 from textual.app import ComposeResult
@@ -33,6 +33,9 @@ from isotui.tui.lab_checkpoints import CheckpointsTab
 from isotui.tui.lab_dynamics import DynamicsTab
 from isotui.tui.lab_heads import HeadsTab
 from isotui.tui.lab_tab import LabTab
+
+if TYPE_CHECKING:
+    from isotui.tui.figure_export import ScreenFigure
 
 
 class DriftTab(LabTab):
@@ -72,6 +75,20 @@ class DriftTab(LabTab):
         from isotui.tui.lab_drift import plot_drift
 
         plot_drift(self.lab)
+
+    def figure(self) -> ScreenFigure | str:
+        """Fig. 6 as ``isotui figure godey2024-fig6`` draws it (the other figures: not yet as files)."""
+        from isotui.tui.figure_export import ScreenFigure
+        from isotui.tui.lab_drift import FIGURES
+
+        result = self.result()
+        if result is None:
+            return "no plot to save yet: run the drift block (r)"
+        shown = self.lab.drift_figure
+        if shown != 0:
+            fig = FIGURES[shown].split(":")[0]
+            return f"{fig} cannot be saved as a figure yet; F saves Fig. 6 (m cycles to it)"
+        return ScreenFigure("drift-block", "isotui.paper_figures:draw_drift_block", [result])
 
 
 class LabScreen(Screen[None]):
@@ -134,7 +151,7 @@ class LabScreen(Screen[None]):
         Binding("question_mark,f1", "help", "Help", id="lab_help", tooltip="the lab's keys"),
     ]
     # the app keys that work in the lab too (shown in its help)
-    APP_KEYS = ("options", "cancel", "screenshot", "theme", "quit")
+    APP_KEYS = ("options", "cancel", "screenshot", "figure", "theme", "quit")
     TAB_ACTIONS: ClassVar[dict[str, tuple[str, ...]]] = {
         "head": ("tab-dynamics",),
         "basis": ("tab-dynamics",),
@@ -227,6 +244,10 @@ class LabScreen(Screen[None]):
 
     def action_basis(self) -> None:
         self.query_one(DynamicsTab).next_basis()
+
+    def screen_figure(self) -> ScreenFigure | str:
+        """The app's ``F``: the figure of the tab shown (or why it has none)."""
+        return self.active_tab().figure()
 
     def action_export(self) -> None:
         from isotui.errors import IsotuiError

@@ -4,6 +4,7 @@ heatmap (Machina & Mercer 2024), each cell shaded by its value within the grid."
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from rich.style import Style
 from rich.text import Text
@@ -90,3 +91,14 @@ class CheckpointsTab(LabTab):
     def cycle(self) -> None:
         self.metric += 1
         self.show()
+
+    def figure(self) -> Any:
+        """The heatmap as ``isotui figure machina2024-heatmap`` draws it, of the metric shown."""
+        from isotui.experiments.checkpoints import METRICS
+        from isotui.tui.figure_export import ScreenFigure
+
+        result = self.result()
+        if result is None:
+            return "no plot to save yet: run the checkpoints (r)"
+        options = {"metric": METRICS[self.metric % len(METRICS)]}
+        return ScreenFigure("checkpoints", "isotui.paper_figures:draw_heatmap", [result], options)

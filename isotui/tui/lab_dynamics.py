@@ -124,6 +124,26 @@ class DynamicsTab(LabTab):
         self.metric = (self.metric + 1) % len(DYN_METRICS)
         self.plot()
 
+    def figure(self) -> Any:
+        """The head's trajectory and the per-layer curves, as shown (a double-column figure)."""
+        from isotui.tui.figure_export import ScreenFigure
+
+        result = self.result()
+        if result is None:
+            return "no plot to save yet: run the dynamics over checkpoints (r)"
+        site = self.site(result)
+        heads = sorted(
+            {r.head for r in result.rows if (r.component, r.layer, r.attention) == result.sites[site]}
+        )
+        options = {
+            "site": site,
+            "head": heads[min(self.head, len(heads) - 1)],
+            "basis": BASES[self.basis],
+            "metric": DYN_METRICS[self.metric][0],
+            "width": "double",
+        }
+        return ScreenFigure("dynamics", "isotui.paper_figures_dynamics:draw_dynamics_view", [result], options)
+
     def step_head(self, delta: int) -> None:
         self.head = max(0, self.head + delta)
         self.plot()

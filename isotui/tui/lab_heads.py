@@ -128,3 +128,13 @@ class HeadsTab(LabTab):
     def cycle(self) -> None:
         self.metric = (self.metric + 1) % len(HEAD_METRICS)
         self.show()
+
+    def figure(self) -> Any:
+        """The metric by layer, heads averaged and each head (the histogram beside it: not yet)."""
+        from isotui.tui.figure_export import ScreenFigure
+
+        result = self.result()
+        if result is None:
+            return "no plot to save yet: run the attention experiment (r)"
+        options = {"metric": HEAD_METRICS[self.metric]}
+        return ScreenFigure("heads", "isotui.paper_figures_dynamics:draw_head_metric", [result], options)

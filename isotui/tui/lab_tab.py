@@ -13,6 +13,7 @@ from textual.widgets import DataTable, Input, TabPane
 from isotui.tui.host import AppHost
 
 if TYPE_CHECKING:
+    from isotui.tui.figure_export import ScreenFigure
     from isotui.tui.lab import LabScreen
 
 
@@ -51,6 +52,10 @@ class LabTab(TabPane):
     def replot(self) -> None:
         """Draw the plots again (log or linear counts), the table's cursor kept."""
         self.show()
+
+    def figure(self) -> ScreenFigure | str:
+        """The app's ``F``: what this tab's plot shows as a figure, or why there is none."""
+        return "this tab has no plot to save"
 
     def focus_target(self) -> str:
         return self.BOX if self.BOX is not None and self.result() is None else self.TABLE
