@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dims", metavar="LIST", help="godey2024-fig17: the dimensions d (default 8,32,128,768)")
     p.add_argument("--metric", default="avg_cos", choices=METRICS, help="machina2024-heatmap/-curves' metric")
     p.add_argument("--log-counts", action="store_true", help="godey2024-fig7: a log count axis")
-    p.add_argument("--at-norm", metavar="N", help="godey2024-fig9: against the query position at this N")
+    p.add_argument("--at-norm", metavar="N", help="godey2024-fig7, fig9: at this N of the sweep")
     p.add_argument("--ks", metavar="LIST", help="gradient-energy: the subspace sizes k (default 1,2,4,8,16)")
     p.add_argument(
         "--basis",

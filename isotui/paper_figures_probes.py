@@ -67,14 +67,15 @@ def score_panels(n_norms: int) -> list[int]:
 def draw_scores(fig: Any, results: list[Any], options: Any) -> Drawing:
     """Fig. 7: the pre-softmax score histogram (heads and seeds pooled) at a few N of the sweep,
     one panel each on the range its own scores take (the central 99.8%, exact bin sums);
-    ``--log-counts`` for a log count axis."""
+    ``--log-counts`` for a log count axis; ``--at-norm N``: one panel, at that N (the app's view)."""
     from matplotlib.ticker import MaxNLocator
 
     from isotui.experiments.drift_block.view import score_bars
 
     result = results[0]
     log = bool(getattr(options, "log_counts", False))
-    picked = score_panels(len(result.norms))
+    at = parse_at_norm(getattr(options, "at_norm", None), result.norms)
+    picked = score_panels(len(result.norms)) if at is None else [at]
     ncols = 2 if len(picked) > 1 else 1
     nrows = math.ceil(len(picked) / ncols)
     fig.set_figheight(fig.get_figheight() * (1.0 if nrows == 1 else 1.45))

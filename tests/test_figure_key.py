@@ -176,11 +176,11 @@ def test_each_lab_tab_saves_its_plot(tmp_path, lab_results):
             tabs.active = "tab-drift"
             await pilot.pause()
             app.screen.query_one("#drift-table").focus()
-            files["drift-block"] = await _saved(pilot, out, "drift-block", notes)
-            await pilot.press("m")  # Fig. 7: not a file figure yet, said in one sentence
-            await pilot.press("F")
-            await pilot.pause()
-            assert "Fig. 7 cannot be saved as a figure yet" in notes[-1]
+            files["drift-block"] = await _saved(pilot, out, "drift-block-fig6", notes)
+            await pilot.press("down", "m")  # Fig. 7 at the cursor's N (the sweep's second, 10)
+            files["fig7"] = await _saved(pilot, out, "drift-block-fig7", notes)
+            await pilot.press("m", "m", "m")  # Fig. 10
+            files["fig10"] = await _saved(pilot, out, "drift-block-fig10", notes)
         return files
 
     files = asyncio.run(scenario())
@@ -221,6 +221,11 @@ def test_each_lab_tab_saves_its_plot(tmp_path, lab_results):
     assert [float(r["norm"]) for r in fig6] == [0.0, 10.0]
     got = [float(r["out_avg_cos"]) for r in fig6]
     assert got == [float(v) for v in block.mean("out_avg_cos")] and all(math.isfinite(v) for v in got)
+    fig7 = read_csv(files["fig7"][2])
+    assert {float(r["norm"]) for r in fig7} == {10.0}  # one panel: the N under the table's cursor
+    assert sum(int(r["count"]) for r in fig7) > 0
+    fig10 = read_csv(files["fig10"][2])
+    assert sorted({float(r["norm"]) for r in fig10}) == [0.0, 10.0]  # against N, as the tab shows
 
 
 def test_f_is_listed_in_the_main_and_the_lab_help(tmp_path):

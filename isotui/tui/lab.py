@@ -77,18 +77,32 @@ class DriftTab(LabTab):
         plot_drift(self.lab)
 
     def figure(self) -> ScreenFigure | str:
-        """Fig. 6 as ``isotui figure godey2024-fig6`` draws it (the other figures: not yet as files)."""
+        """The drift block's figure on screen as ``isotui figure godey2024-fig6`` ... ``fig10`` draw it
+        (Figs. 7 and 9 at the table cursor's N, as ``--at-norm``)."""
+        from textual.widgets import DataTable
+
         from isotui.tui.figure_export import ScreenFigure
-        from isotui.tui.lab_drift import FIGURES
 
         result = self.result()
         if result is None:
             return "no plot to save yet: run the drift block (r)"
         shown = self.lab.drift_figure
-        if shown != 0:
-            fig = FIGURES[shown].split(":")[0]
-            return f"{fig} cannot be saved as a figure yet; F saves Fig. 6 (m cycles to it)"
-        return ScreenFigure("drift-block", "isotui.paper_figures:draw_drift_block", [result])
+        norms = result.norms.tolist()
+        row = min(max(self.lab.query_one("#drift-table", DataTable).cursor_row, 0), len(norms) - 1)
+        draw, options = DRIFT_FIGURES[shown], {}
+        if shown in (1, 3):
+            options["at_norm"] = repr(float(norms[row]))
+        return ScreenFigure(f"drift-block-fig{6 + shown}", draw, [result], options)
+
+
+# the drift block tab's figures (lab_drift.FIGURES, in order) as isotui figure draws them
+DRIFT_FIGURES = (
+    "isotui.paper_figures:draw_drift_block",
+    "isotui.paper_figures_probes:draw_scores",
+    "isotui.paper_figures_probes:draw_qk",
+    "isotui.paper_figures_probes:draw_softmax",
+    "isotui.paper_figures_probes:draw_softmax_extremes",
+)
 
 
 class LabScreen(Screen[None]):
