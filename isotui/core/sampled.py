@@ -124,6 +124,22 @@ def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: Groups) ->
     return {se_name(m): _jackknife(np.asarray(v)) for m, v in theta.items()}
 
 
+def held_iw_jackknife_se(proj: torch.Tensor, parts: Groups) -> float:
+    """Jackknife SE of I(W) over directions held fixed (the exact covariance's, not the
+    sample's), from ``proj`` = rows @ directions: each group's log Z per direction and sign once,
+    the rest's as the logsumexp of the other groups' (O(K d) after the projection, no eigh)."""
+    import torch
+
+    from isotui.core.isotropy import log_partition
+
+    per_group = torch.stack([log_partition(proj[idx]) for idx in parts])  # G x 2d
+    theta = []
+    for g in range(len(parts)):
+        rest = torch.logsumexp(torch.cat([per_group[:g], per_group[g + 1 :]]), dim=0)
+        theta.append(float(torch.exp(rest.min() - rest.max())))
+    return _jackknife(np.asarray(theta))
+
+
 class ExactPass:
     """One layer's second pass: every vector, the first pass's mean, std and eigenvectors.
 
@@ -141,15 +157,10 @@ class ExactPass:
         self.live = std > 0
         self.std = std[self.live]
         # full_cov holds the gram matrix; n >= 2 means a batch has set the shift
-        gram, s = acc.gram, acc.shift
-        self.eigen = gram is not None and s is not None and n >= 2
-        if gram is not None and s is not None and n >= 2:
-            sum_xs = acc.sum_xs
-            second = gram + torch.outer(s, sum_xs) + torch.outer(sum_xs, s) + n * torch.outer(s, s)
-            ms = sum_xs / n
-            scatter = gram - n * torch.outer(ms, ms)
-            self.vecs = torch.linalg.eigh(second)[1]
-            self.vecs_c = torch.linalg.eigh(scatter)[1].flip(1)  # largest first
+        exact = acc.exact_eigen()
+        self.eigen = exact is not None
+        if exact is not None:
+            self.vecs, self.vecs_c = exact.vecs, exact.vecs_c  # largest first
             self.top = self.vecs_c[:, : abtt_components(acc.dim)]
             self.log_z = torch.full((2 * acc.dim,), -math.inf, dtype=f64, device=dev)
             self.log_zc = torch.full((2 * acc.dim,), -math.inf, dtype=f64, device=dev)
