@@ -75,7 +75,7 @@ def _iw(x: torch.Tensor, vecs: torch.Tensor, null: bool) -> float:
     log_z = log_partition(x @ vecs)
     if null:
         log_z = torch.cat([log_z, log_z.new_tensor([math.log(len(x))])])
-    return float(torch.exp(log_z.min() - log_z.max()))
+    return _iw_of_log_z(log_z)
 
 
 def log_partition(proj: torch.Tensor) -> torch.Tensor:
@@ -149,25 +149,24 @@ def _exact_direction_metrics(
     (they are not estimated from the sample, so only Z's and the mean cosines' sampling is left)."""
     proj, proj_c = x @ vecs, centred @ vecs_c
     rows = _abtt_rows(centred, vecs_c)
-    out = {
-        "iw": _iw_of_log_z(log_partition(proj)),
-        "iw_centered": _iw_of_log_z(log_partition(proj_c)),
-        "avg_cos_abtt": _mean_cos(rows),
-        "avg_cos_std": standardized_avg_cos(x, mean, std),
-    }
-    if groups is not None:
-        from isotui.core.sampled import cos_jackknife_se, held_iw_jackknife_se
+    out = {"avg_cos_abtt": _mean_cos(rows), "avg_cos_std": standardized_avg_cos(x, mean, std)}
+    if groups is None:
+        out["iw"] = _iw_of_log_z(log_partition(proj))
+        out["iw_centered"] = _iw_of_log_z(log_partition(proj_c))
+        return out
+    from isotui.core.sampled import cos_jackknife_se, held_iw_jackknife
 
-        std_t = _t(std, x.device)
-        live = std_t > 0
-        out["avg_cos_std_se"] = cos_jackknife_se(centred[:, live] / std_t[live], groups)
-        out["iw_se"] = held_iw_jackknife_se(proj, groups)
-        out["iw_centered_se"] = held_iw_jackknife_se(proj_c, groups)
-        out["avg_cos_abtt_se"] = cos_jackknife_se(rows, groups)
+    std_t = _t(std, x.device)
+    live = std_t > 0
+    out["iw"], out["iw_se"] = held_iw_jackknife(proj, groups)
+    out["iw_centered"], out["iw_centered_se"] = held_iw_jackknife(proj_c, groups)
+    out["avg_cos_std_se"] = cos_jackknife_se(centred[:, live] / std_t[live], groups)
+    out["avg_cos_abtt_se"] = cos_jackknife_se(rows, groups)
     return out
 
 
 def _iw_of_log_z(log_z: torch.Tensor) -> float:
+    """min over max of Z, from log Z (never overflows)."""
     import torch
 
     return float(torch.exp(log_z.min() - log_z.max()))

@@ -624,12 +624,20 @@ def _sample_notes(facts: dict[str, Any], stats: list[LayerStats]) -> list[str]:
         f"{what} from a uniform sample of {partial[0].n_sample:,} vectors in {len(partial)} of "
         f"{len(stats)} layers (--reservoir)"
     )
+    held = sum(s.spectrum_from == "all" for s in partial)
+    if sampled and held:
+        where = "" if held == len(partial) else f" in {held} of those layers"
+        note += (
+            f"; I(W)'s and all-but-the-top's directions are exact{where} (the eigenvectors of the "
+            "d x d covariance and second moment over every vector): only their sums over vectors "
+            "are sampled"
+        )
     if not facts.get("exact"):
         note += (
             f"; ± their standard errors from {SE_GROUPS} disjoint sub-samples (the *_se columns; "
             "--exact computes them over every vector)"
         )
-        if any(s.dim > EIGEN_JACKKNIFE_MAX_DIM for s in partial):
+        if any(s.dim > EIGEN_JACKKNIFE_MAX_DIM and s.spectrum_from != "all" for s in partial):
             note += (
                 f"; I(W) and all-but-the-top have none in layers wider than {EIGEN_JACKKNIFE_MAX_DIM:,} "
                 "dims (16 more eigendecompositions each)"
