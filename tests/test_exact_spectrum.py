@@ -159,3 +159,25 @@ def test_exact_pass_uses_the_same_decomposition():
     vecs_c = np.linalg.eigh((x - mean).T @ (x - mean))[1]
     assert got["iw"] == pytest.approx(_iw(x, vecs), rel=1e-5)
     assert got["iw_centered"] == pytest.approx(_iw(x - mean, vecs_c), rel=1e-5)
+
+
+def test_run_notes_say_the_directions_are_exact(tiny_models):
+    """A layer run whose reservoir holds a part only: the note says the directions are exact, and
+    the spectrum is every vector's (numpy over the reference loop's vectors)."""
+    from isotui.experiments.layerwise import measure
+    from isotui.spec import make_spec
+
+    from .conftest import corpus
+    from .reference import hidden_vectors
+
+    kw = {"max_samples": 12, "max_length": 64, "reservoir": 40, "batch_size": 5}
+    result = measure(make_spec(str(tiny_models["bert"]), "builtin", **kw), None)
+    notes = " ".join(result.meta["notes"])
+    assert "directions are exact" in notes and "only their sums over vectors are sampled" in notes
+    layers, _ = hidden_vectors(tiny_models["bert"], corpus(12), max_length=64)
+    for row, x in zip(result.rows, layers, strict=True):
+        assert row.spectrum_from == "all" and row.n_sample == 40 < row.n_vectors == len(x)
+        cov = np.cov(x, rowvar=False)
+        lam = np.linalg.eigvalsh(cov)[::-1]
+        p = lam[lam > 0] / lam.sum()
+        assert row.eff_rank == pytest.approx(math.exp(-(p * np.log(p)).sum()), rel=1e-5)
