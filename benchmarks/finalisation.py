@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
 import json, sys, time
 import torch
+import isotui
 from isotui.core.accumulator import LayerAccumulator, sample_keys
 d, n, threads, repeats = (int(a) for a in sys.argv[1:5])
 torch.set_num_threads(threads)
@@ -48,7 +49,7 @@ for _ in range(repeats):
     stats = acc.finalize()
     best_wall = min(best_wall, time.perf_counter() - wall)
     best_cpu = min(best_cpu, time.process_time() - cpu)
-print(json.dumps({"wall": best_wall, "cpu": best_cpu, "iw": stats.iw, "abtt": stats.avg_cos_abtt}))
+print(json.dumps({"wall": best_wall, "cpu": best_cpu, "module": isotui.__file__}))
 """
 
 
@@ -58,6 +59,8 @@ def uptime() -> str:
 
 
 def env_for(checkout: Path, threads: int) -> dict[str, str]:
+    """The checkout first on the path (the child also runs in it: ``-c`` and ``-m`` put the working
+    directory before PYTHONPATH)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(checkout)
     env["OMP_NUM_THREADS"] = str(threads)
@@ -66,10 +69,14 @@ def env_for(checkout: Path, threads: int) -> dict[str, str]:
 
 def layer(checkout: Path, d: int, n: int, threads: int, repeats: int) -> dict[str, float]:
     argv = [sys.executable, "-c", CHILD, str(d), str(n), str(threads), str(repeats)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env_for(checkout, threads), check=False)
+    env = env_for(checkout, threads)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=checkout, check=False)
     if proc.returncode != 0:
         sys.exit(f"d={d} under {checkout} failed:\n{proc.stderr}")
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    got = dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    if not Path(got["module"]).resolve().is_relative_to(checkout):
+        sys.exit(f"d={d}: imported {got['module']}, not the checkout {checkout}")
+    return got
 
 
 def whole_run(checkout: Path, samples: int, threads: int) -> dict[str, float]:
@@ -79,7 +86,7 @@ def whole_run(checkout: Path, samples: int, threads: int) -> dict[str, float]:
         env = env_for(checkout, threads) | {"ISOTUI_CACHE_DIR": str(Path(tmp) / "cache")}
         argv = [sys.executable, "-m", "isotui", "run", "-m", "minilm", "--max-samples", str(samples)]
         argv += ["--no-cache", "-q", "--json", str(out), "--threads", str(threads)]
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=checkout, check=False)
         if proc.returncode != 0:
             sys.exit(f"isotui run under {checkout} failed:\n{proc.stderr}")
         doc = json.loads(out.read_text(encoding="utf-8"))
