@@ -8,6 +8,15 @@ share the machine's load. Part 2: the finalisation share of a whole
 ``isotui run -m minilm --max-samples 2000`` (its own forward and finalise timings) per checkout.
 Every row records `uptime`'s load and the threads.
 
+On paper, d = 8,192 (not run here): two float64 syevd of 8,192^2, about 4.7 d^3 = 2.6e12 flop each
+(tridiagonal reduction 4/3 d^3, half of it memory-bound; back-transformation 2 d^3; divide and
+conquer) plus the reservoir's projections, 2 K d^2 = 5.5e11 flop each. An A100 (9.7 TFLOP/s
+float64, 1.5 TB/s): about 1-2 s per eigh, 3-5 s per layer; a GPU with 1/64-rate float64 (an RTX
+4090's 1.3 TFLOP/s): about 5-10 s per eigh, 10-20 s per layer; this CPU at one thread (eigh of
+2,048^2 takes 2.7 s, times 64): about 3 minutes per eigh. The device holds the d x d sum, X^T X,
+the scatter and two eigenvector matrices (512 MiB each) plus the solver's workspace: about 3.5 GiB
+while one layer is finalised.
+
 Make the "before" checkout from the parent commit without touching the repository's worktrees:
 ``mkdir /tmp/before && git archive main isotui | tar -x -C /tmp/before``.
 
