@@ -19,7 +19,9 @@ from isotui.errors import Cancelled, IsotuiError
 #    special tokens included; avg_cos_std's per-dimension variance in float64 (no underflow)
 # 4: IsoScore* shrinks toward (tr C / d) I (scale-invariant); standard errors of the sampled
 #    metrics; Spearman's permutation p beside the t approximation
-SCHEMA_VERSION = 4
+# 5: I(W), centred I(W) and all-but-the-top over the exact covariance's directions where the d x d
+#    sums are held (not the reservoir's own), their standard errors with those directions held
+SCHEMA_VERSION = 5
 
 ROGUE_TOP = 3
 
@@ -64,11 +66,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("eff_rank", "exp of the entropy of the covariance's eigenvalues", "erank", digits=1, min_width=70),
     Metric("top_pc_share", "largest covariance eigenvalue over their sum", "top_pc", digits=3, min_width=80),
     Metric("isoscore_star", "IsoScore* of the covariance shrunk toward (tr C / d) I"),
-    Metric("iw", "I(W) of Mu & Viswanath 2018 (reservoir, or --exact)", se="iw_se"),
+    Metric(
+        "iw",
+        "I(W) of Mu & Viswanath 2018 (exact directions where d x d is held; Z: reservoir or --exact)",
+        se="iw_se",
+    ),
     Metric("iw_centered", "I(W) of the centred vectors", se="iw_centered_se"),
     Metric(
         "avg_cos_abtt",
-        "avg_cos without the mean and the top PCs (all-but-the-top)",
+        "avg_cos without the mean and the top PCs (all-but-the-top; PCs as I(W)'s directions)",
         null="null_p95",
         se="avg_cos_abtt_se",
     ),

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 import numpy as np
 import numpy.typing as npt
 
+from isotui.core.exact_spectrum import ExactEigen, exact_eigen
 from isotui.core.isotropy import isoscore_star, sample_metrics
 from isotui.core.spectrum import (
     Spectrum,
@@ -376,15 +377,14 @@ class LayerAccumulator:
         centered = _centered_avg_cos(sample, mean) if sample is not None else math.nan
         n_sample = 0 if sample is None else len(sample)
 
-        eig = None
+        eig, exact = None, None
         if sample is not None and 2 <= n_sample == n_all:
             # every vector is in the reservoir: the exact float64 spectrum of the data itself (for
             # rank-deficient data, n <= d, the float32 batch products would blur the null space)
             eig = sample_eigenvalues(sample) if d > n_sample else eigenvalues(np.cov(sample, rowvar=False))
             spectrum_from = "all"
-        elif self.gram is not None and n_all >= 2:  # full_cov
-            ms = self.sum_xs.cpu().numpy() / n_all
-            eig = eigenvalues((self.gram.cpu().numpy() - n_all * np.outer(ms, ms)) / (n_all - 1))
+        elif (exact := self.exact_eigen()) is not None:  # full_cov: one eigh each, on the device
+            eig = exact.values.cpu().numpy()
             spectrum_from = "all"
         elif sample is not None and n_sample >= 2:
             # d > n (flattened conv maps): the n x n Gram matrix, never a d x d covariance
@@ -396,7 +396,7 @@ class LayerAccumulator:
             spec = spectrum_from_eigenvalues(eig)
         else:
             spec, eig = Spectrum(math.nan, math.nan, math.nan), np.full(d, np.nan)
-        extra = self._sample_metrics(sample, mean, n_all) | self._type_uniform()
+        extra = self._sample_metrics(sample, mean, n_all, exact) | self._type_uniform()
         extra |= self._sample_errors(sample, mean, n_all)
         self_sim_types = int(extra.pop("self_sim_types", 0))  # the one count among the floats
         return LayerStats(
@@ -449,17 +449,30 @@ class LayerAccumulator:
             out["self_sim_types"] = int(live.sum())
         return out
 
+    def exact_eigen(self) -> ExactEigen | None:
+        """The eigendecompositions of the exact covariance and X^T X over every vector (see
+        :mod:`isotui.core.exact_spectrum`); None when the d x d sums are not held (or n < 2)."""
+        if self.gram is None or self.shift is None or self.n_all < 2:
+            return None
+        return exact_eigen(self.gram, self.shift, self.sum_xs, self.n_all)
+
     def _sample_metrics(
-        self, sample: npt.NDArray[np.float64] | None, mean: npt.NDArray[np.float64], n_all: int
+        self,
+        sample: npt.NDArray[np.float64] | None,
+        mean: npt.NDArray[np.float64],
+        n_all: int,
+        exact: ExactEigen | None = None,
     ) -> dict[str, float]:
         """I(W), all-but-the-top and standardised avg_cos, from the reservoir (exact when it holds
-        every vector, as avg_cos_centered); skipped above :data:`SAMPLE_METRICS_MAX_DIM` dims."""
+        every vector, as avg_cos_centered) over the ``exact`` directions when the d x d sums are
+        held, else the sample's own; skipped above :data:`SAMPLE_METRICS_MAX_DIM` dims."""
         import torch
 
         if self.res is None or sample is None or len(sample) < 2 or self.dim > SAMPLE_METRICS_MAX_DIM:
             return {}
         x = self.res.to(torch.float64)  # the sample, on the accumulator's device (GPU: fast eigh)
-        return sample_metrics(x, mean, self.dim_std(n_all), self._se_groups(n_all))
+        directions = None if exact is None else (exact.vecs, exact.vecs_c)
+        return sample_metrics(x, mean, self.dim_std(n_all), self._se_groups(n_all), directions)
 
     def _se_groups(self, n_all: int) -> Groups | None:
         """The reservoir's disjoint groups for standard errors; None when it holds every vector

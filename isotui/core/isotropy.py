@@ -72,12 +72,19 @@ def _iw(x: torch.Tensor, vecs: torch.Tensor, null: bool) -> float:
     a null-space direction has Z = n."""
     import torch
 
-    proj = x @ vecs
-    # each sign on its own: the same sums as over [proj, -proj], without that copy (half the time)
-    log_z = torch.cat([torch.logsumexp(proj, dim=0), torch.logsumexp(-proj, dim=0)])
+    log_z = log_partition(x @ vecs)
     if null:
         log_z = torch.cat([log_z, log_z.new_tensor([math.log(len(x))])])
-    return float(torch.exp(log_z.min() - log_z.max()))
+    return _iw_of_log_z(log_z)
+
+
+def log_partition(proj: torch.Tensor) -> torch.Tensor:
+    """log Z(c) for each direction c (the columns of ``proj`` = x @ directions) and each sign:
+    the first d entries for +c, the next d for -c."""
+    import torch
+
+    # each sign on its own: the same sums as over [proj, -proj], without that copy (half the time)
+    return torch.cat([torch.logsumexp(proj, dim=0), torch.logsumexp(-proj, dim=0)])
 
 
 def partition_isotropy(x: Vectors, *, centered: bool = False) -> float:
@@ -91,16 +98,25 @@ def partition_isotropy(x: Vectors, *, centered: bool = False) -> float:
     return _iw(x, *_principal(x))
 
 
-def sample_metrics(x: Vectors, mean: Vectors, std: Vectors, groups: Groups | None = None) -> dict[str, float]:
+def sample_metrics(
+    x: Vectors,
+    mean: Vectors,
+    std: Vectors,
+    groups: Groups | None = None,
+    directions: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> dict[str, float]:
     """I(W), centred I(W), all-but-the-top and standardised avg_cos of the rows of ``x`` given the
     exact ``mean`` and per-dimension ``std``; the centred eigendecomposition serves both the
-    centred I(W) and all-but-the-top. With ``groups`` (disjoint row indices), also their
-    jackknife standard errors (``*_se``, see :mod:`isotui.core.sampled`), from the same
-    eigendecompositions."""
+    centred I(W) and all-but-the-top. ``directions``: the eigenvectors (columns, largest first) of
+    the exact X^T X and covariance over every vector (:mod:`isotui.core.exact_spectrum`), which
+    then replace the sample's own. With ``groups`` (disjoint row indices), also their jackknife
+    standard errors (``*_se``, see :mod:`isotui.core.sampled`)."""
     x = _t(x)
     if len(x) < 2:
         return {}
     centred = x - _t(mean, x.device)
+    if directions is not None:
+        return _exact_direction_metrics(x, mean, centred, std, groups, *directions)
     vecs, null = _principal(x)
     vecs_c, null_c = _principal(centred)
     out = {
@@ -117,6 +133,43 @@ def sample_metrics(x: Vectors, mean: Vectors, std: Vectors, groups: Groups | Non
         out["avg_cos_std_se"] = cos_jackknife_se(centred[:, live] / std_t[live], groups)
         out |= eigen_jackknife_se(x, centred, groups)
     return out
+
+
+def _exact_direction_metrics(
+    x: torch.Tensor,
+    mean: Vectors,
+    centred: torch.Tensor,
+    std: Vectors,
+    groups: Groups | None,
+    vecs: torch.Tensor,
+    vecs_c: torch.Tensor,
+) -> dict[str, float]:
+    """:func:`sample_metrics` over the exact directions ``vecs`` (X^T X) and ``vecs_c`` (the
+    covariance): no decomposition of the sample, and standard errors with the directions held
+    (they are not estimated from the sample, so only Z's and the mean cosines' sampling is left)."""
+    proj, proj_c = x @ vecs, centred @ vecs_c
+    rows = _abtt_rows(centred, vecs_c)
+    out = {"avg_cos_abtt": _mean_cos(rows), "avg_cos_std": standardized_avg_cos(x, mean, std)}
+    if groups is None:
+        out["iw"] = _iw_of_log_z(log_partition(proj))
+        out["iw_centered"] = _iw_of_log_z(log_partition(proj_c))
+        return out
+    from isotui.core.sampled import cos_jackknife_se, held_iw_jackknife
+
+    std_t = _t(std, x.device)
+    live = std_t > 0
+    out["iw"], out["iw_se"] = held_iw_jackknife(proj, groups)
+    out["iw_centered"], out["iw_centered_se"] = held_iw_jackknife(proj_c, groups)
+    out["avg_cos_std_se"] = cos_jackknife_se(centred[:, live] / std_t[live], groups)
+    out["avg_cos_abtt_se"] = cos_jackknife_se(rows, groups)
+    return out
+
+
+def _iw_of_log_z(log_z: torch.Tensor) -> float:
+    """min over max of Z, from log Z (never overflows)."""
+    import torch
+
+    return float(torch.exp(log_z.min() - log_z.max()))
 
 
 def _mean_cos(v: torch.Tensor) -> float:
@@ -147,9 +200,14 @@ def abtt_avg_cos(x: Vectors, mean: Vectors, top: int | None = None) -> float:
 def _abtt(v: torch.Tensor, vecs: torch.Tensor, top: int | None = None) -> float:
     """avg_cos of the centred rows ``v`` without their projections on the top principal
     directions ``vecs`` (columns, largest first)."""
+    return _mean_cos(_abtt_rows(v, vecs, top))
+
+
+def _abtt_rows(v: torch.Tensor, vecs: torch.Tensor, top: int | None = None) -> torch.Tensor:
+    """The centred rows ``v`` without their projections on the top directions of ``vecs``."""
     top = abtt_components(v.shape[1]) if top is None else top
-    pcs = vecs[:, :top].T
-    return _mean_cos(v - (v @ pcs.T) @ pcs)
+    pcs = vecs[:, :top]
+    return v - (v @ pcs) @ pcs.T
 
 
 def standardized_avg_cos(x: Vectors, mean: Vectors, std: Vectors) -> float:

@@ -8,8 +8,11 @@ computes them on the reservoir sample. Two ways to know how far that is from eve
   keys (uniform and independent of the data), is cut into G = :data:`SE_GROUPS` groups, and each
   metric gets the delete-a-group jackknife, SE^2 = (G - 1) / G sum_g (theta_(g) - mean)^2 with
   theta_(g) the metric without group g. The mean cosines come from per-group unit-vector sums;
-  I(W), centred I(W) and all-but-the-top are recomputed without each group, principal directions
-  included. Why the jackknife rather than batch means (sd of the groups' own values / sqrt(G)):
+  I(W), centred I(W) and all-but-the-top are recomputed without each group over the exact
+  covariance's directions where the d x d sums are held (:func:`held_iw_jackknife`: the
+  directions are not estimated from the sample, so they are held), else over the rest's own
+  principal directions, found again (:func:`eigen_jackknife_se`). Why the jackknife rather
+  than batch means (sd of the groups' own values / sqrt(G)):
   a mean cosine of centred vectors is close to a degenerate U-statistic, whose variance falls as
   1 / K^2, not 1 / K (batch means: sqrt(8) = 2.8x too high; the jackknife at most ~1.5x), and
   I(W) on K / G vectors is far from I(W) on K. They measure sampling noise, not a small sample's
@@ -43,7 +46,8 @@ Groups: TypeAlias = "tuple[torch.Tensor, ...]"
 SE_GROUPS = 8
 SAMPLED = ("avg_cos_centered", "iw", "iw_centered", "avg_cos_abtt", "avg_cos_std")
 EIGEN_METRICS = ("iw", "iw_centered", "avg_cos_abtt")  # need the covariance's eigenvectors
-EIGEN_JACKKNIFE_MAX_DIM = 1024  # wider: no SE for those three (2 G eigendecompositions per layer)
+# wider and without the exact covariance: no SE for those three (2 G eigendecompositions per layer)
+EIGEN_JACKKNIFE_MAX_DIM = 1024
 
 
 def se_name(metric: str) -> str:
@@ -86,8 +90,9 @@ def cos_jackknife_se(v: torch.Tensor, parts: Groups) -> float:
 
 
 def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: Groups) -> dict[str, float]:
-    """Jackknife SEs of I(W), centred I(W) and all-but-the-top, the principal directions found
-    again without each group (their estimation is most of these metrics' sampling noise: holding
+    """Jackknife SEs of I(W), centred I(W) and all-but-the-top where the exact covariance is not
+    held (else :func:`held_iw_jackknife`), the principal directions found again without each
+    group (their estimation is most of these metrics' sampling noise: holding
     them fixed gave a third of the spread between reservoirs on MiniLM). 2 G eigendecompositions:
     skipped (NaN) above :data:`EIGEN_JACKKNIFE_MAX_DIM` dims, where ``--exact`` is the answer.
 
@@ -124,6 +129,23 @@ def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: Groups) ->
     return {se_name(m): _jackknife(np.asarray(v)) for m, v in theta.items()}
 
 
+def held_iw_jackknife(proj: torch.Tensor, parts: Groups) -> tuple[float, float]:
+    """I(W) of the rows and its jackknife SE over directions held fixed (the exact covariance's,
+    not the sample's), from ``proj`` = rows @ directions (``parts`` cover every row): each
+    group's log Z per direction and sign once; the whole's and each rest's as the logsumexp of
+    the groups' (O(K d) after the projection, no eigh)."""
+    import torch
+
+    from isotui.core.isotropy import _iw_of_log_z, log_partition
+
+    per_group = torch.stack([log_partition(proj[idx]) for idx in parts])  # G x 2d
+    theta = [
+        _iw_of_log_z(torch.logsumexp(torch.cat([per_group[:g], per_group[g + 1 :]]), dim=0))
+        for g in range(len(parts))
+    ]
+    return _iw_of_log_z(torch.logsumexp(per_group, dim=0)), _jackknife(np.asarray(theta))
+
+
 class ExactPass:
     """One layer's second pass: every vector, the first pass's mean, std and eigenvectors.
 
@@ -141,15 +163,10 @@ class ExactPass:
         self.live = std > 0
         self.std = std[self.live]
         # full_cov holds the gram matrix; n >= 2 means a batch has set the shift
-        gram, s = acc.gram, acc.shift
-        self.eigen = gram is not None and s is not None and n >= 2
-        if gram is not None and s is not None and n >= 2:
-            sum_xs = acc.sum_xs
-            second = gram + torch.outer(s, sum_xs) + torch.outer(sum_xs, s) + n * torch.outer(s, s)
-            ms = sum_xs / n
-            scatter = gram - n * torch.outer(ms, ms)
-            self.vecs = torch.linalg.eigh(second)[1]
-            self.vecs_c = torch.linalg.eigh(scatter)[1].flip(1)  # largest first
+        exact = acc.exact_eigen()
+        self.eigen = exact is not None
+        if exact is not None:
+            self.vecs, self.vecs_c = exact.vecs, exact.vecs_c  # largest first
             self.top = self.vecs_c[:, : abtt_components(acc.dim)]
             self.log_z = torch.full((2 * acc.dim,), -math.inf, dtype=f64, device=dev)
             self.log_zc = torch.full((2 * acc.dim,), -math.inf, dtype=f64, device=dev)

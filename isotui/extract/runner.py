@@ -473,23 +473,26 @@ def _finish(
     )
 
 
-# Finalisation per layer on a 2-core CPU, reservoir 4096 full (MiniLM, d=384: 2.6 s; a GPT-2-size
-# model, d=768: 3.5 s; issue 12): an estimate from d for the ETA before finalisation starts; once
-# it runs, the layers already finalised give the time per layer.
-FINALIZE_BASE_S = 1.7
-FINALIZE_PER_DIM_S = 0.0023
+# Finalisation per layer at one CPU thread, reservoir 4096 full (benchmarks/finalisation.py, issue
+# 15: d = 256 / 1,024 / 4,096: 0.21 / 2.3 / 55 s of CPU): the two d x d eigh (d^3) whatever the
+# reservoir holds, and its projections (K d^2); an estimate for the ETA before finalisation starts;
+# once it runs, the layers already finalised give the time per layer.
+FINALIZE_BASE_S = 0.15
+FINALIZE_PER_DIM2_S = 7e-7
+FINALIZE_PER_DIM3_S = 6.3e-10
 
 
 def finalize_estimate_s(all_accs: dict[str, list[LayerAccumulator]] | None) -> float | None:
     """Seconds the finalisation of every layer will take, estimated from each layer's d and how
-    full its reservoir is (the pairwise reservoir metrics dominate at small d)."""
+    full its reservoir is (the reservoir's per-vector metrics grow with it, the eigh do not)."""
     if not all_accs:
         return None
     total = 0.0
     for accs in all_accs.values():
         for acc in accs:
             fill = min(1.0, acc.n_all / max(1, acc.reservoir_size))
-            total += (FINALIZE_BASE_S + FINALIZE_PER_DIM_S * acc.dim) * max(fill, 0.05)
+            total += (FINALIZE_BASE_S + FINALIZE_PER_DIM2_S * acc.dim**2) * max(fill, 0.05)
+            total += FINALIZE_PER_DIM3_S * acc.dim**3
     return total
 
 
@@ -624,12 +627,20 @@ def _sample_notes(facts: dict[str, Any], stats: list[LayerStats]) -> list[str]:
         f"{what} from a uniform sample of {partial[0].n_sample:,} vectors in {len(partial)} of "
         f"{len(stats)} layers (--reservoir)"
     )
+    held = sum(s.spectrum_from == "all" for s in partial)
+    if sampled and held:
+        where = "" if held == len(partial) else f" in {held} of those layers"
+        note += (
+            f"; I(W)'s and all-but-the-top's directions are exact{where} (the eigenvectors of the "
+            "d x d covariance and second moment over every vector): only their sums over vectors "
+            "are sampled"
+        )
     if not facts.get("exact"):
         note += (
             f"; ± their standard errors from {SE_GROUPS} disjoint sub-samples (the *_se columns; "
             "--exact computes them over every vector)"
         )
-        if any(s.dim > EIGEN_JACKKNIFE_MAX_DIM for s in partial):
+        if any(s.dim > EIGEN_JACKKNIFE_MAX_DIM and s.spectrum_from != "all" for s in partial):
             note += (
                 f"; I(W) and all-but-the-top have none in layers wider than {EIGEN_JACKKNIFE_MAX_DIM:,} "
                 "dims (16 more eigendecompositions each)"
