@@ -215,8 +215,8 @@ class RunSpec:
         menu=("none", *DEVICE_MAPS),
     )
     max_memory: tuple[tuple[int | str, int], ...] | None = _option(
-        help="with --device-map: what each device may hold, as 0=70GiB,1=70GiB,cpu=200GiB (GPU "
-        "numbers, cpu, disk)",
+        help="what each device may hold under --device-map (alone: --device-map auto), as "
+        "0=70GiB,1=70GiB,cpu=200GiB (GPU numbers, cpu, disk)",
         toml=(str, dict),
         parse=lambda value, _base: parse_max_memory(value if value != "" else None),
         metavar="DEV=SIZE,...",
@@ -319,11 +319,8 @@ class RunSpec:
     cap_max_length: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_memory is not None and self.device_map is None:
-            raise IsotuiError(
-                "max-memory sets what each device may hold under a device map; add --device-map auto "
-                "(or balanced, balanced_low_0, sequential)"
-            )
+        if self.max_memory is not None and self.device_map is None:  # budgets are for a device map
+            object.__setattr__(self, "device_map", "auto")
 
     def with_model(self, model: str) -> RunSpec:
         return replace(self, model=model)

@@ -416,7 +416,7 @@ def dry_run(
     memory = dict(max_memory) if max_memory else None
     gpus = [k for k in memory or {} if isinstance(k, int)]
     kind = "cuda" if gpus else device.split(":")[0] if device != "auto" else "cpu"
-    declared = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+    declared = getattr(config, "dtype", None)
     declared = str(declared).removeprefix("torch.") if declared is not None else None
     run_dtype = resolve_dtype(dtype, kind, declared)
     with init_empty_weights():

@@ -1,0 +1,180 @@
+"""--device-map / --max-memory (accelerate placement and offload) and --dry-run's memory plan.
+
+Offload is checked on the CPU: a tiny max_memory sends some layers to disk, and the numbers are
+those of a plain load (and of an independent numpy computation). The dry-run plans of pythia-12b
+and Llama-3-70B are checked against byte counts computed here from their configs' formulas.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from isotui.cli import main
+from isotui.errors import IsotuiError
+from isotui.spec import make_spec
+
+from .conftest import corpus
+from .reference import hidden_vectors
+
+GiB = 1 << 30
+
+
+def _texts(tmp_path: Path, n: int = 12) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(corpus(n)) + "\n", encoding="utf-8")
+    return path
+
+
+def test_disk_offload_gives_the_numbers_of_a_plain_load(tiny_models, tmp_path):
+    from isotui.experiments.layerwise import load_prepared, measure, prepare
+
+    folder, data = tiny_models["gpt_neox"], f"text:{_texts(tmp_path)}"
+    plain = make_spec(str(folder), data, max_length=64, device="cpu")
+    split = make_spec(str(folder), data, max_length=64, device_map="auto", max_memory="cpu=130KB")
+    assert prepare(split).key == prepare(plain).key  # where the model sits is not what is measured
+    loaded, device = load_prepared(prepare(split))
+    placed = set(map(str, loaded.device_map.values()))
+    assert {"cpu", "disk"} <= placed and device == "cpu"  # some layers really went to disk
+    a, b = measure(plain, None), measure(split, None)
+    assert any("--device-map auto" in n for n in b.meta["notes"])
+    assert any(n.startswith("memory plan") for n in b.meta["notes"])
+    xs, _labels = hidden_vectors(folder, corpus(12), max_length=64)
+    for ra, rb, x in zip(a.rows, b.rows, xs, strict=True):
+        assert rb.avg_cos == pytest.approx(ra.avg_cos, rel=1e-10)
+        assert rb.isoscore == pytest.approx(ra.isoscore, rel=1e-10)
+        u = x / np.linalg.norm(x, axis=1, keepdims=True)
+        n = len(u)
+        ref = (np.square(u.sum(0)).sum() - n) / (n * (n - 1))  # mean cosine over distinct pairs
+        assert rb.avg_cos == pytest.approx(ref, rel=1e-6)  # float32 forward vs the reference's
+
+
+def _config(tmp_path: Path, name: str, config: dict) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return folder
+
+
+PYTHIA_12B = {
+    "architectures": ["GPTNeoXForCausalLM"],
+    "model_type": "gpt_neox",
+    "hidden_size": 5120,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 40,
+    "intermediate_size": 20480,
+    "vocab_size": 50688,
+    "max_position_embeddings": 2048,
+    "rotary_pct": 0.25,
+    "use_parallel_residual": True,
+    "tie_word_embeddings": False,
+    "dtype": "float16",
+}
+LLAMA_3_70B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "intermediate_size": 28672,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+}
+
+
+def _neox_params(d: int, layers: int, inter: int, vocab: int) -> int:
+    """GPTNeoXModel: embeddings; per block two LayerNorms, fused QKV, output, two MLP linears
+    (all with biases); the final LayerNorm."""
+    block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * inter + inter) + (inter * d + d)
+    return vocab * d + layers * block + 2 * d
+
+
+def _llama_params(d: int, layers: int, heads: int, kv: int, inter: int, vocab: int) -> int:
+    """LlamaModel: embeddings; per block q, k, v, o (grouped k and v), gate, up, down, two
+    RMSNorms (no biases); the final RMSNorm."""
+    head = d // heads
+    block = d * d + 2 * d * kv * head + d * d + 3 * d * inter + 2 * d
+    return vocab * d + layers * block + d
+
+
+def _dry(folder: Path, tmp_path: Path, *flags: str) -> dict:
+    out = tmp_path / "plan.json"
+    assert main(["run", "--model", str(folder), "--dry-run", "--json", str(out), *flags]) == 0
+    return json.loads(out.read_text())[str(folder)]
+
+
+def test_dry_run_plans_pythia_12b_from_its_config(tmp_path, capsys):
+    folder = _config(tmp_path, "pythia-12b", PYTHIA_12B)
+    plan = _dry(folder, tmp_path, "--device-map", "auto", "--max-memory", "0=80GB,1=80GB")
+    d, n = 5120, 37  # 36 blocks and the embeddings
+    assert len(plan["layers"]) == n and {p["dim"] for p in plan["layers"]} == {d}
+    assert plan["covariance_bytes"] == n * d * d * 8  # every layer exact: 7.76 GB over two GPUs
+    assert sum(plan["weights_bytes"].values()) == _neox_params(d, 36, 20480, 50688) * 2  # float16
+    assert set(plan["weights_bytes"]) == {"cuda:0", "cuda:1"}
+    per_layer = 2 * 8 * d * d + 4096 * (4 * d + 8)  # covariance and its batch partial, reservoir
+    for p in plan["layers"]:
+        assert p["bytes"] >= per_layer and p["exact_cov"] and p["reservoir"] == 4096
+    assert sum(plan["accumulator_bytes"].values()) == sum(p["bytes"] for p in plan["layers"])
+    assert "64 samples of 512 tokens" in plan["batch"]
+    main(
+        ["run", "--model", str(folder), "--dry-run", "--device-map", "auto", "--max-memory", "0=80GB,1=80GB"]
+    )
+    printed = capsys.readouterr().out
+    assert "memory plan" in printed and "layer 36" in printed and "cuda:1" in printed
+
+
+@pytest.mark.parametrize(("gpus", "exact"), [(1, 0), (4, None), (8, 81)])
+def test_dry_run_plans_llama_3_70b_on_80gb_gpus(tmp_path, gpus, exact):
+    folder = _config(tmp_path, f"llama-70b-{gpus}", LLAMA_3_70B)
+    memory = ",".join(f"{i}=80GB" for i in range(gpus))
+    plan = _dry(folder, tmp_path, "--device-map", "auto", "--max-memory", memory)
+    d, n = 8192, 81
+    params = _llama_params(d, 80, 64, 8, 28672, 128256)
+    assert sum(plan["weights_bytes"].values()) == params * 2  # bfloat16, 70.6e9 parameters
+    assert len(plan["layers"]) == n
+    held = sum(p["exact_cov"] for p in plan["layers"])
+    assert held == exact or (exact is None and held > n // 2)
+    assert plan["covariance_bytes"] == held * d * d * 8  # 8 x 80 GB: 81 x 8192^2 x 8 = 43.5 GB
+    for device, used in plan["accumulator_bytes"].items():  # each device within what it has left
+        budget = plan["budget_bytes"][device]
+        assert used <= budget or all(p["reservoir"] == 2 for p in plan["layers"] if p["device"] == device)
+    if gpus == 1:  # 141 GB of weights on one 80 GB GPU: the rest on disk, no room left for sums
+        assert "disk" in plan["weights_bytes"]
+        assert all(p["reservoir"] < 4096 for p in plan["layers"])
+
+
+def test_bad_values_are_one_sentence_naming_the_flag(tiny_models, capsys):
+    folder = str(tiny_models["gpt_neox"])
+    cases = [
+        (["--device-map", "auto", "--max-memory", "0=lots"], "--max-memory"),
+        (["--device-map", "auto", "--max-memory", "gpu=1GB"], "--max-memory"),
+        (["--device-map", "auto", "--max-memory", "3=1GB"], "--max-memory gives memory to GPU 3"),
+        (["--max-memory", "4=1GB"], "--max-memory gives memory to GPU 4"),  # alone: --device-map auto
+    ]
+    for flags, said in cases:
+        assert main(["run", "--model", folder, "--max-samples", "2", "--no-cache", *flags]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exc:  # argparse's choices: exit 2 naming the flag
+        main(["run", "--model", folder, "--device-map", "everywhere"])
+    assert exc.value.code == 2 and "--device-map" in capsys.readouterr().err
+
+
+def test_max_memory_forms():
+    from isotui.extract.memory_plan import parse_max_memory
+
+    assert parse_max_memory("0=70GiB,1=70GiB,cpu=200GiB") == (
+        (0, 70 * GiB),
+        (1, 70 * GiB),
+        ("cpu", 200 * GiB),
+    )
+    assert parse_max_memory({"cuda:0": "1.5GB", "disk": 2048}) == ((0, 1_500_000_000), ("disk", 2048))
+    with pytest.raises(IsotuiError, match="max-memory"):
+        parse_max_memory("0:70GiB")
