@@ -130,7 +130,7 @@ def test_dry_run_plans_pythia_12b_from_its_config(tmp_path, capsys):
     assert "memory plan" in printed and "layer 36" in printed and "cuda:1" in printed
 
 
-@pytest.mark.parametrize(("gpus", "exact"), [(1, 0), (4, None), (8, 81)])
+@pytest.mark.parametrize(("gpus", "exact"), [(1, None), (4, 81), (8, 81)])
 def test_dry_run_plans_llama_3_70b_on_80gb_gpus(tmp_path, gpus, exact):
     folder = _config(tmp_path, f"llama-70b-{gpus}", LLAMA_3_70B)
     memory = ",".join(f"{i}=80GB" for i in range(gpus))
@@ -140,7 +140,7 @@ def test_dry_run_plans_llama_3_70b_on_80gb_gpus(tmp_path, gpus, exact):
     assert sum(plan["weights_bytes"].values()) == params * 2  # bfloat16, 70.6e9 parameters
     assert len(plan["layers"]) == n
     held = sum(p["exact_cov"] for p in plan["layers"])
-    assert held == exact or (exact is None and held > n // 2)
+    assert held == exact or (exact is None and held <= 2)
     assert plan["covariance_bytes"] == held * d * d * 8  # 8 x 80 GB: 81 x 8192^2 x 8 = 43.5 GB
     for device, used in plan["accumulator_bytes"].items():  # each device within what it has left
         budget = plan["budget_bytes"][device]
@@ -148,13 +148,15 @@ def test_dry_run_plans_llama_3_70b_on_80gb_gpus(tmp_path, gpus, exact):
     if gpus == 1:  # 141 GB of weights on one 80 GB GPU: the rest on disk, no room left for sums
         assert "disk" in plan["weights_bytes"]
         assert all(p["reservoir"] < 4096 for p in plan["layers"])
+    if gpus == 4:  # 32,768 tokens of 20 hidden states each beside 36 GB of weights: over a quarter
+        assert "expected to halve" in plan["batch"]
 
 
 def test_bad_values_are_one_sentence_naming_the_flag(tiny_models, capsys):
     folder = str(tiny_models["gpt_neox"])
     cases = [
-        (["--device-map", "auto", "--max-memory", "0=lots"], "--max-memory"),
-        (["--device-map", "auto", "--max-memory", "gpu=1GB"], "--max-memory"),
+        (["--device-map", "auto", "--max-memory", "0=lots"], "max-memory must be"),
+        (["--device-map", "auto", "--max-memory", "gpu=1GB"], "max-memory must be"),
         (["--device-map", "auto", "--max-memory", "3=1GB"], "--max-memory gives memory to GPU 3"),
         (["--max-memory", "4=1GB"], "--max-memory gives memory to GPU 4"),  # alone: --device-map auto
     ]

@@ -388,12 +388,17 @@ def _gain_bias(module: torch.nn.Module) -> dict[str, npt.NDArray[np.float64]]:
     """A norm's gain and bias (zeros when it has none) as float64 arrays."""
     import torch
 
-    weight, bias_ = module.weight, getattr(module, "bias", None)
-    assert isinstance(weight, torch.Tensor)  # norm_module and block_output_norms keep weighted norms
-    gain = weight.detach().float().cpu().numpy().astype(np.float64)
-    bias = (
-        bias_.detach().float().cpu().numpy().astype(np.float64) if bias_ is not None else np.zeros_like(gain)
-    )
+    from isotui.models.loading import readable
+
+    with readable(module):  # offloaded by --device-map: its weights only exist in a forward
+        weight, bias_ = module.weight, getattr(module, "bias", None)
+        assert isinstance(weight, torch.Tensor)  # norm_module and block_output_norms keep weighted norms
+        gain = weight.detach().float().cpu().numpy().astype(np.float64)
+        bias = (
+            bias_.detach().float().cpu().numpy().astype(np.float64)
+            if bias_ is not None
+            else np.zeros_like(gain)
+        )
     return {"gain": gain, "bias": bias}
 
 

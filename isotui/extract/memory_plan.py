@@ -333,10 +333,17 @@ def plan_layers(
     return [plans[i] for i in range(len(layers))]
 
 
-def batch_line(batch_size: int | None, device: str, max_length: int | None) -> str:
-    """How the loop cuts batches (:class:`~isotui.extract.planning.BatchPlan`), in words."""
+def batch_line(batch_size: int | None, device: str, max_length: int | None, tokens: int | None = None) -> str:
+    """How the loop cuts batches (:class:`~isotui.extract.planning.BatchPlan`), in words;
+    ``tokens``: the budget a dry run expects the out-of-memory back-off to settle on."""
     kind = device.split(":")[0]
     budget = TOKEN_BUDGET.get(kind, TOKEN_BUDGET["cpu"])
+    if not batch_size and max_length and tokens and tokens < budget:
+        return (
+            f"auto: {budget:,}-token budget on {kind}, expected to halve to {max(1, tokens // max_length)} "
+            f"samples of {max_length} tokens ({tokens:,} tokens) for the activations to fit beside the "
+            "weights"
+        )
     if batch_size:
         return f"{batch_size} samples per batch (--batch-size), halved on out-of-memory"
     if max_length:
@@ -444,18 +451,30 @@ def dry_run(
     )
     act_bytes = DTYPE_BYTES[run_dtype]
     inter = getattr(config, "intermediate_size", None) or 4 * dim
-    budgets: dict[str, int | None] = {}
+    have: dict[str, int | None] = {}
     for dev in dict.fromkeys(where):
-        have = (memory or {}).get(int(dev.split(":")[1]) if dev.startswith("cuda:") else dev)
-        if have is None:
-            have = available_memory(dev) if not dev.startswith("cuda:") or torch.cuda.is_available() else None
-        if have is None:
-            budgets[dev] = None
-            continue
-        # the first batch: every hidden state made here, and its widest transient (MLP, float64 copy)
-        activations = tokens * (dim * act_bytes * where.count(dev) + 3 * inter * act_bytes + 12 * dim)
-        room = have - weights.get(dev, 0) - activations
-        budgets[dev] = max(0, room - margin(max(0, room)))
+        given = (memory or {}).get(int(dev.split(":")[1]) if dev.startswith("cuda:") else dev)
+        measurable = not dev.startswith("cuda:") or torch.cuda.is_available()
+        have[dev] = given if given is not None else available_memory(dev) if measurable else None
+
+    def activations(dev: str, n: int) -> int:
+        """The first batch of ``n`` tokens on ``dev``: every hidden state made there, and the
+        widest transients (the MLP's, the float64 copy of a layer)."""
+        return n * (dim * act_bytes * where.count(dev) + 3 * inter * act_bytes + 12 * dim)
+
+    # an auto batch too large for what the weights leave halves, as the run's back-off would
+    while (
+        not batch_size
+        and tokens > length
+        and any(
+            h is not None and activations(d, tokens) > (h - weights.get(d, 0)) // 4 for d, h in have.items()
+        )
+    ):
+        tokens //= 2
+    budgets: dict[str, int | None] = {}
+    for dev, h in have.items():
+        room = None if h is None else h - weights.get(dev, 0) - activations(dev, tokens)
+        budgets[dev] = None if room is None else max(0, room - margin(max(0, room)))
     types = min(SELF_SIM_TYPES, SELF_SIM_BUDGET_BYTES // max(1, 8 * dim * len(where)))
     names = [f"layer {i}" for i in range(len(where))]
     layers = plan_layers([(n, dim, d, types) for n, d in zip(names, where, strict=True)], budgets, reservoir)
@@ -464,6 +483,6 @@ def dry_run(
         budgets,
         weights=weights,
         reservoir_asked=reservoir,
-        batch=batch_line(batch_size, main, length),
+        batch=batch_line(batch_size, main, length, tokens),
         source=f"dry run from the config, {run_dtype} weights, memory from {source}",
     )

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,13 +147,9 @@ class Placement:
     device_map: str
     max_memory: dict[int | str, int] | None
 
-    def load_kwargs(self) -> dict[str, Any]:
+    def load_kwargs(self, folder: str) -> dict[str, Any]:
         """from_pretrained's keywords: the map, the budgets and a folder for what fits nowhere."""
-        return {
-            "device_map": self.device_map,
-            "max_memory": self.max_memory,
-            "offload_folder": _offload_dir(),
-        }
+        return {"device_map": self.device_map, "max_memory": self.max_memory, "offload_folder": folder}
 
     def dispatch(self, model: Any, name: str) -> Any:
         """An already built (untrained) model placed by the map from_pretrained would make."""
@@ -160,9 +157,17 @@ class Placement:
 
         from isotui.extract.memory_plan import infer_device_map
 
+        folder = offload_dir(model)
         try:
             placed = infer_device_map(model, self.device_map, self.max_memory)
-            model = dispatch_model(model, device_map=placed, offload_dir=_offload_dir())
+            if set(map(str, placed.values())) == {"disk"}:
+                raise IsotuiError(
+                    f"--max-memory leaves no room in memory for any part of model {name!r}; give its "
+                    "devices more"
+                )
+            model = dispatch_model(model, device_map=placed, offload_dir=folder)
+        except IsotuiError:
+            raise
         except Exception as exc:
             raise IsotuiError(
                 f"--device-map {self.device_map}: could not place model {name!r} ({_short(exc)})"
@@ -171,19 +176,35 @@ class Placement:
         return model
 
 
-_OFFLOAD: list[str] = []
+def offload_dir(owner: Any = None) -> str:
+    """A fresh folder for the weights one model offloads to disk (never shared: accelerate
+    reuses what a folder already holds), removed with ``owner`` or at exit."""
+    import shutil
+    import tempfile
+    import weakref
 
-
-def _offload_dir() -> str:
-    """One temporary folder per process for weights offloaded to disk, removed at exit."""
-    if not _OFFLOAD:
+    folder = tempfile.mkdtemp(prefix="isotui-offload-")
+    if owner is not None:
+        weakref.finalize(owner, shutil.rmtree, folder, True)
+    else:
         import atexit
-        import shutil
-        import tempfile
 
-        _OFFLOAD.append(tempfile.mkdtemp(prefix="isotui-offload-"))
-        atexit.register(shutil.rmtree, _OFFLOAD[0], True)
-    return _OFFLOAD[0]
+        atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+@contextmanager
+def readable(module: Any) -> Iterator[None]:
+    """``module``'s own weights readable inside (on the CPU) even when ``--device-map`` offloaded
+    them (accelerate keeps them on the meta device between forwards)."""
+    if getattr(module, "_hf_hook", None) is None:
+        yield
+        return
+    import torch
+    from accelerate.utils import align_module_device
+
+    with align_module_device(module, torch.device("cpu")):
+        yield
 
 
 def _placed(model: Any, device: str, placement: Placement | None, **to: Any) -> Any:
@@ -234,7 +255,7 @@ def _load(
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if folder is None and ref.revision:
         kwargs["revision"] = ref.revision
-    placing = placement.load_kwargs() if placement is not None else {}
+    placing = placement.load_kwargs(offload_dir()) if placement is not None else {}
     try:
         if head:
             from transformers import AutoConfig
