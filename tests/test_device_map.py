@@ -180,3 +180,37 @@ def test_max_memory_forms():
     assert parse_max_memory({"cuda:0": "1.5GB", "disk": 2048}) == ((0, 1_500_000_000), ("disk", 2048))
     with pytest.raises(IsotuiError, match="max-memory"):
         parse_max_memory("0:70GiB")
+
+
+def test_plan_gives_exact_covariances_where_they_fit_and_reservoirs_what_is_left():
+    from isotui.extract.memory_plan import plan_layers
+
+    d, fixed = 64, 8 * 64 * 10  # ten float64 d-vectors per layer (no tracked types)
+    cov = 2 * 8 * d * d  # the d x d float64 sum and the batch's partial beside it
+    budget = 2 * fixed + cov + 100 * 2 * (4 * d + 8)  # room for one covariance and 100 vectors each
+    plans = plan_layers(
+        [("layer 0", d, "cpu", 0), ("layer 1", d, "cpu", 0), ("layer 2", d, "x", 0)],
+        {"cpu": budget, "x": None},
+        4096,
+    )
+    assert [p.exact_cov for p in plans] == [True, False, True]  # "x": free memory unknown, nothing capped
+    assert [p.reservoir for p in plans] == [100, 100, 4096]
+    assert sum(p.bytes for p in plans[:2]) == budget
+
+
+def test_a_run_takes_its_budget_from_measured_free_memory(tiny_models, tmp_path, monkeypatch):
+    """Little free memory: covariances go, the reservoir shrinks, and what is exact stays exact."""
+    import isotui.extract.memory_plan as memory_plan
+    from isotui.experiments.layerwise import measure
+
+    folder, data = tiny_models["gpt_neox"], f"text:{_texts(tmp_path)}"
+    spec = make_spec(str(folder), data, max_length=64, device="cpu")
+    plenty = measure(spec, None)
+    monkeypatch.setattr(memory_plan, "available_memory", lambda _device: memory_plan.MARGIN_MIN + 60_000)
+    tight = measure(spec, None)
+    said = " ".join(tight.meta["notes"])
+    assert "exact covariance in 0 of 3 layers" in said and "memory left on their device" in said
+    assert "exact covariance in 3 of 3 layers" in " ".join(plenty.meta["notes"])
+    assert max(r.n_sample for r in tight.rows) < min(r.n_vectors for r in tight.rows)
+    for a, b in zip(plenty.rows, tight.rows, strict=True):
+        assert b.avg_cos == pytest.approx(a.avg_cos, rel=1e-10)  # streamed sums: never sampled

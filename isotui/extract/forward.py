@@ -46,8 +46,8 @@ def hidden_states(loaded: LoadedModel, inputs: dict[str, Any]) -> HiddenStates:
 def _layers_stay(model: Any) -> Iterator[None]:
     """A model split by ``--device-map``: accelerate's top hook would gather every output (all
     hidden states) to the input's device; here each layer's stays where its block ran."""
-    top = getattr(model, "_hf_hook", None)
-    gathering = [h for h in getattr(top, "hooks", (top,)) if getattr(h, "io_same_device", False)]
+    top: Any = getattr(model, "_hf_hook", None)
+    gathering: list[Any] = [h for h in getattr(top, "hooks", (top,)) if getattr(h, "io_same_device", False)]
     for hook in gathering:
         hook.io_same_device = False
     try:
