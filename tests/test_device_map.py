@@ -214,3 +214,18 @@ def test_a_run_takes_its_budget_from_measured_free_memory(tiny_models, tmp_path,
     assert max(r.n_sample for r in tight.rows) < min(r.n_vectors for r in tight.rows)
     for a, b in zip(plenty.rows, tight.rows, strict=True):
         assert b.avg_cos == pytest.approx(a.avg_cos, rel=1e-10)  # streamed sums: never sampled
+
+
+def test_hidden_states_are_not_gathered_to_the_input_device():
+    """accelerate's top hook moves a split model's outputs to the input's device (all hidden
+    states on one GPU); during isotui's forward it is off, and on again after, however it ends."""
+    from types import SimpleNamespace
+
+    from isotui.extract.forward import _layers_stay
+
+    gather, other = SimpleNamespace(io_same_device=True), SimpleNamespace(io_same_device=False)
+    model = SimpleNamespace(_hf_hook=SimpleNamespace(hooks=[gather, other]))
+    with pytest.raises(RuntimeError), _layers_stay(model):
+        assert gather.io_same_device is False
+        raise RuntimeError("a failed forward")
+    assert gather.io_same_device is True and other.io_same_device is False

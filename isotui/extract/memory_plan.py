@@ -358,15 +358,18 @@ def batch_line(batch_size: int | None, device: str, max_length: int | None, toke
 
 
 @contextmanager
-def _quiet_accelerate() -> Iterator[None]:
-    """accelerate warns for every GPU a dry run names that this machine lacks: it plans on paper."""
-    log = logging.getLogger("accelerate.utils.modeling")
-    before = log.level
-    log.setLevel(logging.ERROR)
+def quiet_accelerate() -> Iterator[None]:
+    """accelerate warns for every GPU a dry run names that this machine lacks (it plans on
+    paper) and that offloaded parameters sit on the meta device (the notes say where they are)."""
+    logs = [logging.getLogger(name) for name in ("accelerate.utils.modeling", "accelerate.big_modeling")]
+    before = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        log.setLevel(before)
+        for log, level in zip(logs, before, strict=True):
+            log.setLevel(level)
 
 
 def infer_device_map(
@@ -377,7 +380,7 @@ def infer_device_map(
     balances it); used for dry runs and untrained models (which are built, not loaded)."""
     from transformers.integrations.accelerate import _get_device_map
 
-    with _quiet_accelerate():
+    with quiet_accelerate():
         return dict(_get_device_map(model, device_map, dict(max_memory) if max_memory else None, None))
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from isotui.errors import IsotuiError
 from isotui.models.naming import ModelRef, bundled_minilm_dir
@@ -115,22 +115,25 @@ def load_model(
     decoders, see :func:`lm_class`) instead of the bare ``AutoModel``; a checkpoint that lacks
     the head's weights is refused in one sentence rather than given a random head.
     """
-    placement = None
+    from contextlib import AbstractContextManager, nullcontext
+
+    placement, quiet = None, cast(AbstractContextManager[None], nullcontext())
     if device_map is not None:
-        from isotui.extract.memory_plan import check_devices
+        from isotui.extract.memory_plan import check_devices, quiet_accelerate
 
         check_devices(max_memory)
-        placement = Placement(device_map, dict(max_memory) if max_memory else None)
-    loaded = _load(
-        ref,
-        device=device,
-        dtype=dtype,
-        seed=seed,
-        trust=trust_remote_code,
-        head=head,
-        tokenizer=tokenizer,
-        placement=placement,
-    )
+        placement, quiet = Placement(device_map, dict(max_memory) if max_memory else None), quiet_accelerate()
+    with quiet:
+        loaded = _load(
+            ref,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            trust=trust_remote_code,
+            head=head,
+            tokenizer=tokenizer,
+            placement=placement,
+        )
     loaded.name = ref.name
     if loaded.modality == "text" and tokenizer is not None and ref.kind != "random":
         loaded.tokenizer, loaded.own_tokenizer = _given_tokenizer(tokenizer, trust_remote_code), False
