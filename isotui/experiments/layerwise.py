@@ -351,6 +351,7 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
         "seconds": round(ex.seconds, 3),
         "timings": {"load_s": round(facts["load_s"], 3), **{k: round(v, 3) for k, v in ex.timings.items()}},
         "notes": facts["notes"] + ex.notes + list(getattr(prepared.samples, "notes", [])),
+        **({"memory_plan": ex.memory_plan} if ex.memory_plan else {}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": facts["versions"],
     }

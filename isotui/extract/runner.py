@@ -60,6 +60,7 @@ class Extraction:
     map_units: str | None = None
     audio_seconds: float | None = None
     timings: dict[str, float] = field(default_factory=dict)  # tokenise/forward/metrics/finalise s
+    memory_plan: dict[str, Any] | None = None  # MemoryPlan.to_json(): where the sums lived
 
     @property
     def layers(self) -> list[LayerStats]:
@@ -469,6 +470,7 @@ def _stream(
         "at": Progress(done.samples, total, done.units, elapsed, memory_bytes=memory),
         "estimate": estimate,
         "exact": opts.exact,
+        "memory_plan": stream.plan.to_json() if stream.plan is not None else None,
     }
     return stream, facts
 
@@ -503,6 +505,7 @@ def _finish(
         max_length=facts["max_length"],
         seconds=time.perf_counter() - start if start is not None else facts["seconds"],
         notes=notes,
+        memory_plan=facts.get("memory_plan"),
         map_units=facts["map_units"] if facts["saw_maps"] else None,
         audio_seconds=facts["audio_seconds"],
         timings={
