@@ -205,6 +205,7 @@ class MemoryPlan:
     reservoir_asked: int = 0
     batch: str = ""  # how batches are cut
     source: str = "measured free memory"
+    on_paper: bool = False  # a dry run's
 
     def per_device(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -243,9 +244,11 @@ class MemoryPlan:
         weights = ", ".join(f"{d} {_size(b)}" for d, b in self.weights.items()) or "-"
         accs = ", ".join(
             f"{d} {_size(b)} ({sum(p.device == d for p in self.layers)} layers"
+            # a dry run's budgets are given; a run's measured ones go to the JSON only (notes of
+            # the same computation stay the same, e.g. a merge of shards and a one-pass run)
             + (
-                f", of {_size(self.budgets[d])} free after the margin"
-                if self.budgets.get(d) is not None
+                f", of {_size(self.budgets[d])} left"
+                if self.on_paper and self.budgets.get(d) is not None
                 else ""
             )
             + ")"
@@ -488,4 +491,5 @@ def dry_run(
         reservoir_asked=reservoir,
         batch=batch_line(batch_size, main, length, tokens),
         source=f"dry run from the config, {run_dtype} weights, memory from {source}",
+        on_paper=True,
     )
