@@ -128,6 +128,8 @@ def run(
     special_tokens: str | None = None,
     batch_size: int | str | None = None,
     device: str | None = None,
+    device_map: str | None = None,
+    max_memory: str | dict[int | str, str | int] | None = None,
     dtype: str | None = None,
     seed: int | None = None,
     reservoir: int | None = None,
@@ -143,7 +145,11 @@ def run(
     whose settings the keywords override). One model name gives a :class:`Result`; a list gives
     :class:`Results`, one per model. ``cache=False`` recomputes and stores nothing;
     ``progress=True`` draws the CLI's progress bar on stderr. ``shard="I/K"``: one slice of a
-    sharded run (``--shard``), an empty result until the shard that merges all K."""
+    sharded run (``--shard``), an empty result until the shard that merges all K.
+    ``device_map="auto"`` with ``max_memory="0=70GiB,cpu=200GiB"`` (or ``{0: "70GiB", "cpu": ...}``):
+    the model across devices through accelerate (``--device-map``, ``--max-memory``)."""
+    if isinstance(max_memory, dict):  # the flag's own form
+        max_memory = ",".join(f"{k}={v}" for k, v in max_memory.items())
     options = {
         "data": data,
         "max_samples": max_samples,
@@ -151,6 +157,8 @@ def run(
         "special_tokens": special_tokens,
         "batch_size": batch_size,
         "device": device,
+        "device_map": device_map,
+        "max_memory": max_memory,
         "dtype": dtype,
         "seed": seed,
         "reservoir": reservoir,

@@ -17,6 +17,7 @@ from typing import Any
 from isotui.data.sources import DataSpec, parse_data
 from isotui.errors import IsotuiError
 from isotui.extract.device import DTYPES, validate_device
+from isotui.extract.memory_plan import DEVICE_MAPS, parse_max_memory
 
 MAP_UNITS = ("auto", "image", "position")
 SPECIAL_TOKENS = ("exclude", "include")
@@ -198,6 +199,30 @@ class RunSpec:
         label="device",
         menu=("auto", "cpu", "cuda", "mps"),
     )
+    # across devices through accelerate: where the model sits, never what is measured (not in the key)
+    device_map: str | None = _option(
+        help="place the model across devices through accelerate, as transformers' from_pretrained "
+        "does: auto, balanced, balanced_low_0 or sequential (parts that fit nowhere go to disk); "
+        "each layer's sums stay on the device of its hidden states",
+        toml=(str,),
+        parse=lambda value, _base: (
+            None
+            if value in (None, "", "none")
+            else _choice("device-map", DEVICE_MAPS, "one of " + ", ".join(DEVICE_MAPS))(value, _base)
+        ),
+        choices=DEVICE_MAPS,
+        label="device map",
+        menu=("none", *DEVICE_MAPS),
+    )
+    max_memory: tuple[tuple[int | str, int], ...] | None = _option(
+        help="what each device may hold under --device-map (alone: --device-map auto), as "
+        "0=70GiB,1=70GiB,cpu=200GiB (GPU numbers, cpu, disk)",
+        toml=(str, dict),
+        parse=lambda value, _base: parse_max_memory(value if value != "" else None),
+        metavar="DEV=SIZE,...",
+        label="max memory",
+        hint="with a device map: 0=70GiB,1=70GiB,cpu=200GiB",
+    )
     # CPU threads: how fast, never what is measured (not in the cache key; see extract/threads.py)
     threads: int | None = _option(
         help="CPU threads for torch (default: the cores this process may use, fewer when the "
@@ -292,6 +317,10 @@ class RunSpec:
     # the app's max length is a ceiling: longer than the model accepts is capped (with a notice),
     # where the CLI's explicit --max-length is refused
     cap_max_length: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_memory is not None and self.device_map is None:  # budgets are for a device map
+            object.__setattr__(self, "device_map", "auto")
 
     def with_model(self, model: str) -> RunSpec:
         return replace(self, model=model)

@@ -29,6 +29,8 @@ SAMPLES = {
     "max_length": ("33", "33", 33),
     "batch_size": ("5", "5", 5),
     "device": ("cpu", '"cpu"', "cpu"),
+    "device_map": ("sequential", '"sequential"', "sequential"),
+    "max_memory": ("cpu=2GiB", '"cpu=2GiB"', (("cpu", 2 << 30),)),
     "threads": ("3", "3", 3),
     "dtype": ("bfloat16", '"bfloat16"', "bfloat16"),
     "special_tokens": ("include", '"include"', "include"),
@@ -152,7 +154,9 @@ def _dialog_sets(name: str, text: str | None) -> bool:
             await pilot.pause()
         spec = make_spec("minilm", **{k: v for k, v in result.items() if k != "base_dir"})
         value = getattr(spec, name)
-        return value is True if text is None else (str(value) == text or value.scheme == "synthetic")
+        if text is None:
+            return value is True
+        return str(value) == text or value == SAMPLES[name][2] or getattr(value, "scheme", "") == "synthetic"
 
     return asyncio.run(scenario())
 

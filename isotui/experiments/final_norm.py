@@ -289,7 +289,8 @@ def _stream_norms(
     from isotui.core.accumulator import LayerAccumulator, sample_keys
     from isotui.experiments.layerwise import extract_options, load_prepared, prepare
     from isotui.extract.loop import Batch, BatchLoop
-    from isotui.extract.runner import COV_BUDGET_BYTES, resolve_max_length
+    from isotui.extract.memory_plan import cov_bytes, measured_budget
+    from isotui.extract.runner import resolve_max_length
 
     prepared = prepared or prepare(spec)
 
@@ -337,7 +338,8 @@ def _stream_norms(
             model(**batch.inputs, return_dict=True)
         if not accs:
             d = seen[0][0].shape[-1]
-            full = len(sites) * 2 * d * d * 8 <= COV_BUDGET_BYTES
+            budget = measured_budget("cpu")  # the sums live on the CPU: its free memory, less a margin
+            full = budget is None or len(sites) * 2 * cov_bytes(d) <= budget
             accs.extend(
                 [
                     LayerAccumulator(d, torch.device("cpu"), full_cov=full, reservoir=spec.reservoir)
@@ -386,12 +388,17 @@ def _gain_bias(module: torch.nn.Module) -> dict[str, npt.NDArray[np.float64]]:
     """A norm's gain and bias (zeros when it has none) as float64 arrays."""
     import torch
 
-    weight, bias_ = module.weight, getattr(module, "bias", None)
-    assert isinstance(weight, torch.Tensor)  # norm_module and block_output_norms keep weighted norms
-    gain = weight.detach().float().cpu().numpy().astype(np.float64)
-    bias = (
-        bias_.detach().float().cpu().numpy().astype(np.float64) if bias_ is not None else np.zeros_like(gain)
-    )
+    from isotui.models.loading import readable
+
+    with readable(module):  # offloaded by --device-map: its weights only exist in a forward
+        weight, bias_ = module.weight, getattr(module, "bias", None)
+        assert isinstance(weight, torch.Tensor)  # norm_module and block_output_norms keep weighted norms
+        gain = weight.detach().float().cpu().numpy().astype(np.float64)
+        bias = (
+            bias_.detach().float().cpu().numpy().astype(np.float64)
+            if bias_ is not None
+            else np.zeros_like(gain)
+        )
     return {"gain": gain, "bias": bias}
 
 

@@ -242,7 +242,7 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
     from isotui.models.loading import load_model
 
     spec = prepared.spec
-    device = resolve_device(prepared.device or "auto")
+    device = "cpu" if spec.device_map else resolve_device(prepared.device or "auto")
     threads_note = apply_threads(spec.threads)  # every streaming experiment loads through here
     loaded = load_model(
         parse_model(spec.model),
@@ -252,9 +252,16 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
         trust_remote_code=spec.trust_remote_code,
         tokenizer=spec.tokenizer,
         head=head,
+        device_map=spec.device_map,
+        max_memory=spec.max_memory,
     )
     if threads_note:
         loaded.notes.append(threads_note)
+    if loaded.device_map is not None:  # inputs go where accelerate runs the model first
+        from isotui.extract.memory_plan import device_summary, execution_device
+
+        device = execution_device(loaded.device_map)
+        loaded.notes.append(f"--device-map {spec.device_map}: {device_summary(loaded.device_map)}")
     return loaded, device
 
 
@@ -344,6 +351,7 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
         "seconds": round(ex.seconds, 3),
         "timings": {"load_s": round(facts["load_s"], 3), **{k: round(v, 3) for k, v in ex.timings.items()}},
         "notes": facts["notes"] + ex.notes + list(getattr(prepared.samples, "notes", [])),
+        **({"memory_plan": ex.memory_plan} if ex.memory_plan else {}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": facts["versions"],
     }

@@ -7,6 +7,8 @@ feature stages, or (ViTs) each block's token sequence read with hooks.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from isotui.errors import IsotuiError
@@ -26,7 +28,8 @@ def hidden_states(loaded: LoadedModel, inputs: dict[str, Any]) -> HiddenStates:
         return {"model": tuple(model(inputs["pixel_values"]))}
     if loaded.family == "timm-blocks":
         return {"model": _timm_blocks(model, inputs["pixel_values"])}
-    out = model(**inputs, output_hidden_states=True, return_dict=True)
+    with _layers_stay(model):
+        out = model(**inputs, output_hidden_states=True, return_dict=True)
     enc, dec = getattr(out, "encoder_hidden_states", None), getattr(out, "decoder_hidden_states", None)
     if enc and dec:
         return {"encoder": tuple(enc), "decoder": tuple(dec)}
@@ -37,6 +40,21 @@ def hidden_states(loaded: LoadedModel, inputs: dict[str, Any]) -> HiddenStates:
             "whose forward accepts output_hidden_states=True"
         )
     return {"model": tuple(hidden)}
+
+
+@contextmanager
+def _layers_stay(model: Any) -> Iterator[None]:
+    """A model split by ``--device-map``: accelerate's top hook would gather every output (all
+    hidden states) to the input's device; here each layer's stays where its block ran."""
+    top: Any = getattr(model, "_hf_hook", None)
+    gathering: list[Any] = [h for h in getattr(top, "hooks", (top,)) if getattr(h, "io_same_device", False)]
+    for hook in gathering:
+        hook.io_same_device = False
+    try:
+        yield
+    finally:
+        for hook in gathering:
+            hook.io_same_device = True
 
 
 def _timm_blocks(model: Any, pixels: Any) -> tuple[Any, ...]:

@@ -26,14 +26,19 @@ from isotui.extract.device import memory_in_use
 from isotui.extract.forward import HiddenStates, hidden_states
 from isotui.extract.inputs import Fed
 from isotui.extract.loop import Batch, BatchLoop, Hooks, merge_facts
+from isotui.extract.memory_plan import (
+    MemoryPlan,
+    batch_line,
+    measured_budget,
+    plan_layers,
+    weights_per_device,
+)
 from isotui.extract.planning import ExtractOptions, effective_max_length, selected_ids
 from isotui.extract.planning import position_limit as position_limit  # importable from here too
 from isotui.extract.planning import resolve_max_length as resolve_max_length
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.loading import LoadedModel, final_norm_modules
 
-COV_BUDGET_BYTES = 1 << 30  # exact streamed covariance while all layers' d x d fit in 1 GiB
-RESERVOIR_BUDGET_BYTES = 1 << 30  # all layers' reservoirs together (float32): caps huge-d layers
 SELF_SIM_TYPES = 1000  # token types followed for self-similarity (the most frequent ones)
 SELF_SIM_BUDGET_BYTES = 256 << 20  # their float64 sums, all layers together
 TOKEN_MAP_TYPES = ("segformer",)  # transformers whose stages are token grids, not conv maps
@@ -55,6 +60,7 @@ class Extraction:
     map_units: str | None = None
     audio_seconds: float | None = None
     timings: dict[str, float] = field(default_factory=dict)  # tokenise/forward/metrics/finalise s
+    memory_plan: dict[str, Any] | None = None  # MemoryPlan.to_json(): where the sums lived
 
     @property
     def layers(self) -> list[LayerStats]:
@@ -105,6 +111,8 @@ class LayerStream:
         self.map_units = self._map_units()
         self.saw_maps = False  # whether any layer was a (B, C, H, W) map
         self.reservoir_capped = False
+        self.plan: MemoryPlan | None = None  # made at the first batch (see _memory_plan)
+        self.max_length = 0  # tokens per sample (text), from prepare
         self.max_dim = 0
         self.forward_s = 0.0  # forward passes (building the batches: the loop's feed_s)
         self.metrics_s = 0.0  # folding each batch into the accumulators
@@ -123,6 +131,7 @@ class LayerStream:
         return "image"
 
     def prepare(self, samples: Sequence[str], modality: str, max_length: int) -> None:
+        self.max_length = max_length
         self.loop.prepare(samples, modality, max_length)
         self.type_weights = self._type_weights()
 
@@ -169,19 +178,21 @@ class LayerStream:
             self._first_batch(components, hook_out)
         assert self.accs is not None
         fed, ids = batch.fed, batch.ids
-        acc_device = next(iter(self.accs.values()))[0].device  # the CPU when the model is on MPS
-        index: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # layers of one shape share units and keys
+        # layers of one shape on one device share units and keys (each layer's sums live on the
+        # device of its hidden states: the CPU when that is MPS)
+        index: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         partials = []
         with torch.inference_mode():
             targets: dict[str, Any] = self.second if self.second is not None else self.accs
             for component, hidden in components.items():
                 for acc, h in zip(targets[component], hidden, strict=True):
                     shape = (component, *h.shape[1:]) if h.ndim == 3 else (h.ndim, *h.shape[2:])
+                    shape = (*shape, str(h.device), str(acc.device))
                     if shape not in index:
                         flat, local, positions = self._index(fed, component, h)
-                        keys = sample_keys(self.opts.seed, ids[local], positions).to(acc_device)
+                        keys = sample_keys(self.opts.seed, ids[local], positions).to(acc.device)
                         weights, types = self._weights(fed, component, h, flat)
-                        index[shape] = (flat, local.to(acc_device), keys, weights, types)
+                        index[shape] = (flat, local.to(acc.device), keys, weights, types)
                     flat, local, keys, weights, types = index[shape]
                     vectors = self._vectors(h, flat)
                     partials.append((acc, acc.partial(vectors, local, keys, weights, types)))
@@ -249,30 +260,24 @@ class LayerStream:
         dims = {c: [self._unit_dim(h) for h in hidden] for c, hidden in components.items()}
         self.saw_maps = any(h.ndim == 4 for hidden in components.values() for h in hidden)
         all_dims = [d for ds in dims.values() for d in ds]
-        full_cov = sum(d * d * 8 for d in all_dims) <= COV_BUDGET_BYTES
-        cap = max(2, RESERVOIR_BUDGET_BYTES // (4 * sum(all_dims)))
-        reservoir = min(self.opts.reservoir, cap)
-        self.reservoir_capped = reservoir < self.opts.reservoir
         self.max_dim = max(all_dims)
-        dev = next(iter(components.values()))[0].device
-        if dev.type == "mps":  # no float64 on MPS: accumulate on the CPU
-            dev = torch.device("cpu")
         if self.tracked is not None:  # as many types as fit the budget, up to SELF_SIM_TYPES
             token_dims = sum(
                 h.shape[-1] for c, hidden in components.items() if c != "decoder" for h in hidden
             )
             fit = SELF_SIM_BUDGET_BYTES // max(1, 8 * token_dims)
             self.n_tracked = int(min(SELF_SIM_TYPES, fit, int((self.tracked >= 0).sum())))
+        # each layer's sums on its hidden states' device (no float64 on MPS: there, the CPU)
+        where = {c: [_acc_device(h.device) for h in hidden] for c, hidden in components.items()}
+        self.plan = _memory_plan(
+            self.loaded, self.loop, dims, where, self.n_tracked, self.opts.reservoir, self.max_length or None
+        )
+        self.reservoir_capped = any(p.reservoir < self.opts.reservoir for p in self.plan.layers)
+        layer_plans = iter(self.plan.layers)
         self.accs = {
             c: [
-                LayerAccumulator(
-                    d,
-                    dev,
-                    full_cov=full_cov,
-                    reservoir=reservoir,
-                    types=0 if c == "decoder" else self.n_tracked,
-                )
-                for d in ds
+                LayerAccumulator(d, dev, full_cov=p.exact_cov, reservoir=p.reservoir, types=p.types)
+                for d, dev, p in zip(ds, where[c], layer_plans, strict=False)
             ]
             for c, ds in dims.items()
         }
@@ -286,6 +291,41 @@ class LayerStream:
                     self.final_norm[component] = True
                     self.final_norm_names.append(name)
                     break
+
+
+def _acc_device(device: Any) -> Any:
+    """Where a layer's float64 sums live: its hidden states' device (the CPU for MPS)."""
+    import torch
+
+    return torch.device("cpu") if device.type == "mps" else device
+
+
+def _memory_plan(
+    loaded: LoadedModel,
+    loop: BatchLoop,
+    dims: dict[str, list[int]],
+    where: dict[str, list[Any]],
+    types: int,
+    reservoir: int,
+    max_length: int | None,
+) -> MemoryPlan:
+    """The run's memory plan, made after the model is placed and its first batch has run: each
+    device's measured free memory (less the margin) shared out by :func:`plan_layers`."""
+    devices = {str(d) for ds in where.values() for d in ds}
+    budgets = {d: measured_budget(d) for d in sorted(devices)}
+    layers = [
+        (f"layer {i}" if c == "model" else f"{c} layer {i}", dim, str(dev), 0 if c == "decoder" else types)
+        for c, ds in dims.items()
+        for i, (dim, dev) in enumerate(zip(ds, where[c], strict=True))
+    ]
+    opts = loop.opts
+    return MemoryPlan(
+        plan_layers(layers, budgets, reservoir),
+        budgets,
+        weights=weights_per_device(loaded.model, loaded.device_map, loop.device),
+        reservoir_asked=reservoir,
+        batch=batch_line(opts.batch_size, loop.device, max_length),
+    )
 
 
 def extract(
@@ -395,6 +435,8 @@ def _stream(
     done = loop.run(stream, start=start, finalize_left=finalize_left)
     if stream.accs is None:
         raise IsotuiError("no sample to measure: the selected sample ids are empty")
+    if stream.plan is not None:  # the table's notes say what --dry-run says
+        stream.notes.extend(stream.plan.notes())
     first = next(iter(stream.accs.values()))[0]
     if first.n_all == 0:
         raise IsotuiError(
@@ -428,6 +470,7 @@ def _stream(
         "at": Progress(done.samples, total, done.units, elapsed, memory_bytes=memory),
         "estimate": estimate,
         "exact": opts.exact,
+        "memory_plan": stream.plan.to_json() if stream.plan is not None else None,
     }
     return stream, facts
 
@@ -462,6 +505,7 @@ def _finish(
         max_length=facts["max_length"],
         seconds=time.perf_counter() - start if start is not None else facts["seconds"],
         notes=notes,
+        memory_plan=facts.get("memory_plan"),
         map_units=facts["map_units"] if facts["saw_maps"] else None,
         audio_seconds=facts["audio_seconds"],
         timings={
@@ -568,8 +612,8 @@ def _exact_notes(second: dict[str, list[ExactPass]]) -> list[str]:
     if wide:
         notes.append(
             f"--exact: I(W), centred I(W) and all-but-the-top of {wide} of {n} layers come from the "
-            f"sample (with standard errors): their d x d covariance is not held (all layers' d x d "
-            f"over {COV_BUDGET_BYTES >> 30} GiB)"
+            f"sample (with standard errors): their d x d covariance is not held (it did not fit the "
+            "memory left on their device: see the memory plan note)"
         )
     return notes
 
@@ -647,7 +691,7 @@ def _sample_notes(facts: dict[str, Any], stats: list[LayerStats]) -> list[str]:
             )
     if facts["reservoir_capped"]:
         note += (
-            f"; the sample is capped so that all layers' samples fit in "
-            f"{RESERVOIR_BUDGET_BYTES >> 20} MiB (d up to {facts['max_dim']:,})"
+            "; the sample is capped so that the layers' samples fit the memory left on their device "
+            f"(d up to {facts['max_dim']:,}; see the memory plan note)"
         )
     return [note]

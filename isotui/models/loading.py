@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from isotui.errors import IsotuiError
 from isotui.models.naming import ModelRef, bundled_minilm_dir
@@ -50,6 +52,7 @@ class LoadedModel:
     family: str = "transformers"
     own_tokenizer: bool = True  # False: a stand-in (untrained models fed MiniLM's tokenizer, --tokenizer)
     name: str = ""  # as the user named the model, for messages
+    device_map: dict[str, Any] | None = None  # --device-map: module -> device (accelerate's placement)
 
     @property
     def model_type(self) -> str:
@@ -94,8 +97,15 @@ def load_model(
     trust_remote_code: bool,
     head: str | None = None,
     tokenizer: str | None = None,
+    device_map: str | None = None,
+    max_memory: Sequence[tuple[int | str, int]] | None = None,
 ) -> LoadedModel:
     """Load ``ref`` onto ``device`` in ``dtype``; every failure becomes one :class:`IsotuiError`.
+
+    ``device_map`` (``--device-map``, with ``max_memory``): placed across devices by accelerate
+    as transformers' ``from_pretrained(device_map=..., max_memory=...)`` places it (an untrained
+    model is built, then dispatched by the same map), with layers that fit nowhere offloaded to a
+    temporary folder; ``device`` is then ignored and ``loaded.device_map`` says where each part is.
 
     ``tokenizer`` (``--tokenizer``): a text model is fed this tokenizer instead of its own
     (``own_tokenizer`` False); without it, a checkpoint with no usable tokenizer of its own is
@@ -105,9 +115,25 @@ def load_model(
     decoders, see :func:`lm_class`) instead of the bare ``AutoModel``; a checkpoint that lacks
     the head's weights is refused in one sentence rather than given a random head.
     """
-    loaded = _load(
-        ref, device=device, dtype=dtype, seed=seed, trust=trust_remote_code, head=head, tokenizer=tokenizer
-    )
+    from contextlib import AbstractContextManager, nullcontext
+
+    placement, quiet = None, cast(AbstractContextManager[None], nullcontext())
+    if device_map is not None:
+        from isotui.extract.memory_plan import check_devices, quiet_accelerate
+
+        check_devices(max_memory)
+        placement, quiet = Placement(device_map, dict(max_memory) if max_memory else None), quiet_accelerate()
+    with quiet:
+        loaded = _load(
+            ref,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            trust=trust_remote_code,
+            head=head,
+            tokenizer=tokenizer,
+            placement=placement,
+        )
     loaded.name = ref.name
     if loaded.modality == "text" and tokenizer is not None and ref.kind != "random":
         loaded.tokenizer, loaded.own_tokenizer = _given_tokenizer(tokenizer, trust_remote_code), False
@@ -117,8 +143,90 @@ def load_model(
     return loaded
 
 
+@dataclass(frozen=True)
+class Placement:
+    """``--device-map`` and ``--max-memory`` as accelerate takes them."""
+
+    device_map: str
+    max_memory: dict[int | str, int] | None
+
+    def load_kwargs(self, folder: str) -> dict[str, Any]:
+        """from_pretrained's keywords: the map, the budgets and a folder for what fits nowhere."""
+        return {"device_map": self.device_map, "max_memory": self.max_memory, "offload_folder": folder}
+
+    def dispatch(self, model: Any, name: str) -> Any:
+        """An already built (untrained) model placed by the map from_pretrained would make."""
+        from accelerate import dispatch_model
+
+        from isotui.extract.memory_plan import infer_device_map
+
+        folder = offload_dir(model)
+        try:
+            placed = infer_device_map(model, self.device_map, self.max_memory)
+            if set(map(str, placed.values())) == {"disk"}:
+                raise IsotuiError(
+                    f"--max-memory leaves no room in memory for any part of model {name!r}; give its "
+                    "devices more"
+                )
+            model = dispatch_model(model, device_map=placed, offload_dir=folder)
+        except IsotuiError:
+            raise
+        except Exception as exc:
+            raise IsotuiError(
+                f"--device-map {self.device_map}: could not place model {name!r} ({_short(exc)})"
+            ) from None
+        model.hf_device_map = placed
+        return model
+
+
+def offload_dir(owner: Any = None) -> str:
+    """A fresh folder for the weights one model offloads to disk (never shared: accelerate
+    reuses what a folder already holds), removed with ``owner`` or at exit."""
+    import shutil
+    import tempfile
+    import weakref
+
+    folder = tempfile.mkdtemp(prefix="isotui-offload-")
+    if owner is not None:
+        weakref.finalize(owner, shutil.rmtree, folder, True)
+    else:
+        import atexit
+
+        atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+@contextmanager
+def readable(module: Any) -> Iterator[None]:
+    """``module``'s own weights readable inside (on the CPU) even when ``--device-map`` offloaded
+    them (accelerate keeps them on the meta device between forwards)."""
+    if getattr(module, "_hf_hook", None) is None:
+        yield
+        return
+    import torch
+    from accelerate.utils import align_module_device
+
+    with align_module_device(module, torch.device("cpu")):
+        yield
+
+
+def _placed(model: Any, device: str, placement: Placement | None, **to: Any) -> Any:
+    """``model`` in eval mode where it goes: on ``device`` (in ``to``'s dtype), or as placed."""
+    if placement is None:
+        return model.to(device=device, **to).eval()
+    return model.eval()
+
+
 def _load(
-    ref: ModelRef, *, device: str, dtype: str, seed: int, trust: bool, head: str | None, tokenizer: str | None
+    ref: ModelRef,
+    *,
+    device: str,
+    dtype: str,
+    seed: int,
+    trust: bool,
+    head: str | None,
+    tokenizer: str | None,
+    placement: Placement | None = None,
 ) -> LoadedModel:
     import torch
     from transformers import AutoModel, AutoTokenizer
@@ -129,6 +237,8 @@ def _load(
     if ref.kind == "timm" or (ref.kind == "random" and ref.random_source_kind == "timm"):
         if head:
             raise IsotuiError(f"model {ref.name!r} is a timm image model, which has no language-model head")
+        if placement is not None:
+            raise IsotuiError(f"--device-map places transformers models; {ref.name!r} is a timm model")
         return _load_timm(ref, device=device, torch_dtype=torch_dtype, seed=seed)
     if ref.kind == "random":
         return _load_random(
@@ -139,6 +249,7 @@ def _load(
             trust=trust_remote_code,
             head=head,
             tokenizer=tokenizer,
+            placement=placement,
         )
     folder = ref.local_dir()
     if folder is not None and ref.kind == "hub" and not _has_weights(folder):
@@ -147,22 +258,26 @@ def _load(
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if folder is None and ref.revision:
         kwargs["revision"] = ref.revision
+    placing = placement.load_kwargs(offload_dir()) if placement is not None else {}
     try:
         if head:
             from transformers import AutoConfig
 
             cls = lm_class(AutoConfig.from_pretrained(where, **kwargs), ref.name)
-            model, info = cls.from_pretrained(where, dtype=torch_dtype, output_loading_info=True, **kwargs)
+            model, info = cls.from_pretrained(
+                where, dtype=torch_dtype, output_loading_info=True, **placing, **kwargs
+            )
             _check_head(model, info, ref.name)
         else:
-            model = AutoModel.from_pretrained(where, dtype=torch_dtype, **kwargs)
+            model = AutoModel.from_pretrained(where, dtype=torch_dtype, **placing, **kwargs)
     except IsotuiError:
         raise
     except Exception as exc:
         own_code = not trust_remote_code and _names_own_code(where, kwargs)
         hint = " (it needs its own code: pass --trust-remote-code if you trust it)" if own_code else ""
         raise IsotuiError(f"could not load model {ref.name!r}: {_short(exc)}{hint}") from None
-    loaded = LoadedModel(model.to(device).eval(), None, modality=_modality(model, ref.name))
+    loaded = LoadedModel(_placed(model, device, placement), None, modality=_modality(model, ref.name))
+    loaded.device_map = getattr(model, "hf_device_map", None) if placement is not None else None
     if loaded.modality == "text":
         try:
             loaded.tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
@@ -330,11 +445,67 @@ def _load_random(
     trust: bool,
     head: str | None = None,
     tokenizer: str | None = None,
+    placement: Placement | None = None,
 ) -> LoadedModel:
     import torch
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
     notes: list[str] = []
+    kind = ref.random_source_kind
+    config = _random_config(ref, trust)
+    model_cls = lm_class(config, ref.name) if head else _model_class(config)
+    modality = MODALITY_OF_INPUT.get(getattr(model_cls, "main_input_name", "input_ids"), "text")
+    own_tokenizer = True
+    tok: Any = None  # the tokenizer object (``tokenizer`` is --tokenizer's name)
+    if modality == "text":
+        if tokenizer is not None:
+            tok, own_tokenizer = _given_tokenizer(tokenizer, trust), False
+            notes.append(f"untrained model fed the tokenizer {tok.name_or_path} (--tokenizer)")
+        else:
+            tok, own_tokenizer = _random_tokenizer(ref, config, trust, notes)
+        vocab = getattr(config, "vocab_size", None)
+        if isinstance(vocab, int) and vocab < len(tok):
+            config.vocab_size = len(tok)
+            notes.append(f"vocab_size raised from {vocab} to {len(tok)} to fit the tokenizer")
+    torch.manual_seed(seed)
+    try:
+        model = model_cls(config) if head else AutoModel.from_config(config, trust_remote_code=trust)
+    except Exception as exc:
+        raise IsotuiError(f"could not build untrained model {ref.name!r}: {_short(exc)}") from None
+    if placement is not None:
+        model = placement.dispatch(model.to(dtype=torch_dtype), ref.name)
+    loaded = LoadedModel(_placed(model, device, placement, dtype=torch_dtype), tok, notes)
+    loaded.device_map = getattr(model, "hf_device_map", None) if placement is not None else None
+    loaded.own_tokenizer = own_tokenizer
+    loaded.modality = _modality(model, ref.name)
+    if loaded.modality != "text":
+        where = ref.source if kind != "type" else None
+        _attach_processor(loaded, where, {"trust_remote_code": trust})
+    notes.append(f"untrained: random initialisation with seed {seed}")
+    return loaded
+
+
+def model_config(ref: ModelRef, trust: bool) -> Any:
+    """``ref``'s transformers config, without reading or downloading any weights (a dry run)."""
+    from transformers import AutoConfig
+
+    if ref.kind == "timm" or (ref.kind == "random" and ref.random_source_kind == "timm"):
+        raise IsotuiError(f"--dry-run plans transformers models; {ref.name!r} is a timm model")
+    if ref.kind == "random":
+        return _random_config(ref, trust)
+    folder = ref.local_dir()
+    where: Any = str(folder) if folder is not None else ref.source
+    kwargs: dict[str, Any] = {"revision": ref.revision} if folder is None and ref.revision else {}
+    try:
+        return AutoConfig.from_pretrained(where, trust_remote_code=trust, **kwargs)
+    except Exception as exc:
+        raise IsotuiError(f"could not read the config of model {ref.name!r}: {_short(exc)}") from None
+
+
+def _random_config(ref: ModelRef, trust: bool) -> Any:
+    """An untrained model's config: its model type's or source's, with the name's overrides."""
+    from transformers import AutoConfig
+
     overrides = {k: _parse_value(v) for k, v in ref.overrides}
     kind = ref.random_source_kind
     try:
@@ -366,33 +537,7 @@ def _load_random(
             f"model {ref.name!r}: {type(config).__name__} refuses the settings {given} "
             f"({' '.join(str(exc).split())[:300]})"
         ) from None
-    model_cls = lm_class(config, ref.name) if head else _model_class(config)
-    modality = MODALITY_OF_INPUT.get(getattr(model_cls, "main_input_name", "input_ids"), "text")
-    own_tokenizer = True
-    tok: Any = None  # the tokenizer object (``tokenizer`` is --tokenizer's name)
-    if modality == "text":
-        if tokenizer is not None:
-            tok, own_tokenizer = _given_tokenizer(tokenizer, trust), False
-            notes.append(f"untrained model fed the tokenizer {tok.name_or_path} (--tokenizer)")
-        else:
-            tok, own_tokenizer = _random_tokenizer(ref, config, trust, notes)
-        vocab = getattr(config, "vocab_size", None)
-        if isinstance(vocab, int) and vocab < len(tok):
-            config.vocab_size = len(tok)
-            notes.append(f"vocab_size raised from {vocab} to {len(tok)} to fit the tokenizer")
-    torch.manual_seed(seed)
-    try:
-        model = model_cls(config) if head else AutoModel.from_config(config, trust_remote_code=trust)
-    except Exception as exc:
-        raise IsotuiError(f"could not build untrained model {ref.name!r}: {_short(exc)}") from None
-    loaded = LoadedModel(model.to(device=device, dtype=torch_dtype).eval(), tok, notes)
-    loaded.own_tokenizer = own_tokenizer
-    loaded.modality = _modality(model, ref.name)
-    if loaded.modality != "text":
-        where = ref.source if kind != "type" else None
-        _attach_processor(loaded, where, {"trust_remote_code": trust})
-    notes.append(f"untrained: random initialisation with seed {seed}")
-    return loaded
+    return config
 
 
 def lm_class(config: Any, name: str) -> Any:

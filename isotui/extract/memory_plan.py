@@ -1,0 +1,495 @@
+"""Where a streamed run's memory goes: the model's weights per device, each layer's accumulators
+on the device of that layer's hidden states, and which metrics that leaves exact or sampled.
+
+Budgets come from the devices themselves, never from constants: after the model is placed (and
+its first batch has run), each device's measured free memory (CUDA ``mem_get_info``, the CPU's
+``MemAvailable``) less a margin. Exact streamed covariances (a d x d float64 running sum, and the
+batch's d x d partial held until every layer has folded its batch) go to every layer whose device
+still has room for them, in layer order; the reservoirs share what is left, per device.
+
+``isotui run --dry-run`` makes the same plan from the model's config alone: the model is built
+on the meta device (accelerate's ``init_empty_weights``: no weights read or downloaded), placed
+by accelerate's ``infer_auto_device_map`` under ``--max-memory``, and each device's budget is what
+``--max-memory`` gives it less its weights, the first batch's activations and the margin.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from isotui.errors import IsotuiError
+from isotui.extract.device import available_memory, resolve_dtype
+from isotui.extract.planning import TOKEN_BUDGET
+
+if TYPE_CHECKING:
+    from isotui.models.naming import ModelRef
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+MARGIN_SHARE = 0.10  # of a device's free memory, kept for transients (the batch's float64 copy)
+MARGIN_MIN = 256 << 20  # and never less than this
+VECTOR_SUMS = 10  # d-long float64 running vectors per layer (sums, shifts, min, max)
+RESERVOIR_MIN = 2
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+MAX_MEMORY_FORM = "DEVICE=SIZE pairs such as 0=70GiB,1=70GiB,cpu=200GiB (devices: GPU numbers, cpu, disk)"
+
+
+# --- the options' values ----------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int | None:
+    """``70GiB``, ``500MB``, ``1.5GB``, ``2048`` (bytes) -> bytes; None if it is no size."""
+    m = _SIZE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_max_memory(value: Any) -> tuple[tuple[int | str, int], ...] | None:
+    """``0=70GiB,1=70GiB,cpu=200GiB`` (or a dict from a config table or the Python API) ->
+    ((0, bytes), (1, bytes), ("cpu", bytes)), as accelerate's ``max_memory`` keys them."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        pairs = [(str(k), str(v)) for k, v in value.items()]
+    elif isinstance(value, tuple | list) and all(isinstance(p, tuple | list) and len(p) == 2 for p in value):
+        pairs = [(str(k), str(v)) for k, v in value]
+    else:
+        pairs = [part.partition("=")[::2] for part in str(value).split(",") if part.strip()]
+    out: dict[int | str, int] = {}
+    for key, size in pairs:
+        key = key.strip().lower().removeprefix("cuda:")
+        if not (key.isdigit() or key in ("cpu", "disk", "mps")):
+            raise IsotuiError(f"max-memory must be {MAX_MEMORY_FORM}: {key or '(nothing)'!r} is no device")
+        amount = parse_size(size)
+        if amount is None or amount <= 0:
+            raise IsotuiError(f"max-memory must be {MAX_MEMORY_FORM}: {size.strip()!r} is no size for {key}")
+        out[int(key) if key.isdigit() else key] = amount
+    if not out:
+        raise IsotuiError(f"max-memory must be {MAX_MEMORY_FORM} (got nothing)")
+    return tuple(out.items())
+
+
+def check_devices(max_memory: Sequence[tuple[int | str, int]] | None) -> None:
+    """Refuse ``--max-memory`` for a GPU this machine does not have (a real run; a dry run plans
+    for the devices it names)."""
+    import torch
+
+    if not max_memory:
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for key, _ in max_memory:
+        if isinstance(key, int) and key >= count:
+            have = f"GPUs 0 to {count - 1}" if count else "no CUDA GPU"
+            raise IsotuiError(f"--max-memory gives memory to GPU {key}, but this machine has {have}")
+        if key == "mps" and not torch.backends.mps.is_available():
+            raise IsotuiError("--max-memory gives memory to mps, which this machine does not have")
+
+
+def device_name(where: Any) -> str:
+    """accelerate's device-map value (0, "cpu", "disk", torch.device) -> ``cuda:0``, ``cpu``..."""
+    if isinstance(where, int):
+        return f"cuda:{where}"
+    text = str(where)
+    return "cuda:0" if text == "cuda" else text
+
+
+def execution_device(device_map: Mapping[str, Any]) -> str:
+    """Where a split model runs: accelerate's main device, the first GPU in the map (layers kept
+    on the CPU or on disk run there too), else the CPU."""
+    devices = [device_name(v) for v in device_map.values()]
+    return next((d for d in devices if d not in ("cpu", "disk")), "cpu")
+
+
+def device_of(name: str, device_map: Mapping[str, Any]) -> str:
+    """The device-map entry of the module ``name`` (the longest prefix that the map names)."""
+    parts = name.split(".")
+    for cut in range(len(parts), -1, -1):
+        key = ".".join(parts[:cut])
+        if key in device_map:
+            return device_name(device_map[key])
+    return execution_device(device_map)
+
+
+def device_summary(device_map: Mapping[str, Any]) -> str:
+    """``12 parts on cuda:0, 3 on cpu, 2 on disk``: how accelerate placed the model."""
+    counts: dict[str, int] = {}
+    for where in device_map.values():
+        counts[device_name(where)] = counts.get(device_name(where), 0) + 1
+    parts = [f"{n} on {d}" for d, n in counts.items()]
+    parts[0] = parts[0].replace(" on ", " parts on ", 1)
+    return ", ".join(parts) + f"; run from {execution_device(device_map)}"
+
+
+def weights_per_device(model: Any, device_map: Mapping[str, Any] | None, device: str) -> dict[str, int]:
+    """Parameter bytes per device (``disk``: offloaded), each tied weight once."""
+    out: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        where = device_of(name, device_map) if device_map else device
+        out[where] = out.get(where, 0) + p.numel() * p.element_size()
+    return out
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+def margin(free: int) -> int:
+    """What of a device's free memory stays free: transients, the allocator's slack."""
+    return max(MARGIN_MIN, int(free * MARGIN_SHARE))
+
+
+def measured_budget(device: str) -> int | None:
+    """Bytes accumulators may take on ``device`` now: its free memory less :func:`margin`
+    (None where free memory cannot be told, e.g. MPS)."""
+    free = available_memory(device)
+    return None if free is None else max(0, free - margin(free))
+
+
+def cov_bytes(dim: int) -> int:
+    """An exact streamed covariance: the d x d float64 sum and the batch's partial beside it."""
+    return 2 * 8 * dim * dim
+
+
+def fixed_bytes(dim: int, types: int) -> int:
+    """A layer's accumulators apart from covariance and reservoir: float64 vectors, and the
+    self-similarity sums of ``types`` token types."""
+    return 8 * dim * VECTOR_SUMS + types * (8 * dim + 24)
+
+
+def reservoir_bytes(dim: int, size: int) -> int:
+    """A reservoir: ``size`` float32 vectors and their float64 keys."""
+    return size * (4 * dim + 8)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One hidden state's accumulators: where they live, what they hold, their bytes."""
+
+    name: str  # "layer 3", "decoder layer 3"
+    dim: int
+    device: str
+    exact_cov: bool
+    reservoir: int
+    types: int = 0
+
+    @property
+    def bytes(self) -> int:
+        cov = cov_bytes(self.dim) if self.exact_cov else 0
+        return fixed_bytes(self.dim, self.types) + cov + reservoir_bytes(self.dim, self.reservoir)
+
+
+@dataclass
+class MemoryPlan:
+    """Weights and accumulators per device, and the batches (see the module's doc)."""
+
+    layers: list[LayerPlan]
+    budgets: dict[str, int | None]  # accumulator budget per device (None: not measurable)
+    weights: dict[str, int] = field(default_factory=dict)
+    reservoir_asked: int = 0
+    batch: str = ""  # how batches are cut
+    source: str = "measured free memory"
+    on_paper: bool = False  # a dry run's
+
+    def per_device(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            out[layer.device] = out.get(layer.device, 0) + layer.bytes
+        return out
+
+    def cov_total(self) -> int:
+        """The float64 covariance sums (d x d x 8 per exact layer), partials left out."""
+        return sum(8 * p.dim * p.dim for p in self.layers if p.exact_cov)
+
+    def exact_sampled(self) -> tuple[str, str]:
+        """(what is exact, what is sampled) in the table's words."""
+        n, cov = len(self.layers), sum(p.exact_cov for p in self.layers)
+        short = [p for p in self.layers if p.reservoir < self.reservoir_asked]
+        exact = (
+            "avg_cos, drift, norms and self-similarity over every vector in all layers; "
+            f"IsoScore, effective rank and the spectrum from the exact covariance in {cov} of {n} layers"
+        )
+        low, high = min(p.reservoir for p in self.layers), max(p.reservoir for p in self.layers)
+        sampled = (
+            "avg_cos_centered, I(W), all-but-the-top and standardised avg_cos from a reservoir of "
+            + (f"{low:,}" if low == high else f"{low:,} to {high:,}")
+            + " vectors per layer where a layer has more (--exact: over every vector; asked "
+            f"{self.reservoir_asked:,}"
+            + (f"; {len(short)} layers capped to fit their device" if short else "")
+            + ")"
+        )
+        if cov < n:
+            sampled += f"; IsoScore, effective rank and the spectrum from it in {n - cov} layers"
+        return exact, sampled
+
+    def notes(self) -> list[str]:
+        """The plan in the table's notes (and the JSON's): one line per fact."""
+        per = self.per_device()
+        weights = ", ".join(f"{d} {_size(b)}" for d, b in self.weights.items()) or "-"
+        accs = ", ".join(
+            f"{d} {_size(b)} ({sum(p.device == d for p in self.layers)} layers"
+            # a dry run's budgets are given; a run's measured ones go to the JSON only (notes of
+            # the same computation stay the same, e.g. a merge of shards and a one-pass run)
+            + (
+                f", of {_size(self.budgets[d])} left"
+                if self.on_paper and self.budgets.get(d) is not None
+                else ""
+            )
+            + ")"
+            for d, b in per.items()
+        )
+        exact, sampled = self.exact_sampled()
+        lines = [
+            f"memory plan ({self.source}): weights {weights}; accumulators {accs}",
+            f"exact: {exact}",
+            f"sampled: {sampled}",
+        ]
+        if self.batch:
+            lines.append(f"batches: {self.batch}")
+        return lines
+
+    def table(self) -> list[str]:
+        """Per layer: device, d, exact covariance or not, reservoir, bytes (``--dry-run``)."""
+        rows = [f"{'layer':<18} {'device':<8} {'d':>6} {'covariance':>10} {'reservoir':>9} {'bytes':>10}"]
+        for p in self.layers:
+            rows.append(
+                f"{p.name:<18} {p.device:<8} {p.dim:>6} {'exact' if p.exact_cov else 'sampled':>10} "
+                f"{p.reservoir:>9,} {_size(p.bytes):>10}"
+            )
+        return rows
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "weights_bytes": dict(self.weights),
+            "accumulator_bytes": self.per_device(),
+            "budget_bytes": dict(self.budgets),
+            "covariance_bytes": self.cov_total(),
+            "batch": self.batch,
+            "source": self.source,
+            "layers": [
+                {
+                    "name": p.name,
+                    "device": p.device,
+                    "dim": p.dim,
+                    "exact_cov": p.exact_cov,
+                    "reservoir": p.reservoir,
+                    "types": p.types,
+                    "bytes": p.bytes,
+                }
+                for p in self.layers
+            ],
+        }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def plan_layers(
+    layers: Sequence[tuple[str, int, str, int]],
+    budgets: Mapping[str, int | None],
+    reservoir: int,
+) -> list[LayerPlan]:
+    """Each layer's accumulators, given (name, d, device, tracked types) per layer and each
+    device's budget: first the fixed sums, then an exact covariance for every layer whose device
+    still has room for it (in layer order), then reservoirs of at most ``reservoir`` vectors
+    sharing what is left on their device. A device whose free memory cannot be told (None)
+    gets everything it is asked for."""
+    plans: dict[int, LayerPlan] = {}
+    for device in dict.fromkeys(d for _n, _d, d, _t in layers):
+        mine = [(i, layer) for i, layer in enumerate(layers) if layer[2] == device]
+        left = budgets.get(device)
+        if left is None:
+            for i, (name, dim, _dev, types) in mine:
+                plans[i] = LayerPlan(name, dim, device, True, reservoir, types)
+            continue
+        left -= sum(fixed_bytes(dim, types) for _i, (_n, dim, _dv, types) in mine)
+        exact = {}
+        for i, (_n, dim, _dv, _t) in mine:
+            exact[i] = cov_bytes(dim) <= left
+            left -= cov_bytes(dim) if exact[i] else 0
+        per_vector = sum(4 * dim + 8 for _i, (_n, dim, _dv, _t) in mine)
+        size = max(RESERVOIR_MIN, min(reservoir, max(0, left) // max(1, per_vector)))
+        for i, (name, dim, _dev, types) in mine:
+            plans[i] = LayerPlan(name, dim, device, exact[i], size, types)
+    return [plans[i] for i in range(len(layers))]
+
+
+def batch_line(batch_size: int | None, device: str, max_length: int | None, tokens: int | None = None) -> str:
+    """How the loop cuts batches (:class:`~isotui.extract.planning.BatchPlan`), in words;
+    ``tokens``: the budget a dry run expects the out-of-memory back-off to settle on."""
+    kind = device.split(":")[0]
+    budget = TOKEN_BUDGET.get(kind, TOKEN_BUDGET["cpu"])
+    if not batch_size and max_length and tokens and tokens < budget:
+        return (
+            f"auto: {budget:,}-token budget on {kind}, expected to halve to {max(1, tokens // max_length)} "
+            f"samples of {max_length} tokens ({tokens:,} tokens) for the activations to fit beside the "
+            "weights"
+        )
+    if batch_size:
+        return f"{batch_size} samples per batch (--batch-size), halved on out-of-memory"
+    if max_length:
+        return (
+            f"auto: up to {max(1, budget // max_length)} samples of {max_length} tokens "
+            f"({budget:,}-token budget on {kind}), halved on out-of-memory"
+        )
+    return f"auto: a {budget:,}-unit budget on {kind}, halved on out-of-memory"
+
+
+# --- a dry run: the plan from the config alone -------------------------------------------------
+
+
+@contextmanager
+def quiet_accelerate() -> Iterator[None]:
+    """accelerate warns for every GPU a dry run names that this machine lacks (it plans on
+    paper) and that offloaded parameters sit on the meta device (the notes say where they are)."""
+    logs = [logging.getLogger(name) for name in ("accelerate.utils.modeling", "accelerate.big_modeling")]
+    before = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, before, strict=True):
+            log.setLevel(level)
+
+
+def infer_device_map(
+    model: Any, device_map: str, max_memory: Mapping[int | str, int] | None
+) -> dict[str, Any]:
+    """The device map transformers' ``from_pretrained(device_map=..., max_memory=...)`` would
+    make for ``model`` (accelerate's ``infer_auto_device_map``, balanced as transformers
+    balances it); used for dry runs and untrained models (which are built, not loaded)."""
+    from transformers.integrations.accelerate import _get_device_map
+
+    with quiet_accelerate():
+        return dict(_get_device_map(model, device_map, dict(max_memory) if max_memory else None, None))
+
+
+def _block_names(model: Any, count: int) -> list[str]:
+    """The names of the model's ``count`` blocks (the ModuleList that holds them)."""
+    import torch
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return [f"{name}.{i}" for i in range(count)]
+    return []
+
+
+def dry_run(
+    ref: ModelRef,
+    *,
+    device_map: str | None,
+    max_memory: Sequence[tuple[int | str, int]] | None,
+    device: str,
+    dtype: str,
+    reservoir: int,
+    batch_size: int | None,
+    max_length: int | None,
+    trust_remote_code: bool = False,
+) -> MemoryPlan:
+    """The memory plan of a layers run of ``ref`` from its config alone (see the module's doc).
+    Text transformers models whose config names ``hidden_size`` and ``num_hidden_layers``."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModel
+
+    from isotui.extract.runner import SELF_SIM_BUDGET_BYTES, SELF_SIM_TYPES
+    from isotui.models.limits import config_position_limit, default_length
+    from isotui.models.loading import model_config
+
+    config = model_config(ref, trust_remote_code)
+    dim, n_blocks = getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None)
+    if not isinstance(dim, int) or not isinstance(n_blocks, int) or config.is_encoder_decoder:
+        raise IsotuiError(
+            f"--dry-run plans text models whose config gives hidden_size and num_hidden_layers; "
+            f"{ref.name!r} ({type(config).__name__}) does not"
+        )
+    memory = dict(max_memory) if max_memory else None
+    gpus = [k for k in memory or {} if isinstance(k, int)]
+    kind = "cuda" if gpus else device.split(":")[0] if device != "auto" else "cpu"
+    declared = getattr(config, "dtype", None)
+    declared = str(declared).removeprefix("torch.") if declared is not None else None
+    run_dtype = resolve_dtype(dtype, kind, declared)
+    with init_empty_weights():
+        model = AutoModel.from_config(
+            config, trust_remote_code=trust_remote_code, dtype=getattr(torch, run_dtype)
+        )
+    model.to(getattr(torch, run_dtype))
+    if device_map:
+        placed = infer_device_map(model, device_map, memory)
+        main = execution_device(placed)
+        source = "--max-memory" if memory else "this machine's devices"
+    else:
+        placed, main = {"": device if device != "auto" else kind}, device if device != "auto" else kind
+        source = "the device's whole memory" if memory is None else "--max-memory"
+    main = device_name(main)
+    weights = weights_per_device(model, placed, main)
+    # hidden state 0 is the embeddings' output, i the i-th block's (offloaded blocks run on main)
+    blocks = _block_names(model, n_blocks)
+    emb = next((n for n, m in model.named_modules() if m is model.get_input_embeddings()), "")
+    where = [device_of(n, placed) for n in [emb, *blocks]] if blocks else [main] * (n_blocks + 1)
+    where = [main if w in ("cpu", "disk") and main != "cpu" else ("cpu" if w == "disk" else w) for w in where]
+    length = max_length or default_length(config_position_limit(config), None)
+    tokens = (
+        TOKEN_BUDGET.get(main.split(":")[0], TOKEN_BUDGET["cpu"]) if not batch_size else batch_size * length
+    )
+    act_bytes = DTYPE_BYTES[run_dtype]
+    inter = getattr(config, "intermediate_size", None) or 4 * dim
+    have: dict[str, int | None] = {}
+    for dev in dict.fromkeys(where):
+        given = (memory or {}).get(int(dev.split(":")[1]) if dev.startswith("cuda:") else dev)
+        measurable = not dev.startswith("cuda:") or torch.cuda.is_available()
+        have[dev] = given if given is not None else available_memory(dev) if measurable else None
+
+    def activations(dev: str, n: int) -> int:
+        """The first batch of ``n`` tokens on ``dev``: every hidden state made there, and the
+        widest transients (the MLP's, the float64 copy of a layer)."""
+        return n * (dim * act_bytes * where.count(dev) + 3 * inter * act_bytes + 12 * dim)
+
+    # an auto batch too large for what the weights leave halves, as the run's back-off would
+    while (
+        not batch_size
+        and tokens > length
+        and any(
+            h is not None and activations(d, tokens) > (h - weights.get(d, 0)) // 4 for d, h in have.items()
+        )
+    ):
+        tokens //= 2
+    budgets: dict[str, int | None] = {}
+    for dev, h in have.items():
+        room = None if h is None else h - weights.get(dev, 0) - activations(dev, tokens)
+        budgets[dev] = None if room is None else max(0, room - margin(max(0, room)))
+    types = min(SELF_SIM_TYPES, SELF_SIM_BUDGET_BYTES // max(1, 8 * dim * len(where)))
+    names = [f"layer {i}" for i in range(len(where))]
+    layers = plan_layers([(n, dim, d, types) for n, d in zip(names, where, strict=True)], budgets, reservoir)
+    return MemoryPlan(
+        layers,
+        budgets,
+        weights=weights,
+        reservoir_asked=reservoir,
+        batch=batch_line(batch_size, main, length, tokens),
+        source=f"dry run from the config, {run_dtype} weights, memory from {source}",
+        on_paper=True,
+    )
