@@ -103,7 +103,12 @@ def test_last_shard_merges_to_the_one_pass_run_and_numpy_all_pairs(
     key_merged, merged = _entry(shared)
     assert key_one == key_merged
     assert f"merged from {k} shards" in merged.meta["notes"]
-    assert [n for n in merged.meta["notes"] if "merged from" not in n] == one.meta["notes"]
+
+    # (the thread count's note quotes the load average of the moment each process started)
+    def steady(notes: list[str]) -> list[str]:
+        return [n for n in notes if "merged from" not in n and not n.startswith("the machine is loaded")]
+
+    assert steady(merged.meta["notes"]) == steady(one.meta["notes"])
     for f in ("n_samples", "n_tokens", "max_length", "model_class", "modality", "dtype", "reservoir"):
         assert merged.meta[f] == one.meta[f], f
     assert one.arrays.keys() == merged.arrays.keys()
