@@ -348,6 +348,11 @@ def make_spec(model: str, data: Any = "builtin", *, base_dir: Path | None = None
         raise TypeError(f"make_spec() got unknown run options: {', '.join(sorted(unknown))}")
     given = {"data": data, **options}
     values = {o.name: o.parse(given.get(o.name, o.default), base_dir) for o in RUN_OPTIONS}
+    if values["device_map"] is not None and values["device"] != "auto":
+        raise IsotuiError(
+            f"--device {values['device']} and --device-map {values['device_map']} both say where the model "
+            "goes; give one (--device-map spreads it over the devices --max-memory names)"
+        )
     return RunSpec(model=model, **values)
 
 

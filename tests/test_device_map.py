@@ -159,6 +159,7 @@ def test_bad_values_are_one_sentence_naming_the_flag(tiny_models, capsys):
         (["--device-map", "auto", "--max-memory", "gpu=1GB"], "max-memory must be"),
         (["--device-map", "auto", "--max-memory", "3=1GB"], "--max-memory gives memory to GPU 3"),
         (["--max-memory", "4=1GB"], "--max-memory gives memory to GPU 4"),  # alone: --device-map auto
+        (["--device", "cpu", "--device-map", "auto"], "--device cpu and --device-map auto both say"),
     ]
     for flags, said in cases:
         assert main(["run", "--model", folder, "--max-samples", "2", "--no-cache", *flags]) == 2
