@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -143,12 +142,11 @@ class Task:
         label = Path(self.model).name if Path(self.model).is_dir() else self.model
         return f"{label} shard {self.index}/{self.count}" if self.count > 1 else label
 
-    def argv(self, config: Path, cache_root: Path, scratch: Path, n: int) -> list[str]:
-        """The ``isotui run`` command of this task (its own --csv/--json in ``scratch``: the
-        sweep writes the config's outputs once, for all runs)."""
-        argv = [sys.executable, "-m", "isotui", "run", str(config), "--model", self.model]
-        argv += ["--cache-dir", str(cache_root), "-q", "--csv", str(scratch / f"task{n}.csv")]
-        argv += ["--json", str(scratch / f"task{n}.json")]
+    def argv(self, config: Path, cache_root: Path) -> list[str]:
+        """The ``isotui run`` arguments of this task; its --csv/--json go nowhere (the sweep
+        writes the config's outputs once, for all runs)."""
+        argv = ["run", str(config), "--model", self.model, "--cache-dir", str(cache_root), "-q"]
+        argv += ["--csv", os.devnull, "--json", os.devnull]
         return argv + (["--shard", f"{self.index}/{self.count}"] if self.count > 1 else [])
 
 
@@ -180,8 +178,9 @@ def task_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_task(argv: list[str], extra_env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run one task's command; (exit status, its last words on stderr)."""
-    proc = subprocess.run(argv, env=task_env(extra_env), capture_output=True, text=True)
+    """Run one task's ``isotui`` command in a new process; (exit status, its last words)."""
+    command = [sys.executable, "-m", "isotui", *argv]
+    proc = subprocess.run(command, env=task_env(extra_env), capture_output=True, text=True)
     return proc.returncode, _last_words(proc.returncode, proc.stderr)
 
 
@@ -198,9 +197,20 @@ def _last_words(code: int, stderr: str) -> str:
 
 
 def ray_task(argv: list[str]) -> str:
-    """A Ray task: the task's command in a subprocess (Ray sets CUDA_VISIBLE_DEVICES); a crash
-    raises :class:`TaskCrashed`, which Ray retries, a refusal (exit 2) returns its sentence."""
-    code, text = run_task(argv)
+    """A Ray task: the task's ``isotui`` command in the Ray worker's process (Ray gives it its
+    GPUs in CUDA_VISIBLE_DEVICES, and a GPU task's worker serves that one task: Ray's default
+    ``max_calls=1``; a CPU worker keeps its imports for the next task). A worker that dies is
+    retried by Ray; an internal error raises :class:`TaskCrashed`, retried too (``retry_exceptions``);
+    a refusal of bad input (exit 2) returns its sentence."""
+    import contextlib
+    import io
+
+    from isotui.cli import main
+
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):  # isotui's stderr console writes to sys.stderr
+        code = main(argv)
+    text = _last_words(code, said.getvalue())
     if code not in (0, EXIT_BAD_INPUT):
         raise TaskCrashed(text)
     return "" if code == 0 else text
@@ -448,12 +458,9 @@ def _run_tasks(
         TimeElapsedColumn(),
     )
     failed: list[TaskResult] = []
-    with (
-        tempfile.TemporaryDirectory(prefix="isotui-sweep-") as scratch,
-        Progress(*columns, console=err, transient=True, disable=bool(args.quiet)) as bar,
-    ):
+    with Progress(*columns, console=err, transient=True, disable=bool(args.quiet)) as bar:
         bar_id = bar.add_task("sweep", total=len(tasks) + already, completed=already, status="")
-        jobs = [(t, t.argv(config.resolve(), cache_root, Path(scratch), n)) for n, t in enumerate(tasks)]
+        jobs = [(t, t.argv(config.resolve(), cache_root)) for t in tasks]
 
         def say(text: str) -> None:
             bar.console.print(f"[yellow]isotui: {text}[/]", highlight=False)

@@ -125,11 +125,12 @@ def _assert_same_csv(plain: list[dict[str, str]], swept: list[dict[str, str]]) -
 
 
 class KillOnce:
-    """Kill (SIGKILL) the first task process of this sweep that has been running ``after`` s:
-    found in /proc by its command line (``--shard`` and this test's own cache folder)."""
+    """Kill (SIGKILL) the first task process of this test that has been running ``after`` s: an
+    ``isotui run --shard`` process, or a Ray worker while it runs a task (its title is then
+    ``ray::ray_task``), whose environment names this test's own folder ``marker``."""
 
-    def __init__(self, marker: str, after: float = 2.5) -> None:
-        self.marker, self.after, self.killed = marker, after, ""
+    def __init__(self, marker: str, after: float = 2.0) -> None:
+        self.marker, self.after, self.killed = marker.encode(), after, b""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -141,27 +142,30 @@ class KillOnce:
         self._stop.set()
         self._thread.join()
 
+    def _task(self, entry: Path) -> bytes:
+        """The process's command line when it is one of this test's tasks, else b""."""
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"--shard" not in cmdline.split(b"\0") and not cmdline.startswith(b"ray::ray_task"):
+                return b""
+            return cmdline if self.marker in (entry / "environ").read_bytes() else b""
+        except OSError:
+            return b""
+
     def _watch(self) -> None:
         seen: dict[int, float] = {}
         while not self._stop.is_set() and not self.killed:
             for entry in Path("/proc").iterdir():
-                if not entry.name.isdigit():
-                    continue
-                try:
-                    argv = (entry / "cmdline").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                words = [w.decode(errors="replace") for w in argv]
-                if "--shard" not in words or self.marker not in words:
+                cmdline = self._task(entry) if entry.name.isdigit() else b""
+                if not cmdline:
                     continue
                 pid = int(entry.name)
-                first = seen.setdefault(pid, time.monotonic())
-                if time.monotonic() - first >= self.after:
+                if time.monotonic() - seen.setdefault(pid, time.monotonic()) >= self.after:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         continue
-                    self.killed = words[words.index("--shard") + 1]
+                    self.killed = cmdline
                     break
             time.sleep(0.1)
 
@@ -176,7 +180,7 @@ def _numpy_avg_cos(model: Path, lines: list[str], layer: int) -> float:
 
 
 def _sweep_with_a_kill(config: Path, capsys) -> str:
-    with KillOnce(str((config.parent / "cache").resolve())) as killer:
+    with KillOnce(os.environ["ISOTUI_CACHE_DIR"]) as killer:  # this test's own (conftest)
         code = main(["sweep", str(config), "-q"])
     err = capsys.readouterr().err
     assert code == 0, err
@@ -188,7 +192,7 @@ def _sweep_with_a_kill(config: Path, capsys) -> str:
 def test_local_sweep_equals_the_plain_runs_a_killed_task_is_retried_and_a_rerun_is_cached(
     series, data, plain, tmp_path, capsys
 ):
-    config = _config(tmp_path / "local", series, data[1], retries=1, workers=1)
+    config = _config(tmp_path / "local", series, data[1], retries=1, workers=2)
     err = _sweep_with_a_kill(config, capsys)
     assert "12 of 12 tasks to run" in err
     assert re.search(r"shard [01]/2: its process was killed by SIGKILL; retrying", err)
