@@ -289,7 +289,12 @@ def run_ray(
         if not settings.address:  # a local cluster's workers start from this process's environment
             os.environ["PYTHONPATH"] = task_env()["PYTHONPATH"]
         try:
-            ray.init(address=settings.address or None, include_dashboard=False, log_to_driver=False)
+            ray.init(
+                address=settings.address or None,
+                include_dashboard=False,
+                log_to_driver=False,  # a task's failure is said once, by the sweep
+                logging_level="WARNING",
+            )
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise IsotuiError(f"cannot connect to the Ray cluster at {settings.address}: {exc}") from None
     try:
