@@ -293,3 +293,22 @@ def test_readme_sweep_example_is_a_valid_sweep_config(tmp_path):
     settings = load_run_config(config)
     sweep = read_sweep(config, settings["sweep"])
     assert sweep.shards > 1 and sweep.checkpoints and settings["models"]
+
+
+def test_a_sweep_resumes_from_the_shards_already_cached(tiny_models, data, tmp_path, capsys):
+    """Shard 0/2 cached by an earlier (interrupted) sweep: only shard 1/2 runs, and it merges."""
+    folder = tmp_path / "resume"
+    folder.mkdir()
+    config = folder / "sweep.toml"
+    config.write_text(
+        f'model = "{tiny_models["bert"]}"\ndata = "text:{data[1]}"\nmax_length = {MAX_LENGTH}\n'
+        'cache_dir = "cache"\ncsv = "out.csv"\n\n[sweep]\nshards = 2\n',
+        encoding="utf-8",
+    )
+    assert main(["run", str(config), "--shard", "0/2", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["sweep", str(config), "-q"]) == 0
+    err = capsys.readouterr().err
+    assert "1 of 2 tasks to run on local processes (1 cached)" in err
+    (row, *_) = _rows(folder / "out.csv")
+    assert int(row["n_samples"]) == N
