@@ -129,7 +129,7 @@ class KillOnce:
     ``isotui run --shard`` process, or a Ray worker while it runs a task (its title is then
     ``ray::ray_task``), whose environment names this test's own folder ``marker``."""
 
-    def __init__(self, marker: str, after: float = 2.0) -> None:
+    def __init__(self, marker: str, after: float = 1.0) -> None:
         self.marker, self.after, self.killed = marker.encode(), after, b""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
