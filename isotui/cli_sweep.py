@@ -411,7 +411,7 @@ def main(args: argparse.Namespace, err: Any) -> int:
     todo = plan(args, runs, sweep.shards, cache_root)
     for model, text in todo.failed_early:
         print_error(err, f"{model}: {text}")
-    total = len(todo.tasks) + todo.cached
+    total = len(todo.tasks) + todo.cached + sweep.shards * len(todo.failed_early)
     if not todo.tasks:
         err.print(f"isotui: all {total} tasks of the sweep are cached", highlight=False)
     else:
@@ -422,7 +422,7 @@ def main(args: argparse.Namespace, err: Any) -> int:
         )
     failed: list[TaskResult] = []
     if todo.tasks:
-        failed = _run_tasks(todo.tasks, sweep, config, cache_root, total - len(todo.tasks), args, err)
+        failed = _run_tasks(todo.tasks, sweep, config, cache_root, todo.cached, args, err)
     lost = {t.task.model for t in failed} | {m for m, _ in todo.failed_early}
     kept = [m for m in runs if m not in lost]
     code = 0
@@ -431,7 +431,8 @@ def main(args: argparse.Namespace, err: Any) -> int:
     if failed or todo.failed_early:
         names = [t.task.name for t in failed] + [Path(m).name for m, _ in todo.failed_early]
         err.print(
-            f"isotui: {len(names)} of {total} tasks failed: {', '.join(names)}; run the sweep again to "
+            f"isotui: {len(failed) + sweep.shards * len(todo.failed_early)} of {total} tasks failed: "
+            f"{', '.join(names)}; run the sweep again to "
             "retry them (the rest is cached)",
             highlight=False,
         )
