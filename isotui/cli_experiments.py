@@ -21,7 +21,11 @@ if TYPE_CHECKING:
     from isotui.results import Outcome
     from isotui.spec import RunSpec
 
-TOP_LEVEL = {"train-tiny": "isotui.experiments.train_tiny", "figure": "isotui.cli_figure"}
+TOP_LEVEL = {
+    "train-tiny": "isotui.experiments.train_tiny",
+    "figure": "isotui.cli_figure",
+    "sweep": "isotui.cli_sweep",
+}
 
 
 def add_common(p: argparse.ArgumentParser, *, cache: bool = True, device_seed: bool = True) -> None:

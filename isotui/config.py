@@ -54,6 +54,9 @@ def load_run_config(path: Path, given: Collection[str] = ()) -> dict[str, Any]:
     command line names them (``given``: the settings the command line sets, which win anyway).
     """
     data = read_toml(path)
+    sweep = data.pop("sweep", None)  # `isotui sweep`'s own table (isotui.cli_sweep); a run ignores it
+    if sweep is not None and not isinstance(sweep, dict):
+        raise IsotuiError(f"config file {path}: 'sweep' must be a table ([sweep]), got {sweep!r}")
     for key, value in data.items():
         if key not in RUN_SETTINGS:
             known = ", ".join(sorted(RUN_SETTINGS))
@@ -93,4 +96,6 @@ def load_run_config(path: Path, given: Collection[str] = ()) -> dict[str, Any]:
     if tokenizer.startswith(("./", "../")):  # a tokenizer folder next to the config file
         data["tokenizer"] = str((base / tokenizer).resolve())
     data["base_dir"] = base
+    if sweep is not None:
+        data["sweep"] = sweep
     return data

@@ -1,0 +1,314 @@
+"""``isotui sweep``: two tiny models x three checkpoints x two shards, on local processes and on a
+local Ray cluster, give the CSV of the plain runs one after the other; a task killed mid-run is
+retried and nothing is lost or counted twice; a rerun answers from the cache.
+
+The plain runs run in this process (``isotui run -m ...``, another cache folder); the sweep's tasks
+are real ``isotui run --shard`` processes. The shards' float32 batch products round differently
+from one pass (``test_shards.py`` checks the merge to 1e-12 with float64 products), so numbers
+are compared to 1e-6 relative; counts and text exactly. One cell is checked against numpy's
+average cosine over all pairs of that layer's vectors (``tests/reference.py``).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from isotui.cli import main
+
+from .conftest import corpus
+from .reference import hidden_vectors
+
+N = 9  # samples: odd, so the two shards differ in size
+MAX_LENGTH = 16
+STEPS = ("step_0", "step_100", "step_200")
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def series(tiny_models, tmp_path_factory) -> dict[str, Path]:
+    """Each tiny model's checkpoint series folder: step 0, then its embeddings shifted along one
+    direction (a little more at each step)."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    out = {}
+    for arch in ("bert", "gpt2"):
+        root = tmp_path_factory.mktemp("series") / arch
+        tok = AutoTokenizer.from_pretrained(str(tiny_models[arch]))
+        direction = torch.randn(32, generator=torch.Generator().manual_seed(5))
+        for i, step in enumerate(STEPS):
+            model = AutoModel.from_pretrained(str(tiny_models[arch]))
+            with torch.no_grad():
+                model.get_input_embeddings().weight += 0.05 * i * direction
+            model.save_pretrained(root / step)
+            tok.save_pretrained(root / step)
+        out[arch] = root
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[list[str], Path]:
+    lines = corpus(N)
+    path = tmp_path_factory.mktemp("data") / "texts.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return lines, path
+
+
+@pytest.fixture(scope="module")
+def plain(series, data, tmp_path_factory) -> list[dict[str, str]]:
+    """The six plain runs, one after the other, in this process: their CSV rows."""
+    folder = tmp_path_factory.mktemp("plain")
+    out = folder / "plain.csv"
+    models = [a for arch in ("bert", "gpt2") for s in STEPS for a in ("-m", str(series[arch] / s))]
+    argv = ["run", *models, "--data", f"text:{data[1]}", "--max-length", str(MAX_LENGTH), "--reservoir", "20"]
+    assert main([*argv, "--cache-dir", str(folder / "cache"), "--csv", str(out), "-q"]) == 0
+    return _rows(out)
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _config(folder: Path, series: dict[str, Path], data: Path, **sweep: object) -> Path:
+    """A sweep config beside its output: the two series folders, their three checkpoints."""
+    folder.mkdir(parents=True, exist_ok=True)
+    table = "\n".join(f"{k} = {_toml(v)}" for k, v in sweep.items())
+    text = f"""models = [{_toml(str(series["bert"]))}, {_toml(str(series["gpt2"]))}]
+data = {_toml("text:" + str(data))}
+max_length = {MAX_LENGTH}
+reservoir = 20
+cache_dir = "cache"
+csv = "out.csv"
+
+[sweep]
+checkpoints = [{", ".join(_toml(s) for s in STEPS)}]
+shards = 2
+{table}
+"""
+    path = folder / "sweep.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _toml(value: object) -> str:
+    return f'"{value}"' if isinstance(value, str) else str(value)
+
+
+def _assert_same_csv(plain: list[dict[str, str]], swept: list[dict[str, str]]) -> None:
+    """Same rows and columns; text and counts exactly, numbers to 1e-6 relative."""
+    assert [list(r) for r in plain] == [list(r) for r in swept]
+    for a, b in zip(plain, swept, strict=True):
+        for k, x in a.items():
+            y = b[k]
+            if k in ("time_s", "tokens_per_s", "load_s", "forward_s", "tokenise_s", "metrics_s"):
+                continue
+            try:
+                fx, fy = float(x), float(y)
+            except ValueError:
+                assert x == y, k
+                continue
+            if x.lstrip("-").isdigit() or math.isnan(fx):
+                assert x == y, (k, x, y)
+            else:
+                assert fy == pytest.approx(fx, rel=1e-6, abs=1e-9), (a["model"], a["layer"], k)
+
+
+class KillOnce:
+    """Kill (SIGKILL) the first task process of this test that has been running ``after`` s: an
+    ``isotui run --shard`` process, or a Ray worker while it runs a task (its title is then
+    ``ray::ray_task``), whose environment names this test's own folder ``marker``."""
+
+    def __init__(self, marker: str, after: float = 1.0) -> None:
+        self.marker, self.after, self.killed = marker.encode(), after, b""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> KillOnce:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _task(self, entry: Path) -> bytes:
+        """The process's command line when it is one of this test's tasks, else b""."""
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"--shard" not in cmdline.split(b"\0") and not cmdline.startswith(b"ray::ray_task"):
+                return b""
+            return cmdline if self.marker in (entry / "environ").read_bytes() else b""
+        except OSError:
+            return b""
+
+    def _watch(self) -> None:
+        seen: dict[int, float] = {}
+        while not self._stop.is_set() and not self.killed:
+            for entry in Path("/proc").iterdir():
+                cmdline = self._task(entry) if entry.name.isdigit() else b""
+                if not cmdline:
+                    continue
+                pid = int(entry.name)
+                if time.monotonic() - seen.setdefault(pid, time.monotonic()) >= self.after:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue
+                    self.killed = cmdline
+                    break
+            time.sleep(0.1)
+
+
+def _numpy_avg_cos(model: Path, lines: list[str], layer: int) -> float:
+    layers, _ = hidden_vectors(str(model), lines, max_length=MAX_LENGTH)
+    x = layers[layer]
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    g = u @ u.T
+    n = len(x)
+    return float((g.sum() - np.trace(g)) / (n * (n - 1)))
+
+
+def _sweep_with_a_kill(config: Path, capsys) -> str:
+    with KillOnce(os.environ["ISOTUI_CACHE_DIR"]) as killer:  # this test's own (conftest)
+        code = main(["sweep", str(config), "-q"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert killer.killed, "no task process was seen to kill"
+    assert "failed" not in err
+    return err
+
+
+def test_local_sweep_equals_the_plain_runs_a_killed_task_is_retried_and_a_rerun_is_cached(
+    series, data, plain, tmp_path, capsys
+):
+    config = _config(tmp_path / "local", series, data[1], retries=1, workers=2)
+    err = _sweep_with_a_kill(config, capsys)
+    assert "12 of 12 tasks to run" in err
+    assert re.search(r"shard [01]/2: its process was killed by SIGKILL; retrying", err)
+    swept = _rows(tmp_path / "local" / "out.csv")
+    _assert_same_csv(plain, swept)
+    from isotui.experiments.shards import partial_runs
+
+    assert partial_runs(tmp_path / "local" / "cache") == []  # every run merged, no shard left over
+    # one cell against numpy over all pairs: the gpt2 series' last checkpoint, layer 1
+    model = series["gpt2"] / STEPS[-1]
+    (row,) = [r for r in swept if r["model"] == str(model) and r["layer"] == "1"]
+    assert float(row["avg_cos"]) == pytest.approx(_numpy_avg_cos(model, data[0], 1), rel=1e-5)
+    # a rerun: every task answered from the cache, no process started
+    (tmp_path / "local" / "out.csv").unlink()
+    assert main(["sweep", str(config), "-q"]) == 0
+    assert "all 12 tasks of the sweep are cached" in capsys.readouterr().err
+    assert _rows(tmp_path / "local" / "out.csv") == swept
+
+
+def test_ray_sweep_equals_the_plain_runs_and_retries_a_killed_task(series, data, plain, tmp_path, capsys):
+    pytest.importorskip("ray")
+    config = _config(tmp_path / "ray", series, data[1], executor="ray", retries=2)
+    _sweep_with_a_kill(config, capsys)
+    _assert_same_csv(plain, _rows(tmp_path / "ray" / "out.csv"))
+
+
+def test_a_task_that_keeps_failing_is_said_and_the_others_finish(series, data, tmp_path, capsys):
+    """One checkpoint folder without weights: its tasks fail (bad input, not retried), the other
+    runs are measured and written; the exit status says it, the closing line names them."""
+    import shutil
+
+    broken = tmp_path / "s"
+    shutil.copytree(series["bert"], broken)
+    for f in (broken / STEPS[1]).glob("*.safetensors"):
+        f.unlink()
+    config = _config(tmp_path / "bad", {"bert": broken, "gpt2": series["gpt2"]}, data[1], workers=1)
+    config.write_text(config.read_text().replace("shards = 2", "shards = 1"), encoding="utf-8")
+    config.write_text(
+        config.read_text().replace(f'"{series["gpt2"]}"', "").replace(", ]", "]"), encoding="utf-8"
+    )
+    code = main(["sweep", str(config), "-q"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "1 of 3 tasks failed: step_100" in err
+    rows = _rows(tmp_path / "bad" / "out.csv")
+    assert {Path(r["model"]).name for r in rows} == {"step_0", "step_200"}
+
+
+@pytest.mark.parametrize(
+    ("table", "said"),
+    [
+        ("shards = 2\ncolour = 1", "[sweep] has no key 'colour'"),
+        ("shards = 0", "[sweep] shards = 0"),
+        ('executor = "slurm"', "[sweep] executor = 'slurm' is not one of local, ray"),
+        ("retries = -1", "[sweep] retries = -1 must be 0 or more"),
+        ('shards = "2"', "[sweep] shards must be a whole number"),
+        ("checkpoints = []", "[sweep] checkpoints must be a non-empty list"),
+    ],
+)
+def test_a_bad_sweep_table_is_one_sentence_naming_the_key(tmp_path, capsys, table, said):
+    config = tmp_path / "sweep.toml"
+    config.write_text(f'model = "minilm"\n\n[sweep]\n{table}\n', encoding="utf-8")
+    assert main(["sweep", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and f"config file {config}" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_ray_missing_is_one_sentence_with_the_install_command(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    config = tmp_path / "sweep.toml"
+    config.write_text('model = "minilm"\n\n[sweep]\nexecutor = "ray"\n', encoding="utf-8")
+    assert main(["sweep", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'isotui[ray]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_run_of_a_sweep_config_ignores_its_sweep_table(tmp_path):
+    from isotui.config import load_run_config
+
+    config = tmp_path / "sweep.toml"
+    config.write_text('model = "minilm"\n\n[sweep]\nshards = 4\n', encoding="utf-8")
+    assert load_run_config(config)["sweep"] == {"shards": 4}
+
+
+def test_readme_sweep_example_is_a_valid_sweep_config(tmp_path):
+    """README's config example (the ``toml`` block of "Sweeps") reads as a sweep config."""
+    from isotui.cli_sweep import read_sweep
+    from isotui.config import load_run_config
+
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("### Sweeps") :]
+    (block,) = re.findall(r"^```toml\n(.*?)^```", section[: section.index("\n## ")], re.S | re.M)
+    config = tmp_path / "sweep.toml"
+    config.write_text(block, encoding="utf-8")
+    settings = load_run_config(config)
+    sweep = read_sweep(config, settings["sweep"])
+    assert sweep.shards > 1 and sweep.checkpoints and settings["models"]
+
+
+def test_a_sweep_resumes_from_the_shards_already_cached(tiny_models, data, tmp_path, capsys):
+    """Shard 0/2 cached by an earlier (interrupted) sweep: only shard 1/2 runs, and it merges."""
+    folder = tmp_path / "resume"
+    folder.mkdir()
+    config = folder / "sweep.toml"
+    config.write_text(
+        f'model = "{tiny_models["bert"]}"\ndata = "text:{data[1]}"\nmax_length = {MAX_LENGTH}\n'
+        'cache_dir = "cache"\ncsv = "out.csv"\n\n[sweep]\nshards = 2\n',
+        encoding="utf-8",
+    )
+    assert main(["run", str(config), "--shard", "0/2", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["sweep", str(config), "-q"]) == 0
+    err = capsys.readouterr().err
+    assert "1 of 2 tasks to run on local processes (1 cached)" in err
+    (row, *_) = _rows(folder / "out.csv")
+    assert int(row["n_samples"]) == N
