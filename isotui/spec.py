@@ -127,6 +127,12 @@ def _exact(value: Any, _base: Path | None) -> bool:
     return value
 
 
+def _stream(value: Any, _base: Path | None) -> bool:
+    if not isinstance(value, bool):
+        raise IsotuiError(f"stream must be true or false (got {value!r})")
+    return value
+
+
 SHARD_FORM = "I/K, the I-th of K slices counted from 0 as $SLURM_ARRAY_TASK_ID is (0/4 to 3/4 of 4)"
 
 
@@ -277,6 +283,17 @@ class RunSpec:
         switch=True,
         applies_to=LAYER_RUNS,
         label="exact (2nd pass)",
+    )
+    # read a text corpus as a stream (window by window) rather than whole: flat memory
+    stream: bool = _option(
+        default=False,
+        help="read text, JSONL and hf: text data as a stream, tokenised and length-sorted in "
+        "windows of 4096 samples, so memory does not grow with the corpus (automatic for a text or "
+        "JSONL file over 256 MiB)",
+        toml=(bool,),
+        parse=_stream,
+        switch=True,
+        label="stream the data",
     )
     # one of K disjoint slices of the samples, its partial state cached to merge with the others
     shard: tuple[int, int] | None = _option(
