@@ -20,52 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from isotui.paths import builtin_corpus_path
+
 MODEL = "random:gpt2:n_layer=2,n_embd=32,n_head=2"
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "a",
-    "is",
-    "that",
-    "for",
-    "it",
-    "as",
-    "was",
-    "with",
-    "be",
-    "by",
-    "on",
-    "not",
-    "he",
-    "this",
-    "are",
-    "or",
-    "his",
-    "from",
-    "at",
-    "which",
-    "but",
-    "have",
-    "an",
-    "they",
-    "you",
-    "were",
-    "her",
-    "she",
-    "there",
-    "one",
-    "all",
-    "we",
-    "their",
-    "anisotropy",
-    "layer",
-    "vector",
-    "token",
-    "model",
-]
+WORDS = sorted(set(builtin_corpus_path().read_text(encoding="utf-8").split()))  # real words
 
 
 def write_corpus(path: Path, lines: int, seed: int = 0) -> None:
@@ -120,9 +78,8 @@ def main() -> None:
                 )
             ratio = peaks[args.large] / peaks[args.small]
             target = " (target <= 1.10)" if stream else ""
-            print(
-                f"{'--stream' if stream else 'plain   '} ratio {args.large:,} / {args.small:,}: {ratio:.3f}x{target}"
-            )
+            mode = "--stream" if stream else "plain   "
+            print(f"{mode} ratio {args.large:,} / {args.small:,}: {ratio:.3f}x{target}")
     print("command:", " ".join(run_argv(Path("FILE"), args.max_length, True)))
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 

@@ -293,7 +293,7 @@ class RunSpec:
         toml=(bool,),
         parse=_stream,
         switch=True,
-        label="stream the data",
+        label="stream",
     )
     # one of K disjoint slices of the samples, its partial state cached to merge with the others
     shard: tuple[int, int] | None = _option(

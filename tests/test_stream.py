@@ -20,7 +20,8 @@ from isotui.errors import IsotuiError
 
 from .conftest import corpus
 from .reference import hidden_vectors
-from .test_shards import _assert_rows_equal, _entry, _rows, float64_products  # noqa: F401
+from .test_shards import _assert_rows_equal, _entry, _rows
+from .test_shards import float64_products as float64_products  # a fixture, used by name
 
 N = 37
 WINDOW = 8
