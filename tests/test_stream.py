@@ -169,3 +169,16 @@ def test_stream_refuses_a_non_text_spec_directly():
 
     with pytest.raises(IsotuiError, match="drop --stream"):
         StreamedSamples(parse_data("synthetic:audio"), None, None)
+
+
+def test_exact_second_pass_reads_the_stream_again(
+    tiny_models, texts, tmp_path, float64_products, small_window
+):
+    """``--exact`` runs a second pass over the batches: a stream is read (and tokenised) again."""
+    _, data = texts
+    model = tiny_models["gpt2"]
+    plain_csv, stream_csv = tmp_path / "plain.csv", tmp_path / "stream.csv"
+    assert _run(model, data, tmp_path / "plain", "--exact", "--csv", str(plain_csv)) == 0
+    assert _run(model, data, tmp_path / "stream", "--exact", "--stream", "--csv", str(stream_csv)) == 0
+    assert sum(small_window) == 3 * N and max(small_window) == WINDOW  # counts, run, second pass
+    _assert_rows_equal(_rows(plain_csv), _rows(stream_csv))
