@@ -20,6 +20,7 @@ from isotui.errors import IsotuiError
 
 from .conftest import corpus
 from .reference import hidden_vectors
+from .test_merge import assert_close
 from .test_shards import _assert_rows_equal, _entry, _rows
 from .test_shards import float64_products as float64_products  # a fixture, used by name
 
@@ -182,3 +183,28 @@ def test_exact_second_pass_reads_the_stream_again(
     assert _run(model, data, tmp_path / "stream", "--exact", "--stream", "--csv", str(stream_csv)) == 0
     assert sum(small_window) == 3 * N and max(small_window) == WINDOW  # counts, run, second pass
     _assert_rows_equal(_rows(plain_csv), _rows(stream_csv))
+
+
+@pytest.mark.parametrize("special", ["include", "exclude"])
+def test_encoder_decoder_type_weights_are_the_whole_corpus(texts, float64_products, small_window, special):
+    """BART's decoder sees the text shifted right: its type-uniform weights, counted window by
+    window, are the plain run's (type-weighted metrics of both components agree)."""
+    from isotui.experiments.layerwise import measure
+    from isotui.spec import make_spec
+
+    from .test_exactness import TINY_BART
+
+    _, data = texts
+    plain, streamed = (
+        measure(
+            make_spec(TINY_BART, data, max_length=20, batch_size=1, special_tokens=special, stream=s), None
+        )
+        for s in (False, True)
+    )
+    assert max(small_window) == WINDOW
+    assert {r.component for r in plain.rows} == {"encoder", "decoder"}
+    for a, b in zip(plain.rows, streamed.rows, strict=True):
+        assert (a.component, a.n_vectors, a.self_sim_types) == (b.component, b.n_vectors, b.self_sim_types)
+        assert not np.isnan(b.avg_cos_types)
+        for name in ("avg_cos", "avg_cos_types", "drift_norm_types", "self_sim", "intra_sim"):
+            assert_close(getattr(a, name), getattr(b, name), f"{a.component} {a.layer} {name}")
