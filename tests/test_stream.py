@@ -129,7 +129,8 @@ def test_a_stream_is_the_plain_samples_and_fingerprint(tmp_path, monkeypatch):
     (tmp_path / "hfdata" / "train.jsonl").write_text(
         "\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8"
     )
-    for value in (f"text:{tmp_path}/t.txt", f"jsonl:{tmp_path}/r.jsonl", f"hf:{tmp_path}/hfdata:train"):
+    values = (f"text:{tmp_path}/t.txt", f"jsonl:{tmp_path}/r.jsonl", f"hf:{tmp_path}/hfdata:train")
+    for value in (*values, f"hf:{tmp_path}/hfdata:train[1:]"):  # a slice: the memory-mapped split
         spec = parse_data(value)
         for max_samples in (None, 3):
             plain = load_samples(spec, max_samples, 2)
@@ -152,7 +153,6 @@ def test_a_stream_is_the_plain_samples_and_fingerprint(tmp_path, monkeypatch):
     ("data", "said"),
     [
         ("synthetic:images", "--stream reads text, JSONL and hf: text sources, not synthetic:images"),
-        ("hf:{tmp}/hfdata:train[:2]", "--stream reads whole splits, not the slice"),
         ("hf:{tmp}/hfdata:train:n", "--stream reads text columns; column 'n'"),
     ],
 )
@@ -208,3 +208,28 @@ def test_encoder_decoder_type_weights_are_the_whole_corpus(texts, float64_produc
         assert not np.isnan(b.avg_cos_types)
         for name in ("avg_cos", "avg_cos_types", "drift_norm_types", "self_sim", "intra_sim"):
             assert_close(getattr(a, name), getattr(b, name), f"{a.component} {a.layer} {name}")
+
+
+def test_hf_without_streaming_reads_the_memory_mapped_split(tmp_path, monkeypatch):
+    """Offline with only the datasets cache, ``streaming=True`` fails: the split is then read from
+    its memory-mapped Arrow files, chunk by chunk, to the same samples."""
+    import datasets
+
+    from isotui.data.stream import StreamedSamples
+
+    (tmp_path / "hfdata").mkdir()
+    lines = corpus(3000)
+    rows = "\n".join(json.dumps({"text": s, "id": i}) for i, s in enumerate(lines))
+    (tmp_path / "hfdata" / "train.jsonl").write_text(rows + "\n", encoding="utf-8")
+    real = datasets.load_dataset
+
+    def no_streaming(*args, streaming=False, **kwargs):
+        if streaming:
+            raise ConnectionError("offline")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", no_streaming)
+    spec = parse_data(f"hf:{tmp_path}/hfdata:train")
+    streamed = StreamedSamples(spec, None, None)
+    assert list(streamed) == lines and len(streamed) == 3000  # more than one chunk of 1024
+    assert fingerprint(streamed, spec) == fingerprint(lines, spec)

@@ -35,11 +35,6 @@ class StreamedSamples(Sequence[str]):
     def __init__(self, spec: DataSpec, max_samples: int | None, max_length: int | None) -> None:
         if spec.scheme not in STREAMABLE:
             raise IsotuiError(_cannot(spec))
-        if spec.scheme == "hf" and "[" in spec.split:
-            raise IsotuiError(
-                f"--stream reads whole splits, not the slice {spec.split!r} of {spec.describe()}; "
-                "give the split alone and limit it with --max-samples"
-            )
         self.spec, self.max_samples, self.cap = spec, max_samples, line_cap(max_length)
         self.notes: list[str] = []
         h = hashlib.sha256()
@@ -136,23 +131,36 @@ def _lines(path: Path, what: str) -> Iterator[tuple[int, str]]:
 
 
 def _hf_texts(spec: DataSpec) -> Iterator[str]:
-    """The stripped values of a ``datasets`` split's text column, streamed (``streaming=True``)."""
+    """The stripped values of a ``datasets`` split's text column, one record at a time: with
+    ``streaming=True``, or, for a split slice or when streaming fails (offline, with only the
+    datasets cache's Arrow files), the memory-mapped Arrow dataset read in chunks."""
     try:
         import datasets
     except ImportError:
         raise IsotuiError(
             f"data source {spec.describe()} needs the `datasets` package: pip install datasets"
         ) from None
-    try:
-        ds = datasets.load_dataset(spec.name, spec.config, split=spec.split, streaming=True)
-        records = iter(ds)
+    records: Iterator[dict[str, object]] | None = None
+    first: dict[str, object] | None = None
+    if "[" not in spec.split:  # streaming takes whole splits
+        try:
+            records = iter(datasets.load_dataset(spec.name, spec.config, split=spec.split, streaming=True))
+            first = next(records, None)
+        except Exception:
+            records = None
+    if records is None:
+        try:
+            ds = datasets.load_dataset(spec.name, spec.config, split=spec.split)
+        except Exception as exc:
+            head = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise IsotuiError(
+                f"data source {spec.describe()} could not be loaded ({head}); it must be in the local "
+                "Hugging Face datasets cache, a local folder, or reachable on the hub"
+            ) from None
+        if spec.field in ds.column_names:
+            ds = ds.select_columns([spec.field])
+        records = (row for chunk in ds.iter(batch_size=1024) for row in _rows(chunk))
         first = next(records, None)
-    except Exception as exc:
-        head = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise IsotuiError(
-            f"data source {spec.describe()} could not be streamed ({head}); it must be in the local "
-            "Hugging Face datasets cache, a local folder, or reachable on the hub"
-        ) from None
     if first is None:
         return
     if spec.field not in first:
@@ -169,3 +177,9 @@ def _hf_texts(spec: DataSpec) -> Iterator[str]:
                 f"{type(value).__name__}: drop --stream"
             )
         yield value.strip()
+
+
+def _rows(chunk: dict[str, list[object]]) -> Iterator[dict[str, object]]:
+    """A column chunk (``Dataset.iter``) as records."""
+    names = list(chunk)
+    return (dict(zip(names, values, strict=True)) for values in zip(*chunk.values(), strict=True))
