@@ -122,10 +122,15 @@ def _tokenizer(value: object, _base: Path | None = None) -> str | None:
     return text
 
 
-def _exact(value: Any, _base: Path | None) -> bool:
-    if not isinstance(value, bool):
-        raise IsotuiError(f"exact must be true or false (got {value!r})")
-    return value
+def _switch(name: str) -> Parse:
+    """The parse of an on/off option ``name`` (a TOML or API value must be a bool)."""
+
+    def parse(value: Any, _base: Path | None) -> bool:
+        if not isinstance(value, bool):
+            raise IsotuiError(f"{name} must be true or false (got {value!r})")
+        return value
+
+    return parse
 
 
 SHARD_FORM = "I/K, the I-th of K slices counted from 0 as $SLURM_ARRAY_TASK_ID is (0/4 to 3/4 of 4)"
@@ -298,10 +303,21 @@ class RunSpec:
         help="a second pass over the data: avg_cos_centered, I(W), all-but-the-top and "
         "standardised avg_cos over every vector rather than the reservoir (about twice the time)",
         toml=(bool,),
-        parse=_exact,
+        parse=_switch("exact"),
         switch=True,
         applies_to=LAYER_RUNS,
         label="exact (2nd pass)",
+    )
+    # read a text corpus as a stream (window by window) rather than whole: flat memory
+    stream: bool = _option(
+        default=False,
+        help="read text, JSONL and hf: text data as a stream, tokenised and length-sorted in "
+        "windows of 4096 samples, so memory does not grow with the corpus (automatic for a text or "
+        "JSONL file over 256 MiB)",
+        toml=(bool,),
+        parse=_switch("stream"),
+        switch=True,
+        label="stream",
     )
     # one of K disjoint slices of the samples, its partial state cached to merge with the others
     shard: tuple[int, int] | None = _option(

@@ -40,6 +40,7 @@ SAMPLES = {
     "map_units": ("position", '"position"', "position"),
     "reservoir": ("50", "50", 50),
     "exact": (None, "true", True),
+    "stream": (None, "true", True),
     "shard": ("1/4", '"1/4"', (1, 4)),
 }
 # The CSV header of ``isotui run --csv``, as it has been since the standard errors were added.

@@ -39,7 +39,7 @@ NOUN = {"text": "text", "image": "images", "audio": "audio"}
 HASH_ROWS = 64  # rows read at once while hashing a media column
 
 
-def _datasets(spec: DataSpec) -> Any:
+def require_datasets(spec: DataSpec) -> Any:
     try:
         import datasets
     except ImportError:
@@ -74,7 +74,7 @@ def saved_folder(name: str) -> bool:
 
 def open_split(spec: DataSpec) -> Any:
     """The ``datasets.Dataset`` of ``spec``'s (sliced) split; one sentence if it cannot be had."""
-    datasets = _datasets(spec)
+    datasets = require_datasets(spec)
     try:
         with _quiet(datasets):
             if saved_folder(spec.name):
@@ -133,7 +133,7 @@ def _type_name(feature: Any) -> str:
 def pick_column(spec: DataSpec, ds: Any) -> tuple[str, str]:
     """(field, kind) of the column ``spec`` measures: the one named, else the one image or audio
     column, else ``text``, else the one string column; one sentence when that does not decide."""
-    datasets = _datasets(spec)
+    datasets = require_datasets(spec)
     features = dict(ds.features)
     kinds = {name: _kind(datasets, f) for name, f in features.items()}
     listing = ", ".join(f"{n} ({kinds[n] or _type_name(f)})" for n, f in features.items())

@@ -226,16 +226,24 @@ def load_samples(
         for i in cut:
             samples[i] = samples[i][:cap]
         if cut:
-            samples.notes.append(
-                f"{len(cut)} sample(s) longer than {cap:,} characters ({LINE_CHARS_PER_TOKEN} per token "
-                "of the length limit) were cut while reading"
-            )
+            samples.notes.append(cut_note(len(cut), cap))
     return samples
+
+
+def cut_note(count: int, cap: int) -> str:
+    """What the table says when ``count`` samples were cut at ``cap`` characters while reading."""
+    return (
+        f"{count} sample(s) longer than {cap:,} characters ({LINE_CHARS_PER_TOKEN} per token "
+        "of the length limit) were cut while reading"
+    )
 
 
 def fingerprint(samples: Sequence[str], spec: DataSpec | None = None) -> str:
     """A hash of exactly the samples that are measured: texts, or media files' contents (a
     renamed folder with the same files is the same data), or the synthetic generator's version."""
+    digest = getattr(samples, "digest", None)  # a streamed corpus hashed itself while read
+    if isinstance(digest, str):
+        return digest
     h = hashlib.sha256()
     if hasattr(samples, "fingerprint"):  # an hf: image or audio column: its rows' encoded bytes
         return str(samples.fingerprint())
@@ -315,26 +323,32 @@ def _read_lines(path: Path, what: str) -> list[str]:
 def _read_jsonl(path: Path, field: str, max_samples: int | None) -> list[str]:
     out: list[str] = []
     for lineno, line in enumerate(_read_text(path, f"data file {path}").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            raise IsotuiError(f"data file {path} line {lineno} is not valid JSON") from None
-        if not isinstance(record, dict) or field not in record:
-            have = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
-            raise IsotuiError(
-                f"data file {path} line {lineno} has no field {field!r} (it has: {have}); "
-                f"name the field as jsonl:{path}:FIELD"
-            )
-        value = record[field]
-        if not isinstance(value, str):
-            raise IsotuiError(f"data file {path} line {lineno}: field {field!r} is not a string")
-        if value.strip():
-            out.append(value.strip())
+        value = jsonl_value(path, field, lineno, line)
+        if value:
+            out.append(value)
             if max_samples is not None and len(out) >= max_samples:
                 break
     return out
+
+
+def jsonl_value(path: Path, field: str, lineno: int, line: str) -> str:
+    """The stripped text of ``field`` on one JSONL line ("" for a blank line or value)."""
+    if not line.strip():
+        return ""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        raise IsotuiError(f"data file {path} line {lineno} is not valid JSON") from None
+    if not isinstance(record, dict) or field not in record:
+        have = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+        raise IsotuiError(
+            f"data file {path} line {lineno} has no field {field!r} (it has: {have}); "
+            f"name the field as jsonl:{path}:FIELD"
+        )
+    value = record[field]
+    if not isinstance(value, str):
+        raise IsotuiError(f"data file {path} line {lineno}: field {field!r} is not a string")
+    return value.strip()
 
 
 def _read_hf(spec: DataSpec, max_samples: int | None) -> list[str]:

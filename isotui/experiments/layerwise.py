@@ -17,7 +17,8 @@ from isotui import __version__
 from isotui.core.accumulator import LayerStats
 from isotui.core.correlation import drift_correlation
 from isotui.core.null import null_cos_quantile
-from isotui.data.sources import fingerprint, load_samples
+from isotui.data.sources import fingerprint
+from isotui.data.stream import open_samples
 from isotui.extract.device import needs_device_for_dtype, resolve_device, resolve_dtype
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
@@ -65,12 +66,13 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
     the device. Entries written before the max length was resolved hashed the requested one
     (None for a default run); that key is kept in ``legacy_keys`` and still read.
     ``cache``: where local weights' content digests are remembered (None: hash them anew).
+    A streamed corpus (``--stream``) is read once here to hash it, so its key is the plain run's.
     """
     from isotui.models.limits import declared_default_length
 
     ref = parse_model(spec.model)
     model_fp = ref.fingerprint(cache.root if cache is not None else None)
-    samples = load_samples(spec.data, spec.max_samples, spec.max_length)
+    samples = open_samples(spec.data, spec.max_samples, spec.max_length, stream=spec.stream)
     data_fp = fingerprint(samples, spec.data)
     declared = ref.declared_dtype()
     device = None

@@ -32,6 +32,7 @@ from isotui.extract.heap import TRIM_EVERY, release_free_memory
 from isotui.extract.inputs import Fed, make_feeder
 from isotui.extract.planning import TOKEN_BUDGET, BatchPlan, ExtractOptions, selected_ids
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
+from isotui.extract.streaming import is_stream, stream_plan
 from isotui.models.loading import LoadedModel
 
 
@@ -140,7 +141,20 @@ class BatchLoop:
 
     def prepare(self, samples: Sequence[str], modality: str, max_length: int) -> None:
         """Tokenise (or read) the corpus and plan its batches; samples outside the shard of
-        ``opts.sample_ids`` are read too (they set corpus-level choices) but never run."""
+        ``opts.sample_ids`` are read too (they set corpus-level choices) but never run. A
+        streamed corpus is tokenised window by window as the batches go (extract/streaming.py)."""
+        budget = TOKEN_BUDGET.get(self.device.split(":")[0], TOKEN_BUDGET["cpu"])
+        if is_stream(samples):
+            self._feeder, self._plan = stream_plan(
+                self.loaded,
+                samples,
+                max_length,
+                self.accepts,
+                self.opts.sample_ids,
+                batch_size=self.opts.batch_size,
+                token_budget=budget,
+            )
+            return
         self._feeder = make_feeder(self.loaded, samples, modality, max_length, self.accepts)
         lengths = self._feeder.lengths
         self._plan = BatchPlan(
@@ -148,7 +162,7 @@ class BatchLoop:
             selected_ids(len(lengths), self.opts.sample_ids),
             same_key=getattr(self._feeder, "same_length_key", None),
             batch_size=self.opts.batch_size,
-            token_budget=TOKEN_BUDGET.get(self.device.split(":")[0], TOKEN_BUDGET["cpu"]),
+            token_budget=budget,
         )
 
     @property

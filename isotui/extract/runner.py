@@ -68,25 +68,41 @@ class Extraction:
         return [s for stats in self.components.values() for s in stats]
 
 
-def _frequent_types(ids: np.ndarray, kept: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """token id -> slot 0, 1, ... for the types seen in at least two samples, most frequent
-    first (ties: smaller id); -1 for the others (Ethayarajh's self-similarity needs contexts)."""
+def _type_counts(ids: np.ndarray, kept: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(kept tokens per id, samples with a kept token of that id) of one corpus or window:
+    windows' counts add up to the corpus's (:func:`_add`)."""
     sample = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))[kept]
     kid = ids[kept]
     size = int(kid.max()) + 1 if len(kid) else 1
     counts = np.bincount(kid, minlength=size)
     pairs = np.unique(kid.astype(np.int64) * (len(offsets)) + sample)
     contexts = np.bincount(pairs // len(offsets), minlength=size)
+    return counts, contexts
+
+
+def _frequent_types(counts: np.ndarray, contexts: np.ndarray) -> np.ndarray:
+    """token id -> slot 0, 1, ... for the types seen in at least two samples, most frequent
+    first (ties: smaller id); -1 for the others (Ethayarajh's self-similarity needs contexts)."""
     eligible = np.flatnonzero(contexts >= 2)
     order = eligible[np.lexsort((eligible, -counts[eligible]))]
-    slots = np.full(size, -1, dtype=np.int64)
+    slots = np.full(len(counts), -1, dtype=np.int64)
     slots[order] = np.arange(len(order))
     return slots
 
 
-def _inverse_counts(ids: np.ndarray) -> np.ndarray:
-    """id -> 1 / count of that id in ``ids`` (0 for ids that never occur)."""
-    counts = np.bincount(ids).astype(np.float64) if len(ids) else np.zeros(1)
+def _add(total: np.ndarray | None, part: np.ndarray) -> np.ndarray:
+    """``total + part`` for count arrays of different lengths (the longer one's length)."""
+    if total is None:
+        return part.astype(np.int64)
+    if len(part) > len(total):
+        total, part = part.astype(np.int64), total
+    total[: len(part)] += part
+    return total
+
+
+def _inverse_counts(counts: np.ndarray | None) -> np.ndarray:
+    """id -> 1 / count of that id (0 for ids that never occur)."""
+    counts = np.zeros(1) if counts is None else counts.astype(np.float64)
     with np.errstate(divide="ignore"):
         return np.where(counts > 0, 1.0 / counts, 0.0)
 
@@ -138,25 +154,38 @@ class LayerStream:
     def _type_weights(self) -> dict[str, np.ndarray]:
         """Per component, token id -> 1 / (how many kept tokens of the corpus have that id): the
         weights of the type-uniform view. Text only; the decoder of an encoder-decoder sees the
-        text shifted right (a start token, then every token but the last)."""
+        text shifted right (a start token, then every token but the last). A streamed corpus is
+        counted window by window (a tokenising pass of its own), to the same tables."""
         feeder = self.loop.feeder
         tokens = getattr(feeder, "tokens", None)
-        if tokens is None or not len(tokens.ids):
+        if tokens is None:
             return {}
+        windows = feeder.token_windows() if hasattr(feeder, "token_windows") else iter([tokens])
         include = self.opts.special_tokens == "include"
-        ids = tokens.ids.astype(np.int64)
-        kept = np.ones(len(ids), bool) if include else ~tokens.special
-        tables = {"model": _inverse_counts(ids[kept])}
-        self.tracked = _frequent_types(ids, kept, tokens.offsets)
-        if getattr(feeder, "enc_dec", False):
-            last = np.zeros(len(ids), bool)
-            last[tokens.offsets[1:] - 1] = True
-            dec = ids[kept & ~last]
-            if include:  # the start token is special: counted only when specials are
-                config = self.model.config
-                start = getattr(config, "decoder_start_token_id", None)
-                start = start if isinstance(start, int) else (config.pad_token_id or 0)
-                dec = np.concatenate([dec, np.full(len(tokens.offsets) - 1, start)])
+        enc_dec = getattr(feeder, "enc_dec", False)
+        model = contexts = dec = None
+        for window in windows:
+            if not len(window.ids):
+                continue
+            ids = window.ids.astype(np.int64)
+            kept = np.ones(len(ids), bool) if include else ~window.special
+            counts, seen = _type_counts(ids, kept, window.offsets)
+            model, contexts = _add(model, counts), _add(contexts, seen)
+            if enc_dec:
+                last = np.zeros(len(ids), bool)
+                last[window.offsets[1:] - 1] = True
+                shifted = ids[kept & ~last]
+                if include:  # the start token is special: counted only when specials are
+                    config = self.model.config
+                    start = getattr(config, "decoder_start_token_id", None)
+                    start = start if isinstance(start, int) else (config.pad_token_id or 0)
+                    shifted = np.concatenate([shifted, np.full(len(window.offsets) - 1, start)])
+                dec = _add(dec, np.bincount(shifted) if len(shifted) else np.zeros(1, np.int64))
+        if model is None or contexts is None:
+            return {}
+        tables = {"model": _inverse_counts(model)}
+        self.tracked = _frequent_types(model, contexts)
+        if enc_dec:
             tables = {"encoder": tables["model"], "decoder": _inverse_counts(dec)}
         return tables
 
@@ -414,7 +443,7 @@ def _stream(
     loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
     stream = LayerStream(loop)
     max_length = effective_max_length(loaded, opts, model_name, on_progress)
-    total = len(selected_ids(len(samples), opts.sample_ids))
+    total = len(samples) if opts.sample_ids is None else len(selected_ids(len(samples), opts.sample_ids))
     start = time.perf_counter()
     unit = "tokenising" if modality == "text" else "reading"
     on_progress(
