@@ -320,6 +320,7 @@ def test_row_counts_and_split_slices_parse():
 
 def test_bad_hf_input_is_one_sentence_naming_the_spec(models, hf_data):
     from isotui.data.sources import check_source, parse_data
+    from isotui.data.stream import StreamedSamples
 
     def fails(data, says, model=models["vit"]):
         with pytest.raises(IsotuiError, match=re.escape(says)) as info:
@@ -347,6 +348,8 @@ def test_bad_hf_input_is_one_sentence_naming_the_spec(models, hf_data):
     fails(f"hf:{hf_data}/images_dict:validation:image", "the model takes text but the data", model="minilm")
     import datasets
 
+    with pytest.raises(IsotuiError, match=r"--stream reads text columns; column 'image' of .* is image"):
+        list(StreamedSamples(parse_data(f"hf:{hf_data}/images_dict:validation"), None, None))
     broken = datasets.Dataset.from_dict({"image": [{"bytes": b"not an image", "path": "x.png"}]})
     broken.cast_column("image", datasets.Image()).save_to_disk(str(hf_data / "broken"))
     fails(f"hf:{hf_data}/broken:train", f"image hf:{hf_data}/broken:train#0 cannot be read as an image")

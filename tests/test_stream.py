@@ -153,7 +153,7 @@ def test_a_stream_is_the_plain_samples_and_fingerprint(tmp_path, monkeypatch):
     ("data", "said"),
     [
         ("synthetic:images", "--stream reads text, JSONL and hf: text sources, not synthetic:images"),
-        ("hf:{tmp}/hfdata:train:n", "--stream reads text columns; column 'n'"),
+        ("hf:{tmp}/hfdata:train:n", "column 'n' is int64, not text"),  # said before any stream is read
     ],
 )
 def test_a_source_that_cannot_stream_is_one_sentence_and_exit_2(tmp_path, capsys, data, said):
