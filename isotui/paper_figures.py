@@ -502,14 +502,30 @@ def _dynamics_figures() -> list[PaperFigure]:
     return sorted(out, key=lambda f: int(f.name.removeprefix("godey2024-fig")))
 
 
+def _order(name: str) -> tuple[int, int, str]:
+    """--list order: Godey et al. by figure number, then the others by name."""
+    number = name.removeprefix("godey2024-fig")
+    return (0, int(number), "") if number.isdigit() else (1, 0, name)
+
+
 FIGURES: dict[str, PaperFigure] = {
     f.name: f
     for f in (
         PaperFigure(
             "godey2024-fig1",
-            "Godey et al. 2024 Figs. 1-4: layer-wise avg cos per model, the isotropic null (--depth)",
+            "Godey et al. 2024 Fig. 1: layer-wise avg cos per model, the isotropic null (--depth)",
             "layers",
             draw_layers,
+        ),
+        *(
+            PaperFigure(
+                f"godey2024-fig{n}", f"Godey et al. 2024 Fig. {n}: as fig1, {what}", "layers", draw_layers
+            )
+            for n, what in (
+                (2, "for character and byte models (preset godey2024_fig2_characters)"),
+                (3, "for vision and speech Transformers (presets godey2024_fig3_vision, _speech)"),
+                (4, "for convolutional networks (preset godey2024_fig4_cnn)"),
+            )
         ),
         PaperFigure(
             "godey2024-fig5",
@@ -592,6 +608,7 @@ FIGURES: dict[str, PaperFigure] = {
         *_dynamics_figures(),
     )
 }
+FIGURES = dict(sorted(FIGURES.items(), key=lambda item: _order(item[0])))
 
 
 def find(name: str) -> PaperFigure:

@@ -47,7 +47,8 @@ def isotropic_density(c: np.ndarray, d: int) -> np.ndarray:
 def test_list_names_every_figure(capsys):
     assert main(["figure", "--list"]) == 0
     out = capsys.readouterr().out
-    names = ["godey2024-fig1", "godey2024-fig5", "godey2024-fig6", "godey2024-fig17", "godey2024-fig18"]
+    names = [f"godey2024-fig{n}" for n in range(1, 11)] + ["godey2024-fig16"]
+    names += ["godey2024-fig1", "godey2024-fig5", "godey2024-fig6", "godey2024-fig17", "godey2024-fig18"]
     names += [f"godey2024-fig{n}" for n in (11, 12, 13, 14, 15, 19, 20, 21, 22, 23)]
     names += ["machina2024-heatmap", "machina2024-curves"]
     assert all(name in out for name in names)
@@ -75,6 +76,25 @@ def test_fig1_csv_is_the_runs_avg_cos_and_json_has_keys(tiny_models, data, tmp_p
     xs = [float(r["x"]) for r in read_csv(depth.with_suffix(".csv")) if r["model"] == bert]
     n = len(results[0]["rows"])
     assert xs == pytest.approx([i / (n - 1) for i in range(n)])
+
+
+def test_figs_2_to_4_draw_fig1s_layout_for_their_models(tmp_path):
+    """Figs. 2-4 are Fig. 1's layout for other models (here a vision Transformer on images, as
+    Fig. 3): the CSV is the layer run's avg_cos, and --list names them in figure order."""
+    vit = (
+        "random:vit:hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64,"
+        "image_size=32,patch_size=8"
+    )
+    run = ["-m", vit, "--data", "synthetic:images", "--max-samples", "6"]
+    out = tmp_path / "fig3.png"
+    assert main(["figure", "godey2024-fig3", *run, "--out", str(out), "-q", "--dpi", "50"]) == 0
+    results = layer_results(run, tmp_path)
+    rows = read_csv(out.with_suffix(".csv"))
+    assert [float(r["avg_cos"]) for r in rows] == [row["avg_cos"] for row in results[0]["rows"]]
+    from isotui.paper_figures import FIGURES
+
+    godey = [int(n.removeprefix("godey2024-fig")) for n in FIGURES if n.startswith("godey2024-fig")]
+    assert godey == sorted(godey) and godey[:5] == [1, 2, 3, 4, 5]
 
 
 def test_fig1_concatenates_encoder_and_decoder(tmp_path):

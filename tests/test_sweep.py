@@ -106,7 +106,9 @@ def _toml(value: object) -> str:
 
 
 def _assert_same_csv(plain: list[dict[str, str]], swept: list[dict[str, str]]) -> None:
-    """Same rows and columns; text and counts exactly, numbers to 1e-6 relative."""
+    """Same rows and columns; text and counts exactly, numbers to 1e-6 relative (standard errors
+    to 1e-4: the jackknife over held exact directions moves with the float32 rounding of another
+    batching, about 1e-6 relative, which a standard error's own precision does not resolve)."""
     assert [list(r) for r in plain] == [list(r) for r in swept]
     for a, b in zip(plain, swept, strict=True):
         for k, x in a.items():
@@ -121,7 +123,8 @@ def _assert_same_csv(plain: list[dict[str, str]], swept: list[dict[str, str]]) -
             if x.lstrip("-").isdigit() or math.isnan(fx):
                 assert x == y, (k, x, y)
             else:
-                assert fy == pytest.approx(fx, rel=1e-6, abs=1e-9), (a["model"], a["layer"], k)
+                rel = 1e-4 if k.endswith("_se") else 1e-6
+                assert fy == pytest.approx(fx, rel=rel, abs=1e-9), (a["model"], a["layer"], k)
 
 
 class KillOnce:
