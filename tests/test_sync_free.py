@@ -120,3 +120,36 @@ def test_no_host_sync_after_the_first_batch(tmp_path, monkeypatch, syncs, reserv
     assert calls[0] >= 4, "the test needs several batches"
     assert result.rows and all(r.n_vectors > 0 for r in result.rows)
     assert dict(counts) == {}
+
+
+def test_sync_free_reservoir_and_counts_match_numpy():
+    """The fixed-size reservoir writes keep exactly the K smallest keys of every vector seen (and
+    their vectors); the device counts equal numpy's, with zero vectors and an empty sample."""
+    import numpy as np
+    import torch
+
+    from isotui.core.accumulator import LayerAccumulator, sample_keys
+
+    rng = np.random.default_rng(3)
+    d, k, b = 8, 25, 4
+    acc = LayerAccumulator(d, torch.device("cpu"), full_cov=False, reservoir=k)
+    xs, all_keys, n, pairs = [], [], 0, 0
+    for batch in range(7):
+        m = 20
+        ids = np.sort(rng.integers(0, b - (batch == 2), m))  # batch 2: its last sample is empty
+        x = rng.normal(size=(m, d)).astype(np.float32)
+        x[rng.random(m) < 0.2] = 0.0
+        keys = sample_keys(0, torch.from_numpy(ids + b * batch), torch.arange(m))
+        acc.commit(acc.partial(torch.from_numpy(x), torch.from_numpy(ids), keys, None, None, b))
+        live = np.linalg.norm(x, axis=1) > 0
+        per = np.bincount(ids[live], minlength=b)
+        n, pairs = n + int(live.sum()), pairs + int((per * (per - 1)).sum())
+        xs.append(x)
+        all_keys.append(keys.numpy())
+    x_all, keys_all = np.concatenate(xs), np.concatenate(all_keys)
+    smallest = np.argsort(keys_all)[:k]
+    assert acc.res is not None and acc.res_keys is not None
+    order = np.argsort(acc.res_keys.numpy())
+    np.testing.assert_array_equal(acc.res_keys.numpy()[order], keys_all[smallest])
+    np.testing.assert_array_equal(acc.res.numpy()[order], x_all[smallest])
+    assert (acc.n, acc.n_all, acc.pairs_within) == (n, len(x_all), pairs)
