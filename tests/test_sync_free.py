@@ -124,7 +124,8 @@ def test_no_host_sync_after_the_first_batch(tmp_path, monkeypatch, syncs, reserv
 
 def test_sync_free_reservoir_and_counts_match_numpy():
     """The fixed-size reservoir writes keep exactly the K smallest keys of every vector seen (and
-    their vectors); the device counts equal numpy's, with zero vectors and an empty sample."""
+    their vectors), when some, more than K or none enter; the device counts equal numpy's, with
+    zero vectors and an empty sample."""
     import numpy as np
     import torch
 
@@ -134,12 +135,14 @@ def test_sync_free_reservoir_and_counts_match_numpy():
     d, k, b = 8, 25, 4
     acc = LayerAccumulator(d, torch.device("cpu"), full_cov=False, reservoir=k)
     xs, all_keys, n, pairs = [], [], 0, 0
-    for batch in range(7):
-        m = 20
+    for batch in range(8):
+        m = 40 if batch == 4 else 20  # batch 4: more vectors than the reservoir holds
         ids = np.sort(rng.integers(0, b - (batch == 2), m))  # batch 2: its last sample is empty
         x = rng.normal(size=(m, d)).astype(np.float32)
         x[rng.random(m) < 0.2] = 0.0
         keys = sample_keys(0, torch.from_numpy(ids + b * batch), torch.arange(m))
+        if batch == 7:  # no key small enough: nothing enters
+            keys = torch.full((m,), 1.0 - 1e-12, dtype=torch.float64)
         acc.commit(acc.partial(torch.from_numpy(x), torch.from_numpy(ids), keys, None, None, b))
         live = np.linalg.norm(x, axis=1) > 0
         per = np.bincount(ids[live], minlength=b)

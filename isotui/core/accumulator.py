@@ -337,9 +337,9 @@ class LayerAccumulator:
         """The reservoir update for a batch: the K smallest keys seen so far win.
 
         While filling, returns the new (vectors, keys); once full, a fixed number of slot writes
-        (slots, vectors, keys): evicted slots in ascending order get the entering vectors in
-        batch order, and the remaining writes put a slot's own vector back, so that no count is
-        read on the host and a batch copies at most min(K, m) vectors, not the reservoir.
+        (slots, vectors, keys), min(K, m): evicted slots in ascending order get the entering
+        vectors in batch order and the other writes repeat the first, so that no count is read on
+        the host and a batch copies at most m vectors, never the whole reservoir.
         """
         import torch
 
@@ -363,10 +363,16 @@ class LayerAccumulator:
         # first; the first e of each pair up, e = how many enter (never read)
         slots = torch.sort(kept[:k].to(torch.int8), stable=True).indices[:writes]
         units = torch.sort((~kept[k:]).to(torch.int8), stable=True).indices[:writes]
-        enters = ~kept[slots]  # the first e writes
-        vecs = torch.where(enters[:, None], x32[units], self.res[slots])
-        new_keys = torch.where(enters, keys[units], self.res_keys[slots])
-        return ("update", slots, vecs, new_keys)
+        # writes past the first e repeat the first write (the same slot, the same vector: the
+        # result does not depend on which duplicate lands); when none enters, the first write
+        # puts its slot's own vector back
+        enters = ~kept[slots]
+        slots = torch.where(enters, slots, slots[:1])
+        units = torch.where(enters, units, units[:1])
+        first = torch.where(enters[:1, None], x32[units[:1]], self.res[slots[:1]])
+        first_key = torch.where(enters[:1], keys[units[:1]], self.res_keys[slots[:1]])
+        vecs = torch.where(enters[:, None], x32[units], first)
+        return ("update", slots, vecs, torch.where(enters, keys[units], first_key))
 
     def commit(self, p: Sums) -> None:
         """Add a batch's :meth:`partial` into the running state (no large allocations)."""
