@@ -144,9 +144,11 @@ class LayerAccumulator:
         self.device = device
         self.full_cov = full_cov
         self.reservoir_size = reservoir
-        self.n = 0  # non-zero vectors (those with a direction)
+        # counts that depend on the data stay on the device while batches stream (reading one
+        # would wait for the device): see the properties below
+        self._n = torch.zeros((), dtype=torch.int64, device=device)  # vectors with a direction
         self.n_all = 0
-        self.pairs_within = 0  # sum over samples of n_s (n_s - 1)
+        self._pairs_within = torch.zeros((), dtype=torch.int64, device=device)  # sum_s n_s (n_s - 1)
         self.sum_u = torch.zeros(dim, dtype=f64, device=device)
         self.sum_u2 = torch.zeros(dim, dtype=f64, device=device)
         self.sum_x = torch.zeros(dim, dtype=f64, device=device)
@@ -161,7 +163,7 @@ class LayerAccumulator:
         self.sum_w_all = torch.zeros((), dtype=f64, device=device)
         # intra-sentence similarity: sum over samples of mean_i cos(x_i, sample mean), and count
         self.intra = torch.zeros((), dtype=f64, device=device)
-        self.n_sentences = 0
+        self._n_sentences = torch.zeros((), dtype=torch.int64, device=device)
         # self-similarity of ``types`` tracked token types: unit-vector sums per type, and the
         # same-sample parts to take out (sum_s ||S_ts||^2 and sum_s n_ts^2)
         self.types = types
@@ -181,6 +183,33 @@ class LayerAccumulator:
         self.res: torch.Tensor | None = None
         self.res_keys: torch.Tensor | None = None
 
+    @property
+    def n(self) -> int:
+        """Vectors with a direction (non-zero); read on the host (a device sync), once at the end."""
+        return int(self._n)
+
+    @n.setter
+    def n(self, value: int) -> None:
+        self._n.fill_(value)
+
+    @property
+    def pairs_within(self) -> int:
+        """Ordered pairs of distinct vectors from the same sample: sum over samples of n_s (n_s - 1)."""
+        return int(self._pairs_within)
+
+    @pairs_within.setter
+    def pairs_within(self, value: int) -> None:
+        self._pairs_within.fill_(value)
+
+    @property
+    def n_sentences(self) -> int:
+        """Samples with an intra-sentence similarity (a vector and a non-zero mean)."""
+        return int(self._n_sentences)
+
+    @n_sentences.setter
+    def n_sentences(self, value: int) -> None:
+        self._n_sentences.fill_(value)
+
     def partial(
         self,
         x: torch.Tensor,
@@ -188,10 +217,15 @@ class LayerAccumulator:
         keys: torch.Tensor,
         weights: torch.Tensor | None = None,
         type_index: torch.Tensor | None = None,
+        n_samples: int | None = None,
     ) -> Sums:
         """Statistics of one batch of vectors ``x`` (m x d) from samples ``sample_ids`` (0..B-1);
         when the units are tokens, ``weights`` (m, float64) are their type-uniform weights and
-        ``type_index`` (m, int64) their tracked type (-1: not tracked) for self-similarity."""
+        ``type_index`` (m, int64) their tracked type (-1: not tracked) for self-similarity.
+
+        Nothing here reads a device value on the host when ``n_samples`` (B) is given: zero
+        vectors are masked (their unit vector is 0 and their weight counts for nothing), never
+        dropped, so every size is known from the shapes (issue 15: a GPU never waits)."""
         import torch
 
         # MPS has no float64: there the accumulators live on the CPU (see LayerAccumulator).
@@ -199,17 +233,18 @@ class LayerAccumulator:
         sample_ids, keys = sample_ids.to(self.device), keys.to(self.device)
         norms = torch.linalg.vector_norm(x64, dim=1)
         nonzero = norms > 0
-        n_nonzero = int(nonzero.sum())
-        u = x64[nonzero] / norms[nonzero, None] if n_nonzero < len(norms) else x64 / norms[:, None]
-        ids = sample_ids[nonzero] if n_nonzero < len(norms) else sample_ids
-        n_samples = int(sample_ids.max()) + 1 if len(sample_ids) else 0
+        u = x64 / torch.where(nonzero, norms, 1.0)[:, None]  # a zero vector's row stays 0
+        ids = sample_ids
+        if n_samples is None:  # callers that do not know B: one read of the largest id
+            n_samples = int(sample_ids.max()) + 1 if len(sample_ids) else 0
         per_sample = torch.zeros((n_samples, self.dim), dtype=torch.float64, device=self.device)
         per_sample.index_add_(0, ids, u)
-        counts = torch.bincount(ids, minlength=n_samples).to(torch.float64)
+        counts = torch.zeros(n_samples, dtype=torch.int64, device=self.device)
+        counts.index_add_(0, ids, nonzero.to(torch.int64))
         out = {
-            "n": n_nonzero,
+            "n": nonzero.sum(),
             "n_all": len(norms),
-            "pairs_within": int((counts * (counts - 1)).sum()),
+            "pairs_within": (counts * (counts - 1)).sum(),
             "sum_u": u.sum(0),
             "sum_u2": (u * u).sum(0),
             "sum_x": x64.sum(0),
@@ -227,11 +262,11 @@ class LayerAccumulator:
             xs = xs64.to(_gram_dtype(x64))
             out["gram"] = (xs.T @ xs).to(torch.float64)
         if weights is not None:
-            out |= self._sentences(x64, norms, nonzero, u, ids, per_sample, n_samples)
+            out |= self._sentences(x64, ids, per_sample, counts.to(torch.float64))
             if type_index is not None and self.types:
-                out |= self._type_sums(u, ids, type_index.to(self.device)[nonzero], n_samples)
+                out |= self._type_sums(u, ids, type_index.to(self.device), nonzero)
             w = weights.to(self.device).to(torch.float64)
-            wn = w[nonzero] if n_nonzero < len(norms) else w
+            wn = torch.where(nonzero, w, 0.0)
             out |= {  # weighted sums as matrix-vector products: no m x d temporaries
                 "sum_wu": wn @ u,
                 "sum_wx": w @ x64,
@@ -243,49 +278,50 @@ class LayerAccumulator:
         return out
 
     def _sentences(
-        self,
-        x64: torch.Tensor,
-        norms: torch.Tensor,
-        nonzero: torch.Tensor,
-        u: torch.Tensor,
-        ids: torch.Tensor,
-        per_sample: torch.Tensor,
-        n_samples: int,
+        self, x64: torch.Tensor, ids: torch.Tensor, per_sample: torch.Tensor, n_s: torch.Tensor
     ) -> Sums:
         """Intra-sentence similarity (Ethayarajh 2019): per sample, the mean cosine between its
-        vectors and its mean vector, summed over the batch's samples that have vectors."""
+        vectors and its mean vector, summed over the batch's samples that have vectors (``n_s``:
+        each sample's vectors with a direction; zero vectors add nothing to its sums)."""
         import torch
 
-        sum_x = torch.zeros((n_samples, self.dim), dtype=torch.float64, device=self.device)
-        sum_x.index_add_(0, ids, x64[nonzero] if len(ids) < len(x64) else x64)
-        n_s = torch.bincount(ids, minlength=n_samples).to(torch.float64)
+        sum_x = torch.zeros_like(per_sample).index_add_(0, ids, x64)
         bar_norm = torch.linalg.vector_norm(sum_x, dim=1)
         live = (n_s > 0) & (bar_norm > 0)
-        cos = (per_sample[live] * sum_x[live]).sum(1) / (n_s[live] * bar_norm[live])
-        return {"intra": cos.sum(), "n_sentences": int(live.sum())}
+        cos = (per_sample * sum_x).sum(1) / torch.where(live, n_s * bar_norm, 1.0)
+        return {"intra": torch.where(live, cos, 0.0).sum(), "n_sentences": live.sum()}
 
     def _type_sums(
-        self, u: torch.Tensor, ids: torch.Tensor, type_index: torch.Tensor, n_samples: int
+        self, u: torch.Tensor, ids: torch.Tensor, type_index: torch.Tensor, nonzero: torch.Tensor
     ) -> Sums:
-        """Per tracked type: sum of unit vectors, count, and the same-sample parts."""
+        """Per tracked type: sum of unit vectors, count, and the same-sample parts. Untracked
+        units (and zero vectors) go to a spare slot ``k`` that is dropped; the (sample, type)
+        groups are runs of the sorted keys, numbered 0..m-1 (no ``torch.unique``: its size is
+        read on the host)."""
         import torch
 
-        tracked = type_index >= 0
-        t, su, sid = type_index[tracked], u[tracked], ids[tracked]
-        k = self.types
-        type_u = torch.zeros((k, self.dim), dtype=torch.float64, device=self.device).index_add_(0, t, su)
-        type_n = torch.bincount(t, minlength=k).to(torch.float64)
-        pair, inverse = torch.unique(sid * k + t, return_inverse=True)
-        per = torch.zeros((len(pair), self.dim), dtype=torch.float64, device=self.device).index_add_(
-            0, inverse, su
-        )
-        per_n = torch.bincount(inverse, minlength=len(pair)).to(torch.float64)
-        owner = pair % k
-        within = torch.zeros(k, dtype=torch.float64, device=self.device).index_add_(
-            0, owner, (per * per).sum(1)
-        )
-        within_n = torch.zeros(k, dtype=torch.float64, device=self.device).index_add_(0, owner, per_n * per_n)
-        return {"type_u": type_u, "type_n": type_n, "type_within": within, "type_within_n": within_n}
+        k, m, f64 = self.types, len(u), torch.float64
+        tracked = (type_index >= 0) & nonzero
+        t = torch.where(tracked, type_index, k)
+        type_u = torch.zeros((k + 1, self.dim), dtype=f64, device=self.device).index_add_(0, t, u)
+        type_n = torch.zeros(k + 1, dtype=f64, device=self.device).index_add_(0, t, tracked.to(f64))
+        key = torch.where(tracked, ids * k + t, -1)
+        order = torch.sort(key, stable=True).indices
+        sorted_key = key[order]
+        starts = torch.ones(m, dtype=torch.int64, device=self.device)
+        starts[1:] = (sorted_key[1:] != sorted_key[:-1]).to(torch.int64)
+        group = torch.empty_like(order).scatter_(0, order, torch.cumsum(starts, 0) - 1)
+        per = torch.zeros((m, self.dim), dtype=f64, device=self.device).index_add_(0, group, u)
+        per_n = torch.zeros(m, dtype=f64, device=self.device).index_add_(0, group, tracked.to(f64))
+        owner = torch.full((m,), k, dtype=torch.int64, device=self.device).scatter_(0, group, t)
+        within = torch.zeros(k + 1, dtype=f64, device=self.device).index_add_(0, owner, (per * per).sum(1))
+        within_n = torch.zeros(k + 1, dtype=f64, device=self.device).index_add_(0, owner, per_n * per_n)
+        return {
+            "type_u": type_u[:k],
+            "type_n": type_n[:k],
+            "type_within": within[:k],
+            "type_within_n": within_n[:k],
+        }
 
     def _shift_for(self, x64: torch.Tensor) -> torch.Tensor:
         """The fixed shift of the second moment: the first batch's mean (zeros if it is empty)."""
@@ -300,8 +336,10 @@ class LayerAccumulator:
     def _merge_reservoir(self, x: torch.Tensor, keys: torch.Tensor) -> ReservoirChange:
         """The reservoir update for a batch: the K smallest keys seen so far win.
 
-        While filling, returns the new (vectors, keys); once full, only the slots that change
-        (slots, vectors, keys), so that a batch copies what enters rather than the reservoir.
+        While filling, returns the new (vectors, keys); once full, a fixed number of slot writes
+        (slots, vectors, keys), min(K, m): evicted slots in ascending order get the entering
+        vectors in batch order and the other writes repeat the first, so that no count is read on
+        the host and a batch copies at most m vectors, never the whole reservoir.
         """
         import torch
 
@@ -314,31 +352,42 @@ class LayerAccumulator:
                 keep = torch.topk(all_keys, k, largest=False).indices
                 vecs, all_keys = vecs[keep], all_keys[keep]
             return ("set", vecs, all_keys)
-        take = keys < self.res_keys.max()
-        if not bool(take.any()):
+        m = len(keys)
+        if m == 0:
             return ("none",)
-        cand, cand_keys = x32[take], keys[take]
-        keep = torch.topk(torch.cat([self.res_keys, cand_keys]), k, largest=False).indices
-        kept = torch.zeros(k + len(cand_keys), dtype=torch.bool, device=self.device)
+        keep = torch.topk(torch.cat([self.res_keys, keys]), k, largest=False).indices
+        kept = torch.zeros(k + m, dtype=torch.bool, device=self.device)
         kept[keep] = True
-        evicted = (~kept[:k]).nonzero().squeeze(1)
-        entering = kept[k:].nonzero().squeeze(1)
-        return ("update", evicted, cand[entering], cand_keys[entering])
+        writes = min(k, m)  # entering = evicted <= both
+        # stable sorts put the evicted slots (ascending) and the entering units (in batch order)
+        # first; the first e of each pair up, e = how many enter (never read)
+        slots = torch.sort(kept[:k].to(torch.int8), stable=True).indices[:writes]
+        units = torch.sort((~kept[k:]).to(torch.int8), stable=True).indices[:writes]
+        # writes past the first e repeat the first write (the same slot, the same vector: the
+        # result does not depend on which duplicate lands); when none enters, the first write
+        # puts its slot's own vector back
+        enters = ~kept[slots]
+        slots = torch.where(enters, slots, slots[:1])
+        units = torch.where(enters, units, units[:1])
+        first = torch.where(enters[:1, None], x32[units[:1]], self.res[slots[:1]])
+        first_key = torch.where(enters[:1], keys[units[:1]], self.res_keys[slots[:1]])
+        vecs = torch.where(enters[:, None], x32[units], first)
+        return ("update", slots, vecs, torch.where(enters, keys[units], first_key))
 
     def commit(self, p: Sums) -> None:
         """Add a batch's :meth:`partial` into the running state (no large allocations)."""
         import torch
 
-        self.n += p["n"]
+        self._n.add_(p["n"])
         self.n_all += p["n_all"]
-        self.pairs_within += p["pairs_within"]
+        self._pairs_within.add_(p["pairs_within"])
         for name in ("sum_u", "sum_u2", "sum_x", "sum_norm", "within"):
             getattr(self, name).add_(p[name])
         if "sum_wu" in p:
             self.weighted = True
             for name in ("sum_wu", "sum_wx", "sum_w", "sum_w2", "sum_w_all", "intra"):
                 getattr(self, name).add_(p[name])
-            self.n_sentences += p["n_sentences"]
+            self._n_sentences.add_(p["n_sentences"])
         if "type_u" in p:
             for name in ("type_u", "type_n", "type_within", "type_within_n"):
                 getattr(self, name).add_(p[name])
@@ -355,8 +404,8 @@ class LayerAccumulator:
         if change[0] == "set":
             self.res, self.res_keys = change[1], change[2]
         elif change[0] == "update" and self.res is not None and self.res_keys is not None:
-            self.res[change[1]] = change[2]
-            self.res_keys[change[1]] = change[3]
+            self.res.index_copy_(0, change[1], change[2])
+            self.res_keys.index_copy_(0, change[1], change[3])
 
     def finalize(self) -> LayerStats:
         """Turn the sums into metrics (see design.md for the exact definitions)."""

@@ -217,14 +217,24 @@ class LayerStream:
                 for acc, h in zip(targets[component], hidden, strict=True):
                     shape = (component, *h.shape[1:]) if h.ndim == 3 else (h.ndim, *h.shape[2:])
                     shape = (*shape, str(h.device), str(acc.device))
-                    if shape not in index:
+                    if shape not in index:  # from the host inputs, moved once per batch (issue 15)
                         flat, local, positions = self._index(fed, component, h)
-                        keys = sample_keys(self.opts.seed, ids[local], positions).to(acc.device)
+                        keys = sample_keys(self.opts.seed, ids[local], positions)
                         weights, types = self._weights(fed, component, h, flat)
-                        index[shape] = (flat, local.to(acc.device), keys, weights, types)
+                        index[shape] = tuple(
+                            None if t is None else t.to(dev)
+                            for t, dev in (
+                                (flat, h.device),
+                                (local, acc.device),
+                                (keys, acc.device),
+                                (weights, acc.device),
+                                (types, acc.device),
+                            )
+                        )
                     flat, local, keys, weights, types = index[shape]
                     vectors = self._vectors(h, flat)
-                    partials.append((acc, acc.partial(vectors, local, keys, weights, types)))
+                    # the batch's samples (B), positionally: ExactPass.partial takes it too
+                    partials.append((acc, acc.partial(vectors, local, keys, weights, types, h.shape[0])))
             for acc, p in partials:  # only now: all or nothing
                 acc.commit(p)
         self.metrics_s += time.perf_counter() - forwarded
@@ -232,7 +242,7 @@ class LayerStream:
 
     def _index(self, fed: Fed, component: str, h: Any) -> tuple[Any, Any, Any]:
         """Which units of a layer are kept (``flat`` rows of its sequence, None: all units), and
-        each unit's sample (0..B-1) and position."""
+        each unit's sample (0..B-1) and position; on the host, from the host's masks."""
         import torch
 
         b = h.shape[0]
@@ -243,8 +253,8 @@ class LayerStream:
             return None, torch.arange(b).repeat_interleave(hw), torch.arange(hw).repeat(b)
         width = h.shape[1]
         keep = self.loop.keep(fed, component, width)
-        flat = keep.flatten().nonzero().squeeze(1).to(h.device)
-        return flat, flat.cpu() // width, flat.cpu() % width
+        flat = keep.flatten().nonzero().squeeze(1)
+        return flat, flat // width, flat % width
 
     def _weights(self, fed: Fed, component: str, h: Any, flat: Any) -> tuple[Any, Any]:
         """Type-uniform weights and self-similarity slots of a token layer's kept units; (None,
@@ -257,7 +267,7 @@ class LayerStream:
         token_ids = fed.inputs.get(key)
         if table is None or token_ids is None or h.ndim != 3 or h.shape[1] != token_ids.shape[1]:
             return None, None
-        picked = token_ids.flatten()[flat.cpu()].numpy()
+        picked = token_ids.flatten()[flat].numpy()
         inside = picked < len(table)
         w = np.where(inside, table[np.minimum(picked, len(table) - 1)], 0.0)
         slots = None

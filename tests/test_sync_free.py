@@ -1,0 +1,158 @@
+"""The per-batch accumulation path reads nothing back from the device after the first batch
+(issue 15): on a GPU every ``.item()``, ``.cpu()``, boolean-mask index or ``torch.unique`` per
+layer per batch waits for the queue to drain. On the CPU the same calls are counted by wrapping
+them; only calls made from the per-batch device code (the accumulators, the stream's step) count,
+not the host-side preparation of the batch's inputs (masks, token ids: already on the host)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from isotui.experiments.layerwise import measure
+from isotui.spec import make_spec
+
+from .conftest import corpus
+
+TINY_GPT2 = "random:gpt2:n_layer=2,n_embd=64,n_head=4"
+
+# per-batch device code: every function of the accumulator module, and the stream's step
+_DEVICE_FILES = {"accumulator.py": None, "runner.py": {"__call__", "_vectors"}}
+
+# calls that read a device value on the host (explicitly, or implicitly through Python)
+_SYNC_METHODS = (
+    "item",
+    "cpu",
+    "tolist",
+    "numpy",
+    "nonzero",
+    "unique",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "__array__",
+)
+_SYNC_FUNCTIONS = ("unique", "nonzero", "masked_select", "argwhere")
+
+
+def _caller() -> tuple[str, str] | None:
+    """(file name, function) of the nearest isotui frame, when it is per-batch device code."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if f"{Path('isotui')}/" in path and "/tests/" not in path:
+            name = Path(path).name
+            if name not in _DEVICE_FILES:
+                return None
+            funcs = _DEVICE_FILES[name]
+            return (name, frame.f_code.co_name) if funcs is None or frame.f_code.co_name in funcs else None
+        frame = frame.f_back
+    return None
+
+
+def _has_bool_mask(index: object) -> bool:
+    import torch
+
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+@pytest.fixture
+def syncs(monkeypatch):
+    """A Counter of host reads from per-batch device code, counted only while ``armed[0]``."""
+    import torch
+
+    counts: Counter[str] = Counter()
+    armed = [False]
+
+    def wrap(owner, name, check=None):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            if armed[0] and (check is None or check(args)):
+                where = _caller()
+                if where is not None:
+                    counts[f"{name} in {where[0]}:{where[1]}"] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for name in _SYNC_METHODS:
+        wrap(torch.Tensor, name)
+    for name in _SYNC_FUNCTIONS:
+        wrap(torch, name)
+    # boolean-mask indexing: the result's size is the mask's count, read on the host
+    wrap(torch.Tensor, "__getitem__", lambda args: _has_bool_mask(args[1]))
+    wrap(torch.Tensor, "__setitem__", lambda args: _has_bool_mask(args[1]))
+    return counts, armed
+
+
+def _arm_after_first_batch(monkeypatch, armed: list[bool]) -> list[int]:
+    from isotui.extract.runner import LayerStream
+
+    original = LayerStream.__call__
+    calls = [0]
+
+    def step(self, batch):
+        calls[0] += 1
+        armed[0] = calls[0] >= 2
+        try:
+            return original(self, batch)
+        finally:
+            armed[0] = False
+
+    monkeypatch.setattr(LayerStream, "__call__", step)
+    return calls
+
+
+@pytest.mark.parametrize("reservoir", [16, 4096])  # 16: the reservoir fills, then updates
+def test_no_host_sync_after_the_first_batch(tmp_path, monkeypatch, syncs, reservoir):
+    counts, armed = syncs
+    calls = _arm_after_first_batch(monkeypatch, armed)
+    path = tmp_path / "t.txt"
+    path.write_text("\n".join(corpus(12)) + "\n", encoding="utf-8")
+    spec = make_spec(TINY_GPT2, f"text:{path}", max_length=32, batch_size=3, reservoir=reservoir)
+    result = measure(spec, None)
+    assert calls[0] >= 4, "the test needs several batches"
+    assert result.rows and all(r.n_vectors > 0 for r in result.rows)
+    assert dict(counts) == {}
+
+
+def test_sync_free_reservoir_and_counts_match_numpy():
+    """The fixed-size reservoir writes keep exactly the K smallest keys of every vector seen (and
+    their vectors), when some, more than K or none enter; the device counts equal numpy's, with
+    zero vectors and an empty sample."""
+    import numpy as np
+    import torch
+
+    from isotui.core.accumulator import LayerAccumulator, sample_keys
+
+    rng = np.random.default_rng(3)
+    d, k, b = 8, 25, 4
+    acc = LayerAccumulator(d, torch.device("cpu"), full_cov=False, reservoir=k)
+    xs, all_keys, n, pairs = [], [], 0, 0
+    for batch in range(8):
+        m = 40 if batch == 4 else 20  # batch 4: more vectors than the reservoir holds
+        ids = np.sort(rng.integers(0, b - (batch == 2), m))  # batch 2: its last sample is empty
+        x = rng.normal(size=(m, d)).astype(np.float32)
+        x[rng.random(m) < 0.2] = 0.0
+        keys = sample_keys(0, torch.from_numpy(ids + b * batch), torch.arange(m))
+        if batch == 7:  # no key small enough: nothing enters
+            keys = torch.full((m,), 1.0 - 1e-12, dtype=torch.float64)
+        acc.commit(acc.partial(torch.from_numpy(x), torch.from_numpy(ids), keys, None, None, b))
+        live = np.linalg.norm(x, axis=1) > 0
+        per = np.bincount(ids[live], minlength=b)
+        n, pairs = n + int(live.sum()), pairs + int((per * (per - 1)).sum())
+        xs.append(x)
+        all_keys.append(keys.numpy())
+    x_all, keys_all = np.concatenate(xs), np.concatenate(all_keys)
+    smallest = np.argsort(keys_all)[:k]
+    assert acc.res is not None and acc.res_keys is not None
+    order = np.argsort(acc.res_keys.numpy())
+    np.testing.assert_array_equal(acc.res_keys.numpy()[order], keys_all[smallest])
+    np.testing.assert_array_equal(acc.res.numpy()[order], x_all[smallest])
+    assert (acc.n, acc.n_all, acc.pairs_within) == (n, len(x_all), pairs)
