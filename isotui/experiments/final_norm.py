@@ -363,7 +363,7 @@ def _stream_norms(
             keys = sample_keys(spec.seed, batch.ids[ids], flat % x_in.shape[1])
             for acc, x in zip(accs[i], (x_in, x_out), strict=True):
                 vec = x.reshape(-1, x.shape[-1]).index_select(0, flat.to(x.device)).float().cpu()
-                partials.append((acc, acc.partial(vec, ids, keys)))
+                partials.append((acc, acc.partial(vec, ids, keys, None, None, x_in.shape[0])))
             if i == 0:
                 measured = int(flat.numel())  # the tokens measured (kept by the first norm)
         for acc, p in partials:
