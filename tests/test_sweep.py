@@ -378,6 +378,7 @@ def test_a_sweep_from_the_app_is_one_job_counting_tasks_and_ends_with_the_plain_
         from isotui.experiments.shards import partial_runs
 
         assert partial_runs(tmp_path / "appcache") == []
+        assert _cached(model, data[1], tmp_path / "appcache")
 
     _seen_cells.clear()
     asyncio.run(go())
@@ -396,3 +397,88 @@ def _last_state(app, seen: list[str]) -> str:
         _seen_cells.append(cells)
         seen.append(" | ".join(cells))
     return cells[2]
+
+
+def test_a_failed_task_of_an_app_sweep_is_one_sentence_and_the_other_run_is_added(series, data, tmp_path):
+    """A checkpoint folder without weights: its task fails (a notification, one sentence), the
+    other checkpoint's run still joins the app; the row ends done, the closing notice names it."""
+    import shutil
+
+    from isotui.tui.app import IsotuiApp
+
+    broken = tmp_path / "s"
+    shutil.copytree(series["bert"], broken)
+    for f in (broken / STEPS[1]).glob("*.safetensors"):
+        f.unlink()
+    config = _app_config(tmp_path / "cfg", [broken], data[1], f'checkpoints = ["{STEPS[0]}", "{STEPS[1]}"]')
+    notes: list[str] = []
+
+    async def go() -> None:
+        app = IsotuiApp(cache_root=tmp_path / "appcache", export_dir=tmp_path, fresh=True)
+        async with app.run_test(size=(140, 40)) as pilot:
+            app.notify = lambda message, **_kw: notes.append(message)  # type: ignore[method-assign]
+            app.run_config(config)
+            await _wait(pilot, lambda: _last_state(app, []) in ("done", "failed"))
+            assert _last_state(app, []) == "done"
+            assert list(app.results) == [str(broken / STEPS[0])]
+
+    _seen_cells.clear()
+    asyncio.run(go())
+    (failed,) = [n for n in notes if "task step_100 failed" in n]
+    assert failed.count(". ") == 0 and "\n" not in failed and "Traceback" not in failed, failed
+    closing = "sweep app_sweep: 1 run added to the comparison; 1 failed: step_100"
+    assert any(n.startswith(closing) for n in notes), notes
+
+
+def _task_pids(marker: str) -> list[int]:
+    """The processes whose command line names ``marker`` (this test's config file)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_cancelling_an_app_sweep_stops_its_tasks_and_adds_nothing(series, data, tmp_path):
+    """x on a running sweep: the running task's process is terminated, the next never starts,
+    the row ends cancelled and no run is cached or added."""
+    from isotui.tui.app import IsotuiApp
+
+    models = [series["bert"] / STEPS[0], series["gpt2"] / STEPS[0]]
+    config = _app_config(tmp_path / "cfg", models, data[1], "")
+    seen_pids: list[int] = []
+
+    async def go() -> None:
+        app = IsotuiApp(cache_root=tmp_path / "appcache", export_dir=tmp_path, fresh=True)
+        async with app.run_test(size=(140, 40)) as pilot:
+            app.run_config(config)
+
+            def running() -> bool:
+                seen_pids.extend(_task_pids(str(config)))
+                return bool(seen_pids)
+
+            await _wait(pilot, running)
+            await pilot.press("x")
+            await _wait(pilot, lambda: _last_state(app, []) in ("cancelled", "done", "failed"))
+            assert _last_state(app, []) == "cancelled"
+            assert app.results == {}
+
+    _seen_cells.clear()
+    asyncio.run(go())
+    assert len(set(seen_pids)) == 1
+    assert _task_pids(str(config)) == []  # terminated, and the second task never started
+    assert not any(_cached(m, data[1], tmp_path / "appcache") for m in models)
+
+
+def _cached(model: Path, data: Path, root: Path) -> bool:
+    """Whether the cache at ``root`` holds the plain run of ``model`` on the test's settings."""
+    from isotui.experiments import layerwise
+    from isotui.spec import make_spec
+    from isotui.store.cache import ResultCache
+
+    cache = ResultCache(root)
+    spec = make_spec(str(model), data=f"text:{data}", max_length=MAX_LENGTH, reservoir=20)
+    return layerwise.lookup(layerwise.prepare(spec, cache), cache) is not None

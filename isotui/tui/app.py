@@ -530,7 +530,7 @@ class IsotuiApp(App[None]):
         if "sweep" in cfg:
             if self.backend is not None:
                 self.backend.submit(SweepRequest(path.resolve()))
-                self.notify(f"preset {name}: queued a sweep of its tasks (x cancels it)")
+                self.notify(f"sweep {name}: queued; its tasks show as one job (x cancels it)")
             return
         overrides = {k: cfg[k] for k in SPEC_OPTIONS if k in cfg}
         models = cfg.get("models", ["minilm"])
@@ -794,8 +794,9 @@ class IsotuiApp(App[None]):
         if not sweep.from_cache:
             self.refresh_models()  # new cached runs to list
         failed = f"; {len(sweep.failed)} failed: {', '.join(sweep.failed)}" if sweep.failed else ""
+        runs = f"{len(sweep.results)} run{'' if len(sweep.results) == 1 else 's'}"
         self.notify(
-            f"sweep {sweep.name}: {len(sweep.results)} runs added to the comparison{failed}",
+            f"sweep {sweep.name}: {runs} added to the comparison{failed}",
             severity="warning" if sweep.failed else "information",
         )
 
