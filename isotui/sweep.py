@@ -489,7 +489,13 @@ class SweepRequest:
         return "sweep"
 
     def resolved_device(self) -> str:
-        return "processes"
+        """What the jobs pane's device column says: the executor (``local`` or ``ray``)."""
+        from isotui.config import load_run_config
+
+        try:
+            return read_sweep(self.config, load_run_config(self.config).get("sweep")).executor
+        except IsotuiError:  # compute says it, in one sentence
+            return "local"
 
     def lookup(self, cache_root: Path | None, notice: Callable[[str], None]) -> Any:
         return None  # the planning in compute asks the cache, run by run and shard by shard

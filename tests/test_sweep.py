@@ -366,6 +366,7 @@ def test_a_sweep_from_the_app_is_one_job_counting_tasks_and_ends_with_the_plain_
             assert _last_state(app, seen) == "done"
             result = app.results[str(model)]
         assert any(re.search(r"\b[01]/2 tasks$", cells[3]) for cells in _seen_cells), seen
+        assert _seen_cells[-1][6] == "local"  # the device column names the executor
         rows = {r["layer"]: r for r in plain if r["model"] == str(model)}
         assert len(result.rows) == len(rows)
         for row in result.rows:
