@@ -1,329 +1,19 @@
 """``isotui sweep CONFIG.toml``: every (model, checkpoint, shard) task of a run config, run by a
-pool of local processes or by Ray, then the shards merged and the table written as ``isotui run``
-would.
-
-A sweep config is a run config (:mod:`isotui.config`) plus a ``[sweep]`` table. Each task is the
-real ``isotui run CONFIG --model M --shard I/K`` in its own process (a subprocess, or a subprocess
-of a Ray task), so a task that dies takes nothing else with it, and the shards meet in the result
-cache as they do in a Slurm array (:mod:`isotui.experiments.shards`). Before anything is launched
-the cache is asked which runs and shards are there already: a rerun resumes where the last one
-stopped. A task that crashes (killed, out of memory, an internal error) is run again up to
-``retries`` times; a task refused for bad input (exit 2) is not, since it would be refused again.
-Once all tasks are done, ``isotui run CONFIG --model ...`` over every run whose tasks all succeeded
-answers from the cache (the last shard merged, or this merges) and prints, and writes the config's
-``csv``/``json``.
+pool of local processes or by Ray (:mod:`isotui.sweep`, shared with the app), then the shards
+merged and the table written as ``isotui run`` would: once all tasks are done, ``isotui run CONFIG
+--model ...`` over every run whose tasks all succeeded answers from the cache (the last shard
+merged, or this merges) and prints, and writes the config's ``csv``/``json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
-import sys
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from isotui.errors import IsotuiError
+from isotui.sweep import EXIT_BAD_INPUT, SweepSettings, Task, TaskResult, execute, plan, read_config
 
 HELP = "run every (model, checkpoint, shard) task of a config file on local processes or Ray, then merge"
-EXECUTORS = ("local", "ray")
-EXIT_BAD_INPUT = 2
-INSTALL_RAY = "pip install 'isotui[ray]'"
-# [sweep] key -> the TOML types it may have
-SWEEP_KEYS: dict[str, tuple[type, ...]] = {
-    "checkpoints": (list,),
-    "shards": (int,),
-    "executor": (str,),
-    "address": (str,),
-    "gpus_per_task": (int, float),
-    "retries": (int,),
-    "workers": (int,),
-}
-_TYPE_NAMES = {list: "list", int: "whole number", float: "number", str: "string"}
-
-
-@dataclass(frozen=True)
-class SweepSettings:
-    """The ``[sweep]`` table, checked."""
-
-    checkpoints: tuple[str, ...] = ()
-    shards: int = 1
-    executor: str = "local"
-    address: str | None = None
-    gpus_per_task: float = 0.0
-    retries: int = 1
-    workers: int | None = None  # local: processes at once (default: one per visible device, else 1)
-
-
-def read_sweep(path: Path, table: dict[str, Any] | None) -> SweepSettings:
-    """The ``[sweep]`` table of config file ``path``; a bad key or value is one sentence naming it."""
-    table = table or {}
-    where = f"config file {path}: [sweep]"
-    for key, value in table.items():
-        if key not in SWEEP_KEYS:
-            raise IsotuiError(f"{where} has no key {key!r} (known: {', '.join(SWEEP_KEYS)})")
-        allowed = SWEEP_KEYS[key]
-        if isinstance(value, bool) or not isinstance(value, allowed):
-            want = " or ".join(_TYPE_NAMES[t] for t in allowed)
-            raise IsotuiError(f"{where} {key} must be a {want} (got {value!r})")
-    checkpoints = table.get("checkpoints", [])
-    if "checkpoints" in table and (not checkpoints or not all(isinstance(c, str) for c in checkpoints)):
-        raise IsotuiError(f"{where} checkpoints must be a non-empty list of checkpoint names or folders")
-    settings = SweepSettings(
-        checkpoints=tuple(checkpoints),
-        shards=table.get("shards", 1),
-        executor=table.get("executor", "local"),
-        address=table.get("address"),
-        gpus_per_task=float(table.get("gpus_per_task", 0)),
-        retries=table.get("retries", 1),
-        workers=table.get("workers"),
-    )
-    if settings.shards < 1:
-        raise IsotuiError(f"{where} shards = {settings.shards}: a run needs at least 1 shard")
-    if settings.executor not in EXECUTORS:
-        raise IsotuiError(f"{where} executor = {settings.executor!r} is not one of {', '.join(EXECUTORS)}")
-    if settings.retries < 0:
-        raise IsotuiError(f"{where} retries = {settings.retries} must be 0 or more")
-    if settings.gpus_per_task < 0:
-        raise IsotuiError(f"{where} gpus_per_task = {settings.gpus_per_task:g} must be 0 or more")
-    if settings.workers is not None and settings.workers < 1:
-        raise IsotuiError(f"{where} workers = {settings.workers} must be at least 1")
-    if settings.executor == "local" and settings.address:
-        raise IsotuiError(f'{where} address is for executor = "ray" (the executor here is local)')
-    if settings.executor == "ray" and settings.workers is not None:
-        raise IsotuiError(f'{where} workers is for executor = "local"; Ray runs as many as the cluster can')
-    return settings
-
-
-def resolve_models(path: Path, models: list[str], checkpoints: Sequence[str]) -> list[str]:
-    """The runs of a sweep: each model, or each of its checkpoints (:func:`resolve_checkpoints`,
-    the parser of ``--checkpoints``: hub revisions of the model, model ids, checkpoint folders).
-    A checkpoint name that is a sub-folder of a local model folder (an ``isotui train-tiny``
-    output) is that folder; ``./`` paths are relative to the config file."""
-    from isotui.experiments.qk_dynamics import resolve_checkpoints
-
-    if not checkpoints:
-        return list(models)
-    base = path.resolve().parent
-    out: list[str] = []
-    for model in models:
-        items = []
-        for item in checkpoints:
-            if item.startswith(("./", "../")):
-                item = str((base / item).resolve())
-            elif Path(model).is_dir() and (Path(model) / item).is_dir():
-                item = str(Path(model) / item)
-            items.append(item)
-        try:
-            out += [c.model for c in resolve_checkpoints(model, items)]
-        except IsotuiError as exc:
-            raise IsotuiError(f"config file {path}: [sweep] checkpoints of {model}: {exc}") from None
-    return out
-
-
-# --- tasks ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Task:
-    """One process's work: run ``model`` (shard ``index`` of ``count``; the whole run when 1)."""
-
-    model: str
-    index: int
-    count: int
-
-    @property
-    def name(self) -> str:
-        label = Path(self.model).name if Path(self.model).is_dir() else self.model
-        return f"{label} shard {self.index}/{self.count}" if self.count > 1 else label
-
-    def argv(self, config: Path, cache_root: Path) -> list[str]:
-        """The ``isotui run`` arguments of this task; its --csv/--json go nowhere (the sweep
-        writes the config's outputs once, for all runs)."""
-        argv = ["run", str(config), "--model", self.model, "--cache-dir", str(cache_root), "-q"]
-        argv += ["--csv", os.devnull, "--json", os.devnull]
-        return argv + (["--shard", f"{self.index}/{self.count}"] if self.count > 1 else [])
-
-
-@dataclass
-class TaskResult:
-    task: Task
-    ok: bool
-    problem: str = ""  # one sentence, when not ok
-    crashed: bool = False  # not a refusal of bad input (exit 2)
-
-
-class TaskCrashed(Exception):
-    """A task's process died or failed inside (not exit 2): Ray retries it (``retry_exceptions``)."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.text = text
-
-
-def _package_path() -> str:
-    """The folder this isotui is imported from, so a task's process runs the same code."""
-    return str(Path(__file__).resolve().parents[1])
-
-
-def task_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, **(extra or {})}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_path(), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def run_task(argv: list[str], extra_env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run one task's ``isotui`` command in a new process; (exit status, its last words)."""
-    command = [sys.executable, "-m", "isotui", *argv]
-    proc = subprocess.run(command, env=task_env(extra_env), capture_output=True, text=True)
-    return proc.returncode, _last_words(proc.returncode, proc.stderr)
-
-
-def _last_words(code: int, stderr: str) -> str:
-    """What a failed task says: its last stderr line (isotui's one sentence), or how it died."""
-    if code < 0:
-        try:
-            return f"its process was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"its process was killed by signal {-code}"
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    text = lines[-1] if lines else f"it exited with status {code}"
-    return text.removeprefix("isotui: error: ").removeprefix("isotui: ")
-
-
-def ray_task(argv: list[str]) -> str:
-    """A Ray task: the task's ``isotui`` command in the Ray worker's process (Ray gives it its
-    GPUs in CUDA_VISIBLE_DEVICES, and a GPU task's worker serves that one task: Ray's default
-    ``max_calls=1``; a CPU worker keeps its imports for the next task). A worker that dies is
-    retried by Ray; an internal error raises :class:`TaskCrashed`, retried too (``retry_exceptions``);
-    a refusal of bad input (exit 2) returns its sentence."""
-    import contextlib
-    import io
-
-    from isotui.cli import main
-
-    said = io.StringIO()
-    with contextlib.redirect_stderr(said):  # isotui's stderr console writes to sys.stderr
-        code = main(argv)
-    text = _last_words(code, said.getvalue())
-    if code not in (0, EXIT_BAD_INPUT):
-        raise TaskCrashed(text)
-    return "" if code == 0 else text
-
-
-Report = Callable[[TaskResult], None]
-Say = Callable[[str], None]
-
-
-def local_devices() -> list[str]:
-    """The visible GPUs (``CUDA_VISIBLE_DEVICES``, else torch's count); none on a CPU-only box."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return []
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
-def run_local(
-    jobs: list[tuple[Task, list[str]]], settings: SweepSettings, done: Report, say: Say
-) -> list[TaskResult]:
-    """One process per visible device at once (``workers`` to choose; one on a CPU-only box),
-    each task's process pinned to its worker's device; a crash retried ``retries`` times."""
-    devices = local_devices()
-    workers = settings.workers or max(1, len(devices))
-    free = list(range(workers))
-    lock = threading.Lock()
-
-    def one(task: Task, argv: list[str]) -> TaskResult:
-        with lock:
-            slot = free.pop(0)
-        try:
-            env = {"CUDA_VISIBLE_DEVICES": devices[slot % len(devices)]} if devices else {}
-            for attempt in range(settings.retries + 1):
-                code, text = run_task(argv, env)
-                if code == 0:
-                    return TaskResult(task, True)
-                if code == EXIT_BAD_INPUT:
-                    return TaskResult(task, False, text)
-                if attempt < settings.retries:
-                    say(f"{task.name}: {text}; retrying ({attempt + 2} of {settings.retries + 1} attempts)")
-            return TaskResult(task, False, f"{text} ({settings.retries + 1} attempts)", crashed=True)
-        finally:
-            with lock:
-                free.append(slot)
-
-    results = []
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(one, task, argv) for task, argv in jobs]
-        for future in as_completed(futures):
-            result = future.result()
-            done(result)
-            results.append(result)
-    return results
-
-
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise IsotuiError(f'executor = "ray" needs Ray, which is not installed: {INSTALL_RAY}') from None
-    return ray
-
-
-def run_ray(
-    jobs: list[tuple[Task, list[str]]], settings: SweepSettings, done: Report, say: Say
-) -> list[TaskResult]:
-    """Ray tasks (``num_gpus=gpus_per_task``, ``max_retries=retries`` on a crash) on the cluster at
-    ``address``, or on a local one started here (and shut down after)."""
-    ray = import_ray()
-    started = not ray.is_initialized()
-    if started:
-        if not settings.address:  # a local cluster's workers start from this process's environment
-            os.environ["PYTHONPATH"] = task_env()["PYTHONPATH"]
-        try:
-            ray.init(
-                address=settings.address or None,
-                include_dashboard=False,
-                log_to_driver=False,  # a task's failure is said once, by the sweep
-                logging_level="WARNING",
-            )
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise IsotuiError(f"cannot connect to the Ray cluster at {settings.address}: {exc}") from None
-    try:
-        remote = ray.remote(ray_task).options(
-            num_cpus=1,
-            num_gpus=settings.gpus_per_task,
-            max_retries=settings.retries,
-            retry_exceptions=[TaskCrashed],
-        )
-        pending = {remote.remote(argv): task for task, argv in jobs}
-        results = []
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            task = pending.pop(ready[0])
-            try:
-                text = ray.get(ready[0])
-                result = TaskResult(task, not text, text)
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if isinstance(getattr(exc, "cause", None), TaskCrashed) else None
-                text = cause.text if cause else str(exc).strip().splitlines()[-1]
-                result = TaskResult(task, False, f"{text} ({settings.retries + 1} attempts)", crashed=True)
-            except ray.exceptions.RayError as exc:  # a worker or node lost beyond max_retries
-                result = TaskResult(task, False, f"{type(exc).__name__}: {exc}".splitlines()[0], crashed=True)
-            done(result)
-            results.append(result)
-        return results
-    finally:
-        if started:
-            ray.shutdown()
 
 
 # --- the command --------------------------------------------------------------------------------------
@@ -335,50 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--csv", help="write the per-layer table of all runs here (default: the config's csv)")
     p.add_argument("--json", help="write everything here (default: the config's json)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-
-
-@dataclass
-class Plan:
-    """The sweep's runs and the tasks still to do (the rest answered from the cache)."""
-
-    runs: list[str]
-    tasks: list[Task]
-    cached: int  # tasks whose run or shard is cached already
-    failed_early: list[tuple[str, str]] = field(default_factory=list)
-
-
-def plan(args: argparse.Namespace, runs: list[str], shards: int, cache_root: Path) -> Plan:
-    """Which (run, shard) tasks the cache does not answer yet. Each run's key comes from
-    :func:`isotui.experiments.layerwise.prepare` (cheap: names, data, no model load)."""
-    from isotui.cli import _settings
-    from isotui.experiments import layerwise
-    from isotui.experiments.shards import partial_runs
-    from isotui.spec import given_options, make_spec
-    from isotui.store.cache import ResultCache
-
-    s = _settings(run_args(args, runs))
-    if s.get("shard") is not None:
-        raise IsotuiError(f"config file {args.config}: shard is set by [sweep] shards; remove it")
-    try:
-        base = make_spec(runs[0], base_dir=s.get("data_base_dir", s.get("base_dir")), **given_options(s))
-    except IsotuiError as exc:
-        raise IsotuiError(f"config file {args.config}: {exc}") from None
-    cache = ResultCache(cache_root)
-    partial = {(r.key, r.count): set(r.have) for r in partial_runs(cache_root)}
-    out = Plan(runs, [], 0)
-    for model in runs:
-        try:
-            prepared = layerwise.prepare(base.with_model(model), cache)
-        except IsotuiError as exc:
-            out.failed_early.append((model, str(exc)))
-            continue
-        if layerwise.lookup(prepared, cache) is not None:
-            out.cached += shards
-            continue
-        have = partial.get((prepared.key, shards), set()) if shards > 1 else set()
-        out.cached += len(have)
-        out.tasks += [Task(model, i, shards) for i in range(shards) if i not in have]
-    return out
 
 
 def run_args(args: argparse.Namespace, models: list[str]) -> argparse.Namespace:
@@ -396,22 +42,18 @@ def run_args(args: argparse.Namespace, models: list[str]) -> argparse.Namespace:
 
 def main(args: argparse.Namespace, err: Any) -> int:
     """Plan, run the tasks (a bar over tasks), then the one ``isotui run`` over the runs."""
-    from isotui.cli import _cmd_run, print_error
-    from isotui.config import load_run_config
+    from isotui.cli import _cmd_run, _settings, print_error
     from isotui.paths import cache_dir
 
     config = args.config
-    settings_file = load_run_config(config, [k for k in ("cache_dir", "csv", "json") if getattr(args, k)])
-    sweep = read_sweep(config, settings_file.get("sweep"))
-    if sweep.executor == "ray":
-        import_ray()  # not installed: say so before anything runs
-    models = settings_file.get("models") or ["minilm"]
-    runs = resolve_models(config, models, sweep.checkpoints)
+    settings_file, sweep, runs = read_config(
+        config, [k for k in ("cache_dir", "csv", "json") if getattr(args, k)]
+    )
     cache_root = cache_dir(args.cache_dir or settings_file.get("cache_dir"))
-    todo = plan(args, runs, sweep.shards, cache_root)
+    todo = plan(config, _settings(run_args(args, runs)), runs, sweep.shards, cache_root)
     for model, text in todo.failed_early:
         print_error(err, f"{model}: {text}")
-    total = len(todo.tasks) + todo.cached + sweep.shards * len(todo.failed_early)
+    total = todo.total
     if not todo.tasks:
         err.print(f"isotui: all {total} tasks of the sweep are cached", highlight=False)
     else:
@@ -455,7 +97,6 @@ def _run_tasks(
 
     from isotui.cli import print_error
 
-    cache_root.mkdir(parents=True, exist_ok=True)
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -466,7 +107,6 @@ def _run_tasks(
     failed: list[TaskResult] = []
     with Progress(*columns, console=err, transient=True, disable=bool(args.quiet)) as bar:
         bar_id = bar.add_task("sweep", total=len(tasks) + already, completed=already, status="")
-        jobs = [(t, t.argv(config.resolve(), cache_root)) for t in tasks]
 
         def say(text: str) -> None:
             bar.console.print(f"[yellow]isotui: {text}[/]", highlight=False)
@@ -477,6 +117,5 @@ def _run_tasks(
                 print_error(bar.console, f"task {result.task.name} failed: {result.problem}")
             bar.update(bar_id, advance=1, status=f"{result.task.name} {'done' if result.ok else 'failed'}")
 
-        executor = run_ray if sweep.executor == "ray" else run_local
-        executor(jobs, sweep, done, say)
+        execute(tasks, sweep, config, cache_root, done, say)
     return failed

@@ -11,6 +11,7 @@ average cosine over all pairs of that layer's vectors (``tests/reference.py``).
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import math
 import os
@@ -285,8 +286,8 @@ def test_a_run_of_a_sweep_config_ignores_its_sweep_table(tmp_path):
 
 def test_readme_sweep_example_is_a_valid_sweep_config(tmp_path):
     """README's config example (the ``toml`` block of "Sweeps") reads as a sweep config."""
-    from isotui.cli_sweep import read_sweep
     from isotui.config import load_run_config
+    from isotui.sweep import read_sweep
 
     text = README.read_text(encoding="utf-8")
     section = text[text.index("### Sweeps") :]
@@ -315,3 +316,173 @@ def test_a_sweep_resumes_from_the_shards_already_cached(tiny_models, data, tmp_p
     assert "1 of 2 tasks to run on local processes (1 cached)" in err
     (row, *_) = _rows(folder / "out.csv")
     assert int(row["n_samples"]) == N
+
+
+# --- the app: a sweep is one job over its tasks ---------------------------------------------------------
+
+ROW_NUMBERS = ("n_vectors", "avg_cos", "drift_norm", "mean_norm", "avg_cos_centered", "isoscore", "eff_rank")
+
+
+async def _wait(pilot, predicate, timeout: float = 240.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < end, "timed out"
+        await pilot.pause(0.1)
+
+
+def _sweep_row(app) -> list[str]:
+    from isotui.tui.jobs import JobsTable
+
+    table = app.query_one("#jobs", JobsTable)
+    (rec,) = [r for r in table.records.values() if r.model.startswith("sweep: ")]
+    return list(rec.cells())
+
+
+def _app_config(folder: Path, models: list[Path], data: Path, sweep: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "app_sweep.toml"
+    path.write_text(
+        f"models = [{', '.join(_toml(str(m)) for m in models)}]\ndata = {_toml('text:' + str(data))}\n"
+        f'max_length = {MAX_LENGTH}\nreservoir = 20\ncache_dir = "cache"\n\n[sweep]\nworkers = 1\n{sweep}\n',
+        encoding="utf-8",
+    )
+    return path
+
+
+def test_a_sweep_from_the_app_is_one_job_counting_tasks_and_ends_with_the_plain_runs_numbers(
+    series, data, plain, tmp_path
+):
+    """One checkpoint in two shards (2 tasks, workers = 1): one row in the jobs pane counting tasks,
+    then the merged run in the app with the plain run's numbers (and numpy's average cosine)."""
+    from isotui.tui.app import IsotuiApp
+
+    model = series["bert"] / STEPS[1]
+    config = _app_config(tmp_path / "cfg", [model], data[1], "shards = 2")
+    seen: list[str] = []
+
+    async def go() -> None:
+        app = IsotuiApp(cache_root=tmp_path / "appcache", export_dir=tmp_path, fresh=True)
+        async with app.run_test(size=(140, 40)) as pilot:
+            app.run_config(config)
+            await _wait(pilot, lambda: str(model) in app.results or _last_state(app, seen) == "failed")
+            assert _last_state(app, seen) == "done"
+            result = app.results[str(model)]
+        assert any(re.search(r"\b[01]/2 tasks$", cells[3]) for cells in _seen_cells), seen
+        assert _seen_cells[-1][6] == "local"  # the device column names the executor
+        rows = {r["layer"]: r for r in plain if r["model"] == str(model)}
+        assert len(result.rows) == len(rows)
+        for row in result.rows:
+            for k in ROW_NUMBERS:
+                want = float(rows[str(row.layer)][k])
+                assert getattr(row, k) == pytest.approx(want, rel=1e-6, abs=1e-9), (row.layer, k)
+        (one,) = [r for r in result.rows if r.layer == 1]
+        assert one.avg_cos == pytest.approx(_numpy_avg_cos(model, data[0], 1), rel=1e-5)
+        # its shards merged into the app's cache: the runs are listed there, nothing left over
+        from isotui.experiments.shards import partial_runs
+
+        assert partial_runs(tmp_path / "appcache") == []
+        assert _cached(model, data[1], tmp_path / "appcache")
+
+    _seen_cells.clear()
+    asyncio.run(go())
+
+
+_seen_cells: list[list[str]] = []
+
+
+def _last_state(app, seen: list[str]) -> str:
+    """The sweep row's state now (each distinct row remembered in ``_seen_cells``)."""
+    try:
+        cells = _sweep_row(app)
+    except ValueError:
+        return ""
+    if not _seen_cells or _seen_cells[-1] != cells:
+        _seen_cells.append(cells)
+        seen.append(" | ".join(cells))
+    return cells[2]
+
+
+def test_a_failed_task_of_an_app_sweep_is_one_sentence_and_the_other_run_is_added(series, data, tmp_path):
+    """A checkpoint folder without weights: its task fails (a notification, one sentence), the
+    other checkpoint's run still joins the app; the row ends done, the closing notice names it."""
+    import shutil
+
+    from isotui.tui.app import IsotuiApp
+
+    broken = tmp_path / "s"
+    shutil.copytree(series["bert"], broken)
+    for f in (broken / STEPS[1]).glob("*.safetensors"):
+        f.unlink()
+    config = _app_config(tmp_path / "cfg", [broken], data[1], f'checkpoints = ["{STEPS[0]}", "{STEPS[1]}"]')
+    notes: list[str] = []
+
+    async def go() -> None:
+        app = IsotuiApp(cache_root=tmp_path / "appcache", export_dir=tmp_path, fresh=True)
+        async with app.run_test(size=(140, 40)) as pilot:
+            app.notify = lambda message, **_kw: notes.append(message)  # type: ignore[method-assign]
+            app.run_config(config)
+            await _wait(pilot, lambda: _last_state(app, []) in ("done", "failed"))
+            assert _last_state(app, []) == "done"
+            assert list(app.results) == [str(broken / STEPS[0])]
+
+    _seen_cells.clear()
+    asyncio.run(go())
+    (failed,) = [n for n in notes if "task step_100 failed" in n]
+    assert failed.count(". ") == 0 and "\n" not in failed and "Traceback" not in failed, failed
+    closing = "sweep app_sweep: 1 run added to the comparison; 1 failed: step_100"
+    assert any(n.startswith(closing) for n in notes), notes
+
+
+def _task_pids(marker: str) -> list[int]:
+    """The processes whose command line names ``marker`` (this test's config file)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_cancelling_an_app_sweep_stops_its_tasks_and_adds_nothing(series, data, tmp_path):
+    """x on a running sweep: the running task's process is terminated, the next never starts,
+    the row ends cancelled and no run is cached or added."""
+    from isotui.tui.app import IsotuiApp
+
+    models = [series["bert"] / STEPS[0], series["gpt2"] / STEPS[0]]
+    config = _app_config(tmp_path / "cfg", models, data[1], "")
+    seen_pids: list[int] = []
+
+    async def go() -> None:
+        app = IsotuiApp(cache_root=tmp_path / "appcache", export_dir=tmp_path, fresh=True)
+        async with app.run_test(size=(140, 40)) as pilot:
+            app.run_config(config)
+
+            def running() -> bool:
+                seen_pids.extend(_task_pids(str(config)))
+                return bool(seen_pids)
+
+            await _wait(pilot, running)
+            await pilot.press("x")
+            await _wait(pilot, lambda: _last_state(app, []) in ("cancelled", "done", "failed"))
+            assert _last_state(app, []) == "cancelled"
+            assert app.results == {}
+
+    _seen_cells.clear()
+    asyncio.run(go())
+    assert len(set(seen_pids)) == 1
+    assert _task_pids(str(config)) == []  # terminated, and the second task never started
+    assert not any(_cached(m, data[1], tmp_path / "appcache") for m in models)
+
+
+def _cached(model: Path, data: Path, root: Path) -> bool:
+    """Whether the cache at ``root`` holds the plain run of ``model`` on the test's settings."""
+    from isotui.experiments import layerwise
+    from isotui.spec import make_spec
+    from isotui.store.cache import ResultCache
+
+    cache = ResultCache(root)
+    spec = make_spec(str(model), data=f"text:{data}", max_length=MAX_LENGTH, reservoir=20)
+    return layerwise.lookup(layerwise.prepare(spec, cache), cache) is not None

@@ -38,6 +38,7 @@ from isotui.settings import load_settings
 from isotui.spec import SPEC_OPTIONS, RunSpec, make_spec
 from isotui.store.cache import CacheProblem, ResultCache
 from isotui.store.export import write_csv
+from isotui.sweep import SweepRequest, SweepResult
 from isotui.tui.drift_pane import DriftPane
 from isotui.tui.help import HelpScreen, binding_rows
 from isotui.tui.job_events import BackendMessage, EventRelay, JobEventView
@@ -424,7 +425,9 @@ class IsotuiApp(App[None]):
     @on(Input.Submitted, "#model-input")
     def _typed(self, event: Input.Submitted) -> None:
         name = event.value.strip()
-        if name:
+        if name.endswith(".toml") and Path(name).expanduser().is_file():  # a config file: its runs
+            self.run_config(Path(name).expanduser())
+        elif name:
             self.select(name)
             self.action_run()
             self.main_screen.query_one("#models", OptionList).focus()
@@ -510,12 +513,24 @@ class IsotuiApp(App[None]):
     def run_preset(self, name: str) -> None:
         """Every model of the preset, on the preset's own data settings (defaults unchanged)."""
         path = find_preset(name)
+        if path is None:
+            self.notify(f"preset {name} is gone from {resource_dir('sample_configs')}", severity="error")
+            return
+        self.run_config(path, name)
+
+    def run_config(self, path: Path, name: str | None = None) -> None:
+        """A config file (a preset, or a typed ``.toml`` path): with a ``[sweep]`` table, one sweep
+        job over its tasks (its runs join the comparison when it ends); else a run per model."""
+        name = name or path.stem
         try:
-            if path is None:
-                raise IsotuiError(f"preset {name} is gone from {resource_dir('sample_configs')}")
             cfg = load_run_config(path)
         except IsotuiError as exc:
             self.notify(str(exc), severity="error")
+            return
+        if "sweep" in cfg:
+            if self.backend is not None:
+                self.backend.submit(SweepRequest(path.resolve()))
+                self.notify(f"sweep {name}: queued; its tasks show as one job (x cancels it)")
             return
         overrides = {k: cfg[k] for k in SPEC_OPTIONS if k in cfg}
         models = cfg.get("models", ["minilm"])
@@ -768,6 +783,22 @@ class IsotuiApp(App[None]):
 
     def on_backend_message(self, message: BackendMessage) -> None:
         self._job_events.handle(self._relay.newest(message.event))
+
+    def add_sweep_result(self, sweep: SweepResult) -> None:
+        """A finished sweep: each merged run joins the comparison as a finished run does."""
+        for result in sweep.results:
+            self.add_result(result)
+        if sweep.results:
+            self.selected = sweep.results[0].model
+            self.show_table()
+        if not sweep.from_cache:
+            self.refresh_models()  # new cached runs to list
+        failed = f"; {len(sweep.failed)} failed: {', '.join(sweep.failed)}" if sweep.failed else ""
+        runs = f"{len(sweep.results)} run{'' if len(sweep.results) == 1 else 's'}"
+        self.notify(
+            f"sweep {sweep.name}: {runs} added to the comparison{failed}",
+            severity="warning" if sweep.failed else "information",
+        )
 
     def add_result(self, result: ModelResult) -> None:
         model = result.model

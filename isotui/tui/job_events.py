@@ -20,6 +20,7 @@ from textual.message import Message
 from isotui.backend import JobEvent, JobFailed, JobFinished, JobNotice, JobProgress
 from isotui.render import shorten
 from isotui.spec import RunSpec
+from isotui.sweep import SweepResult
 from isotui.tui.jobs import JobsTable
 from isotui.tui.wording import in_options_terms
 
@@ -111,6 +112,9 @@ class JobEventView:
 
     @on_event.register
     def _finished(self, ev: JobFinished) -> None:
+        if isinstance(ev.result, SweepResult):
+            self.app.add_sweep_result(ev.result)
+            return
         if not isinstance(ev.spec, RunSpec):
             self.app.add_lab_result(ev.spec.kind, ev.result)
             return

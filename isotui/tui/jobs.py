@@ -59,6 +59,7 @@ class JobRecord:
     device: str
     state: str = "queued"
     progress: Progress | None = None
+    counts: str = "samples"  # what its progress counts: a sweep's counts tasks
 
     @property
     def active(self) -> bool:
@@ -70,6 +71,8 @@ class JobRecord:
             bar = progress_bar(p.samples_done, p.samples_total)
             speed = f"{p.tokens_per_s:,.0f}"
             eta = duration(p.eta_s)
+            if self.counts == "tasks":  # a sweep: its bar counts tasks (each a process: no tokens here)
+                bar, speed = f"{bar} {p.samples_done}/{p.samples_total} tasks", ""
         else:
             bar = speed = eta = ""
         memory = memory_text(p.memory_bytes) if p is not None else "-"
@@ -94,7 +97,8 @@ class JobsTable(DataTable[str]):
         if rec is None:
             kind = getattr(ev.spec, "kind", None)  # an attention-lab experiment, not a layer run
             label = f"{kind}: {ev.spec.model}" if kind else ev.spec.model
-            rec = self.records[ev.job_id] = JobRecord(ev.job_id, label, ev.spec.device)
+            counts = "tasks" if kind == "sweep" else "samples"
+            rec = self.records[ev.job_id] = JobRecord(ev.job_id, label, ev.spec.device, counts=counts)
         if isinstance(ev, JobQueued):
             rec.state = "queued"
         elif isinstance(ev, JobStarted):
