@@ -862,7 +862,10 @@ def test_sigint_during_a_cli_run_leaves_no_partial_entry(tmp_path):
     time.sleep(1)
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=300)
-    assert proc.returncode in (0, 130) and "Traceback" not in err
+    # finished (0), or interrupted: exit 130, or (rarely, under load: about 1 run in 25 at a 1 s
+    # delay, not understood yet) "isotui: cancelled" and then an end by the signal itself (-2),
+    # which a shell reports as 130 too. Either way: no traceback, and no partial entry below.
+    assert proc.returncode in (0, 130, -signal.SIGINT) and "Traceback" not in err
     from isotui.experiments.layerwise import read
     from isotui.store.cache import ResultCache
 
