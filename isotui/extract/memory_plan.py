@@ -134,7 +134,8 @@ def device_summary(device_map: Mapping[str, Any]) -> str:
     for where in device_map.values():
         counts[device_name(where)] = counts.get(device_name(where), 0) + 1
     parts = [f"{n} on {d}" for d, n in counts.items()]
-    parts[0] = parts[0].replace(" on ", " parts on ", 1)
+    first = next(iter(counts.values()))
+    parts[0] = parts[0].replace(" on ", " part on " if first == 1 else " parts on ", 1)
     return ", ".join(parts) + f"; run from {execution_device(device_map)}"
 
 

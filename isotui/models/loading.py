@@ -178,6 +178,43 @@ class Placement:
         model.hf_device_map = placed
         return model
 
+    def keep_new_weights_in_memory(
+        self, model: Any, info: dict[str, Any], where: Any, dtype: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        """``model``, or the same checkpoint loaded again with the modules whose weights it lacks
+        (a pooler the checkpoint never trained) in CPU memory instead of on disk: accelerate
+        offloads only the checkpoint's own tensors, so such a module fails at its first forward
+        with a KeyError (transformers 5, accelerate 1.15). The reload keeps everything else where
+        the first map put it."""
+        placed: dict[str, Any] = dict(getattr(model, "hf_device_map", None) or {})
+        owners = {k.rpartition(".")[0] for k in info.get("missing_keys", ())}
+        if not any(placed.get(_entry(placed, o)) == "disk" for o in owners):
+            return model
+        for owner in owners:
+            while (entry := _entry(placed, owner)) != owner and placed.get(entry) == "disk":
+                device = placed.pop(entry)  # split the entry into its parts, each where it was
+                parent = model.get_submodule(entry)
+                prefix = f"{entry}." if entry else ""
+                for name, _ in parent.named_children():
+                    placed[prefix + name] = device
+                own = [*parent.named_parameters(recurse=False), *parent.named_buffers(recurse=False)]
+                for name, _ in own:
+                    placed[prefix + name] = device
+            if placed.get(owner) == "disk":
+                placed[owner] = "cpu"
+        cls = type(model)
+        del model
+        return cls.from_pretrained(
+            where, dtype=dtype, **{**self.load_kwargs(offload_dir()), "device_map": placed}, **kwargs
+        )
+
+
+def _entry(placed: dict[str, Any], module: str) -> str:
+    """The device map's entry that places ``module``: itself, or its nearest ancestor ('' is all)."""
+    while module not in placed and module:
+        module = module.rpartition(".")[0]
+    return module
+
 
 def offload_dir(owner: Any = None) -> str:
     """A fresh folder for the weights one model offloads to disk (never shared: accelerate
@@ -269,10 +306,20 @@ def _load(
             )
             _check_head(model, info, ref.name)
         else:
-            model = AutoModel.from_pretrained(where, dtype=torch_dtype, **placing, **kwargs)
+            model, info = AutoModel.from_pretrained(
+                where, dtype=torch_dtype, output_loading_info=True, **placing, **kwargs
+            )
+        if placement is not None:
+            model = placement.keep_new_weights_in_memory(model, info, where, torch_dtype, kwargs)
     except IsotuiError:
         raise
     except Exception as exc:
+        if placement is not None and _tied_weights_bug(exc):
+            raise IsotuiError(
+                f"--device-map {placement.device_map} could not place model {ref.name!r} within "
+                "--max-memory: transformers' device-map planner fails on its tied weights at this "
+                "budget (a known bug, huggingface/transformers#35824); give --max-memory more or less"
+            ) from None
         own_code = not trust_remote_code and _names_own_code(where, kwargs)
         hint = " (it needs its own code: pass --trust-remote-code if you trust it)" if own_code else ""
         raise IsotuiError(f"could not load model {ref.name!r}: {_short(exc)}{hint}") from None
@@ -289,6 +336,15 @@ def _load(
     else:
         _attach_processor(loaded, where, kwargs)
     return loaded
+
+
+def _tied_weights_bug(exc: BaseException) -> bool:
+    """Whether ``exc`` is the IndexError transformers' and accelerate's
+    ``get_module_size_with_ties`` raise for some budgets when a model ties weights."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return isinstance(exc, IndexError) and any(f.name == "get_module_size_with_ties" for f in frames)
 
 
 def _names_own_code(where: Any, kwargs: dict[str, Any]) -> bool:
