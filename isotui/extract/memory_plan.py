@@ -178,6 +178,29 @@ def reservoir_bytes(dim: int, size: int) -> int:
     return size * (4 * dim + 8)
 
 
+def gradient_bytes(dim: int) -> int:
+    """A layer's gradient sums (:class:`~isotui.core.gradients.GradAccumulator`): g g^T and the
+    shifted x x^T (two d x d float64) and six float64 d-vectors."""
+    return 2 * 8 * dim * dim + 6 * 8 * dim
+
+
+def fit_types(layers: Sequence[tuple[int, str, bool]], budgets: Mapping[str, int | None], asked: int) -> int:
+    """How many token types' self-similarity sums fit: given (d, device, tracks types) per layer
+    and each device's budget, the most types up to ``asked`` whose sums, beside every layer's
+    float64 vectors, fit every device's budget (these are the sums :func:`plan_layers` counts
+    first). A device whose free memory cannot be told limits nothing."""
+    fit = asked
+    for device in dict.fromkeys(dev for _d, dev, _t in layers):
+        left = budgets.get(device)
+        mine = [(dim, tracks) for dim, dev, tracks in layers if dev == device]
+        per_type = sum(8 * dim + 24 for dim, tracks in mine if tracks)
+        if left is None or not per_type:
+            continue
+        room = left - sum(fixed_bytes(dim, 0) for dim, _t in mine)
+        fit = min(fit, max(0, room) // per_type)
+    return max(0, fit)
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """One hidden state's accumulators: where they live, what they hold, their bytes."""
@@ -206,6 +229,7 @@ class MemoryPlan:
     batch: str = ""  # how batches are cut
     source: str = "measured free memory"
     on_paper: bool = False  # a dry run's
+    types_asked: int = 0  # token types self-similarity would follow with room for all of them
 
     def per_device(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -260,9 +284,22 @@ class MemoryPlan:
             f"exact: {exact}",
             f"sampled: {sampled}",
         ]
+        lines += self.caps()
         if self.batch:
             lines.append(f"batches: {self.batch}")
         return lines
+
+    def caps(self) -> list[str]:
+        """What the budgets cut below what was asked, and why (self-similarity's token types)."""
+        held = max((p.types for p in self.layers), default=0)  # every tracking layer holds as many
+        if held >= self.types_asked:
+            return []
+        short = [d for d, b in self.budgets.items() if b is not None]
+        return [
+            f"self-similarity follows the {held:,} most frequent token types, not {self.types_asked:,}: "
+            f"their float64 sums per layer fit no more beside the other sums in the memory left on "
+            f"{', '.join(short) or 'the devices'} ({', '.join(_size(self.budgets[d]) for d in short)})"
+        ]
 
     def table(self) -> list[str]:
         """Per layer: device, d, exact covariance or not, reservoir, bytes (``--dry-run``)."""
@@ -282,6 +319,7 @@ class MemoryPlan:
             "covariance_bytes": self.cov_total(),
             "batch": self.batch,
             "source": self.source,
+            "types_asked": self.types_asked,
             "layers": [
                 {
                     "name": p.name,
@@ -295,6 +333,11 @@ class MemoryPlan:
                 for p in self.layers
             ],
         }
+
+
+def size_text(n: int | None) -> str:
+    """Bytes in the table's words: ``1.5 GB``, ``12.0 kB``, ``?`` when unknown."""
+    return _size(n)
 
 
 def _size(n: int | None) -> str:
@@ -415,7 +458,7 @@ def dry_run(
     from accelerate import init_empty_weights
     from transformers import AutoModel
 
-    from isotui.extract.runner import SELF_SIM_BUDGET_BYTES, SELF_SIM_TYPES
+    from isotui.extract.runner import SELF_SIM_TYPES
     from isotui.models.limits import config_position_limit, default_length
     from isotui.models.loading import model_config
 
@@ -481,7 +524,7 @@ def dry_run(
     for dev, h in have.items():
         room = None if h is None else h - weights.get(dev, 0) - activations(dev, tokens)
         budgets[dev] = None if room is None else max(0, room - margin(max(0, room)))
-    types = min(SELF_SIM_TYPES, SELF_SIM_BUDGET_BYTES // max(1, 8 * dim * len(where)))
+    types = fit_types([(dim, d, True) for d in where], budgets, SELF_SIM_TYPES)
     names = [f"layer {i}" for i in range(len(where))]
     layers = plan_layers([(n, dim, d, types) for n, d in zip(names, where, strict=True)], budgets, reservoir)
     return MemoryPlan(
@@ -492,4 +535,5 @@ def dry_run(
         batch=batch_line(batch_size, main, length, tokens),
         source=f"dry run from the config, {run_dtype} weights, memory from {source}",
         on_paper=True,
+        types_asked=SELF_SIM_TYPES,
     )
