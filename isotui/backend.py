@@ -7,6 +7,8 @@ seconds at a time, and in the app's own process that froze the keys. The app's p
 imports torch. The cache answers first, in a lookup process, so a cached result never waits
 behind a running model. Computation goes to one queue per device, each with its own process:
 one model at a time per device, the rest wait in order; the process writes the cache itself.
+A job split over several devices (``--device-map``) holds every device it may use (those its
+``--max-memory`` names, else all): no other job computes on them until it ends.
 Identical requests in flight share one job. Cancellation is cooperative: a running job stops
 between batches (a shared flag), a queued job never starts; quitting kills what does not stop
 in time. A failing job, or a process that dies (killed, out of memory), posts one sentence and
@@ -133,8 +135,75 @@ def as_request(
 def _started_device(request: Request) -> str:
     """The device a job runs on, as the jobs pane shows it once it starts: the one its lookup
     resolved when the request keeps it (a layer run), else the spec's own, resolved."""
+    mapped = devices_label(request)
+    if mapped is not None:
+        return mapped
     resolved: Callable[[], str] | None = getattr(request, "resolved_device", None)
     return resolved() if resolved is not None else resolve_device(request.device)
+
+
+ALL_DEVICES = "*"  # a device map without --max-memory: accelerate may use every device
+
+
+def _spec_of(job: Any) -> Any:
+    """The RunSpec a job (a RunSpec, or an experiment request holding one) runs, or None."""
+    return job if isinstance(job, RunSpec) else getattr(job, "spec", None)
+
+
+def job_devices(job: Any) -> frozenset[str]:
+    """The devices a job occupies while it computes: a device-map job every device its
+    ``--max-memory`` names (the GPUs and the CPU; disk is no device), or every device when it
+    names none; any other job its one device (``cuda`` is ``cuda:0``). Torch-free: the app's
+    process decides from the spec alone."""
+    spec = _spec_of(job)
+    if spec is not None and getattr(spec, "device_map", None):
+        if not spec.max_memory:
+            return frozenset({ALL_DEVICES})
+        named = [k for k, _ in spec.max_memory if k != "disk"]
+        return frozenset(f"cuda:{k}" if isinstance(k, int) else str(k) for k in named)
+    device = str(spec.device if spec is not None else getattr(job, "device", "auto"))
+    return frozenset({"cuda:0" if device == "cuda" else device})
+
+
+def devices_label(job: Any) -> str | None:
+    """What the jobs pane's device column says of a device-map job (None: any other job)."""
+    spec = _spec_of(job)
+    if spec is None or not getattr(spec, "device_map", None):
+        return None
+    devices = job_devices(job)
+    if ALL_DEVICES in devices:
+        return f"all devices (map {spec.device_map})"
+    order = sorted(devices, key=lambda d: (not d.startswith("cuda"), len(d), d))
+    return "+".join(order) + " (map)"
+
+
+class DeviceClaims:
+    """Which devices running jobs occupy: a job computes only once none of its devices
+    (:func:`job_devices`) is another running job's, so a job split over several devices by
+    ``--device-map`` keeps every one of them to itself, whichever lane runs it."""
+
+    def __init__(self) -> None:
+        self._held: list[frozenset[str]] = []
+        self._cond = threading.Condition()
+
+    @staticmethod
+    def _clash(a: frozenset[str], b: frozenset[str]) -> bool:
+        return ALL_DEVICES in a or ALL_DEVICES in b or bool(a & b)
+
+    def claim(self, devices: frozenset[str], stop: threading.Event) -> bool:
+        """Wait until ``devices`` are free, then hold them; False if ``stop`` is set first."""
+        with self._cond:
+            while any(self._clash(devices, held) for held in self._held):
+                if stop.is_set():
+                    return False
+                self._cond.wait(0.1)
+            self._held.append(devices)
+            return True
+
+    def release(self, devices: frozenset[str]) -> None:
+        with self._cond:
+            self._held.remove(devices)
+            self._cond.notify_all()
 
 
 def failure_sentence(exc: BaseException) -> str:
@@ -368,6 +437,7 @@ class Backend:
         self._lookup_runner = self._runner("lookup")
         self._runners: list[Runner] = [self._lookup_runner]
         self._lanes: dict[str, queue.Queue[_Job | None]] = {}
+        self._claims = DeviceClaims()
         self._threads: list[threading.Thread] = []
         self._closed = False
 
@@ -480,15 +550,26 @@ class Backend:
 
     def _run_lane(self, lane: queue.Queue[_Job | None], runner: Runner) -> None:
         while (job := lane.get()) is not None:
-            with self._lock:
-                if job.ended:  # cancelled while it waited
-                    continue
-                job.started, job.runner = True, runner
-                runner.stop.clear()
-                if job.stop.is_set():
-                    runner.stop.set()
-            self._step(runner, "compute", job)
+            devices = job_devices(job.request)
+            if not self._claims.claim(devices, job.stop):  # cancelled while its devices were busy
+                self._end(job, JobCancelled(job.job_id, job.spec))
+                continue
+            try:
+                self._run_claimed(job, runner)
+            finally:
+                self._claims.release(devices)
         runner.close()
+
+    def _run_claimed(self, job: _Job, runner: Runner) -> None:
+        """Run ``job``'s compute step on this lane's ``runner`` (its devices are claimed)."""
+        with self._lock:
+            if job.ended:  # cancelled while it waited
+                return
+            job.started, job.runner = True, runner
+            runner.stop.clear()
+            if job.stop.is_set():
+                runner.stop.set()
+        self._step(runner, "compute", job)
 
     def _step(self, runner: Runner, step: str, job: _Job) -> None:
         """Run one step of ``job`` on ``runner``, its messages turned into the job's events."""
@@ -520,7 +601,7 @@ class Backend:
             self._post(JobProgress(job.job_id, job.spec, rest[0]))
         elif kind == "miss":
             job.request = rest[0]  # resolved by the lookup
-            self._lane(job.request.device).put(job)
+            self._lane(devices_label(job.request) or job.request.device).put(job)  # a map: its own lane
         elif kind == "done":
             self._end(job, JobFinished(job.job_id, job.spec, rest[0]))
         elif kind == "cancelled":

@@ -112,12 +112,9 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
         "layer metrics below)",
     )
     p.add_argument("--wide-csv", metavar="PATH", help="write that layer x model table here as CSV")
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the memory plan from the model's config alone (no weights read): weights and "
-        "accumulators per device and per layer, what is exact and what sampled, the batches",
-    )
+    from isotui.cli_experiments import add_dry_run_flag
+
+    add_dry_run_flag(p)
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser):
@@ -266,45 +263,23 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
 
 def _dry_run(args: argparse.Namespace) -> int:
     """``isotui run --dry-run``: each model's memory plan from its config (``--json``: as JSON)."""
-    import json
-
-    from isotui.extract.memory_plan import dry_run
-    from isotui.models.naming import parse_model
+    from isotui.cli_experiments import print_plans
+    from isotui.experiments.registry import LAYERS
     from isotui.spec import given_options, make_spec
 
     args.config = _config_path(args.config)
     s = _settings(args)
     where = f"config file {args.config}: " if args.config else ""
-    out = stdout_console()
-    plans = {}
+    entries = []
     for model in s.get("models") or ["minilm"]:
         try:
             spec = make_spec(model, base_dir=s.get("data_base_dir", s.get("base_dir")), **given_options(s))
         except IsotuiError as exc:
             raise IsotuiError(f"{where}{exc}") from None
-        plan = dry_run(
-            parse_model(spec.model),
-            device_map=spec.device_map,
-            max_memory=spec.max_memory,
-            device=spec.device,
-            dtype=spec.dtype,
-            reservoir=spec.reservoir,
-            batch_size=spec.batch_size,
-            max_length=spec.max_length,
-            trust_remote_code=spec.trust_remote_code,
-        )
-        plans[model] = plan.to_json() | {"notes": plan.notes()}
-        if not s.get("json"):
-            out.print(f"{model}: memory plan (dry run, no weights read)", highlight=False)
-            for line in [*plan.notes(), "", *plan.table(), ""]:
-                out.print(line, highlight=False, soft_wrap=True)
-    if s.get("json"):
-        text = json.dumps(plans, indent=2)
-        if str(s["json"]) == "-":
-            out.print(text, highlight=False, soft_wrap=True)
-        else:
-            Path(s["json"]).write_text(text + "\n", encoding="utf-8")
-    return 0
+        assert LAYERS.plan is not None
+        plan = LAYERS.plan(LAYERS.request(spec, args))
+        entries.append((model, f"{model}: memory plan (dry run, no weights read)", plan))
+    return print_plans(entries, s.get("json"))
 
 
 def _write_wide_csv(outcome, args: argparse.Namespace, err) -> None:

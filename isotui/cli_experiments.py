@@ -66,6 +66,58 @@ def add_duplicates_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_dry_run_flag(p: argparse.ArgumentParser) -> None:
+    """``--dry-run``, for every experiment that streams a model (its registry entry has a plan)."""
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the memory plan from the model's config alone (no weights read): weights and "
+        "accumulators per device and per layer, what is exact and what sampled, the batches",
+    )
+
+
+def print_plans(entries: list[tuple[str, str, Any]], json_target: str | None) -> int:
+    """Print dry-run plans, each (label, heading, plan): the heading, the plan's notes and its
+    table; or, with ``--json``, all of them as one JSON object keyed by label (``-``: stdout)."""
+    import json
+    from pathlib import Path
+
+    from isotui.cli import stdout_console
+
+    out = stdout_console()
+    if json_target:
+        plans = {label: plan.to_json() | {"notes": plan.notes()} for label, _h, plan in entries}
+        text = json.dumps(plans, indent=2)
+        if str(json_target) == "-":
+            out.print(text, highlight=False, soft_wrap=True)
+        else:
+            Path(json_target).write_text(text + "\n", encoding="utf-8")
+        return 0
+    for _label, heading, plan in entries:
+        out.print(heading, highlight=False)
+        for line in [*plan.notes(), "", *plan.table(), ""]:
+            out.print(line, highlight=False, soft_wrap=True)
+    return 0
+
+
+def dry_run(experiment: Experiment, args: argparse.Namespace, err: Any) -> int:
+    """``isotui experiment NAME --dry-run``: each request's plan (:attr:`Experiment.plan`) from
+    the config alone; a series is planned from its first checkpoint (all share one architecture,
+    and run one at a time)."""
+    assert experiment.plan is not None
+    experiment.check(args)
+    entries = []
+    for request in make_requests(experiment, args, lambda text: err.print(f"[yellow]isotui: {text}[/]")):
+        heading = f"{request.model}: memory plan of {experiment.name} (dry run, no weights read)"
+        label = request.model
+        if experiment.inputs == "series":
+            n = len(request.checkpoints)
+            label = request.series or request.model
+            heading += f"; each of its {n} checkpoint{'s' * (n != 1)} in turn holds this"
+        entries.append((label, heading, experiment.plan(request)))
+    return print_plans(entries, getattr(args, "json", None))
+
+
 def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     """The run options experiment ``command`` takes (see :func:`isotui.cli.add_run_flags`)."""
     from isotui.cli import add_run_flags as run_flags
@@ -277,6 +329,8 @@ def add_experiment_parser(
     experiment.add_options(p)
     if experiment.run_flags:
         add_run_flags(p, experiment.name)
+    if experiment.plan is not None:
+        add_dry_run_flag(p)
     if "--csv" not in p._option_string_actions:
         add_common(p, device_seed=not experiment.run_flags)
     return p
@@ -305,6 +359,8 @@ def run(args: argparse.Namespace, err: Any) -> int | None:
         for flag in ("csv", "json"):  # a path that cannot take the output: say it before the run
             if getattr(args, flag, None):
                 check_output(getattr(args, flag), f"--{flag}")
+        if getattr(args, "dry_run", False):
+            return dry_run(EXPERIMENTS[args.experiment], args, err)
         return command_main(EXPERIMENTS[args.experiment])(args, err)
     if args.command in TOP_LEVEL:
         code: int = importlib.import_module(TOP_LEVEL[args.command]).main(args, err)

@@ -276,3 +276,25 @@ print(len(end.result.rows), "torch" in sys.modules, len(ResultCache({str(tmp_pat
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["3", "False", "1"]  # 3 rows, no torch here, cached by the worker
+
+
+def test_device_claims_keep_a_device_map_jobs_devices_to_itself():
+    from isotui.backend import DeviceClaims, devices_label, job_devices
+
+    split = make_spec("minilm", device_map="auto", max_memory="0=1GB,1=1GB,cpu=2GB,disk=9GB")
+    everywhere = make_spec("minilm", device_map="balanced")  # no --max-memory: any device
+    assert job_devices(split) == {"cuda:0", "cuda:1", "cpu"}  # disk is no device
+    assert devices_label(split) == "cuda:0+cuda:1+cpu (map)"
+    assert devices_label(everywhere) == "all devices (map balanced)"
+    assert job_devices(make_spec("minilm", device="cuda")) == {"cuda:0"}
+    assert devices_label(make_spec("minilm", device="cpu")) is None
+    claims, stop = DeviceClaims(), threading.Event()
+    assert claims.claim(job_devices(split), stop)
+    stop.set()  # a claim that would wait gives up once its job is stopped
+    assert not claims.claim(frozenset({"cpu"}), stop)
+    assert not claims.claim(job_devices(everywhere), stop)
+    assert claims.claim(frozenset({"cuda:2"}), stop)  # a device the split job does not use
+    claims.release(job_devices(split))
+    assert not claims.claim(job_devices(everywhere), stop)  # cuda:2 is still held
+    claims.release(frozenset({"cuda:2"}))
+    assert claims.claim(job_devices(everywhere), threading.Event())

@@ -383,6 +383,26 @@ def a_file(tmp: Path) -> None:
 ONE_SENTENCE = [
     pytest.param(
         Case(
+            ("experiment", "gradients", "-m", "random:t5:d_model=32", "--dry-run"),
+            "--dry-run plans text models whose config gives hidden_size and num_hidden_layers",
+            2,
+            "nothing",
+            lambda t: not (t / "cache").exists(),
+        ),
+        id="dry-run-encoder-decoder",
+    ),
+    pytest.param(
+        Case(
+            ("experiment", "attention", "-m", "random:timm:resnet18", "--dry-run"),
+            "--dry-run plans transformers models; 'random:timm:resnet18' is a timm model",
+            2,
+            "nothing",
+            lambda t: not (t / "cache").exists(),
+        ),
+        id="dry-run-timm",
+    ),
+    pytest.param(
+        Case(
             ("run", "job.toml"),
             "is not UTF-8 text (byte 22); save it as UTF-8",
             2,

@@ -486,3 +486,39 @@ def _cached(model: Path, data: Path, root: Path) -> bool:
     cache = ResultCache(root)
     spec = make_spec(str(model), data=f"text:{data}", max_length=MAX_LENGTH, reservoir=20)
     return layerwise.lookup(layerwise.prepare(spec, cache), cache) is not None
+
+
+def test_a_ray_sweep_from_the_app_shows_its_tasks_and_ends_with_the_plain_runs_numbers(
+    series, data, plain, tmp_path
+):
+    """``executor = "ray"`` from the app: the sweep job (in the backend's worker process) starts a
+    local Ray cluster there, the jobs pane counts its two tasks and names the executor, and the
+    merged run joins the app with the plain run's numbers."""
+    pytest.importorskip("ray")
+    from isotui.tui.app import IsotuiApp
+
+    model = series["gpt2"] / STEPS[2]
+    config = _app_config(tmp_path / "cfg", [model], data[1], 'shards = 2\nexecutor = "ray"')
+    config.write_text(config.read_text().replace("workers = 1\n", ""), encoding="utf-8")  # local's key
+    seen: list[str] = []
+
+    async def go() -> None:
+        app = IsotuiApp(cache_root=tmp_path / "appcache", export_dir=tmp_path, fresh=True)
+        async with app.run_test(size=(140, 40)) as pilot:
+            app.run_config(config)
+            await _wait(pilot, lambda: str(model) in app.results or _last_state(app, seen) == "failed")
+            assert _last_state(app, seen) == "done", seen
+            result = app.results[str(model)]
+        assert any(re.search(r"\b[01]/2 tasks$", cells[3]) for cells in _seen_cells), seen
+        assert _seen_cells[-1][6] == "ray"  # the device column names the executor
+        rows = {r["layer"]: r for r in plain if r["model"] == str(model)}
+        assert len(result.rows) == len(rows)
+        for row in result.rows:
+            for k in ROW_NUMBERS:
+                want = float(rows[str(row.layer)][k])
+                assert getattr(row, k) == pytest.approx(want, rel=1e-6, abs=1e-9), (row.layer, k)
+        (one,) = [r for r in result.rows if r.layer == 1]
+        assert one.avg_cos == pytest.approx(_numpy_avg_cos(model, data[0], 1), rel=1e-5)
+
+    _seen_cells.clear()
+    asyncio.run(go())

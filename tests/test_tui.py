@@ -631,3 +631,32 @@ def test_the_app_freezes_its_startup_objects_out_of_the_collector(tmp_path):
 
     gc.unfreeze()
     asyncio.run(scenario())
+
+
+def test_a_device_map_job_holds_every_device_it_uses_and_the_pane_names_them(tmp_path):
+    """A job split by --device-map over cuda:0 and the CPU (its --max-memory) runs in a lane of
+    its own, yet a CPU job waits until it ends, while a job mapped to cuda:1 alone runs beside
+    it; the jobs pane shows each job's devices."""
+
+    async def scenario():
+        submitted: list = []
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend(submitted, 10**6))
+        async with app.run_test(size=(140, 36)) as pilot:
+            jobs = app.query_one("#jobs", JobsTable)
+            app.submit("fake-split", {"device_map": "auto", "max_memory": "0=1GB,cpu=2GB"})
+            await _wait(pilot, lambda: jobs.records.get(1) and jobs.records[1].state == "running")
+            app.submit("fake-cpu", {"device": "cpu"})
+            app.submit("fake-other-gpu", {"device_map": "auto", "max_memory": "1=1GB"})
+            await _wait(pilot, lambda: jobs.records.get(3) and jobs.records[3].state == "running")
+            await pilot.pause(0.5)
+            assert jobs.records[2].state == "queued"  # the CPU is the split job's
+            assert jobs.records[1].device == "cuda:0+cpu (map)" and jobs.records[3].device == "cuda:1 (map)"
+            assert jobs.get_row_at(jobs.get_row_index("1"))[6] == "cuda:0+cpu (map)"
+            app.backend.cancel(1)
+            await _wait(pilot, lambda: jobs.records[2].state == "running")
+            assert jobs.records[1].state == "cancelled" and jobs.records[2].device == "cpu"
+            for job in (2, 3):
+                app.backend.cancel(job)
+            await _wait(pilot, lambda: app.backend.in_flight() == [])
+
+    asyncio.run(scenario())

@@ -129,6 +129,9 @@ class Experiment:
     command: str = "experiment"  # "run": a top-level command of its own
     run_flags: bool = True  # takes the data and extraction flags of `isotui run`
     what: str = "models"  # what the closing failure line counts
+    # --dry-run: a request's memory plan from the config alone (isotui.experiments.plans); None
+    # for an experiment that streams no model
+    plan: Callable[[Any], Any] | None = None
 
     def request(self, spec: Any, args: argparse.Namespace) -> Any:
         """The request ``spec`` (a RunSpec; a (series, checkpoints, spec) triple; None for a

@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 HELP = "loss gradients w.r.t. hidden states: their anisotropy and share in the activations' top PCs"
 MASK_RATE = 0.15
 MASK_SALT = 0x6D6C6D  # separates the masking hash from the reservoir's (same seed)
-GRAM_BUDGET_BYTES = 4 << 30  # all layers' two d x d float64 sums
 FOLDER = "gradients"  # the result cache's folder for this experiment
 SCHEMA = 1
 OFFLINE_LMS = (
@@ -298,7 +297,8 @@ def _stream_gradients(
         try:
             for acc, h, g in zip(accs, hidden, grads, strict=True):
                 d = h.shape[-1]
-                acc.add(h.detach().reshape(-1, d)[flat], g.reshape(-1, d)[flat])
+                at = flat.to(h.device)  # a split model's layers sit on several GPUs
+                acc.add(h.detach().reshape(-1, d)[at], g.reshape(-1, d)[at])
         except Exception as exc:  # some layers hold the batch already: a retry would count it twice
             if not is_oom(exc):
                 raise
@@ -380,14 +380,31 @@ def _accumulators(
             f"--top-k {top_k} is not below the hidden size {min(dims)} of model {model!r}; "
             f"use --top-k {min(dims) - 1} or less"
         )
-    need = sum(2 * d * d * 8 for d in dims)
-    if need > GRAM_BUDGET_BYTES:
-        raise IsotuiError(
-            f"model {model!r} needs {need / (1 << 30):.1f} GiB for its per-layer d x d sums "
-            f"({len(dims)} layers, d = {max(dims)}), more than the {GRAM_BUDGET_BYTES >> 30} GiB "
-            "isotui allows"
-        )
-    return [GradAccumulator(d, device) for d in dims]
+    # each layer's sums on its hidden states' GPU (a split model's several), else on ``device``
+    where = [h.device if h.device.type == "cuda" else device for h in hidden]
+    check_gradient_room(model, dims, [str(w) for w in where])
+    return [GradAccumulator(d, w) for d, w in zip(dims, where, strict=True)]
+
+
+def check_gradient_room(model: str, dims: Sequence[int], where: Sequence[str]) -> None:
+    """Refuse, before the sums are made, a model whose per-layer gradient sums (two d x d float64
+    each, :func:`~isotui.extract.memory_plan.gradient_bytes`) exceed what a device has left: its
+    measured free memory after the model is placed and the first batch has run, less the margin.
+    They are exact or not at all (no sample stands in for a d x d sum)."""
+    from isotui.extract.memory_plan import gradient_bytes, measured_budget, size_text
+
+    need: dict[str, int] = {}
+    for d, w in zip(dims, where, strict=True):
+        need[w] = need.get(w, 0) + gradient_bytes(d)
+    for w, n in need.items():
+        budget = measured_budget(w)
+        if budget is not None and n > budget:
+            raise IsotuiError(
+                f"model {model!r} needs {size_text(n)} on {w} for its per-layer d x d gradient sums "
+                f"({where.count(w)} layers, d up to {max(dims)}), more than the {size_text(budget)} "
+                f"{w} has left (its measured free memory less a margin); spread the model over more "
+                "devices with --device-map and --max-memory"
+            )
 
 
 def _notes(objective: str, top_k: int) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from isotui.experiments import attention, checkpoints, final_norm, gradients, qk_dynamics
+from isotui.experiments import attention, checkpoints, final_norm, gradients, plans, qk_dynamics
 from isotui.experiments.base import Arrays, Experiment, Payload, Rows
 from isotui.experiments.drift_block import experiment as drift_block_experiment
 from isotui.experiments.requests import (
@@ -69,6 +69,7 @@ LAYERS = Experiment(
     payload=_layer_payload,
     decode=_layer_decode,
     command="run",
+    plan=plans.layers,
 )
 
 REGISTRY: tuple[Experiment, ...] = (
@@ -87,6 +88,7 @@ REGISTRY: tuple[Experiment, ...] = (
         payload=attention.json_payload,
         add_options=attention.add_options,
         decode=attention.AttentionResult.from_json,
+        plan=plans.attention,
     ),
     drift_block_experiment.EXPERIMENT,
     Experiment(
@@ -104,6 +106,7 @@ REGISTRY: tuple[Experiment, ...] = (
         add_options=qk_dynamics.add_options,
         check=qk_dynamics.check_options,
         what="checkpoints",
+        plan=plans.attention,
     ),
     Experiment(
         name="checkpoints",
@@ -119,6 +122,7 @@ REGISTRY: tuple[Experiment, ...] = (
         payload=checkpoints.json_payload,
         add_options=checkpoints.add_options,
         what="checkpoints",
+        plan=plans.layers,
     ),
     Experiment(
         name="final-norm",
@@ -134,6 +138,7 @@ REGISTRY: tuple[Experiment, ...] = (
         payload=final_norm.json_payload,
         add_options=final_norm.add_options,
         decode=final_norm.results_from_payload,
+        plan=plans.final_norm,
     ),
     Experiment(
         name="gradients",
@@ -149,6 +154,7 @@ REGISTRY: tuple[Experiment, ...] = (
         payload=gradients.json_payload,
         add_options=gradients.add_options,
         decode=gradients.gradients_from_payload,
+        plan=plans.gradients,
     ),
 )
 

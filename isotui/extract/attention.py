@@ -30,12 +30,12 @@ from isotui.core.accumulator import keep_smallest, sample_keys
 from isotui.core.attention import AttentionAccumulator, HeadStats, VectorSums
 from isotui.errors import IsotuiError
 from isotui.extract.loop import Batch, BatchLoop, Hooks, merge_facts
+from isotui.extract.memory_plan import measured_budget, size_text
 from isotui.extract.planning import ExtractOptions, effective_max_length
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck
 from isotui.models.loading import LoadedModel
 
 PROBE = "isotui_probe"
-SAMPLE_BUDGET_BYTES = 128 << 20  # all modules' query/key subsamples together (float32)
 _ACTIVE: dict[int, _ModuleProbe] = {}  # id(attention module) -> its probe, while a run is on
 _LOCK = threading.Lock()
 _UNSUPPORTED = ("softcap", "s_aux", "sinks")
@@ -372,8 +372,10 @@ class AttentionRun:
             _ACTIVE.update(self.probes)
 
     def _size_subsamples(self) -> None:
-        """Shrink the per-module subsample so that all of them fit :data:`SAMPLE_BUDGET_BYTES`
-        (queries and keys of every head take at most 2 x hidden size floats per position)."""
+        """Shrink the per-module subsample so that all of them fit the CPU's measured free memory
+        less the margin (:func:`~isotui.extract.memory_plan.measured_budget`, after the model is
+        placed: the subsamples are held on the CPU; queries and keys of every head take at most
+        2 x hidden size float32 per position)."""
         if not self.sample_size or not self.probes:
             return
         config = self.model.config
@@ -382,12 +384,15 @@ class AttentionRun:
         )
         if not width:
             return
-        fit = SAMPLE_BUDGET_BYTES // (len(self.probes) * 2 * 4 * int(width))
+        budget = measured_budget("cpu")
+        if budget is None:
+            return
+        fit = budget // (len(self.probes) * 2 * 4 * int(width))
         size = max(2, min(self.sample_size, fit))
         if size < self.sample_size:
             self.notes.append(
                 f"query/key subsample capped at {size} positions per module (of {self.sample_size} asked) "
-                f"to stay within {SAMPLE_BUDGET_BYTES >> 20} MiB"
+                f"to fit the {size_text(budget)} the CPU has left (its measured free memory less a margin)"
             )
         for probe in self.probes.values():
             for sub in (probe.q_sample, probe.k_sample):

@@ -179,6 +179,29 @@ def reservoir_bytes(dim: int, size: int) -> int:
     return size * (4 * dim + 8)
 
 
+def gradient_bytes(dim: int) -> int:
+    """A layer's gradient sums (:class:`~isotui.core.gradients.GradAccumulator`): g g^T and the
+    shifted x x^T (two d x d float64) and six float64 d-vectors."""
+    return 2 * 8 * dim * dim + 6 * 8 * dim
+
+
+def fit_types(layers: Sequence[tuple[int, str, bool]], budgets: Mapping[str, int | None], asked: int) -> int:
+    """How many token types' self-similarity sums fit: given (d, device, tracks types) per layer
+    and each device's budget, the most types up to ``asked`` whose sums, beside every layer's
+    float64 vectors, fit every device's budget (these are the sums :func:`plan_layers` counts
+    first). A device whose free memory cannot be told limits nothing."""
+    fit = asked
+    for device in dict.fromkeys(dev for _d, dev, _t in layers):
+        left = budgets.get(device)
+        mine = [(dim, tracks) for dim, dev, tracks in layers if dev == device]
+        per_type = sum(8 * dim + 24 for dim, tracks in mine if tracks)
+        if left is None or not per_type:
+            continue
+        room = left - sum(fixed_bytes(dim, 0) for dim, _t in mine)
+        fit = min(fit, max(0, room) // per_type)
+    return max(0, fit)
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """One hidden state's accumulators: where they live, what they hold, their bytes."""
@@ -207,6 +230,7 @@ class MemoryPlan:
     batch: str = ""  # how batches are cut
     source: str = "measured free memory"
     on_paper: bool = False  # a dry run's
+    types_asked: int = 0  # token types self-similarity would follow with room for all of them
 
     def per_device(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -261,9 +285,22 @@ class MemoryPlan:
             f"exact: {exact}",
             f"sampled: {sampled}",
         ]
+        lines += self.caps()
         if self.batch:
             lines.append(f"batches: {self.batch}")
         return lines
+
+    def caps(self) -> list[str]:
+        """What the budgets cut below what was asked, and why (self-similarity's token types)."""
+        held = max((p.types for p in self.layers), default=0)  # every tracking layer holds as many
+        if held >= self.types_asked:
+            return []
+        short = [d for d, b in self.budgets.items() if b is not None]
+        return [
+            f"self-similarity follows the {held:,} most frequent token types, not {self.types_asked:,}: "
+            f"their float64 sums per layer fit no more beside the other sums in the memory left on "
+            f"{', '.join(short) or 'the devices'} ({', '.join(_size(self.budgets[d]) for d in short)})"
+        ]
 
     def table(self) -> list[str]:
         """Per layer: device, d, exact covariance or not, reservoir, bytes (``--dry-run``)."""
@@ -283,6 +320,7 @@ class MemoryPlan:
             "covariance_bytes": self.cov_total(),
             "batch": self.batch,
             "source": self.source,
+            "types_asked": self.types_asked,
             "layers": [
                 {
                     "name": p.name,
@@ -296,6 +334,11 @@ class MemoryPlan:
                 for p in self.layers
             ],
         }
+
+
+def size_text(n: int | None) -> str:
+    """Bytes in the table's words: ``1.5 GB``, ``12.0 kB``, ``?`` when unknown."""
+    return _size(n)
 
 
 def _size(n: int | None) -> str:
@@ -398,27 +441,47 @@ def _block_names(model: Any, count: int) -> list[str]:
     return []
 
 
-def dry_run(
+@dataclass
+class Paper:
+    """A model placed on paper (the meta device, no weights): what every experiment's dry run
+    plans from."""
+
+    config: Any
+    model: Any
+    dim: int
+    n_blocks: int
+    dtype: str
+    weights: dict[str, int]
+    where: list[str]  # each hidden state's device (0: the embeddings' output)
+    main: str
+    budgets: dict[str, int | None]  # accumulator room per device: ``where``'s, and the CPU's
+    batch: str
+    source: str
+
+
+def place_on_paper(
     ref: ModelRef,
     *,
     device_map: str | None,
     max_memory: Sequence[tuple[int | str, int]] | None,
     device: str,
     dtype: str,
-    reservoir: int,
     batch_size: int | None,
     max_length: int | None,
     trust_remote_code: bool = False,
-) -> MemoryPlan:
-    """The memory plan of a layers run of ``ref`` from its config alone (see the module's doc).
-    Text transformers models whose config names ``hidden_size`` and ``num_hidden_layers``."""
+    head: str | None = None,
+) -> Paper:
+    """``ref`` built from its config on the meta device (``head="lm"``: with its language-model
+    head, as the gradient experiment loads it), placed by accelerate under ``--max-memory``; each
+    device's budget is what ``--max-memory`` (or the device) gives it less its weights, the first
+    batch's activations and the margin. Text transformers models whose config names
+    ``hidden_size`` and ``num_hidden_layers``."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoModel
 
-    from isotui.extract.runner import SELF_SIM_BUDGET_BYTES, SELF_SIM_TYPES
     from isotui.models.limits import config_position_limit, default_length
-    from isotui.models.loading import model_config
+    from isotui.models.loading import lm_class, model_config
 
     config = model_config(ref, trust_remote_code)
     dim, n_blocks = getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None)
@@ -434,9 +497,12 @@ def dry_run(
     declared = str(declared).removeprefix("torch.") if declared is not None else None
     run_dtype = resolve_dtype(dtype, kind, declared)
     with init_empty_weights():
-        model = AutoModel.from_config(
-            config, trust_remote_code=trust_remote_code, dtype=getattr(torch, run_dtype)
-        )
+        if head == "lm":
+            model = lm_class(config, ref.name)(config)
+        else:
+            model = AutoModel.from_config(
+                config, trust_remote_code=trust_remote_code, dtype=getattr(torch, run_dtype)
+            )
     model.to(getattr(torch, run_dtype))
     if device_map:
         placed = infer_device_map(model, device_map, memory)
@@ -459,14 +525,16 @@ def dry_run(
     act_bytes = DTYPE_BYTES[run_dtype]
     inter = getattr(config, "intermediate_size", None) or 4 * dim
     have: dict[str, int | None] = {}
-    for dev in dict.fromkeys(where):
+    for dev in dict.fromkeys([*where, "cpu"]):
         given = (memory or {}).get(int(dev.split(":")[1]) if dev.startswith("cuda:") else dev)
         measurable = not dev.startswith("cuda:") or torch.cuda.is_available()
         have[dev] = given if given is not None else available_memory(dev) if measurable else None
 
     def activations(dev: str, n: int) -> int:
         """The first batch of ``n`` tokens on ``dev``: every hidden state made there, and the
-        widest transients (the MLP's, the float64 copy of a layer)."""
+        widest transients (the MLP's, the float64 copy of a layer); none where nothing runs."""
+        if dev not in where:
+            return 0
         return n * (dim * act_bytes * where.count(dev) + 3 * inter * act_bytes + 12 * dim)
 
     # an auto batch too large for what the weights leave halves, as the run's back-off would
@@ -474,7 +542,9 @@ def dry_run(
         not batch_size
         and tokens > length
         and any(
-            h is not None and activations(d, tokens) > (h - weights.get(d, 0)) // 4 for d, h in have.items()
+            h is not None and activations(d, tokens) > (h - weights.get(d, 0)) // 4
+            for d, h in have.items()
+            if d in where
         )
     ):
         tokens //= 2
@@ -482,15 +552,272 @@ def dry_run(
     for dev, h in have.items():
         room = None if h is None else h - weights.get(dev, 0) - activations(dev, tokens)
         budgets[dev] = None if room is None else max(0, room - margin(max(0, room)))
-    types = min(SELF_SIM_TYPES, SELF_SIM_BUDGET_BYTES // max(1, 8 * dim * len(where)))
+    return Paper(
+        config,
+        model,
+        dim,
+        n_blocks,
+        run_dtype,
+        weights,
+        where,
+        main,
+        budgets,
+        batch_line(batch_size, main, length, tokens),
+        f"dry run from the config, {run_dtype} weights, memory from {source}",
+    )
+
+
+def dry_run(
+    ref: ModelRef,
+    *,
+    device_map: str | None,
+    max_memory: Sequence[tuple[int | str, int]] | None,
+    device: str,
+    dtype: str,
+    reservoir: int,
+    batch_size: int | None,
+    max_length: int | None,
+    trust_remote_code: bool = False,
+) -> MemoryPlan:
+    """The memory plan of a layers run of ``ref`` from its config alone (see the module's doc)."""
+    from isotui.extract.runner import SELF_SIM_TYPES
+
+    paper = place_on_paper(
+        ref,
+        device_map=device_map,
+        max_memory=max_memory,
+        device=device,
+        dtype=dtype,
+        batch_size=batch_size,
+        max_length=max_length,
+        trust_remote_code=trust_remote_code,
+    )
+    dim, where = paper.dim, paper.where
+    budgets = {d: paper.budgets[d] for d in dict.fromkeys(where)}
+    types = fit_types([(dim, d, True) for d in where], budgets, SELF_SIM_TYPES)
     names = [f"layer {i}" for i in range(len(where))]
     layers = plan_layers([(n, dim, d, types) for n, d in zip(names, where, strict=True)], budgets, reservoir)
     return MemoryPlan(
         layers,
         budgets,
-        weights=weights,
+        weights=paper.weights,
         reservoir_asked=reservoir,
-        batch=batch_line(batch_size, main, length, tokens),
-        source=f"dry run from the config, {run_dtype} weights, memory from {source}",
+        batch=paper.batch,
+        source=paper.source,
         on_paper=True,
+        types_asked=SELF_SIM_TYPES,
+    )
+
+
+# --- the other experiments' dry runs ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """One accumulator of an experiment other than layers: where it lives, what it is, its bytes."""
+
+    name: str
+    device: str
+    dim: int
+    what: str
+    bytes: int
+
+
+@dataclass
+class ExperimentPlan:
+    """An experiment's plan from the config alone: weights and accumulators per device, what
+    is exact and what sampled, what the budgets cut, the batches (``--dry-run``)."""
+
+    experiment: str
+    parts: list[PartPlan]
+    budgets: dict[str, int | None]
+    weights: dict[str, int]
+    exact: str
+    sampled: str
+    batch: str
+    source: str
+    caps: list[str] = field(default_factory=list)
+
+    def per_device(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for part in self.parts:
+            out[part.device] = out.get(part.device, 0) + part.bytes
+        return out
+
+    def notes(self) -> list[str]:
+        weights = ", ".join(f"{d} {_size(b)}" for d, b in self.weights.items()) or "-"
+        accs = ", ".join(
+            f"{d} {_size(b)} ({sum(p.device == d for p in self.parts)} parts"
+            + (f", of {_size(self.budgets[d])} left" if self.budgets.get(d) is not None else "")
+            + ")"
+            for d, b in self.per_device().items()
+        )
+        return [
+            f"memory plan of {self.experiment} ({self.source}): weights {weights}; accumulators {accs}",
+            f"exact: {self.exact}",
+            f"sampled: {self.sampled}",
+            *self.caps,
+            f"batches: {self.batch}",
+        ]
+
+    def table(self) -> list[str]:
+        rows = [f"{'part':<24} {'device':<8} {'d':>6} {'holds':<34} {'bytes':>10}"]
+        for p in self.parts:
+            rows.append(f"{p.name:<24} {p.device:<8} {p.dim:>6} {p.what:<34} {_size(p.bytes):>10}")
+        return rows
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "experiment": self.experiment,
+            "weights_bytes": dict(self.weights),
+            "accumulator_bytes": self.per_device(),
+            "budget_bytes": dict(self.budgets),
+            "batch": self.batch,
+            "source": self.source,
+            "exact": self.exact,
+            "sampled": self.sampled,
+            "caps": list(self.caps),
+            "parts": [
+                {"name": p.name, "device": p.device, "dim": p.dim, "what": p.what, "bytes": p.bytes}
+                for p in self.parts
+            ],
+        }
+
+
+def final_norm_plan(paper: Paper, *, every_layer: bool, reservoir: int) -> ExperimentPlan:
+    """final-norm's sums: before and after each norm (the final one, or every block's), on the
+    CPU; exact covariances for all of them when they fit the CPU's budget together, else none
+    (as the run decides after its first batch)."""
+    d, sites = paper.dim, paper.n_blocks if every_layer else 1
+    budget = paper.budgets["cpu"]
+    full = budget is None or sites * 2 * cov_bytes(d) <= budget
+    names = [f"block {i} norm" for i in range(sites)] if every_layer else ["final norm"]
+    parts = [
+        PartPlan(
+            f"{name} {side}",
+            "cpu",
+            d,
+            ("exact covariance, " if full else "") + f"reservoir {reservoir:,}",
+            LayerPlan(name, d, "cpu", full, reservoir).bytes,
+        )
+        for name in names
+        for side in ("in", "out")
+    ]
+    cov = "IsoScore, effective rank and the spectrum from the exact covariance"
+    return ExperimentPlan(
+        "final-norm",
+        parts,
+        {"cpu": budget},
+        paper.weights,
+        "avg_cos, drift and norms before and after each norm over every vector"
+        + (f"; {cov}" if full else ""),
+        f"the centred metrics from a reservoir of {reservoir:,} vectors per side"
+        + ("" if full else f"; {cov.split(' from')[0]} from it too"),
+        paper.batch,
+        paper.source,
+        []
+        if full
+        else [
+            f"covariances: {sites * 2} of {cov_bytes(d):,} bytes each do not fit the "
+            f"{_size(budget)} the CPU has left, so none is exact"
+        ],
+    )
+
+
+def gradients_plan(paper: Paper, *, model: str) -> ExperimentPlan:
+    """gradients' sums: per hidden state two d x d float64 (:func:`gradient_bytes`) on its GPU
+    (else the CPU); exact or refused, never sampled."""
+    where = [w if w.startswith("cuda") else "cpu" for w in paper.where]
+    d = paper.dim
+    parts = [
+        PartPlan(f"layer {i}", w, d, "g g^T and x x^T (float64)", gradient_bytes(d))
+        for i, w in enumerate(where)
+    ]
+    budgets = {w: paper.budgets.get(w) for w in dict.fromkeys(where)}
+    plan = ExperimentPlan(
+        "gradients",
+        parts,
+        budgets,
+        paper.weights,
+        "every statistic, over every kept token's activation and gradient (streamed float64 sums)",
+        "nothing",
+        paper.batch + "; the backward pass holds every layer's activations on top",
+        paper.source,
+    )
+    for w, need in plan.per_device().items():
+        if budgets[w] is not None and need > (budgets[w] or 0):
+            plan.caps.append(
+                f"refused as planned: model {model!r} needs {_size(need)} on {w} for its gradient sums, "
+                f"more than the {_size(budgets[w])} {w} has left"
+            )
+    return plan
+
+
+def attention_bytes(heads: int, kv_heads: int, head_dim: int, rope: bool) -> int:
+    """One attention module's sums (:class:`~isotui.core.attention.AttentionAccumulator`): per
+    query and key head the float64 sums of vectors and unit vectors and three counts, per query
+    head the score histogram (int64 bins), score moments and extremes and the row sums; twice
+    the vector sums where queries and keys are also read before the rotary embedding."""
+    from isotui.core.attention import SCORE_BINS
+
+    vectors = 8 * (heads + kv_heads) * (2 * head_dim + 3)
+    scores = 8 * heads * (SCORE_BINS + 2) + 8 * 5 * heads
+    rows = 8 * 5 * heads
+    return vectors * (2 if rope else 1) + scores + rows
+
+
+def attention_plan(paper: Paper, *, sample_size: int, experiment: str = "attention") -> ExperimentPlan:
+    """The attention probe's sums: one accumulator per block's attention module on its block's
+    device, and (``sample_size``) the query/key subsamples on the CPU, shrunk to what the CPU's
+    budget holds as the run shrinks them."""
+    config, d = paper.config, paper.dim
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or d // heads)
+    rope = any(("rope" in k or "rotary" in k) for k in config.to_dict())
+    modules = paper.n_blocks
+    parts = [
+        PartPlan(
+            f"attention {i + 1}",
+            paper.where[i + 1],
+            head_dim,
+            f"{heads} query, {kv} key heads" + (", pre-rope too" if rope else ""),
+            attention_bytes(heads, kv, head_dim, rope),
+        )
+        for i in range(modules)
+    ]
+    caps: list[str] = []
+    size = 0
+    if sample_size:
+        per_position = modules * 2 * 4 * d
+        budget = paper.budgets["cpu"]
+        size = sample_size if budget is None else max(2, min(sample_size, budget // per_position))
+        if size < sample_size:
+            caps.append(
+                f"query/key subsample capped at {size:,} positions per module (of {sample_size:,} asked) "
+                f"to fit the {_size(budget)} the CPU has left"
+            )
+        parts.append(
+            PartPlan(
+                "query/key subsample",
+                "cpu",
+                d,
+                f"{size:,} positions x {modules} modules",
+                size * per_position,
+            )
+        )
+    budgets = {w: paper.budgets.get(w) for w in dict.fromkeys(p.device for p in parts)}
+    return ExperimentPlan(
+        experiment,
+        parts,
+        budgets,
+        paper.weights,
+        "every head's query/key norms, means and cosines, score moments and extremes, softmax "
+        "statistics and entropy, over every kept position and pair",
+        f"queries and keys for the common SVD from a subsample of {size:,} positions per module"
+        if sample_size
+        else "nothing (score histograms are binned on fixed edges)",
+        paper.batch,
+        paper.source,
+        caps,
     )

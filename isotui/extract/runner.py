@@ -29,6 +29,7 @@ from isotui.extract.loop import Batch, BatchLoop, Hooks, merge_facts
 from isotui.extract.memory_plan import (
     MemoryPlan,
     batch_line,
+    fit_types,
     measured_budget,
     plan_layers,
     weights_per_device,
@@ -40,7 +41,6 @@ from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never
 from isotui.models.loading import LoadedModel, final_norm_modules
 
 SELF_SIM_TYPES = 1000  # token types followed for self-similarity (the most frequent ones)
-SELF_SIM_BUDGET_BYTES = 256 << 20  # their float64 sums, all layers together
 TOKEN_MAP_TYPES = ("segformer",)  # transformers whose stages are token grids, not conv maps
 
 
@@ -300,17 +300,14 @@ class LayerStream:
         self.saw_maps = any(h.ndim == 4 for hidden in components.values() for h in hidden)
         all_dims = [d for ds in dims.values() for d in ds]
         self.max_dim = max(all_dims)
-        if self.tracked is not None:  # as many types as fit the budget, up to SELF_SIM_TYPES
-            token_dims = sum(
-                h.shape[-1] for c, hidden in components.items() if c != "decoder" for h in hidden
-            )
-            fit = SELF_SIM_BUDGET_BYTES // max(1, 8 * token_dims)
-            self.n_tracked = int(min(SELF_SIM_TYPES, fit, int((self.tracked >= 0).sum())))
+        # the most frequent types, up to SELF_SIM_TYPES: as many as the plan finds room for
+        asked = 0 if self.tracked is None else int(min(SELF_SIM_TYPES, int((self.tracked >= 0).sum())))
         # each layer's sums on its hidden states' device (no float64 on MPS: there, the CPU)
         where = {c: [_acc_device(h.device) for h in hidden] for c, hidden in components.items()}
         self.plan = _memory_plan(
-            self.loaded, self.loop, dims, where, self.n_tracked, self.opts.reservoir, self.max_length or None
+            self.loaded, self.loop, dims, where, asked, self.opts.reservoir, self.max_length or None
         )
+        self.n_tracked = max((p.types for p in self.plan.layers), default=0)
         self.reservoir_capped = any(p.reservoir < self.opts.reservoir for p in self.plan.layers)
         layer_plans = iter(self.plan.layers)
         self.accs = {
@@ -349,9 +346,17 @@ def _memory_plan(
     max_length: int | None,
 ) -> MemoryPlan:
     """The run's memory plan, made after the model is placed and its first batch has run: each
-    device's measured free memory (less the margin) shared out by :func:`plan_layers`."""
+    device's measured free memory (less the margin) shared out by :func:`plan_layers`, after the
+    self-similarity sums of as many of the ``types`` asked as fit (:func:`fit_types`)."""
     devices = {str(d) for ds in where.values() for d in ds}
     budgets = {d: measured_budget(d) for d in sorted(devices)}
+    asked = types
+    tracks = [
+        (dim, str(dev), c != "decoder")
+        for c, ds in dims.items()
+        for dim, dev in zip(ds, where[c], strict=True)
+    ]
+    types = fit_types(tracks, budgets, asked)
     layers = [
         (f"layer {i}" if c == "model" else f"{c} layer {i}", dim, str(dev), 0 if c == "decoder" else types)
         for c, ds in dims.items()
@@ -364,6 +369,7 @@ def _memory_plan(
         weights=weights_per_device(loaded.model, loaded.device_map, loop.device),
         reservoir_asked=reservoir,
         batch=batch_line(opts.batch_size, loop.device, max_length),
+        types_asked=asked,
     )
 
 

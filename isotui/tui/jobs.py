@@ -22,6 +22,7 @@ from isotui.backend import (
     JobProgress,
     JobQueued,
     JobStarted,
+    devices_label,
 )
 from isotui.extract.progress import Progress
 from isotui.render import shorten
@@ -98,7 +99,8 @@ class JobsTable(DataTable[str]):
             kind = getattr(ev.spec, "kind", None)  # an attention-lab experiment, not a layer run
             label = f"{kind}: {ev.spec.model}" if kind else ev.spec.model
             counts = "tasks" if kind == "sweep" else "samples"
-            rec = self.records[ev.job_id] = JobRecord(ev.job_id, label, ev.spec.device, counts=counts)
+            device = devices_label(ev.spec) or ev.spec.device  # a device map: every device it holds
+            rec = self.records[ev.job_id] = JobRecord(ev.job_id, label, device, counts=counts)
         if isinstance(ev, JobQueued):
             rec.state = "queued"
         elif isinstance(ev, JobStarted):
@@ -111,7 +113,8 @@ class JobsTable(DataTable[str]):
             cached = getattr(ev.result, "from_cache", False)
             rec.state = "cached" if (all(cached) if isinstance(cached, tuple) else cached) else "done"
             meta = getattr(ev.result, "meta", None) or {}
-            rec.device = meta.get("device", getattr(ev.result, "device", rec.device))
+            if devices_label(ev.spec) is None:
+                rec.device = meta.get("device", getattr(ev.result, "device", rec.device))
         elif isinstance(ev, JobFailed):
             rec.state = "failed"
         elif isinstance(ev, JobCancelled):

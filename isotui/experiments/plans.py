@@ -1,0 +1,69 @@
+"""``--dry-run`` for every experiment that streams a model: a request's memory plan from the
+model's config alone (built on the meta device, no weights read; see
+:mod:`isotui.extract.memory_plan`). The registry names one of these per experiment; the CLI's
+one ``--dry-run`` path prints them. Import-light: torch and transformers load when a plan is made.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from isotui.extract.memory_plan import ExperimentPlan, MemoryPlan, Paper
+    from isotui.spec import RunSpec
+
+
+def _paper(spec: RunSpec, head: str | None = None) -> Paper:
+    from isotui.extract.memory_plan import place_on_paper
+    from isotui.models.naming import parse_model
+
+    return place_on_paper(
+        parse_model(spec.model),
+        device_map=spec.device_map,
+        max_memory=spec.max_memory,
+        device=spec.device,
+        dtype=spec.dtype,
+        batch_size=spec.batch_size,
+        max_length=spec.max_length,
+        trust_remote_code=spec.trust_remote_code,
+        head=head,
+    )
+
+
+def layers(request: Any) -> MemoryPlan:
+    """``isotui run`` (and each checkpoint of ``checkpoints``): every hidden state's sums."""
+    from isotui.extract.memory_plan import dry_run
+    from isotui.models.naming import parse_model
+
+    spec = request.spec
+    return dry_run(
+        parse_model(spec.model),
+        device_map=spec.device_map,
+        max_memory=spec.max_memory,
+        device=spec.device,
+        dtype=spec.dtype,
+        reservoir=spec.reservoir,
+        batch_size=spec.batch_size,
+        max_length=spec.max_length,
+        trust_remote_code=spec.trust_remote_code,
+    )
+
+
+def attention(request: Any) -> ExperimentPlan:
+    """The attention probe (and each checkpoint of ``qk-dynamics``, with its subsample)."""
+    from isotui.extract.memory_plan import attention_plan
+
+    return attention_plan(_paper(request.spec), sample_size=request.sample_size, experiment=request.kind)
+
+
+def final_norm(request: Any) -> ExperimentPlan:
+    from isotui.extract.memory_plan import final_norm_plan
+
+    spec = request.spec
+    return final_norm_plan(_paper(spec), every_layer=request.every_layer, reservoir=spec.reservoir)
+
+
+def gradients(request: Any) -> ExperimentPlan:
+    from isotui.extract.memory_plan import gradients_plan
+
+    return gradients_plan(_paper(request.spec, head="lm"), model=request.spec.model)

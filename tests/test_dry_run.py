@@ -1,0 +1,131 @@
+"""``--dry-run`` for every experiment that streams a model (attention, final-norm, gradients,
+checkpoints, qk-dynamics), added once through the registry: the plan from a config file written
+here (no weights), every byte count worked out here from the sums' shapes (pythia-12b: d = 5120,
+36 blocks, 40 heads of 128)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from isotui.cli import build_parser, main
+from isotui.experiments.registry import REGISTRY
+
+from .test_device_map import PYTHIA_12B, _config, _neox_params
+
+D, BLOCKS, HEADS, HEAD_DIM, INTER, VOCAB = 5120, 36, 40, 128, 20480, 50688
+GPUS = "0=80GB,1=80GB"
+MARGIN_MIN = 256 << 20
+
+
+def _budget(given: int) -> int:
+    """What a device given ``given`` bytes and holding no weights and no activations leaves
+    for sums: less the margin (10%, at least 256 MiB)."""
+    return given - max(MARGIN_MIN, given // 10)
+
+
+def _plan(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "plan.json"
+    assert main(["experiment", *args, "--dry-run", "--json", str(out)]) == 0
+    (plan,) = json.loads(out.read_text()).values()
+    return plan
+
+
+@pytest.fixture
+def pythia(tmp_path):
+    return str(_config(tmp_path, "pythia-12b", PYTHIA_12B))
+
+
+def test_every_experiment_that_streams_a_model_takes_dry_run():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["experiment"]
+    names = next(a for a in sub._actions if a.dest == "experiment").choices
+    for e in REGISTRY:
+        if e.command != "experiment":
+            continue
+        flags = {s for a in names[e.name]._actions for s in a.option_strings}
+        assert ("--dry-run" in flags) == (e.name != "drift-block"), e.name  # drift-block builds its own
+
+
+def test_gradients_plan(pythia, tmp_path):
+    plan = _plan(tmp_path, "gradients", "-m", pythia, "--device-map", "auto", "--max-memory", GPUS)
+    per_layer = 2 * 8 * D * D + 6 * 8 * D  # g g^T and x x^T in float64, six float64 d-vectors
+    assert per_layer == 419_676_160
+    assert [p["bytes"] for p in plan["parts"]] == [per_layer] * (BLOCKS + 1)
+    assert sum(plan["accumulator_bytes"].values()) == (BLOCKS + 1) * per_layer
+    assert set(plan["accumulator_bytes"]) == {"cuda:0", "cuda:1"}  # each layer's sums on its GPU
+    with_head = _neox_params(D, BLOCKS, INTER, VOCAB) + VOCAB * D  # the untied LM head (embed_out)
+    assert sum(plan["weights_bytes"].values()) == with_head * 2  # float16
+    assert plan["sampled"] == "nothing" and not plan["caps"]
+
+
+def test_attention_plan(pythia, tmp_path):
+    plan = _plan(tmp_path, "attention", "-m", pythia, "--device-map", "auto", "--max-memory", GPUS)
+    vectors = 8 * (HEADS + HEADS) * (2 * HEAD_DIM + 3)  # per head: sums of vectors and unit vectors, 3 counts
+    scores = 8 * HEADS * (1024 + 2) + 8 * 5 * HEADS  # int64 histogram and five float64 per head
+    rows = 8 * 5 * HEADS
+    module = 2 * vectors + scores + rows  # rotary: queries and keys read before it too
+    assert module == 663_040
+    assert [p["bytes"] for p in plan["parts"]] == [module] * BLOCKS
+    assert "nothing" in plan["sampled"]
+
+
+@pytest.mark.parametrize(("cpu", "size"), [(10**9, 256), (300 * 10**6, 21)])
+def test_qk_dynamics_plan_caps_the_subsample_to_the_cpu(pythia, tmp_path, cpu, size):
+    memory = f"{GPUS},cpu={cpu}"
+    args = (
+        "qk-dynamics",
+        "--checkpoints",
+        f"{pythia},{pythia}",
+        "--device-map",
+        "auto",
+        "--max-memory",
+        memory,
+    )
+    plan = _plan(tmp_path, *args)
+    per_position = BLOCKS * 2 * 4 * D  # every module's query and key, float32, at most d each
+    assert _budget(cpu) // per_position == (496 if cpu == 10**9 else 21)
+    (sample,) = [p for p in plan["parts"] if p["name"] == "query/key subsample"]
+    assert sample["bytes"] == size * per_position and sample["device"] == "cpu"
+    assert plan["budget_bytes"]["cpu"] == _budget(cpu)
+    capped = [c for c in plan["caps"] if "subsample capped" in c]
+    assert bool(capped) == (size < 256)
+    if capped:
+        assert f"capped at {size} positions per module (of 256 asked)" in capped[0]
+
+
+@pytest.mark.parametrize(("cpu", "exact"), [(100 * 10**9, True), (10**9, False)])
+def test_final_norm_plan(pythia, tmp_path, cpu, exact):
+    memory = f"{GPUS},cpu={cpu}"
+    plan = _plan(tmp_path, "final-norm", "-m", pythia, "--device-map", "auto", "--max-memory", memory)
+    cov = 2 * 8 * D * D  # the d x d float64 sum and the batch's partial
+    assert (2 * cov <= _budget(cpu)) == exact  # before and after the norm: both or none
+    vectors, reservoir = 8 * D * 10, 4096 * (4 * D + 8)
+    side = vectors + (cov if exact else 0) + reservoir
+    assert [p["bytes"] for p in plan["parts"]] == [side, side]
+    assert plan["accumulator_bytes"] == {"cpu": 2 * side}
+    assert bool(plan["caps"]) == (not exact)
+
+
+def test_checkpoints_plan_is_each_checkpoints_layer_plan(pythia, tmp_path, capsys):
+    args = [
+        "checkpoints",
+        "--checkpoints",
+        f"{pythia},{pythia}",
+        "--device-map",
+        "auto",
+        "--max-memory",
+        GPUS,
+    ]
+    plan = _plan(tmp_path, *args)
+    assert plan["covariance_bytes"] == (BLOCKS + 1) * D * D * 8
+    assert main(["experiment", *args, "--dry-run"]) == 0
+    assert "each of its 2 checkpoints in turn holds this" in capsys.readouterr().out
+
+
+def test_a_model_it_cannot_plan_is_one_sentence(capsys):
+    assert main(["experiment", "gradients", "-m", "random:t5:d_model=32", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--dry-run plans text models whose config gives hidden_size" in err and "Traceback" not in err
