@@ -222,11 +222,11 @@ def test_hidden_states_are_not_gathered_to_the_input_device():
     states on one GPU); during isotui's forward it is off, and on again after, however it ends."""
     from types import SimpleNamespace
 
-    from isotui.extract.forward import _layers_stay
+    from isotui.extract.forward import layers_stay
 
     gather, other = SimpleNamespace(io_same_device=True), SimpleNamespace(io_same_device=False)
     model = SimpleNamespace(_hf_hook=SimpleNamespace(hooks=[gather, other]))
-    with pytest.raises(RuntimeError), _layers_stay(model):
+    with pytest.raises(RuntimeError), layers_stay(model):
         assert gather.io_same_device is False
         raise RuntimeError("a failed forward")
     assert gather.io_same_device is True and other.io_same_device is False
