@@ -289,7 +289,7 @@ def _stream_norms(
     from isotui.core.accumulator import LayerAccumulator, sample_keys
     from isotui.experiments.layerwise import extract_options, load_prepared, prepare
     from isotui.extract.loop import Batch, BatchLoop
-    from isotui.extract.memory_plan import cov_bytes, measured_budget
+    from isotui.extract.memory_plan import cov_bytes, measured_budget, partial_bytes
     from isotui.extract.runner import resolve_max_length
 
     prepared = prepared or prepare(spec)
@@ -339,7 +339,7 @@ def _stream_norms(
         if not accs:
             d = seen[0][0].shape[-1]
             budget = measured_budget("cpu")  # the sums live on the CPU: its free memory, less a margin
-            full = budget is None or len(sites) * 2 * cov_bytes(d) <= budget
+            full = budget is None or len(sites) * 2 * cov_bytes(d) + partial_bytes(d) <= budget
             accs.extend(
                 [
                     LayerAccumulator(d, torch.device("cpu"), full_cov=full, reservoir=spec.reservoir)
