@@ -349,7 +349,7 @@ def plan_layers(
                 plans[i] = LayerPlan(name, dim, device, True, reservoir, types)
             continue
         left -= sum(fixed_bytes(dim, types) for _i, (_n, dim, _dv, types) in mine)
-        exact = {}
+        exact: dict[int, bool] = {}
         partial = partial_bytes(max(dim for _i, (_n, dim, _dv, _t) in mine))
         for i, (_n, dim, _dv, _t) in mine:
             need = cov_bytes(dim) + (0 if any(exact.values()) else partial)
