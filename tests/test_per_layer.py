@@ -236,3 +236,26 @@ def test_final_norm_out_of_memory_between_its_two_sides_counts_nothing_twice(
             va, vb = getattr(a, f.name), getattr(b, f.name)
             if isinstance(va, float) and not math.isnan(va):
                 assert vb == pytest.approx(va, rel=1e-12, abs=0.0), f"{side} {f.name}"
+
+
+def test_hooked_layers_under_a_device_map_with_disk_offload(tiny_models, tmp_path, monkeypatch):
+    """accelerate's hooks move each block's inputs and weights; the layers' hooks still see each
+    hidden state where its block ran, the same tensors as output_hidden_states."""
+    from isotui.extract import runner
+
+    path = tmp_path / "t.txt"
+    path.write_text("\n".join(corpus(12)) + "\n", encoding="utf-8")
+    folder = tiny_models["gpt_neox"]
+    spec = make_spec(
+        str(folder), f"text:{path}", max_length=64, batch_size=4, device_map="auto", max_memory="cpu=130KB"
+    )
+    ran: list[int] = []
+    hooked_forward = runner.LayerStream._hooked_forward
+    monkeypatch.setattr(
+        runner.LayerStream, "_hooked_forward", lambda self, b, i: ran.append(1) or hooked_forward(self, b, i)
+    )
+    hooked = measure(spec, None)
+    assert len(ran) == 2 and not any("output_hidden_states" in n for n in hooked.meta["notes"])
+    monkeypatch.undo()
+    _plain(monkeypatch)
+    _same_rows(hooked, measure(spec, None))
