@@ -259,3 +259,20 @@ def test_hooked_layers_under_a_device_map_with_disk_offload(tiny_models, tmp_pat
     monkeypatch.undo()
     _plain(monkeypatch)
     _same_rows(hooked, measure(spec, None))
+
+
+def test_exact_second_pass_folds_in_hooks_to_the_same_numbers(monkeypatch):
+    from isotui.extract import runner
+
+    spec = make_spec(FAMILIES["gpt2"][0], "builtin", max_samples=12, batch_size=4, reservoir=16, exact=True)
+    ran: list[int] = []
+    hooked_forward = runner.LayerStream._hooked_forward
+    monkeypatch.setattr(
+        runner.LayerStream, "_hooked_forward", lambda self, b, i: ran.append(1) or hooked_forward(self, b, i)
+    )
+    hooked = measure(spec, None)
+    assert len(ran) == 2 + 3  # the first pass's later batches, and every batch of the second
+    assert any(n.startswith("--exact:") for n in hooked.meta["notes"])
+    monkeypatch.undo()
+    _plain(monkeypatch)
+    _same_rows(hooked, measure(spec, None))
