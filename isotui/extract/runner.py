@@ -314,8 +314,9 @@ class LayerStream:
         missed = [(c, i) for c, counts in folded.items() for i, k in enumerate(counts) if k != 1]
         if missed:  # a block skipped or run twice: the first batch's check cannot have seen it
             raise IsotuiError(
-                f"model {type(self.model).__name__} ran its blocks differently from its first batch "
-                f"(layer {missed[0][1]} of {missed[0][0]}); run it with --batch-size 1"
+                f"model {type(self.model).__name__} skipped or repeated the block of {missed[0][0]} "
+                f"layer {missed[0][1]} on a batch, which its first batch ran once: isotui cannot read "
+                "its layers one by one; please report it"
             )
 
     def _hooks_agree(
@@ -331,7 +332,13 @@ class LayerStream:
         run keeps ``output_hidden_states``, and its notes say why)."""
         import torch
 
-        if set(sites) != set(components) or self.loaded.family.startswith("timm"):
+        if self.loaded.family.startswith("timm"):  # their own path (extract/forward.py)
+            return None
+        if set(sites) != set(components):
+            self.notes.append(
+                "every batch's hidden states are held at once (output_hidden_states): no stack of "
+                "blocks was found to read them one by one"
+            )
             return None
         out: dict[str, tuple[list[Any], Any]] = {}
         for component, hidden in components.items():
