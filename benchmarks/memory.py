@@ -6,8 +6,13 @@ Each measurement runs in its own process, so peak memory (ru_maxrss) is not shar
 2. Peak memory from 500 to 5,000 samples: ours (fixed-size accumulators) against the plain way
    (its keep-everything phase plus O(n d) metrics; its O(n^2) step adds time only) and against
    the bare forward loop with no metrics at all, which shows the CPU heap's own creep.
+3. ``--process``: the whole ``isotui run`` process's peak RSS (its own ``ru_maxrss``, from
+   ``wait4``) at 300 and 2,100 samples, for each code tree given (``--code DIR``, e.g. main's
+   and a branch's worktree: run alternately, with ``uptime``'s load), and the ratio 2,100 / 300
+   (issue 15: <= 1.05).
 
     python benchmarks/memory.py [--model minilm] [--max-length 128]
+    python benchmarks/memory.py --process [--code DIR ...] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -106,13 +111,62 @@ def _measure(mode: str, n: int, path: Path, args, pairs: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _run_rss(n: int, path: Path, args, code: str) -> tuple[float, float]:
+    """(peak RSS in MB, wall seconds) of one whole ``isotui run`` process over the first ``n``
+    samples of ``path``, importing isotui from ``code``."""
+    import os
+
+    with tempfile.TemporaryDirectory() as out:
+        argv = [sys.executable, "-m", "isotui", "run", "-m", args.model, "--data", f"text:{path}"]
+        argv += ["--max-samples", str(n), "--max-length", str(args.max_length), "--no-cache", "-q"]
+        argv += ["--csv", str(Path(out) / "run.csv")]
+        env = {**os.environ, "PYTHONPATH": code}
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=code)
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        if status != 0:
+            sys.exit(f"{' '.join(argv)} failed:\n{err}")
+    return usage.ru_maxrss / 1024, seconds
+
+
+def _process(args) -> None:
+    """Part 3 (see the module's doc): peak RSS at 300 and 2,100 samples per code tree."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from process import uptime  # the load averages, as the process benchmark records them
+
+    codes = args.code or [str(Path(__file__).resolve().parents[1])]
+    peaks: dict[tuple[str, int], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "corpus.txt"
+        _corpus(2100, path)
+        print(f"whole `isotui run` peak RSS, MB ({args.model}, max length {args.max_length}):")
+        for _ in range(args.repeats):
+            for n in (300, 2100):
+                for code in codes:
+                    load = uptime()
+                    rss, seconds = _run_rss(n, path, args, code)
+                    peaks.setdefault((code, n), []).append(rss)
+                    print(f"  {code}: {n:>5} samples  {rss:7.1f} MB  {seconds:6.1f} s  (load {load})")
+    for code in codes:
+        low, high = min(peaks[code, 300]), min(peaks[code, 2100])
+        print(f"{code}: peak {high:.1f} MB at 2,100, {low:.1f} MB at 300: ratio {high / low:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="minilm")
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--worker", nargs=3, metavar=("MODE", "N", "PATH"))
     parser.add_argument("--pairs", action="store_true")
+    parser.add_argument("--process", action="store_true", help="part 3 only: whole isotui run processes")
+    parser.add_argument("--code", action="append", help="with --process: a tree to import isotui from")
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
+    if args.process:
+        _process(args)
+        return
     if args.worker:
         mode, n, path = args.worker
         print(json.dumps(_worker(mode, int(n), Path(path), args.model, args.max_length, args.pairs)))

@@ -118,10 +118,18 @@ def test_dry_run_plans_pythia_12b_from_its_config(tmp_path, capsys):
     assert plan["covariance_bytes"] == n * d * d * 8  # every layer exact: 7.76 GB over two GPUs
     assert sum(plan["weights_bytes"].values()) == _neox_params(d, 36, 20480, 50688) * 2  # float16
     assert set(plan["weights_bytes"]) == {"cuda:0", "cuda:1"}
-    per_layer = 2 * 8 * d * d + 4096 * (4 * d + 8)  # covariance and its batch partial, reservoir
+    # the covariance sum, reservoir and 10 float64 d-vectors; one layer's batch partial at a time
+    # (committed before the next layer's is made), not one beside every covariance
+    types = (256 << 20) // (8 * d * n)  # tracked token types: their float64 sums in 256 MiB
+    fixed = 8 * d * 10 + types * (8 * d + 24)  # and their self-similarity sums
+    per_layer = 8 * d * d + 4096 * (4 * d + 8) + fixed
     for p in plan["layers"]:
-        assert p["bytes"] >= per_layer and p["exact_cov"] and p["reservoir"] == 4096
-    assert sum(plan["accumulator_bytes"].values()) == sum(p["bytes"] for p in plan["layers"])
+        assert p["bytes"] == per_layer and p["exact_cov"] and p["reservoir"] == 4096
+    partial = 8 * d * d  # the batch's float64 d x d sum
+    assert plan["batch_partial_bytes"] == {"cuda:0": partial, "cuda:1": partial}
+    for device, used in plan["accumulator_bytes"].items():
+        mine = sum(p["device"] == device for p in plan["layers"])
+        assert used == mine * per_layer + partial
     assert "64 samples of 512 tokens" in plan["batch"]
     main(
         ["run", "--model", str(folder), "--dry-run", "--device-map", "auto", "--max-memory", "0=80GB,1=80GB"]
@@ -142,6 +150,9 @@ def test_dry_run_plans_llama_3_70b_on_80gb_gpus(tmp_path, gpus, exact):
     held = sum(p["exact_cov"] for p in plan["layers"])
     assert held == exact or (exact is None and held <= 2)
     assert plan["covariance_bytes"] == held * d * d * 8  # 8 x 80 GB: 81 x 8192^2 x 8 = 43.5 GB
+    if held:  # one batch partial per device, not one per layer (that was 43.5 GB more)
+        devices = {p["device"] for p in plan["layers"] if p["exact_cov"]}
+        assert plan["batch_partial_bytes"] == dict.fromkeys(devices, 8 * d * d)  # 537 MB each
     for device, used in plan["accumulator_bytes"].items():  # each device within what it has left
         budget = plan["budget_bytes"][device]
         assert used <= budget or all(p["reservoir"] == 2 for p in plan["layers"] if p["device"] == device)
@@ -187,16 +198,17 @@ def test_plan_gives_exact_covariances_where_they_fit_and_reservoirs_what_is_left
     from isotui.extract.memory_plan import plan_layers
 
     d, fixed = 64, 8 * 64 * 10  # ten float64 d-vectors per layer (no tracked types)
-    cov = 2 * 8 * d * d  # the d x d float64 sum and the batch's partial beside it
-    budget = 2 * fixed + cov + 100 * 2 * (4 * d + 8)  # room for one covariance and 100 vectors each
+    cov = 8 * d * d  # the d x d float64 sum
+    partial = 8 * d * d  # one batch's float64 d x d partial, one layer's at a time
+    budget = 2 * fixed + partial + cov + 50 * 2 * (4 * d + 8)  # one covariance, 50 vectors each
     plans = plan_layers(
         [("layer 0", d, "cpu", 0), ("layer 1", d, "cpu", 0), ("layer 2", d, "x", 0)],
         {"cpu": budget, "x": None},
         4096,
     )
     assert [p.exact_cov for p in plans] == [True, False, True]  # "x": free memory unknown, nothing capped
-    assert [p.reservoir for p in plans] == [100, 100, 4096]
-    assert sum(p.bytes for p in plans[:2]) == budget
+    assert [p.reservoir for p in plans] == [50, 50, 4096]  # 50 vectors take less than a covariance
+    assert sum(p.bytes for p in plans[:2]) + partial == budget
 
 
 def test_a_run_takes_its_budget_from_measured_free_memory(tiny_models, tmp_path, monkeypatch):
@@ -222,11 +234,11 @@ def test_hidden_states_are_not_gathered_to_the_input_device():
     states on one GPU); during isotui's forward it is off, and on again after, however it ends."""
     from types import SimpleNamespace
 
-    from isotui.extract.forward import _layers_stay
+    from isotui.extract.forward import layers_stay
 
     gather, other = SimpleNamespace(io_same_device=True), SimpleNamespace(io_same_device=False)
     model = SimpleNamespace(_hf_hook=SimpleNamespace(hooks=[gather, other]))
-    with pytest.raises(RuntimeError), _layers_stay(model):
+    with pytest.raises(RuntimeError), layers_stay(model):
         assert gather.io_same_device is False
         raise RuntimeError("a failed forward")
     assert gather.io_same_device is True and other.io_same_device is False

@@ -289,7 +289,7 @@ def _stream_norms(
     from isotui.core.accumulator import LayerAccumulator, sample_keys
     from isotui.experiments.layerwise import extract_options, load_prepared, prepare
     from isotui.extract.loop import Batch, BatchLoop
-    from isotui.extract.memory_plan import cov_bytes, measured_budget
+    from isotui.extract.memory_plan import cov_bytes, measured_budget, partial_bytes
     from isotui.extract.runner import resolve_max_length
 
     prepared = prepared or prepare(spec)
@@ -332,14 +332,14 @@ def _stream_norms(
     encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
 
     def step(batch: Batch) -> int:
-        """Both sides of every norm over one batch's kept tokens, all folded or none."""
+        """Both sides of every norm over one batch's kept tokens, each committed once."""
         seen.clear()
         with loop.model_call("a batch"), torch.inference_mode():
             model(**batch.inputs, return_dict=True)
         if not accs:
             d = seen[0][0].shape[-1]
             budget = measured_budget("cpu")  # the sums live on the CPU: its free memory, less a margin
-            full = budget is None or len(sites) * 2 * cov_bytes(d) <= budget
+            full = budget is None or len(sites) * 2 * cov_bytes(d) + partial_bytes(d) <= budget
             accs.extend(
                 [
                     LayerAccumulator(d, torch.device("cpu"), full_cov=full, reservoir=spec.reservoir)
@@ -353,7 +353,7 @@ def _stream_norms(
                         f"{n} is not what its block returns ({type(model).__name__} puts its norms "
                         "before attention and MLP, pre-LN); analyse its final norm without --every-layer"
                     )
-        partials, measured = [], 0
+        measured = 0
         for i, (n, _m, _k) in enumerate(sites):
             x_in, x_out = seen[i]
             first = n.split(".")[0]
@@ -361,13 +361,15 @@ def _stream_norms(
             flat = loop.keep(batch.fed, component, x_in.shape[1]).flatten().nonzero().squeeze(1)
             ids = flat // x_in.shape[1]
             keys = sample_keys(spec.seed, batch.ids[ids], flat % x_in.shape[1])
-            for acc, x in zip(accs[i], (x_in, x_out), strict=True):
+            for side, (acc, x) in enumerate(zip(accs[i], (x_in, x_out), strict=True)):
+                if not batch.pending((i, side)):  # a try of a batch holding these samples did it
+                    continue
                 vec = x.reshape(-1, x.shape[-1]).index_select(0, flat.to(x.device)).float().cpu()
-                partials.append((acc, acc.partial(vec, ids, keys, None, None, x_in.shape[0])))
+                # committed at once (one side's batch sums at a time; see extract/loop.py)
+                acc.commit(acc.partial(vec, ids, keys, None, None, x_in.shape[0]))
+                batch.committed((i, side))
             if i == 0:
                 measured = int(flat.numel())  # the tokens measured (kept by the first norm)
-        for acc, p in partials:
-            acc.commit(p)
         return measured
 
     start = time.perf_counter()

@@ -2,12 +2,14 @@
 
 transformers models return them with ``output_hidden_states=True`` (two components, ``encoder``
 and ``decoder``, for encoder-decoder models); timm models give their intermediates, their
-feature stages, or (ViTs) each block's token sequence read with hooks.
+feature stages, or (ViTs) each block's token sequence read with hooks. The layers run reads a
+transformers model's layers one by one in hooks on its blocks (:func:`block_sites`,
+:func:`watch_layers`) once its first batch showed they are the very tensors returned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,7 +30,7 @@ def hidden_states(loaded: LoadedModel, inputs: dict[str, Any]) -> HiddenStates:
         return {"model": tuple(model(inputs["pixel_values"]))}
     if loaded.family == "timm-blocks":
         return {"model": _timm_blocks(model, inputs["pixel_values"])}
-    with _layers_stay(model):
+    with layers_stay(model):
         out = model(**inputs, output_hidden_states=True, return_dict=True)
     enc, dec = getattr(out, "encoder_hidden_states", None), getattr(out, "decoder_hidden_states", None)
     if enc and dec:
@@ -43,7 +45,7 @@ def hidden_states(loaded: LoadedModel, inputs: dict[str, Any]) -> HiddenStates:
 
 
 @contextmanager
-def _layers_stay(model: Any) -> Iterator[None]:
+def layers_stay(model: Any) -> Iterator[None]:
     """A model split by ``--device-map``: accelerate's top hook would gather every output (all
     hidden states) to the input's device; here each layer's stays where its block ran."""
     top: Any = getattr(model, "_hf_hook", None)
@@ -55,6 +57,62 @@ def _layers_stay(model: Any) -> Iterator[None]:
     finally:
         for hook in gathering:
             hook.io_same_device = True
+
+
+Sites = dict[str, list[Any]]  # component -> its blocks, in order
+
+
+def block_sites(loaded: LoadedModel) -> Sites:
+    """Per component, the stack of blocks whose inputs and outputs should be the hidden states:
+    the first list of modules of one class under the component's root (``encoder.layer``,
+    ``h``, ``layers``, ``block``). A guess, which the caller checks against the hidden states
+    the model returns before relying on it; empty for timm models (they have their own path)."""
+    import torch
+
+    model = loaded.model
+    if loaded.family.startswith("timm"):
+        return {}
+    roots = {"model": model}
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        get_enc, get_dec = getattr(model, "get_encoder", None), getattr(model, "get_decoder", None)
+        if get_enc is None or get_dec is None:
+            return {}
+        roots = {"encoder": get_enc(), "decoder": get_dec()}
+    out: Sites = {}
+    for component, root in roots.items():
+        for module in root.modules():
+            if (
+                isinstance(module, torch.nn.ModuleList)
+                and len(module)
+                and len({type(m) for m in module}) == 1
+            ):
+                out[component] = list(module)
+                break
+        else:
+            return {}
+    return out
+
+
+def layer_tensor(i: int, args: tuple[Any, ...]) -> Any:
+    """The hidden state a :func:`watch_layers` hook of layer ``i`` sees: layer 0 the first
+    block's input (positional, or the ``hidden_states`` keyword), the others an output (a
+    tensor, or the first item of a tuple or model output)."""
+    if i == 0:
+        inputs, kwargs = args
+        return inputs[0] if inputs else kwargs.get("hidden_states")
+    out = args[1]
+    return out if hasattr(out, "ndim") else out[0]
+
+
+def watch_layers(
+    hooks: Hooks, blocks: list[Any], last: Any, hook_for: Callable[[int], Callable[..., None]]
+) -> None:
+    """Register ``hook_for(i)(module, *args)`` where layer ``i`` appears (see :func:`layer_tensor`):
+    layer 0 before the first block, layer i after block i-1, the last after ``last`` (the final
+    norm the model applies, when it does) or else after the last block."""
+    hooks.pre(blocks[0], hook_for(0), with_kwargs=True)
+    for i, block in enumerate(blocks):
+        hooks.forward(last if last is not None and i == len(blocks) - 1 else block, hook_for(i + 1))
 
 
 def _timm_blocks(model: Any, pixels: Any) -> tuple[Any, ...]:

@@ -8,10 +8,15 @@ An experiment hands :meth:`BatchLoop.run` a *step*: a function that gets one :cl
 (its sample ids, the fed inputs on the CPU and on the device), runs the model, folds what it
 measures into its own accumulators and returns how many input units it measured.
 
-A step must fold all of a batch or nothing: when it raises out of memory the loop runs the same
-samples again in two halves, so anything already folded would count twice. Compute per-batch
-partial sums first and commit them once nothing can fail (see ``LayerAccumulator.partial`` and
-``commit``), or restore what was folded before re-raising.
+When a step raises out of memory the loop runs the same samples again in two halves (and those
+in halves again, down to one sample): the batches tried for one planned batch are nested or
+disjoint. So a step may commit part by part (each layer as soon as its sums are made, freeing
+them before the next layer's) if it asks the batch first: ``batch.pending(key)`` says whether
+the part ``key`` (a layer) still has to fold these samples, and ``batch.committed(key)`` records
+that it has; a retried half skips the parts that already folded the samples of a batch it lies
+in, so nothing is counted twice or lost (:class:`Ledger`). A step that folds in one go must fold
+all of a batch or nothing (compute partial sums first, or restore what was folded before
+re-raising).
 
     loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
     loop.prepare(samples, "text", max_length)
@@ -21,9 +26,9 @@ partial sums first and commit them once nothing can fail (see ``LayerAccumulator
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from isotui.errors import Cancelled, IsotuiError
@@ -56,9 +61,10 @@ class Hooks:
         """``hook(module, args, output)`` after ``module`` runs."""
         self.handles.append(module.register_forward_hook(hook))
 
-    def pre(self, module: Any, hook: Callable[..., Any]) -> None:
-        """``hook(module, args)`` before ``module`` runs."""
-        self.handles.append(module.register_forward_pre_hook(hook))
+    def pre(self, module: Any, hook: Callable[..., Any], *, with_kwargs: bool = False) -> None:
+        """``hook(module, args)`` before ``module`` runs (``hook(module, args, kwargs)`` with
+        ``with_kwargs``)."""
+        self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=with_kwargs))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -72,16 +78,49 @@ class Hooks:
         self.remove()
 
 
+class Ledger:
+    """Which parts of a step (layers, by any hashable key) already folded which samples of one
+    planned batch, while the loop backs off out of memory. The batches tried for a planned batch
+    are nested or disjoint (halves of halves), so a part folded a batch's samples exactly when
+    it folded a batch that holds them all; a partial overlap would be a bug and says so."""
+
+    def __init__(self) -> None:
+        self.done: dict[Hashable, list[frozenset[int]]] = {}
+
+    def covers(self, key: Hashable, idx: Sequence[int]) -> bool:
+        """Whether part ``key`` already folded all the samples ``idx``."""
+        mine = frozenset(idx)
+        for folded in self.done.get(key, ()):
+            if mine <= folded:
+                return True
+            if mine & folded:
+                raise RuntimeError(f"{key!r} folded some of these samples but not all")
+        return False
+
+    def add(self, key: Hashable, idx: Sequence[int]) -> None:
+        self.done.setdefault(key, []).append(frozenset(idx))
+
+
 @dataclass
 class Batch:
     """One batch as a step gets it: ``idx`` (sample indices into the whole corpus, longest
     first), ``ids`` (the same as a CPU long tensor), ``fed`` (the feeder's inputs and masks,
-    on the CPU) and ``inputs`` (the model's keyword inputs on its device, floats in its dtype)."""
+    on the CPU) and ``inputs`` (the model's keyword inputs on its device, floats in its dtype);
+    ``ledger``: what the tries of its planned batch already folded (see the module's doc)."""
 
     idx: list[int]
     ids: Any
     fed: Fed
     inputs: dict[str, Any]
+    ledger: Ledger = field(default_factory=Ledger)
+
+    def pending(self, key: Hashable) -> bool:
+        """Whether part ``key`` still has to fold this batch (not done by a try it lies in)."""
+        return not self.ledger.covers(key, self.idx)
+
+    def committed(self, key: Hashable) -> None:
+        """Part ``key`` folded this batch: a retried half of it skips that part."""
+        self.ledger.add(key, self.idx)
 
     @property
     def units(self) -> int:
@@ -195,13 +234,15 @@ class BatchLoop:
 
     # --- one batch ------------------------------------------------------------------------
 
-    def batch(self, idx: list[int]) -> Batch:
+    def batch(self, idx: list[int], ledger: Ledger | None = None) -> Batch:
         """Feed the samples ``idx`` and move them to the model's device."""
         import torch
 
         started = time.perf_counter()
         fed = self.feeder.feed(idx)
-        batch = Batch(idx, torch.tensor(idx, dtype=torch.long), fed, self.device_inputs(fed))
+        batch = Batch(
+            idx, torch.tensor(idx, dtype=torch.long), fed, self.device_inputs(fed), ledger or Ledger()
+        )
         self.feed_s += time.perf_counter() - started
         return batch
 
@@ -282,11 +323,13 @@ class BatchLoop:
             self.hooks.remove()
         return PassStats(done, units, time.perf_counter() - start, last)
 
-    def _attempt(self, step: Step, idx: list[int]) -> int:
+    def _attempt(self, step: Step, idx: list[int], ledger: Ledger | None = None) -> int:
         """``step`` on ``idx`` with out-of-memory back-off: halve the batch and retry, say so,
-        and keep later batches that small."""
+        and keep later batches that small. ``ledger`` (one per planned batch) goes with every
+        try, so parts that committed before the failure skip these samples in the halves."""
+        ledger = ledger or Ledger()
         try:
-            return step(self.batch(idx))
+            return step(self.batch(idx, ledger))
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -305,7 +348,7 @@ class BatchLoop:
         )
         self.notes.append(message)
         self.on_progress(Progress(0, 0, 0, 0.0, message=message, stage="oom"))
-        return self._attempt(step, idx[:half]) + self._attempt(step, idx[half:])
+        return self._attempt(step, idx[:half], ledger) + self._attempt(step, idx[half:], ledger)
 
     def describe(self, n: int, width: int) -> str:
         """``n`` samples of ``width`` input units, in the modality's words."""

@@ -3,9 +3,10 @@ on the device of that layer's hidden states, and which metrics that leaves exact
 
 Budgets come from the devices themselves, never from constants: after the model is placed (and
 its first batch has run), each device's measured free memory (CUDA ``mem_get_info``, the CPU's
-``MemAvailable``) less a margin. Exact streamed covariances (a d x d float64 running sum, and the
-batch's d x d partial held until every layer has folded its batch) go to every layer whose device
-still has room for them, in layer order; the reservoirs share what is left, per device.
+``MemAvailable``) less a margin. Exact streamed covariances (a d x d float64 running sum) go to
+every layer whose device still has room for them, in layer order, after one batch partial per
+device (a layer commits its batch's d x d sum before the next layer makes its own, so one lives
+at a time, not one per layer: issue 15); the reservoirs share what is left, per device.
 
 ``isotui run --dry-run`` makes the same plan from the model's config alone: the model is built
 on the meta device (accelerate's ``init_empty_weights``: no weights read or downloaded), placed
@@ -164,8 +165,14 @@ def measured_budget(device: str) -> int | None:
 
 
 def cov_bytes(dim: int) -> int:
-    """An exact streamed covariance: the d x d float64 sum and the batch's partial beside it."""
-    return 2 * 8 * dim * dim
+    """An exact streamed covariance: the d x d float64 running sum."""
+    return 8 * dim * dim
+
+
+def partial_bytes(dim: int) -> int:
+    """A batch's d x d float64 partial, one layer's at a time per device (each layer commits it
+    before the next makes its own; the product it is copied from is a transient, in the margin)."""
+    return 8 * dim * dim
 
 
 def fixed_bytes(dim: int, types: int) -> int:
@@ -233,9 +240,21 @@ class MemoryPlan:
     types_asked: int = 0  # token types self-similarity would follow with room for all of them
 
     def per_device(self) -> dict[str, int]:
+        """Accumulator bytes per device: its layers' and one batch partial (:meth:`partials`)."""
         out: dict[str, int] = {}
         for layer in self.layers:
             out[layer.device] = out.get(layer.device, 0) + layer.bytes
+        for device, held in self.partials().items():
+            out[device] += held
+        return out
+
+    def partials(self) -> dict[str, int]:
+        """Per device with an exact covariance, the one batch partial that lives at a time
+        there: the widest exact layer's :func:`partial_bytes`."""
+        out: dict[str, int] = {}
+        for p in self.layers:
+            if p.exact_cov:
+                out[p.device] = max(out.get(p.device, 0), partial_bytes(p.dim))
         return out
 
     def cov_total(self) -> int:
@@ -280,6 +299,9 @@ class MemoryPlan:
             for d, b in per.items()
         )
         exact, sampled = self.exact_sampled()
+        partials = self.partials()
+        if partials:  # counted in the accumulators above
+            accs += f"; with one layer's batch partial per device ({_size(max(partials.values()))})"
         lines = [
             f"memory plan ({self.source}): weights {weights}; accumulators {accs}",
             f"exact: {exact}",
@@ -318,6 +340,7 @@ class MemoryPlan:
             "accumulator_bytes": self.per_device(),
             "budget_bytes": dict(self.budgets),
             "covariance_bytes": self.cov_total(),
+            "batch_partial_bytes": self.partials(),
             "batch": self.batch,
             "source": self.source,
             "types_asked": self.types_asked,
@@ -357,7 +380,8 @@ def plan_layers(
 ) -> list[LayerPlan]:
     """Each layer's accumulators, given (name, d, device, tracked types) per layer and each
     device's budget: first the fixed sums, then an exact covariance for every layer whose device
-    still has room for it (in layer order), then reservoirs of at most ``reservoir`` vectors
+    still has room for it (in layer order; the first also needs room for the one batch partial
+    of the device's widest layer, :func:`partial_bytes`), then reservoirs of at most ``reservoir`` vectors
     sharing what is left on their device. A device whose free memory cannot be told (None)
     gets everything it is asked for."""
     plans: dict[int, LayerPlan] = {}
@@ -369,10 +393,12 @@ def plan_layers(
                 plans[i] = LayerPlan(name, dim, device, True, reservoir, types)
             continue
         left -= sum(fixed_bytes(dim, types) for _i, (_n, dim, _dv, types) in mine)
-        exact = {}
+        exact: dict[int, bool] = {}
+        partial = partial_bytes(max(dim for _i, (_n, dim, _dv, _t) in mine))
         for i, (_n, dim, _dv, _t) in mine:
-            exact[i] = cov_bytes(dim) <= left
-            left -= cov_bytes(dim) if exact[i] else 0
+            need = cov_bytes(dim) + (0 if any(exact.values()) else partial)
+            exact[i] = need <= left
+            left -= need if exact[i] else 0
         per_vector = sum(4 * dim + 8 for _i, (_n, dim, _dv, _t) in mine)
         size = max(RESERVOIR_MIN, min(reservoir, max(0, left) // max(1, per_vector)))
         for i, (name, dim, _dev, types) in mine:

@@ -23,7 +23,15 @@ from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
 from isotui.core.sampled import EIGEN_JACKKNIFE_MAX_DIM, SE_GROUPS, ExactPass
 from isotui.errors import IsotuiError
 from isotui.extract.device import memory_in_use
-from isotui.extract.forward import HiddenStates, hidden_states
+from isotui.extract.forward import (
+    HiddenStates,
+    Sites,
+    block_sites,
+    hidden_states,
+    layer_tensor,
+    layers_stay,
+    watch_layers,
+)
 from isotui.extract.inputs import Fed
 from isotui.extract.loop import Batch, BatchLoop, Hooks, merge_facts
 from isotui.extract.memory_plan import (
@@ -132,6 +140,11 @@ class LayerStream:
         self.max_dim = 0
         self.forward_s = 0.0  # forward passes (building the batches: the loop's feed_s)
         self.metrics_s = 0.0  # folding each batch into the accumulators
+        self.fold_s = 0.0  # folding, within the current batch
+        # per component, the blocks whose hooks give each layer (and the final norm giving the
+        # last one, if any), once the first batch showed they give the very hidden states
+        self.sites: dict[str, tuple[list[Any], Any]] | None = None
+        self.final_norm_by: dict[str, str] = {}  # component -> the final norm module's name
 
     @property
     def notes(self) -> list[str]:
@@ -190,55 +203,170 @@ class LayerStream:
         return tables
 
     def __call__(self, batch: Batch) -> int:
-        """Forward one batch and fold it in; returns its number of real input units."""
+        """Forward one batch and fold it in, layer by layer; returns its real input units.
+
+        The first batch asks the model for every hidden state (``output_hidden_states``) and
+        reads the same tensors with hooks on its blocks; when each hooked tensor equals the
+        returned one (``torch.equal``), later batches fold each layer inside its block's hook as
+        it is produced (:meth:`_hooked_forward`), so one or two hidden states live at once, not
+        all of them. Each layer commits as soon as its sums are made (``batch.pending``: a
+        retried half skips the layers that already folded it; see extract/loop.py)."""
         import torch
 
         started = time.perf_counter()
+        self.fold_s = 0.0
+        index: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        if self.accs is not None and self.sites is not None:
+            self._hooked_forward(batch, index)
+            self.forward_s += time.perf_counter() - started - self.fold_s
+            self.metrics_s += self.fold_s
+            return batch.units
         hook_out: dict[str, Any] = {}
+        seen: dict[str, dict[int, list[Any]]] = {}
+        sites: Sites = {}
         with Hooks() as hooks, self.loop.model_call(f"a batch of {self.loaded.modality}"):
             if self.accs is None:  # first batch: which final norm, if any, made the last hidden state
                 for name, module in final_norm_modules(self.model):
                     hooks.forward(module, (lambda key: lambda _m, _i, o: hook_out.__setitem__(key, o))(name))
+                sites = block_sites(self.loaded)  # and whether its blocks' hooks give every layer
+                for component, blocks in sites.items():
+                    seen[component] = {}
+                    watch_layers(hooks, blocks, None, _keeper(seen[component]))
             with torch.inference_mode():
                 components = hidden_states(self.loaded, batch.inputs)
         forwarded = time.perf_counter()
         self.forward_s += forwarded - started
         if self.accs is None:
             self._first_batch(components, hook_out)
+            self.sites = self._hooks_agree(components, sites, seen, hook_out)
         assert self.accs is not None
-        fed, ids = batch.fed, batch.ids
-        # layers of one shape on one device share units and keys (each layer's sums live on the
-        # device of its hidden states: the CPU when that is MPS)
-        index: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        partials = []
         with torch.inference_mode():
-            targets: dict[str, Any] = self.second if self.second is not None else self.accs
             for component, hidden in components.items():
-                for acc, h in zip(targets[component], hidden, strict=True):
-                    shape = (component, *h.shape[1:]) if h.ndim == 3 else (h.ndim, *h.shape[2:])
-                    shape = (*shape, str(h.device), str(acc.device))
-                    if shape not in index:  # from the host inputs, moved once per batch (issue 15)
-                        flat, local, positions = self._index(fed, component, h)
-                        keys = sample_keys(self.opts.seed, ids[local], positions)
-                        weights, types = self._weights(fed, component, h, flat)
-                        index[shape] = tuple(
-                            None if t is None else t.to(dev)
-                            for t, dev in (
-                                (flat, h.device),
-                                (local, acc.device),
-                                (keys, acc.device),
-                                (weights, acc.device),
-                                (types, acc.device),
-                            )
-                        )
-                    flat, local, keys, weights, types = index[shape]
-                    vectors = self._vectors(h, flat)
-                    # the batch's samples (B), positionally: ExactPass.partial takes it too
-                    partials.append((acc, acc.partial(vectors, local, keys, weights, types, h.shape[0])))
-            for acc, p in partials:  # only now: all or nothing
-                acc.commit(p)
+                for i, h in enumerate(hidden):
+                    self._fold(batch, index, component, i, h)
         self.metrics_s += time.perf_counter() - forwarded
         return batch.units
+
+    def _fold(
+        self, batch: Batch, index: dict[tuple[Any, ...], tuple[Any, ...]], component: str, i: int, h: Any
+    ) -> None:
+        """Layer ``i`` of ``component`` (its hidden state ``h``) into its accumulator (during
+        ``--exact``'s second pass, its :class:`ExactPass`), committed at once, unless a try of
+        a batch holding these samples already did. ``index``: this batch's kept units and keys,
+        shared by the layers of one shape on one device (made once per batch, issue 15; each
+        layer's sums live on the device of its hidden states: the CPU when that is MPS)."""
+        started = time.perf_counter()
+        key = (component, i)
+        if not batch.pending(key):
+            return
+        targets: Any = self.second if self.second is not None else self.accs
+        acc = targets[component][i]
+        fed, ids = batch.fed, batch.ids
+        shape = (component, *h.shape[1:]) if h.ndim == 3 else (h.ndim, *h.shape[2:])
+        shape = (*shape, str(h.device), str(acc.device))
+        if shape not in index:  # from the host inputs, moved once per batch (issue 15)
+            flat, local, positions = self._index(fed, component, h)
+            keys = sample_keys(self.opts.seed, ids[local], positions)
+            weights, types = self._weights(fed, component, h, flat)
+            index[shape] = tuple(
+                None if t is None else t.to(dev)
+                for t, dev in (
+                    (flat, h.device),
+                    (local, acc.device),
+                    (keys, acc.device),
+                    (weights, acc.device),
+                    (types, acc.device),
+                )
+            )
+        flat, local, keys, weights, types = index[shape]
+        vectors = self._vectors(h, flat)
+        # the batch's samples (B), positionally: ExactPass.partial takes it too; committed at
+        # once, so one layer's batch sums (a d x d gram) live at a time, not every layer's
+        acc.commit(acc.partial(vectors, local, keys, weights, types, h.shape[0]))
+        batch.committed(key)
+        self.fold_s += time.perf_counter() - started
+
+    def _hooked_forward(self, batch: Batch, index: dict[tuple[Any, ...], tuple[Any, ...]]) -> None:
+        """Run the model without ``output_hidden_states``, folding each layer in the hook of the
+        block that made it (the first layer: the first block's input; the last: the last
+        block's output or, when the model applies one, its final norm's)."""
+        import torch
+
+        assert self.sites is not None
+        folded: dict[str, list[int]] = {}
+
+        def folder(component: str) -> Any:
+            def hook_for(i: int) -> Any:
+                def hook(_m: Any, *args: Any) -> None:
+                    folded[component][i] += 1
+                    self._fold(batch, index, component, i, layer_tensor(i, args))
+
+                return hook
+
+            return hook_for
+
+        with Hooks() as hooks, self.loop.model_call(f"a batch of {self.loaded.modality}"):
+            for component, (blocks, last) in self.sites.items():
+                folded[component] = [0] * (len(blocks) + 1)
+                watch_layers(hooks, blocks, last, folder(component))
+            with torch.inference_mode(), layers_stay(self.model):
+                self.model(**batch.inputs, return_dict=True)
+        missed = [(c, i) for c, counts in folded.items() for i, k in enumerate(counts) if k != 1]
+        if missed:  # a block skipped or run twice: the first batch's check cannot have seen it
+            raise IsotuiError(
+                f"model {type(self.model).__name__} skipped or repeated the block of {missed[0][0]} "
+                f"layer {missed[0][1]} on a batch, which its first batch ran once: isotui cannot read "
+                "its layers one by one; please report it"
+            )
+
+    def _hooks_agree(
+        self,
+        components: HiddenStates,
+        sites: Sites,
+        seen: dict[str, dict[int, list[Any]]],
+        hook_out: dict[str, Any],
+    ) -> dict[str, tuple[list[Any], Any]] | None:
+        """The blocks (and final norm) to fold each layer in the hook of, per component, when
+        the first batch's hooked tensors are the very hidden states the model returned (every
+        block ran once, each tensor ``torch.equal`` on the same device); None otherwise (the
+        run keeps ``output_hidden_states``, and its notes say why)."""
+        import torch
+
+        if self.loaded.family.startswith("timm"):  # their own path (extract/forward.py)
+            return None
+        if set(sites) != set(components):
+            self.notes.append(
+                "every batch's hidden states are held at once (output_hidden_states): no stack of "
+                "blocks was found to read them one by one"
+            )
+            return None
+        out: dict[str, tuple[list[Any], Any]] = {}
+        for component, hidden in components.items():
+            blocks = sites[component]
+            got = seen[component]
+            last = None
+            norm = self.final_norm_by.get(component)
+            if norm is not None:
+                last = dict(self.model.named_modules())[norm]
+                normed = hook_out[norm]
+                got = {**got, len(blocks): [normed[0] if isinstance(normed, tuple) else normed]}
+            wanted = len(blocks) + 1
+            same = len(hidden) == wanted and all(
+                len(got.get(i, ())) == 1
+                and isinstance(got[i][0], torch.Tensor)
+                and got[i][0].device == h.device
+                and got[i][0].shape == h.shape
+                and torch.equal(got[i][0], h)
+                for i, h in enumerate(hidden)
+            )
+            if not same:
+                self.notes.append(
+                    "every batch's hidden states are held at once (output_hidden_states): this "
+                    "model's blocks do not give them one by one"
+                )
+                return None
+            out[component] = (blocks, last)
+        return out
 
     def _index(self, fed: Fed, component: str, h: Any) -> tuple[Any, Any, Any]:
         """Which units of a layer are kept (``flat`` rows of its sequence, None: all units), and
@@ -326,7 +454,17 @@ class LayerStream:
                 if same and torch.equal(normed, last):
                     self.final_norm[component] = True
                     self.final_norm_names.append(name)
+                    self.final_norm_by[component] = name
                     break
+
+
+def _keeper(seen: dict[int, list[Any]]) -> Any:
+    """Hooks for :func:`watch_layers` that keep what each layer's hook sees, in ``seen[i]``."""
+
+    def hook_for(i: int) -> Any:
+        return lambda _m, *args: seen.setdefault(i, []).append(layer_tensor(i, args))
+
+    return hook_for
 
 
 def _acc_device(device: Any) -> Any:
