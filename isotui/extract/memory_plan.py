@@ -716,8 +716,9 @@ def final_norm_plan(paper: Paper, *, every_layer: bool, reservoir: int) -> Exper
     (as the run decides after its first batch)."""
     d, sites = paper.dim, paper.n_blocks if every_layer else 1
     budget = paper.budgets["cpu"]
-    full = budget is None or sites * 2 * cov_bytes(d) <= budget
+    full = budget is None or sites * 2 * cov_bytes(d) + partial_bytes(d) <= budget  # as the run decides
     names = [f"block {i} norm" for i in range(sites)] if every_layer else ["final norm"]
+    partial = [PartPlan("batch partial (one side at a time)", "cpu", d, "float64 d x d", partial_bytes(d))]
     parts = [
         PartPlan(
             f"{name} {side}",
@@ -728,7 +729,7 @@ def final_norm_plan(paper: Paper, *, every_layer: bool, reservoir: int) -> Exper
         )
         for name in names
         for side in ("in", "out")
-    ]
+    ] + (partial if full else [])
     cov = "IsoScore, effective rank and the spectrum from the exact covariance"
     return ExperimentPlan(
         "final-norm",
