@@ -53,8 +53,9 @@ def _apply(settings: tuple[str | None, Any, Any]) -> None:
         torch.set_float32_matmul_precision(legacy)
     if cuda is not None and torch.backends.cuda.matmul.fp32_precision != cuda:
         torch.backends.cuda.matmul.fp32_precision = cuda
-    if mkldnn is not None and torch.backends.mkldnn.matmul.fp32_precision != mkldnn:
-        torch.backends.mkldnn.matmul.fp32_precision = mkldnn
+    onednn = getattr(torch.backends.mkldnn, "matmul", None)  # torch >= 2.9
+    if mkldnn is not None and onednn is not None and onednn.fp32_precision != mkldnn:
+        onednn.fp32_precision = mkldnn
 
 
 @contextmanager
