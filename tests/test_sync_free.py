@@ -28,6 +28,7 @@ _DEVICE_FILES = {
     "extract/runner.py": {"__call__", "_vectors"},
     "core/sampled.py": {"partial", "commit"},
     "core/gradients.py": {"add"},
+    "core/attention.py": None,
 }
 # experiments' steps that also prepare the batch on the host (its masks and token ids are host
 # tensors: their nonzero / int / bool are no device reads): only explicit reads of a value count
@@ -236,4 +237,16 @@ def test_gradients_read_nothing_back(tmp_path, monkeypatch, syncs, lm_models):
     spec = make_spec(str(lm_models["gpt2"]), _text(tmp_path), max_length=32, batch_size=3)
     result = measure_gradients(spec, top_k=3)
     assert calls[0] >= 4 and math.isfinite(result.meta["loss_per_token"])
+    assert dict(counts) == {}
+
+
+def test_attention_probe_sums_read_nothing_back(tmp_path, monkeypatch, syncs):
+    """The probe's per-head sums (queries, keys, scores, softmax rows): positions that do not
+    count are masked rather than dropped, the score histogram is counted by index_add_."""
+    from isotui.experiments.attention import measure_attention
+
+    counts, armed = syncs
+    calls = _arm_loop_steps(monkeypatch, armed)
+    result = measure_attention(make_spec(TINY_GPT2, _text(tmp_path), max_length=32, batch_size=3), None)
+    assert calls[0] >= 4 and result.rows
     assert dict(counts) == {}
