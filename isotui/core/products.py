@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -110,24 +111,46 @@ def _on_grid(t: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     return torch.round(t / unit) * unit
 
 
-def mm_split(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (float64 operands, contraction over d) to about 1e-9 of float64 from three
-    float32 products, where one float32 product is off by ~1e-7 of the rows' size (its running
-    sums round: the I(W) of ``--exact`` then moved by 5e-6, tests/test_products.py).
+@dataclass(frozen=True)
+class SplitRight:
+    """The right operand of :func:`mm_split`, split once (it is the same for every batch)."""
+
+    full: torch.Tensor  # float64, d x n
+    bits: int  # k, from d
+    hi: torch.Tensor  # float32: b on the per-column grid of k bits
+    rest: torch.Tensor  # float32, 2d x n: [b - hi; b], the right side of the small terms
+
+
+def split_right(b: torch.Tensor) -> SplitRight:
+    """``b`` (d x n, float64) split for :func:`mm_split` with any m x d left operand."""
+    import torch
+
+    d = b.shape[0]
+    bits = max(1, (24 - max(1, (d - 1).bit_length())) // 2)
+    hi = _on_grid(b, 0, bits)
+    rest = torch.cat([b - hi, b]).to(torch.float32)
+    return SplitRight(b, bits, hi.to(torch.float32), rest)
+
+
+def mm_split(a: torch.Tensor, b: torch.Tensor | SplitRight) -> torch.Tensor:
+    """``a @ b`` (float64 operands, contraction over d) to about 1e-9 of float64 from float32
+    products, where one float32 product is off by ~1e-7 of the rows' size (its running sums
+    round: the I(W) of ``--exact`` then moved by 5e-6, tests/test_products.py).
 
     Each operand is split as hi + lo, hi on a per-row (a) or per-column (b) grid of k bits with
     2 k + log2(d) <= 24: each product of hi parts is an integer of 2 k bits in one unit, so
-    hi_a @ hi_b sums exactly in float32, in any order; a @ b = hi_a @ hi_b + hi_a @ lo_b +
-    lo_a @ b, the last two 2^-k smaller and so their rounding too (the Ozaki scheme, one level)."""
+    hi_a @ hi_b sums exactly in float32, in any order; a @ b = hi_a @ hi_b + [hi_a, lo_a] @
+    [lo_b; b], the second 2^-k smaller and so its rounding too (the Ozaki scheme, one level):
+    three products' work in two calls (on a CPU, where float64 runs at half the float32 rate,
+    that is slower than one float64 product; on a GPU, many times faster)."""
     import torch
 
+    right = b if isinstance(b, SplitRight) else split_right(b)
     if FLOAT64_PRODUCTS:
-        return a.to(torch.float64) @ b.to(torch.float64)
-    d = a.shape[-1]
-    bits = max(1, (24 - max(1, (d - 1).bit_length())) // 2)
-    a_hi, b_hi = _on_grid(a, 1, bits), _on_grid(b, 0, bits)
-    f32 = torch.float32
+        return a.to(torch.float64) @ right.full
+    a_hi = _on_grid(a, 1, right.bits)
+    left = torch.cat([a_hi, a - a_hi], 1).to(torch.float32)
     with full_float32():
-        exact = a_hi.to(f32) @ b_hi.to(f32)
-        small = a_hi.to(f32) @ (b - b_hi).to(f32) + (a - a_hi).to(f32) @ b.to(f32)
+        exact = left[:, : a.shape[1]] @ right.hi
+        small = left @ right.rest
     return exact.to(torch.float64) + small.to(torch.float64)

@@ -155,6 +155,8 @@ class ExactPass:
     def __init__(self, acc: LayerAccumulator) -> None:
         import torch
 
+        from isotui.core.products import split_right
+
         f64, dev = torch.float64, acc.device
         self.device = dev
         n = acc.n_all
@@ -171,7 +173,7 @@ class ExactPass:
             # the products with the centred vectors are float32 (see isotui.core.products), I(W)'s
             # split three ways (one float32 product moved it by 5e-6); x . w = (x - mean) . w +
             # mean . w, the second in float64 once per layer
-            self.both = torch.cat([self.vecs, self.vecs_c], 1)
+            self.both = split_right(torch.cat([self.vecs, self.vecs_c], 1))
             self.offset = self.vecs.T @ self.mean
             self.log_z = torch.full((2 * acc.dim,), -math.inf, dtype=f64, device=dev)
             self.log_zc = torch.full((2 * acc.dim,), -math.inf, dtype=f64, device=dev)
