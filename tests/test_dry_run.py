@@ -96,17 +96,18 @@ def test_qk_dynamics_plan_caps_the_subsample_to_the_cpu(pythia, tmp_path, cpu, s
         assert f"capped at {size} positions per module (of 256 asked)" in capped[0]
 
 
-@pytest.mark.parametrize(("cpu", "exact"), [(100 * 10**9, True), (5 * 10**8, False)])
-def test_final_norm_plan(pythia, tmp_path, cpu, exact):
-    memory = f"{GPUS},cpu={cpu}"
+@pytest.mark.parametrize(("memory", "exact"), [(GPUS, True), ("0=13GB,1=13GB,cpu=100GB", False)])
+def test_final_norm_plan(pythia, tmp_path, memory, exact):
     plan = _plan(tmp_path, "final-norm", "-m", pythia, "--device-map", "auto", "--max-memory", memory)
+    # the sums live beside the last block's output (cuda:1), as the run puts them
+    assert {p["device"] for p in plan["parts"]} == {"cuda:1"} and set(plan["budget_bytes"]) == {"cuda:1"}
     cov = 8 * D * D  # a d x d float64 sum; one batch partial of that size beside them, a side at a time
-    assert (3 * cov <= _budget(cpu)) == exact  # before and after the norm: both or none
+    assert (3 * cov <= plan["budget_bytes"]["cuda:1"]) == exact  # before and after the norm: both or none
     vectors, reservoir = 8 * D * 10, 4096 * (4 * D + 8)
     side = vectors + (cov if exact else 0) + reservoir
     partial = [cov] if exact else []
     assert [p["bytes"] for p in plan["parts"]] == [side, side, *partial]
-    assert plan["accumulator_bytes"] == {"cpu": 2 * side + sum(partial)}
+    assert plan["accumulator_bytes"] == {"cuda:1": 2 * side + sum(partial)}
     assert bool(plan["caps"]) == (not exact)
 
 

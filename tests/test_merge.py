@@ -26,13 +26,11 @@ REL = 1e-12
 
 
 @pytest.fixture
-def float64_products():
-    import torch
+def float64_products(monkeypatch):
+    """Products in float64: two batchings of the same data then agree to 1e-12."""
+    from isotui.core import products
 
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    yield
-    torch.set_float32_matmul_precision(before)
+    monkeypatch.setattr(products, "FLOAT64_PRODUCTS", True)
 
 
 @pytest.fixture
@@ -277,7 +275,7 @@ def lm_folders(tiny_models, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_gradient_shards_merge_to_one_pass(lm_folders, data, name):
+def test_gradient_shards_merge_to_one_pass(lm_folders, data, float64_products, name):
     from isotui.core.gradients import GradAccumulator
     from isotui.experiments.gradients import finish_gradients, gradients_state, merge_gradients_states
 

@@ -26,13 +26,11 @@ MAX_LENGTH = 24
 
 
 @pytest.fixture
-def float64_products():
-    import torch
+def float64_products(monkeypatch):
+    """Products in float64: two batchings of the same data then agree to 1e-12."""
+    from isotui.core import products
 
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    yield
-    torch.set_float32_matmul_precision(before)
+    monkeypatch.setattr(products, "FLOAT64_PRODUCTS", True)
 
 
 @pytest.fixture

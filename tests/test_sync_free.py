@@ -6,6 +6,7 @@ not the host-side preparation of the batch's inputs (masks, token ids: already o
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -16,11 +17,23 @@ from isotui.experiments.layerwise import measure
 from isotui.spec import make_spec
 
 from .conftest import corpus
+from .test_gradients import lm_models as lm_models  # a fixture, used by name
 
 TINY_GPT2 = "random:gpt2:n_layer=2,n_embd=64,n_head=4"
 
-# per-batch device code: every function of the accumulator module, and the stream's step
-_DEVICE_FILES = {"accumulator.py": None, "runner.py": {"__call__", "_vectors"}}
+# per-batch device code: every function of the accumulator module, the stream's step, --exact's
+# second pass and the gradient sums (folder/file: functions, None for all)
+_DEVICE_FILES = {
+    "core/accumulator.py": None,
+    "extract/runner.py": {"__call__", "_vectors"},
+    "core/sampled.py": {"partial", "commit"},
+    "core/gradients.py": {"add"},
+    "core/attention.py": None,
+}
+# experiments' steps that also prepare the batch on the host (its masks and token ids are host
+# tensors: their nonzero / int / bool are no device reads): only explicit reads of a value count
+_STEP_FILES = {"experiments/final_norm.py": {"step"}, "experiments/gradients.py": {"step"}}
+_STEP_READS = {"item", "cpu", "tolist", "numpy", "__float__", "__array__"}
 
 # calls that read a device value on the host (explicitly, or implicitly through Python)
 _SYNC_METHODS = (
@@ -39,17 +52,20 @@ _SYNC_METHODS = (
 _SYNC_FUNCTIONS = ("unique", "nonzero", "masked_select", "argwhere")
 
 
-def _caller() -> tuple[str, str] | None:
-    """(file name, function) of the nearest isotui frame, when it is per-batch device code."""
+def _caller(call: str) -> tuple[str, str] | None:
+    """(file, function) of the nearest isotui frame, when it is per-batch device code."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
         if f"{Path('isotui')}/" in path and "/tests/" not in path:
-            name = Path(path).name
+            name = f"{Path(path).parent.name}/{Path(path).name}"
+            func = frame.f_code.co_name
+            if name in _STEP_FILES:
+                return (name, func) if func in _STEP_FILES[name] and call in _STEP_READS else None
             if name not in _DEVICE_FILES:
                 return None
             funcs = _DEVICE_FILES[name]
-            return (name, frame.f_code.co_name) if funcs is None or frame.f_code.co_name in funcs else None
+            return (name, func) if funcs is None or func in funcs else None
         frame = frame.f_back
     return None
 
@@ -74,7 +90,7 @@ def syncs(monkeypatch):
 
         def wrapper(*args, **kwargs):
             if armed[0] and (check is None or check(args)):
-                where = _caller()
+                where = _caller(name)
                 if where is not None:
                     counts[f"{name} in {where[0]}:{where[1]}"] += 1
             return original(*args, **kwargs)
@@ -156,3 +172,81 @@ def test_sync_free_reservoir_and_counts_match_numpy():
     np.testing.assert_array_equal(acc.res_keys.numpy()[order], keys_all[smallest])
     np.testing.assert_array_equal(acc.res.numpy()[order], x_all[smallest])
     assert (acc.n, acc.n_all, acc.pairs_within) == (n, len(x_all), pairs)
+
+
+def _arm_loop_steps(monkeypatch, armed: list[bool]) -> list[int]:
+    """Arm the counter in every :class:`BatchLoop` step after the loop's first (any experiment)."""
+    from isotui.extract.loop import BatchLoop
+
+    original = BatchLoop.run
+    calls = [0]
+
+    def run(self, step, *args, **kwargs):
+        first = [True]
+
+        def traced(batch):
+            calls[0] += 1
+            armed[0] = not first[0]
+            first[0] = False
+            try:
+                return step(batch)
+            finally:
+                armed[0] = False
+
+        return original(self, traced, *args, **kwargs)
+
+    monkeypatch.setattr(BatchLoop, "run", run)
+    return calls
+
+
+def _text(tmp_path, n: int = 12) -> str:
+    path = tmp_path / "t.txt"
+    path.write_text("\n".join(corpus(n)) + "\n", encoding="utf-8")
+    return f"text:{path}"
+
+
+def test_exact_second_pass_reads_nothing_back(tmp_path, monkeypatch, syncs):
+    """--exact's second pass (ExactPass.partial/commit): counts stay on the device, zero vectors
+    are masked rather than dropped, the live dimensions are an index picked once per layer."""
+    counts, armed = syncs
+    calls = _arm_loop_steps(monkeypatch, armed)
+    spec = make_spec(TINY_GPT2, _text(tmp_path), max_length=32, batch_size=3, reservoir=16, exact=True)
+    result = measure(spec, None)
+    assert calls[0] >= 8, "two passes of several batches"
+    assert result.meta["exact"] is True and all(r.avg_cos_abtt_se == 0.0 for r in result.rows)
+    assert dict(counts) == {}
+
+
+def test_final_norm_reads_nothing_back(tmp_path, monkeypatch, syncs):
+    """Both sides of the norm go into sums beside the activations (no copy to the host)."""
+    from isotui.experiments.final_norm import measure_final_norm
+
+    counts, armed = syncs
+    calls = _arm_loop_steps(monkeypatch, armed)
+    measure_final_norm(make_spec(TINY_GPT2, _text(tmp_path), max_length=32, batch_size=3, reservoir=16))
+    assert calls[0] >= 4
+    assert dict(counts) == {}
+
+
+def test_gradients_read_nothing_back(tmp_path, monkeypatch, syncs, lm_models):
+    """The gradient sums count non-zero rows on the device; the loss is read once, at the end."""
+    from isotui.experiments.gradients import measure_gradients
+
+    counts, armed = syncs
+    calls = _arm_loop_steps(monkeypatch, armed)
+    spec = make_spec(str(lm_models["gpt2"]), _text(tmp_path), max_length=32, batch_size=3)
+    result = measure_gradients(spec, top_k=3)
+    assert calls[0] >= 4 and math.isfinite(result.meta["loss_per_token"])
+    assert dict(counts) == {}
+
+
+def test_attention_probe_sums_read_nothing_back(tmp_path, monkeypatch, syncs):
+    """The probe's per-head sums (queries, keys, scores, softmax rows): positions that do not
+    count are masked rather than dropped, the score histogram is counted by index_add_."""
+    from isotui.experiments.attention import measure_attention
+
+    counts, armed = syncs
+    calls = _arm_loop_steps(monkeypatch, armed)
+    result = measure_attention(make_spec(TINY_GPT2, _text(tmp_path), max_length=32, batch_size=3), None)
+    assert calls[0] >= 4 and result.rows
+    assert dict(counts) == {}

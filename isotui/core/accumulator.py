@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from isotui.core.exact_spectrum import ExactEigen, exact_eigen
 from isotui.core.isotropy import isoscore_star, sample_metrics
+from isotui.core.products import gram32
 from isotui.core.spectrum import (
     Spectrum,
     eigenvalues,
@@ -99,23 +100,6 @@ class LayerStats:
     iw_centered_se: float = math.nan
     avg_cos_abtt_se: float = math.nan
     avg_cos_std_se: float = math.nan
-
-
-def _gram_dtype(x64: torch.Tensor) -> torch.dtype:
-    """float32 for the per-batch product of *shifted* vectors, unless matmuls may use TF32.
-
-    Each batch's (x - shift)^T (x - shift) is formed in float32 (half the cost of float64 on a
-    CPU, far less than that on most GPUs) and added into the float64 running sum. Shifting first
-    keeps it exact to ~1e-8 relative on the spectrum metrics (measured on MiniLM; see the
-    benchmarks), which float64 accumulation across batches then preserves.
-    """
-    import torch
-
-    if torch.get_float32_matmul_precision() != "highest":
-        return torch.float64
-    if x64.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-        return torch.float64
-    return torch.float32
 
 
 def avg_cos_from_sums(sum_u: npt.NDArray[np.float64], n: int) -> float:
@@ -259,8 +243,11 @@ class LayerAccumulator:
         if len(x64):
             out["x_min"], out["x_max"] = x64.amin(0), x64.amax(0)
         if self.full_cov:
-            xs = xs64.to(_gram_dtype(x64))
-            out["gram"] = (xs.T @ xs).to(torch.float64)
+            # float32 at full precision, whatever the user's TF32/bf16 setting: shifting first keeps
+            # the spectrum metrics within ~1e-8 of float64 (tests/test_products.py), which float64
+            # accumulation across batches then preserves; a float64 d x d product costs 2x on a
+            # CPU and up to 64x on a GPU
+            out["gram"] = gram32(xs64)
         if weights is not None:
             out |= self._sentences(x64, ids, per_sample, counts.to(torch.float64))
             if type_index is not None and self.types:

@@ -39,9 +39,8 @@ def score_bins(s: torch.Tensor) -> torch.Tensor:
 
     u = torch.asinh(s / SCORE_SCALE)
     idx = ((u + _SPAN) * (SCORE_BINS / (2 * _SPAN))).floor_().clamp_(-1, SCORE_BINS).to(torch.int64) + 1
-    idx[s >= SCORE_LIMIT] = SCORE_BINS + 1
-    idx[s < -SCORE_LIMIT] = 0
-    return idx
+    # masked fills, not boolean-index writes: no count is read on the host (issue 15)
+    return idx.masked_fill_(s >= SCORE_LIMIT, SCORE_BINS + 1).masked_fill_(s < -SCORE_LIMIT, 0)
 
 
 # Data-ranged histogram (drift-block Fig. 7): the fixed bins above put an untrained block's
@@ -248,9 +247,11 @@ class VectorSums(_Sums):
         """``x``: (B, H, T, d); ``keep``: (B, T) bool, the positions that count."""
         import torch
 
-        v = x.permute(1, 0, 2, 3)[:, keep].to(torch.float64)  # (H, m, d): kept positions only
+        # (H, B T, d), the positions that do not count zeroed (masked rather than dropped: no count
+        # is read on the host; a zero row adds nothing and has no direction)
+        v = torch.where(keep[None, :, :, None], x.permute(1, 0, 2, 3), 0).to(torch.float64).flatten(1, 2)
         norms = torch.linalg.vector_norm(v, dim=-1)
-        self.n += v.shape[1]
+        self.n += keep.sum()
         self.sum += v.sum(1)
         self.sum_norm += norms.sum(1)
         nonzero = norms > 0
@@ -303,7 +304,11 @@ class ScoreSums(_Sums):
         if self.hist.shape[1]:
             idx = score_bins(s)
             idx += torch.arange(heads, device=s.device).view(1, heads, 1, 1) * (SCORE_BINS + 2)
-            self.hist += torch.bincount(idx[pairs], minlength=heads * (SCORE_BINS + 2)).view(heads, -1)
+            # counted by index_add_ (bincount's length is its largest index, read on the host)
+            flat = torch.zeros(heads * (SCORE_BINS + 2), dtype=torch.int64, device=s.device)
+            # (a pair that does not count goes to slot 0 with weight 0, whatever its score: NaN too)
+            flat.index_add_(0, idx.masked_fill_(~pairs, 0).flatten(), pairs.flatten().to(torch.int64))
+            self.hist += flat.view(heads, -1).to(self.hist.device)
         per_head = (0, 2, 3)
         self.n += pairs.sum(per_head)
         kept = s.masked_fill(~pairs, 0.0)
@@ -326,10 +331,12 @@ class RowSums(_Sums):
 
     def add(self, probs: torch.Tensor, allowed: torch.Tensor, rows: torch.Tensor) -> None:
         """``probs``: (B, H, T, S); ``allowed``: keys per row; ``rows``: (B, T) query rows that count."""
+        import torch
+
         stats = row_stats(probs, allowed)
-        for i, x in enumerate(stats):
-            self.sums[i] += x.permute(1, 0, 2)[:, rows].sum(1)
-        self.n += int(rows.sum())
+        for i, x in enumerate(stats):  # x: (B, H, T); rows masked, not dropped
+            self.sums[i] += torch.where(rows[:, None, :], x, 0.0).sum((0, 2))
+        self.n += rows.sum()
 
     def means(self) -> npt.NDArray[np.float64]:
         """(4, H): mean row max, median, min, entropy."""

@@ -74,8 +74,9 @@ class GradAccumulator:
         f64 = torch.float64
         self.dim, self.device = dim, device
         self.n_all = 0
-        self.n_grad = 0  # non-zero gradients
-        self.n_act = 0  # non-zero activations
+        # non-zero gradients and activations: counted on the device, read once at the end
+        self._n_grad = torch.zeros((), dtype=torch.int64, device=device)
+        self._n_act = torch.zeros((), dtype=torch.int64, device=device)
         self.sum_gu = torch.zeros(dim, dtype=f64, device=device)
         self.sum_g = torch.zeros(dim, dtype=f64, device=device)
         self.sum_gnorm = torch.zeros((), dtype=f64, device=device)
@@ -85,9 +86,31 @@ class GradAccumulator:
         self.sum_xs = torch.zeros(dim, dtype=f64, device=device)
         self.x2 = torch.zeros((dim, dim), dtype=f64, device=device)
 
+    @property
+    def n_grad(self) -> int:
+        """Non-zero gradients (a device read: once, at the end)."""
+        return int(self._n_grad)
+
+    @n_grad.setter
+    def n_grad(self, value: int) -> None:
+        self._n_grad.fill_(value)
+
+    @property
+    def n_act(self) -> int:
+        """Non-zero activations (a device read: once, at the end)."""
+        return int(self._n_act)
+
+    @n_act.setter
+    def n_act(self, value: int) -> None:
+        self._n_act.fill_(value)
+
     def add(self, x: torch.Tensor, g: torch.Tensor) -> None:
-        """Fold in m tokens: activations ``x`` and their gradients ``g`` (both m x d)."""
+        """Fold in m tokens: activations ``x`` and their gradients ``g`` (both m x d). Nothing is
+        read on the host (zero rows are masked, not dropped: a GPU never waits), and the d x d
+        products are float32, added into the float64 sums (see isotui.core.products)."""
         import torch
+
+        from isotui.core.products import gram32
 
         if not len(x):
             return
@@ -98,18 +121,20 @@ class GradAccumulator:
         xn = torch.linalg.vector_norm(x64, dim=1)
         xz = xn > 0
         self.n_all += len(x64)
-        self.n_grad += int(gz.sum())
-        self.n_act += int(xz.sum())
-        self.sum_gu += (g64[gz] / gn[gz, None]).sum(0)
+        self._n_grad += gz.sum()
+        self._n_act += xz.sum()
+        self.sum_gu += (g64 / torch.where(gz, gn, 1.0)[:, None]).sum(0)  # a zero row stays 0
         self.sum_g += g64.sum(0)
         self.sum_gnorm += gn.sum()
-        self.g2 += g64.T @ g64
-        self.sum_xu += (x64[xz] / xn[xz, None]).sum(0)
+        # G is not centred: its float32 rounding is relative to its own entries (the shares are
+        # ratios of positive sums, no cancellation)
+        self.g2 += gram32(g64)
+        self.sum_xu += (x64 / torch.where(xz, xn, 1.0)[:, None]).sum(0)
         if self.shift is None:
             self.shift = x64.mean(0)
         xs = x64 - self.shift
         self.sum_xs += xs.sum(0)
-        self.x2 += xs.T @ xs
+        self.x2 += gram32(xs)
 
     _SUMS = ("sum_gu", "sum_g", "sum_gnorm", "g2", "sum_xu")
     _COUNTS = ("n_all", "n_grad", "n_act")

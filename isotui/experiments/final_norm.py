@@ -337,14 +337,14 @@ def _stream_norms(
         with loop.model_call("a batch"), torch.inference_mode():
             model(**batch.inputs, return_dict=True)
         if not accs:
-            d = seen[0][0].shape[-1]
-            budget = measured_budget("cpu")  # the sums live on the CPU: its free memory, less a margin
+            d, on = seen[0][0].shape[-1], seen[0][0].device
+            # the sums live beside the activations (no copy to the host per batch; issue 15), on
+            # the CPU when that is MPS (no float64): that device's free memory, less a margin
+            acc_device = torch.device("cpu") if on.type == "mps" else on
+            budget = measured_budget(str(acc_device))
             full = budget is None or len(sites) * 2 * cov_bytes(d) + partial_bytes(d) <= budget
             accs.extend(
-                [
-                    LayerAccumulator(d, torch.device("cpu"), full_cov=full, reservoir=spec.reservoir)
-                    for _ in "ab"
-                ]
+                [LayerAccumulator(d, acc_device, full_cov=full, reservoir=spec.reservoir) for _ in "ab"]
                 for _ in sites
             )
             for i, (n, _m, _k) in enumerate(sites):
@@ -364,7 +364,7 @@ def _stream_norms(
             for side, (acc, x) in enumerate(zip(accs[i], (x_in, x_out), strict=True)):
                 if not batch.pending((i, side)):  # a try of a batch holding these samples did it
                     continue
-                vec = x.reshape(-1, x.shape[-1]).index_select(0, flat.to(x.device)).float().cpu()
+                vec = x.reshape(-1, x.shape[-1]).index_select(0, flat.to(x.device))
                 # committed at once (one side's batch sums at a time; see extract/loop.py)
                 acc.commit(acc.partial(vec, ids, keys, None, None, x_in.shape[0]))
                 batch.committed((i, side))

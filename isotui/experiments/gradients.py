@@ -253,7 +253,8 @@ def _stream_gradients(
     loop.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
     acc_device = torch.device(device if device.startswith("cuda") else "cpu")
     accs: list[GradAccumulator] = []  # one per layer, made at the first batch
-    loss_sum, loss_tokens = 0.0, 0
+    loss_sum: Any = 0.0  # a device tensor after the first batch: read once, at the end (issue 15)
+    loss_tokens = 0
 
     def step(batch: Batch) -> int:
         """Forward and backward over one batch; every layer's (activation, gradient) folded in."""
@@ -306,7 +307,7 @@ def _stream_gradients(
                 f"out of {device} memory while adding a batch of {len(batch.idx)} samples to the "
                 "gradient sums; use a smaller --batch-size"
             ) from None
-        loss_sum += float(batch_loss.detach())
+        loss_sum = loss_sum + batch_loss.detach().to(torch.float64)
         loss_tokens += int((labels != -100).sum())
         return int(keep.sum())
 
@@ -327,7 +328,7 @@ def _stream_gradients(
         "data": prepared.spec.data.describe(),
         "n_samples": total,
         "lm_class": type(model).__name__,
-        "loss_sum": loss_sum,
+        "loss_sum": float(loss_sum),
         "loss_tokens": loss_tokens,
         "special_tokens": spec.special_tokens,
         "dtype": prepared.dtype,

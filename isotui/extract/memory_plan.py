@@ -711,21 +711,24 @@ class ExperimentPlan:
 
 
 def final_norm_plan(paper: Paper, *, every_layer: bool, reservoir: int) -> ExperimentPlan:
-    """final-norm's sums: before and after each norm (the final one, or every block's), on the
-    CPU; exact covariances for all of them when they fit the CPU's budget together, else none
-    (as the run decides after its first batch)."""
+    """final-norm's sums: before and after each norm (the final one, or every block's), all on
+    the device of the first norm's activations (the last block's for the final norm); exact
+    covariances for all of them when they fit that device's budget together, else none (as the
+    run decides after its first batch)."""
     d, sites = paper.dim, paper.n_blocks if every_layer else 1
-    budget = paper.budgets["cpu"]
+    on = paper.where[1 if every_layer else -1]
+    on = on if on.startswith("cuda") else "cpu"  # offloaded blocks run on the main device's copy
+    budget = paper.budgets.get(on)
     full = budget is None or sites * 2 * cov_bytes(d) + partial_bytes(d) <= budget  # as the run decides
     names = [f"block {i} norm" for i in range(sites)] if every_layer else ["final norm"]
-    partial = [PartPlan("batch partial (one side at a time)", "cpu", d, "float64 d x d", partial_bytes(d))]
+    partial = [PartPlan("batch partial (one side at a time)", on, d, "float64 d x d", partial_bytes(d))]
     parts = [
         PartPlan(
             f"{name} {side}",
-            "cpu",
+            on,
             d,
             ("exact covariance, " if full else "") + f"reservoir {reservoir:,}",
-            LayerPlan(name, d, "cpu", full, reservoir).bytes,
+            LayerPlan(name, d, on, full, reservoir).bytes,
         )
         for name in names
         for side in ("in", "out")
@@ -734,7 +737,7 @@ def final_norm_plan(paper: Paper, *, every_layer: bool, reservoir: int) -> Exper
     return ExperimentPlan(
         "final-norm",
         parts,
-        {"cpu": budget},
+        {on: budget},
         paper.weights,
         "avg_cos, drift and norms before and after each norm over every vector"
         + (f"; {cov}" if full else ""),
@@ -746,7 +749,7 @@ def final_norm_plan(paper: Paper, *, every_layer: bool, reservoir: int) -> Exper
         if full
         else [
             f"covariances: {sites * 2} of {cov_bytes(d):,} bytes each do not fit the "
-            f"{_size(budget)} the CPU has left, so none is exact"
+            f"{_size(budget)} {on} has left, so none is exact"
         ],
     )
 
