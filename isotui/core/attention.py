@@ -38,10 +38,10 @@ def score_bins(s: torch.Tensor) -> torch.Tensor:
     import torch
 
     u = torch.asinh(s / SCORE_SCALE)
-    idx = ((u + _SPAN) * (SCORE_BINS / (2 * _SPAN))).floor_().clamp_(-1, SCORE_BINS).to(torch.int64) + 1
-    idx[s >= SCORE_LIMIT] = SCORE_BINS + 1
-    idx[s < -SCORE_LIMIT] = 0
-    return idx
+    u.add_(_SPAN).mul_(SCORE_BINS / (2 * _SPAN)).floor_().clamp_(-1, SCORE_BINS)
+    idx = u.to(torch.int64).add_(1)
+    idx.masked_fill_(s >= SCORE_LIMIT, SCORE_BINS + 1)
+    return idx.masked_fill_(s < -SCORE_LIMIT, 0)
 
 
 # Data-ranged histogram (drift-block Fig. 7): the fixed bins above put an untrained block's
@@ -116,19 +116,33 @@ def range_histogram(chunks: list[torch.Tensor], bins: int = RANGE_BINS) -> Range
     import torch
 
     lo, hi = math.inf, -math.inf
+    all_finite = []
     for s in chunks:
-        finite = s[torch.isfinite(s)]
-        if finite.numel():
-            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+        a, b = (float(v) for v in torch.aminmax(s)) if s.numel() else (math.inf, -math.inf)
+        finite = (math.isfinite(a) and math.isfinite(b)) or not s.numel()  # NaN or inf: look closer
+        if not finite:
+            kept = s[torch.isfinite(s)]
+            a, b = (float(kept.min()), float(kept.max())) if kept.numel() else (math.inf, -math.inf)
+        lo, hi = min(lo, a), max(hi, b)
+        all_finite.append(finite)
     exp, start = range_grid(lo, hi, bins) if lo <= hi else (0, 0)
+    scale = math.ldexp(1.0, -exp)
+    # a float32 score times 2**-exp is exact when exp <= 0 (no overflow: the grid's bins cover
+    # [lo, hi]), so its floor is the float64 one; the bin numbers then fit an int32
+    narrow = exp <= 0 and max(abs(lo), abs(hi)) * scale < 2**30
     rows = []
-    for s in chunks:
-        x = s.reshape(-1).double()
-        ok = torch.isfinite(x)
-        idx = torch.floor(x[ok] * math.ldexp(1.0, -exp)).long() - (start - 1)  # exact: a power of 2
-        counts = torch.bincount(idx, minlength=bins + 2)
-        counts[0] += int((x == -math.inf).sum())
-        counts[-1] += int((~ok).sum() - (x == -math.inf).sum())
+    for s, finite in zip(chunks, all_finite, strict=True):
+        if finite and narrow and s.dtype == torch.float32:
+            t = s.reshape(-1) * scale
+            idx = t.floor_().to(torch.int32).sub_(start - 1)
+            counts = torch.bincount(idx, minlength=bins + 2)
+        else:
+            x = s.reshape(-1).double()
+            ok = torch.isfinite(x)
+            idx64 = torch.floor(x[ok] * scale).long() - (start - 1)  # exact: a power of 2
+            counts = torch.bincount(idx64, minlength=bins + 2)
+            counts[0] += int((x == -math.inf).sum())
+            counts[-1] += int((~ok).sum() - (x == -math.inf).sum())
         rows.append(counts.cpu().numpy().astype(np.int64))
     return RangeHistogram(exp, start, np.stack(rows) if rows else np.zeros((0, bins + 2), np.int64))
 
@@ -147,27 +161,55 @@ def merge_range_histograms(hists: list[RangeHistogram], bins: int = RANGE_BINS) 
     return [h.regrid(exp, start, bins) for h in hists]
 
 
-def row_stats(probs: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def row_stats(probs: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Per softmax row (last axis): max, median, min over the allowed keys, and entropy in nats.
 
-    ``allowed`` broadcasts against ``probs``. The median of an even count is the mean of the two
-    middle values (numpy's convention). Rows with no allowed key give NaN. Computed in the
-    probabilities' own precision (float32 from the probe), returned as float64.
+    ``allowed`` broadcasts against ``probs`` (None: every key counts). The median of an even
+    count is the mean of the two middle values (numpy's convention). Rows with no allowed key
+    give NaN. Computed in the probabilities' own precision (float32 from the probe), returned as
+    float64.
+
+    No sort (the cost of long rows): of a row's ``m`` allowed keys, the first ``(S - m) // 2``
+    blocked keys are set to -inf and the others to +inf, so that the middle values of every row
+    are the largest two of its ``S // 2 + 1`` smallest values, which one unsorted ``topk`` (a
+    selection) finds. They are the very values a sort would put there.
     """
     import torch
 
-    allowed = allowed.expand_as(probs)
     p = probs if probs.dtype in (torch.float32, torch.float64) else probs.float()
-    m = allowed.sum(-1, keepdim=True)
-    ordered = p.masked_fill(~allowed, math.inf).sort(-1).values  # masked keys sort last
-    last = (m - 1).clamp(min=0)
-    row_min = ordered[..., 0].double()
-    row_max = ordered.gather(-1, last).squeeze(-1).double()
-    lo, hi = last // 2, (m // 2).clamp(max=p.shape[-1] - 1)
-    median = (ordered.gather(-1, lo).double() + ordered.gather(-1, hi).double()).squeeze(-1) / 2
-    entropy = -torch.special.xlogy(p, p).masked_fill_(~allowed, 0.0).sum(-1, dtype=torch.float64)
-    empty = m.squeeze(-1) == 0
-    return tuple(x.masked_fill_(empty, math.nan) for x in (row_max, median, row_min, entropy))
+    size = p.shape[-1]
+    if allowed is None:
+        x, blocked, m, even = p, None, None, size % 2 == 0
+    else:
+        allowed = allowed.expand(*allowed.shape[:-1], size)
+        blocked = ~allowed
+        m = allowed.sum(-1, keepdim=True)  # on the mask's own (unexpanded) shape
+        low = blocked & (blocked.cumsum(-1) <= (size - m) // 2)
+        inf = torch.tensor(math.inf, dtype=p.dtype, device=p.device)
+        x = torch.where(allowed, p, torch.where(low, -inf, inf))
+        even = m % 2 == 0
+    top = x.topk(size // 2 + 1, dim=-1, largest=False, sorted=False).values  # sorted places 0..S//2
+    first = top.amax(-1, keepdim=True)  # place S // 2
+    repeated = (top == first).sum(-1, keepdim=True) >= 2
+    second = torch.where(repeated, first, top.masked_fill(top == first, -math.inf).amax(-1, keepdim=True))
+
+    # the middle places, lower and upper: S even: (S//2 - 1, S//2) for even m, S//2 - 1 twice for
+    # odd m; S odd: S//2 twice for odd m, (S//2 - 1, S//2) for even m
+    def pick(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a if even else b) if isinstance(even, bool) else torch.where(even, a, b)
+
+    lo, hi = (second, pick(first, second)) if size % 2 == 0 else (pick(second, first), first)
+    median = (lo.double() + hi.double()).squeeze(-1) / 2
+    if blocked is None:
+        row_min, row_max = p.amin(-1).double(), p.amax(-1).double()
+        entropy = -torch.special.xlogy(p, p).sum(-1, dtype=torch.float64)
+        return row_max, median, row_min, entropy
+    row_min = p.masked_fill(blocked, math.inf).amin(-1).double()
+    row_max = p.masked_fill(blocked, -math.inf).amax(-1).double()
+    entropy = -torch.special.xlogy(p, p).masked_fill_(blocked, 0.0).sum(-1, dtype=torch.float64)
+    assert m is not None
+    empty = (m.squeeze(-1) == 0).expand_as(row_min)
+    return tuple(t.masked_fill(empty, math.nan) for t in (row_max, median, row_min, entropy))
 
 
 @dataclass
@@ -293,24 +335,36 @@ class ScoreSums(_Sums):
         self.min = torch.full((heads,), math.inf, dtype=f64, device=device)
         self.max = torch.full((heads,), -math.inf, dtype=f64, device=device)
 
-    def add(self, scores: torch.Tensor, pairs: torch.Tensor) -> None:
-        """``scores``: (B, H, T, S); ``pairs``: bool broadcastable to it, the pairs that count."""
+    def add(self, scores: torch.Tensor, pairs: torch.Tensor | None = None) -> None:
+        """``scores``: (B, H, T, S); ``pairs``: bool broadcastable to it, the pairs that count
+        (None: all of them). The mask is used at its own shape, never expanded to the scores'."""
         import torch
 
         heads = scores.shape[1]
-        pairs = pairs.expand_as(scores)
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+        per_head = (0, 2, 3)
+        blocked = None if pairs is None else ~pairs
         if self.hist.shape[1]:
+            width = heads * (SCORE_BINS + 2)
             idx = score_bins(s)
             idx += torch.arange(heads, device=s.device).view(1, heads, 1, 1) * (SCORE_BINS + 2)
-            self.hist += torch.bincount(idx[pairs], minlength=heads * (SCORE_BINS + 2)).view(heads, -1)
-        per_head = (0, 2, 3)
-        self.n += pairs.sum(per_head)
-        kept = s.masked_fill(~pairs, 0.0)
+            if blocked is not None:
+                idx.masked_fill_(blocked, width)  # one spare bin past the last head's
+            self.hist += torch.bincount(idx.view(-1), minlength=width + 1)[:width].view(heads, -1)
+        if blocked is None:
+            self.n += s.shape[0] * s.shape[2] * s.shape[3]
+            self.sum += s.sum(-1, dtype=torch.float64).sum((0, 2))
+            self.sumsq += s.square().sum(-1, dtype=torch.float64).sum((0, 2))
+            self.min = torch.minimum(self.min, s.amin(per_head).double())
+            self.max = torch.maximum(self.max, s.amax(per_head).double())
+            return
+        assert pairs is not None
+        self.n += pairs.expand(s.shape[0], pairs.shape[1], *s.shape[2:]).sum(per_head)
+        kept = s.masked_fill(blocked, 0.0)
         self.sum += kept.sum(-1, dtype=torch.float64).sum((0, 2))
         self.sumsq += kept.square_().sum(-1, dtype=torch.float64).sum((0, 2))
-        self.min = torch.minimum(self.min, s.masked_fill(~pairs, math.inf).amin(per_head).double())
-        self.max = torch.maximum(self.max, s.masked_fill(~pairs, -math.inf).amax(per_head).double())
+        self.min = torch.minimum(self.min, s.masked_fill(blocked, math.inf).amin(per_head).double())
+        self.max = torch.maximum(self.max, s.masked_fill(blocked, -math.inf).amax(per_head).double())
 
 
 class RowSums(_Sums):

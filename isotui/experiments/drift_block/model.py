@@ -175,8 +175,6 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
     with np.errstate(invalid="ignore", divide="ignore"):
         cos_heads = np.einsum("hd,hd->h", q_means, k_means) / (qh_bar * kh_bar)
 
-    allowed = torch.ones((1, 1, 1, T), dtype=torch.bool, device=device)
-    pairs = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
     position_sums = torch.zeros((3, T), dtype=torch.float64, device=device)
     row_sums = torch.zeros((4, heads), dtype=torch.float64, device=device)
     score_sums = []
@@ -184,11 +182,11 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
     for h in range(heads):  # one head of the whole batch at a time: (B, 1, T, T)
         s = torch.matmul(qh[:, h], kh[:, h].transpose(-1, -2)).mul_(scale)[:, None]
         acc = ScoreSums(1, torch.device(device), histogram=False)
-        acc.add(s, pairs)
+        acc.add(s)  # every pair counts
         score_sums.append(acc)
         scores.append(s)
         p = torch.softmax(s, dim=-1)
-        stats = row_stats(p, allowed)  # each (B, 1, T)
+        stats = row_stats(p)  # each (B, 1, T); every key counts
         del p
         for i in range(3):
             position_sums[i] += stats[i].sum((0, 1))
