@@ -152,11 +152,10 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
     B, T, d = x.shape
     dk = d // heads
     scale = float(getattr(attn, "scaling", dk**-0.5))
-    keep = torch.ones((B, T), dtype=torch.bool, device=device)
 
     def full(v: torch.Tensor) -> tuple[float, float, float, np.ndarray]:
         s = VectorSums(1, d, torch.device(device))
-        s.add(v[:, None], keep)
+        s.add(v[:, None])  # every position counts
         mean_norm, bar_norm, avg = s.summary()
         return float(avg[0]), float(mean_norm[0]), float(bar_norm[0]), s.mean()[0]
 
@@ -167,8 +166,8 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
     qh = q.view(B, T, heads, dk).transpose(1, 2)  # (B, H, T, dk)
     kh = k.view(B, T, heads, dk).transpose(1, 2)
     qs, ks = VectorSums(heads, dk, torch.device(device)), VectorSums(heads, dk, torch.device(device))
-    qs.add(qh, keep)
-    ks.add(kh, keep)
+    qs.add(qh)
+    ks.add(kh)
     qh_norm, qh_bar, qh_cos = qs.summary()
     kh_norm, kh_bar, kh_cos = ks.summary()
     q_means, k_means = qs.mean(), ks.mean()
