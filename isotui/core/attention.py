@@ -183,6 +183,16 @@ def merge_range_histograms(hists: list[RangeHistogram], bins: int = RANGE_BINS) 
     return [h.regrid(exp, start, bins) for h in hists]
 
 
+def sorted_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` sorted along its last axis (NaN and +inf last). On the CPU through numpy's sort,
+    which is vectorised: about 10x torch's for rows of 50-500 values (measured on AVX-512)."""
+    import torch
+
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.sort(x.numpy(), axis=-1))
+    return x.sort(-1).values
+
+
 def row_stats(probs: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Per softmax row (last axis): max, median, min over the allowed keys, and entropy in nats.
 
@@ -190,46 +200,26 @@ def row_stats(probs: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple
     count is the mean of the two middle values (numpy's convention). Rows with no allowed key
     give NaN. Computed in the probabilities' own precision (float32 from the probe), returned as
     float64.
-
-    No sort (the cost of long rows): of a row's ``m`` allowed keys, the first ``(S - m) // 2``
-    blocked keys are set to -inf and the others to +inf, so that the middle values of every row
-    are the largest two of its ``S // 2 + 1`` smallest values, which one unsorted ``topk`` (a
-    selection) finds. They are the very values a sort would put there.
     """
     import torch
 
     p = probs if probs.dtype in (torch.float32, torch.float64) else probs.float()
     size = p.shape[-1]
     if allowed is None:
-        x, blocked, m, even = p, None, None, size % 2 == 0
-    else:
-        allowed = allowed.expand(*allowed.shape[:-1], size)
-        blocked = ~allowed
-        m = allowed.sum(-1, keepdim=True)  # on the mask's own (unexpanded) shape
-        low = blocked & (blocked.cumsum(-1) <= (size - m) // 2)
-        inf = torch.tensor(math.inf, dtype=p.dtype, device=p.device)
-        x = torch.where(allowed, p, torch.where(low, -inf, inf))
-        even = m % 2 == 0
-    top = x.topk(size // 2 + 1, dim=-1, largest=False, sorted=False).values  # sorted places 0..S//2
-    first = top.amax(-1, keepdim=True)  # place S // 2
-    repeated = (top == first).sum(-1, keepdim=True) >= 2
-    second = torch.where(repeated, first, top.masked_fill(top == first, -math.inf).amax(-1, keepdim=True))
-
-    # the middle places, lower and upper: S even: (S//2 - 1, S//2) for even m, S//2 - 1 twice for
-    # odd m; S odd: S//2 twice for odd m, (S//2 - 1, S//2) for even m
-    def pick(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return (a if even else b) if isinstance(even, bool) else torch.where(even, a, b)
-
-    lo, hi = (second, pick(first, second)) if size % 2 == 0 else (pick(second, first), first)
-    median = (lo.double() + hi.double()).squeeze(-1) / 2
-    if blocked is None:
-        row_min, row_max = p.amin(-1).double(), p.amax(-1).double()
+        ordered = sorted_rows(p)
+        lo, hi = ordered[..., (size - 1) // 2], ordered[..., size // 2]
+        median = (lo.double() + hi.double()) / 2
         entropy = -row_sums64(torch.special.xlogy(p, p))
-        return row_max, median, row_min, entropy
-    row_min = p.masked_fill(blocked, math.inf).amin(-1).double()
-    row_max = p.masked_fill(blocked, -math.inf).amax(-1).double()
+        return ordered[..., -1].double(), median, ordered[..., 0].double(), entropy
+    blocked = ~allowed
+    m = allowed.expand(*allowed.shape[:-1], size).sum(-1, keepdim=True)  # the mask's own shape
+    ordered = sorted_rows(p.masked_fill(blocked, math.inf))  # blocked keys sort last
+    last = (m - 1).clamp(min=0).expand(*p.shape[:-1], 1)
+    row_min = ordered[..., 0].double()
+    row_max = ordered.gather(-1, last).squeeze(-1).double()
+    lo, hi = last // 2, (m // 2).clamp(max=size - 1).expand(*p.shape[:-1], 1)
+    median = (ordered.gather(-1, lo).double() + ordered.gather(-1, hi).double()).squeeze(-1) / 2
     entropy = -row_sums64(torch.special.xlogy(p, p).masked_fill_(blocked, 0.0))
-    assert m is not None
     empty = (m.squeeze(-1) == 0).expand_as(row_min)
     return tuple(t.masked_fill(empty, math.nan) for t in (row_max, median, row_min, entropy))
 
