@@ -375,9 +375,8 @@ class ScoreSums(_Sums):
         if self.hist.shape[1]:
             width = heads * (SCORE_BINS + 2)
             idx = score_bins(s)
-            idx += torch.arange(heads, dtype=idx.dtype, device=s.device).view(1, heads, 1, 1) * (
-                SCORE_BINS + 2
-            )
+            offsets = torch.arange(heads, dtype=idx.dtype, device=s.device) * (SCORE_BINS + 2)
+            idx += offsets.view(1, heads, 1, 1)
             if blocked is not None:
                 idx.masked_fill_(blocked, width)  # one spare bin past the last head's
             self.hist += torch.bincount(idx.view(-1), minlength=width + 1)[:width].view(heads, -1)
