@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +25,8 @@ class BlockInputs:
     ids: torch.Tensor  # (batch, seq_len) int64
     b_u: torch.Tensor  # (hidden,) the raw N(0, I) draw; the bias at norm N is N * b_u / ||b_u||
     kind: str = "post-ln"  # how ``run`` wires the block's modules (``DriftBlockConfig.block``)
+    # (embeddings, ids, embeddings[ids]): the tokens' rows, gathered once for every N
+    _rows: tuple[Any, Any, Any] | None = field(default=None, repr=False)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for input ``x``: BertLayer itself (post-ln), or its modules pre-LN."""
@@ -41,7 +43,10 @@ class BlockInputs:
 
     def inputs_at(self, norm: float) -> torch.Tensor:
         """(batch, seq_len, hidden) the block's input for bias norm ``norm``."""
-        x: torch.Tensor = self.embeddings[self.ids] + (float(norm) / self.b_u.norm()) * self.b_u
+        rows = self._rows
+        if rows is None or rows[0] is not self.embeddings or rows[1] is not self.ids:
+            rows = self._rows = (self.embeddings, self.ids, self.embeddings[self.ids])
+        x: torch.Tensor = rows[2] + (float(norm) / self.b_u.norm()) * self.b_u
         return x
 
 
