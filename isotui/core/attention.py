@@ -389,11 +389,11 @@ class ScoreSums(_Sums):
             return
         assert pairs is not None
         self.n += pairs.expand(s.shape[0], pairs.shape[1], *s.shape[2:]).sum(per_head)
-        kept = s.masked_fill(blocked, 0.0)
+        kept = s.masked_fill(blocked, 0.0)  # one copy, refilled in place for each statistic
         self.sum += row_sums64(kept).sum((0, 2))
-        self.sumsq += row_sums64(kept.square_()).sum((0, 2))
-        self.min = torch.minimum(self.min, s.masked_fill(blocked, math.inf).amin(per_head).double())
-        self.max = torch.maximum(self.max, s.masked_fill(blocked, -math.inf).amax(per_head).double())
+        self.min = torch.minimum(self.min, kept.masked_fill_(blocked, math.inf).amin(per_head).double())
+        self.max = torch.maximum(self.max, kept.masked_fill_(blocked, -math.inf).amax(per_head).double())
+        self.sumsq += row_sums64(kept.masked_fill_(blocked, 0.0).square_()).sum((0, 2))
 
 
 class RowSums(_Sums):
