@@ -243,10 +243,33 @@ def test_gradients_read_nothing_back(tmp_path, monkeypatch, syncs, lm_models):
 def test_attention_probe_sums_read_nothing_back(tmp_path, monkeypatch, syncs):
     """The probe's per-head sums (queries, keys, scores, softmax rows): positions that do not
     count are masked rather than dropped, the score histogram is counted by index_add_."""
+    from isotui.core import attention
     from isotui.experiments.attention import measure_attention
 
+    monkeypatch.setattr(attention, "CPU_PATHS", False)  # the GPU's path (the CPU's uses numpy)
     counts, armed = syncs
     calls = _arm_loop_steps(monkeypatch, armed)
     result = measure_attention(make_spec(TINY_GPT2, _text(tmp_path), max_length=32, batch_size=3), None)
     assert calls[0] >= 4 and result.rows
     assert dict(counts) == {}
+
+
+def test_the_gpus_path_of_the_attention_sums_gives_the_cpus_numbers(tmp_path, monkeypatch):
+    """The two paths of core/attention.py (numpy on the CPU; masked, read-free torch elsewhere)
+    give the same table: traced above on the GPU's path, the CPU's is what users here run."""
+    from dataclasses import asdict
+
+    from isotui.core import attention
+    from isotui.experiments.attention import measure_attention
+
+    spec = make_spec(TINY_GPT2, _text(tmp_path), max_length=32, batch_size=3)
+    cpu = measure_attention(spec, None).rows
+    monkeypatch.setattr(attention, "CPU_PATHS", False)
+    gpu = measure_attention(spec, None).rows
+    assert len(cpu) == len(gpu) > 0
+    for a, b in zip(cpu, gpu, strict=True):
+        for key, value in asdict(a).items():
+            if isinstance(value, float) and math.isfinite(value):
+                assert asdict(b)[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+            else:
+                assert asdict(b)[key] == value or (value != value and asdict(b)[key] != asdict(b)[key]), key

@@ -18,6 +18,32 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     import torch
 
+# Float64 work tensors on the CPU are made at most this many elements (16 MiB): the C allocator
+# maps a larger block afresh on every call and faults its pages in one by one, which costs more
+# than the arithmetic (4M floats to float64: 18 ms into a new block, 3 ms into a reused one).
+CHUNK_ELEMENTS = 1 << 21
+
+# The CPU's own paths (numpy's sort, sums and bins, boolean gathers: free there, no device to
+# wait for). Tests turn them off to trace, on a CPU, the path a GPU takes, which reads nothing
+# back to the host per batch (issue 15).
+CPU_PATHS = True
+
+
+def _cpu_path(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the CPU's path (see ``CPU_PATHS``)."""
+    return CPU_PATHS and x.device.type == "cpu"
+
+
+def row_sums64(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(-1, dtype=float64)``. On the CPU through numpy, which casts in small buffers (torch
+    makes the whole float64 copy first: twice the time, and more in page faults)."""
+    import torch
+
+    if not _cpu_path(x):
+        return x.sum(-1, dtype=torch.float64)
+    return torch.from_numpy(np.asarray(x.numpy().sum(-1, dtype=np.float64)))
+
+
 # Score histogram: 1024 bins over [-64, 64), evenly spaced in asinh(s / 0.001): about 2e-5 wide
 # near 0 and 1.5 wide at +-64, so an untrained block's scores (within +-0.001 at BERT's init) and
 # a trained model's (+-30) both get a shape. Outside the range: one underflow, one overflow count.
@@ -34,13 +60,30 @@ def score_edges() -> np.ndarray:
 
 def score_bins(s: torch.Tensor) -> torch.Tensor:
     """Each score's histogram index: 0 below the first edge, 1..BINS the bins, BINS + 1 at or
-    above the last edge (int64)."""
+    above the last edge (int32: half the memory of int64, and torch's bincount takes it 3x
+    faster). On the CPU in numpy, whose vectorised arcsinh is about 6x
+    torch's (it may differ from torch's in the last bit: a score that close to an edge may fall
+    on either side of it, as it may on another device)."""
     import torch
 
-    u = torch.asinh(s / SCORE_SCALE)
-    idx = ((u + _SPAN) * (SCORE_BINS / (2 * _SPAN))).floor_().clamp_(-1, SCORE_BINS).to(torch.int64) + 1
-    # masked fills, not boolean-index writes: no count is read on the host (issue 15)
-    return idx.masked_fill_(s >= SCORE_LIMIT, SCORE_BINS + 1).masked_fill_(s < -SCORE_LIMIT, 0)
+    if not _cpu_path(s):
+        u = torch.asinh(s / SCORE_SCALE)
+        u.add_(_SPAN).mul_(SCORE_BINS / (2 * _SPAN)).floor_().clamp_(-1, SCORE_BINS)
+        idx = u.to(torch.int32).add_(1)
+        idx.masked_fill_(s >= SCORE_LIMIT, SCORE_BINS + 1)
+        return idx.masked_fill_(s < -SCORE_LIMIT, 0)
+    a = s.numpy()
+    f = a.dtype.type
+    v = np.arcsinh(a / f(SCORE_SCALE))
+    v += f(_SPAN)
+    v *= f(SCORE_BINS / (2 * _SPAN))
+    np.floor(v, out=v)
+    np.clip(v, -1, SCORE_BINS, out=v)
+    out = v.astype(np.int32)
+    out += 1
+    np.putmask(out, a >= SCORE_LIMIT, SCORE_BINS + 1)
+    np.putmask(out, a < -SCORE_LIMIT, 0)
+    return torch.from_numpy(out)
 
 
 # Data-ranged histogram (drift-block Fig. 7): the fixed bins above put an untrained block's
@@ -115,19 +158,33 @@ def range_histogram(chunks: list[torch.Tensor], bins: int = RANGE_BINS) -> Range
     import torch
 
     lo, hi = math.inf, -math.inf
+    all_finite = []
     for s in chunks:
-        finite = s[torch.isfinite(s)]
-        if finite.numel():
-            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+        a, b = (float(v) for v in torch.aminmax(s)) if s.numel() else (math.inf, -math.inf)
+        finite = (math.isfinite(a) and math.isfinite(b)) or not s.numel()  # NaN or inf: look closer
+        if not finite:
+            kept = s[torch.isfinite(s)]
+            a, b = (float(kept.min()), float(kept.max())) if kept.numel() else (math.inf, -math.inf)
+        lo, hi = min(lo, a), max(hi, b)
+        all_finite.append(finite)
     exp, start = range_grid(lo, hi, bins) if lo <= hi else (0, 0)
+    scale = math.ldexp(1.0, -exp)
+    # a float32 score times 2**-exp is exact when exp <= 0 (no overflow: the grid's bins cover
+    # [lo, hi]), so its floor is the float64 one; the bin numbers then fit an int32
+    narrow = exp <= 0 and max(abs(lo), abs(hi)) * scale < 2**30
     rows = []
-    for s in chunks:
-        x = s.reshape(-1).double()
-        ok = torch.isfinite(x)
-        idx = torch.floor(x[ok] * math.ldexp(1.0, -exp)).long() - (start - 1)  # exact: a power of 2
-        counts = torch.bincount(idx, minlength=bins + 2)
-        counts[0] += int((x == -math.inf).sum())
-        counts[-1] += int((~ok).sum() - (x == -math.inf).sum())
+    for s, finite in zip(chunks, all_finite, strict=True):
+        if finite and narrow and s.dtype == torch.float32:
+            t = s.reshape(-1) * scale
+            idx = t.floor_().to(torch.int32).sub_(start - 1)
+            counts = torch.bincount(idx, minlength=bins + 2)
+        else:
+            x = s.reshape(-1).double()
+            ok = torch.isfinite(x)
+            idx64 = torch.floor(x[ok] * scale).long() - (start - 1)  # exact: a power of 2
+            counts = torch.bincount(idx64, minlength=bins + 2)
+            counts[0] += int((x == -math.inf).sum())
+            counts[-1] += int((~ok).sum() - (x == -math.inf).sum())
         rows.append(counts.cpu().numpy().astype(np.int64))
     return RangeHistogram(exp, start, np.stack(rows) if rows else np.zeros((0, bins + 2), np.int64))
 
@@ -146,27 +203,45 @@ def merge_range_histograms(hists: list[RangeHistogram], bins: int = RANGE_BINS) 
     return [h.regrid(exp, start, bins) for h in hists]
 
 
-def row_stats(probs: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def sorted_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` sorted along its last axis (NaN and +inf last). On the CPU through numpy's sort,
+    which is vectorised: about 10x torch's for rows of 50-500 values (measured on AVX-512)."""
+    import torch
+
+    if _cpu_path(x) and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.sort(x.numpy(), axis=-1))
+    return x.sort(-1).values
+
+
+def row_stats(probs: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Per softmax row (last axis): max, median, min over the allowed keys, and entropy in nats.
 
-    ``allowed`` broadcasts against ``probs``. The median of an even count is the mean of the two
-    middle values (numpy's convention). Rows with no allowed key give NaN. Computed in the
-    probabilities' own precision (float32 from the probe), returned as float64.
+    ``allowed`` broadcasts against ``probs`` (None: every key counts). The median of an even
+    count is the mean of the two middle values (numpy's convention). Rows with no allowed key
+    give NaN. Computed in the probabilities' own precision (float32 from the probe), returned as
+    float64.
     """
     import torch
 
-    allowed = allowed.expand_as(probs)
     p = probs if probs.dtype in (torch.float32, torch.float64) else probs.float()
-    m = allowed.sum(-1, keepdim=True)
-    ordered = p.masked_fill(~allowed, math.inf).sort(-1).values  # masked keys sort last
-    last = (m - 1).clamp(min=0)
+    size = p.shape[-1]
+    if allowed is None:
+        ordered = sorted_rows(p)
+        lo, hi = ordered[..., (size - 1) // 2], ordered[..., size // 2]
+        median = (lo.double() + hi.double()) / 2
+        entropy = -row_sums64(torch.special.xlogy(p, p))
+        return ordered[..., -1].double(), median, ordered[..., 0].double(), entropy
+    blocked = ~allowed
+    m = allowed.expand(*allowed.shape[:-1], size).sum(-1, keepdim=True)  # the mask's own shape
+    ordered = sorted_rows(p.masked_fill(blocked, math.inf))  # blocked keys sort last
+    last = (m - 1).clamp(min=0).expand(*p.shape[:-1], 1)
     row_min = ordered[..., 0].double()
     row_max = ordered.gather(-1, last).squeeze(-1).double()
-    lo, hi = last // 2, (m // 2).clamp(max=p.shape[-1] - 1)
+    lo, hi = last // 2, (m // 2).clamp(max=size - 1).expand(*p.shape[:-1], 1)
     median = (ordered.gather(-1, lo).double() + ordered.gather(-1, hi).double()).squeeze(-1) / 2
-    entropy = -torch.special.xlogy(p, p).masked_fill_(~allowed, 0.0).sum(-1, dtype=torch.float64)
-    empty = m.squeeze(-1) == 0
-    return tuple(x.masked_fill_(empty, math.nan) for x in (row_max, median, row_min, entropy))
+    entropy = -row_sums64(torch.special.xlogy(p, p).masked_fill_(blocked, 0.0))
+    empty = (m.squeeze(-1) == 0).expand_as(row_min)
+    return tuple(t.masked_fill(empty, math.nan) for t in (row_max, median, row_min, entropy))
 
 
 @dataclass
@@ -243,15 +318,32 @@ class VectorSums(_Sums):
         self.sum_norm = torch.zeros(heads, dtype=f64, device=device)
         self.n_nonzero = torch.zeros(heads, dtype=f64, device=device)
 
-    def add(self, x: torch.Tensor, keep: torch.Tensor) -> None:
-        """``x``: (B, H, T, d); ``keep``: (B, T) bool, the positions that count."""
+    def add(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """``x``: (B, H, T, d); ``keep``: (B, T) bool, the positions that count (None: all).
+        Converted to float64 a chunk of positions at a time (see :data:`CHUNK_ELEMENTS`)."""
         import torch
 
-        # (H, B T, d), the positions that do not count zeroed (masked rather than dropped: no count
-        # is read on the host; a zero row adds nothing and has no direction)
-        v = torch.where(keep[None, :, :, None], x.permute(1, 0, 2, 3), 0).to(torch.float64).flatten(1, 2)
+        if not _cpu_path(x):  # masked, not gathered: no count is read on the host (issue 15)
+            v = x.permute(1, 0, 2, 3)
+            v = (v if keep is None else torch.where(keep[None, :, :, None], v, 0)).to(torch.float64)
+            v = v.flatten(1, 2)  # (H, B T, d); a zeroed row adds nothing and has no direction
+            self.n += v.shape[1] if keep is None else keep.sum()
+            self._fold(v)
+            return
+        heads, dim = x.shape[1], x.shape[-1]
+        kept = x.permute(1, 0, 2, 3)
+        kept = kept.reshape(heads, -1, dim) if keep is None else kept[:, keep]  # (H, m, d)
+        step = max(1, CHUNK_ELEMENTS // (heads * dim))  # the CPU: no fresh 50 MB block per call
+        for i in range(0, kept.shape[1], step):
+            v = kept[:, i : i + step].to(torch.float64)
+            self.n += v.shape[1]
+            self._fold(v)
+
+    def _fold(self, v: torch.Tensor) -> None:
+        """Add the rows of ``v`` (H, m, d, float64); a zero row adds nothing and has no direction."""
+        import torch
+
         norms = torch.linalg.vector_norm(v, dim=-1)
-        self.n += keep.sum()
         self.sum += v.sum(1)
         self.sum_norm += norms.sum(1)
         nonzero = norms > 0
@@ -294,28 +386,43 @@ class ScoreSums(_Sums):
         self.min = torch.full((heads,), math.inf, dtype=f64, device=device)
         self.max = torch.full((heads,), -math.inf, dtype=f64, device=device)
 
-    def add(self, scores: torch.Tensor, pairs: torch.Tensor) -> None:
-        """``scores``: (B, H, T, S); ``pairs``: bool broadcastable to it, the pairs that count."""
+    def add(self, scores: torch.Tensor, pairs: torch.Tensor | None = None) -> None:
+        """``scores``: (B, H, T, S); ``pairs``: bool broadcastable to it, the pairs that count
+        (None: all of them). The mask is used at its own shape, never expanded to the scores'."""
         import torch
 
         heads = scores.shape[1]
-        pairs = pairs.expand_as(scores)
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
-        if self.hist.shape[1]:
-            idx = score_bins(s)
-            idx += torch.arange(heads, device=s.device).view(1, heads, 1, 1) * (SCORE_BINS + 2)
-            # counted by index_add_ (bincount's length is its largest index, read on the host)
-            flat = torch.zeros(heads * (SCORE_BINS + 2), dtype=torch.int64, device=s.device)
-            # (a pair that does not count goes to slot 0 with weight 0, whatever its score: NaN too)
-            flat.index_add_(0, idx.masked_fill_(~pairs, 0).flatten(), pairs.flatten().to(torch.int64))
-            self.hist += flat.view(heads, -1).to(self.hist.device)
         per_head = (0, 2, 3)
-        self.n += pairs.sum(per_head)
-        kept = s.masked_fill(~pairs, 0.0)
-        self.sum += kept.sum(-1, dtype=torch.float64).sum((0, 2))
-        self.sumsq += kept.square_().sum(-1, dtype=torch.float64).sum((0, 2))
-        self.min = torch.minimum(self.min, s.masked_fill(~pairs, math.inf).amin(per_head).double())
-        self.max = torch.maximum(self.max, s.masked_fill(~pairs, -math.inf).amax(per_head).double())
+        blocked = None if pairs is None else ~pairs
+        if self.hist.shape[1]:
+            width = heads * (SCORE_BINS + 2)
+            idx = score_bins(s)
+            offsets = torch.arange(heads, dtype=idx.dtype, device=s.device) * (SCORE_BINS + 2)
+            idx += offsets.view(1, heads, 1, 1)
+            if blocked is not None:
+                idx.masked_fill_(blocked, width)  # one spare bin past the last head's
+            flat = idx.view(-1).long()
+            if _cpu_path(s):
+                counts = torch.bincount(flat, minlength=width + 1)
+            else:  # index_add_: bincount's length is its largest index, read on the host (issue 15)
+                counts = torch.zeros(width + 1, dtype=torch.int64, device=s.device)
+                counts.index_add_(0, flat, torch.ones_like(flat))
+            self.hist += counts[:width].view(heads, -1)
+        if blocked is None:
+            self.n += s.shape[0] * s.shape[2] * s.shape[3]
+            self.sum += row_sums64(s).sum((0, 2))
+            self.sumsq += row_sums64(s.square()).sum((0, 2))
+            self.min = torch.minimum(self.min, s.amin(per_head).double())
+            self.max = torch.maximum(self.max, s.amax(per_head).double())
+            return
+        assert pairs is not None
+        self.n += pairs.expand(s.shape[0], pairs.shape[1], *s.shape[2:]).sum(per_head)
+        kept = s.masked_fill(blocked, 0.0)  # one copy, refilled in place for each statistic
+        self.sum += row_sums64(kept).sum((0, 2))
+        self.min = torch.minimum(self.min, kept.masked_fill_(blocked, math.inf).amin(per_head).double())
+        self.max = torch.maximum(self.max, kept.masked_fill_(blocked, -math.inf).amax(per_head).double())
+        self.sumsq += row_sums64(kept.masked_fill_(blocked, 0.0).square_()).sum((0, 2))
 
 
 class RowSums(_Sums):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +25,8 @@ class BlockInputs:
     ids: torch.Tensor  # (batch, seq_len) int64
     b_u: torch.Tensor  # (hidden,) the raw N(0, I) draw; the bias at norm N is N * b_u / ||b_u||
     kind: str = "post-ln"  # how ``run`` wires the block's modules (``DriftBlockConfig.block``)
+    # (embeddings, ids, embeddings[ids]): the tokens' rows, gathered once for every N
+    _rows: tuple[Any, Any, Any] | None = field(default=None, repr=False)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for input ``x``: BertLayer itself (post-ln), or its modules pre-LN."""
@@ -41,7 +43,10 @@ class BlockInputs:
 
     def inputs_at(self, norm: float) -> torch.Tensor:
         """(batch, seq_len, hidden) the block's input for bias norm ``norm``."""
-        x: torch.Tensor = self.embeddings[self.ids] + (float(norm) / self.b_u.norm()) * self.b_u
+        rows = self._rows
+        if rows is None or rows[0] is not self.embeddings or rows[1] is not self.ids:
+            rows = self._rows = (self.embeddings, self.ids, self.embeddings[self.ids])
+        x: torch.Tensor = rows[2] + (float(norm) / self.b_u.norm()) * self.b_u
         return x
 
 
@@ -152,11 +157,10 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
     B, T, d = x.shape
     dk = d // heads
     scale = float(getattr(attn, "scaling", dk**-0.5))
-    keep = torch.ones((B, T), dtype=torch.bool, device=device)
 
     def full(v: torch.Tensor) -> tuple[float, float, float, np.ndarray]:
         s = VectorSums(1, d, torch.device(device))
-        s.add(v[:, None], keep)
+        s.add(v[:, None])  # every position counts
         mean_norm, bar_norm, avg = s.summary()
         return float(avg[0]), float(mean_norm[0]), float(bar_norm[0]), s.mean()[0]
 
@@ -167,16 +171,14 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
     qh = q.view(B, T, heads, dk).transpose(1, 2)  # (B, H, T, dk)
     kh = k.view(B, T, heads, dk).transpose(1, 2)
     qs, ks = VectorSums(heads, dk, torch.device(device)), VectorSums(heads, dk, torch.device(device))
-    qs.add(qh, keep)
-    ks.add(kh, keep)
+    qs.add(qh)
+    ks.add(kh)
     qh_norm, qh_bar, qh_cos = qs.summary()
     kh_norm, kh_bar, kh_cos = ks.summary()
     q_means, k_means = qs.mean(), ks.mean()
     with np.errstate(invalid="ignore", divide="ignore"):
         cos_heads = np.einsum("hd,hd->h", q_means, k_means) / (qh_bar * kh_bar)
 
-    allowed = torch.ones((1, 1, 1, T), dtype=torch.bool, device=device)
-    pairs = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
     position_sums = torch.zeros((3, T), dtype=torch.float64, device=device)
     row_sums = torch.zeros((4, heads), dtype=torch.float64, device=device)
     score_sums = []
@@ -184,11 +186,11 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
     for h in range(heads):  # one head of the whole batch at a time: (B, 1, T, T)
         s = torch.matmul(qh[:, h], kh[:, h].transpose(-1, -2)).mul_(scale)[:, None]
         acc = ScoreSums(1, torch.device(device), histogram=False)
-        acc.add(s, pairs)
+        acc.add(s)  # every pair counts
         score_sums.append(acc)
         scores.append(s)
         p = torch.softmax(s, dim=-1)
-        stats = row_stats(p, allowed)  # each (B, 1, T)
+        stats = row_stats(p)  # each (B, 1, T); every key counts
         del p
         for i in range(3):
             position_sums[i] += stats[i].sum((0, 1))
