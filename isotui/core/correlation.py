@@ -99,7 +99,7 @@ def spearman(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> tuple[fl
     from scipy.special import stdtr
 
     ranked = np.column_stack((rankdata(x), rankdata(y)))
-    rs = np.corrcoef(ranked, rowvar=False)
+    rs = np.asarray(np.corrcoef(ranked, rowvar=False))
     dof = len(x) - 2
     with np.errstate(divide="ignore"):
         t = rs * np.sqrt((dof / ((rs + 1.0) * (1.0 - rs))).clip(0))
@@ -118,7 +118,7 @@ def pearson(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> tuple[flo
         out: npt.NDArray[np.float64] = vm / (vmax * np.linalg.norm(vm / vmax, ord=2, axis=-1, keepdims=True))
         return out
 
-    r = np.clip(np.vecdot(unit(x), unit(y), axis=-1), -1.0, 1.0)
+    r = np.clip(np.vecdot(unit(x), unit(y)), -1.0, 1.0)
     ab = np.asarray(np.float64(len(x)) / 2 - 1, dtype=np.float64)
     p = 2 * betaincc(ab, ab, (np.abs(r) - -1) / 2)
     return float(r), float(p)
