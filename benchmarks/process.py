@@ -36,7 +36,10 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
     stops the benchmark. On a loaded machine the CPU seconds move less than the wall's."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    # run from the temp folder: `python -m` puts the working directory first on sys.path, ahead
+    # of PYTHONPATH (a checkout there would shadow --roots)
+    where = tempfile.gettempdir()
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False, cwd=where)
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
