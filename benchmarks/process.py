@@ -7,7 +7,13 @@ isotui its metrics and output), bare and isotui alternating so adjacent runs sha
 load. Each row records `uptime`'s load averages before the pair and the threads both used.
 
     python benchmarks/process.py [--samples 1000] [--max-length 128] [--model minilm]
-                                 [--threads 1,default] [--repeats 1]
+                                 [--threads 1,default] [--repeats 1] [--roots A,B]
+
+``--roots``: checkouts of isotui to time against each other in the same run (before/after a
+change: each isotui process runs with that checkout first on PYTHONPATH), after the bare forward
+of each round. Each row's ``rest`` is the wall time outside the stages its process reports: for
+isotui, its imports before loading, the rows, the output and the interpreter's exit; for the bare
+forward, the interpreter's start and exit.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
     stops the benchmark. On a loaded machine the CPU seconds move less than the wall's."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    # run from the temp folder: `python -m` puts the working directory first on sys.path, ahead
+    # of PYTHONPATH (a checkout there would shadow --roots)
+    where = tempfile.gettempdir()
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, check=False, cwd=where)
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -52,7 +61,9 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--threads", default="1,default", help="comma-separated: N or default")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--roots", default="", help="comma-separated isotui checkouts (default: installed)")
     args = parser.parse_args()
+    roots = [r for r in args.roots.split(",") if r] or [""]
 
     from isotui.data.sources import load_samples, parse_data
     from isotui.extract.threads import choose_threads, usable_cores
@@ -89,10 +100,15 @@ def main() -> None:
                 flags = [] if asked is None else ["--threads", str(asked)]
                 run = [sys.executable, "-m", "isotui", "run", "-m", args.model, "--data", f"text:{corpus}"]
                 run += ["--max-length", str(args.max_length), "--no-cache", "-q", "--json", str(out), *flags]
-                ours_s, ours_cpu, _ = timed(run, env)
-                doc = json.loads(out.read_text(encoding="utf-8"))
-                meta = doc["results"][0]["meta"] if "results" in doc else doc["meta"]
-                rows.append((setting, load, uptime(), bare, (bare_s, bare_cpu), meta, (ours_s, ours_cpu)))
+                for root in roots:
+                    path = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+                    mine = {**env, "PYTHONPATH": path} if root else env
+                    ours_s, ours_cpu, _ = timed(run, mine)
+                    doc = json.loads(out.read_text(encoding="utf-8"))
+                    meta = doc["results"][0]["meta"] if "results" in doc else doc["meta"]
+                    meta["root"] = root or "installed"
+                    rows.append((setting, load, uptime(), bare, (bare_s, bare_cpu), meta, (ours_s, ours_cpu)))
+                    load = uptime()
 
     print(
         f"model={args.model} samples={len(samples)} max_length={args.max_length} "
@@ -108,21 +124,29 @@ def main() -> None:
             f"{bare_s:7.2f} {ours_s:8.2f} {ours_s / bare_s:5.2f}x {bare_cpu:8.2f} {ours_cpu:10.2f} "
             f"{ours_cpu / bare_cpu:5.2f}x"
         )
-        stages = " ".join(f"{k.removesuffix('_s')}={v}" for k, v in meta.get("timings", {}).items())
-        print(f"{'':>8} isotui stages (s): {stages}")
+        timings = meta.get("timings", {})
+        stages = " ".join(f"{k.removesuffix('_s')}={v}" for k, v in timings.items())
+        rest = ours_s - sum(timings.values())
+        print(f"{'':>8} isotui ({meta['root']}) stages (s): {stages} rest={rest:.3f}")
+        bare_rest = bare_s - sum(bare[k] for k in ("imports_s", "load_s", "tokenise_s", "forward_s"))
         print(
             f"{'':>8} bare stages (s): imports={bare['imports_s']} load={bare['load_s']} "
-            f"tokenise={bare['tokenise_s']} forward={bare['forward_s']} tokens={bare['tokens']} "
-            f"batches={bare['batches']}"
+            f"tokenise={bare['tokenise_s']} forward={bare['forward_s']} rest={bare_rest:.3f} "
+            f"tokens={bare['tokens']} batches={bare['batches']}"
         )
         for note in meta.get("notes", []):
             if "load average" in note:
                 print(f"{'':>8} isotui's note: {note}")
     for setting in dict.fromkeys(r[0] for r in rows):
-        mine = [r for r in rows if r[0] == setting]
-        wall = min(r[6][0] for r in mine) / min(r[4][0] for r in mine)
-        cpu = min(r[6][1] for r in mine) / min(r[4][1] for r in mine)
-        print(f"threads {setting}: best/best over {len(mine)} pair(s): wall {wall:.2f}x, cpu {cpu:.2f}x")
+        for root in dict.fromkeys(r[5]["root"] for r in rows):
+            mine = [r for r in rows if r[0] == setting and r[5]["root"] == root]
+            wall = min(r[6][0] for r in mine) / min(r[4][0] for r in mine)
+            cpu = min(r[6][1] for r in mine) / min(r[4][1] for r in mine)
+            ratios = sorted(r[6][0] / r[4][0] for r in mine)
+            print(
+                f"threads {setting} isotui {root}: best/best over {len(mine)} pair(s): wall {wall:.2f}x, "
+                f"cpu {cpu:.2f}x (pairs' wall ratios {', '.join(f'{x:.2f}' for x in ratios)})"
+            )
     print("targets (issue 15): <= 1.10x at one thread; <= 1.15x at the default threads, idle machine")
 
 

@@ -114,6 +114,44 @@ def test_drift_correlation_matches_scipy_and_handles_degenerate():
     assert np.isnan(drift_correlation([1.0, 1.0, 1.0], [0.1, 0.2, 0.3]).pearson_r)
 
 
+def test_correlations_and_null_are_scipy_stats_own_bits_without_importing_it():
+    """Spearman, Pearson (with their p), ranks and the null quantile come from scipy.special
+    (importing scipy.stats costs ~0.5 s of every run) and must equal scipy.stats exactly."""
+    import subprocess
+    import sys
+    import warnings
+
+    from isotui.core.correlation import pearson, rankdata, spearman
+
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        n = int(rng.integers(3, 40))
+        x = rng.normal(size=n) * 10 ** rng.uniform(-4, 4)
+        y = rng.normal(size=n) + (x * rng.normal() if trial % 3 == 1 else 0)
+        if trial % 3 == 2:  # ties and an offset, as a plateau of drift norms
+            x, y = np.round(x * 3) / 3 + 100, np.round(y)
+        if np.ptp(x) == 0 or np.ptp(y) == 0:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            s, p = stats.spearmanr(x, y), stats.pearsonr(x, y)
+        assert spearman(x, y) == (float(s.statistic), float(s.pvalue))
+        assert pearson(x, y) == (float(p.statistic), float(p.pvalue))
+        assert np.array_equal(rankdata(x), stats.rankdata(x))
+    for dim in (2, 3, 384, 4096, 150528):
+        for q in (0.5, 0.95, 0.99):
+            a = (dim - 1) / 2
+            assert null_cos_quantile(dim, q) == float(2 * stats.beta.ppf(q, a, a) - 1)
+    code = (
+        "import sys\nfrom isotui.core.correlation import drift_correlation\n"
+        "from isotui.core.null import null_cos_quantile\n"
+        "drift_correlation([1.0, 2.5, 2.0, 4.0], [0.1, 0.3, 0.2, 0.5]); null_cos_quantile(384)\n"
+        "print('scipy.stats' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def _rho_statistic(y):
     """Spearman's rho of each resample of x against ``y``, vectorised (average ranks for ties)."""
     ry = stats.rankdata(y)

@@ -5,6 +5,11 @@ values permuted, the statistic rho on the average ranks of tied values, two-side
 min(1, 2 min(P(rho* <= rho), P(rho* >= rho)))): exact over all n! pairings when that is
 computable, else a seeded Monte Carlo estimate with its standard error. scipy's t approximation,
 accurate only for hundreds of points, is kept beside it (``spearman_p_t``).
+
+Spearman's and Pearson's coefficients and t/beta p-values are computed here exactly as
+``scipy.stats.spearmanr``, ``pearsonr`` and ``rankdata`` compute them (the same operations, so the
+same bits: tests/test_core.py compares them with scipy), from ``scipy.special`` alone: importing
+``scipy.stats`` costs about half a second of every ``isotui run`` (issue 15).
 """
 
 from __future__ import annotations
@@ -51,8 +56,6 @@ class DriftCorrelation:
 
 def drift_correlation(drift_norm: list[float], avg_cos: list[float]) -> DriftCorrelation:
     """Correlate per-layer drift norm with per-layer avg cosine (NaN when undefined)."""
-    from scipy.stats import pearsonr, spearmanr
-
     x = np.asarray(drift_norm, dtype=np.float64)
     y = np.asarray(avg_cos, dtype=np.float64)
     keep = np.isfinite(x) & np.isfinite(y)
@@ -62,19 +65,63 @@ def drift_correlation(drift_norm: list[float], avg_cos: list[float]) -> DriftCor
         return DriftCorrelation(len(x), nan, nan, nan, nan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        s = spearmanr(x, y)
-        p = pearsonr(x, y)
+        rho, rho_p = spearman(x, y)
+        r, r_p = pearson(x, y)
     perm = spearman_permutation_p(x, y)
     return DriftCorrelation(
         len(x),
-        float(s.statistic),
+        rho,
         perm.p,
-        float(p.statistic),
-        float(p.pvalue),
-        spearman_p_t=float(s.pvalue),
+        r,
+        r_p,
+        spearman_p_t=rho_p,
         spearman_p_method=perm.method,
         spearman_p_se=perm.se,
     )
+
+
+def rankdata(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """Ranks 1..n of ``x``, tied values sharing their average rank (``scipy.stats.rankdata``)."""
+    order = np.argsort(x, kind="mergesort")
+    inverse = np.empty(len(x), dtype=np.intp)
+    inverse[order] = np.arange(len(x))
+    xs = x[order]
+    first = np.r_[True, xs[1:] != xs[:-1]]  # where each run of equal values starts
+    dense = np.cumsum(first)[inverse]
+    count = np.r_[np.nonzero(first)[0], len(first)]
+    ranks: npt.NDArray[np.float64] = 0.5 * (count[dense] + count[dense - 1] + 1)
+    return ranks
+
+
+def spearman(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> tuple[float, float]:
+    """(rho, two-sided t-approximation p) as ``scipy.stats.spearmanr(x, y)`` computes them, for
+    finite, non-constant x and y of length >= 3."""
+    from scipy.special import stdtr
+
+    ranked = np.column_stack((rankdata(x), rankdata(y)))
+    rs = np.asarray(np.corrcoef(ranked, rowvar=False))
+    dof = len(x) - 2
+    with np.errstate(divide="ignore"):
+        t = rs * np.sqrt((dof / ((rs + 1.0) * (1.0 - rs))).clip(0))
+    p = 2 * stdtr(dof, -np.abs(t))
+    return float(rs[1, 0]), float(p[1, 0])
+
+
+def pearson(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> tuple[float, float]:
+    """(r, two-sided p from r's beta null) as ``scipy.stats.pearsonr(x, y)`` computes them, for
+    finite, non-constant x and y of length >= 3."""
+    from scipy.special import betaincc
+
+    def unit(v: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        vm = v - np.mean(v, axis=-1, keepdims=True)
+        vmax = np.max(np.abs(vm), axis=-1, keepdims=True)  # scaled first: no overflow
+        out: npt.NDArray[np.float64] = vm / (vmax * np.linalg.norm(vm / vmax, ord=2, axis=-1, keepdims=True))
+        return out
+
+    r = np.clip(np.vecdot(unit(x), unit(y)), -1.0, 1.0)
+    ab = np.asarray(np.float64(len(x)) / 2 - 1, dtype=np.float64)
+    p = 2 * betaincc(ab, ab, (np.abs(r) - -1) / 2)
+    return float(r), float(p)
 
 
 @dataclass(frozen=True)
@@ -89,8 +136,6 @@ def spearman_permutation_p(
 ) -> PermutationP:
     """Two-sided permutation p of Spearman's rho under independence, as
     ``scipy.stats.permutation_test(..., permutation_type="pairings")`` defines it."""
-    from scipy.stats import rankdata
-
     rx, ry = rankdata(x), rankdata(y)
     n = len(rx)
     ties = len(np.unique(rx)) < n or len(np.unique(ry)) < n

@@ -116,28 +116,34 @@ def sample_metrics(
         return {}
     centred = x - _t(mean, x.device)
     if directions is not None:
-        return _exact_direction_metrics(x, mean, centred, std, groups, *directions)
+        return _exact_direction_metrics(x, centred, std, groups, *directions)
     vecs, null = _principal(x)
     vecs_c, null_c = _principal(centred)
+    z = _standardized(centred, std)
     out = {
         "iw": _iw(x, vecs, null),
         "iw_centered": _iw(centred, vecs_c, null_c),
         "avg_cos_abtt": _abtt(centred, vecs_c),
-        "avg_cos_std": standardized_avg_cos(x, mean, std),
+        "avg_cos_std": _mean_cos(z),
     }
     if groups is not None:
         from isotui.core.sampled import cos_jackknife_se, eigen_jackknife_se
 
-        std_t = _t(std, x.device)
-        live = std_t > 0
-        out["avg_cos_std_se"] = cos_jackknife_se(centred[:, live] / std_t[live], groups)
+        out["avg_cos_std_se"] = cos_jackknife_se(z, groups)
         out |= eigen_jackknife_se(x, centred, groups)
     return out
 
 
+def _standardized(centred: torch.Tensor, std: Vectors) -> torch.Tensor:
+    """The centred rows z-scored, constant dimensions (std 0) dropped: the same numbers as
+    :func:`standardized_avg_cos` makes from the rows, made once for the metric and its SE."""
+    std_t = _t(std, centred.device)
+    live = std_t > 0
+    return centred[:, live] / std_t[live]
+
+
 def _exact_direction_metrics(
     x: torch.Tensor,
-    mean: Vectors,
     centred: torch.Tensor,
     std: Vectors,
     groups: Groups | None,
@@ -149,18 +155,17 @@ def _exact_direction_metrics(
     (they are not estimated from the sample, so only Z's and the mean cosines' sampling is left)."""
     proj, proj_c = x @ vecs, centred @ vecs_c
     rows = _abtt_rows(centred, vecs_c)
-    out = {"avg_cos_abtt": _mean_cos(rows), "avg_cos_std": standardized_avg_cos(x, mean, std)}
+    z = _standardized(centred, std)
+    out = {"avg_cos_abtt": _mean_cos(rows), "avg_cos_std": _mean_cos(z)}
     if groups is None:
         out["iw"] = _iw_of_log_z(log_partition(proj))
         out["iw_centered"] = _iw_of_log_z(log_partition(proj_c))
         return out
     from isotui.core.sampled import cos_jackknife_se, held_iw_jackknife
 
-    std_t = _t(std, x.device)
-    live = std_t > 0
     out["iw"], out["iw_se"] = held_iw_jackknife(proj, groups)
     out["iw_centered"], out["iw_centered_se"] = held_iw_jackknife(proj_c, groups)
-    out["avg_cos_std_se"] = cos_jackknife_se(centred[:, live] / std_t[live], groups)
+    out["avg_cos_std_se"] = cos_jackknife_se(z, groups)
     out["avg_cos_abtt_se"] = cos_jackknife_se(rows, groups)
     return out
 

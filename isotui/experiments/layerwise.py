@@ -240,23 +240,25 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
     """(loaded model, device) for a prepared run: the device resolved, the run's dtype, seed and
     CPU threads (``--threads``: torch's, for the rest of the process);
     ``head`` goes to :func:`~isotui.models.loading.load_model` (``"lm"``: the language-model head)."""
+    from isotui.extract.heap import paused_gc
     from isotui.extract.threads import apply_threads
     from isotui.models.loading import load_model
 
     spec = prepared.spec
-    device = "cpu" if spec.device_map else resolve_device(prepared.device or "auto")
-    threads_note = apply_threads(spec.threads)  # every streaming experiment loads through here
-    loaded = load_model(
-        parse_model(spec.model),
-        device=device,
-        dtype=prepared.dtype,
-        seed=spec.seed,
-        trust_remote_code=spec.trust_remote_code,
-        tokenizer=spec.tokenizer,
-        head=head,
-        device_map=spec.device_map,
-        max_memory=spec.max_memory,
-    )
+    with paused_gc():  # torch, transformers and the model: no collection while they are made
+        device = "cpu" if spec.device_map else resolve_device(prepared.device or "auto")
+        threads_note = apply_threads(spec.threads)  # every streaming experiment loads through here
+        loaded = load_model(
+            parse_model(spec.model),
+            device=device,
+            dtype=prepared.dtype,
+            seed=spec.seed,
+            trust_remote_code=spec.trust_remote_code,
+            tokenizer=spec.tokenizer,
+            head=head,
+            device_map=spec.device_map,
+            max_memory=spec.max_memory,
+        )
     if threads_note:
         loaded.notes.append(threads_note)
     if loaded.device_map is not None:  # inputs go where accelerate runs the model first
