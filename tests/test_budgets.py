@@ -43,6 +43,22 @@ def test_fit_types_by_hand():
     assert memory_plan.fit_types(layers, {"cpu": None}, 700) == 700  # free memory unknown: no cap
 
 
+def test_exact_covariances_come_before_types_past_the_floor(monkeypatch):
+    """Room for both covariances (and one batch partial) and 40 types beside them: 40 types,
+    though 131 would fit without the covariances; with no room for them, the floor's 10 types."""
+    d = 64
+    vectors, per_type = 2 * 10 * 8 * d, 2 * (8 * d + 24)
+    covariances = 3 * 8 * d * d  # two d x d float64 sums and the batch's partial
+    monkeypatch.setattr(memory_plan, "SELF_SIM_FLOOR_BYTES", 10 * per_type)  # the floor: 10 types
+    layers = [(d, "cpu", True), (d, "cpu", True)]
+    budget = vectors + covariances + 40 * per_type + 7
+    assert memory_plan.fit_types(layers, {"cpu": budget}, 1000) == 40
+    plans = memory_plan.plan_layers([("a", d, "cpu", 40), ("b", d, "cpu", 40)], {"cpu": budget}, 16)
+    assert all(p.exact_cov for p in plans)
+    assert (covariances + 40 * per_type + 7) // per_type == 131  # what types alone would take
+    assert memory_plan.fit_types(layers, {"cpu": vectors + 50 * per_type}, 1000) == 10
+
+
 def test_self_similarity_types_shrink_with_free_memory_and_stay_whole_with_plenty(
     tiny_models, tmp_path, monkeypatch
 ):

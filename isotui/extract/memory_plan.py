@@ -192,11 +192,20 @@ def gradient_bytes(dim: int) -> int:
     return 2 * 8 * dim * dim + 6 * 8 * dim
 
 
+# self-similarity's room before any covariance is planned (the fixed budget it had before):
+# beyond it, token types get only what every layer's exact covariance leaves
+SELF_SIM_FLOOR_BYTES = 256 << 20
+
+
 def fit_types(layers: Sequence[tuple[int, str, bool]], budgets: Mapping[str, int | None], asked: int) -> int:
     """How many token types' self-similarity sums fit: given (d, device, tracks types) per layer
     and each device's budget, the most types up to ``asked`` whose sums, beside every layer's
     float64 vectors, fit every device's budget (these are the sums :func:`plan_layers` counts
-    first). A device whose free memory cannot be told limits nothing."""
+    first). Exact covariances come before types: past what ``SELF_SIM_FLOOR_BYTES`` holds over
+    all layers, types get only the room every layer's covariance (and one batch partial) leaves.
+    A device whose free memory cannot be told limits nothing."""
+    per_all = sum(8 * dim + 24 for dim, _dev, tracks in layers if tracks)
+    floor = min(asked, SELF_SIM_FLOOR_BYTES // per_all) if per_all else asked
     fit = asked
     for device in dict.fromkeys(dev for _d, dev, _t in layers):
         left = budgets.get(device)
@@ -205,7 +214,8 @@ def fit_types(layers: Sequence[tuple[int, str, bool]], budgets: Mapping[str, int
         if left is None or not per_type:
             continue
         room = left - sum(fixed_bytes(dim, 0) for dim, _t in mine)
-        fit = min(fit, max(0, room) // per_type)
+        covariances = sum(cov_bytes(dim) for dim, _t in mine) + partial_bytes(max(dim for dim, _t in mine))
+        fit = min(fit, max(max(0, room - covariances) // per_type, min(floor, max(0, room) // per_type)))
     return max(0, fit)
 
 
