@@ -88,6 +88,7 @@ def test_score_sums_count_only_the_pairs_that_count(monkeypatch):
     import isotui.core.attention as attention
 
     monkeypatch.setattr(attention, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(attention, "SMALL_CHUNK", 20)  # squares two rows at a time, a ragged last
     gen = torch.Generator().manual_seed(1)
     b, h, t = 3, 4, 9
     scores = torch.randn(b, h, t, t, generator=gen) * 5
@@ -121,10 +122,14 @@ def test_score_sums_count_only_the_pairs_that_count(monkeypatch):
         np.full(50, 1234.5),  # one value
     ],
 )
-def test_range_histogram_counts_match_numpy(values):
+@pytest.mark.parametrize("chunk", [1 << 18, 37])
+def test_range_histogram_counts_match_numpy(values, chunk, monkeypatch):
     import torch
 
+    import isotui.core.attention as attention
     from isotui.core.attention import RANGE_BINS, range_histogram
+
+    monkeypatch.setattr(attention, "SMALL_CHUNK", chunk)  # the CPU's bins a chunk at a time
 
     chunks = [
         torch.tensor(values[: len(values) // 2], dtype=torch.float32),
@@ -141,3 +146,28 @@ def test_range_histogram_counts_match_numpy(values):
         assert inner.min() >= 0 and inner.max() < RANGE_BINS
         ref[1:-1] += np.bincount(inner, minlength=RANGE_BINS)
         np.testing.assert_array_equal(row, ref)
+
+
+def test_cpu_score_paths_give_the_same_bits_as_the_torch_path(monkeypatch):
+    """Drift-block's unmasked scores: the CPU's numpy squares, extremes and bins (a chunk at a
+    time) give bit for bit what the torch path a GPU takes gives."""
+    import torch
+
+    import isotui.core.attention as attention
+
+    monkeypatch.setattr(attention, "SMALL_CHUNK", 50)
+    gen = torch.Generator().manual_seed(3)
+    scores = [torch.randn(3, 1, 17, 17, generator=gen) * 1e-3 for _ in range(2)]
+    out = {}
+    for cpu in (True, False):
+        monkeypatch.setattr(attention, "CPU_PATHS", cpu)
+        accs = [attention.ScoreSums(1, torch.device("cpu"), histogram=False) for _ in scores]
+        for acc, s in zip(accs, scores, strict=True):
+            acc.add(s)
+        hist = attention.range_histogram(scores)
+        out[cpu] = ([acc.state() for acc in accs], hist)
+    for a, b in zip(out[True][0], out[False][0], strict=True):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    assert (out[True][1].exp, out[True][1].start) == (out[False][1].exp, out[False][1].start)
+    np.testing.assert_array_equal(out[True][1].counts, out[False][1].counts)

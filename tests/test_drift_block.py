@@ -668,3 +668,26 @@ def test_range_histograms_of_different_scales_merge_exactly():
         assert m.counts[0, 1:-1].tolist() == counts.tolist()
         assert m.counts[0, 0] == (x == -np.inf).sum()
         assert m.counts[0, -1] == np.isposinf(x).sum() + np.isnan(x).sum()
+
+
+def test_statistics_run_at_one_thread_and_the_callers_threads_are_kept(monkeypatch):
+    """On the CPU the statistics run at one torch thread (each op split over threads waits for a
+    core another process holds); the forward and the caller keep their own thread count."""
+    import isotui.core.attention as attention
+
+    seen: list[int] = []
+    real = attention.row_stats
+
+    def spy(probs, allowed=None):
+        seen.append(torch.get_num_threads())
+        return real(probs, allowed)
+
+    monkeypatch.setattr(attention, "row_stats", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_drift_block(config(norms=(0.0, 4.0)), None)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}

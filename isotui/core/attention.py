@@ -9,6 +9,7 @@ softmax row statistics. Pure torch and numpy: no model, no I/O.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,42 @@ CPU_PATHS = True
 def _cpu_path(x: torch.Tensor) -> bool:
     """Whether ``x`` takes the CPU's path (see ``CPU_PATHS``)."""
     return CPU_PATHS and x.device.type == "cpu"
+
+
+# Elements per chunk of the CPU's float32 work buffers (1 MiB): small enough for the C allocator
+# to hand back the same block each time, so no page is faulted in afresh.
+SMALL_CHUNK = 1 << 18
+
+
+def _square_row_sums64(a: np.ndarray) -> np.ndarray:
+    """``(a * a).sum(-1, dtype=float64)`` for an array of rows (each square rounded to ``a``'s
+    dtype, as torch's ``square`` rounds it), squared a chunk of rows at a time into one buffer
+    instead of a fresh copy of ``a``: each row's sum is the same numpy sum either way."""
+    size = a.shape[-1]
+    rows = a.reshape(-1, size)
+    out = np.empty(rows.shape[0], dtype=np.float64)
+    step = max(1, SMALL_CHUNK // max(size, 1))
+    buf = np.empty((min(step, rows.shape[0]), size), dtype=a.dtype)
+    for i in range(0, rows.shape[0], step):
+        part = buf[: min(step, rows.shape[0] - i)]
+        np.square(rows[i : i + step], out=part)
+        part.sum(-1, dtype=np.float64, out=out[i : i + len(part)])
+    return out.reshape(a.shape[:-1])
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch64(size: int) -> torch.Tensor:
+    """A float64 CPU work buffer of at least ``size`` elements, this thread's own, kept between
+    calls (at most :data:`CHUNK_ELEMENTS`): a fresh one would be faulted in page by page each time."""
+    import torch
+
+    buf: torch.Tensor | None = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < size:
+        buf = torch.empty(size, dtype=torch.float64)
+        _SCRATCH.buf = buf
+    return buf
 
 
 def row_sums64(x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +197,12 @@ def range_histogram(chunks: list[torch.Tensor], bins: int = RANGE_BINS) -> Range
     lo, hi = math.inf, -math.inf
     all_finite = []
     for s in chunks:
-        a, b = (float(v) for v in torch.aminmax(s)) if s.numel() else (math.inf, -math.inf)
+        if not s.numel():
+            a, b = math.inf, -math.inf
+        elif _cpu_path(s):  # numpy's min and max: SIMD, one thread, no allocation
+            a, b = float(s.numpy().min()), float(s.numpy().max())
+        else:
+            a, b = (float(v) for v in torch.aminmax(s))
         finite = (math.isfinite(a) and math.isfinite(b)) or not s.numel()  # NaN or inf: look closer
         if not finite:
             kept = s[torch.isfinite(s)]
@@ -174,7 +216,9 @@ def range_histogram(chunks: list[torch.Tensor], bins: int = RANGE_BINS) -> Range
     narrow = exp <= 0 and max(abs(lo), abs(hi)) * scale < 2**30
     rows = []
     for s, finite in zip(chunks, all_finite, strict=True):
-        if finite and narrow and s.dtype == torch.float32:
+        if finite and narrow and s.dtype == torch.float32 and _cpu_path(s):
+            counts = torch.from_numpy(_bin_counts(s.numpy().reshape(-1), scale, start - 1, bins + 2))
+        elif finite and narrow and s.dtype == torch.float32:
             t = s.reshape(-1) * scale
             idx = t.floor_().to(torch.int32).sub_(start - 1)
             counts = torch.bincount(idx, minlength=bins + 2)
@@ -187,6 +231,24 @@ def range_histogram(chunks: list[torch.Tensor], bins: int = RANGE_BINS) -> Range
             counts[-1] += int((~ok).sum() - (x == -math.inf).sum())
         rows.append(counts.cpu().numpy().astype(np.int64))
     return RangeHistogram(exp, start, np.stack(rows) if rows else np.zeros((0, bins + 2), np.int64))
+
+
+def _bin_counts(a: np.ndarray, scale: float, offset: int, length: int) -> np.ndarray:
+    """``bincount(floor(a * scale) - offset)`` for float32 ``a`` whose products by the power of
+    two ``scale`` are exact and whose bins fall in ``[0, length)``: in numpy a chunk at a time
+    through two reused buffers (torch's own ops allocate and fault in a full-size copy per step)."""
+    counts = np.zeros(length, dtype=np.int64)
+    f = np.float32(scale)
+    buf = np.empty(min(SMALL_CHUNK, a.size), dtype=np.float32)
+    idx = np.empty(len(buf), dtype=np.int64)
+    for i in range(0, a.size, SMALL_CHUNK):
+        part, ints = buf[: min(SMALL_CHUNK, a.size - i)], idx[: min(SMALL_CHUNK, a.size - i)]
+        np.multiply(a[i : i + SMALL_CHUNK], f, out=part)
+        np.floor(part, out=part)
+        ints[...] = part  # exact: whole numbers below 2**30
+        ints -= offset
+        counts += np.bincount(ints, minlength=length)
+    return counts
 
 
 def merge_range_histograms(hists: list[RangeHistogram], bins: int = RANGE_BINS) -> list[RangeHistogram]:
@@ -334,13 +396,16 @@ class VectorSums(_Sums):
         kept = x.permute(1, 0, 2, 3)
         kept = kept.reshape(heads, -1, dim) if keep is None else kept[:, keep]  # (H, m, d)
         step = max(1, CHUNK_ELEMENTS // (heads * dim))  # the CPU: no fresh 50 MB block per call
+        flat = _scratch64(heads * min(step, kept.shape[1]) * dim)  # one block for every call
         for i in range(0, kept.shape[1], step):
-            v = kept[:, i : i + step].to(torch.float64)
+            chunk = kept[:, i : i + step]
+            v = flat[: chunk.numel()].view(chunk.shape).copy_(chunk)  # contiguous, as .to() made it
             self.n += v.shape[1]
-            self._fold(v)
+            self._fold(v, scratch=True)
 
-    def _fold(self, v: torch.Tensor) -> None:
-        """Add the rows of ``v`` (H, m, d, float64); a zero row adds nothing and has no direction."""
+    def _fold(self, v: torch.Tensor, scratch: bool = False) -> None:
+        """Add the rows of ``v`` (H, m, d, float64); a zero row adds nothing and has no direction.
+        ``scratch``: ``v`` is a work buffer, divided by the norms in place (the same quotients)."""
         import torch
 
         norms = torch.linalg.vector_norm(v, dim=-1)
@@ -348,7 +413,8 @@ class VectorSums(_Sums):
         self.sum_norm += norms.sum(1)
         nonzero = norms > 0
         self.n_nonzero += nonzero.sum(1)
-        self.sum_unit += (v / torch.where(nonzero, norms, 1.0)[..., None]).sum(1)
+        divisor = torch.where(nonzero, norms, 1.0)[..., None]
+        self.sum_unit += (v.div_(divisor) if scratch else v / divisor).sum(1)
 
     def mean(self) -> npt.NDArray[np.float64]:
         """(H, d) mean vectors (NaN for a head that saw nothing)."""
@@ -409,6 +475,14 @@ class ScoreSums(_Sums):
                 counts = torch.zeros(width + 1, dtype=torch.int64, device=s.device)
                 counts.index_add_(0, flat, torch.ones_like(flat))
             self.hist += counts[:width].view(heads, -1)
+        if blocked is None and _cpu_path(s):
+            self.n += s.shape[0] * s.shape[2] * s.shape[3]
+            self.sum += row_sums64(s).sum((0, 2))
+            self.sumsq += torch.from_numpy(_square_row_sums64(s.numpy())).sum((0, 2))
+            a = s.numpy()  # numpy's min and max: single-threaded SIMD, no wait on a busy core
+            self.min = torch.minimum(self.min, torch.from_numpy(np.asarray(a.min(axis=per_head))).double())
+            self.max = torch.maximum(self.max, torch.from_numpy(np.asarray(a.max(axis=per_head))).double())
+            return
         if blocked is None:
             self.n += s.shape[0] * s.shape[2] * s.shape[3]
             self.sum += row_sums64(s).sum((0, 2))

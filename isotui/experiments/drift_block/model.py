@@ -123,8 +123,6 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
     ``measure="before-norm"`` takes as the output the input of the block's output LayerNorm."""
     import torch
 
-    from isotui.core.attention import ScoreSums, VectorSums, range_histogram, row_stats
-
     attn = _self_attention(built.block)
     captured: dict[str, torch.Tensor] = {}
 
@@ -153,7 +151,27 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
         out = captured.pop("pre_norm")
     if "q" not in captured or "k" not in captured:
         raise RuntimeError("the block's query/key Linear layers were not called; cannot capture them")
-    q, k = captured["q"], captured["k"]
+    threads = torch.get_num_threads()
+    if device == "cpu":  # see _statistics
+        torch.set_num_threads(1)
+    try:
+        return _statistics(x, out, captured["q"], captured["k"], attn, heads, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _statistics(
+    x: torch.Tensor, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, attn: Any, heads: int, device: str
+) -> _Step:
+    """Every statistic of one N from the block's input, output, queries and keys. On the CPU at
+    one torch thread: its ops here are small or run in numpy, and each op split over threads
+    waits a scheduler slice whenever another process holds a core (5-15x the time at load 4 to
+    6). Their numbers do not change: the score products are reduced over d_k inside each thread,
+    and the rest are element-wise ops, sums to many outputs or numpy's."""
+    import torch
+
+    from isotui.core.attention import ScoreSums, VectorSums, range_histogram, row_stats
+
     B, T, d = x.shape
     dk = d // heads
     scale = float(getattr(attn, "scaling", dk**-0.5))
