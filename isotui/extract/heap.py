@@ -17,38 +17,17 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 TRIM_EVERY = 8  # batches
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-MMAP_THRESHOLD = 1 << 20  # bytes: blocks this large get mappings of their own
 
 
 @lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL | None:
-    """glibc, or None (another OS or C library: every tuning here is then a no-op)."""
+def _malloc_trim() -> Callable[[int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to do
         return None
-    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None  # musl: none
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    libc = _libc()
-    return None if libc is None else libc.malloc_trim
-
-
-@lru_cache(maxsize=1)
-def fixed_mmap_threshold() -> bool:
-    """Blocks of 1 MiB and more (a batch's hidden states, attention maps, feed-forward
-    activations) from mappings of their own, unmapped when freed; False where the C library
-    cannot. glibc's default raises its threshold to the largest block freed so far (up to
-    32 MiB), after which those tensors come from the heap, where their ever-changing shapes
-    leave holes that trimming cannot return: resident memory then grew with the batch count
-    (bare forward too). Fixed, the heap holds only small blocks and the peak is what is live.
-    Process-wide, set once, before the first batch."""
-    libc = _libc()
-    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
 def release_free_memory() -> bool:

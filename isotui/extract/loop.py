@@ -33,7 +33,7 @@ from typing import Any
 
 from isotui.errors import Cancelled, IsotuiError
 from isotui.extract.device import memory_in_use
-from isotui.extract.heap import TRIM_EVERY, fixed_mmap_threshold, release_free_memory
+from isotui.extract.heap import TRIM_EVERY, release_free_memory
 from isotui.extract.inputs import Fed, make_feeder
 from isotui.extract.planning import TOKEN_BUDGET, BatchPlan, ExtractOptions, selected_ids
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
@@ -299,8 +299,6 @@ class BatchLoop:
         done = units = 0
         left = None
         last = Progress(0, self.total, 0, 0.0, phase=phase)
-        if self.device == "cpu":
-            fixed_mmap_threshold()
         try:
             for batch_no, idx in enumerate(self.plan, 1):
                 if self.should_stop():
@@ -323,8 +321,6 @@ class BatchLoop:
                 self.on_progress(last)
         finally:
             self.hooks.remove()
-        if self.device == "cpu":  # the last batches' free pages too, before finalisation
-            release_free_memory()
         return PassStats(done, units, time.perf_counter() - start, last)
 
     def _attempt(self, step: Step, idx: list[int], ledger: Ledger | None = None) -> int:
