@@ -9,10 +9,11 @@ Each measurement runs in its own process, so peak memory (ru_maxrss) is not shar
 3. ``--process``: the whole ``isotui run`` process's peak RSS (its own ``ru_maxrss``, from
    ``wait4``) at 300 and 2,100 samples, for each code tree given (``--code DIR``, e.g. main's
    and a branch's worktree: run alternately, with ``uptime``'s load), and the ratio 2,100 / 300
-   (issue 15: <= 1.05).
+   (issue 15: <= 1.05); beside them the bare forward (benchmarks/bare_forward.py) over the same
+   samples, same threads, so what grows in the forward alone is told from what isotui adds.
 
     python benchmarks/memory.py [--model minilm] [--max-length 128]
-    python benchmarks/memory.py --process [--code DIR ...] [--repeats 2]
+    python benchmarks/memory.py --process [--code DIR ...] [--repeats 2] [--threads N]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
 import resource
 import subprocess
@@ -113,13 +115,25 @@ def _measure(mode: str, n: int, path: Path, args, pairs: bool) -> dict:
 
 def _run_rss(n: int, path: Path, args, code: str) -> tuple[float, float]:
     """(peak RSS in MB, wall seconds) of one whole ``isotui run`` process over the first ``n``
-    samples of ``path``, importing isotui from ``code``."""
-    import os
+    samples of ``path``, importing isotui from ``code``; ``code`` "bare" runs
+    benchmarks/bare_forward.py instead over the same samples (the forward alone)."""
 
     with tempfile.TemporaryDirectory() as out:
-        argv = [sys.executable, "-m", "isotui", "run", "-m", args.model, "--data", f"text:{path}"]
-        argv += ["--max-samples", str(n), "--max-length", str(args.max_length), "--no-cache", "-q"]
-        argv += ["--csv", str(Path(out) / "run.csv")]
+        threads = ["--threads", str(args.threads)]
+        if code == "bare":
+            from isotui.models.naming import parse_model
+
+            first = Path(out) / "corpus.txt"
+            first.write_text("".join(path.read_text(encoding="utf-8").splitlines(True)[:n]), encoding="utf-8")
+            here = Path(__file__).resolve().parent
+            argv = [sys.executable, str(here / "bare_forward.py"), str(first)]
+            argv += [str(parse_model(args.model).local_dir()), "--max-length", str(args.max_length)]
+            code = str(here.parent)
+        else:
+            argv = [sys.executable, "-m", "isotui", "run", "-m", args.model, "--data", f"text:{path}"]
+            argv += ["--max-samples", str(n), "--max-length", str(args.max_length), "--no-cache", "-q"]
+            argv += ["--csv", str(Path(out) / "run.csv")]
+        argv += threads
         env = {**os.environ, "PYTHONPATH": code}
         start = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=code)
@@ -136,12 +150,15 @@ def _process(args) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from process import uptime  # the load averages, as the process benchmark records them
 
-    codes = args.code or [str(Path(__file__).resolve().parents[1])]
+    codes = ["bare"] + (args.code or [str(Path(__file__).resolve().parents[1])])
     peaks: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "corpus.txt"
         _corpus(2100, path)
-        print(f"whole `isotui run` peak RSS, MB ({args.model}, max length {args.max_length}):")
+        print(
+            f"whole-process peak RSS, MB ({args.model}, max length {args.max_length}, "
+            f"{args.threads} threads; bare = benchmarks/bare_forward.py):"
+        )
         for _ in range(args.repeats):
             for n in (300, 2100):
                 for code in codes:
@@ -163,6 +180,7 @@ def main() -> None:
     parser.add_argument("--process", action="store_true", help="part 3 only: whole isotui run processes")
     parser.add_argument("--code", action="append", help="with --process: a tree to import isotui from")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="with --process")
     args = parser.parse_args()
     if args.process:
         _process(args)
