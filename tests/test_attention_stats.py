@@ -171,3 +171,31 @@ def test_cpu_score_paths_give_the_same_bits_as_the_torch_path(monkeypatch):
             assert torch.equal(a[k], b[k]), k
     assert (out[True][1].exp, out[True][1].start) == (out[False][1].exp, out[False][1].start)
     np.testing.assert_array_equal(out[True][1].counts, out[False][1].counts)
+
+
+def test_the_cpu_work_buffer_serves_calls_inside_and_outside_inference_mode():
+    """The float64 work buffer is kept between calls: made first under inference mode (the
+    probe's forward) it must still take in-place writes outside it (drift-block, tests)."""
+    import threading
+
+    import torch
+
+    import isotui.core.attention as attention
+
+    def run() -> list[np.ndarray]:
+        attention._SCRATCH.__dict__.clear()  # this thread's buffer: none yet
+        x = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(1))
+        means = []
+        for inference in (True, False, True):
+            sums = attention.VectorSums(3, 4, torch.device("cpu"))
+            with torch.inference_mode(inference):
+                sums.add(x)
+            means.append(sums.mean())
+        want = x.numpy().astype(np.float64).transpose(1, 0, 2, 3).reshape(3, -1, 4).mean(1)
+        return [np.abs(m - want).max() for m in means]
+
+    errors: list[list[np.ndarray]] = []
+    worker = threading.Thread(target=lambda: errors.append(run()))  # a fresh thread-local buffer
+    worker.start()
+    worker.join()
+    assert len(errors) == 1 and max(errors[0]) < 1e-12

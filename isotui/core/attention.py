@@ -66,7 +66,10 @@ def _scratch64(size: int) -> torch.Tensor:
 
     buf: torch.Tensor | None = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.numel() < size:
-        buf = torch.empty(size, dtype=torch.float64)
+        # a normal tensor, even when first asked for under inference mode: written in place both
+        # inside it and outside (an inference tensor may not be written outside it)
+        with torch.inference_mode(False):
+            buf = torch.empty(size, dtype=torch.float64)
         _SCRATCH.buf = buf
     return buf
 
