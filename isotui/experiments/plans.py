@@ -32,21 +32,9 @@ def _paper(spec: RunSpec, head: str | None = None) -> Paper:
 
 def layers(request: Any) -> MemoryPlan:
     """``isotui run`` (and each checkpoint of ``checkpoints``): every hidden state's sums."""
-    from isotui.extract.memory_plan import dry_run
-    from isotui.models.naming import parse_model
+    from isotui.extract.memory_plan import layers_plan
 
-    spec = request.spec
-    return dry_run(
-        parse_model(spec.model),
-        device_map=spec.device_map,
-        max_memory=spec.max_memory,
-        device=spec.device,
-        dtype=spec.dtype,
-        reservoir=spec.reservoir,
-        batch_size=spec.batch_size,
-        max_length=spec.max_length,
-        trust_remote_code=spec.trust_remote_code,
-    )
+    return layers_plan(_paper(request.spec), request.spec.reservoir)
 
 
 def attention(request: Any) -> ExperimentPlan:

@@ -616,8 +616,6 @@ def dry_run(
     trust_remote_code: bool = False,
 ) -> MemoryPlan:
     """The memory plan of a layers run of ``ref`` from its config alone (see the module's doc)."""
-    from isotui.extract.runner import SELF_SIM_TYPES
-
     paper = place_on_paper(
         ref,
         device_map=device_map,
@@ -628,6 +626,13 @@ def dry_run(
         max_length=max_length,
         trust_remote_code=trust_remote_code,
     )
+    return layers_plan(paper, reservoir)
+
+
+def layers_plan(paper: Paper, reservoir: int) -> MemoryPlan:
+    """A layers run's plan for a model placed on paper: every hidden state's sums."""
+    from isotui.extract.runner import SELF_SIM_TYPES
+
     dim, where = paper.dim, paper.where
     budgets = {d: paper.budgets[d] for d in dict.fromkeys(where)}
     types = fit_types([(dim, d, True) for d in where], budgets, SELF_SIM_TYPES)
