@@ -736,7 +736,7 @@ def final_norm_plan(paper: Paper, *, every_layer: bool, reservoir: int) -> Exper
     budget = paper.budgets.get(on)
     full = budget is None or sites * 2 * cov_bytes(d) + partial_bytes(d) <= budget  # as the run decides
     names = [f"block {i} norm" for i in range(sites)] if every_layer else ["final norm"]
-    partial = [PartPlan("batch partial (one side at a time)", on, d, "float64 d x d", partial_bytes(d))]
+    partial = [PartPlan("batch partial", on, d, "float64 d x d, a side at a time", partial_bytes(d))]
     parts = [
         PartPlan(
             f"{name} {side}",
