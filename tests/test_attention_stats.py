@@ -64,9 +64,10 @@ def test_float64_sums_in_chunks_match_numpy(monkeypatch):
     v = torch.randn(4, 3, 11, 6, generator=gen) + 0.5
     v[1, :, 2] = 0.0  # zero vectors: counted, but not in the cosine
     keep = torch.rand(4, 11, generator=gen) < 0.7
-    for mask in (keep, None):
+    strided = v.transpose(1, 2).contiguous().transpose(1, 2)  # (B, T, H, d) in memory, as BERT's
+    for x, mask in ((v, keep), (strided, keep), (v, None)):
         sums = attention.VectorSums(3, 6, torch.device("cpu"))
-        sums.add(v, mask)
+        sums.add(x, mask)
         mean_norm, bar_norm, avg_cos = sums.summary()
         for h in range(3):
             rows = v[:, h].numpy().astype(np.float64).reshape(-1, 6)
@@ -80,6 +81,48 @@ def test_float64_sums_in_chunks_match_numpy(monkeypatch):
             assert mean_norm[h] == pytest.approx(norms.mean(), rel=1e-12)
             assert bar_norm[h] == pytest.approx(np.linalg.norm(rows.mean(0)), rel=1e-12)
             assert avg_cos[h] == pytest.approx((gram.sum() - np.trace(gram)) / (n * (n - 1)), rel=1e-10)
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_row_sums_over_counted_rows_match_numpy(cpu, monkeypatch):
+    """The softmax row sums the probe keeps per head (max, median, min, entropy over the kept
+    query rows) against numpy row by row, for every mask, ties, per-head masks, and a counted
+    row that allows no key (NaN for its head, as the row statistics give)."""
+    import torch
+
+    import isotui.core.attention as attention
+
+    monkeypatch.setattr(attention, "CPU_PATHS", cpu)
+    monkeypatch.setattr(attention, "SMALL_CHUNK", 23)  # entropy a ragged chunk at a time
+    gen = torch.Generator().manual_seed(5)
+    b, h, t = 3, 4, 9
+    masks = [*_masks(torch, b, t, t, gen)[:3], torch.rand(b, h, t, t, generator=gen) < 0.5]
+    for mask in masks:
+        for ties, additive in ((False, False), (True, False), (False, True)):
+            logits = torch.randn(b, h, t, t, generator=gen) * 4
+            logits = logits.round() if ties else logits
+            if additive:  # as a float mask adds it: a row that allows nothing comes out uniform
+                probs = torch.softmax(logits + (~mask) * torch.finfo(torch.float32).min, -1)
+            else:
+                probs = torch.softmax(logits.masked_fill(~mask, -math.inf), -1)
+            rows = torch.rand(b, t, generator=gen) < 0.7
+            rows[-1, 0] = True  # the noisy mask's row that allows no key
+            sums = attention.RowSums(h, torch.device("cpu"))
+            sums.add(probs, mask, rows)
+            got = sums.sums.numpy()
+            ok = mask.expand(b, h, t, t).numpy()
+            for head in range(h):
+                want = np.zeros(4)
+                for i, j in zip(*np.nonzero(rows.numpy()), strict=True):
+                    v = probs.numpy()[i, head, j][ok[i, head, j]].astype(np.float64)
+                    if len(v) == 0:
+                        want[:] = np.nan
+                        continue
+                    nz = v[v > 0]
+                    want += [v.max(), np.median(v), v.min(), -(nz * np.log(nz)).sum()]
+                np.testing.assert_allclose(got[:3, head], want[:3], rtol=1e-12)
+                np.testing.assert_allclose(got[3, head], want[3], rtol=1e-6)
+            assert (sums.n.numpy() == rows.sum().item()).all()
 
 
 def test_score_sums_count_only_the_pairs_that_count(monkeypatch):

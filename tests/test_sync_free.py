@@ -256,7 +256,8 @@ def test_attention_probe_sums_read_nothing_back(tmp_path, monkeypatch, syncs):
 
 def test_the_gpus_path_of_the_attention_sums_gives_the_cpus_numbers(tmp_path, monkeypatch):
     """The two paths of core/attention.py (numpy on the CPU; masked, read-free torch elsewhere)
-    give the same table: traced above on the GPU's path, the CPU's is what users here run."""
+    give the same table: traced above on the GPU's path, the CPU's is what users here run. The
+    entropy agrees to float32's last bit per term: numpy's log and torch's differ there."""
     from dataclasses import asdict
 
     from isotui.core import attention
@@ -270,6 +271,7 @@ def test_the_gpus_path_of_the_attention_sums_gives_the_cpus_numbers(tmp_path, mo
     for a, b in zip(cpu, gpu, strict=True):
         for key, value in asdict(a).items():
             if isinstance(value, float) and math.isfinite(value):
-                assert asdict(b)[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+                rel = 1e-7 if key == "entropy" else 1e-12
+                assert asdict(b)[key] == pytest.approx(value, rel=rel, abs=1e-15), key
             else:
                 assert asdict(b)[key] == value or (value != value and asdict(b)[key] != asdict(b)[key]), key

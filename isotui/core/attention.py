@@ -113,17 +113,68 @@ def score_bins(s: torch.Tensor) -> torch.Tensor:
         idx.masked_fill_(s >= SCORE_LIMIT, SCORE_BINS + 1)
         return idx.masked_fill_(s < -SCORE_LIMIT, 0)
     a = s.numpy()
+    out = np.empty(a.shape, dtype=np.int32)
+    _bins_into(a, np.empty(a.shape, dtype=a.dtype), out)
+    return torch.from_numpy(out)
+
+
+def _bins_into(a: np.ndarray, work: np.ndarray, out: np.ndarray) -> None:
+    """:func:`score_bins` in numpy: ``a``'s bin indices into the int32 ``out``, through the
+    float buffer ``work`` (both of ``a``'s shape), so that a caller may reuse them chunk by chunk."""
     f = a.dtype.type
-    v = np.arcsinh(a / f(SCORE_SCALE))
-    v += f(_SPAN)
-    v *= f(SCORE_BINS / (2 * _SPAN))
-    np.floor(v, out=v)
-    np.clip(v, -1, SCORE_BINS, out=v)
-    out = v.astype(np.int32)
+    np.divide(a, f(SCORE_SCALE), out=work)
+    np.arcsinh(work, out=work)
+    work += f(_SPAN)
+    work *= f(SCORE_BINS / (2 * _SPAN))
+    np.floor(work, out=work)
+    np.clip(work, -1, SCORE_BINS, out=work)
+    out[...] = work
     out += 1
     np.putmask(out, a >= SCORE_LIMIT, SCORE_BINS + 1)
     np.putmask(out, a < -SCORE_LIMIT, 0)
-    return torch.from_numpy(out)
+
+
+def _score_sums_np(x: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """(histogram counts (BINS + 2,) int64, float64 sum, float64 sum of squares) of the 1-D
+    scores ``x``, a chunk of :data:`SMALL_CHUNK` at a time through reused buffers that stay in
+    the cache (each square rounded to ``x``'s dtype, as torch's ``square`` rounds it)."""
+    counts = np.zeros(SCORE_BINS + 2, dtype=np.int64)
+    total = squares = 0.0
+    size = min(SMALL_CHUNK, x.size)
+    work, idx = np.empty(size, dtype=x.dtype), np.empty(size, dtype=np.int32)
+    for i in range(0, x.size, SMALL_CHUNK):
+        part = x[i : i + SMALL_CHUNK]
+        n = len(part)
+        _bins_into(part, work[:n], idx[:n])
+        counts += np.bincount(idx[:n], minlength=SCORE_BINS + 2)
+        total += float(part.sum(dtype=np.float64))
+        squares += float(np.square(part, out=work[:n]).sum(dtype=np.float64))
+    return counts, total, squares
+
+
+def _entropy_sum_np(p: np.ndarray) -> float:
+    """The float64 sum of ``p log p`` over the probabilities ``p`` (any shape), a chunk at a
+    time. ``p`` is raised to the dtype's smallest normal number inside the log, so a zero adds
+    nothing (as ``xlogy`` gives) and a subnormal p adds p log(tiny) instead of p log p, which
+    differ by less than 1e-36."""
+    flat = p.reshape(-1)
+    tiny = np.finfo(flat.dtype).tiny
+    work = np.empty(min(SMALL_CHUNK, flat.size), dtype=flat.dtype)
+    total = 0.0
+    for i in range(0, flat.size, SMALL_CHUNK):
+        part = flat[i : i + SMALL_CHUNK]
+        buf = work[: len(part)]
+        np.maximum(part, tiny, out=buf)
+        np.log(buf, out=buf)
+        buf *= part
+        total += float(buf.sum(dtype=np.float64))
+    return total
+
+
+def _kept_rows(x: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """(H, m, ...) the rows of ``x`` (B, H, T, ...) at the (B, T) positions ``keep`` holds: one
+    numpy gather (torch's boolean index of the permuted view costs about 10x)."""
+    return x.transpose(1, 0, 2, *range(3, x.ndim))[:, keep]
 
 
 # Data-ranged histogram (drift-block Fig. 7): the fixed bins above put an untrained block's
@@ -397,7 +448,12 @@ class VectorSums(_Sums):
             return
         heads, dim = x.shape[1], x.shape[-1]
         kept = x.permute(1, 0, 2, 3)
-        kept = kept.reshape(heads, -1, dim) if keep is None else kept[:, keep]  # (H, m, d)
+        if keep is None:
+            kept = kept.reshape(heads, -1, dim)
+        elif x.dtype in (torch.float32, torch.float64):
+            kept = torch.from_numpy(_kept_rows(x.detach().numpy(), keep.numpy()))  # (H, m, d)
+        else:
+            kept = kept[:, keep]
         step = max(1, CHUNK_ELEMENTS // (heads * dim))  # the CPU: no fresh 50 MB block per call
         flat = _scratch64(heads * min(step, kept.shape[1]) * dim)  # one block for every call
         for i in range(0, kept.shape[1], step):
@@ -462,6 +518,9 @@ class ScoreSums(_Sums):
 
         heads = scores.shape[1]
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+        if pairs is not None and self.hist.shape[1] and _cpu_path(s):
+            self._add_kept(s.numpy(), pairs.numpy())
+            return
         per_head = (0, 2, 3)
         blocked = None if pairs is None else ~pairs
         if self.hist.shape[1]:
@@ -501,6 +560,29 @@ class ScoreSums(_Sums):
         self.max = torch.maximum(self.max, kept.masked_fill_(blocked, -math.inf).amax(per_head).double())
         self.sumsq += row_sums64(kept.masked_fill_(blocked, 0.0).square_()).sum((0, 2))
 
+    def _add_kept(self, a: np.ndarray, pairs: np.ndarray) -> None:
+        """The CPU's path: each head's counted scores gathered once into one 1-D array, and every
+        statistic taken on it without masks (:func:`_score_sums_np`)."""
+        import torch
+
+        b, heads, t, size = a.shape
+        pairs = np.broadcast_to(pairs, (b, pairs.shape[1], t, size))
+        hist = np.zeros((heads, SCORE_BINS + 2), dtype=np.int64)
+        n, sums, squares = (np.zeros(heads) for _ in range(3))
+        lo, hi = np.full(heads, math.inf), np.full(heads, -math.inf)
+        for h in range(heads):
+            x = a[:, h][pairs[:, h if pairs.shape[1] > 1 else 0]]
+            if not x.size:
+                continue
+            hist[h], sums[h], squares[h] = _score_sums_np(x)
+            n[h], lo[h], hi[h] = x.size, x.min(), x.max()
+        self.hist += torch.from_numpy(hist)
+        self.n += torch.from_numpy(n)
+        self.sum += torch.from_numpy(sums)
+        self.sumsq += torch.from_numpy(squares)
+        self.min = torch.minimum(self.min, torch.from_numpy(lo))
+        self.max = torch.maximum(self.max, torch.from_numpy(hi))
+
 
 class RowSums(_Sums):
     """Per head: sums over kept query rows of the softmax row max, median, min and entropy."""
@@ -514,13 +596,44 @@ class RowSums(_Sums):
         self.sums = torch.zeros((4, heads), dtype=torch.float64, device=device)
 
     def add(self, probs: torch.Tensor, allowed: torch.Tensor, rows: torch.Tensor) -> None:
-        """``probs``: (B, H, T, S); ``allowed``: keys per row; ``rows``: (B, T) query rows that count."""
+        """``probs``: (B, H, T, S), a softmax over the allowed keys (so a blocked key holds 0);
+        ``allowed``: keys per row; ``rows``: (B, T) query rows that count."""
         import torch
 
+        if _cpu_path(probs) and probs.dtype in (torch.float32, torch.float64):
+            self._add_kept(probs.numpy(), allowed.numpy(), rows.numpy())
+            return
         stats = row_stats(probs, allowed)
         for i, x in enumerate(stats):  # x: (B, H, T); rows masked, not dropped
             self.sums[i] += torch.where(rows[:, None, :], x, 0.0).sum((0, 2))
         self.n += rows.sum()
+
+    def _add_kept(self, p: np.ndarray, allowed: np.ndarray, rows: np.ndarray) -> None:
+        """The CPU's path: the counted rows gathered once and sorted in place. A blocked key
+        holds 0, so with m allowed keys of S the allowed values are the row's last m once sorted
+        (the zeros before them are interchangeable): no fill with +inf before the sort."""
+        import torch
+
+        b, _, t, size = p.shape
+        sel = _kept_rows(p, rows)  # (H, n, S), a copy of its own
+        allowed = np.broadcast_to(allowed, (b, allowed.shape[1], t, size))
+        m = np.count_nonzero(_kept_rows(allowed, rows), axis=-1)  # (1|H, n)
+        entropy = np.array([-_entropy_sum_np(head) for head in sel])
+        sel.sort(axis=-1)
+        first = np.broadcast_to(np.minimum(size - m, size - 1), sel.shape[:2])
+
+        def at(index: np.ndarray) -> np.ndarray:
+            return np.take_along_axis(sel, index[..., None], axis=-1)[..., 0].astype(np.float64)
+
+        mid_lo = first + np.broadcast_to(np.maximum(m - 1, 0) // 2, first.shape)
+        mid_hi = first + np.broadcast_to(m // 2, first.shape)
+        median = (at(mid_lo) + at(np.minimum(mid_hi, size - 1))) / 2
+        sums = np.stack([at(np.full(first.shape, size - 1)), median, at(first)]).sum(-1)
+        sums = np.concatenate([sums, entropy[None]])
+        empty = np.broadcast_to((m == 0).any(-1), sums.shape[1:])  # a counted row allowing no key
+        sums[:, empty] = math.nan
+        self.sums += torch.from_numpy(sums)
+        self.n += float(sel.shape[1])
 
     def means(self) -> npt.NDArray[np.float64]:
         """(4, H): mean row max, median, min, entropy."""
