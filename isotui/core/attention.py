@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -175,6 +177,28 @@ def _kept_rows(x: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """(H, m, ...) the rows of ``x`` (B, H, T, ...) at the (B, T) positions ``keep`` holds: one
     numpy gather (torch's boolean index of the permuted view costs about 10x)."""
     return x.transpose(1, 0, 2, *range(3, x.ndim))[:, keep]
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _per_head(work: Callable[[int], None], heads: int) -> None:
+    """``work(h)`` for every head, spread over torch's thread count (``--threads``): the CPU's
+    numpy statistics run one thread each, and numpy lets go of the GIL in its loops, so the heads
+    of a batch take the cores the forward pass takes. Each head's work is its own: the same
+    numbers in any order."""
+    import torch
+
+    threads = min(torch.get_num_threads(), heads)
+    if threads <= 1:
+        for h in range(heads):
+            work(h)
+        return
+    pool = _POOLS.get(threads)
+    if pool is None:
+        pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="isotui-heads")
+    for future in [pool.submit(work, h) for h in range(heads)]:
+        future.result()
 
 
 # Data-ranged histogram (drift-block Fig. 7): the fixed bins above put an untrained block's
@@ -570,12 +594,14 @@ class ScoreSums(_Sums):
         hist = np.zeros((heads, SCORE_BINS + 2), dtype=np.int64)
         n, sums, squares = (np.zeros(heads) for _ in range(3))
         lo, hi = np.full(heads, math.inf), np.full(heads, -math.inf)
-        for h in range(heads):
+
+        def head(h: int) -> None:
             x = a[:, h][pairs[:, h if pairs.shape[1] > 1 else 0]]
-            if not x.size:
-                continue
-            hist[h], sums[h], squares[h] = _score_sums_np(x)
-            n[h], lo[h], hi[h] = x.size, x.min(), x.max()
+            if x.size:
+                hist[h], sums[h], squares[h] = _score_sums_np(x)
+                n[h], lo[h], hi[h] = x.size, x.min(), x.max()
+
+        _per_head(head, heads)
         self.hist += torch.from_numpy(hist)
         self.n += torch.from_numpy(n)
         self.sum += torch.from_numpy(sums)
@@ -618,8 +644,13 @@ class RowSums(_Sums):
         sel = _kept_rows(p, rows)  # (H, n, S), a copy of its own
         allowed = np.broadcast_to(allowed, (b, allowed.shape[1], t, size))
         m = np.count_nonzero(_kept_rows(allowed, rows), axis=-1)  # (1|H, n)
-        entropy = np.array([-_entropy_sum_np(head) for head in sel])
-        sel.sort(axis=-1)
+        entropy = np.zeros(len(sel))
+
+        def head(h: int) -> None:
+            entropy[h] = -_entropy_sum_np(sel[h])
+            sel[h].sort(axis=-1)
+
+        _per_head(head, len(sel))
         first = np.broadcast_to(np.minimum(size - m, size - 1), sel.shape[:2])
 
         def at(index: np.ndarray) -> np.ndarray:

@@ -82,7 +82,8 @@ def probe_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     groups = query.shape[1] // key.shape[1]
-    scores = torch.matmul(query.float(), _repeat_kv(key, groups).float().transpose(-1, -2)) * scaling
+    scores = torch.matmul(query.float(), _repeat_kv(key, groups).float().transpose(-1, -2))
+    scores.mul_(scaling)  # in place: the same products as eager's ``* scaling``, one block less
     logits = scores
     bias = kwargs.get("position_bias")
     if bias is not None:  # T5: relative position bias, added like the eager implementation
