@@ -167,14 +167,23 @@ class Subsample:
         pos = torch.arange(t, device=x.device).expand(b, t)
         keys = sample_keys(self.seed + 7919, sample_ids[:, None].expand(b, t), pos)
         keys = keys.masked_fill(~keep, float("inf")).reshape(b * t)
-        vec = x.permute(1, 0, 2, 3).reshape(h, b * t, d).float()
+        held = 0 if self.keys is None else len(self.keys)
         if self.keys is not None:
             keys = torch.cat([self.keys, keys])
-            vec = torch.cat([self.vectors, vec], dim=1)
-        if len(keys) > self.size:
-            top = torch.topk(keys, self.size, largest=False).indices
-            keys, vec = keys[top], vec.index_select(1, top)
-        self.keys, self.vectors = keys, vec
+        if len(keys) <= self.size:  # not full yet: every slot stays
+            vec = x.permute(1, 0, 2, 3).reshape(h, b * t, d).float()
+            self.keys = keys
+            self.vectors = vec if self.vectors is None else torch.cat([self.vectors, vec], dim=1)
+            return
+        # the size smallest keys of old and new; only the chosen vectors are gathered, from the
+        # batch (index past the held ones) or from the held ones, picked per slot on the device
+        top = torch.topk(keys, self.size, largest=False).indices
+        new = (top - held).clamp(min=0)
+        vec = x[new // t, :, new % t, :].permute(1, 0, 2).float().contiguous()  # (H, size, d)
+        if held:
+            kept = self.vectors.index_select(1, top.clamp(max=held - 1))
+            vec = torch.where((top < held)[None, :, None], kept, vec)
+        self.keys, self.vectors = keys[top], vec
 
     def _read(self) -> tuple[Any, Any]:
         """(keys, vectors) on the CPU: the filled slots only, by key (one read, at the end)."""
