@@ -107,6 +107,32 @@ def test_attention_subsample_fits_the_cpus_free_memory(tiny_models, monkeypatch)
     assert any("capped at 7 positions per module (of 20 asked)" in n for n in capped.meta["notes"])
 
 
+def test_attention_subsample_fits_each_modules_device(tiny_models, monkeypatch):
+    """The subsample lives where each module makes its queries and keys: the budget is each of
+    those devices' (here two, one module each, named by hand since this machine has no GPU),
+    and one size fits all, the tightest device's."""
+    from isotui.experiments.attention import measure_attention
+    from isotui.extract import attention
+
+    devices = iter(["cuda:0", "cuda:1"])  # the two blocks' attention modules, in order
+    monkeypatch.setattr(attention, "_module_device", lambda _module, _run: next(devices))
+    asked: list[str] = []
+    per_position = 2 * 4 * 32  # one module's queries and keys, float32, hidden size 32
+    room = {"cuda:0": 12 * per_position + 50, "cuda:1": 9 * per_position + 50}
+
+    def budget(device: str) -> int:
+        asked.append(device)
+        return room[device]
+
+    monkeypatch.setattr(attention, "measured_budget", budget)
+    spec = make_spec(str(tiny_models["bert"]), "builtin", max_samples=12, max_length=16)
+    capped = measure_attention(spec, None, sample_size=20)
+    assert sorted(asked) == ["cuda:0", "cuda:1"]
+    assert capped.arrays["q_sample.0"].shape == capped.arrays["q_sample.1"].shape == (4, 9, 8)
+    (note,) = [n for n in capped.meta["notes"] if "subsample capped" in n]
+    assert "capped at 9 positions per module (of 20 asked)" in note and "cuda:1 has left" in note
+
+
 def test_gradient_sums_need_room_on_their_device(tiny_models, tmp_path, monkeypatch):
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel

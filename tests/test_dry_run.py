@@ -72,28 +72,41 @@ def test_attention_plan(pythia, tmp_path):
     assert "nothing" in plan["sampled"]
 
 
-@pytest.mark.parametrize(("cpu", "size"), [(10**9, 256), (300 * 10**6, 21)])
-def test_qk_dynamics_plan_caps_the_subsample_to_the_cpu(pythia, tmp_path, cpu, size):
-    memory = f"{GPUS},cpu={cpu}"
+@pytest.mark.parametrize("sample", [256, 5000])
+def test_qk_dynamics_plan_caps_the_subsample_to_its_devices(pythia, tmp_path, sample):
+    """Each module's query/key subsample lives beside its sums, on its block's GPU; one size for
+    all, what the tightest GPU's budget holds (the CPU holds none of it)."""
     args = (
         "qk-dynamics",
         "--checkpoints",
         f"{pythia},{pythia}",
+        "--sample",
+        str(sample),
         "--device-map",
         "auto",
         "--max-memory",
-        memory,
+        "0=13GB,1=13GB,cpu=100GB",
     )
     plan = _plan(tmp_path, *args)
-    per_position = BLOCKS * 2 * 4 * D  # every module's query and key, float32, at most d each
-    assert _budget(cpu) // per_position == (496 if cpu == 10**9 else 21)
-    (sample,) = [p for p in plan["parts"] if p["name"] == "query/key subsample"]
-    assert sample["bytes"] == size * per_position and sample["device"] == "cpu"
-    assert plan["budget_bytes"]["cpu"] == _budget(cpu)
+    per_position = 2 * 4 * D  # a module's queries and keys, float32, at most d each
+    modules = {}
+    for p in plan["parts"]:
+        if p["name"].startswith("attention "):
+            modules[p["device"]] = modules.get(p["device"], 0) + 1
+    assert set(modules) == {"cuda:0", "cuda:1"} and sum(modules.values()) == BLOCKS
+    fits = {dev: plan["budget_bytes"][dev] // (n * per_position) for dev, n in modules.items()}
+    size = min(sample, *fits.values())
+    assert 256 < min(fits.values()) < 5000  # 256 fits; 5,000 does not
+    samples = [p for p in plan["parts"] if p["name"] == "query/key subsample"]
+    assert {p["device"]: p["bytes"] for p in samples} == {
+        dev: size * n * per_position for dev, n in modules.items()
+    }
     capped = [c for c in plan["caps"] if "subsample capped" in c]
-    assert bool(capped) == (size < 256)
+    assert bool(capped) == (size < sample)
     if capped:
-        assert f"capped at {size} positions per module (of 256 asked)" in capped[0]
+        tightest = min(fits, key=fits.__getitem__)
+        assert f"capped at {size:,} positions per module (of {sample:,} asked)" in capped[0]
+        assert capped[0].endswith(f"{tightest} has left")
 
 
 @pytest.mark.parametrize(("memory", "exact"), [(GPUS, True), ("0=13GB,1=13GB,cpu=100GB", False)])

@@ -20,6 +20,20 @@ from .conftest import corpus
 from .test_gradients import lm_models as lm_models  # a fixture, used by name
 
 TINY_GPT2 = "random:gpt2:n_layer=2,n_embd=64,n_head=4"
+ROTARY = {  # partial rotary (a quarter of each head), and full rotary with grouped keys
+    "gpt_neox": (
+        "random:gpt_neox:hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64"
+    ),
+    "llama": (
+        "random:llama:hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64,"
+        "num_key_value_heads=2"
+    ),
+}
+# no rotary embedding, but q_proj/k_proj hooks: the before/after comparison runs on every batch
+TINY_BART = (
+    "random:bart:d_model=32,encoder_layers=1,decoder_layers=1,encoder_attention_heads=4,"
+    "decoder_attention_heads=4,encoder_ffn_dim=64,decoder_ffn_dim=64"
+)
 
 # per-batch device code: every function of the accumulator module, the stream's step, --exact's
 # second pass and the gradient sums (folder/file: functions, None for all)
@@ -29,6 +43,7 @@ _DEVICE_FILES = {
     "core/sampled.py": {"partial", "commit"},
     "core/gradients.py": {"add"},
     "core/attention.py": None,
+    "extract/attention.py": {"probe_attention", "observe", "add", "_fold_pre_rope", "ids_on"},
 }
 # experiments' steps that also prepare the batch on the host (its masks and token ids are host
 # tensors: their nonzero / int / bool are no device reads): only explicit reads of a value count
@@ -275,3 +290,177 @@ def test_the_gpus_path_of_the_attention_sums_gives_the_cpus_numbers(tmp_path, mo
                 assert asdict(b)[key] == pytest.approx(value, rel=rel, abs=1e-15), key
             else:
                 assert asdict(b)[key] == value or (value != value and asdict(b)[key] != asdict(b)[key]), key
+
+
+@pytest.mark.parametrize("model", sorted(ROTARY))
+@pytest.mark.parametrize("sample", [16, 4096])  # 16: the subsample fills, then updates
+def test_qk_dynamics_reads_nothing_back(tmp_path, monkeypatch, syncs, model, sample):
+    """qk-dynamics (the probe with a query/key subsample) on rotary models, the GPU's path: the
+    subsample is chosen on the device (positions that do not count get key +inf, topk on sizes
+    known from shapes) and the rotary flag is a device bool, read once at the end."""
+    from isotui.core import attention
+    from isotui.experiments.qk_dynamics import Checkpoint, run_dynamics
+
+    monkeypatch.setattr(attention, "CPU_PATHS", False)
+    counts, armed = syncs
+    calls = _arm_loop_steps(monkeypatch, armed)
+    base = make_spec(ROTARY[model], _text(tmp_path), max_length=32, batch_size=3)
+    series = [Checkpoint(ROTARY[model], "a", 0), Checkpoint(ROTARY[model], "b", 1)]
+    result = run_dynamics(None, series, base, None, sample_size=sample)
+    assert result is not None and result.rows
+    assert calls[0] >= 8, "two checkpoints of several batches"
+    assert all(math.isfinite(r.q_x_qk) for r in result.rows)
+    assert dict(counts) == {}
+
+
+def _subsample_reference(seen: list, seed: int, size: int):
+    """The ``size`` smallest keys (numpy argsort) over every kept position ``seen`` (sample ids,
+    positions, (n, H, d) vectors per batch), and their (H, m, d) vectors in key order."""
+    import numpy as np
+    import torch
+
+    from isotui.core.accumulator import sample_keys
+
+    ids = np.concatenate([s[0] for s in seen])
+    pos = np.concatenate([s[1] for s in seen])
+    vectors = np.concatenate([s[2] for s in seen])
+    keys = sample_keys(seed + 7919, torch.from_numpy(ids), torch.from_numpy(pos)).numpy()
+    assert len(np.unique(keys)) == len(keys)
+    pick = np.argsort(keys)[:size]
+    return keys[pick], vectors[pick].transpose(1, 0, 2)
+
+
+def test_subsample_is_the_smallest_keys_of_the_kept_positions_by_hand():
+    """Several batches (masked positions, a batch with none kept, more than the subsample at
+    once), with slots still empty (+inf) or not, and two halves merged: exactly numpy's pick."""
+    import numpy as np
+    import torch
+
+    from isotui.extract.attention import Subsample
+
+    rng = np.random.default_rng(5)
+    batches = []
+    for i in range(6):
+        b, t = 3, int(rng.integers(2, 9))
+        x = rng.normal(size=(b, 2, t, 4)).astype(np.float32)
+        keep = rng.random((b, t)) < (0.0 if i == 2 else 0.6)
+        batches.append((np.arange(i * b, (i + 1) * b), x, keep))
+    kept = sum(int(k.sum()) for _, _, k in batches)
+    for size in (3, 20, kept - 1, kept + 5, 10_000):  # kept + 5: fewer kept than slots, more seen
+        whole, halves = Subsample(size, 7), [Subsample(size, 7), Subsample(size, 7)]
+        seen = []
+        for j, (ids, x, keep) in enumerate(batches):
+            for sub in (whole, halves[j % 2]):
+                sub.add(torch.from_numpy(x), torch.from_numpy(keep), torch.from_numpy(ids))
+            bi, ti = np.nonzero(keep)
+            seen.append((ids[bi], ti, x[bi, :, ti, :]))
+        want_keys, want = _subsample_reference(seen, 7, size)
+        halves[0].merge(halves[1])
+        for sub in (whole, halves[0]):
+            state = sub.state()
+            np.testing.assert_array_equal(state["keys"].numpy(), want_keys)
+            np.testing.assert_array_equal(state["vectors"].numpy(), want)
+            np.testing.assert_array_equal(sub.array(), want)
+
+
+def test_the_gpus_subsample_is_the_cpus_and_numpys(tmp_path, monkeypatch):
+    """The probe's subsamples on both paths, one pass and two shards merged: the vectors of the
+    ``size`` smallest keys over every kept position the model produced (recorded as the probe
+    received them), in key order; the merged shards pick the same tokens as the one pass."""
+    import dataclasses
+
+    import numpy as np
+
+    from isotui.core import attention
+    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.extract import attention as probe
+
+    size = 24
+    spec = make_spec(ROTARY["llama"], _text(tmp_path), max_length=32, batch_size=3)
+    prepared = prepare(spec)
+    loaded, device = load_prepared(prepared)
+    seen: dict[tuple[str, str], list] = {}
+    original = probe._ModuleProbe.observe
+
+    def spy(self, q, k, scores, probs, allowed):
+        keeps = self.run.keep(self.site, q.shape[2], k.shape[2])
+        ids = self.run.sample_ids.numpy()
+        for part, x, keep in (("q_sample", q, keeps[0]), ("k_sample", k, keeps[1])):
+            bi, ti = np.nonzero(keep.cpu().numpy())
+            vectors = x.float().cpu().numpy()[bi, :, ti, :]  # (n, H, d)
+            seen.setdefault((self.site.name, part), []).append((ids[bi], ti, vectors))
+        return original(self, q, k, scores, probs, allowed)
+
+    monkeypatch.setattr(probe._ModuleProbe, "observe", spy)
+
+    def state(ids=None) -> dict:
+        return probe.extract_attention_state(
+            loaded,
+            prepared.samples,
+            device=device,
+            opts=dataclasses.replace(extract_options(spec), sample_ids=ids),
+            on_progress=lambda _e: None,
+            should_stop=lambda: False,
+            model_name=spec.model,
+            modality="text",
+            sample_size=size,
+        )
+
+    def check(got: dict) -> None:
+        for module in got["modules"]:
+            for part in ("q_sample", "k_sample"):
+                sub = module[part]
+                where = (module["site"]["name"], part)
+                want_keys, want = _subsample_reference(seen[where], sub["seed"], size)
+                assert len(want_keys) == size, "more kept positions than the subsample holds"
+                np.testing.assert_array_equal(sub["keys"].numpy(), want_keys)
+                np.testing.assert_array_equal(sub["vectors"].numpy(), want)
+
+    paths = {}
+    for cpu_paths in (True, False):
+        monkeypatch.setattr(attention, "CPU_PATHS", cpu_paths)
+        seen.clear()
+        one = state()
+        check(one)
+        seen.clear()
+        merged = probe.merge_attention_states([state((0, 3, 4, 8, 9, 11)), state((1, 2, 5, 6, 7, 10))])
+        check(merged)
+        for a, b in zip(one["modules"], merged["modules"], strict=True):
+            for part in ("q_sample", "k_sample"):
+                np.testing.assert_array_equal(a[part]["keys"].numpy(), b[part]["keys"].numpy())
+                np.testing.assert_allclose(a[part]["vectors"].numpy(), b[part]["vectors"].numpy(), atol=1e-5)
+        paths[cpu_paths] = one
+    for a, b in zip(paths[True]["modules"], paths[False]["modules"], strict=True):
+        for part in ("q_sample", "k_sample"):
+            for key in ("keys", "vectors"):
+                np.testing.assert_array_equal(a[part][key].numpy(), b[part][key].numpy())
+
+
+@pytest.mark.parametrize("cpu_paths", [True, False])
+def test_rotary_flag_on_both_paths(tmp_path, monkeypatch, cpu_paths):
+    """The rotary flag (queries differ before and after the embedding, OR-ed over batches on the
+    device): set for GPT-NeoX and Llama, not for GPT-2, whichever path measures."""
+    from isotui.core import attention
+    from isotui.experiments.attention import measure_attention
+
+    monkeypatch.setattr(attention, "CPU_PATHS", cpu_paths)
+    data = _text(tmp_path)
+    models = ((ROTARY["gpt_neox"], True), (ROTARY["llama"], True), (TINY_GPT2, False), (TINY_BART, False))
+    for name, rotary in models:
+        rows = measure_attention(make_spec(name, data, max_length=32, batch_size=3), None, sample_size=8).rows
+        assert rows and all(r.rope is rotary for r in rows), name
+        assert all(math.isfinite(r.cos_qk_bar_pre_rope) == rotary for r in rows), name
+
+
+def test_rotary_check_reads_nothing_back(tmp_path, monkeypatch, syncs):
+    """A model without rotary embedding whose queries and keys are read before it too (BART's
+    q_proj/k_proj): the comparison of before and after runs on every batch, on the device."""
+    from isotui.core import attention
+    from isotui.experiments.attention import measure_attention
+
+    monkeypatch.setattr(attention, "CPU_PATHS", False)
+    counts, armed = syncs
+    calls = _arm_loop_steps(monkeypatch, armed)
+    result = measure_attention(make_spec(TINY_BART, _text(tmp_path), max_length=32, batch_size=3), None)
+    assert calls[0] >= 4 and result.rows and not any(r.rope for r in result.rows)
+    assert dict(counts) == {}

@@ -30,7 +30,7 @@ from isotui.core.accumulator import keep_smallest, sample_keys
 from isotui.core.attention import AttentionAccumulator, HeadStats, VectorSums
 from isotui.errors import IsotuiError
 from isotui.extract.loop import Batch, BatchLoop, Hooks, merge_facts
-from isotui.extract.memory_plan import measured_budget, size_text
+from isotui.extract.memory_plan import device_name, measured_budget, size_text
 from isotui.extract.planning import ExtractOptions, effective_max_length
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck
 from isotui.models.loading import LoadedModel
@@ -145,38 +145,65 @@ def site_of(name: str, encoder_decoder: bool) -> ModuleSite | None:
 class Subsample:
     """A uniform subsample of the kept query (or key) positions of one module, all heads, chosen
     by :func:`sample_keys` over (sample, position): the same tokens whichever checkpoint of a
-    model is read, and whatever the batching."""
+    model is read, and whatever the batching.
+
+    Held on the device the queries and keys are made on and folded in without reading anything
+    back: every position of a batch gets its key (+inf where it does not count, masked rather
+    than dropped), and ``torch.topk`` keeps the ``size`` smallest of the old and new keys, a
+    size known from the shapes alone. Slots still holding +inf (fewer kept positions than
+    ``size`` so far) are dropped when read out (:meth:`array`, :meth:`state`, :meth:`merge`),
+    in the order of the keys."""
 
     def __init__(self, size: int, seed: int) -> None:
         self.size, self.seed = size, seed
-        self.keys: Any = None
-        self.vectors: Any = None  # (H, m, d) float32 on the CPU
+        self.keys: Any = None  # (m,) float64, +inf in slots no kept position filled
+        self.vectors: Any = None  # (H, m, d) float32, on the queries' (keys') device
 
     def add(self, x: Any, keep: Any, sample_ids: Any) -> None:
+        """Fold in a batch's (B, H, T, d) vectors ``x``; ``keep``: (B, T) bool, the positions
+        that count; ``sample_ids``: (B,) the batch's sample indices, on ``x``'s device."""
         import torch
 
-        b, _, t, _ = x.shape
-        pos = torch.arange(t).expand(b, t)
-        ids = sample_ids[:, None].expand(b, t)
-        keep_cpu = keep.cpu()
-        keys = sample_keys(self.seed + 7919, ids[keep_cpu], pos[keep_cpu])
-        vec = x.permute(1, 0, 2, 3)[:, keep].float().cpu()
+        b, h, t, d = x.shape
+        pos = torch.arange(t, device=x.device).expand(b, t)
+        keys = sample_keys(self.seed + 7919, sample_ids[:, None].expand(b, t), pos)
+        keys = keys.masked_fill(~keep, float("inf")).reshape(b * t)
+        held = 0 if self.keys is None else len(self.keys)
         if self.keys is not None:
             keys = torch.cat([self.keys, keys])
-            vec = torch.cat([self.vectors, vec], dim=1)
-        if len(keys) > self.size:
-            top = torch.topk(keys, self.size, largest=False).indices
-            keys, vec = keys[top], vec[:, top]
-        self.keys, self.vectors = keys, vec
+        if len(keys) <= self.size:  # not full yet: every slot stays
+            vec = x.permute(1, 0, 2, 3).reshape(h, b * t, d).float()
+            self.keys = keys
+            self.vectors = vec if self.vectors is None else torch.cat([self.vectors, vec], dim=1)
+            return
+        # the size smallest keys of old and new; only the chosen vectors are gathered, from the
+        # batch (index past the held ones) or from the held ones, picked per slot on the device
+        top = torch.topk(keys, self.size, largest=False).indices
+        new = (top - held).clamp(min=0)
+        vec = x[new // t, :, new % t, :].permute(1, 0, 2).float().contiguous()  # (H, size, d)
+        if held:
+            kept = self.vectors.index_select(1, top.clamp(max=held - 1))
+            vec = torch.where((top < held)[None, :, None], kept, vec)
+        self.keys, self.vectors = keys[top], vec
+
+    def _read(self) -> tuple[Any, Any]:
+        """(keys, vectors) on the CPU: the filled slots only, by key (one read, at the end)."""
+        import torch
+
+        keys, vectors = self.keys.cpu(), self.vectors.cpu()
+        order = torch.argsort(keys)[: int(torch.isfinite(keys).sum())]
+        return keys[order], vectors.index_select(1, order)
 
     def array(self) -> np.ndarray:
-        return np.zeros((0, 0, 0), np.float32) if self.vectors is None else self.vectors.numpy()
+        return np.zeros((0, 0, 0), np.float32) if self.vectors is None else self._read()[1].numpy()
 
     def state(self) -> dict[str, Any]:
-        """Size, seed and (once anything was seen) the keys and (H, m, d) vectors."""
+        """Size, seed and (once anything was seen) the keys and (H, m, d) vectors, on the CPU
+        and in the order of the keys."""
         out: dict[str, Any] = {"size": self.size, "seed": self.seed}
         if self.keys is not None:
-            out |= {"keys": self.keys, "vectors": self.vectors}
+            keys, vectors = self._read()
+            out |= {"keys": keys, "vectors": vectors}
         return out
 
     @classmethod
@@ -192,10 +219,13 @@ class Subsample:
 
         if other.keys is None:
             return
-        keys, vectors = other.keys, other.vectors
+        keys, vectors = other._read()
         if self.keys is not None:
-            keys, vectors = torch.cat([self.keys, keys]), torch.cat([self.vectors, vectors], dim=1)
-        self.keys, self.vectors = keep_smallest(keys, vectors, self.size, dim=1)
+            mine = self._read()
+            keys, vectors = torch.cat([mine[0], keys]), torch.cat([mine[1], vectors], dim=1)
+        keys, vectors = keep_smallest(keys, vectors, self.size, dim=1)
+        order = torch.argsort(keys)
+        self.keys, self.vectors = keys[order], vectors.index_select(1, order)
 
 
 class _ModuleProbe:
@@ -209,17 +239,24 @@ class _ModuleProbe:
         self.pre_raw: dict[str, Any] = {}
         self.q_sample = Subsample(run.sample_size, run.seed) if run.sample_size else None
         self.k_sample = Subsample(run.sample_size, run.seed + 1) if run.sample_size else None
-        self.rope = False
+        # whether queries differ before and after the rotary embedding: a plain bool, or a device
+        # bool OR-ed batch by batch and read only at the end (:attr:`rope`)
+        self._rope: Any = False
+
+    @property
+    def rope(self) -> bool:
+        """Whether the model rotates queries and keys (read from the device once, at the end)."""
+        return bool(self._rope)
 
     def save(self) -> tuple[Any, ...]:
         """What this probe holds before a batch (copies of the sums folded in place), so that
         :meth:`restore` can undo a batch the model did not finish (out of memory mid-forward)."""
         sums = (copy.deepcopy(self.acc), copy.deepcopy(self.pre_q), copy.deepcopy(self.pre_k))
         subsamples = (copy.copy(self.q_sample), copy.copy(self.k_sample))  # add() replaces, never edits
-        return (*sums, *subsamples, self.rope)
+        return (*sums, *subsamples, self._rope)
 
     def restore(self, saved: tuple[Any, ...]) -> None:
-        self.acc, self.pre_q, self.pre_k, self.q_sample, self.k_sample, self.rope = saved
+        self.acc, self.pre_q, self.pre_k, self.q_sample, self.k_sample, self._rope = saved
         self.pre_raw.clear()
 
     def observe(self, q: Any, k: Any, scores: Any, probs: Any, allowed: Any) -> None:
@@ -239,7 +276,7 @@ class _ModuleProbe:
             self.acc = AttentionAccumulator(h, k.shape[1], d, device)
         self.acc.add(q, k, scores, probs, q_keep=q_keep, k_keep=k_keep, allowed=allowed)
         if self.q_sample is not None and self.k_sample is not None:
-            ids = self.run.sample_ids
+            ids = self.run.ids_on(device)
             self.q_sample.add(q, q_keep, ids)
             self.k_sample.add(k, k_keep, ids)
         if self.pre_raw:
@@ -256,7 +293,11 @@ class _ModuleProbe:
         if self.pre_q is None or self.pre_k is None:
             self.pre_q = VectorSums(q.shape[1], q.shape[3], device)
             self.pre_k = VectorSums(k.shape[1], k.shape[3], device)
-        self.rope = self.rope or not (pq.shape == q.shape and bool((pq == q).all()))
+        if pq.shape != q.shape:
+            self._rope = True
+        elif self._rope is not True:  # on the device, no read: a tensor OR-ed per batch
+            differs = (pq != q).any()
+            self._rope = differs if self._rope is False else self._rope | differs
         self.pre_q.add(pq, q_keep)
         self.pre_k.add(pk, k_keep)
 
@@ -317,6 +358,15 @@ class AttentionExtraction:
     notes: list[str] = field(default_factory=list)
 
 
+def _module_device(module: Any, run_device: str) -> str:
+    """Where ``module`` makes its queries and keys, so where its subsamples live: its weights'
+    device; the run's for weights accelerate keeps off it (offloaded: the meta device); the
+    CPU for MPS (the probe measures on the CPU there: no float64)."""
+    weight = next(module.parameters(), None)
+    where = device_name(run_device if weight is None or weight.device.type == "meta" else weight.device)
+    return "cpu" if where.startswith("mps") else where
+
+
 class AttentionRun:
     """The attention probe's step on a :class:`BatchLoop` (its batching, devices, out-of-memory
     back-off and progress), with the probe in place of hidden-state hooks."""
@@ -331,6 +381,8 @@ class AttentionRun:
         self.masks: dict[tuple[str, int], Any] = {}
         self.fed: Any = None
         self.sample_ids: Any = None
+        self.ids: dict[Any, Any] = {}  # the batch's sample ids on each device that asked
+        self.devices: dict[int, str] = {}  # id(attention module) -> where it makes its queries and keys
         self.previous: Any = None
 
     @property
@@ -367,16 +419,18 @@ class AttentionRun:
                 )
             probe = _ModuleProbe(site, self)
             self.probes[id(module)] = probe
+            self.devices[id(module)] = _module_device(module, self.loop.device)
             _pre_rope_hooks(module, probe, self.loop.hooks)
         self._size_subsamples()
         with _LOCK:
             _ACTIVE.update(self.probes)
 
     def _size_subsamples(self) -> None:
-        """Shrink the per-module subsample so that all of them fit the CPU's measured free memory
+        """Shrink the per-module subsample so that all of them fit, on each device they live on
+        (each module's: where its queries and keys are made), that device's measured free memory
         less the margin (:func:`~isotui.extract.memory_plan.measured_budget`, after the model is
-        placed: the subsamples are held on the CPU; queries and keys of every head take at most
-        2 x hidden size float32 per position)."""
+        placed; queries and keys of every head take at most 2 x hidden size float32 per position).
+        One size for all modules: the smallest any device allows."""
         if not self.sample_size or not self.probes:
             return
         config = self.model.config
@@ -385,15 +439,21 @@ class AttentionRun:
         )
         if not width:
             return
-        budget = measured_budget("cpu")
-        if budget is None:
-            return
-        fit = budget // (len(self.probes) * 2 * 4 * int(width))
-        size = max(2, min(self.sample_size, fit))
-        if size < self.sample_size:
+        size, tightest = self.sample_size, None
+        for device in sorted(set(self.devices.values())):
+            budget = measured_budget(device)
+            if budget is None:
+                continue
+            modules = sum(1 for d in self.devices.values() if d == device)
+            fit = max(2, budget // (modules * 2 * 4 * int(width)))
+            if fit < size:
+                size, tightest = fit, (device, budget)
+        if tightest is not None:
+            device, budget = tightest
+            where = "the CPU" if device == "cpu" else device
             self.notes.append(
                 f"query/key subsample capped at {size} positions per module (of {self.sample_size} asked) "
-                f"to fit the {size_text(budget)} the CPU has left (its measured free memory less a margin)"
+                f"to fit the {size_text(budget)} {where} has left (its measured free memory less a margin)"
             )
         for probe in self.probes.values():
             for sub in (probe.q_sample, probe.k_sample):
@@ -413,6 +473,12 @@ class AttentionRun:
         k_comp = "encoder" if site.kind == "cross" else site.component
         return self._mask(site.component, q_len), self._mask(k_comp, k_len)
 
+    def ids_on(self, device: Any) -> Any:
+        """The batch's (B,) sample indices on ``device``, moved there once per batch."""
+        if device not in self.ids:
+            self.ids[device] = self.sample_ids.to(device)
+        return self.ids[device]
+
     def _mask(self, component: str, width: int) -> Any:
         key = (component, width)
         if key not in self.masks:
@@ -425,7 +491,7 @@ class AttentionRun:
         import torch
 
         self.fed, self.masks = batch.fed, {}
-        self.sample_ids = batch.ids
+        self.sample_ids, self.ids = batch.ids, {}
         saved = {key: probe.save() for key, probe in self.probes.items()}
         try:
             with self.loop.model_call("a batch under the attention probe"), torch.inference_mode():

@@ -813,8 +813,8 @@ def attention_bytes(heads: int, kv_heads: int, head_dim: int, rope: bool) -> int
 
 def attention_plan(paper: Paper, *, sample_size: int, experiment: str = "attention") -> ExperimentPlan:
     """The attention probe's sums: one accumulator per block's attention module on its block's
-    device, and (``sample_size``) the query/key subsamples on the CPU, shrunk to what the CPU's
-    budget holds as the run shrinks them."""
+    device, and (``sample_size``) its query/key subsamples beside them, shrunk (one size for all
+    modules) to what the tightest of those devices' budgets holds, as the run shrinks them."""
     config, d = paper.config, paper.dim
     heads = int(getattr(config, "num_attention_heads", 1) or 1)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -834,23 +834,31 @@ def attention_plan(paper: Paper, *, sample_size: int, experiment: str = "attenti
     caps: list[str] = []
     size = 0
     if sample_size:
-        per_position = modules * 2 * 4 * d
-        budget = paper.budgets["cpu"]
-        size = sample_size if budget is None else max(2, min(sample_size, budget // per_position))
-        if size < sample_size:
+        per_position = 2 * 4 * d  # a module's queries and keys, float32, at most d each
+        homes = ["cpu" if w.startswith("mps") else w for w in paper.where[1 : modules + 1]]  # as the run
+        on = {w: homes.count(w) for w in dict.fromkeys(homes)}
+        size, tightest = sample_size, None
+        for where, count in on.items():
+            budget = paper.budgets.get(where)
+            fit = sample_size if budget is None else max(2, budget // (count * per_position))
+            if fit < size:
+                size, tightest = fit, (where, budget)
+        if tightest is not None:
+            where, budget = tightest
             caps.append(
                 f"query/key subsample capped at {size:,} positions per module (of {sample_size:,} asked) "
-                f"to fit the {_size(budget)} the CPU has left"
+                f"to fit the {_size(budget or 0)} {'the CPU' if where == 'cpu' else where} has left"
             )
-        parts.append(
+        parts += [
             PartPlan(
                 "query/key subsample",
-                "cpu",
+                where,
                 d,
-                f"{size:,} positions x {modules} modules",
-                size * per_position,
+                f"{size:,} positions x {count} modules",
+                size * count * per_position,
             )
-        )
+            for where, count in on.items()
+        ]
     budgets = {w: paper.budgets.get(w) for w in dict.fromkeys(p.device for p in parts)}
     return ExperimentPlan(
         experiment,
