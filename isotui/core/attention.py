@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -120,26 +118,33 @@ def score_bins(s: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def _bins_into(a: np.ndarray, work: np.ndarray, out: np.ndarray) -> None:
+def _bins_into(a: np.ndarray, work: np.ndarray, out: np.ndarray, *, inside: bool = False) -> None:
     """:func:`score_bins` in numpy: ``a``'s bin indices into the int32 ``out``, through the
-    float buffer ``work`` (both of ``a``'s shape), so that a caller may reuse them chunk by chunk."""
+    float buffer ``work`` (both of ``a``'s shape), so that a caller may reuse them chunk by chunk.
+    ``inside``: every score lies in [-LIMIT, LIMIT) (no NaN), so the clip and the end slots
+    change nothing and are skipped."""
     f = a.dtype.type
     np.divide(a, f(SCORE_SCALE), out=work)
     np.arcsinh(work, out=work)
     work += f(_SPAN)
     work *= f(SCORE_BINS / (2 * _SPAN))
     np.floor(work, out=work)
-    np.clip(work, -1, SCORE_BINS, out=work)
+    if not inside:
+        np.clip(work, -1, SCORE_BINS, out=work)
     out[...] = work
     out += 1
-    np.putmask(out, a >= SCORE_LIMIT, SCORE_BINS + 1)
-    np.putmask(out, a < -SCORE_LIMIT, 0)
+    if not inside:
+        np.putmask(out, a >= SCORE_LIMIT, SCORE_BINS + 1)
+        np.putmask(out, a < -SCORE_LIMIT, 0)
 
 
-def _score_sums_np(x: np.ndarray) -> tuple[np.ndarray, float, float]:
-    """(histogram counts (BINS + 2,) int64, float64 sum, float64 sum of squares) of the 1-D
-    scores ``x``, a chunk of :data:`SMALL_CHUNK` at a time through reused buffers that stay in
-    the cache (each square rounded to ``x``'s dtype, as torch's ``square`` rounds it)."""
+def _score_sums_np(x: np.ndarray) -> tuple[np.ndarray, float, float, float, float]:
+    """(histogram counts (BINS + 2,) int64, float64 sum, float64 sum of squares, min, max) of
+    the 1-D scores ``x`` (not empty), a chunk of :data:`SMALL_CHUNK` at a time through reused
+    buffers that stay in the cache (each square rounded to ``x``'s dtype, as torch's ``square``
+    rounds it)."""
+    lo, hi = float(x.min()), float(x.max())
+    inside = lo >= -SCORE_LIMIT and hi < SCORE_LIMIT  # False for NaN
     counts = np.zeros(SCORE_BINS + 2, dtype=np.int64)
     total = squares = 0.0
     size = min(SMALL_CHUNK, x.size)
@@ -147,11 +152,11 @@ def _score_sums_np(x: np.ndarray) -> tuple[np.ndarray, float, float]:
     for i in range(0, x.size, SMALL_CHUNK):
         part = x[i : i + SMALL_CHUNK]
         n = len(part)
-        _bins_into(part, work[:n], idx[:n])
+        _bins_into(part, work[:n], idx[:n], inside=inside)
         counts += np.bincount(idx[:n], minlength=SCORE_BINS + 2)
         total += float(part.sum(dtype=np.float64))
         squares += float(np.square(part, out=work[:n]).sum(dtype=np.float64))
-    return counts, total, squares
+    return counts, total, squares, lo, hi
 
 
 def _entropy_sum_np(p: np.ndarray) -> float:
@@ -177,28 +182,6 @@ def _kept_rows(x: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """(H, m, ...) the rows of ``x`` (B, H, T, ...) at the (B, T) positions ``keep`` holds: one
     numpy gather (torch's boolean index of the permuted view costs about 10x)."""
     return x.transpose(1, 0, 2, *range(3, x.ndim))[:, keep]
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-
-
-def _per_head(work: Callable[[int], None], heads: int) -> None:
-    """``work(h)`` for every head, spread over torch's thread count (``--threads``): the CPU's
-    numpy statistics run one thread each, and numpy lets go of the GIL in its loops, so the heads
-    of a batch take the cores the forward pass takes. Each head's work is its own: the same
-    numbers in any order."""
-    import torch
-
-    threads = min(torch.get_num_threads(), heads)
-    if threads <= 1:
-        for h in range(heads):
-            work(h)
-        return
-    pool = _POOLS.get(threads)
-    if pool is None:
-        pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="isotui-heads")
-    for future in [pool.submit(work, h) for h in range(heads)]:
-        future.result()
 
 
 # Data-ranged histogram (drift-block Fig. 7): the fixed bins above put an untrained block's
@@ -594,14 +577,11 @@ class ScoreSums(_Sums):
         hist = np.zeros((heads, SCORE_BINS + 2), dtype=np.int64)
         n, sums, squares = (np.zeros(heads) for _ in range(3))
         lo, hi = np.full(heads, math.inf), np.full(heads, -math.inf)
-
-        def head(h: int) -> None:
+        for h in range(heads):
             x = a[:, h][pairs[:, h if pairs.shape[1] > 1 else 0]]
             if x.size:
-                hist[h], sums[h], squares[h] = _score_sums_np(x)
-                n[h], lo[h], hi[h] = x.size, x.min(), x.max()
-
-        _per_head(head, heads)
+                hist[h], sums[h], squares[h], lo[h], hi[h] = _score_sums_np(x)
+                n[h] = x.size
         self.hist += torch.from_numpy(hist)
         self.n += torch.from_numpy(n)
         self.sum += torch.from_numpy(sums)
@@ -644,13 +624,8 @@ class RowSums(_Sums):
         sel = _kept_rows(p, rows)  # (H, n, S), a copy of its own
         allowed = np.broadcast_to(allowed, (b, allowed.shape[1], t, size))
         m = np.count_nonzero(_kept_rows(allowed, rows), axis=-1)  # (1|H, n)
-        entropy = np.zeros(len(sel))
-
-        def head(h: int) -> None:
-            entropy[h] = -_entropy_sum_np(sel[h])
-            sel[h].sort(axis=-1)
-
-        _per_head(head, len(sel))
+        entropy = np.array([-_entropy_sum_np(head) for head in sel])
+        sel.sort(axis=-1)
         first = np.broadcast_to(np.minimum(size - m, size - 1), sel.shape[:2])
 
         def at(index: np.ndarray) -> np.ndarray:
