@@ -678,9 +678,10 @@ def test_listing_while_another_thread_deletes_never_fails(tmp_path):
     data = cache.put_payload("0" * 32, {"model": "m", "meta": {}}, {"a": np.arange(3.0)}).read_bytes()
     for i in range(1, 150):
         (cache.runs / f"{i:032x}.safetensors").write_bytes(data)
-    stop = threading.Event()
+    stop, scanning = threading.Event(), threading.Event()
 
     def deleter():
+        scanning.wait()  # start deleting only once the lister runs (else a quick deleter may finish first)
         for p in sorted(cache.runs.glob("*.safetensors"), reverse=True):
             p.unlink()
             if stop.is_set():
@@ -689,9 +690,12 @@ def test_listing_while_another_thread_deletes_never_fails(tmp_path):
     thread = threading.Thread(target=deleter)
     thread.start()
     seen = []
-    while thread.is_alive():
+    while True:
+        scanning.set()
         scan = cache.scan()
         seen.append(len(scan.entries) + scan.skipped)
+        if not thread.is_alive():
+            break
     stop.set()
     thread.join()
     assert seen and all(n <= 150 for n in seen)
