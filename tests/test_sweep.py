@@ -355,10 +355,22 @@ def test_a_sweep_from_the_app_is_one_job_counting_tasks_and_ends_with_the_plain_
 ):
     """One checkpoint in two shards (2 tasks, workers = 1): one row in the jobs pane counting tasks,
     then the merged run in the app with the plain run's numbers (and numpy's average cosine)."""
-    from isotui.tui.app import IsotuiApp
-
     model = series["bert"] / STEPS[1]
     config = _app_config(tmp_path / "cfg", [model], data[1], "shards = 2")
+    _sweep_in_app(tmp_path, config, model, plain, data, executor="local")
+    # its shards merged into the app's cache: the runs are listed there, nothing left over
+    from isotui.experiments.shards import partial_runs
+
+    assert partial_runs(tmp_path / "appcache") == []
+    assert _cached(model, data[1], tmp_path / "appcache")
+
+
+def _sweep_in_app(tmp_path: Path, config: Path, model: Path, plain, data, *, executor: str) -> None:
+    """Run the sweep ``config`` from the app until its job ends: done, its row counting the two
+    tasks and naming ``executor``, and the merged run with the plain run's numbers (and numpy's
+    average cosine at layer 1)."""
+    from isotui.tui.app import IsotuiApp
+
     seen: list[str] = []
 
     async def go() -> None:
@@ -366,10 +378,10 @@ def test_a_sweep_from_the_app_is_one_job_counting_tasks_and_ends_with_the_plain_
         async with app.run_test(size=(140, 40)) as pilot:
             app.run_config(config)
             await _wait(pilot, lambda: str(model) in app.results or _last_state(app, seen) == "failed")
-            assert _last_state(app, seen) == "done"
+            assert _last_state(app, seen) == "done", seen
             result = app.results[str(model)]
         assert any(re.search(r"\b[01]/2 tasks$", cells[3]) for cells in _seen_cells), seen
-        assert _seen_cells[-1][6] == "local"  # the device column names the executor
+        assert _seen_cells[-1][6] == executor  # the device column names the executor
         rows = {r["layer"]: r for r in plain if r["model"] == str(model)}
         assert len(result.rows) == len(rows)
         for row in result.rows:
@@ -378,11 +390,6 @@ def test_a_sweep_from_the_app_is_one_job_counting_tasks_and_ends_with_the_plain_
                 assert getattr(row, k) == pytest.approx(want, rel=1e-6, abs=1e-9), (row.layer, k)
         (one,) = [r for r in result.rows if r.layer == 1]
         assert one.avg_cos == pytest.approx(_numpy_avg_cos(model, data[0], 1), rel=1e-5)
-        # its shards merged into the app's cache: the runs are listed there, nothing left over
-        from isotui.experiments.shards import partial_runs
-
-        assert partial_runs(tmp_path / "appcache") == []
-        assert _cached(model, data[1], tmp_path / "appcache")
 
     _seen_cells.clear()
     asyncio.run(go())
@@ -495,30 +502,7 @@ def test_a_ray_sweep_from_the_app_shows_its_tasks_and_ends_with_the_plain_runs_n
     local Ray cluster there, the jobs pane counts its two tasks and names the executor, and the
     merged run joins the app with the plain run's numbers."""
     pytest.importorskip("ray")
-    from isotui.tui.app import IsotuiApp
-
     model = series["gpt2"] / STEPS[2]
     config = _app_config(tmp_path / "cfg", [model], data[1], 'shards = 2\nexecutor = "ray"')
     config.write_text(config.read_text().replace("workers = 1\n", ""), encoding="utf-8")  # local's key
-    seen: list[str] = []
-
-    async def go() -> None:
-        app = IsotuiApp(cache_root=tmp_path / "appcache", export_dir=tmp_path, fresh=True)
-        async with app.run_test(size=(140, 40)) as pilot:
-            app.run_config(config)
-            await _wait(pilot, lambda: str(model) in app.results or _last_state(app, seen) == "failed")
-            assert _last_state(app, seen) == "done", seen
-            result = app.results[str(model)]
-        assert any(re.search(r"\b[01]/2 tasks$", cells[3]) for cells in _seen_cells), seen
-        assert _seen_cells[-1][6] == "ray"  # the device column names the executor
-        rows = {r["layer"]: r for r in plain if r["model"] == str(model)}
-        assert len(result.rows) == len(rows)
-        for row in result.rows:
-            for k in ROW_NUMBERS:
-                want = float(rows[str(row.layer)][k])
-                assert getattr(row, k) == pytest.approx(want, rel=1e-6, abs=1e-9), (row.layer, k)
-        (one,) = [r for r in result.rows if r.layer == 1]
-        assert one.avg_cos == pytest.approx(_numpy_avg_cos(model, data[0], 1), rel=1e-5)
-
-    _seen_cells.clear()
-    asyncio.run(go())
+    _sweep_in_app(tmp_path, config, model, plain, data, executor="ray")
