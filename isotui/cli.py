@@ -492,9 +492,11 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
             raise IsotuiError(f"key {prefix!r} matches {what}; see `isotui cache ls`; nothing was removed")
         chosen.extend(matches)
     removed = {True: 0, False: 0}  # experiment results, runs
+    from isotui.experiments.shards import FOLDER, remove_shard
+
     for c, e in chosen:
         try:
-            if c.remove(e.key):
+            if remove_shard(c.root, e.key) if c.runs.name == FOLDER else c.remove(e.key):
                 removed[c.runs.name != "runs"] += 1
         except OSError as exc:
             done = sum(removed.values())
@@ -506,6 +508,9 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
         err.print(f"removed {removed[True]} cached experiment result(s) ({', '.join(experiment_folders())})")
     err.print(f"removed {removed[False]} cached run{'s' if removed[False] != 1 else ''}")
     if args.all:
+        from isotui.experiments.shards import forget_plans
+
+        forget_plans(cache.root)
         left = sum(sc.skipped for _, sc in folders)
         if left:
             err.print(f"left {left} file(s) that are not readable isotui entries")

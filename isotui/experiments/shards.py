@@ -11,17 +11,26 @@ type-uniform view, the types self-similarity follows) are made from the whole co
 shard (each tokenises all samples, then runs its own), so the merge is the one pass: sums to
 float64 rounding, reservoir metrics exactly (reservoir keys depend on the global sample index).
 
-The last shard to finish merges; so does a plain run (no ``--shard``) that finds all K cached.
-The merged result is stored under the run's key as a one-process run's would be, and the partial
-states are then removed.
+One plan for every shard: the memory plan (which layers keep an exact covariance, the reservoir
+size, the token types self-similarity follows) is made by the first shard to reach its first batch
+and kept beside the states (``KEY-of-K.plan.json``, written once, first writer wins); every later
+shard, on any machine, follows it or refuses in one sentence if its sums do not fit there. So
+shards made under different free memory or ``--max-memory`` merge.
+
+The last shard to finish merges, reading one state at a time into a running sum; so does a plain
+run (no ``--shard``) that finds all K cached. The merged result is stored under the run's key as a
+one-process run's would be, and the partial states and the plan are then removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,9 +40,11 @@ import numpy as np
 from isotui.errors import IsotuiError
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.store.cache import CacheProblem, CacheWriteError, ResultCache
+from isotui.store.files import claim_bytes
 
 if TYPE_CHECKING:
     from isotui.experiments.layerwise import Prepared
+    from isotui.extract.memory_plan import MemoryPlan
     from isotui.results import ModelResult
     from isotui.spec import RunSpec
 
@@ -52,6 +63,90 @@ def _quiet(_text: str) -> None:
 def shard_cache(root: Path) -> ResultCache:
     """The partial states' folder of the result cache at ``root``."""
     return ResultCache(root, folder=FOLDER, schema=SCHEMA)
+
+
+def plan_name(run_key: str, count: int) -> str:
+    """The file, beside the shard states, of the plan every shard of the run follows."""
+    return f"{run_key}-of-{count}.plan.json"
+
+
+def recorded_plan(root: Path, run_key: str, count: int) -> MemoryPlan | None:
+    """The plan the run's first shard fixed: its plan file, else (shards cached by an isotui that
+    kept no plan file) the plan a cached shard ran with; None when there is none yet. One
+    sentence when the plan file is damaged."""
+    from isotui.extract.memory_plan import MemoryPlan
+
+    path = shard_cache(root).runs / plan_name(run_key, count)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        text = None
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise IsotuiError(f"cannot read the plan of this sharded run, {path} ({reason})") from None
+    if text is not None:
+        try:
+            return MemoryPlan.from_json(json.loads(text))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise IsotuiError(
+                f"the plan of this sharded run, {path}, is damaged: remove the run's shards with "
+                f"`isotui cache rm {run_key[:12]}` and run them again"
+            ) from None
+    cache = shard_cache(root)
+    for i in range(count):
+        try:
+            head = ResultCache._header(cache.path_for(partial_key(run_key, i, count)))["result"]
+            return MemoryPlan.from_json(head["facts"]["memory_plan"])
+        except Exception:  # absent, damaged, or no plan in it: the next shard may tell
+            continue
+    return None
+
+
+def _settle_plan(root: Path, run_key: str, index: int, count: int, own: MemoryPlan) -> MemoryPlan:
+    """The plan shard ``index`` runs with: the run's recorded plan, followed here; when there is
+    none yet, its own, recorded for the shards to come (a shard that loses the race to record
+    it follows the winner's)."""
+    who = f"shard {index}/{count}"
+    recorded = recorded_plan(root, run_key, count)
+    if recorded is None:
+        data = json.dumps(own.to_json(), indent=1).encode()
+        try:
+            if claim_bytes(shard_cache(root).runs, plan_name(run_key, count), data):
+                return own
+        except OSError as exc:
+            raise IsotuiError(
+                f"cannot record the plan of this sharded run in {shard_cache(root).runs} "
+                f"({exc.strerror or exc}); the shards could not merge without it"
+            ) from None
+        recorded = recorded_plan(root, run_key, count)
+        assert recorded is not None  # another shard wrote it between the two reads
+    return recorded.follow(own, who, run_key)
+
+
+def forget_plan(root: Path, run_key: str, count: int) -> None:
+    """Remove the run's plan once none of its shards is left (merged, or removed by the user)."""
+    cache = shard_cache(root)
+    if not any(cache.path_for(partial_key(run_key, i, count)).exists() for i in range(count)):
+        with contextlib.suppress(FileNotFoundError):
+            (cache.runs / plan_name(run_key, count)).unlink()
+
+
+def forget_plans(root: Path) -> None:
+    """``cache rm --all``: every plan none of whose shards is left (a first shard that recorded
+    it and then failed leaves a plan with no state)."""
+    for path in shard_cache(root).runs.glob("*-of-*.plan.json"):
+        key, _, count = path.name.removesuffix(".plan.json").rpartition("-of-")
+        if count.isdigit():
+            forget_plan(root, key, int(count))
+
+
+def remove_shard(root: Path, shard_key: str) -> bool:
+    """``isotui cache rm``: one shard state, and its run's plan when it was the last one."""
+    removed = shard_cache(root).remove(shard_key)
+    m = _NAME.match(shard_key)
+    if m:
+        forget_plan(root, m["key"], int(m["count"]))
+    return removed
 
 
 def shard_ids(n: int, index: int, count: int) -> tuple[int, ...]:
@@ -247,7 +342,7 @@ def measure_shard(
         for r in partial_runs(cache_root):  # shards of a run cached whole are no longer needed
             if r.key == prepared.key:
                 for i in r.have:
-                    shard_cache(cache_root).remove(partial_key(r.key, i, r.count))
+                    remove_shard(cache_root, partial_key(r.key, i, r.count))
         return hit
     n = len(prepared.samples)
     if index >= n:
@@ -265,7 +360,7 @@ def measure_shard(
     if cached:
         on_notice(f"shard {index}/{count} of {spec.model} is cached already")
     else:
-        payload, arrays = _run_shard(prepared, index, count, on_progress, should_stop)
+        payload, arrays = _run_shard(prepared, cache_root, index, count, on_progress, should_stop)
         try:
             cache.put_payload(key, payload, arrays)
         except CacheWriteError as exc:
@@ -283,7 +378,12 @@ def measure_shard(
 
 
 def _run_shard(
-    prepared: Prepared, index: int, count: int, on_progress: ProgressCallback, should_stop: StopCheck
+    prepared: Prepared,
+    cache_root: Path,
+    index: int,
+    count: int,
+    on_progress: ProgressCallback,
+    should_stop: StopCheck,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Load the model, stream this shard's samples, and return the entry to cache."""
     import dataclasses
@@ -301,7 +401,11 @@ def _run_shard(
         loaded,
         prepared.samples,
         device=device,
-        opts=dataclasses.replace(extract_options(spec), sample_ids=ids),
+        opts=dataclasses.replace(
+            extract_options(spec),
+            sample_ids=ids,
+            settle_plan=functools.partial(_settle_plan, cache_root, prepared.key, index, count),
+        ),
         on_progress=on_progress,
         should_stop=should_stop,
         model_name=spec.model,
@@ -356,31 +460,47 @@ def merge_cached(
     cache = shard_cache(cache_root)
     runs = ResultCache(cache_root)
     on_progress(Progress(0, 0, 0, 0.0, message=f"merging the {count} shards of this run"))
-    entries = []
-    for i in range(count):
-        try:
-            found = cache.get_payload(partial_key(prepared.key, i, count))
-        except CacheProblem as problem:
-            found, said = None, f"{problem}; run shard {i}/{count} again"
-        else:
-            said = ""
-        if found is None:  # another process merged and removed them meanwhile, or damaged
-            hit = layerwise.lookup(prepared, runs, on_notice)
-            if hit is None and said:
-                on_notice(said)
-            return hit
-        entries.append(found)
-    states = [state_from_payload(*e) for e in entries]
-    merged = merge_extraction_states(states)
-    for phase in ("tokenise_s", "forward_s", "metrics_s"):  # the timings: every shard's work
-        merged[phase] = sum(s.get(phase, 0.0) for s in states)
+    loaded: list[dict[str, Any]] = []  # each shard's load facts
+    timings = dict.fromkeys(("tokenise_s", "forward_s", "metrics_s"), 0.0)  # every shard's work
+    said: list[str] = []
+
+    def states() -> Iterator[dict[str, Any]]:
+        """Each shard's state, read when the merge asks for it (one at a time in memory)."""
+        for i in range(count):
+            try:
+                found = cache.get_payload(partial_key(prepared.key, i, count))
+            except CacheProblem as problem:
+                found = None
+                said.append(f"{problem}; run shard {i}/{count} again")
+            if found is None:  # another process merged and removed them meanwhile, or damaged
+                raise _Gone
+            loaded.append(found[0]["shard"]["loaded"])
+            state = state_from_payload(*found)
+            del found
+            for phase in timings:
+                timings[phase] += state.get(phase, 0.0)
+            yield state
+            del state  # not held while the next one is read
+
+    try:
+        merged = merge_extraction_states(states())
+    except _Gone:
+        hit = layerwise.lookup(prepared, runs, on_notice)
+        if hit is None and said:
+            on_notice(said[0])
+        return hit
+    merged.update(timings)
     ex = finish_extraction(merged)
     ex.notes.append(f"merged from {count} shards")
-    loaded = [e[0]["shard"]["loaded"] for e in entries]
     facts = {**loaded[0], "load_s": sum(f["load_s"] for f in loaded)}
     result = layerwise.build_result(prepared, ex, facts)
     layerwise.store(result, runs, on_notice)
-    if runs.path_for(prepared.key).is_file():  # kept: the shards are no longer needed
+    if runs.path_for(prepared.key).is_file():  # kept: the shards and their plan are no longer needed
         for i in range(count):
             cache.remove(partial_key(prepared.key, i, count))
+        forget_plan(cache_root, prepared.key, count)
     return result
+
+
+class _Gone(Exception):
+    """A shard state vanished or was damaged while merging."""

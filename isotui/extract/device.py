@@ -66,8 +66,9 @@ def resolve_dtype(dtype: str, device_kind: str | None, declared: str | None) -> 
 
 
 def available_memory(device: str) -> int | None:
-    """Bytes a job could still allocate on ``device``: free GPU memory, or the system's available
-    RAM on CPU (Linux); None where it cannot be told."""
+    """Bytes a job could still allocate on ``device``: free GPU memory, or on the CPU (Linux) the
+    system's available RAM or what this process's cgroup memory limit leaves (a Slurm job's, a
+    container's), whichever is less; None where it cannot be told."""
     import torch
 
     kind = device.split(":", 1)[0]
@@ -75,14 +76,21 @@ def available_memory(device: str) -> int | None:
         return int(torch.cuda.mem_get_info(device)[0])
     if kind != "cpu":
         return None
+    from isotui.extract.cgroup import cgroup_memory_left
+
+    system = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    system = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    limited = cgroup_memory_left()
+    if system is None or limited is None:
+        return limited if system is None else system
+    return min(system, limited)
 
 
 def memory_in_use(device: str) -> int:

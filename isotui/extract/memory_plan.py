@@ -354,6 +354,7 @@ class MemoryPlan:
             "batch": self.batch,
             "source": self.source,
             "types_asked": self.types_asked,
+            "reservoir_asked": self.reservoir_asked,
             "layers": [
                 {
                     "name": p.name,
@@ -367,6 +368,72 @@ class MemoryPlan:
                 for p in self.layers
             ],
         }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> MemoryPlan:
+        """The plan :meth:`to_json` wrote (a shard's recorded plan); ValueError/KeyError/TypeError
+        when ``doc`` is not one."""
+        layers = [
+            LayerPlan(
+                str(p["name"]),
+                int(p["dim"]),
+                str(p["device"]),
+                bool(p["exact_cov"]),
+                int(p["reservoir"]),
+                int(p.get("types", 0)),
+            )
+            for p in doc["layers"]
+        ]
+        if not layers:
+            raise ValueError("a plan without layers")
+        reservoir = max(p.reservoir for p in layers)
+        return cls(
+            layers,
+            {str(k): None if v is None else int(v) for k, v in dict(doc.get("budget_bytes", {})).items()},
+            weights={str(k): int(v) for k, v in dict(doc.get("weights_bytes", {})).items()},
+            reservoir_asked=int(doc.get("reservoir_asked", reservoir)),
+            batch=str(doc.get("batch", "")),
+            source=str(doc.get("source", "measured free memory")),
+            types_asked=int(doc.get("types_asked", 0)),
+        )
+
+    def follow(self, own: MemoryPlan, who: str, run_key: str) -> MemoryPlan:
+        """This (recorded) plan, kept by a process whose own plan would be ``own``: the same
+        exact covariances, reservoirs and token types per layer, on the devices this process
+        placed them on (another machine may place them elsewhere), against its budgets. One
+        sentence (:class:`IsotuiError`) when it is another model's plan or does not fit here."""
+        mine = [(p.name, p.dim) for p in own.layers]
+        if [(p.name, p.dim) for p in self.layers] != mine:
+            raise IsotuiError(
+                f"{who} cannot follow the plan recorded for this run: it was made for other layers "
+                f"({len(self.layers)} of d = {self.layers[0].dim}, here {len(mine)} of d = {mine[0][1]})"
+            )
+        layers = [
+            LayerPlan(o.name, o.dim, o.device, r.exact_cov, r.reservoir, r.types)
+            for r, o in zip(self.layers, own.layers, strict=True)
+        ]
+        kept = MemoryPlan(
+            layers,
+            own.budgets,
+            weights=own.weights,
+            reservoir_asked=self.reservoir_asked,
+            batch=own.batch,
+            source=self.source,
+            types_asked=self.types_asked,
+        )
+        for device, need in kept.per_device().items():
+            left = own.budgets.get(device)
+            if left is not None and need > left:
+                exact = sum(p.exact_cov for p in layers)
+                raise IsotuiError(
+                    f"{who} follows the plan its run was started with ({exact} of {len(layers)} exact "
+                    f"covariances, reservoirs of {max(p.reservoir for p in layers):,} vectors, "
+                    f"{max(p.types for p in layers):,} token types): its sums need {_size(need)} on "
+                    f"{device}, which has {_size(left)} left here; run it where {device} has "
+                    f"{_size(need - left)} more free (or a larger --max-memory), or remove the run's "
+                    f"shards (`isotui cache rm {run_key[:12]}`) and start again with a smaller --reservoir"
+                )
+        return kept
 
 
 def size_text(n: int | None) -> str:

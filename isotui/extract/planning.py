@@ -8,9 +8,9 @@ is set by the batch, never by the corpus.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from isotui.errors import IsotuiError
 from isotui.extract.progress import Progress, ProgressCallback
 from isotui.models.limits import config_position_limit, default_length, tokenizer_limit
 from isotui.models.loading import LoadedModel
+
+if TYPE_CHECKING:
+    from isotui.extract.memory_plan import MemoryPlan
 
 TOKEN_BUDGET = {"cpu": 4096, "mps": 8192, "cuda": 32768}  # padded input units per batch (auto)
 
@@ -35,6 +38,9 @@ class ExtractOptions:
     # reservoir keys, masks, type weights and tracked types); None: every sample
     sample_ids: tuple[int, ...] | None = None
     exact: bool = False  # a second pass: the reservoir metrics over every vector
+    # given the memory plan this process would make at its first batch, the plan to follow (a
+    # shard follows the plan its run's first shard fixed); None: its own
+    settle_plan: Callable[[MemoryPlan], MemoryPlan] | None = None
 
 
 def position_limit(loaded: LoadedModel) -> int | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -435,6 +435,8 @@ class LayerStream:
         self.plan = _memory_plan(
             self.loaded, self.loop, dims, where, asked, self.opts.reservoir, self.max_length or None
         )
+        if self.opts.settle_plan is not None:  # a shard: its run's one plan
+            self.plan = self.opts.settle_plan(self.plan)
         self.n_tracked = max((p.types for p in self.plan.layers), default=0)
         self.reservoir_capped = any(p.reservoir < self.opts.reservoir for p in self.plan.layers)
         layer_plans = iter(self.plan.layers)
@@ -554,26 +556,44 @@ def extract_state(
     return {"components": {c: [a.state() for a in accs] for c, accs in stream.accs.items()}, **facts}
 
 
-def merge_extraction_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def merge_extraction_states(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """One state from the states of disjoint shards of the same corpus (same model and options):
-    accumulators merged (see :meth:`LayerAccumulator.merge`), counts and seconds added."""
-    facts = merge_facts(states, any_of=("saw_maps", "reservoir_capped"), max_of=("max_dim",))
-    accs = {
-        c: [LayerAccumulator.from_state(s) for s in layer_states]
-        for c, layer_states in states[0]["components"].items()
-    }
-    for other in states[1:]:
-        if list(other["components"]) != list(accs):
-            raise ValueError("cannot merge the states of runs with different components")
-        for c, layer_states in other["components"].items():
-            for acc, s in zip(accs[c], layer_states, strict=True):
-                acc.merge(LayerAccumulator.from_state(s))
-    audio = [s["audio_seconds"] for s in states if s["audio_seconds"] is not None]
+    accumulators merged (see :meth:`LayerAccumulator.merge`), counts and seconds added. The
+    states are folded one at a time into a running sum, so that an iterator that reads each
+    state when asked holds at most one state beside the sum."""
+    accs: dict[str, list[LayerAccumulator]] | None = None
+    every: list[dict[str, Any]] = []  # each state's facts, without its accumulators
+    it = iter(states)
+    while (state := next(it, None)) is not None:
+        every.append({k: v for k, v in state.items() if k != "components"})
+        accs = _fold_state(accs, state)
+        del state  # the next state is read with only the running sum held
+    if accs is None:
+        raise ValueError("nothing to merge")
+    facts = merge_facts(every, any_of=("saw_maps", "reservoir_capped"), max_of=("max_dim",))
+    audio = [s["audio_seconds"] for s in every if s["audio_seconds"] is not None]
     return {
         **facts,
         "components": {c: [a.state() for a in layer_accs] for c, layer_accs in accs.items()},
         "audio_seconds": sum(audio) if audio else None,
     }
+
+
+def _fold_state(
+    accs: dict[str, list[LayerAccumulator]] | None, state: dict[str, Any]
+) -> dict[str, list[LayerAccumulator]]:
+    """The running sum with one more shard's state merged in (the first state starts it)."""
+    if accs is None:
+        return {
+            c: [LayerAccumulator.from_state(s) for s in layer_states]
+            for c, layer_states in state["components"].items()
+        }
+    if list(state["components"]) != list(accs):
+        raise ValueError("cannot merge the states of runs with different components")
+    for c, layer_states in state["components"].items():
+        for acc, s in zip(accs[c], layer_states, strict=True):
+            acc.merge(LayerAccumulator.from_state(s))
+    return accs
 
 
 def finish_extraction(state: dict[str, Any]) -> Extraction:

@@ -166,6 +166,24 @@ def write_bytes_atomic(folder: Path, name: str, data: bytes, stale: re.Pattern[s
     return folder / name
 
 
+def claim_bytes(folder: Path, name: str, data: bytes) -> bool:
+    """Write ``data`` as ``folder/name`` only if no such file exists, atomically (whole or not at
+    all, first writer wins, also between machines on one shared file system): True if this call
+    wrote it. Raises OSError."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = make_temp(folder, name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            os.link(tmp, folder / name)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        os.unlink(tmp)
+
+
 def fix_modes(folder: Path) -> None:
     """Give files another library wrote into ``folder`` (safetensors makes 0600) the umask's mode."""
     mode = new_file_mode()
