@@ -51,8 +51,9 @@ def test_exact_covariances_come_before_types_past_the_floor(monkeypatch):
     covariances = 3 * 8 * d * d  # two d x d float64 sums and the batch's partial
     monkeypatch.setattr(memory_plan, "SELF_SIM_FLOOR_BYTES", 10 * per_type)  # the floor: 10 types
     layers = [(d, "cpu", True), (d, "cpu", True)]
-    budget = vectors + covariances + 40 * per_type + 7
-    assert memory_plan.fit_types(layers, {"cpu": budget}, 1000) == 40
+    floor = 2 * 16 * (4 * d + 8)  # the reservoirs' floor: 16 float32 vectors and keys per layer
+    budget = vectors + covariances + floor + 40 * per_type + 7
+    assert memory_plan.fit_types(layers, {"cpu": budget}, 1000, keep_vectors=16) == 40
     plans = memory_plan.plan_layers([("a", d, "cpu", 40), ("b", d, "cpu", 40)], {"cpu": budget}, 16)
     assert all(p.exact_cov for p in plans)
     assert (covariances + 40 * per_type + 7) // per_type == 131  # what types alone would take
@@ -73,7 +74,8 @@ def test_self_similarity_types_shrink_with_free_memory_and_stay_whole_with_plent
     assert asked > 5 and all(p["types"] == asked for p in plan["layers"])  # every type asked
     assert not any("self-similarity follows" in n for n in plenty.meta["notes"])
     d, n = 32, 3  # hidden size, hidden states (embeddings and two blocks)
-    budget = n * 10 * 8 * d + 5 * n * (8 * d + 24) + 100  # the vectors and five types' sums
+    floor = n * 16 * (4 * d + 8)  # the smallest reservoirs a plan may leave (16 float32 vectors + keys)
+    budget = n * 10 * 8 * d + 5 * n * (8 * d + 24) + floor + 100  # the vectors, five types' sums
     _free(monkeypatch, budget)
     tight = measure(spec, None)
     plan = tight.meta["memory_plan"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,9 @@ MARGIN_SHARE = 0.10  # of a device's free memory, kept for transients (the batch
 MARGIN_MIN = 256 << 20  # and never less than this
 VECTOR_SUMS = 10  # d-long float64 running vectors per layer (sums, shifts, min, max)
 RESERVOIR_MIN = 2
+# the smallest reservoir a plan may give a layer without being refused: the standard errors come
+# from 8 disjoint groups of the reservoir, and 2 vectors a group is the least that has a spread
+RESERVOIR_FLOOR = 16
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _UNITS = {
     "": 1,
@@ -164,6 +167,54 @@ def measured_budget(device: str) -> int | None:
     return None if free is None else max(0, free - margin(free))
 
 
+def activation_bytes(tokens: int, dim: int, inter: int, act_bytes: int, states: int) -> int:
+    """A batch of ``tokens`` on a device where ``states`` hidden states of width ``dim`` are made:
+    those states, the widest transients (the MLP's ``inter``-wide ones) and the float64 copy of a
+    layer; nothing where no state is made. The dry run and the run budget the same bytes."""
+    if not states:
+        return 0
+    return tokens * (dim * act_bytes * states + 3 * inter * act_bytes + 12 * dim)
+
+
+def limited_budget(given: int, weights: int, activations: int) -> int:
+    """What ``given`` bytes for a device (``--max-memory``'s, or its free memory) leave for
+    isotui's sums there: less the weights placed on it, the first batch's activations, and the
+    margin of what is left."""
+    room = max(0, given - weights - activations)
+    return max(0, room - margin(room))
+
+
+def device_key(device: str) -> int | str:
+    """``cuda:1`` -> 1, ``cpu`` -> ``cpu``: a device as ``--max-memory`` (accelerate) keys it."""
+    return int(device.split(":")[1]) if device.startswith("cuda:") else device
+
+
+def batch_tokens(
+    batch_size: int | None,
+    length: int,
+    main: str,
+    have: Mapping[str, int | None],
+    weights: Mapping[str, int],
+    activations: Callable[[str, int], int],
+) -> int:
+    """The first batch's tokens the budgets are made for: ``--batch-size`` samples of ``length``,
+    or the device's token budget, halved (as the run's out-of-memory back-off would) while its
+    activations take more than a quarter of what the weights leave on a device in ``have``."""
+    if batch_size:
+        return batch_size * length
+    tokens = TOKEN_BUDGET.get(main.split(":")[0], TOKEN_BUDGET["cpu"])
+    while tokens > length and any(
+        h is not None and 0 < activations(d, tokens) > (h - weights.get(d, 0)) // 4 for d, h in have.items()
+    ):
+        tokens //= 2
+    return tokens
+
+
+def reservoir_floor(asked: int) -> int:
+    """The fewest reservoir vectors a plan may give a layer (fewer is refused, never planned)."""
+    return min(asked, RESERVOIR_FLOOR)
+
+
 def cov_bytes(dim: int) -> int:
     """An exact streamed covariance: the d x d float64 running sum."""
     return 8 * dim * dim
@@ -197,13 +248,19 @@ def gradient_bytes(dim: int) -> int:
 SELF_SIM_FLOOR_BYTES = 256 << 20
 
 
-def fit_types(layers: Sequence[tuple[int, str, bool]], budgets: Mapping[str, int | None], asked: int) -> int:
+def fit_types(
+    layers: Sequence[tuple[int, str, bool]],
+    budgets: Mapping[str, int | None],
+    asked: int,
+    keep_vectors: int = 0,
+) -> int:
     """How many token types' self-similarity sums fit: given (d, device, tracks types) per layer
     and each device's budget, the most types up to ``asked`` whose sums, beside every layer's
-    float64 vectors, fit every device's budget (these are the sums :func:`plan_layers` counts
-    first). Exact covariances come before types: past what ``SELF_SIM_FLOOR_BYTES`` holds over
-    all layers, types get only the room every layer's covariance (and one batch partial) leaves.
-    A device whose free memory cannot be told limits nothing."""
+    float64 vectors and a reservoir of ``keep_vectors`` (the floor, :func:`reservoir_floor`),
+    fit every device's budget (these are the sums :func:`plan_layers` counts first). Exact
+    covariances come before types: past what ``SELF_SIM_FLOOR_BYTES`` holds over all layers,
+    types get only the room every layer's covariance (and one batch partial) leaves. A device
+    whose free memory cannot be told limits nothing."""
     per_all = sum(8 * dim + 24 for dim, _dev, tracks in layers if tracks)
     floor = min(asked, SELF_SIM_FLOOR_BYTES // per_all) if per_all else asked
     fit = asked
@@ -213,7 +270,7 @@ def fit_types(layers: Sequence[tuple[int, str, bool]], budgets: Mapping[str, int
         per_type = sum(8 * dim + 24 for dim, tracks in mine if tracks)
         if left is None or not per_type:
             continue
-        room = left - sum(fixed_bytes(dim, 0) for dim, _t in mine)
+        room = left - sum(fixed_bytes(dim, 0) + reservoir_bytes(dim, keep_vectors) for dim, _t in mine)
         covariances = sum(cov_bytes(dim) for dim, _t in mine) + partial_bytes(max(dim for dim, _t in mine))
         fit = min(fit, max(max(0, room - covariances) // per_type, min(floor, max(0, room) // per_type)))
     return max(0, fit)
@@ -323,15 +380,34 @@ class MemoryPlan:
         return lines
 
     def caps(self) -> list[str]:
-        """What the budgets cut below what was asked, and why (self-similarity's token types)."""
+        """What the budgets cut below what was asked, and why (self-similarity's token types),
+        and the layers whose spectrum is rank-deficient by construction."""
+        out = self.rank_deficient()
         held = max((p.types for p in self.layers), default=0)  # every tracking layer holds as many
         if held >= self.types_asked:
-            return []
+            return out
         short = [d for d, b in self.budgets.items() if b is not None]
         return [
             f"self-similarity follows the {held:,} most frequent token types, not {self.types_asked:,}: "
             f"their float64 sums per layer fit no more beside the other sums in the memory left on "
-            f"{', '.join(short) or 'the devices'} ({', '.join(_size(self.budgets[d]) for d in short)})"
+            f"{', '.join(short) or 'the devices'} ({', '.join(_size(self.budgets[d]) for d in short)})",
+            *out,
+        ]
+
+    def rank_deficient(self) -> list[str]:
+        """Layers whose covariance comes from a reservoir of fewer vectors than dimensions: its
+        rank is at most the reservoir's size, whatever the data (a plan's choice, said)."""
+        short = [p for p in self.layers if not p.exact_cov and p.reservoir < p.dim]
+        if not short:
+            return []
+        low = min(p.reservoir for p in short)
+        more = f" and {len(short) - 4} more" if len(short) > 4 else ""
+        return [
+            f"rank-deficient by construction: {', '.join(p.name for p in short[:4])}{more} (sampled "
+            f"covariance from a reservoir of {low:,}{'+' if any(p.reservoir > low for p in short) else ''} "
+            f"vectors in d = {max(p.dim for p in short):,}) have rank at most their reservoir's size, so "
+            "IsoScore, effective rank and the spectrum there see only that many directions: give the run "
+            "more memory for exact covariances, or --exact"
         ]
 
     def table(self) -> list[str]:
@@ -368,6 +444,35 @@ class MemoryPlan:
                 for p in self.layers
             ],
         }
+
+    def refuse_below_floor(
+        self, max_memory: Mapping[int | str, int] | None, held: Mapping[str, int], what: str
+    ) -> None:
+        """One sentence (:class:`IsotuiError`) when a device's budget leaves some layer a
+        reservoir below :func:`reservoir_floor`, saying what would fit: the smallest
+        ``--max-memory`` for that device when it was given one (``held``: what the weights and
+        the first batch take there), else the memory to free."""
+        floor = reservoir_floor(self.reservoir_asked)
+        for device in dict.fromkeys(p.device for p in self.layers):
+            mine = [p for p in self.layers if p.device == device]
+            if min(p.reservoir for p in mine) >= floor:
+                continue
+            left = self.budgets.get(device) or 0
+            need = sum(fixed_bytes(p.dim, 0) + reservoir_bytes(p.dim, floor) for p in mine)
+            given = (max_memory or {}).get(device_key(device))
+            if given is not None:  # what --max-memory must give for `need` to be left after the margin
+                smallest = held.get(device, 0) + max(need + MARGIN_MIN, int(need / (1 - MARGIN_SHARE)) + 1)
+                fix = f"it needs at least --max-memory {device_key(device)}={_size(smallest)}"
+            else:
+                fix = (
+                    f"free {_size(need - left)} more on {device}, spread the model over more devices "
+                    "(--device-map auto), or give its layers another device"
+                )
+            raise IsotuiError(
+                f"{what} leaves {_size(left)} on {device} for isotui's sums beside the weights and a "
+                f"batch, too little for even {floor} reservoir vectors per layer ({_size(need)} "
+                f"for its {len(mine)} layers); {fix}"
+            )
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> MemoryPlan:
@@ -470,13 +575,15 @@ def plan_layers(
                 plans[i] = LayerPlan(name, dim, device, True, reservoir, types)
             continue
         left -= sum(fixed_bytes(dim, types) for _i, (_n, dim, _dv, types) in mine)
+        per_vector = sum(4 * dim + 8 for _i, (_n, dim, _dv, _t) in mine)
+        left -= reservoir_floor(reservoir) * per_vector  # covariances never take the floor's room
         exact: dict[int, bool] = {}
         partial = partial_bytes(max(dim for _i, (_n, dim, _dv, _t) in mine))
         for i, (_n, dim, _dv, _t) in mine:
             need = cov_bytes(dim) + (0 if any(exact.values()) else partial)
             exact[i] = need <= left
             left -= need if exact[i] else 0
-        per_vector = sum(4 * dim + 8 for _i, (_n, dim, _dv, _t) in mine)
+        left += reservoir_floor(reservoir) * per_vector
         size = max(RESERVOIR_MIN, min(reservoir, max(0, left) // max(1, per_vector)))
         for i, (name, dim, _dev, types) in mine:
             plans[i] = LayerPlan(name, dim, device, exact[i], size, types)
@@ -560,6 +667,8 @@ class Paper:
     budgets: dict[str, int | None]  # accumulator room per device: ``where``'s, and the CPU's
     batch: str
     source: str
+    max_memory: dict[int | str, int] | None = None  # --max-memory, as accelerate keys it
+    held: dict[str, int] = field(default_factory=dict)  # per device: weights and the first batch
 
 
 def place_on_paper(
@@ -622,39 +731,22 @@ def place_on_paper(
     where = [device_of(n, placed) for n in [emb, *blocks]] if blocks else [main] * (n_blocks + 1)
     where = [main if w in ("cpu", "disk") and main != "cpu" else ("cpu" if w == "disk" else w) for w in where]
     length = max_length or default_length(config_position_limit(config), None)
-    tokens = (
-        TOKEN_BUDGET.get(main.split(":")[0], TOKEN_BUDGET["cpu"]) if not batch_size else batch_size * length
-    )
     act_bytes = DTYPE_BYTES[run_dtype]
     inter = getattr(config, "intermediate_size", None) or 4 * dim
     have: dict[str, int | None] = {}
     for dev in dict.fromkeys([*where, "cpu"]):
-        given = (memory or {}).get(int(dev.split(":")[1]) if dev.startswith("cuda:") else dev)
+        given = (memory or {}).get(device_key(dev))
         measurable = not dev.startswith("cuda:") or torch.cuda.is_available()
         have[dev] = given if given is not None else available_memory(dev) if measurable else None
 
     def activations(dev: str, n: int) -> int:
-        """The first batch of ``n`` tokens on ``dev``: every hidden state made there, and the
-        widest transients (the MLP's, the float64 copy of a layer); none where nothing runs."""
-        if dev not in where:
-            return 0
-        return n * (dim * act_bytes * where.count(dev) + 3 * inter * act_bytes + 12 * dim)
+        return activation_bytes(n, dim, inter, act_bytes, where.count(dev))
 
-    # an auto batch too large for what the weights leave halves, as the run's back-off would
-    while (
-        not batch_size
-        and tokens > length
-        and any(
-            h is not None and activations(d, tokens) > (h - weights.get(d, 0)) // 4
-            for d, h in have.items()
-            if d in where
-        )
-    ):
-        tokens //= 2
-    budgets: dict[str, int | None] = {}
-    for dev, h in have.items():
-        room = None if h is None else h - weights.get(dev, 0) - activations(dev, tokens)
-        budgets[dev] = None if room is None else max(0, room - margin(max(0, room)))
+    tokens = batch_tokens(batch_size, length, main, have, weights, activations)
+    budgets: dict[str, int | None] = {
+        dev: None if h is None else limited_budget(h, weights.get(dev, 0), activations(dev, tokens))
+        for dev, h in have.items()
+    }
     return Paper(
         config,
         model,
@@ -667,6 +759,8 @@ def place_on_paper(
         budgets,
         batch_line(batch_size, main, length, tokens),
         f"dry run from the config, {run_dtype} weights, memory from {source}",
+        memory,
+        {dev: weights.get(dev, 0) + activations(dev, tokens) for dev in have},
     )
 
 
@@ -702,10 +796,10 @@ def layers_plan(paper: Paper, reservoir: int) -> MemoryPlan:
 
     dim, where = paper.dim, paper.where
     budgets = {d: paper.budgets[d] for d in dict.fromkeys(where)}
-    types = fit_types([(dim, d, True) for d in where], budgets, SELF_SIM_TYPES)
+    types = fit_types([(dim, d, True) for d in where], budgets, SELF_SIM_TYPES, reservoir_floor(reservoir))
     names = [f"layer {i}" for i in range(len(where))]
     layers = plan_layers([(n, dim, d, types) for n, d in zip(names, where, strict=True)], budgets, reservoir)
-    return MemoryPlan(
+    plan = MemoryPlan(
         layers,
         budgets,
         weights=paper.weights,
@@ -715,6 +809,9 @@ def layers_plan(paper: Paper, reservoir: int) -> MemoryPlan:
         on_paper=True,
         types_asked=SELF_SIM_TYPES,
     )
+    what = "--max-memory" if paper.max_memory else "the free memory"
+    plan.refuse_below_floor(paper.max_memory, paper.held, what)
+    return plan
 
 
 # --- the other experiments' dry runs ----------------------------------------------------------

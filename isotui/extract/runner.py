@@ -40,6 +40,7 @@ from isotui.extract.memory_plan import (
     fit_types,
     measured_budget,
     plan_layers,
+    reservoir_floor,
     weights_per_device,
 )
 from isotui.extract.planning import ExtractOptions, effective_max_length, selected_ids
@@ -490,27 +491,30 @@ def _memory_plan(
     self-similarity sums of as many of the ``types`` asked as fit (:func:`fit_types`)."""
     devices = {str(d) for ds in where.values() for d in ds}
     budgets = {d: measured_budget(d) for d in sorted(devices)}
+    weights = weights_per_device(loaded.model, loaded.device_map, loop.device)
     asked = types
     tracks = [
         (dim, str(dev), c != "decoder")
         for c, ds in dims.items()
         for dim, dev in zip(ds, where[c], strict=True)
     ]
-    types = fit_types(tracks, budgets, asked)
+    types = fit_types(tracks, budgets, asked, reservoir_floor(reservoir))
     layers = [
         (f"layer {i}" if c == "model" else f"{c} layer {i}", dim, str(dev), 0 if c == "decoder" else types)
         for c, ds in dims.items()
         for i, (dim, dev) in enumerate(zip(ds, where[c], strict=True))
     ]
     opts = loop.opts
-    return MemoryPlan(
+    plan = MemoryPlan(
         plan_layers(layers, budgets, reservoir),
         budgets,
-        weights=weights_per_device(loaded.model, loaded.device_map, loop.device),
+        weights=weights,
         reservoir_asked=reservoir,
         batch=batch_line(opts.batch_size, loop.device, max_length),
         types_asked=asked,
     )
+    plan.refuse_below_floor(None, {}, "the free memory")  # measured: --max-memory bounds the weights
+    return plan
 
 
 def extract(
