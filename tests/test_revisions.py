@@ -413,3 +413,41 @@ def test_a_folder_of_step_folders_is_a_models_branches(tmp_path):
         "step_000030",
     ]
     assert all(c.duplicate_of is None for c in resolve_checkpoints(run, ["all"]))  # folders: not compared
+
+
+def test_identical_local_checkpoint_folders_are_flagged_as_hub_revisions_are(tiny_models, tmp_path, capsys):
+    """Three step folders, two with the same weights (a copy): the earlier copy is flagged, its
+    numbers are the later one's, and --skip-duplicates leaves it out (issue 24)."""
+    import shutil
+
+    series = tmp_path / "run"
+    series.mkdir()
+    shutil.copytree(tiny_models["gpt2"], series / "step10")
+    shutil.copytree(tiny_models["gpt2"], series / "step20")
+    shutil.copytree(tiny_models["gpt2"], series / "step0")
+    other = next((series / "step0").glob("*.safetensors"))
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(str(other))
+    name = sorted(weights)[0]
+    weights[name] = weights[name] + 1  # another step's weights
+    save_file(weights, str(other), metadata={"format": "pt"})
+    digest = {
+        s: hashlib.sha256(next((series / s).glob("*.safetensors")).read_bytes()).hexdigest()
+        for s in ("step0", "step10", "step20")
+    }
+    assert digest["step10"] == digest["step20"] != digest["step0"]  # by hand: which folders are one
+    data = tmp_path / "d.txt"
+    data.write_text("\n".join(corpus(6)) + "\n")
+    out = tmp_path / "s.csv"
+    run = ["experiment", "checkpoints", "-c", str(series), "--data", f"text:{data}", "--max-length", "16"]
+    assert main([*run, "--csv", str(out), "-q"]) == 0
+    assert "1 of 3 checkpoints serve the same weights as a later step" in capsys.readouterr().err
+    rows = list(csv.DictReader(out.open()))
+    assert {(r["checkpoint"], r["duplicate_of"]) for r in rows} == {
+        ("step0", ""),
+        ("step10", "step20"),
+        ("step20", ""),
+    }
+    assert main([*run, "--skip-duplicates", "--csv", str(out), "-q"]) == 0
+    assert {r["checkpoint"] for r in csv.DictReader(out.open())} == {"step0", "step20"}

@@ -26,10 +26,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from isotui.errors import IsotuiError
 from isotui.experiments.qk_dynamics import Checkpoint, _series_folder, _step_of
+
+if TYPE_CHECKING:
+    from isotui.models.branches import Weights
 
 Notice = Callable[[str], None]
 _STEP_TEXT = r"(?:step[_-]?)?\d+k?"
@@ -185,6 +188,31 @@ def _last_step(model: str | None, branches: list[Checkpoint] | None) -> Checkpoi
     return max(stepped, key=lambda c: c.step or 0) if stepped else None
 
 
+def _local_weights(checkpoints: list[Checkpoint]) -> dict[str, Weights]:
+    """The weight files of the checkpoints that are local folders, as the hub's are compared:
+    by file name and SHA-256 of the contents (another copy of the same weights is a duplicate)."""
+    from isotui.models.branches import weight_format
+    from isotui.models.naming import weight_digests
+
+    out: dict[str, Weights] = {}
+    for c in checkpoints:
+        folder = Path(c.model).expanduser()
+        if not folder.is_dir():
+            continue
+        try:
+            files = weight_digests(folder)
+        except OSError:  # unreadable: loading it says so in its own sentence
+            continue
+        found: dict[str, set[tuple[str, str]]] = {}
+        for name, digest in files.items():
+            fmt = weight_format(name)
+            if fmt is not None:
+                found.setdefault(fmt, set()).add((name, digest))
+        if found:
+            out[c.model] = {fmt: frozenset(v) for fmt, v in found.items()}
+    return out
+
+
 def flag_duplicates(
     checkpoints: list[Checkpoint],
     model: str | None,
@@ -193,22 +221,23 @@ def flag_duplicates(
 ) -> list[Checkpoint]:
     """The series with ``duplicate_of`` set on each checkpoint whose weight files have the same
     contents as another checkpoint's or the model's last step's: the latest step of those, taken
-    as the genuine one. Only hub checkpoints are compared (from their listings or the hub cache,
-    nothing downloaded); one whose weights cannot be told is left as it is."""
-    from isotui.models.branches import Weights, same_weights, weight_files
+    as the genuine one. Hub checkpoints are compared from their listings or the hub cache (nothing
+    downloaded), local folders by their files' SHA-256; one whose weights cannot be told is left
+    as it is."""
+    from isotui.models.branches import same_weights, weight_files
 
     pairs = {c.model: _hub_revision(c.model) for c in checkpoints}
-    if not any(pairs.values()):
+    local = _local_weights(checkpoints)
+    if not any(pairs.values()) and len(local) < 2:
         return checkpoints
-    last = _last_step(model, branches)
+    last = _last_step(model, branches) if any(pairs.values()) else None
     others = [last] if last is not None and last.model not in pairs else []
     for c in others:
         pairs[c.model] = _hub_revision(c.model)
     weights = weight_files([p for p in pairs.values() if p is not None], notice)
+    found = {c: weights[p] for c, p in pairs.items() if p is not None and weights.get(p)} | local
     known = [  # a checkpoint with no weight file at its top level (an odd layout) is not compared
-        (i, c, weights[p])
-        for i, c in enumerate([*checkpoints, *others])
-        if (p := pairs[c.model]) in weights and weights[p]
+        (i, c, found[c.model]) for i, c in enumerate([*checkpoints, *others]) if c.model in found
     ]
 
     def order(entry: tuple[int, Checkpoint, Weights]) -> tuple[bool, int, int]:

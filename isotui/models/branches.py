@@ -42,7 +42,7 @@ class Ref:
     commit: str
 
 
-def _weight_format(path: str) -> str | None:
+def weight_format(path: str) -> str | None:
     """``safetensors`` or ``bin`` for a top-level weight file, else None (configs, tokenizers,
     training state)."""
     p = PurePosixPath(path)
@@ -59,7 +59,7 @@ def _weights(files: Iterable[tuple[str, str]]) -> Weights:
     """(path, content id) pairs grouped by weight format; other files left out."""
     out: dict[str, set[tuple[str, str]]] = {}
     for path, content in files:
-        fmt = _weight_format(path)
+        fmt = weight_format(path)
         if fmt is not None:
             out.setdefault(fmt, set()).add((path, content))
     return {fmt: frozenset(found) for fmt, found in out.items()}

@@ -176,6 +176,19 @@ def _hash_folder(h: hashlib._Hash, folder: Path, *, weights: bool, digests: Path
         memo.save()
 
 
+def weight_digests(folder: Path, digests: Path | None = None) -> dict[str, str]:
+    """The SHA-256 of each weight file at the top of a model folder, by file name (remembered in
+    ``digests`` as :func:`_hash_folder` remembers them): what tells two folders' weights apart."""
+    memo = _DigestMemo(digests)
+    out = {
+        f.name: memo.digest(f)
+        for f in sorted(folder.iterdir())
+        if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES)
+    }
+    memo.save()
+    return out
+
+
 DIGESTS_FILE = "weights-digests.json"  # in the result cache folder
 _MEMO_LIMIT = 512  # files remembered; the oldest are forgotten first
 
