@@ -89,3 +89,19 @@ def test_the_cpu_budget_is_the_lesser_of_meminfo_and_the_cgroup(monkeypatch: pyt
     assert measured_budget("cpu") == (300 << 20) - margin(300 << 20)
     monkeypatch.setattr(cg, "cgroup_memory_left", lambda root=Path("/"): None)
     assert abs(device.available_memory("cpu") - system) < 2 * GiB  # meminfo alone, read again
+
+
+def test_a_run_is_planned_within_the_cgroup_limit(tiny_models, tmp_path, monkeypatch):
+    """A container or Slurm job with 300 MiB left under its cgroup limit and a machine with
+    gigabytes free: the run's CPU budget is the cgroup's less the margin, recorded in its plan."""
+    from isotui.experiments.layerwise import measure
+    from isotui.extract.memory_plan import margin
+    from isotui.spec import make_spec
+
+    data = tmp_path / "t.txt"
+    data.write_text("one two three four\nfive six seven eight\n", encoding="utf-8")
+    spec = make_spec(str(tiny_models["gpt2"]), f"text:{data}", device="cpu")
+    monkeypatch.setattr(cg, "cgroup_memory_left", lambda root=Path("/"): 300 << 20)
+    plan = measure(spec, None).meta["memory_plan"]
+    assert plan["budget_bytes"] == {"cpu": (300 << 20) - margin(300 << 20)}
+    assert sum(plan["accumulator_bytes"].values()) <= plan["budget_bytes"]["cpu"]
