@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from isotui.core.correlation import MC_PERMUTATIONS
 from isotui.results import METRIC, METRICS, LayerRow, Metric, ModelResult
 
 
@@ -66,9 +67,12 @@ def _se(se: float) -> str:
 
 
 def _spearman_p(d) -> str:
-    """The permutation p, how it was found, and scipy's t approximation beside it."""
+    """The permutation p, how it was found, and scipy's t approximation beside it; a bound
+    (``p<6e-06``) where no Monte Carlo resample was as extreme."""
     p = _p(d.spearman_p)
-    if d.spearman_p_method == "monte-carlo":
+    if d.spearman_p_method == "monte-carlo-bound":
+        p = f"<{d.spearman_p:.1g} Monte Carlo, none of {MC_PERMUTATIONS:,} as extreme"
+    elif d.spearman_p_method == "monte-carlo":
         p += f"±{d.spearman_p_se:.1g} Monte Carlo"
     elif d.spearman_p_method:
         p += f" {d.spearman_p_method}"
