@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 
 from isotui.core.correlation import DriftCorrelation
+from isotui.core.null import null_mean_quantile
+from isotui.core.sampled import SE_DOF, SE_GROUPS, jackknife_t
 from isotui.errors import Cancelled, IsotuiError
 
 # Bump when a metric's definition or the stored layout changes: old entries are recomputed.
@@ -144,6 +146,17 @@ class LayerRow:
     iw_centered_se: float = math.nan
     avg_cos_abtt_se: float = math.nan
     avg_cos_std_se: float = math.nan
+    # the mean cosine against its own isotropic null (n vectors, not one pair: ``above_null``
+    # compares avg_cos with one pair's 95th percentile); filled on load for older entries
+    null_mean_p95: float = math.nan
+    above_null_mean: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.n_vectors - self.n_zero
+        unset = self.null_mean_p95 is None or math.isnan(self.null_mean_p95)
+        if unset and n >= 2 and self.dim >= 2:
+            self.null_mean_p95 = null_mean_quantile(n, self.dim)
+            self.above_null_mean = bool(self.avg_cos > self.null_mean_p95)
 
     @classmethod
     def columns(cls) -> list[str]:
@@ -174,6 +187,7 @@ class ModelResult:
             "rows": [asdict(r) for r in self.rows],
             "drift": {c: d.to_dict() for c, d in self.drift.items()},
             "meta": self.meta,
+            "intervals": intervals(self.rows),
         }
 
     @classmethod
@@ -186,6 +200,45 @@ class ModelResult:
             meta=data["meta"],
             arrays=arrays,
         )
+
+
+def intervals(rows: list[LayerRow], level: float = 0.95) -> dict[str, Any]:
+    """95% intervals of the sampled metrics, value -/+ t(0.975, G - 1) x SE: the SE is a
+    delete-a-group jackknife over G = 8 groups, so 7 degrees of freedom and t = 2.36. Per row, each
+    sampled metric's ``[low, high]`` (``[value, value]`` where exact, SE 0; null where unknown).
+    Derived from the rows, never stored: a cached entry gets them too."""
+    t = jackknife_t(level)
+    out = []
+    for r in rows:
+        row: dict[str, Any] = {"component": r.component, "layer": r.layer}
+        for m in METRICS:
+            if m.se:
+                value, se = getattr(r, m.name), getattr(r, m.se)
+                ok = value is not None and math.isfinite(value) and se is not None and math.isfinite(se)
+                row[m.name] = [value - t * se, value + t * se] if ok else None
+        out.append(row)
+    return {
+        "method": "delete-a-group jackknife of the reservoir: value -/+ t x SE",
+        "groups": SE_GROUPS,
+        "dof": SE_DOF,
+        "level": level,
+        "t": t,
+        "rows": out,
+        "biased": [{"component": r.component, "layer": r.layer} for r in own_directions(rows)],
+    }
+
+
+def own_directions(rows: list[LayerRow]) -> list[LayerRow]:
+    """The sampled layers whose I(W) and all-but-the-top use the reservoir's own principal
+    directions (the d x d sums were not held): there the sample's bias is as large as the SE
+    (+1.0 SE for all-but-the-top, -0.67 SE for I(W) measured on MiniLM), which the interval does
+    not cover; ``--exact`` removes it."""
+    return [
+        r
+        for r in rows
+        if r.spectrum_from.startswith("sample")
+        and any(getattr(r, f) or 0 for f in ("iw_se", "avg_cos_abtt_se"))
+    ]
 
 
 @dataclass
