@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from isotui.core.correlation import DriftCorrelation
+from isotui.core.correlation import MC_PERMUTATIONS, DriftCorrelation, drift_correlation
 from isotui.core.null import null_mean_quantile
 from isotui.core.sampled import SE_DOF, SE_GROUPS, jackknife_t
 from isotui.errors import Cancelled, IsotuiError
@@ -192,14 +192,62 @@ class ModelResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], arrays: dict[str, np.ndarray]) -> ModelResult:
+        rows = [LayerRow(**r) for r in data["rows"]]
         return cls(
             model=data["model"],
             key=data["key"],
-            rows=[LayerRow(**r) for r in data["rows"]],
-            drift={c: DriftCorrelation(**d) for c, d in data["drift"].items()},
+            rows=rows,
+            drift={c: _current(c, DriftCorrelation(**d), d, rows) for c, d in data["drift"].items()},
             meta=data["meta"],
             arrays=arrays,
         )
+
+
+def _current(
+    component: str, d: DriftCorrelation, stored: dict[str, Any], rows: list[LayerRow]
+) -> DriftCorrelation:
+    """A drift correlation cached before issue 28, recomputed from its rows where it changed: a
+    Monte Carlo p on its floor (no resample as extreme: now an exact tail or a bound) and an
+    encoder+decoder view that counted a shared layer twice. Anything else loads as stored."""
+    if "spearman_p_edgeworth" in stored:
+        return d
+    if "+" in component:
+        _, fresh, _ = joined_drift(rows)
+        return fresh if fresh.n_layers != d.n_layers else d
+    floor = 2 / (MC_PERMUTATIONS + 1)
+    if d.spearman_p_method == "monte-carlo" and math.isclose(d.spearman_p, floor, rel_tol=1e-9):
+        part = [r for r in rows if r.component == component]
+        return drift_correlation([r.drift_norm for r in part], [r.avg_cos for r in part])
+    return d
+
+
+def same_vectors(a: LayerRow, b: LayerRow) -> bool:
+    """Whether two layers of different stacks hold the same vectors (T5's encoder and decoder
+    layer 0 with special tokens left out: one shared embedding of the same tokens): the same
+    count and the same first and second moments, to float64 rounding."""
+    keys = ("avg_cos", "drift_norm", "mean_norm", "isoscore", "eff_rank")
+    if a.component == b.component or a.n_vectors != b.n_vectors or a.dim != b.dim or a.n_vectors == 0:
+        return False
+    return all(math.isclose(getattr(a, k), getattr(b, k), rel_tol=1e-12, abs_tol=1e-15) for k in keys)
+
+
+def joined_drift(rows: list[LayerRow]) -> tuple[str, DriftCorrelation, str]:
+    """(key, correlation, note) over every stack's layers in order (Godey et al. Fig. 1's T5:
+    encoder, then decoder), a layer holding the same vectors as an earlier one's taken once."""
+    components = list(dict.fromkeys(r.component for r in rows))
+    points: list[LayerRow] = []
+    dropped: list[LayerRow] = []
+    for r in rows:
+        (dropped if any(same_vectors(r, o) for o in points) else points).append(r)
+    joined = "+".join(components)
+    note = ""
+    if dropped:
+        left = ", ".join(f"{r.component} layer {r.layer}" for r in dropped)
+        note = (
+            f"{joined} drift correlation: {left} left out, the same vectors as an earlier layer "
+            "(the shared embedding of the same tokens), so no point counts twice"
+        )
+    return joined, drift_correlation([r.drift_norm for r in points], [r.avg_cos for r in points]), note
 
 
 def intervals(rows: list[LayerRow], level: float = 0.95) -> dict[str, Any]:

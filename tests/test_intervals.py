@@ -71,3 +71,23 @@ def test_json_intervals_are_t_with_seven_degrees_of_freedom():
     # the reservoir's own directions (d x d not held): bias as large as the SE, said per layer
     assert got["biased"] == [{"component": "model", "layer": 1}]
     assert ModelResult.from_json(ModelResult("m", "k", rows, {}, {}).to_json(), {}).rows == rows
+
+
+def test_a_cached_floored_monte_carlo_p_is_recomputed_on_load():
+    rows = [_row(layer=k, drift_norm=float(k), avg_cos=0.01 * k) for k in range(24)]
+    old = {  # as a cache entry written before issue 28 holds it: the Monte Carlo's floor
+        "n_layers": 24,
+        "spearman_rho": 1.0,
+        "spearman_p": 2 / (1_000_000 + 1),
+        "pearson_r": 1.0,
+        "pearson_p": 0.0,
+        "spearman_p_t": 0.0,
+        "spearman_p_method": "monte-carlo",
+        "spearman_p_se": 2e-6,
+    }
+    data = ModelResult("m", "k", rows, {}, {}).to_json() | {"drift": {"model": old}}
+    got = ModelResult.from_json(data, {}).drift["model"]
+    assert got.spearman_p_method == "exact"
+    assert got.spearman_p == pytest.approx(2 / math.factorial(24), rel=1e-12)
+    kept = ModelResult.from_json(data | {"drift": {"model": old | {"spearman_p": 0.01}}}, {})
+    assert kept.drift["model"].spearman_p == 0.01  # a p off the floor loads as stored
