@@ -135,6 +135,12 @@ def main(args: argparse.Namespace, err: Any) -> int:
     if not args.out:
         raise IsotuiError(f"give --out PATH.pdf, .svg or .png for {args.name}")
     out = check_out(args.out)
+    if getattr(args, "shard", None) is not None:  # a shard alone has no figure: no empty success
+        raise IsotuiError(
+            f"isotui figure draws whole runs: --shard {args.shard} would compute one slice and draw "
+            f"nothing; run the shards with `isotui run ... --shard I/K` (the last one merges), then "
+            f"`isotui figure {args.name}` with the same flags draws from the cache"
+        )
     if args.dpi <= 0:
         raise IsotuiError(f"--dpi {args.dpi} must be a positive number of dots per inch")
     chosen = [

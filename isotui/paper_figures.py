@@ -185,11 +185,13 @@ def drift_key(result: Any) -> str:
 
 def draw_pvalues(fig: Any, results: list[Any], _options: Any) -> Drawing:
     """Spearman (permutation) and Pearson p-values of drift norm vs avg_cos over layers, per model,
-    on a log scale with the 0.05 line."""
+    on a log scale with the 0.05 line. Spearman's marker says how its p was found: filled where
+    exact, hollow where a Monte Carlo estimate, a down-pointing triangle at the bound where no
+    Monte Carlo resample was as extreme (the true p lies below it)."""
     ax = fig.add_subplot()
     rows: Rows = []
     names = short_names([r.model for r in results])
-    spearman, pearson = [], []
+    spearman, pearson, methods = [], [], []
     for result in results:
         key = drift_key(result)
         d = result.drift[key]
@@ -203,12 +205,24 @@ def draw_pvalues(fig: Any, results: list[Any], _options: Any) -> Drawing:
                 "spearman_p_method": d.spearman_p_method,
                 "pearson_r": d.pearson_r,
                 "pearson_p": d.pearson_p,
+                "spearman_p_bound": d.spearman_p_floored,
             }
         )
         spearman.append(d.spearman_p)
         pearson.append(d.pearson_p)
+        methods.append(d.spearman_p_method)
     x = np.arange(len(results), dtype=float)
-    ax.scatter(x - 0.12, spearman, marker="o", color=OKABE_ITO[0], label="Spearman", zorder=3)
+    colour = OKABE_ITO[0]
+    hollow = {"facecolors": "none", "edgecolors": colour}
+    kinds: dict[str, tuple[str, dict[str, Any]]] = {
+        "exact": ("Spearman", {"marker": "o", "color": colour}),
+        "monte-carlo": ("Spearman (Monte Carlo)", {"marker": "o", **hollow}),
+        "monte-carlo-bound": ("Spearman (upper bound)", {"marker": "v", **hollow}),
+    }
+    for method, (label, style) in kinds.items():
+        at = [i for i, m in enumerate(methods) if (m if m in kinds else "exact") == method]
+        if at:
+            ax.scatter(x[at] - 0.12, [spearman[i] for i in at], label=label, zorder=3, **style)
     ax.scatter(x + 0.12, pearson, marker="s", color=OKABE_ITO[1], label="Pearson", zorder=3)
     ax.axhline(SIGNIFICANCE, color=NULL_COLOUR, linewidth=0.8, linestyle="--", label="p = 0.05")
     ax.set_yscale("log")

@@ -11,7 +11,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from isotui.results import METRIC, METRICS, LayerRow, Metric, ModelResult
+from isotui.core.correlation import MC_PERMUTATIONS
+from isotui.core.sampled import SE_DOF, SE_GROUPS, jackknife_t
+from isotui.results import METRIC, METRICS, SE_FIELDS, LayerRow, Metric, ModelResult, own_directions
 
 
 def amount(meta: dict[str, Any]) -> str:
@@ -40,6 +42,39 @@ def null_note(
     return f"{lead} for each layer's d ({span}; null_p95 in the CSV)"
 
 
+def null_mean_note(rows: list[LayerRow]) -> str:
+    """What ``*`` does not test, and the test of the mean: a layer's avg_cos against the null of
+    the mean over its own n vectors (``above_null_mean``), whose sd is sqrt(2 / (n (n - 1) d))."""
+    known = [r for r in rows if math.isfinite(r.null_mean_p95)]
+    if not known:
+        return ""
+    above = [r for r in known if r.above_null_mean]
+    which = "every layer" if len(above) == len(known) else f"{len(above)} of {len(known)} layers"
+    return (
+        "(* compares avg_cos with one pair's cosine; the mean over a layer's n vectors has its own "
+        f"null, sd sqrt(2/(n(n-1)d)), 95th percentile {known[0].null_mean_p95:.1e} at layer "
+        f"{known[0].layer}: {which} above it, above_null_mean in the CSV)"
+    )
+
+
+def interval_note(rows: list[LayerRow]) -> str:
+    """How to read ``±``: one jackknife SE (8 groups, 7 degrees of freedom, so a 95% interval is
+    2.36 SE), and where the sampled directions' bias is as large as the SE."""
+    if not any(getattr(r, f) for r in rows for f in SE_FIELDS if math.isfinite(getattr(r, f))):
+        return ""
+    note = (
+        f"± is one standard error, a delete-a-group jackknife over {SE_GROUPS} groups of the reservoir "
+        f"({SE_DOF} degrees of freedom): a 95% interval is ±{jackknife_t():.2f} SE (intervals in the JSON)"
+    )
+    biased = own_directions(rows)
+    if biased:
+        note += (
+            f"; layers {', '.join(str(r.layer) for r in biased)}: I(W) and all-but-the-top from the "
+            "reservoir's own directions, whose bias can be as large as the SE; --exact removes it"
+        )
+    return note
+
+
 def shorten(name: str, width: int) -> str:
     """``random:gpt2:n…,n_head=2``: a long name keeps its start and its end."""
     if len(name) <= width:
@@ -66,9 +101,12 @@ def _se(se: float) -> str:
 
 
 def _spearman_p(d) -> str:
-    """The permutation p, how it was found, and scipy's t approximation beside it."""
+    """The permutation p, how it was found, and scipy's t approximation beside it; a bound
+    (``p<6e-06``) where no Monte Carlo resample was as extreme."""
     p = _p(d.spearman_p)
-    if d.spearman_p_method == "monte-carlo":
+    if d.spearman_p_method == "monte-carlo-bound":
+        p = f"<{d.spearman_p:.1g} Monte Carlo, none of {MC_PERMUTATIONS:,} as extreme"
+    elif d.spearman_p_method == "monte-carlo":
         p += f"±{d.spearman_p_se:.1g} Monte Carlo"
     elif d.spearman_p_method:
         p += f" {d.spearman_p_method}"
@@ -170,6 +208,10 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
     for r in result.rows:
         table.add_row(*(c.cell(r) for c in columns))
     notes = [null_note(result.rows)]
+    if mean_note := null_mean_note(result.rows):
+        notes.append(mean_note)
+    if se_note := interval_note(result.rows):
+        notes.append(se_note)
     if len(columns) < len(COLUMNS):
         notes.append("(narrow terminal: some columns hidden; --csv has them all)")
     if any(r.final_norm for r in result.rows):

@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from isotui.core.correlation import DriftCorrelation
+from isotui.core.correlation import MC_PERMUTATIONS, DriftCorrelation, drift_correlation
+from isotui.core.null import null_mean_quantile
+from isotui.core.sampled import SE_DOF, SE_GROUPS, jackknife_t
 from isotui.errors import Cancelled, IsotuiError
 
 # Bump when a metric's definition or the stored layout changes: old entries are recomputed.
@@ -144,6 +146,17 @@ class LayerRow:
     iw_centered_se: float = math.nan
     avg_cos_abtt_se: float = math.nan
     avg_cos_std_se: float = math.nan
+    # the mean cosine against its own isotropic null (n vectors, not one pair: ``above_null``
+    # compares avg_cos with one pair's 95th percentile); filled on load for older entries
+    null_mean_p95: float = math.nan
+    above_null_mean: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.n_vectors - self.n_zero
+        unset = self.null_mean_p95 is None or math.isnan(self.null_mean_p95)
+        if unset and n >= 2 and self.dim >= 2:
+            self.null_mean_p95 = null_mean_quantile(n, self.dim)
+            self.above_null_mean = bool(self.avg_cos > self.null_mean_p95)
 
     @classmethod
     def columns(cls) -> list[str]:
@@ -174,18 +187,106 @@ class ModelResult:
             "rows": [asdict(r) for r in self.rows],
             "drift": {c: d.to_dict() for c, d in self.drift.items()},
             "meta": self.meta,
+            "intervals": intervals(self.rows),
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any], arrays: dict[str, np.ndarray]) -> ModelResult:
+        rows = [LayerRow(**r) for r in data["rows"]]
         return cls(
             model=data["model"],
             key=data["key"],
-            rows=[LayerRow(**r) for r in data["rows"]],
-            drift={c: DriftCorrelation(**d) for c, d in data["drift"].items()},
+            rows=rows,
+            drift={c: _current(c, DriftCorrelation(**d), d, rows) for c, d in data["drift"].items()},
             meta=data["meta"],
             arrays=arrays,
         )
+
+
+def _current(
+    component: str, d: DriftCorrelation, stored: dict[str, Any], rows: list[LayerRow]
+) -> DriftCorrelation:
+    """A drift correlation cached before issue 28, recomputed from its rows where it changed: a
+    Monte Carlo p on its floor (no resample as extreme: now an exact tail or a bound) and an
+    encoder+decoder view that counted a shared layer twice. Anything else loads as stored."""
+    if "spearman_p_edgeworth" in stored:
+        return d
+    if "+" in component:
+        _, fresh, _ = joined_drift(rows)
+        return fresh if fresh.n_layers != d.n_layers else d
+    floor = 2 / (MC_PERMUTATIONS + 1)
+    if d.spearman_p_method == "monte-carlo" and math.isclose(d.spearman_p, floor, rel_tol=1e-9):
+        part = [r for r in rows if r.component == component]
+        return drift_correlation([r.drift_norm for r in part], [r.avg_cos for r in part])
+    return d
+
+
+def same_vectors(a: LayerRow, b: LayerRow) -> bool:
+    """Whether two layers of different stacks hold the same vectors (T5's encoder and decoder
+    layer 0 with special tokens left out: one shared embedding of the same tokens): the same
+    count and the same first and second moments, to float64 rounding."""
+    keys = ("avg_cos", "drift_norm", "mean_norm", "isoscore", "eff_rank")
+    if a.component == b.component or a.n_vectors != b.n_vectors or a.dim != b.dim or a.n_vectors == 0:
+        return False
+    return all(math.isclose(getattr(a, k), getattr(b, k), rel_tol=1e-12, abs_tol=1e-15) for k in keys)
+
+
+def joined_drift(rows: list[LayerRow]) -> tuple[str, DriftCorrelation, str]:
+    """(key, correlation, note) over every stack's layers in order (Godey et al. Fig. 1's T5:
+    encoder, then decoder), a layer holding the same vectors as an earlier one's taken once."""
+    components = list(dict.fromkeys(r.component for r in rows))
+    points: list[LayerRow] = []
+    dropped: list[LayerRow] = []
+    for r in rows:
+        (dropped if any(same_vectors(r, o) for o in points) else points).append(r)
+    joined = "+".join(components)
+    note = ""
+    if dropped:
+        left = ", ".join(f"{r.component} layer {r.layer}" for r in dropped)
+        note = (
+            f"{joined} drift correlation: {left} left out, the same vectors as an earlier layer "
+            "(the shared embedding of the same tokens), so no point counts twice"
+        )
+    return joined, drift_correlation([r.drift_norm for r in points], [r.avg_cos for r in points]), note
+
+
+def intervals(rows: list[LayerRow], level: float = 0.95) -> dict[str, Any]:
+    """95% intervals of the sampled metrics, value -/+ t(0.975, G - 1) x SE: the SE is a
+    delete-a-group jackknife over G = 8 groups, so 7 degrees of freedom and t = 2.36. Per row, each
+    sampled metric's ``[low, high]`` (``[value, value]`` where exact, SE 0; null where unknown).
+    Derived from the rows, never stored: a cached entry gets them too."""
+    t = jackknife_t(level)
+    out = []
+    for r in rows:
+        row: dict[str, Any] = {"component": r.component, "layer": r.layer}
+        for m in METRICS:
+            if m.se:
+                value, se = getattr(r, m.name), getattr(r, m.se)
+                ok = value is not None and math.isfinite(value) and se is not None and math.isfinite(se)
+                row[m.name] = [value - t * se, value + t * se] if ok else None
+        out.append(row)
+    return {
+        "method": "delete-a-group jackknife of the reservoir: value -/+ t x SE",
+        "groups": SE_GROUPS,
+        "dof": SE_DOF,
+        "level": level,
+        "t": t,
+        "rows": out,
+        "biased": [{"component": r.component, "layer": r.layer} for r in own_directions(rows)],
+    }
+
+
+def own_directions(rows: list[LayerRow]) -> list[LayerRow]:
+    """The sampled layers whose I(W) and all-but-the-top use the reservoir's own principal
+    directions (the d x d sums were not held): there the sample's bias is as large as the SE
+    (+1.0 SE for all-but-the-top, -0.67 SE for I(W) measured on MiniLM), which the interval does
+    not cover; ``--exact`` removes it."""
+    return [
+        r
+        for r in rows
+        if r.spectrum_from.startswith("sample")
+        and any(getattr(r, f) or 0 for f in ("iw_se", "avg_cos_abtt_se"))
+    ]
 
 
 @dataclass

@@ -32,8 +32,8 @@ numpy. Each alternative convention is implemented the way its authors' code does
 
 Usage (from the repository root)::
 
-    PYTHONPATH=. python scripts/conventions.py                 # 500 samples, about 1-2 minutes
-    PYTHONPATH=. python scripts/conventions.py --max-samples 50 --json out.json
+    PYTHONPATH=. python scripts/conventions.py                 # 100 samples, about a minute of CPU
+    PYTHONPATH=. python scripts/conventions.py --max-samples 500 --json out.json --claims
 """
 
 from __future__ import annotations
@@ -459,18 +459,98 @@ def print_tables(res: dict) -> None:
     )
 
 
+def _e(x: float) -> str:
+    """``2.7e-8``: two significant digits, no padded exponent."""
+    mantissa, _, exponent = f"{x:.1e}".partition("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _g(x: float) -> str:
+    return f"{x:.2g}".replace("-", "−")
+
+
+def _pct(x: float) -> str:
+    return f"{abs(x):.1%} {'below' if x < 0 else 'above'}"
+
+
+def claims(res: dict) -> dict[str, str]:
+    """README's conventions table, last column ("on MiniLM"), generated from a run: the cell of
+    each row, keyed by the row's first cell. tests/test_conventions.py checks README against it."""
+    iso = [lay["isotui"] for lay in res["layers"]]
+    pl = [lay["plain"] for lay in res["layers"]]
+
+    def worst(*pairs: tuple[str, str]) -> str:
+        return "equal to " + _e(max(rel(i[a], p[b]) for i, p in zip(iso, pl, strict=True) for a, b in pairs))
+
+    def span(values) -> str:
+        values = list(values)
+        return f"{_e(min(values))} to {_e(max(values))}"
+
+    def times(values) -> str:
+        values = [abs(v) for v in values]
+        return f"{min(values):.2g}× to {max(values):.2g}×"
+
+    expect = [p["eth_baseline_expected"] / i["avg_cos"] - 1 for i, p in zip(iso, pl, strict=True)]
+    draws = [p["eth_baseline"] for p in pl]
+    cos = [i["avg_cos"] for i in iso]
+    self_rel = [p["eth_self_sim"] / i["self_sim"] - 1 for i, p in zip(iso, pl, strict=True)]
+    last = len(iso) - 1
+    theirs, ours = [p["abtt_original"] for p in pl], [i["avg_cos_abtt"] for i in iso]
+    intra = max(abs(p["eth_intra_sim"] - i["intra_sim"]) for i, p in zip(iso, pl, strict=True))
+    return {
+        "`avg_cos`": worst(("avg_cos", "avg_cos")),
+        "`avg_cos_xctx`": f"isotui {worst(('avg_cos_xctx', 'avg_cos_xctx'))}; his baseline's expectation is "
+        f"{_pct(min(expect))} to {_pct(max(expect))} `avg_cos` by layer (one seeded draw: "
+        f"{min(draws):.3f} to {max(draws):.3f} where `avg_cos` is {min(cos):.3f} to {max(cos):.3f})",
+        "`drift_norm`, `mean_norm`": worst(("drift_norm", "drift_norm"), ("mean_norm", "mean_norm")),
+        "`avg_cos_centered`": worst(("avg_cos_centered", "avg_cos_centered")),
+        "`isoscore`": "package − float64: "
+        + span(abs(p["isoscore_pkg"] - p["isoscore_f64"]) for p in pl)
+        + " on every layer; isotui − float64: ≤ "
+        + _e(max(abs(i["isoscore"] - p["isoscore_f64"]) for i, p in zip(iso, pl, strict=True))),
+        "`isoscore_star`": "package − float64: "
+        + span(abs(p["isoscore_star_pkg"] - p["isoscore_star_f64"]) for p in pl)
+        + "; isotui − float64: ≤ "
+        + _e(max(abs(i["isoscore_star"] - p["isoscore_star_f64"]) for i, p in zip(iso, pl, strict=True))),
+        "`eff_rank`, `top_pc_share`": worst(("eff_rank", "eff_rank"), ("top_pc_share", "top_pc_share")),
+        "`iw`, `iw_centered`": "one-sign ÷ isotui: "
+        + times(p["iw_one_sign"] / i["iw"] for i, p in zip(iso, pl, strict=True))
+        + " (raw), "
+        + times(p["iw_centered_one_sign"] / i["iw_centered"] for i, p in zip(iso, pl, strict=True))
+        + " (centred) with numpy's signs",
+        "`avg_cos_abtt`": f"theirs {_g(min(theirs))} to {_g(max(theirs))}, "
+        f"isotui {_g(min(ours))} to {_g(max(ours))}: theirs "
+        + times(p["abtt_original"] / i["avg_cos_abtt"] for i, p in zip(iso, pl, strict=True))
+        + " isotui's in size",
+        "`avg_cos_std`": worst(("avg_cos_std", "avg_cos_std")),
+        "`avg_cos_types`, `drift_norm_types`": worst(
+            ("avg_cos_types", "avg_cos_types"), ("drift_norm_types", "drift_norm_types")
+        ),
+        "`intra_sim`": f"within {intra:.0e} (the rounding)",
+        "`self_sim`": f"his {_pct(self_rel[0])} (layer 0) to {_pct(self_rel[last])} (layer {last}) isotui's; "
+        f"{pl[0]['eth_self_sim_words']} words vs {iso[0]['self_sim_types']} types",
+        "`null_p95`": f"{iso[0]['null_p95']:.4f} for d = {res['dim']}",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-samples", type=int, default=500, help="first N built-in samples (default 500)")
+    parser.add_argument("--max-samples", type=int, default=100, help="first N built-in samples (default 100)")
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of Ethayarajh's random sampling (default 0)"
     )
     parser.add_argument("--json", help="also write every number to this file")
+    parser.add_argument(
+        "--claims", action="store_true", help='also print README\'s table column ("on MiniLM") from this run'
+    )
     args = parser.parse_args(argv)
     if args.max_samples < 2:
         parser.error("--max-samples must be at least 2")
     res = run(args.max_samples, args.seed)
     print_tables(res)
+    if args.claims:
+        for key, cell in claims(res).items():
+            print(f"{key}: {cell}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=float))
     return 0

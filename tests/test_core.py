@@ -252,3 +252,96 @@ def test_reservoir_holds_the_smallest_keys_whatever_the_batching(cloud):
         held = {tuple(v) for v in acc.res.numpy().round(5)}
         expected = {tuple(v) for v in x[np.argsort(all_keys)[:50]].astype(np.float32).round(5)}
         assert held == expected
+
+
+def _count_near_identity(n, s):
+    """Plain recursion: permutations of range(n) with sum (i - pi(i))^2 <= s (every value moved
+    by at most sqrt(s), so the search stays small)."""
+    used = [False] * n
+
+    def go(i, acc):
+        if i == n:
+            return 1
+        total = 0
+        for v in range(n):
+            c = acc + (i - v) ** 2
+            if not used[v] and c <= s:
+                used[v] = True
+                total += go(i + 1, c)
+                used[v] = False
+        return total
+
+    return go(0, 0)
+
+
+def test_spearman_tail_count_is_every_permutation_in_the_tail():
+    from isotui.core.correlation import lower_tail_count
+
+    for n in range(1, 8):  # every permutation, every threshold
+        perms = list(itertools.permutations(range(n)))
+        for s in range(n * (n * n - 1) // 3 + 1):
+            want = sum(1 for p in perms if sum((i - k) ** 2 for i, k in enumerate(p)) <= s)
+            assert lower_tail_count(n, s) == want
+    for n, s in ((16, 10), (20, 8), (24, 6)):  # beyond the whole distribution's reach
+        assert lower_tail_count(n, s) == _count_near_identity(n, s)
+
+
+@pytest.mark.parametrize("n", [15, 24, 40])
+def test_spearman_p_is_exact_for_a_perfect_order_over_deep_models(n):
+    up = drift_correlation(list(range(n)), [0.1 * k**2 for k in range(n)])
+    down = drift_correlation(list(range(n)), [-0.1 * k for k in range(n)])
+    for got in (up, down):  # 2 of the n! orders are as extreme: 2/24! = 3.2e-24
+        assert got.spearman_p_method == "exact"
+        assert got.spearman_p == pytest.approx(2 / math.factorial(n), rel=1e-12)
+
+
+def test_spearman_exact_tail_beyond_14_layers_counts_near_orders():
+    # 16 layers, two neighbours swapped twice: S = 4, rho = 1 - 24/4080
+    cos = [0.1 * k for k in range(16)]
+    cos[3], cos[4], cos[9], cos[10] = cos[4], cos[3], cos[10], cos[9]
+    got = drift_correlation(list(range(16)), cos)
+    assert got.spearman_p_method == "exact"
+    want = 2 * _count_near_identity(16, 4) / math.factorial(16)
+    assert got.spearman_p == pytest.approx(want, rel=1e-12)
+
+
+def test_spearman_monte_carlo_bound_when_no_resample_is_as_extreme():
+    rng = np.random.default_rng(3)
+    drift = np.arange(24.0)
+    cos = drift + 3 * rng.normal(size=24)  # rho ~ 0.96: too far for the tail count, too rare for 1e6
+    got = drift_correlation(list(drift), list(cos))
+    assert got.spearman_p_method == "monte-carlo-bound" and got.spearman_p_floored
+    assert math.isnan(got.spearman_p_se)
+    # 0 of N: the one-sided p's exact 95% (Clopper-Pearson) upper bound is 1 - 0.05^(1/N), doubled
+    assert got.spearman_p == pytest.approx(2 * (1 - 0.05 ** (1 / 1_000_000)), rel=1e-9)
+    assert got.spearman_p == pytest.approx(6.0e-6, rel=2e-3)
+    # scipy's own Monte Carlo sees none either: its p is its floor 2/(N+1), not an estimate
+    assert exact_spearman_p(drift, cos, n_resamples=50_000) == pytest.approx(2 / 50_001)
+    assert got.spearman_p_t < got.spearman_p  # the t approximation is not bound by the simulation
+
+
+def test_spearman_edgeworth_is_as89_as_r_computes_it():
+    from isotui.core.correlation import as89_upper, spearman_edgeworth_p
+
+    # R's pspearman documentation (package pspearman): P(S <= 36) at n = 10, exact 0.005265377
+    # and by AS 89 0.005825634; the lower tail is the reversed ranks' upper tail, 330 - 36
+    assert as89_upper(10, 330 - 36) == pytest.approx(0.005825634, abs=5e-10)
+    assert s_distribution(10)[:37].sum() / math.factorial(10) == pytest.approx(0.005265377, abs=5e-10)
+    # its accuracy against the exact distribution at 14 layers, as README states it
+    counts = s_distribution(14).astype(float)
+    tail = np.cumsum(counts) / counts.sum()
+    top = 14 * (14 * 14 - 1) // 3
+    ratios = {}
+    for s in range(0, top // 2 + 1, 2):
+        p = 2 * tail[s]
+        ratios.setdefault("1e-2" if p >= 1e-2 else "1e-3" if p >= 1e-3 else "below", []).append(
+            2 * as89_upper(14, top - s) / p
+        )
+    assert max(abs(r - 1) for r in ratios["1e-2"] if r) < 0.015  # within 1.5% for 0.01 <= p
+    assert max(abs(r - 1) for r in ratios["1e-3"]) < 0.035  # 3.4% for 0.001 <= p < 0.01
+    assert min(ratios["below"]) == 0.0  # and useless further out: the series goes negative (0)
+    x = np.arange(14.0)
+    y = x.copy()
+    y[[2, 3]] = y[[3, 2]]
+    assert spearman_edgeworth_p(x, y) == pytest.approx(2 * as89_upper(14, top - 2))
+    assert math.isnan(spearman_edgeworth_p(np.r_[x[:-1], x[0]], y))  # ties: not defined

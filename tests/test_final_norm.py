@@ -109,3 +109,18 @@ def test_every_block_output_norm_of_a_post_ln_model(tiny_models, gpt2_gains, tmp
     args = ["experiment", "final-norm", "-m", str(gpt2_gains), "--every-layer", "--max-samples", "3", "-q"]
     assert main(args) == 2
     assert "pre-LN" in capsys.readouterr().err
+
+
+def test_verdict_says_unchanged_when_the_norm_only_rescales(tmp_path):
+    """An untrained Llama's RMSNorm has unit gains: it rescales each vector, so every cosine stays
+    (to float32 rounding); the sentence must not read "raises avg_cos from 0.0481 to 0.0481"."""
+    llama = "random:llama:hidden_size=32,num_hidden_layers=2,num_attention_heads=4,intermediate_size=64"
+    data = tmp_path / "t.txt"
+    data.write_text("\n".join(corpus(8)) + "\n", encoding="utf-8")
+    result = measure_final_norm(make_spec(llama, f"text:{data}", max_length=40, batch_size=4))
+    b, a = result.before.avg_cos, result.after.avg_cos
+    assert abs(a - b) <= 1e-6 * abs(b)  # a rescaling keeps every cosine
+    assert result.after.isoscore != pytest.approx(result.before.isoscore, abs=1e-3)  # IsoScore moves
+    verdict = result.verdict()
+    assert f"leaves avg_cos unchanged at {b:.4f}" in verdict
+    assert "raises" not in verdict and "lowers" not in verdict

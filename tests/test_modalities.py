@@ -620,3 +620,36 @@ def test_random_overrides_go_through_the_config_constructor():
         None,
     )
     assert [r.component for r in t5.rows] == ["encoder"] * 3 + ["decoder"] * 3  # num_decoder_layers follows
+
+
+def test_t5_encoder_decoder_correlation_counts_the_shared_embedding_once(tmp_path):
+    """With special tokens left out, T5's decoder layer 0 is the shared embedding of the same
+    tokens as the encoder's layer 0: the concatenated correlation takes that point once."""
+    import torch
+    from scipy import stats
+    from transformers import T5Config, T5Model
+
+    t5 = "random:t5:d_model=32,d_ff=64,num_layers=2,num_heads=2,d_kv=16"
+    data = tmp_path / "t.txt"
+    data.write_text(
+        "a small test sentence\nanother one, a little longer than that\nthird\n", encoding="utf-8"
+    )
+    result = measure(make_spec(t5, f"text:{data}", special_tokens="exclude"), None)
+    enc0, dec0 = (
+        next(r for r in result.rows if r.component == c and r.layer == 0) for c in ("encoder", "decoder")
+    )
+    # independently: one shared embedding table, so the same token ids give the same vectors
+    ids = torch.tensor([[5, 9, 17]])
+    model = T5Model(T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=64)).eval()
+    out = model(input_ids=ids, decoder_input_ids=ids, output_hidden_states=True)
+    assert torch.equal(out.encoder_hidden_states[0], out.decoder_hidden_states[0])
+    assert (enc0.n_vectors, enc0.avg_cos, enc0.drift_norm) == (dec0.n_vectors, dec0.avg_cos, dec0.drift_norm)
+    both = result.drift["encoder+decoder"]
+    points = [r for r in result.rows if r is not dec0]
+    assert both.n_layers == len(result.rows) - 1 == len(points)
+    want = stats.spearmanr([r.drift_norm for r in points], [r.avg_cos for r in points]).statistic
+    assert both.spearman_rho == pytest.approx(want, abs=1e-12)
+    assert any("decoder layer 0 left out" in n for n in result.meta["notes"])
+    # with special tokens included the decoder starts with its own start token: every point stays
+    included = measure(make_spec(t5, f"text:{data}", special_tokens="include"), None)
+    assert included.drift["encoder+decoder"].n_layers == len(included.rows)

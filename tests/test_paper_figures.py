@@ -299,3 +299,50 @@ def test_run_and_the_apps_first_frame_do_not_import_matplotlib(tiny_models, data
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
     assert "RUN 0 False" in out.stdout and "APP False" in out.stdout, out.stderr[-2000:]
+
+
+def test_figure_refuses_a_shard_instead_of_succeeding_empty(tmp_path, capsys):
+    out = tmp_path / "fig1.png"
+    code = main(
+        [
+            "figure",
+            "godey2024-fig1",
+            "-m",
+            "minilm",
+            "--max-samples",
+            "4",
+            "--shard",
+            "1/2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert "--shard 1/2" in err and "isotui run" in err and "Traceback" not in err
+
+
+def test_fig5_marks_monte_carlo_and_bounded_spearman_points():
+    from types import SimpleNamespace
+
+    from matplotlib.figure import Figure
+
+    from isotui.core.correlation import DriftCorrelation, drift_correlation
+    from isotui.paper_figures import draw_pvalues
+
+    deep = drift_correlation(
+        list(range(24)), list(np.arange(24) + 3 * np.random.default_rng(3).normal(size=24))
+    )
+    assert deep.spearman_p_method == "monte-carlo-bound"
+    shallow = drift_correlation([1.0, 2.0, 3.0, 4.0, 6.0], [0.1, 0.3, 0.2, 0.5, 0.4])
+    mc = DriftCorrelation(40, 0.3, 0.06, 0.3, 0.05, 0.05, "monte-carlo", 2e-4)
+    results = [
+        SimpleNamespace(model=m, key=m, drift={"model": d})
+        for m, d in (("a", shallow), ("b", mc), ("c", deep))
+    ]
+    drawing = draw_pvalues(Figure(), results, None)
+    assert [r["spearman_p_bound"] for r in drawing.rows] == [False, False, True]
+    labels = {t.get_text() for t in drawing.figure.legends[0].get_texts()}
+    assert {"Spearman", "Spearman (Monte Carlo)", "Spearman (upper bound)"} <= labels
+    (bound,) = [c for c in drawing.figure.axes[0].collections if c.get_label() == "Spearman (upper bound)"]
+    assert bound.get_offsets()[0][1] == pytest.approx(deep.spearman_p)

@@ -3,8 +3,13 @@
 Spearman's p is a permutation p, as ``scipy.stats.permutation_test`` defines it (one variable's
 values permuted, the statistic rho on the average ranks of tied values, two-sided p =
 min(1, 2 min(P(rho* <= rho), P(rho* >= rho)))): exact over all n! pairings when that is
-computable, else a seeded Monte Carlo estimate with its standard error. scipy's t approximation,
-accurate only for hundreds of points, is kept beside it (``spearman_p_t``).
+computable, else a seeded Monte Carlo estimate with its standard error. Without ties the exact
+count goes on beyond the whole distribution's reach wherever the observed tail is cheap to count
+(a strong correlation over many layers: few permutations are as extreme, and each moves every
+rank by at most sqrt(S)). A Monte Carlo that sees no permutation as extreme gives an upper bound,
+not a value (``spearman_p_method`` = ``monte-carlo-bound``). Beside it: the Edgeworth series of
+AS 89 (Best & Roberts 1975, the approximation R's ``cor.test`` uses beyond 9 points; no ties),
+and scipy's t approximation, accurate only for hundreds of points (``spearman_p_t``).
 
 Spearman's and Pearson's coefficients and t/beta p-values are computed here exactly as
 ``scipy.stats.spearmanr``, ``pearsonr`` and ``rankdata`` compute them (the same operations, so the
@@ -28,8 +33,13 @@ import numpy.typing as npt
 # pairings are enumerated (3.6 million at n = 10). Beyond: Monte Carlo.
 EXACT_DP_MAX_N = 14
 EXACT_ENUM_MAX_N = 10
+# Beyond 14 layers (no ties), the observed tail {S' <= S} is counted exactly when the band
+# dynamic programme below stays under this many cell updates (about a second of CPU).
+EXACT_TAIL_BUDGET = 100_000_000
 MC_PERMUTATIONS = 1_000_000
 MC_SEED = 0
+# Confidence of the upper bound given when no resample is as extreme as the observed rho.
+MC_BOUND_LEVEL = 0.95
 _CHUNK = 1 << 17
 
 
@@ -37,9 +47,11 @@ _CHUNK = 1 << 17
 class DriftCorrelation:
     """Spearman and Pearson correlation of drift norm vs average cosine over layers.
 
-    ``spearman_p`` is the permutation p (``spearman_p_method``: ``exact`` or ``monte-carlo``,
-    whose standard error is ``spearman_p_se``; 0 when exact); ``spearman_p_t`` is scipy's
-    t approximation."""
+    ``spearman_p`` is the permutation p (``spearman_p_method``: ``exact``, ``monte-carlo``,
+    whose standard error is ``spearman_p_se`` (0 when exact), or ``monte-carlo-bound``: no
+    resample as extreme, ``spearman_p`` is then a 95% upper bound and its SE NaN);
+    ``spearman_p_edgeworth`` is AS 89's Edgeworth approximation (NaN with ties) and
+    ``spearman_p_t`` scipy's t approximation."""
 
     n_layers: int
     spearman_rho: float
@@ -49,6 +61,12 @@ class DriftCorrelation:
     spearman_p_t: float = math.nan
     spearman_p_method: str = ""
     spearman_p_se: float = math.nan
+    spearman_p_edgeworth: float = math.nan
+
+    @property
+    def spearman_p_floored(self) -> bool:
+        """Whether ``spearman_p`` is only an upper bound (no Monte Carlo resample as extreme)."""
+        return self.spearman_p_method == "monte-carlo-bound"
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -77,6 +95,7 @@ def drift_correlation(drift_norm: list[float], avg_cos: list[float]) -> DriftCor
         spearman_p_t=rho_p,
         spearman_p_method=perm.method,
         spearman_p_se=perm.se,
+        spearman_p_edgeworth=spearman_edgeworth_p(x, y),
     )
 
 
@@ -126,9 +145,9 @@ def pearson(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> tuple[flo
 
 @dataclass(frozen=True)
 class PermutationP:
-    p: float
-    method: str  # "exact" or "monte-carlo"
-    se: float  # standard error of a Monte Carlo p (0 when exact)
+    p: float  # the p-value, or its upper bound for "monte-carlo-bound"
+    method: str  # "exact", "monte-carlo" or "monte-carlo-bound"
+    se: float  # standard error of a Monte Carlo p (0 when exact, NaN for a bound)
 
 
 def spearman_permutation_p(
@@ -141,6 +160,10 @@ def spearman_permutation_p(
     ties = len(np.unique(rx)) < n or len(np.unique(ry)) < n
     if not ties and n <= EXACT_DP_MAX_N:
         return _exact_no_ties(rx, ry)
+    if not ties:
+        tail = _exact_tail_no_ties(rx, ry)
+        if tail is not None:
+            return tail
     a, b = rx - rx.mean(), ry - ry.mean()
     scale = np.linalg.norm(a) * np.linalg.norm(b)
     observed = float(a @ b) / scale
@@ -165,6 +188,11 @@ def spearman_permutation_p(
         less += int(np.count_nonzero(rho <= observed + gamma))
         greater += int(np.count_nonzero(rho >= observed - gamma))
         done += m
+    if min(less, greater) == 0:
+        # none as extreme: scipy would say 2/(N+1) whatever the truth; give what the simulation
+        # shows, an upper bound (the one-sided p's Clopper-Pearson bound for 0 of N, doubled)
+        bound = 2 * -math.expm1(math.log1p(-MC_BOUND_LEVEL) / n_resamples)
+        return PermutationP(min(1.0, bound), "monte-carlo-bound", math.nan)
     # scipy's Monte Carlo p counts the observed pairing as one of the resamples
     one_sided = (min(less, greater) + 1) / (n_resamples + 1)
     p = min(1.0, 2 * one_sided)
@@ -211,6 +239,104 @@ def _exact_no_ties(rx: np.ndarray, ry: np.ndarray) -> PermutationP:
     greater = int(counts[: observed + 1].sum())
     total = math.factorial(n)
     return PermutationP(min(1.0, 2 * min(less, greater) / total), "exact", 0.0)
+
+
+def _observed_tail_s(rx: np.ndarray, ry: np.ndarray) -> int:
+    """S' such that the smaller one-sided p is P(S <= S') (no ties): S itself for rho >= 0, else
+    the S of the reversed ranks, (n^3 - n)/3 - S (reversing one variable maps rho to -rho)."""
+    n = len(rx)
+    ranks = ry[np.argsort(rx)].astype(np.int64)
+    s = int(((np.arange(1, n + 1) - ranks) ** 2).sum())
+    top = n * (n * n - 1) // 3
+    return min(s, top - s)
+
+
+def tail_cost(n: int, s: int) -> int:
+    """Cell updates of :func:`lower_tail_count` (an upper bound): C(2w, w) windows x (s + 1) sums
+    x (2w + 1) moves x n positions, w = floor(sqrt(s))."""
+    w = math.isqrt(s)
+    return math.comb(2 * w, w) * (s + 1) * (2 * w + 1) * n
+
+
+def lower_tail_count(n: int, s: int) -> float:
+    """How many permutations pi of 1..n have S = sum_i (i - pi(i))^2 <= s, as a float64.
+
+    Every such permutation moves each value by at most w = floor(sqrt(s)), so position by position
+    only the values within w of it are open: the state is which of the 2w values around the
+    position are used (exactly w of them; every value further left is used, none further right)
+    and the partial S, at most C(2w, w) x (s + 1) counts (:func:`tail_cost`)."""
+    w = math.isqrt(s)
+    # bit k: value i - w + k is used (values outside 1..n count as used: they cannot be chosen)
+    masks = np.array([sum(1 << k for k in range(2 * w) if not 1 <= k - w + 1 <= n)], dtype=np.int64)
+    f = np.zeros((1, s + 1))
+    f[0, 0] = 1.0
+    for i in range(1, n + 1):
+        wide = masks | (int(i + w > n) << (2 * w))  # value i + w enters the window
+        new_masks, new_f = [], []
+        for k in range(2 * w + 1):
+            cost = (k - w) ** 2
+            if cost > s:
+                continue
+            free = (wide >> k) & 1 == 0
+            m = wide[free] | (1 << k)
+            done = (m & 1) == 1  # value i - w cannot be placed later: it must be used by now
+            g = np.zeros((int(done.sum()), s + 1))
+            g[:, cost:] = f[free][done][:, : s + 1 - cost]
+            new_masks.append(m[done] >> 1)
+            new_f.append(g)
+        masks, inverse = np.unique(np.concatenate(new_masks), return_inverse=True)
+        f = np.zeros((len(masks), s + 1))
+        np.add.at(f, inverse, np.concatenate(new_f))
+    return float(f.sum())
+
+
+def _exact_tail_no_ties(rx: np.ndarray, ry: np.ndarray) -> PermutationP | None:
+    """The exact p counted over the observed tail alone, or None when that is not cheap."""
+    n = len(rx)
+    s = _observed_tail_s(rx, ry)
+    if tail_cost(n, s) > EXACT_TAIL_BUDGET:
+        return None
+    log_p = math.log(2 * lower_tail_count(n, s)) - math.lgamma(n + 1)
+    return PermutationP(min(1.0, math.exp(log_p)), "exact", 0.0)
+
+
+# AS 89's Edgeworth coefficients (Best & Roberts 1975; R's prho.c)
+_AS89 = (0.2274, 0.2531, 0.1745, 0.0758, 0.1033, 0.3932, 0.0879, 0.0151, 0.0072, 0.0831, 0.0131, 4.6e-4)
+
+
+def as89_upper(n: int, s: int) -> float:
+    """P(S >= s) under independence by AS 89's Edgeworth series (n > 9 in R; no ties)."""
+    from scipy.special import ndtr
+
+    c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12 = _AS89
+    b = 1.0 / n
+    x = (6.0 * (s - 1) * b / (n * n - 1.0) - 1.0) * math.sqrt(n - 1.0)
+    y = x * x
+    u = (
+        x
+        * b
+        * (
+            c1
+            + b * (c2 + c3 * b)
+            + y
+            * (-c4 + b * (c5 + c6 * b) - y * b * (c7 + c8 * b - y * (c9 - c10 * b + y * b * (c11 - c12 * y))))
+        )
+    )
+    p = u / math.exp(y / 2) + float(ndtr(-x))
+    return min(1.0, max(0.0, p))
+
+
+def spearman_edgeworth_p(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> float:
+    """Two-sided p of Spearman's rho by AS 89's Edgeworth series (as R's ``cor.test`` beyond 9
+    points), NaN with ties. The smaller tail P(S <= S') is taken as the upper tail of the
+    reversed ranks, P(S >= (n^3 - n)/3 - S'), so no 1 - p cancels."""
+    rx, ry = rankdata(x), rankdata(y)
+    n = len(rx)
+    if len(np.unique(rx)) < n or len(np.unique(ry)) < n:
+        return math.nan
+    s = _observed_tail_s(rx, ry)
+    top = n * (n * n - 1) // 3
+    return min(1.0, 2 * as89_upper(n, top - s))
 
 
 @functools.lru_cache(maxsize=4)

@@ -237,3 +237,15 @@ class ExactPass:
         """``stats`` with the sampled metrics replaced by the exact ones."""
         # mypy checks a **dict against every field; the keys are SAMPLED and their SEs (floats)
         return dataclasses.replace(stats, **self.values())  # type: ignore[arg-type]
+
+
+# the jackknife's degrees of freedom: G groups give G - 1 (a 95% interval is t(0.975, 7) x SE)
+SE_DOF = SE_GROUPS - 1
+
+
+def jackknife_t(level: float = 0.95, dof: int = SE_DOF) -> float:
+    """Student's t quantile for a two-sided ``level`` interval with the jackknife's ``dof``:
+    2.3646 for 95% and 7 degrees of freedom."""
+    from scipy.special import stdtrit
+
+    return float(stdtrit(dof, 0.5 + level / 2))

@@ -68,17 +68,21 @@ class FinalNormResult:
     def verdict(self) -> str:
         """One sentence: does the norm raise or lower isotropy, and through which dimensions."""
         b, a = self.before.avg_cos, self.after.avg_cos
-        way = "lowers avg_cos" if a < b else "raises avg_cos"
         top = sorted(self.dims, key=lambda r: -r.share_before)[:3]
         gains = np.array([r.gain for r in self.dims])
         dims = ", ".join(
             f"{r.dim} (share {r.share_before:.2f}→{r.share_after:.2f}, gain {r.gain:.2f})" for r in top
         )
         med = float(np.median(np.abs(gains))) if len(gains) else math.nan
-        direction = "isotropy up" if a < b else "isotropy down"
+        iso = f"IsoScore {self.before.isoscore:.3f}→{self.after.isoscore:.3f}"
+        if unchanged(self.before, self.after):
+            change = f"leaves avg_cos unchanged at {b:.4f} (within noise; {iso})"
+        else:
+            way, direction = ("lowers", "isotropy up") if a < b else ("raises", "isotropy down")
+            digits = 4 if f"{a:.4f}" != f"{b:.4f}" else 8  # a real change that 4 decimals hide
+            change = f"{way} avg_cos from {b:.{digits}f} to {a:.{digits}f} ({direction}; {iso})"
         return (
-            f"{self.module} {way} from {b:.4f} to {a:.4f} ({direction}; IsoScore {self.before.isoscore:.3f}"
-            f"→{self.after.isoscore:.3f}); the dimensions carrying most of avg_cos before it: {dims}; "
+            f"{self.module} {change}; the dimensions carrying most of avg_cos before it: {dims}; "
             f"median |gain| {med:.2f}; "
             + (
                 f"Spearman(|x̄_k|, gain) = {self.rho_mean_gain:.2f} (p={self.p_mean_gain:.2g})"
@@ -86,6 +90,26 @@ class FinalNormResult:
                 else "every gain is the same (an untrained norm?): it scales no dimension more than another"
             )
         )
+
+
+# float32 forwards round a cosine to about 1e-7; a rescaling norm (RMSNorm with unit gain, an
+# untrained LayerNorm on centred vectors) leaves every cosine as it was up to that
+ROUNDING = 1e-6
+
+
+def unchanged(before: LayerStats, after: LayerStats) -> bool:
+    """Whether the norm leaves avg_cos the same within noise: within float32 rounding (relative
+    :data:`ROUNDING`), or within the sampling sd of a mean cosine over these n vectors under
+    isotropy, sqrt(2 / (n (n - 1) d)) (:func:`isotui.core.null.null_mean_sd`), the finest change
+    a mean over n vectors resolves."""
+    from isotui.core.null import null_mean_sd
+
+    b, a = before.avg_cos, after.avg_cos
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return False
+    n = min(before.n_vectors - before.n_zero, after.n_vectors - after.n_zero)
+    noise = null_mean_sd(n, max(before.dim, 2)) if n >= 2 else 0.0
+    return abs(a - b) <= max(ROUNDING * max(abs(a), abs(b)), noise)
 
 
 def norm_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module, str]:

@@ -22,7 +22,7 @@ from isotui.data.stream import open_samples
 from isotui.extract.device import needs_device_for_dtype, resolve_device, resolve_dtype
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
-from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult
+from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult, joined_drift
 from isotui.spec import RunSpec
 from isotui.store.cache import CacheProblem, CacheWriteError, ResultCache
 
@@ -329,10 +329,10 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
         part = build_rows(spec.model, component, layers, final_norm=ex.final_norm.get(component, False))
         drift[component] = drift_correlation([r.drift_norm for r in part], [r.avg_cos for r in part])
         rows.extend(part)
+    notes: list[str] = []
     if len(ex.components) > 1:  # the concatenated view (Godey et al. Fig. 1, T5): encoder, then decoder
-        drift["+".join(ex.components)] = drift_correlation(
-            [r.drift_norm for r in rows], [r.avg_cos for r in rows]
-        )
+        joined, drift[joined], note = joined_drift(rows)
+        notes += [note] if note else []
     meta = {
         "data": spec.data.describe(),
         "data_fingerprint": prepared.data_fingerprint,
@@ -354,7 +354,7 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
         "timings": {"load_s": round(facts["load_s"], 3), **{k: round(v, 3) for k, v in ex.timings.items()}},
-        "notes": facts["notes"] + ex.notes + list(getattr(prepared.samples, "notes", [])),
+        "notes": facts["notes"] + ex.notes + list(getattr(prepared.samples, "notes", [])) + notes,
         **({"memory_plan": ex.memory_plan} if ex.memory_plan else {}),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": facts["versions"],

@@ -75,7 +75,7 @@ class DriftPane(Vertical):
                     shorten(label, 32),
                     str(d.n_layers),
                     _num(d.spearman_rho, 3),
-                    _pvalue(d.spearman_p),
+                    ("<" if d.spearman_p_floored else "") + _pvalue(d.spearman_p),  # a bound
                     _num(d.pearson_r, 3),
                     _pvalue(d.pearson_p),
                     _pvalue(d.spearman_p_t),  # scipy's t approximation, beside the permutation p
