@@ -78,9 +78,9 @@ class Result:
 
     def show(self, console=None) -> None:
         """Print the tables the CLI prints (to ``console``, default a new rich console)."""
-        from rich.console import Console
+        from isotui.terminal import console as new_console
 
-        console = console or Console()
+        console = console or new_console()
         for table in self.tables:
             console.print(table)
 
@@ -89,9 +89,9 @@ class Result:
 
     def _repr_html_(self) -> str:
         """Jupyter shows the tables, coloured as in the terminal."""
-        from rich.console import Console
+        from isotui.terminal import console as new_console
 
-        console = Console(record=True, width=200, file=io.StringIO())
+        console = new_console(record=True, width=200, file=io.StringIO())
         self.show(console)
         return console.export_html(inline_styles=True)
 
@@ -292,9 +292,8 @@ def _per_model(command: str, model, options: dict[str, Any], positional: list[st
 
 def _call(command: str, options: dict[str, Any], positional: list[str], *, cache: bool, progress: bool):
     """Parse ``options`` as the command's flags and run the command's ``collect``."""
-    from rich.console import Console
-
     from isotui.cli import build_parser
+    from isotui.terminal import console
 
     words = ["run"] if command == "run" else ["experiment", command]
     root = build_parser(parser_class=_Parser)
@@ -306,7 +305,7 @@ def _call(command: str, options: dict[str, Any], positional: list[str], *, cache
     if not progress:
         argv.append("--quiet")
     args = root.parse_args([*words, *argv])
-    err = Console(stderr=True, soft_wrap=True)
+    err = console(stderr=True, soft_wrap=True)
     if command == "run":
         from isotui.cli import collect_run
 

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from isotui.results import METRIC, METRICS, LayerRow, Metric, ModelResult
+from isotui.terminal import literal, markup, plain
 
 
 def amount(meta: dict[str, Any]) -> str:
@@ -158,9 +158,10 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
     """The per-layer table of one model, with the isotropic null and final-norm marks."""
     meta = result.meta
     source = "cache" if result.from_cache else f"{total_seconds(meta):.1f} s"
-    title = (
-        f"[bold]{escape(result.model)}[/]  {escape(str(meta.get('data')))}  {amount(meta)}  "
-        f"{meta.get('dtype')} on {meta.get('device')}  ({source})"
+    title = markup(
+        f"[bold]{literal(result.model)}[/]  {literal(meta.get('data'))}  {amount(meta)}  "
+        f"{meta.get('dtype')} on {meta.get('device')}  ({source})",
+        style="table.title",
     )
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
     columns = [c for c in COLUMNS if c.min_width <= width]
@@ -185,7 +186,7 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
     timing = timing_note(meta, result.write_seconds)
     if timing:
         notes.append(timing if not result.from_cache else f"time when computed: {timing[6:]}")
-    table.caption = "\n".join(notes)
+    table.caption = plain("\n".join(notes), style="table.caption")
     table.caption_justify = "left"
     return table
 
@@ -219,7 +220,7 @@ def wide_table(results: list[ModelResult], metric: str = "avg_cos", width: int =
     table.add_column("layer", justify="right", no_wrap=True)
     cell = max(8, min(24, (width - 10) // max(1, len(models)) - 3))
     for model in models:
-        table.add_column(escape(shorten(model, cell)), justify="right", overflow="fold")
+        table.add_column(plain(shorten(model, cell)), justify="right", overflow="fold")
     digits = METRIC[metric].digits
     for component, layer, *cells in rows:
         label = str(layer) if not many and component == "model" else f"{component} {layer}"

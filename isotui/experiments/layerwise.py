@@ -350,6 +350,7 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
         "seed": spec.seed,
         "reservoir": spec.reservoir,
         "exact": spec.exact,
+        **({"tokenizer": spec.tokenizer} if spec.tokenizer else {}),  # in the key when given
         "threads": facts.get("threads"),  # how fast, not what: not in the key
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
