@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isotui.cli import Parser
 from isotui.errors import IsotuiError
 
 # API keywords that are not the command's flags, and flags the API spells differently
@@ -229,7 +230,7 @@ def load(key: str, cache_dir: str | Path | None = None) -> Result:
 # --- the command line's path -----------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(Parser):
     """The CLI's parser, saying a bad option as an :class:`IsotuiError` instead of exiting."""
 
     def error(self, message: str):  # type: ignore[override]

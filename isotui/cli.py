@@ -61,6 +61,8 @@ def add_run_flags(p: argparse.ArgumentParser, command: str = "run") -> None:
             kwargs.update(action="store_true", default=None)
         if option.choices:
             kwargs["choices"] = list(option.choices)
+        if option.aliases:  # checked against the choices after this
+            kwargs["type"] = option.unalias
         if option.metavar:
             kwargs["metavar"] = option.metavar
         p.add_argument(option.flag, **kwargs)
@@ -120,7 +122,44 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     add_dry_run_flag(p)
 
 
-def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """argparse as isotui answers: an option it does not know is said by the subcommand it was
+    given to (``isotui run: ...``), with the nearest option it has (``--max-sampels``: did you
+    mean --max-samples?); a bad value is one line naming the command's ``--help``, not its
+    whole usage."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self.chosen(parsed)
+            guesses = [command.option_guess(word) for word in extras if word.startswith("-")]
+            said = "; ".join(g for g in guesses if g)
+            command.error(f"unrecognized arguments: {' '.join(extras)}" + (f"; {said}" if said else ""))
+        return parsed
+
+    def chosen(self, parsed: argparse.Namespace) -> Parser:
+        """The innermost subcommand ``parsed`` went to (``isotui experiment attention``)."""
+        parser: Parser = self
+        while True:
+            sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            name = getattr(parsed, sub.dest, None) if sub is not None else None
+            if sub is None or name not in sub.choices:
+                return parser
+            parser = sub.choices[name]
+
+    def option_guess(self, word: str) -> str:
+        """``did you mean --max-samples?`` for an option this command lacks (``""``: no guess)."""
+        from isotui.suggest import did_you_mean
+
+        flag = word.split("=", 1)[0]
+        return did_you_mean(flag, [o for o in self._option_string_actions if o.startswith("--")])
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        """One line: what is wrong, and where the command's options are listed (exit 2)."""
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+def build_parser(parser_class: type[argparse.ArgumentParser] = Parser):
     """The whole command line; ``parser_class`` (for every subcommand too) lets the Python API
     turn a bad option into an exception instead of an exit."""
     parser = parser_class(
@@ -262,12 +301,13 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _config_path(config: Path | None) -> Path | None:
-    """``config`` as given, or the bundled preset of that name when no such file exists."""
-    if config is None or config.exists():
+    """``config`` as given, or the bundled preset of that name when no such file exists (neither:
+    one sentence, with the nearest preset's name)."""
+    if config is None:
         return config
-    from isotui.presets import find_preset
+    from isotui.presets import config_or_preset
 
-    return find_preset(str(config)) or config
+    return config_or_preset(config)
 
 
 def _cmd_run(args: argparse.Namespace, err) -> int:

@@ -239,6 +239,16 @@ class _DigestMemo:
                     os.unlink(tmp)
 
 
+def check_name(name: str) -> ModelRef:
+    """What a model name alone tells, at once (no torch, transformers or network): its form, a
+    missing folder, and, offline, a hub id missing from the local cache (with the nearest name
+    isotui knows: ``minlm`` -> did you mean minilm?)."""
+    ref = parse_model(name)
+    if ref.kind == "hub" and hub.offline():
+        hub.resolve_commit(ref.source, ref.revision)
+    return ref
+
+
 def parse_model(name: str) -> ModelRef:
     """Parse a user's model name; raise :class:`IsotuiError` with one sentence if it is none."""
     text = name.strip()
