@@ -114,3 +114,43 @@ def test_the_app_says_a_typo_at_once_and_does_not_keep_it(tmp_path):
     assert any("did you mean minilm?" in n for n in notes), notes
     saved = tomllib.loads((settings_path().parent / "session.toml").read_text())
     assert "selected" not in saved
+
+
+def test_the_options_dialog_takes_a_typed_data_path_from_where_the_app_started(tmp_path, monkeypatch):
+    """Issue 29 item 4: not from the settings file's folder; a missing one names the folder."""
+    import json
+
+    from textual.widgets import Input, Static
+
+    from isotui.settings import settings_path
+    from isotui.tui.app import IsotuiApp
+    from isotui.tui.options import OptionsScreen
+
+    from .conftest import corpus
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "corpus.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in corpus(4)))
+    monkeypatch.chdir(work)
+    assert settings_path().parent != work
+    errors: list[str] = []
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache")
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.press("o")
+            screen = app.screen
+            assert isinstance(screen, OptionsScreen)
+            screen.query_one("#opt-data", Input).value = "jsonl:nope.jsonl:body"
+            await pilot.press("ctrl+s")
+            assert app.screen is screen
+            errors.append(str(screen.query_one("#options-error", Static).render()))
+            screen.query_one("#opt-data", Input).value = "jsonl:corpus.jsonl:body"
+            await pilot.press("ctrl+s")
+            assert app.screen is not screen, str(screen.query_one("#options-error", Static).render())
+            return app.spec_defaults["data"], app.spec_for("minilm").data
+
+    data, spec = asyncio.run(scenario())
+    assert f"relative paths start from {work}, where isotui was started" in " ".join(errors[0].split())
+    assert data == f"jsonl:{work / 'corpus.jsonl'}:body"  # kept whole: the session restores it as is
+    assert spec.path == str(work / "corpus.jsonl") and spec.field == "body"

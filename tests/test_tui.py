@@ -107,8 +107,7 @@ def test_a_bad_model_is_a_notification_and_nothing_is_lost(tmp_path, tiny_models
                 why=lambda: f"{notes}",
             )
             states = {r.model: r.state for r in app.query_one("#jobs", JobsTable).records.values()}
-            assert states == {str(tiny_models["bert"]): "done"}  # offline, said when typed: no job
-            assert app.selected == str(tiny_models["bert"])  # the typo is not selected
+            assert states == {str(tiny_models["bert"]): "done", "no-such-org/no-such-model": "failed"}
             assert list(app.results) == [str(tiny_models["bert"])]
             assert app.comparison == [str(tiny_models["bert"])]
             assert app.cache.entries()
