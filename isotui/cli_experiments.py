@@ -275,7 +275,8 @@ def collect(
     name = "run" if experiment.command == "run" else experiment.name
     outcome = Outcome(name, [], [], {}, total=total, what=experiment.what)
     failures = ModelFailures(outcome, on_error)
-    progress = view.progress or _progress
+    # the Python API's bar in a notebook (isotui.api.tqdm_bar), a view's own, or the CLI's
+    progress = getattr(args, "progress_bar", None) or view.progress or _progress
     highlight = None if view.highlight else False
 
     def one(request: Any) -> Any:
