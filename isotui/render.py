@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from rich.table import Table
 from rich.text import Text
 
@@ -77,13 +78,25 @@ def _spearman_p(d) -> str:
     return p
 
 
-def _rogue(text: str) -> str:
-    """``63:0.4497|383:0.0881`` -> ``63:.45 383:.09`` (the CSV keeps full precision)."""
+def _rogue(text: str, shape: Sequence[int] | None = None) -> str:
+    """``63:0.4497|383:0.0881`` -> ``63:.45 383:.09`` (the CSV keeps full precision). A flattened
+    conv map's dimension (``shape``: its C, H, W) is named by channel and position, ``c12@(3,4)``,
+    with its share in two significant digits (one of d ~ 10^5 dimensions carries ~1e-5)."""
     parts = []
     for item in filter(None, text.split("|")):
         dim, _, share = item.partition(":")
-        parts.append(f"{dim}:{float(share):.2f}".replace(":0.", ":.").replace(":-0.", ":-."))
+        if shape is None:
+            parts.append(f"{dim}:{float(share):.2f}".replace(":0.", ":.").replace(":-0.", ":-."))
+            continue
+        c, y, x = (int(v) for v in np.unravel_index(int(dim), tuple(shape)))
+        parts.append(f"c{c}@({y},{x}):{float(share):.2g}")
     return " ".join(parts)
+
+
+def _map_shape(result: ModelResult, r: LayerRow) -> Sequence[int] | None:
+    """The (C, H, W) of row ``r``'s flattened map, when its vectors are one (else None)."""
+    shapes = (result.meta.get("map_shapes") or {}).get(r.component) or []
+    return shapes[r.layer] if r.layer < len(shapes) else None
 
 
 def _avg_cos(r: LayerRow) -> Text:
@@ -169,7 +182,13 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
         rogue = c.header.startswith("rogue")
         table.add_column(c.header, justify="left" if rogue else "right", no_wrap=rogue)
     for r in result.rows:
-        table.add_row(*(c.cell(r) for c in columns))
+        shape = _map_shape(result, r)
+        table.add_row(
+            *(
+                _rogue(r.rogue_dims, shape) if c.field == "top_rogue_share" and shape else c.cell(r)
+                for c in columns
+            )
+        )
     notes = [null_note(result.rows)]
     if len(columns) < len(COLUMNS):
         notes.append("(narrow terminal: some columns hidden; --csv has them all)")
