@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isotui.cli import Parser
 from isotui.errors import IsotuiError
 
 # API keywords that are not the command's flags, and flags the API spells differently
@@ -78,9 +80,9 @@ class Result:
 
     def show(self, console=None) -> None:
         """Print the tables the CLI prints (to ``console``, default a new rich console)."""
-        from rich.console import Console
+        from isotui.terminal import console as new_console
 
-        console = console or Console()
+        console = console or new_console()
         for table in self.tables:
             console.print(table)
 
@@ -89,9 +91,9 @@ class Result:
 
     def _repr_html_(self) -> str:
         """Jupyter shows the tables, coloured as in the terminal."""
-        from rich.console import Console
+        from isotui.terminal import console as new_console
 
-        console = Console(record=True, width=200, file=io.StringIO())
+        console = new_console(record=True, width=200, file=io.StringIO())
         self.show(console)
         return console.export_html(inline_styles=True)
 
@@ -138,13 +140,14 @@ def run(
     shard: str | None = None,
     cache: bool = True,
     cache_dir: str | Path | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> Result | Results:
     """Layer-wise anisotropy, as ``isotui run`` (same defaults: ``data`` builtin, the model's
     length limit up to 512, 4096-vector reservoir, seed 0, ...; ``config`` a TOML file or preset
     whose settings the keywords override). One model name gives a :class:`Result`; a list gives
-    :class:`Results`, one per model. ``cache=False`` recomputes and stores nothing;
-    ``progress=True`` draws the CLI's progress bar on stderr. ``shard="I/K"``: one slice of a
+    :class:`Results`, one per model. ``cache=False`` recomputes and stores nothing; progress shows
+    where a person is watching (see :func:`watching`), ``progress=False`` silences it and
+    ``progress=True`` shows it anywhere. ``shard="I/K"``: one slice of a
     sharded run (``--shard``), an empty result until the shard that merges all K.
     ``device_map="auto"`` with ``max_memory="0=70GiB,cpu=200GiB"`` (or ``{0: "70GiB", "cpu": ...}``):
     the model across devices through accelerate (``--device-map``, ``--max-memory``)."""
@@ -171,7 +174,9 @@ def run(
     return _per_model("run", model, options, positional, cache=cache, progress=progress)
 
 
-def experiment(name: str, *, cache: bool = True, progress: bool = False, **options: Any) -> Result | Results:
+def experiment(
+    name: str, *, cache: bool = True, progress: bool | None = None, **options: Any
+) -> Result | Results:
     """One of the experiments of ``isotui experiment NAME`` (attention, final-norm, gradients,
     qk-dynamics, checkpoints, drift-block), with its flags as keywords (``max_samples=200``,
     ``every_layer=True``, ``checkpoints=["step1000", "step2000"]``...). Experiments over models
@@ -226,10 +231,65 @@ def load(key: str, cache_dir: str | Path | None = None) -> Result:
     return Result(command, models, exp.rows(results), exp.payload(results), results, tables)
 
 
+# --- progress where a person is watching ---------------------------------------------------------
+
+
+def watching() -> str | None:
+    """Where the default progress goes: ``"notebook"`` in Jupyter (or Colab...: tqdm's notebook
+    bar when tqdm is installed, else rich's), ``"terminal"`` when stderr is a terminal (the CLI's
+    bar), None when output goes to files or pipes (a script's log: nothing)."""
+    import sys
+
+    from isotui.terminal import console
+
+    if console(stderr=True).is_jupyter:
+        return "notebook"
+    isatty = getattr(sys.stderr, "isatty", None)
+    return "terminal" if isatty is not None and isatty() else None
+
+
+def _has_tqdm() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("tqdm.auto") is not None
+    except (ImportError, ValueError):  # a stand-in module without a spec
+        return False
+
+
+@contextmanager
+def tqdm_bar(_err: Any, name: str, _args: Any) -> Iterator[Callable[[Any], None]]:
+    """A job's progress as a tqdm bar (``tqdm.auto``: the notebook's widget where it can): samples
+    while running, layers while finalising, the CLI's status words beside it."""
+    from tqdm.auto import tqdm
+
+    from isotui.cli import progress_status
+
+    bar = tqdm(total=None, desc=name, unit="sample", leave=False, dynamic_ncols=True)
+
+    def on_progress(ev: Any) -> None:
+        if ev.message:
+            bar.write(f"{name}: {ev.message}")
+            return
+        finalising = ev.phase == "finalising"
+        total = (ev.layers_total if finalising else ev.samples_total) or None
+        if total != bar.total:
+            bar.reset(total=total)
+            bar.unit = "layer" if finalising else "sample"
+        bar.n = ev.layers_done if finalising else ev.samples_done
+        bar.set_postfix_str(progress_status(ev), refresh=False)
+        bar.refresh()
+
+    try:
+        yield on_progress
+    finally:
+        bar.close()
+
+
 # --- the command line's path -----------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(Parser):
     """The CLI's parser, saying a bad option as an :class:`IsotuiError` instead of exiting."""
 
     def error(self, message: str):  # type: ignore[override]
@@ -290,11 +350,12 @@ def _per_model(command: str, model, options: dict[str, Any], positional: list[st
     )
 
 
-def _call(command: str, options: dict[str, Any], positional: list[str], *, cache: bool, progress: bool):
+def _call(
+    command: str, options: dict[str, Any], positional: list[str], *, cache: bool, progress: bool | None
+):
     """Parse ``options`` as the command's flags and run the command's ``collect``."""
-    from rich.console import Console
-
     from isotui.cli import build_parser
+    from isotui.terminal import console
 
     words = ["run"] if command == "run" else ["experiment", command]
     root = build_parser(parser_class=_Parser)
@@ -303,10 +364,13 @@ def _call(command: str, options: dict[str, Any], positional: list[str], *, cache
     argv = [*positional, *_argv(parser, what, options)]
     if not cache and any("--no-cache" in a.option_strings for a in parser._actions):
         argv.append("--no-cache")
-    if not progress:
+    shown = None if progress is False else watching() or ("terminal" if progress else None)
+    if shown is None:
         argv.append("--quiet")
     args = root.parse_args([*words, *argv])
-    err = Console(stderr=True, soft_wrap=True)
+    err = console(stderr=True, soft_wrap=True)
+    if shown == "notebook" and _has_tqdm():
+        args.progress_bar = tqdm_bar
     if command == "run":
         from isotui.cli import collect_run
 

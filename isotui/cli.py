@@ -29,9 +29,9 @@ def exit_code(outcome, err) -> int:
     failed = [name for name, _ in outcome.failed]
     total = outcome.total or len(failed) + len(outcome.results)
     if failed and total > 1:
-        err.print(
-            f"isotui: {len(failed)} of {total} {outcome.what} failed: {', '.join(failed)}", highlight=False
-        )
+        from isotui.terminal import plain
+
+        err.print(plain(f"isotui: {len(failed)} of {total} {outcome.what} failed: {', '.join(failed)}"))
     return EXIT_INTERNAL if outcome.internal else EXIT_BAD_INPUT if failed else 0
 
 
@@ -39,13 +39,15 @@ def stdout_console():
     """The console for results: full-width tables when piped, not an 80-column squeeze."""
     from rich.console import Console
 
+    from isotui.terminal import console
+
     class Out(Console):
         def on_broken_pipe(self) -> None:  # rich would exit 1; main() ends quietly instead
             self.quiet = True
             raise BrokenPipeError
 
-    out = Out()
-    return out if out.is_terminal else Out(width=200)
+    out = console(Out)
+    return out if out.is_terminal else console(Out, width=200)
 
 
 def add_run_flags(p: argparse.ArgumentParser, command: str = "run") -> None:
@@ -59,6 +61,8 @@ def add_run_flags(p: argparse.ArgumentParser, command: str = "run") -> None:
             kwargs.update(action="store_true", default=None)
         if option.choices:
             kwargs["choices"] = list(option.choices)
+        if option.aliases:  # checked against the choices after this
+            kwargs["type"] = option.unalias
         if option.metavar:
             kwargs["metavar"] = option.metavar
         p.add_argument(option.flag, **kwargs)
@@ -118,7 +122,44 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     add_dry_run_flag(p)
 
 
-def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """argparse as isotui answers: an option it does not know is said by the subcommand it was
+    given to (``isotui run: ...``), with the nearest option it has (``--max-sampels``: did you
+    mean --max-samples?); a bad value is one line naming the command's ``--help``, not its
+    whole usage."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self.chosen(parsed)
+            guesses = [command.option_guess(word) for word in extras if word.startswith("-")]
+            said = "; ".join(g for g in guesses if g)
+            command.error(f"unrecognized arguments: {' '.join(extras)}" + (f"; {said}" if said else ""))
+        return parsed
+
+    def chosen(self, parsed: argparse.Namespace) -> Parser:
+        """The innermost subcommand ``parsed`` went to (``isotui experiment attention``)."""
+        parser: Parser = self
+        while True:
+            sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            name = getattr(parsed, sub.dest, None) if sub is not None else None
+            if sub is None or name not in sub.choices:
+                return parser
+            parser = sub.choices[name]
+
+    def option_guess(self, word: str) -> str:
+        """``did you mean --max-samples?`` for an option this command lacks (``""``: no guess)."""
+        from isotui.suggest import did_you_mean
+
+        flag = word.split("=", 1)[0]
+        return did_you_mean(flag, [o for o in self._option_string_actions if o.startswith("--")])
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        """One line: what is wrong, and where the command's options are listed (exit 2)."""
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+def build_parser(parser_class: type[argparse.ArgumentParser] = Parser):
     """The whole command line; ``parser_class`` (for every subcommand too) lets the Python API
     turn a bad option into an exception instead of an exit."""
     parser = parser_class(
@@ -177,9 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     freeze_heap_at_exit()
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: `isotui figure` records it
-    from rich.console import Console
+    from isotui.terminal import console
 
-    err = Console(stderr=True, soft_wrap=True)  # one sentence stays one line
+    err = console(stderr=True, soft_wrap=True)  # one sentence stays one line
     try:
         if args.command == "run":
             return _cmd_run(args, err)
@@ -218,8 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if os.environ.get("ISOTUI_DEBUG"):
             raise
+        from isotui.terminal import literal
+
         err.print(
-            f"[bold red]isotui: internal error:[/] {type(exc).__name__}: {exc} "
+            f"[bold red]isotui: internal error:[/] {type(exc).__name__}: {literal(exc)} "
             "(set ISOTUI_DEBUG=1 for the traceback)",
             highlight=False,
         )
@@ -258,12 +301,13 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _config_path(config: Path | None) -> Path | None:
-    """``config`` as given, or the bundled preset of that name when no such file exists."""
-    if config is None or config.exists():
+    """``config`` as given, or the bundled preset of that name when no such file exists (neither:
+    one sentence, with the nearest preset's name)."""
+    if config is None:
         return config
-    from isotui.presets import find_preset
+    from isotui.presets import config_or_preset
 
-    return find_preset(str(config)) or config
+    return config_or_preset(config)
 
 
 def _cmd_run(args: argparse.Namespace, err) -> int:
@@ -304,15 +348,15 @@ def _write_wide_csv(outcome, args: argparse.Namespace, err) -> None:
 
         names, rows = wide_rows(outcome.results, _wide_metric(args))
         dicts = [{"component": r[0], "layer": r[1], **dict(zip(names, r[2:], strict=True))} for r in rows]
-        err.print(f"wrote {write_dicts_csv(dicts, Path(args.wide_csv))}")
+        err.print(f"wrote {write_dicts_csv(dicts, Path(args.wide_csv))}", markup=False)
 
 
 def print_error(err, text: str) -> None:
     """A model's failure, as the one sentence the command prints before going on (as written:
     ``[serve]`` or ``[run]`` in it is text, not Rich markup)."""
-    from rich.markup import escape
+    from isotui.terminal import literal
 
-    err.print(f"[bold red]isotui: error:[/] {escape(text)}", highlight=False)
+    err.print(f"[bold red]isotui: error:[/] {literal(text)}", highlight=False)
 
 
 def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=None, on_error=None):
@@ -396,11 +440,12 @@ def progress_printer(err, name: str, *, quiet: bool, verbose: bool = False):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from isotui.extract.progress import Progress as Event
+    from isotui.terminal import literal
 
-    columns = (
-        TextColumn("[bold]{task.description}"),
+    columns = (  # the name and the status as typed: no markup or emoji codes read in them
+        TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
-        TextColumn("{task.fields[status]}"),
+        TextColumn("{task.fields[status]}", markup=False),
         TimeElapsedColumn(),
     )
     started = time.perf_counter()
@@ -410,13 +455,14 @@ def progress_printer(err, name: str, *, quiet: bool, verbose: bool = False):
 
         def on_progress(ev: Event) -> None:
             if ev.message:
-                bar.console.print(f"[yellow]{name}: {ev.message}[/]", highlight=False)
+                bar.console.print(f"[yellow]{literal(name)}: {literal(ev.message)}[/]", highlight=False)
                 return
             phase = ev.phase or "running"
             if verbose and phase not in seen:
                 seen.append(phase)
                 line = f"{name}: {phase}: {progress_status(ev)}" if ev.phase else f"{name}: running"
-                bar.console.print(f"[dim]{time.perf_counter() - started:7.1f} s  {line}[/]", highlight=False)
+                elapsed = time.perf_counter() - started
+                bar.console.print(f"[dim]{elapsed:7.1f} s  {literal(line)}[/]", highlight=False)
             total: int | None
             if phase == "finalising":
                 total, completed = ev.layers_total, ev.layers_done
@@ -434,6 +480,7 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
 
     from isotui.paths import cache_dir
     from isotui.store.cache import ResultCache
+    from isotui.terminal import plain
 
     cache = ResultCache(cache_dir(args.cache_dir))
     out = stdout_console()
@@ -443,21 +490,24 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
     scan = cache.scan()
     if args.cache_command == "ls":
         if not scan.entries:
-            out.print(f"no cached runs in {cache.root}")
+            out.print(f"no cached runs in {cache.root}", markup=False)
         else:
-            table = Table(title=f"cached runs in {cache.root}", title_justify="left")
-            for col in ("key", "model", "data", "samples", "max len", "dtype", "special", "seed"):
-                table.add_column(col)
+            title = plain(f"cached runs in {cache.root}", style="table.title")
+            table = Table(title=title, title_justify="left")
+            params = [_run_params(e.path) for e in scan.entries]
+            # every setting in the key; a column only some runs set (tokenizer, map units) only then
+            shown = [c for c in RUN_KEY_COLUMNS if c[0] in ALWAYS_SHOWN or any(p.get(c[0]) for p in params)]
+            for col in ("key", "model", "data", "samples", *(header for _, header in shown)):
+                table.add_column(col, overflow="fold")  # a long name whole: its end may be what differs
             table.add_column("created")
             table.add_column("size")
-            for e in scan.entries:
-                params = _run_params(e.path)
+            for e, p in zip(scan.entries, params, strict=True):
                 table.add_row(
                     e.key[:12],
-                    e.model,
-                    e.data,
+                    plain(e.model),
+                    plain(e.data),
                     str(e.n_samples),
-                    *(params.get(k, "") for k in ("max_length", "dtype", "special_tokens", "seed")),
+                    *(plain(p.get(k, "")) for k, _ in shown),
                     e.created,
                     f"{e.size_bytes / 1024:.0f} KiB",
                 )
@@ -467,7 +517,8 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
         if skipped:
             err.print(
                 f"skipped {skipped} file(s) in {cache.root} that vanished while listing or are not "
-                "readable isotui entries"
+                "readable isotui entries",
+                markup=False,
             )
         return 0
     if not args.all and not args.keys:
@@ -533,6 +584,7 @@ def _print_partial_runs(out, root: Path) -> None:
     from rich.table import Table
 
     from isotui.experiments.shards import partial_runs
+    from isotui.terminal import plain
 
     runs = partial_runs(root)
     if not runs:
@@ -543,8 +595,8 @@ def _print_partial_runs(out, root: Path) -> None:
     for r in runs:
         table.add_row(
             r.key[:12],
-            r.model,
-            r.data,
+            plain(r.model),
+            plain(r.data),
             f"{len(r.have)} of {r.count}",
             ", ".join(map(str, r.have)),
             str(r.n_samples),
@@ -554,9 +606,26 @@ def _print_partial_runs(out, root: Path) -> None:
     out.print(table)
 
 
+# ``cache ls``: the settings in a run's cache key besides model and data (experiments/layerwise.py
+# ``prepare``), as (meta field, column header); the last two are in the key only when set
+RUN_KEY_COLUMNS = (
+    ("max_length", "max len"),
+    ("dtype", "dtype"),
+    ("special_tokens", "special"),
+    ("seed", "seed"),
+    ("reservoir", "reservoir"),
+    ("exact", "exact"),
+    ("tokenizer", "tokenizer"),
+    ("map_units", "map units"),
+)
+ALWAYS_SHOWN = ("max_length", "dtype", "special_tokens", "seed", "reservoir", "exact")
+
+
 def _run_params(path: Path) -> dict[str, str]:
-    """The settings that tell two entries of one model and data apart (``cache ls``): max length
-    (``-`` for images and audio), dtype, special tokens and seed, from the entry's header."""
+    """The settings that tell two entries of one model and data apart (``cache ls``), from the
+    entry's header: every one in its key (:data:`RUN_KEY_COLUMNS`); ``-`` where the data makes
+    one meaningless (max length and special tokens of images and audio), ``""`` where an older
+    entry did not record it (its tokenizer)."""
     from isotui.store.cache import ResultCache
 
     try:
@@ -564,11 +633,16 @@ def _run_params(path: Path) -> dict[str, str]:
     except Exception:  # an unreadable entry is listed as such already
         return {}
     modality = meta.get("modality", "text")
+    reservoir = meta.get("reservoir")
     return {
         "max_length": str(meta.get("max_length") or "-") if modality == "text" else "-",
         "dtype": str(meta.get("dtype", "")),
         "special_tokens": str(meta.get("special_tokens", "")) if modality == "text" else "-",
         "seed": str(meta.get("seed", "")),
+        "reservoir": f"{reservoir:,}" if isinstance(reservoir, int) else "",
+        "exact": "yes" if meta.get("exact") else "no",
+        "tokenizer": str(meta.get("tokenizer") or ""),
+        "map_units": str(meta.get("map_units") or "") if modality == "image" else "",
     }
 
 
@@ -606,9 +680,9 @@ def _cmd_show(args: argparse.Namespace, err) -> int:
     out = stdout_console()
     out.print(result_table(result, out.width))
     if args.csv:
-        err.print(f"wrote {write_csv([result], Path(args.csv))}")
+        err.print(f"wrote {write_csv([result], Path(args.csv))}", markup=False)
     if args.json:
-        err.print(f"wrote {write_json([result], Path(args.json))}")
+        err.print(f"wrote {write_json([result], Path(args.json))}", markup=False)
     return 0
 
 
@@ -632,7 +706,8 @@ def _print_experiment_entries(out, root: Path) -> int:
         if scan.entries:
             size = sum(e.size_bytes for e in scan.entries) / (1 << 20)
             out.print(
-                f"{folder}: {len(scan.entries)} cached result(s), {size:.1f} MiB in {Path(root) / folder}"
+                f"{folder}: {len(scan.entries)} cached result(s), {size:.1f} MiB in {Path(root) / folder}",
+                markup=False,
             )
     return skipped
 

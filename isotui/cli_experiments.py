@@ -107,7 +107,12 @@ def dry_run(experiment: Experiment, args: argparse.Namespace, err: Any) -> int:
     assert experiment.plan is not None
     experiment.check(args)
     entries = []
-    for request in make_requests(experiment, args, lambda text: err.print(f"[yellow]isotui: {text}[/]")):
+    from isotui.terminal import literal
+
+    def notice(text: str) -> None:
+        err.print(f"[yellow]isotui: {literal(text)}[/]", highlight=False)
+
+    for request in make_requests(experiment, args, notice):
         heading = f"{request.model}: memory plan of {experiment.name} (dry run, no weights read)"
         label = request.model
         if experiment.inputs == "series":
@@ -158,9 +163,9 @@ def report(outcome: Outcome, args: argparse.Namespace, err: Any) -> int:
     from isotui.store.export import write_dicts_csv, write_payload_json
 
     if outcome.results and getattr(args, "csv", None):
-        err.print(f"wrote {write_dicts_csv(outcome.rows, Path(args.csv))}")
+        err.print(f"wrote {write_dicts_csv(outcome.rows, Path(args.csv))}", markup=False)
     if outcome.results and getattr(args, "json", None):
-        err.print(f"wrote {write_payload_json(outcome.payload, Path(args.json))}")
+        err.print(f"wrote {write_payload_json(outcome.payload, Path(args.json))}", markup=False)
     return exit_code(outcome, err)
 
 
@@ -253,13 +258,14 @@ def collect(
     from isotui.experiments.base import Context, flatten
     from isotui.paths import cache_dir
     from isotui.results import ModelFailures, Outcome
+    from isotui.terminal import literal
     from isotui.views import view_of
 
     view = view_of(experiment.view)
     experiment.check(args)
 
     def notice(text: str) -> None:
-        err.print(f"[yellow]isotui: {text}[/]", highlight=False)
+        err.print(f"[yellow]isotui: {literal(text)}[/]", highlight=False)
 
     if requests is None:
         requests = make_requests(experiment, args, notice)
@@ -269,7 +275,8 @@ def collect(
     name = "run" if experiment.command == "run" else experiment.name
     outcome = Outcome(name, [], [], {}, total=total, what=experiment.what)
     failures = ModelFailures(outcome, on_error)
-    progress = view.progress or _progress
+    # the Python API's bar in a notebook (isotui.api.tqdm_bar), a view's own, or the CLI's
+    progress = getattr(args, "progress_bar", None) or view.progress or _progress
     highlight = None if view.highlight else False
 
     def one(request: Any) -> Any:
@@ -296,7 +303,7 @@ def collect(
         outcome.results += flatten([result])
         note = view.note(result, args) if view.note else None
         if note:
-            err.print(note, highlight=highlight)
+            err.print(note, highlight=highlight, markup=False)
         for table in view.tables(result, args, width):
             outcome.tables.append(table)
             if on_table:

@@ -77,6 +77,7 @@ def main(args: argparse.Namespace, err: Any) -> int:
             f"{', '.join(names)}; run the sweep again to "
             "retry them (the rest is cached)",
             highlight=False,
+            markup=False,
         )
         crashed = any(t.crashed for t in failed)
         return 1 if crashed else max(code, EXIT_BAD_INPUT)
@@ -96,12 +97,13 @@ def _run_tasks(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from isotui.cli import print_error
+    from isotui.terminal import literal
 
-    columns = (
-        TextColumn("[bold]{task.description}"),
+    columns = (  # task names as typed: no markup or emoji codes read in them
+        TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
+        TextColumn("{task.fields[status]}", markup=False),
         TimeElapsedColumn(),
     )
     failed: list[TaskResult] = []
@@ -109,7 +111,7 @@ def _run_tasks(
         bar_id = bar.add_task("sweep", total=len(tasks) + already, completed=already, status="")
 
         def say(text: str) -> None:
-            bar.console.print(f"[yellow]isotui: {text}[/]", highlight=False)
+            bar.console.print(f"[yellow]isotui: {literal(text)}[/]", highlight=False)
 
         def done(result: TaskResult) -> None:
             if not result.ok:

@@ -40,6 +40,28 @@ def presets() -> list[Preset]:
     return out
 
 
+def config_or_preset(config: Path) -> Path:
+    """``isotui run CONFIG``: the file ``config``, else the bundled preset of that name; when
+    neither exists, one sentence with the preset nearest in spelling, if any, and where presets
+    are listed."""
+    from isotui.suggest import did_you_mean
+
+    if config.exists():
+        return config
+    found = find_preset(str(config))
+    if found is not None:
+        return found
+    text = str(config)
+    if "/" in text or text.endswith(".toml"):  # meant as a file
+        raise IsotuiError(f"config file {config} does not exist")
+    names = [p.stem for p in sorted(resource_dir("sample_configs").glob("*.toml"))]
+    guess = did_you_mean(text, names)
+    raise IsotuiError(
+        f"no config file or preset named {text!r}; "
+        + (f"{guess} (`isotui models` lists the presets)" if guess else "`isotui models` lists the presets")
+    )
+
+
 def find_preset(name: str) -> Path | None:
     """The bundled preset called ``name`` (file stem, with or without .toml), if there is one."""
     stem = name.removesuffix(".toml")

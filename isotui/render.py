@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rich.markup import escape
+import numpy as np
 from rich.table import Table
 from rich.text import Text
 
 from isotui.core.correlation import MC_PERMUTATIONS
 from isotui.core.sampled import SE_DOF, SE_GROUPS, jackknife_t
 from isotui.results import METRIC, METRICS, SE_FIELDS, LayerRow, Metric, ModelResult, own_directions
+from isotui.terminal import literal, markup, plain
 
 
 def amount(meta: dict[str, Any]) -> str:
@@ -115,13 +116,25 @@ def _spearman_p(d) -> str:
     return p
 
 
-def _rogue(text: str) -> str:
-    """``63:0.4497|383:0.0881`` -> ``63:.45 383:.09`` (the CSV keeps full precision)."""
+def _rogue(text: str, shape: Sequence[int] | None = None) -> str:
+    """``63:0.4497|383:0.0881`` -> ``63:.45 383:.09`` (the CSV keeps full precision). A flattened
+    conv map's dimension (``shape``: its C, H, W) is named by channel and position, ``c12@(3,4)``,
+    with its share in two significant digits (one of d ~ 10^5 dimensions carries ~1e-5)."""
     parts = []
     for item in filter(None, text.split("|")):
         dim, _, share = item.partition(":")
-        parts.append(f"{dim}:{float(share):.2f}".replace(":0.", ":.").replace(":-0.", ":-."))
+        if shape is None:
+            parts.append(f"{dim}:{float(share):.2f}".replace(":0.", ":.").replace(":-0.", ":-."))
+            continue
+        c, y, x = (int(v) for v in np.unravel_index(int(dim), tuple(shape)))
+        parts.append(f"c{c}@({y},{x}):{float(share):.2g}")
     return " ".join(parts)
+
+
+def _map_shape(result: ModelResult, r: LayerRow) -> Sequence[int] | None:
+    """The (C, H, W) of row ``r``'s flattened map, when its vectors are one (else None)."""
+    shapes = (result.meta.get("map_shapes") or {}).get(r.component) or []
+    return shapes[r.layer] if r.layer < len(shapes) else None
 
 
 def _avg_cos(r: LayerRow) -> Text:
@@ -196,9 +209,10 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
     """The per-layer table of one model, with the isotropic null and final-norm marks."""
     meta = result.meta
     source = "cache" if result.from_cache else f"{total_seconds(meta):.1f} s"
-    title = (
-        f"[bold]{escape(result.model)}[/]  {escape(str(meta.get('data')))}  {amount(meta)}  "
-        f"{meta.get('dtype')} on {meta.get('device')}  ({source})"
+    title = markup(
+        f"[bold]{literal(result.model)}[/]  {literal(meta.get('data'))}  {amount(meta)}  "
+        f"{meta.get('dtype')} on {meta.get('device')}  ({source})",
+        style="table.title",
     )
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
     columns = [c for c in COLUMNS if c.min_width <= width]
@@ -206,7 +220,13 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
         rogue = c.header.startswith("rogue")
         table.add_column(c.header, justify="left" if rogue else "right", no_wrap=rogue)
     for r in result.rows:
-        table.add_row(*(c.cell(r) for c in columns))
+        shape = _map_shape(result, r)
+        table.add_row(
+            *(
+                _rogue(r.rogue_dims, shape) if c.field == "top_rogue_share" and shape else c.cell(r)
+                for c in columns
+            )
+        )
     notes = [null_note(result.rows)]
     if mean_note := null_mean_note(result.rows):
         notes.append(mean_note)
@@ -227,7 +247,7 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
     timing = timing_note(meta, result.write_seconds)
     if timing:
         notes.append(timing if not result.from_cache else f"time when computed: {timing[6:]}")
-    table.caption = "\n".join(notes)
+    table.caption = plain("\n".join(notes), style="table.caption")
     table.caption_justify = "left"
     return table
 
@@ -261,7 +281,7 @@ def wide_table(results: list[ModelResult], metric: str = "avg_cos", width: int =
     table.add_column("layer", justify="right", no_wrap=True)
     cell = max(8, min(24, (width - 10) // max(1, len(models)) - 3))
     for model in models:
-        table.add_column(escape(shorten(model, cell)), justify="right", overflow="fold")
+        table.add_column(plain(shorten(model, cell)), justify="right", overflow="fold")
     digits = METRIC[metric].digits
     for component, layer, *cells in rows:
         label = str(layer) if not many and component == "model" else f"{component} {layer}"

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.cells import cell_len
-from rich.markup import escape
 from rich.table import Table
 
 from isotui.experiments.attention import AttentionResult, summarize
 from isotui.render import DUPLICATE_MARK, _f, amount, duplicates_caption, shorten
+from isotui.terminal import literal, markup, plain
 
 
 def _site(component: str, layer: int, attention: str, many: bool) -> str:
@@ -86,9 +86,10 @@ def attention_table(result: AttentionResult, width: int = 200, *, per_head: bool
     are dropped by priority on narrow terminals, as in the layer table."""
     meta = result.meta
     source = "cache" if result.from_cache else f"{meta.get('seconds', 0):.1f} s"
-    title = (
-        f"[bold]{escape(shorten(result.model, 60))}[/]  attention  {escape(str(meta.get('data')))}  "
-        f"{amount(meta)}  {meta.get('dtype')} on {meta.get('device')}  ({source})"
+    title = markup(
+        f"[bold]{literal(shorten(result.model, 60))}[/]  attention  {literal(meta.get('data'))}  "
+        f"{amount(meta)}  {meta.get('dtype')} on {meta.get('device')}  ({source})",
+        style="table.title",
     )
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
     many = len({m["component"] for m in result.modules()}) > 1
@@ -136,7 +137,7 @@ def attention_table(result: AttentionResult, width: int = 200, *, per_head: bool
         hidden = ", ".join(c.header for c in possible if c not in columns)
         notes.append(f"(narrow terminal: {hidden} hidden; --csv has them all)")
     notes.extend(meta.get("notes", []))
-    table.caption = "\n".join(notes)
+    table.caption = plain("\n".join(notes), style="table.caption")
     table.caption_justify = "left"
     return table
 
@@ -154,8 +155,11 @@ def dynamics_tables(result) -> list[Table]:
     ):
         values = result.layer_means(attr)
         table = Table(
-            title=f"[bold]{escape(shorten(result.series, 60))}[/]  {name} per layer, heads averaged  "
-            f"{escape(str(result.meta.get('data')))}, {result.meta.get('n_samples')} samples",
+            title=markup(
+                f"[bold]{literal(shorten(result.series, 60))}[/]  {name} per layer, heads averaged  "
+                f"{literal(result.meta.get('data'))}, {result.meta.get('n_samples')} samples",
+                style="table.title",
+            ),
             title_justify="left",
             header_style="bold",
             pad_edge=False,
@@ -167,12 +171,14 @@ def dynamics_tables(result) -> list[Table]:
         for i, ckpt in enumerate(result.checkpoints):
             mark = DUPLICATE_MARK if ckpt.duplicate_of else ""
             table.add_row(
-                escape(shorten(ckpt.label, 28)) + mark, str(steps[i]), *(_f(v, digits) for v in values[i])
+                plain(shorten(ckpt.label, 28) + mark), str(steps[i]), *(_f(v, digits) for v in values[i])
             )
         tables.append(table)
-    tables[-1].caption = (
+    tables[-1].caption = plain(
         "layer L: the attention of the block that outputs hidden-state row L; x: cross-attention; per head "
         "and the 2-D trajectories of Q̄ and K̄: --csv, --plot LAYER:HEAD"
-    ) + escape(duplicates_caption(result.checkpoints))
+        + duplicates_caption(result.checkpoints),
+        style="table.caption",
+    )
     tables[-1].caption_justify = "left"
     return tables

@@ -16,7 +16,7 @@ from typing import Any
 
 from isotui.data.sources import DataSpec, parse_data
 from isotui.errors import IsotuiError
-from isotui.extract.device import DTYPES, validate_device
+from isotui.extract.device import DTYPE_ALIASES, DTYPES, validate_device
 from isotui.extract.memory_plan import DEVICE_MAPS, parse_max_memory
 
 MAP_UNITS = ("auto", "image", "position")
@@ -50,6 +50,11 @@ class RunOption:
     label: str = ""  # its field in the app's options dialog ("": not in the dialog)
     hint: str = ""  # a free-text field's placeholder
     menu: tuple[str, ...] = ()  # a dialog field offering these values (else free text, or on/off)
+    aliases: tuple[tuple[str, str], ...] = ()  # other spellings of choices: ("fp16", "float16")
+
+    def unalias(self, value: Any) -> Any:
+        """``fp16`` -> ``float16``: a choice's other spelling as the choice (else as given)."""
+        return dict(self.aliases).get(value.lower(), value) if isinstance(value, str) else value
 
     @property
     def flag(self) -> str:
@@ -79,8 +84,11 @@ def _count(name: str, allow_none: bool = True) -> Parse:
     return lambda value, _base: _positive(name, value, allow_none)
 
 
-def _choice(name: str, choices: tuple[str, ...], said: str) -> Parse:
+def _choice(
+    name: str, choices: tuple[str, ...], said: str, aliases: tuple[tuple[str, str], ...] = ()
+) -> Parse:
     def parse(value: Any, _base: Path | None) -> str:
+        value = dict(aliases).get(value.lower(), value) if isinstance(value, str) else value
         if value not in choices:
             raise IsotuiError(f"{name} must be {said} (got {value!r})")
         return str(value)
@@ -239,10 +247,11 @@ class RunSpec:
     )
     dtype: str = _option(
         default="auto",
-        help="auto: float32 on CPU, the checkpoint's half dtype on a GPU",
+        help="auto: float32 on CPU, the checkpoint's half dtype on a GPU (fp32, bf16, fp16 also said so)",
         toml=(str,),
-        parse=_choice("dtype", DTYPES, "one of " + ", ".join(DTYPES)),
+        parse=_choice("dtype", DTYPES, "one of " + ", ".join(DTYPES), DTYPE_ALIASES),
         choices=DTYPES,
+        aliases=DTYPE_ALIASES,
         label="dtype",
         menu=DTYPES,
     )

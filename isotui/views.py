@@ -20,6 +20,7 @@ import numpy as np
 from isotui.errors import IsotuiError
 from isotui.figures import draw_trajectory
 from isotui.render import DUPLICATE_MARK, _f, duplicates_caption, shorten
+from isotui.terminal import literal, markup, plain
 
 if TYPE_CHECKING:
     from isotui.experiments.checkpoints import CheckpointSeries
@@ -108,7 +109,6 @@ def _dynamics_tables(result: Any, args: Any, width: int) -> list[Any]:
 def heatmap(result: CheckpointSeries, metric: str) -> Any:
     """A rich table: layers down, checkpoints across, each cell shaded by its value (dark to light
     over the grid's range)."""
-    from rich.markup import escape
     from rich.style import Style
     from rich.table import Table
     from rich.text import Text
@@ -118,8 +118,11 @@ def heatmap(result: CheckpointSeries, metric: str) -> Any:
     lo, hi = (float(finite.min()), float(finite.max())) if len(finite) else (0.0, 1.0)
     meta = result.results[0].meta
     table = Table(
-        title=f"[bold]{escape(shorten(result.series, 50))}[/]  {metric} by layer (rows) and step (columns)  "
-        f"{escape(str(meta.get('data')))}, {meta.get('n_samples')} samples",
+        title=markup(
+            f"[bold]{literal(shorten(result.series, 50))}[/]  {metric} by layer (rows) and step (columns)  "
+            f"{literal(meta.get('data'))}, {meta.get('n_samples')} samples",
+            style="table.title",
+        ),
         title_justify="left",
         header_style="bold",
         pad_edge=False,
@@ -138,10 +141,10 @@ def heatmap(result: CheckpointSeries, metric: str) -> Any:
             fg = "black" if t > 0.55 else "white"
             cells.append(Text(f"{v:.3f}", style=Style(bgcolor=f"rgb({grey},{grey},{grey})", color=fg)))
         table.add_row(label, *cells)
-    table.caption = f"darker = lower, lighter = higher ({lo:.3f} .. {hi:.3f}); columns: " + ", ".join(
+    caption = f"darker = lower, lighter = higher ({lo:.3f} .. {hi:.3f}); columns: " + ", ".join(
         f"{s}={shorten(c.label, 24)}" for s, c in zip(result.steps(), result.checkpoints, strict=True)
     )
-    table.caption += duplicates_caption(result.checkpoints)
+    table.caption = plain(caption + duplicates_caption(result.checkpoints), style="table.caption")
     table.caption_justify = "left"
     return table
 
@@ -154,13 +157,15 @@ def _source(result: FinalNormResult) -> str:
 def final_norm_table(result: FinalNormResult) -> Any:
     """Before/after metrics, then the dimensions that carry avg_cos before the norm."""
     from rich.console import Group
-    from rich.markup import escape
     from rich.table import Table
 
     metrics = Table(
-        title=f"[bold]{escape(result.model)}[/]  {escape(result.module)} ({result.kind})  "
-        f"{escape(str(result.meta.get('data')))}, {result.meta.get('n_samples')} samples  "
-        f"({_source(result)})",
+        title=markup(
+            f"[bold]{literal(result.model)}[/]  {literal(result.module)} ({result.kind})  "
+            f"{literal(result.meta.get('data'))}, {result.meta.get('n_samples')} samples  "
+            f"({_source(result)})",
+            style="table.title",
+        ),
         title_justify="left",
         header_style="bold",
         pad_edge=False,
@@ -208,13 +213,15 @@ def final_norm_table(result: FinalNormResult) -> Any:
 
 def per_block_table(results: list[FinalNormResult]) -> Any:
     """One row per block output norm: what it does to avg_cos and IsoScore, and its top dims."""
-    from rich.markup import escape
     from rich.table import Table
 
     first = results[0]
     table = Table(
-        title=f"[bold]{escape(first.model)}[/]  every block's output norm  "
-        f"{escape(str(first.meta.get('data')))}, {first.meta.get('n_samples')} samples  ({_source(first)})",
+        title=markup(
+            f"[bold]{literal(first.model)}[/]  every block's output norm  "
+            f"{literal(first.meta.get('data'))}, {first.meta.get('n_samples')} samples  ({_source(first)})",
+            style="table.title",
+        ),
         title_justify="left",
         header_style="bold",
         pad_edge=False,
@@ -254,16 +261,19 @@ def per_block_table(results: list[FinalNormResult]) -> Any:
 
 def gradients_table(result: GradientResult) -> Any:
     """One row per layer: the gradients' geometry, then where their energy lies."""
-    from rich.markup import escape
     from rich.table import Table
 
     m = result.meta
     k = result.rows[0].top_k if result.rows else 0
     table = Table(
-        title=f"[bold]{escape(result.model)}[/]  {m.get('lm_class')} ({result.objective} LM)  "
-        f"{escape(str(m.get('data')))}, {m.get('n_samples')} samples, "
-        f"loss {_f(m.get('loss_per_token', math.nan), 3)} nats/token over {m.get('loss_tokens')} targets  "
-        f"({'cache' if result.from_cache else format(m.get('seconds', 0), '.1f') + ' s'})",
+        title=markup(
+            f"[bold]{literal(result.model)}[/]  {m.get('lm_class')} ({result.objective} LM)  "
+            f"{literal(m.get('data'))}, {m.get('n_samples')} samples, "
+            f"loss {_f(m.get('loss_per_token', math.nan), 3)} nats/token "
+            f"over {m.get('loss_tokens')} targets  "
+            f"({'cache' if result.from_cache else format(m.get('seconds', 0), '.1f') + ' s'})",
+            style="table.title",
+        ),
         title_justify="left",
         header_style="bold",
         pad_edge=False,
@@ -287,7 +297,7 @@ def gradients_table(result: GradientResult) -> Any:
             _f(r.act_top_var, 3),
             _f(r.grad_top_share, 3),
         )
-    table.caption = "\n".join(escape(n) for n in result.notes)
+    table.caption = plain("\n".join(result.notes), style="table.caption")
     table.caption_justify = "left"
     return table
 

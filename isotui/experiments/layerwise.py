@@ -340,6 +340,7 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
         "model_class": facts["model_class"],
         "modality": facts["modality"],
         "map_units": ex.map_units,
+        **({"map_shapes": ex.map_shapes} if ex.map_shapes else {}),  # names rogue dims of flattened maps
         "audio_seconds": ex.audio_seconds,
         "n_samples": ex.n_samples,
         "n_tokens": ex.n_tokens,
@@ -350,6 +351,7 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
         "seed": spec.seed,
         "reservoir": spec.reservoir,
         "exact": spec.exact,
+        **({"tokenizer": spec.tokenizer} if spec.tokenizer else {}),  # in the key when given
         "threads": facts.get("threads"),  # how fast, not what: not in the key
         "final_norm_module": ex.final_norm_module,
         "seconds": round(ex.seconds, 3),
@@ -377,6 +379,12 @@ def _stack_arrays(layers: list[LayerStats]) -> dict[str, np.ndarray]:
     return out
 
 
+def _share(share: float) -> str:
+    """A rogue dimension's share of avg_cos: four decimals, or three significant digits when that
+    would read 0.0000 (a flattened conv map's ~10^5 dimensions carry ~1e-5 each)."""
+    return f"{share:.4f}" if share == 0 or abs(share) >= 1e-3 else f"{share:.3e}"
+
+
 def build_rows(model: str, component: str, layers: list[LayerStats], *, final_norm: bool) -> list[LayerRow]:
     """Per-layer rows with the isotropic null and the top rogue dimensions."""
     rows = []
@@ -387,7 +395,7 @@ def build_rows(model: str, component: str, layers: list[LayerStats], *, final_no
         if np.all(np.isfinite(contrib)) and s.avg_cos and math.isfinite(s.avg_cos):
             top = np.argsort(-contrib)[:ROGUE_TOP]
             shares = [float(contrib[k] / s.avg_cos) for k in top]
-            rogue = "|".join(f"{int(k)}:{sh:.4f}" for k, sh in zip(top, shares, strict=True))
+            rogue = "|".join(f"{int(k)}:{_share(sh)}" for k, sh in zip(top, shares, strict=True))
             top_dim, top_share = int(top[0]), shares[0]
         else:
             rogue, top_dim, top_share = "", -1, math.nan

@@ -94,6 +94,11 @@ def resolve_checkpoints(
             selected = True
             continue
         path = Path(item).expanduser()
+        if not path.exists() and _meant_as_folder(item, path):
+            raise IsotuiError(
+                f"{flag}: checkpoint folder {item} does not exist (in {path.parent.resolve()}); give "
+                "checkpoint folders, a folder of them (isotui train-tiny output) or hub revisions"
+            )
         if path.is_dir() and not (path / "config.json").is_file():
             found = _series_folder(path)
             if not found:
@@ -120,7 +125,21 @@ def resolve_checkpoints(
     return out
 
 
+def _meant_as_folder(item: str, path: Path) -> bool:
+    """Whether a ``--checkpoints`` item can only be a folder: written as a path (``./``, ``~``,
+    ``/``), or inside a folder that exists here (``runs/nope`` beside ``runs/``), not a hub id."""
+    if item.startswith(("/", "./", "../", "~")):
+        return True
+    return "/" in item and str(path.parent) not in ("", ".") and path.parent.is_dir()
+
+
 def _enough(checkpoints: list[Checkpoint], flag: str, after: str = "") -> None:
+    only = checkpoints[0].model if len(checkpoints) == 1 else ""
+    if not after and "/" in only and "@" not in only and not Path(only).expanduser().is_dir():
+        raise IsotuiError(
+            f"{flag} names 1 checkpoint, {only}, which is no folder here (a folder of checkpoints, e.g. "
+            "isotui train-tiny's output, gives a series); the dynamics need at least 2"
+        )
     if len(checkpoints) < 2:
         raise IsotuiError(
             f"{flag} names {len(checkpoints)} checkpoint{after}; the dynamics need at least 2 (a series)"

@@ -7,6 +7,7 @@ import re
 from isotui.errors import IsotuiError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"), ("half", "float16"))
 _HALF = ("bfloat16", "float16")
 
 

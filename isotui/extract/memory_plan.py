@@ -286,11 +286,18 @@ class LayerPlan:
     exact_cov: bool
     reservoir: int
     types: int = 0
+    vectors: int | None = None  # the most vectors the layer will see (None: not known beforehand)
+
+    @property
+    def held(self) -> int:
+        """Vectors its reservoir will hold: it fills up to its size, and never past the vectors
+        there are (32 images' flattened maps: 32, however large the reservoir)."""
+        return self.reservoir if self.vectors is None else min(self.reservoir, self.vectors)
 
     @property
     def bytes(self) -> int:
         cov = cov_bytes(self.dim) if self.exact_cov else 0
-        return fixed_bytes(self.dim, self.types) + cov + reservoir_bytes(self.dim, self.reservoir)
+        return fixed_bytes(self.dim, self.types) + cov + reservoir_bytes(self.dim, self.held)
 
 
 @dataclass
@@ -397,7 +404,9 @@ class MemoryPlan:
     def rank_deficient(self) -> list[str]:
         """Layers whose covariance comes from a reservoir of fewer vectors than dimensions: its
         rank is at most the reservoir's size, whatever the data (a plan's choice, said)."""
-        short = [p for p in self.layers if not p.exact_cov and p.reservoir < p.dim]
+        short = [  # the plan's cap binds: a layer with fewer vectors than d is the data's doing
+            p for p in self.layers if not p.exact_cov and p.reservoir < p.dim and p.held == p.reservoir
+        ]
         if not short:
             return []
         low = min(p.reservoir for p in short)
@@ -438,6 +447,7 @@ class MemoryPlan:
                     "dim": p.dim,
                     "exact_cov": p.exact_cov,
                     "reservoir": p.reservoir,
+                    "vectors": p.vectors,
                     "types": p.types,
                     "bytes": p.bytes,
                 }
@@ -486,6 +496,7 @@ class MemoryPlan:
                 bool(p["exact_cov"]),
                 int(p["reservoir"]),
                 int(p.get("types", 0)),
+                None if p.get("vectors") is None else int(p["vectors"]),
             )
             for p in doc["layers"]
         ]
@@ -514,7 +525,7 @@ class MemoryPlan:
                 f"({len(self.layers)} of d = {self.layers[0].dim}, here {len(mine)} of d = {mine[0][1]})"
             )
         layers = [
-            LayerPlan(o.name, o.dim, o.device, r.exact_cov, r.reservoir, r.types)
+            LayerPlan(o.name, o.dim, o.device, r.exact_cov, r.reservoir, r.types, o.vectors)
             for r, o in zip(self.layers, own.layers, strict=True)
         ]
         kept = MemoryPlan(
@@ -559,35 +570,59 @@ def plan_layers(
     layers: Sequence[tuple[str, int, str, int]],
     budgets: Mapping[str, int | None],
     reservoir: int,
+    vectors: Sequence[int | None] | None = None,
 ) -> list[LayerPlan]:
     """Each layer's accumulators, given (name, d, device, tracked types) per layer and each
     device's budget: first the fixed sums, then an exact covariance for every layer whose device
     still has room for it (in layer order; the first also needs room for the one batch partial
     of the device's widest layer, :func:`partial_bytes`), then reservoirs of at most ``reservoir`` vectors
-    sharing what is left on their device. A device whose free memory cannot be told (None)
-    gets everything it is asked for."""
+    sharing what is left on their device. ``vectors``: per layer, the most vectors it will see
+    (None: unknown); a reservoir never holds more, so it costs no more (:attr:`LayerPlan.held`).
+    A device whose free memory cannot be told (None) gets everything it is asked for."""
+    bound = list(vectors) if vectors is not None else [None] * len(layers)
     plans: dict[int, LayerPlan] = {}
     for device in dict.fromkeys(d for _n, _d, d, _t in layers):
         mine = [(i, layer) for i, layer in enumerate(layers) if layer[2] == device]
         left = budgets.get(device)
         if left is None:
             for i, (name, dim, _dev, types) in mine:
-                plans[i] = LayerPlan(name, dim, device, True, reservoir, types)
+                plans[i] = LayerPlan(name, dim, device, True, reservoir, types, bound[i])
             continue
         left -= sum(fixed_bytes(dim, types) for _i, (_n, dim, _dv, types) in mine)
-        per_vector = sum(4 * dim + 8 for _i, (_n, dim, _dv, _t) in mine)
-        left -= reservoir_floor(reservoir) * per_vector  # covariances never take the floor's room
+        floor = reservoir_floor(reservoir)
+        floor_bytes = sum(
+            reservoir_bytes(dim, floor if bound[i] is None else min(floor, bound[i] or 0))
+            for i, (_n, dim, _dv, _t) in mine
+        )
+        left -= floor_bytes  # covariances never take the floor's room
         exact: dict[int, bool] = {}
         partial = partial_bytes(max(dim for _i, (_n, dim, _dv, _t) in mine))
         for i, (_n, dim, _dv, _t) in mine:
             need = cov_bytes(dim) + (0 if any(exact.values()) else partial)
             exact[i] = need <= left
             left -= need if exact[i] else 0
-        left += reservoir_floor(reservoir) * per_vector
-        size = max(RESERVOIR_MIN, min(reservoir, max(0, left) // max(1, per_vector)))
+        left += floor_bytes
+        size = _reservoir_size([(dim, bound[i]) for i, (_n, dim, _dv, _t) in mine], max(0, left), reservoir)
         for i, (name, dim, _dev, types) in mine:
-            plans[i] = LayerPlan(name, dim, device, exact[i], size, types)
+            plans[i] = LayerPlan(name, dim, device, exact[i], size, types, bound[i])
     return [plans[i] for i in range(len(layers))]
+
+
+def _reservoir_size(layers: Sequence[tuple[int, int | None]], room: int, asked: int) -> int:
+    """The largest reservoir size up to ``asked`` (at least :data:`RESERVOIR_MIN`) whose vectors
+    fit ``room`` bytes on one device, given (d, the most vectors it will see) per layer: a layer
+    with fewer vectors than the size holds only those."""
+
+    def need(size: int) -> int:
+        return sum(reservoir_bytes(dim, size if most is None else min(size, most)) for dim, most in layers)
+
+    if need(asked) <= room:
+        return asked
+    lo, hi = RESERVOIR_MIN, asked  # need(lo) may exceed room: the floor is kept anyway
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= room else (lo, mid - 1)
+    return lo
 
 
 def batch_line(batch_size: int | None, device: str, max_length: int | None, tokens: int | None = None) -> str:

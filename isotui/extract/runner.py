@@ -70,6 +70,8 @@ class Extraction:
     audio_seconds: float | None = None
     timings: dict[str, float] = field(default_factory=dict)  # tokenise/forward/metrics/finalise s
     memory_plan: dict[str, Any] | None = None  # MemoryPlan.to_json(): where the sums lived
+    # per component, each layer's (C, H, W) where its vectors are flattened maps (else None)
+    map_shapes: dict[str, list[list[int] | None]] | None = None
 
     @property
     def layers(self) -> list[LayerStats]:
@@ -135,6 +137,7 @@ class LayerStream:
         self.final_norm_names: list[str] = []
         self.map_units = self._map_units()
         self.saw_maps = False  # whether any layer was a (B, C, H, W) map
+        self.map_shapes: dict[str, list[list[int] | None]] | None = None  # flattened maps' (C, H, W)
         self.reservoir_capped = False
         self.plan: MemoryPlan | None = None  # made at the first batch (see _memory_plan)
         self.max_length = 0  # tokens per sample (text), from prepare
@@ -422,19 +425,44 @@ class LayerStream:
             return int(h.shape[1] * h.shape[2] * h.shape[3]) if self.map_units == "image" else int(h.shape[1])
         return int(h.shape[-1])
 
+    def _vector_bound(self, h: Any) -> int | None:
+        """The most vectors a layer shaped like ``h`` (this first batch's) gives over the run: a
+        flattened map one per image, a map's positions H x W per image, a ViT's tokens per
+        image, text at most its tokens; None where it cannot be told (a streamed corpus, audio)."""
+        plan = self.loop.plan
+        chosen = getattr(plan, "chosen", None)
+        if chosen is None:
+            return None
+        n = len(chosen)
+        if h.ndim == 4:
+            return n if self.map_units == "image" else n * int(h.shape[2]) * int(h.shape[3])
+        if h.ndim == 2:
+            return n
+        if self.loaded.modality == "text":
+            return int(plan.lengths[chosen].sum())
+        if self.loaded.modality == "image":
+            return n * int(h.shape[1])
+        return None
+
     def _first_batch(self, components: HiddenStates, hook_out: dict[str, Any]) -> None:
         import torch
 
         dims = {c: [self._unit_dim(h) for h in hidden] for c, hidden in components.items()}
         self.saw_maps = any(h.ndim == 4 for hidden in components.values() for h in hidden)
+        if self.saw_maps and self.map_units == "image":
+            self.map_shapes = {
+                c: [[int(n) for n in h.shape[1:]] if h.ndim == 4 else None for h in hidden]
+                for c, hidden in components.items()
+            }
         all_dims = [d for ds in dims.values() for d in ds]
         self.max_dim = max(all_dims)
         # the most frequent types, up to SELF_SIM_TYPES: as many as the plan finds room for
         asked = 0 if self.tracked is None else int(min(SELF_SIM_TYPES, int((self.tracked >= 0).sum())))
         # each layer's sums on its hidden states' device (no float64 on MPS: there, the CPU)
         where = {c: [_acc_device(h.device) for h in hidden] for c, hidden in components.items()}
+        bounds = {c: [self._vector_bound(h) for h in hidden] for c, hidden in components.items()}
         self.plan = _memory_plan(
-            self.loaded, self.loop, dims, where, asked, self.opts.reservoir, self.max_length or None
+            self.loaded, self.loop, dims, where, asked, self.opts.reservoir, self.max_length or None, bounds
         )
         if self.opts.settle_plan is not None:  # a shard: its run's one plan
             self.plan = self.opts.settle_plan(self.plan)
@@ -485,10 +513,12 @@ def _memory_plan(
     types: int,
     reservoir: int,
     max_length: int | None,
+    bounds: dict[str, list[int | None]] | None = None,
 ) -> MemoryPlan:
     """The run's memory plan, made after the model is placed and its first batch has run: each
     device's measured free memory (less the margin) shared out by :func:`plan_layers`, after the
-    self-similarity sums of as many of the ``types`` asked as fit (:func:`fit_types`)."""
+    self-similarity sums of as many of the ``types`` asked as fit (:func:`fit_types`);
+    ``bounds``: per layer, the most vectors it will see (a reservoir holds no more)."""
     devices = {str(d) for ds in where.values() for d in ds}
     budgets = {d: measured_budget(d) for d in sorted(devices)}
     weights = weights_per_device(loaded.model, loaded.device_map, loop.device)
@@ -505,8 +535,9 @@ def _memory_plan(
         for i, (dim, dev) in enumerate(zip(ds, where[c], strict=True))
     ]
     opts = loop.opts
+    vectors = [v for c in dims for v in (bounds or {}).get(c, [None] * len(dims[c]))]
     plan = MemoryPlan(
-        plan_layers(layers, budgets, reservoir),
+        plan_layers(layers, budgets, reservoir, vectors),
         budgets,
         weights=weights,
         reservoir_asked=reservoir,
@@ -678,6 +709,7 @@ def _stream(
         "estimate": estimate,
         "exact": opts.exact,
         "memory_plan": stream.plan.to_json() if stream.plan is not None else None,
+        "map_shapes": stream.map_shapes,
     }
     return stream, facts
 
@@ -713,6 +745,7 @@ def _finish(
         seconds=time.perf_counter() - start if start is not None else facts["seconds"],
         notes=notes,
         memory_plan=facts.get("memory_plan"),
+        map_shapes=facts.get("map_shapes"),
         map_units=facts["map_units"] if facts["saw_maps"] else None,
         audio_seconds=facts["audio_seconds"],
         timings={

@@ -49,7 +49,13 @@ def resolve_commit(repo_id: str, revision: str | None) -> str:
         commit = ref.read_text().strip()
         if (repo / "snapshots" / commit).is_dir():
             return commit
+    guess = spelling_guess(repo_id)
     if offline():
+        if guess:
+            raise IsotuiError(
+                f"model {repo_id!r} is not in the local Hugging Face cache ({hub_cache_dir()}); "
+                f"{guess} (else download it with `hf download {repo_id}` on a machine with network)"
+            )
         raise IsotuiError(
             f"model {repo_id!r} (revision {rev}) is not in the local Hugging Face cache "
             f"({hub_cache_dir()}) and HF_HUB_OFFLINE is set; download it first with "
@@ -64,20 +70,51 @@ def resolve_commit(repo_id: str, revision: str | None) -> str:
         raise IsotuiError(f"model {repo_id!r} has no revision {rev!r} on the hub") from None
     except RepositoryNotFoundError:
         raise IsotuiError(
-            f"no model {repo_id!r} on the Hugging Face hub or in the local cache; check the "
-            "spelling, or give a local directory"
+            f"no model {repo_id!r} on the Hugging Face hub or in the local cache; "
+            + (guess or "check the spelling, or give a local directory")
         ) from None
     except Exception as exc:  # no network: HTTP errors, OSError, httpx's ConnectError, timeouts
         raise IsotuiError(
             f"model {repo_id!r} is not in the local Hugging Face cache ({hub_cache_dir()}) and "
-            f"the hub could not be reached ({type(exc).__name__}); download it first or give a "
-            "local directory"
+            f"the hub could not be reached ({type(exc).__name__}); "
+            + (
+                f"{guess} (else download it first or give a local directory)"
+                if guess
+                else "download it first or give a local directory"
+            )
         ) from None
     if sha is None:  # the hub's answer may leave it out
         raise IsotuiError(
             f"the Hugging Face hub gave no commit for model {repo_id!r} (revision {rev}); try again"
         )
     return sha
+
+
+def cached_repo_ids() -> list[str]:
+    """The model ids of the local Hugging Face cache, from its folder names alone (no scan)."""
+    try:
+        return [p.name[len("models--") :].replace("--", "/") for p in hub_cache_dir().glob("models--*")]
+    except OSError:
+        return []
+
+
+def spelling_guess(name: str) -> str:
+    """For a model name found nowhere: ``did you mean minilm?`` when a bundled model, a preset
+    (``isotui run PRESET``) or a model of the local Hugging Face cache is spelled nearly so
+    (``""`` if none is)."""
+    from isotui.models.naming import BUNDLED
+    from isotui.paths import resource_dir
+    from isotui.suggest import nearest
+
+    try:
+        presets = [p.stem for p in resource_dir("sample_configs").glob("*.toml")]
+    except FileNotFoundError:
+        presets = []
+    guess = nearest(name, [*BUNDLED, *cached_repo_ids()])
+    if guess is not None:
+        return f"did you mean {guess}?"
+    preset = nearest(name, presets)
+    return f"did you mean the preset {preset} (`isotui run {preset}`)?" if preset else ""
 
 
 @dataclass(frozen=True)

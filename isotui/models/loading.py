@@ -558,12 +558,34 @@ def model_config(ref: ModelRef, trust: bool) -> Any:
         raise IsotuiError(f"could not read the config of model {ref.name!r}: {_short(exc)}") from None
 
 
+def check_model_type(ref: ModelRef) -> None:
+    """``random:TYPE``: one sentence when transformers has no model type TYPE, with the nearest
+    one (``random:gtp2`` -> gpt2), not the hundreds it knows."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from isotui.suggest import did_you_mean
+
+    if ref.source in CONFIG_MAPPING:
+        return
+    guess = did_you_mean(ref.source, CONFIG_MAPPING.keys(), spell="random:{}")
+    takes = (
+        "random:TYPE takes a transformers model_type such as bert, gpt2, gpt_neox or llama, or a "
+        "config folder"
+    )
+    raise IsotuiError(
+        f"model {ref.name!r}: transformers has no model type {ref.source!r}; "
+        + (f"{guess} ({takes})" if guess else takes)
+    )
+
+
 def _random_config(ref: ModelRef, trust: bool) -> Any:
     """An untrained model's config: its model type's or source's, with the name's overrides."""
     from transformers import AutoConfig
 
     overrides = {k: _parse_value(v) for k, v in ref.overrides}
     kind = ref.random_source_kind
+    if kind == "type":
+        check_model_type(ref)
     try:
         if kind == "type":
             config = AutoConfig.for_model(ref.source)

@@ -252,6 +252,16 @@ class _DigestMemo:
                     os.unlink(tmp)
 
 
+def check_name(name: str) -> ModelRef:
+    """What a model name alone tells, at once (no torch, transformers or network): its form, a
+    missing folder, and, offline, a typo: a hub id missing from the local cache that is nearly a
+    name isotui knows (``minlm`` -> did you mean minilm?). Other hub ids are left to the job."""
+    ref = parse_model(name)
+    if ref.kind == "hub" and hub.offline() and hub.spelling_guess(ref.source):
+        hub.resolve_commit(ref.source, ref.revision)  # raises unless it is in the cache after all
+    return ref
+
+
 def parse_model(name: str) -> ModelRef:
     """Parse a user's model name; raise :class:`IsotuiError` with one sentence if it is none."""
     text = name.strip()

@@ -30,6 +30,7 @@ from isotui.backend import Backend, JobEvent, Post
 from isotui.config import load_run_config
 from isotui.errors import IsotuiError
 from isotui.experiments import layerwise
+from isotui.models.naming import check_name
 from isotui.paths import cache_dir, config_dir, resource_dir
 from isotui.presets import find_preset
 from isotui.render import amount
@@ -243,7 +244,8 @@ class IsotuiApp(App[None]):
         if session.metric in PLOT_METRICS:
             self.metric = session.metric
         self.depth = session.depth
-        self.selected = session.selected
+        # a model that never gave a result (a typo that failed) is not selected again
+        self.selected = session.selected if session.selected in {m for m, _ in session.comparison} else None
         return session
 
     @work(thread=True, exclusive=True, group="session")
@@ -271,7 +273,7 @@ class IsotuiApp(App[None]):
             self.results[result.model] = result
             if result.model not in self.comparison:
                 self.comparison.append(result.model)
-        if selected:
+        if selected in self.results:
             self.selected = selected
         self.show_table()
         self.replot()
@@ -287,7 +289,7 @@ class IsotuiApp(App[None]):
         options = {k: v for k, v in self.spec_defaults.items() if k in SPEC_OPTIONS and k != "base_dir"}
         return Session(
             comparison=[(m, self.results[m].key) for m in self.comparison if m in self.results],
-            selected=self.selected,
+            selected=self.selected if self.selected in self.results else None,  # not a failed name
             metric=self.metric,
             depth=self.depth,
             options=options,
@@ -428,6 +430,11 @@ class IsotuiApp(App[None]):
         if name.endswith(".toml") and Path(name).expanduser().is_file():  # a config file: its runs
             self.run_config(Path(name).expanduser())
         elif name:
+            try:  # what the name alone tells, at once: its form, a missing folder, a typo offline
+                check_name(name)
+            except IsotuiError as exc:
+                self.notify(str(exc), severity="error")
+                return
             self.select(name)
             self.action_run()
             self.main_screen.query_one("#models", OptionList).focus()

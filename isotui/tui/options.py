@@ -15,6 +15,7 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static
 
+from isotui.data.sources import MEDIA, check_source, parse_data
 from isotui.errors import IsotuiError
 from isotui.spec import OPTIONS_BY_NAME, RUN_OPTIONS, make_spec
 
@@ -26,11 +27,35 @@ CHOICES = tuple((o.name, o.label, o.menu) for o in RUN_OPTIONS if o.label and o.
 SWITCHES = tuple((o.name, o.label) for o in RUN_OPTIONS if o.label and o.switch)
 
 
+FILE_SCHEMES = ("text", "jsonl", *MEDIA)  # data sources that name a file or folder
+
+
 def check_options(options: dict[str, Any]) -> None:
-    """Raise :class:`IsotuiError` (one sentence) when the options cannot make a job."""
+    """Raise :class:`IsotuiError` (one sentence) when the options cannot make a job; a missing
+    data file or folder is said with the folder its relative path started from (``base_dir``:
+    the settings file's folder for its ``[run]`` table, else where the app was started)."""
     spec = make_spec("minilm", **options)
-    if spec.data.path and not Path(spec.data.path).is_file():
-        raise IsotuiError(f"data file {spec.data.path} does not exist")
+    if spec.data.scheme not in FILE_SCHEMES:
+        return
+    try:
+        check_source(spec.data)
+    except IsotuiError as exc:
+        base = Path(options.get("base_dir") or Path.cwd())
+        typed = str(options.get("data", "")).partition(":")[2]
+        if Path(typed).expanduser().is_absolute():
+            raise
+        whose = "where isotui was started" if base == Path.cwd() else "the settings file's folder"
+        raise IsotuiError(f"{exc} (relative paths start from {base}, {whose})") from None
+
+
+def typed_data(text: str, started_in: Path) -> str:
+    """A data source typed into the dialog, its relative path made absolute from the folder the
+    app was started in: what jobs and the session keep, wherever the settings file lives."""
+    try:
+        spec = parse_data(text, started_in)
+    except IsotuiError:  # check_options says what is wrong with it
+        return text
+    return spec.describe() if spec.scheme in FILE_SCHEMES else text
 
 
 class OptionsScreen(ModalScreen[dict[str, Any] | None]):
@@ -74,10 +99,15 @@ class OptionsScreen(ModalScreen[dict[str, Any] | None]):
         self.query_one(f"#opt-{TEXT_FIELDS[0][0]}", Input).focus()
 
     def collect(self) -> dict[str, Any]:
+        """The options as set in the dialog; a data source typed here has its relative path
+        taken from where the app was started (``base_dir`` says so for the check), not from the
+        settings file's folder that a ``[run]`` table's paths start from."""
         out = dict(self.options)
         for key, _, _ in TEXT_FIELDS:
             text = self.query_one(f"#opt-{key}", Input).value.strip()
             out[key] = text or OPTIONS_BY_NAME[key].default
+        if str(out.get("data")) != str(self.options.get("data")):
+            out["base_dir"] = Path.cwd()
         for key, _, _ in CHOICES:
             out[key] = self.query_one(f"#opt-{key}", Select).value
         for key, _ in SWITCHES:
@@ -89,10 +119,16 @@ class OptionsScreen(ModalScreen[dict[str, Any] | None]):
         try:
             check_options(options)
         except IsotuiError as exc:
+            from rich.text import Text
+
             from isotui.tui.wording import in_options_terms
 
-            self.query_one("#options-error", Static).update(in_options_terms(str(exc)))
+            said = Text(in_options_terms(str(exc)))  # paths as typed: no markup read in them
+            self.query_one("#options-error", Static).update(said)
             return
+        if "base_dir" in options and options["base_dir"] != self.options.get("base_dir"):
+            options["data"] = typed_data(str(options["data"]), options["base_dir"])
+            options["base_dir"] = self.options.get("base_dir")  # the settings file's, for the rest
         self.dismiss(options)
 
     def action_cancel(self) -> None:
