@@ -7,6 +7,7 @@ import csv
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 from textual.widgets import DataTable, Input, OptionList, Select
@@ -161,6 +162,58 @@ def test_jobs_pane_shows_progress_and_cancels_the_chosen_job(tmp_path):
             await pilot.press("x")  # nothing picked: job 1, stopped between batches
             await _wait(pilot, lambda: jobs.records[1].state == "cancelled")
             assert app.backend.in_flight() == [] and app.results == {}
+
+    asyncio.run(scenario())
+
+
+def test_jobs_pane_shows_each_phase_as_it_is(tmp_path):
+    """Loading is not "running 0%": the state is the phase the job's events say (issue 29)."""
+    import threading
+
+    go = {phase: threading.Event() for phase in ("tokenising", "running", "finalising")}
+
+    def prepare(spec):
+        return Prepared(spec, "fake", [], "fp", "dfp", "float32", "cpu")
+
+    def compute(prepared, on_progress, should_stop):
+        on_progress(Progress(0, 8, 0, 0.0, stage="prepare", phase="loading", detail="90.9 MB"))
+        go["tokenising"].wait(60)
+        on_progress(Progress(0, 8, 0, 0.0, stage="prepare", phase="tokenising", detail="text 8 samples"))
+        go["running"].wait(60)
+        on_progress(Progress(4, 8, 400, 2.0, phase="running", memory_bytes=300 * 2**20))
+        go["finalising"].wait(60)
+        done = Progress(8, 8, 800, 4.0, phase="running")
+        on_progress(replace(done, stage="finalize", phase="finalising", layers_done=1, layers_total=4))
+        while not should_stop():
+            time.sleep(0.02)
+        raise Cancelled()
+
+    async def scenario():
+        app = IsotuiApp(
+            cache_root=tmp_path / "cache",
+            backend_factory=lambda cache, post: Backend(cache, post, compute=compute, prepare=prepare),
+        )
+        async with app.run_test(size=(120, 36)) as pilot:
+            jobs = app.query_one("#jobs", JobsTable)
+            await _run_typed(pilot, app, "fake-model")
+            seen = {}
+            for phase, cue in (*go.items(), (None, None)):
+                await _wait(pilot, lambda: jobs.records.get(1) and jobs.records[1].progress is not None)
+                want = {"tokenising": "loading", "running": "tokenising", "finalising": "running"}
+                state = want.get(phase or "", "finalising")
+                await _wait(pilot, lambda s=state: jobs.records[1].state == s, why=lambda: jobs.records[1])
+                await pilot.pause()
+                seen[state] = jobs.get_row_at(0)[2:6]
+                if cue is not None:
+                    cue.set()
+            assert seen["loading"] == ["loading", "90.9 MB", "", ""]  # no bar, no 0 tok/s
+            assert seen["tokenising"] == ["tokenising", "text 8 samples", "", ""]
+            state, bar, speed, eta = seen["running"]
+            assert state == "running" and bar.endswith(" 50%") and speed == "200" and eta == "0:02"
+            state, bar, speed, eta = seen["finalising"]
+            assert state == "finalising" and bar.endswith(" 25% layers") and speed == ""
+            await pilot.press("x")
+            await _wait(pilot, lambda: jobs.records[1].state == "cancelled")
 
     asyncio.run(scenario())
 
