@@ -713,3 +713,84 @@ def test_a_device_map_job_holds_every_device_it_uses_and_the_pane_names_them(tmp
             await _wait(pilot, lambda: app.backend.in_flight() == [])
 
     asyncio.run(scenario())
+
+
+def _canvas(widget) -> list[str]:
+    """What ``widget`` draws (its padding too), as lines of text."""
+    from textual.geometry import Region
+
+    width, height = widget.outer_size
+    return ["".join(seg.text for seg in strip) for strip in widget.render_lines(Region(0, 0, width, height))]
+
+
+def _colours(widget) -> set[tuple[int, int, int]]:
+    """The colours of the braille cells (the curves) ``widget`` draws."""
+    from textual.geometry import Region
+
+    width, height = widget.size
+    return {
+        tuple(seg.style.color.get_truecolor())
+        for strip in widget.render_lines(Region(0, 0, width, height))
+        for seg in strip
+        if seg.style and seg.style.color and any("\u2800" < ch <= "\u28ff" for ch in seg.text)
+    }
+
+
+def test_every_compared_curve_shows_with_its_legend_outside_the_plot(tmp_path):
+    """At 80x24 with 4 compared models plotext's legend (one row per model, over the curves)
+    covered the whole plot: the legend is beside the plot there and under it at 120x36, never
+    on it; the drift plot's legend has no L/⅃ axis glyphs (issue 29)."""
+    from .test_snapshots import fixture_result
+
+    models = ("minilm", "random:gpt2", "bert-base-uncased", "EleutherAI/pythia-160m")
+
+    async def scenario(size):
+        app = IsotuiApp(cache_root=tmp_path / "cache", fresh=True, device_probe=lambda: "cpu")
+        async with app.run_test(size=size) as pilot:
+            for i, name in enumerate(models):
+                app.add_result(fixture_result(name, 13 if i else 7, 768, 0.2 * (i + 1)))
+            await pilot.press("n")
+            await pilot.pause()
+            plot = app.query_one("#plot")
+            canvas = "\n".join(_canvas(plot))
+            assert not any(shorten(m, 16)[:6] in canvas for m in models), canvas  # no legend on it
+            assert set(app.model_colours()[:4]) <= _colours(plot)  # every curve is drawn
+            legend = app.query_one("#plot-legend")
+            assert not plot.region.overlaps(legend.region)
+            written = "\n".join(_canvas(legend))
+            assert all(shorten(m, 16) in written or shorten(m, 22) in written for m in models), written
+            beside = legend.region.x >= plot.region.right
+            assert beside == (size[0] < 120)  # 80 columns: beside; 120: under it
+            if size[0] >= 120:
+                drift = app.query_one("#drift-plot")
+                assert not any(g in "\n".join(_canvas(drift)) for g in ("⅃", " L ")), _canvas(drift)
+                said = "\n".join(_canvas(app.query_one("#drift-legend")))
+                assert "drift (left)" in said and "avg_cos (right)" in said
+
+    for size in ((80, 24), (120, 36)):
+        asyncio.run(scenario(size))
+
+
+def test_list_entries_wrap_between_name_parts_never_mid_word(tmp_path):
+    """At 80x24 the models pane is 22 cells wide: a preset name wraps after one of its ``_``,
+    not mid-word (``godey2024_fig2_charac`` / ``ters``, issue 29)."""
+    from isotui.presets import presets
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", fresh=True, device_probe=lambda: "cpu")
+        async with app.run_test(size=(80, 24)) as pilot:
+            models = app.query_one("#models", OptionList)
+            await _wait(pilot, lambda: models.option_count > 1)
+            await pilot.pause()
+            lines = [line.strip(" ▁▇▂▃▄▅▆█▎▌") for line in _canvas(models)]  # less the scrollbar
+            names = [p.path.stem for p in presets()][:4]  # those on screen
+            long = [n for n in names if len(n) > models.scrollable_content_region.width]
+            assert long  # the case in question: names wider than the pane
+            for name in names:
+                at = next(i for i, line in enumerate(lines) if line and name.startswith(line.rstrip("_")))
+                drawn = lines[at] + (lines[at + 1] if not name.startswith(lines[at] + " ") else "")
+                assert drawn.startswith(name), (name, lines[at : at + 2])
+                if name in long:  # cut after a separator, the rest whole on the next line
+                    assert lines[at].endswith("_") and name.startswith(lines[at]), lines[at : at + 2]
+
+    asyncio.run(scenario())
