@@ -309,7 +309,7 @@ def trajectory_text(result: DynamicsResult, layer: int, head: int, *, basis: str
         raise IsotuiError(f"--plot {layer}:{head}: no such head; heads are 0..{max(heads)}")
     plt.clear_figure()
     plt.plotsize(width, 24)
-    draw_trajectory(plt, result, sites[0], head, basis)
+    draw_trajectory(plt, result, sites[0], head, basis, size=(width, 24))
     return str(plt.build())
 
 

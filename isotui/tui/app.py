@@ -501,7 +501,8 @@ class IsotuiApp(App[None]):
         if lab is not None:
             lab.refresh_all()
             lab.status(
-                f"{kind} ready" + (" (from the cache)" if kind == "attention" and result.from_cache else "")
+                f"{kind} ready" + (" (from the cache)" if kind == "attention" and result.from_cache else ""),
+                kind,
             )
         else:
             self.notify(f"{kind} ready: press A for the attention lab")

@@ -8,7 +8,7 @@ widget's width at every render instead (the full text stays set, so a wider wind
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -28,8 +28,28 @@ def fit(text: str | None, width: int) -> str | None:
     return text[: max(width - 1, 0)] + "…" if width > 1 else None
 
 
+Sized = Callable[[Any, tuple[int, int]], None]  # draws onto a plotext figure of (columns, rows)
+
+
 class FitPlot(PlotextPlot):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._sized: Sized | None = None
+        self._sized_at: tuple[int, int] | None = None
+
+    def draw_sized(self, draw: Sized) -> None:
+        """A figure that depends on the plot's size (where labels fit, what a row is worth):
+        drawn at each render whose size differs from the last, so the first draw, made before
+        the layout, is not kept at a size of 0. :func:`clear` ends it."""
+        self._sized, self._sized_at = draw, None
+        self.refresh()
+
     def render(self) -> Any:
+        if self._sized is not None and self._sized_at != (self.size.width, self.size.height):
+            self._sized_at = (self.size.width, self.size.height)
+            self.plt.clear_data()
+            self.plt.clear_figure()
+            self._sized(self.plt, self._sized_at)
         monitor = cast(Any, self.plt).monitor  # plotext keeps its figure state here
         title, xlabel = monitor.title, list(monitor.xlabel)
         width = self.size.width - 6  # plotext keeps a margin either side of a centred label
@@ -102,7 +122,9 @@ class PlotLegend(Widget):
 
 
 def clear(plot: PlotextPlot) -> Any:
-    """The plot's plotext figure, emptied."""
+    """The plot's plotext figure, emptied (and no longer drawn by size: :meth:`FitPlot.draw_sized`)."""
+    if isinstance(plot, FitPlot):
+        plot._sized = None
     plt = plot.plt
     plt.clear_data()
     plt.clear_figure()
@@ -240,12 +262,19 @@ def draw_score_histogram(
         return
     row = min(max(row, 0), len(summary) - 1)
     s = summary[row]
-    draw_histogram(
-        plt,
-        result.arrays[f"hist.{row}"].sum(0),
-        np.asarray(result.meta["score_edges"]),
-        colours[0],
-        f"QKᵀ/√d, layer {s.layer}{' (cross)' if s.attention == 'cross' else ''}, all heads",
-        log=log,
-    )
-    plot.refresh()
+    title = f"QKᵀ/√d, layer {s.layer}{' (cross)' if s.attention == 'cross' else ''}, all heads"
+    counts, edges = result.arrays[f"hist.{row}"].sum(0), np.asarray(result.meta["score_edges"])
+
+    def draw(plt: Any, size: tuple[int, int]) -> None:
+        draw_histogram(plt, counts, edges, colours[0], title, log=log, rows=size[1])
+
+    sized(plot, draw)
+
+
+def sized(plot: PlotextPlot, draw: Sized) -> None:
+    """``draw`` at the plot's size: redrawn when it changes (:meth:`FitPlot.draw_sized`)."""
+    if isinstance(plot, FitPlot):
+        plot.draw_sized(draw)
+    else:
+        draw(plot.plt, (plot.size.width, plot.size.height))
+        plot.refresh()
