@@ -110,8 +110,9 @@ def heatmap(result: CheckpointSeries, metric: str) -> Any:
     over the grid's range)."""
     from rich.markup import escape
     from rich.style import Style
-    from rich.table import Table
     from rich.text import Text
+
+    from isotui.render import Table
 
     labels, values = result.grid(metric)
     finite = values[np.isfinite(values)]
@@ -155,7 +156,8 @@ def final_norm_table(result: FinalNormResult) -> Any:
     """Before/after metrics, then the dimensions that carry avg_cos before the norm."""
     from rich.console import Group
     from rich.markup import escape
-    from rich.table import Table
+
+    from isotui.render import Table
 
     metrics = Table(
         title=f"[bold]{escape(result.model)}[/]  {escape(result.module)} ({result.kind})  "
@@ -209,7 +211,8 @@ def final_norm_table(result: FinalNormResult) -> Any:
 def per_block_table(results: list[FinalNormResult]) -> Any:
     """One row per block output norm: what it does to avg_cos and IsoScore, and its top dims."""
     from rich.markup import escape
-    from rich.table import Table
+
+    from isotui.render import Table
 
     first = results[0]
     table = Table(
@@ -255,7 +258,8 @@ def per_block_table(results: list[FinalNormResult]) -> Any:
 def gradients_table(result: GradientResult) -> Any:
     """One row per layer: the gradients' geometry, then where their energy lies."""
     from rich.markup import escape
-    from rich.table import Table
+
+    from isotui.render import Table
 
     m = result.meta
     k = result.rows[0].top_k if result.rows else 0
