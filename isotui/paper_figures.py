@@ -176,9 +176,9 @@ def draw_layers(fig: Any, results: list[Any], options: Any) -> Drawing:
             if not two_parts_said:
                 two_parts_said = True
                 at_top = ax.get_xaxis_transform()  # x in data, y in axes fraction
-                style = {"transform": at_top, "va": "top", "fontsize": 6.5, "color": NULL_COLOUR}
-                ax.text(divider, 0.99, f"{components[0]} ", ha="right", **style)
-                ax.text(divider, 0.99, f" {components[1]}", ha="left", **style)
+                side = {"transform": at_top, "va": "top", "fontsize": 6.5, "color": NULL_COLOUR}
+                ax.text(divider, 0.99, f"{components[0]} ", ha="right", **side)
+                ax.text(divider, 0.99, f" {components[1]}", ha="left", **side)
     styles = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)))
     for k, (dim, p95) in enumerate(sorted(nulls.items())):  # one line per hidden size shown
         label = "isotropic p95" + (f" (d={dim})" if len(nulls) > 1 else "")
