@@ -198,7 +198,19 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = Parser):
     from isotui.cli_experiments import add_parsers
 
     add_parsers(sub)
+    describe_commands(parser)
     return parser
+
+
+def describe_commands(parser: argparse.ArgumentParser) -> None:
+    """Each subcommand's ``--help`` says what it does (its one-line help, where it has no longer
+    description): `isotui models --help` printed only its usage."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                command = action.choices[choice.dest]
+                command.description = command.description or choice.help
+                describe_commands(command)
 
 
 @functools.cache
@@ -476,9 +488,8 @@ def progress_printer(err, name: str, *, quiet: bool, verbose: bool = False):
 
 
 def _cmd_cache(args: argparse.Namespace, err) -> int:
-    from rich.table import Table
-
     from isotui.paths import cache_dir
+    from isotui.render import Table
     from isotui.store.cache import ResultCache
     from isotui.terminal import plain
 
@@ -581,9 +592,8 @@ def _one_partial_run(matches: list[Any]) -> bool:
 
 def _print_partial_runs(out, root: Path) -> None:
     """``cache ls``: the runs whose K shards are not all cached yet (``--shard I/K``)."""
-    from rich.table import Table
-
     from isotui.experiments.shards import partial_runs
+    from isotui.render import Table
     from isotui.terminal import plain
 
     runs = partial_runs(root)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.table import Table
 
 from isotui.models.hub import cached_models, hub_cache_dir
 from isotui.models.naming import BUNDLED
 from isotui.paths import resource_dir
 from isotui.presets import presets
+from isotui.render import Table
 
 
 def print_models(console: Console) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,10 +89,21 @@ def rc_params(dpi: int) -> dict[str, Any]:
 
 def short_name(model: str) -> str:
     """A model's name as a legend shows it: the last part of a hub id or a folder path;
-    ``random:TYPE`` without its settings."""
+    ``random:TYPE[:k=v,...]`` whole, its settings being what tells two untrained models apart."""
     if model.startswith("random:"):
-        return ":".join(model.split(":")[:2]).rstrip("/")
+        return wrap_settings(model.rstrip("/"))
     return model.rstrip("/").split("/")[-1] or model
+
+
+def wrap_settings(name: str, width: int = 34) -> str:
+    """``random:t5:num_layers=3,d_model=64,...`` on lines of at most ``width`` characters,
+    broken after a comma (a legend entry wider than the figure was cut at its edges)."""
+    lines = [""]
+    for part in re.findall(r"[^,]+,?", name):
+        if lines[-1] and len(lines[-1]) + len(part) > width:
+            lines.append("")
+        lines[-1] += part
+    return "\n".join(lines)
 
 
 def short_names(models: list[str]) -> list[str]:
@@ -100,15 +112,21 @@ def short_names(models: list[str]) -> list[str]:
     return [f"{n} ({i + 1})" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
+LONG_LABEL = 24  # characters: a legend with a longer entry goes below the axes, one per row
+
+
 def _legend(fig: Any, ax: Any, n: int) -> None:
-    """A legend that keeps off the data: inside (best corner) for up to 3 entries, else below the
-    axes, outside, in as many columns as the width takes."""
-    if n <= 3:
+    """A legend that keeps off the data: inside (best corner) for up to 3 short entries, else
+    below the axes, outside, in as many columns as the width takes (one for long entries)."""
+    labels = ax.get_legend_handles_labels()[1]
+    long = any(len(line) > LONG_LABEL for label in labels for line in label.splitlines())
+    if n <= 3 and not long:
         ax.legend(loc="best", handlelength=1.6)
     else:
-        ncols = min(n, 2 if fig.get_figwidth() < 5 else 5)
+        ncols = 1 if long else min(n, 2 if fig.get_figwidth() < 5 else 5)
         fig.legend(loc="outside lower center", ncols=ncols, handlelength=1.6, columnspacing=1.2)
-        rows = math.ceil(n / ncols)
+        lines = sum(label.count("\n") + 1 for label in labels) if long else n
+        rows = math.ceil(lines / ncols)
         if rows > 2:  # the axes keep their height: the figure grows by the legend's extra rows
             fig.set_figheight(fig.get_figheight() + LEGEND_ROW * (rows - 2))
 
@@ -131,7 +149,7 @@ def draw_layers(fig: Any, results: list[Any], options: Any) -> Drawing:
     rows: Rows = []
     nulls: dict[int, float] = {}
     names = short_names([r.model for r in results])
-    two_parts = False
+    two_parts = two_parts_said = False
     for i, result in enumerate(results):
         xs = layer_positions(len(result.rows), depth)
         components = list(dict.fromkeys(r.component for r in result.rows))
@@ -151,9 +169,16 @@ def draw_layers(fig: Any, results: list[Any], options: Any) -> Drawing:
         label = names[i]
         two_parts = two_parts or len(components) > 1
         ax.plot(xs, [r.avg_cos for r in result.rows], marker=MARKERS[i % len(MARKERS)], label=label)
-        if len(components) > 1:  # where the decoder starts
+        if len(components) > 1:  # where the decoder starts, said at the top of the line
             first = next(j for j, r in enumerate(result.rows) if r.component == components[1])
-            ax.axvline(xs[first] - (xs[1] - xs[0]) / 2, color=NULL_COLOUR, linewidth=0.5, linestyle=":")
+            divider = xs[first] - (xs[1] - xs[0]) / 2
+            ax.axvline(divider, color=NULL_COLOUR, linewidth=0.5, linestyle=":")
+            if not two_parts_said:
+                two_parts_said = True
+                at_top = ax.get_xaxis_transform()  # x in data, y in axes fraction
+                side = {"transform": at_top, "va": "top", "fontsize": 6.5, "color": NULL_COLOUR}
+                ax.text(divider, 0.99, f"{components[0]} ", ha="right", **side)
+                ax.text(divider, 0.99, f" {components[1]}", ha="left", **side)
     styles = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)))
     for k, (dim, p95) in enumerate(sorted(nulls.items())):  # one line per hidden size shown
         label = "isotropic p95" + (f" (d={dim})" if len(nulls) > 1 else "")

@@ -68,7 +68,7 @@ def draw_scores(fig: Any, results: list[Any], options: Any) -> Drawing:
     """Fig. 7: the pre-softmax score histogram (heads and seeds pooled) at a few N of the sweep,
     one panel each on the range its own scores take (the central 99.8%, exact bin sums);
     ``--log-counts`` for a log count axis; ``--at-norm N``: one panel, at that N (the app's view)."""
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter
 
     from isotui.experiments.drift_block.view import score_bars
 
@@ -93,6 +93,10 @@ def draw_scores(fig: Any, results: list[Any], options: Any) -> Drawing:
         ax.set_title(f"N = {norm:g}", fontsize=8, pad=2)
         if log:
             ax.set_yscale("log")
+            # labels at powers of ten only: over less than a decade matplotlib labelled the minor
+            # ticks too (2x10^2 ... 6x10^3), one over the other in a small panel
+            ax.yaxis.set_major_locator(LogLocator(base=10, numticks=4))
+            ax.yaxis.set_minor_formatter(NullFormatter())
         else:
             ax.set_ylim(bottom=0)
             ax.yaxis.set_major_locator(MaxNLocator(3))

@@ -8,13 +8,41 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from rich.table import Table
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.style import Style
+from rich.table import Table as RichTable
 from rich.text import Text
 
 from isotui.core.correlation import MC_PERMUTATIONS
 from isotui.core.sampled import SE_DOF, SE_GROUPS, jackknife_t
 from isotui.results import METRIC, METRICS, SE_FIELDS, LayerRow, Metric, ModelResult, own_directions
 from isotui.terminal import literal, markup, plain
+
+
+class Table(RichTable):
+    """A rich table whose left-justified title and caption wrap at the console's width: rich
+    wraps them at the table's own (about 55 columns for the attention table, in a terminal of
+    100). Every table isotui prints is one of these."""
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        title = self.title if self.title_justify == "left" else None
+        caption = self.caption if self.caption_justify == "left" else None
+        if title:
+            yield self._annotation(console, title, Style.pick_first(self.title_style, "table.title"))
+            self.title = None
+        if caption:
+            self.caption = None
+        try:
+            yield from super().__rich_console__(console, options)
+        finally:
+            self.title = title or self.title
+            self.caption = caption or self.caption
+        if caption:
+            yield self._annotation(console, caption, Style.pick_first(self.caption_style, "table.caption"))
+
+    @staticmethod
+    def _annotation(console: Console, text: Any, style: Any) -> Text:
+        return console.render_str(text, style=style, highlight=False) if isinstance(text, str) else text
 
 
 def amount(meta: dict[str, Any]) -> str:

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.cells import cell_len
-from rich.table import Table
 
 from isotui.experiments.attention import AttentionResult, summarize
-from isotui.render import DUPLICATE_MARK, _f, amount, duplicates_caption, shorten
+from isotui.render import DUPLICATE_MARK, Table, _f, amount, duplicates_caption, shorten
 from isotui.terminal import literal, markup, plain
 
 
@@ -127,8 +126,8 @@ def attention_table(result: AttentionResult, width: int = 200, *, per_head: bool
         table.add_row(label, *(cells[c.header][i] for c in columns))
     notes = [
         "Q̄, K̄: mean query and key of a head over the kept tokens; layer L is the attention of the block "
-        "that outputs hidden-state row L; p max/med/min: softmax row statistics averaged over query rows; "
-        "entropy in nats"
+        "that outputs hidden-state row L; range: the lowest and highest cos(Q̄,K̄) among the layer's heads; "
+        "p max/med/min: softmax row statistics averaged over query rows; entropy in nats"
         + ("; x: cross-attention" if any(m["attention"] == "cross" for m in result.modules()) else "")
     ]
     if rope:

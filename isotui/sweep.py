@@ -313,6 +313,20 @@ def import_ray() -> Any:
     return ray
 
 
+# Ray's own notices that are not the sweep's news: "Token authentication is enabled for this Ray
+# cluster..." on every local start (the local cluster is started here, with Ray's default)
+RAY_QUIET_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
+
+
+def quiet_ray_notices() -> None:
+    """Keep Ray's start-up notices (:data:`RAY_QUIET_LOGGERS`) out of the sweep's output; its
+    errors still show."""
+    import logging
+
+    for name in RAY_QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def run_ray(
     jobs: list[tuple[Task, list[str]]],
     settings: SweepSettings,
@@ -323,6 +337,7 @@ def run_ray(
     """Ray tasks (``num_gpus=gpus_per_task``, ``max_retries=retries`` on a crash) on the cluster at
     ``address``, or on a local one started here (and shut down after)."""
     ray = import_ray()
+    quiet_ray_notices()
     started = not ray.is_initialized()
     if started:
         if not settings.address:  # a local cluster's workers start from this process's environment

@@ -110,8 +110,9 @@ def heatmap(result: CheckpointSeries, metric: str) -> Any:
     """A rich table: layers down, checkpoints across, each cell shaded by its value (dark to light
     over the grid's range)."""
     from rich.style import Style
-    from rich.table import Table
     from rich.text import Text
+
+    from isotui.render import Table
 
     labels, values = result.grid(metric)
     finite = values[np.isfinite(values)]
@@ -157,7 +158,8 @@ def _source(result: FinalNormResult) -> str:
 def final_norm_table(result: FinalNormResult) -> Any:
     """Before/after metrics, then the dimensions that carry avg_cos before the norm."""
     from rich.console import Group
-    from rich.table import Table
+
+    from isotui.render import Table
 
     metrics = Table(
         title=markup(
@@ -213,7 +215,8 @@ def final_norm_table(result: FinalNormResult) -> Any:
 
 def per_block_table(results: list[FinalNormResult]) -> Any:
     """One row per block output norm: what it does to avg_cos and IsoScore, and its top dims."""
-    from rich.table import Table
+
+    from isotui.render import Table
 
     first = results[0]
     table = Table(
@@ -261,7 +264,8 @@ def per_block_table(results: list[FinalNormResult]) -> Any:
 
 def gradients_table(result: GradientResult) -> Any:
     """One row per layer: the gradients' geometry, then where their energy lies."""
-    from rich.table import Table
+
+    from isotui.render import Table
 
     m = result.meta
     k = result.rows[0].top_k if result.rows else 0
@@ -319,7 +323,7 @@ def trajectory_text(result: DynamicsResult, layer: int, head: int, *, basis: str
         raise IsotuiError(f"--plot {layer}:{head}: no such head; heads are 0..{max(heads)}")
     plt.clear_figure()
     plt.plotsize(width, 24)
-    draw_trajectory(plt, result, sites[0], head, basis)
+    draw_trajectory(plt, result, sites[0], head, basis, size=(width, 24))
     return str(plt.build())
 
 

@@ -76,3 +76,26 @@ def test_formatter_kinds():
     assert count(12) == "12"
     big = column_formatter("magnitude", [3.0, 25000.0])
     assert big(3.0) == "3.00e+00" and big(25000.0) == "2.50e+04"
+
+
+def test_title_wraps_at_the_terminal_and_range_is_explained(results):
+    """In a 100-column terminal the title wrapped at the table's own width (about 55 columns);
+    the ``range`` column was never explained (issue 29)."""
+    from isotui.render import Table
+
+    for name, result in results.items():
+        model, data = result.model, result.meta["data"]
+        result.model, result.meta["data"] = f"tiny-{name}", "text:samples.txt"  # no temporary paths
+        try:
+            table = attention_table(result, 60)  # a table narrower than the terminal
+        finally:
+            result.model, result.meta["data"] = model, data
+        assert isinstance(table, Table)
+        title = " ".join(table.title.replace("[bold]", "").replace("[/]", "").split())
+        text = _render(table, 100)
+        first = text.splitlines()[0].strip()
+        table_width = max(cell_len(line) for line in text.splitlines() if "│" in line or "┃" in line)
+        assert len(title) > table_width  # the case in question: a title wider than the table
+        assert " ".join(first.split()) == title, (first, title)  # on one line, as the terminal allows
+        said = " ".join(text.split())
+        assert "range: the lowest and highest cos(Q̄,K̄) among the layer's heads" in said

@@ -294,3 +294,27 @@ def test_cache_ls_and_rm_all_cover_experiment_results(tmp_path, capsys):
     assert main(["cache", "--cache-dir", str(root), "rm", "--all"]) == 0
     assert "removed 1 cached experiment result(s)" in capsys.readouterr().err
     assert not list((root / "drift-block").glob("*.safetensors"))
+
+
+def test_every_subcommand_help_says_what_it_does(capsys):
+    """`isotui models --help` printed its usage only (issue 29): each command's --help carries
+    the line `isotui --help` gives it."""
+    import argparse
+
+    from isotui.cli import build_parser
+
+    def commands(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for choice in action._choices_actions:
+                    command = action.choices[choice.dest]
+                    yield [*path, choice.dest], command.description, choice.help
+                    yield from commands(command, [*path, choice.dest])
+
+    found = {tuple(path): (description, line) for path, description, line in commands(build_parser(), [])}
+    assert found[("models",)][0] == found[("models",)][1] and found[("cache", "ls")][0] == "list cached runs"
+    for path, (description, _line) in found.items():
+        with pytest.raises(SystemExit):
+            main([*path, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert description and " ".join(description.split()) in out, (path, out[:300])

@@ -205,7 +205,7 @@ def test_histogram_log_counts():
     _, sums = histogram_bars(counts, edges)
     assert np.allclose(drawn["ys"], np.log10(1 + np.asarray(sums, dtype=float)))
     assert "log10" in drawn["title"]
-    draw_histogram(Recorder(), counts, edges, "red", "scores")
+    draw_histogram(Recorder(), counts, edges, "red", "scores", rows=100_000)  # a row per count: all drawn
     assert drawn["ys"] == sums
 
 
@@ -265,3 +265,99 @@ def test_lab_focus_stays_on_error_help_is_the_labs_and_main_keys_are_inert(tmp_p
             assert "compare" in ids and "lab_run" not in ids  # the main screen's own help
 
     asyncio.run(scenario())
+
+
+def test_status_line_is_its_tabs_and_every_footer_fits_80_columns(tmp_path):
+    """Another tab's status ("qk-dynamics ready") no longer stays on Heads; each tab's footer
+    shows all its keys within 80 columns (the Dynamics one was cut at ``F PDF x C``, issue 29)."""
+    from textual.widgets import Static
+    from textual.widgets._footer import FooterKey, FooterLabel
+
+    async def scenario():
+        app = _app(tmp_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("A")
+            await pilot.pause()
+            lab = app.screen
+            line = lab.query_one("#lab-status", Static)
+            lab.status("qk-dynamics ready", "qk-dynamics")  # as a finished job says it
+            await pilot.pause()
+            assert str(line.render()) == ""  # the Heads tab is shown
+            await pilot.press("l")
+            assert "log10" in str(line.render())  # the shown tab's own news
+            footers = {}
+            for tab in ("tab-dynamics", "tab-drift", "tab-ckpt", "tab-heads"):
+                lab.query_one("#lab-tabs", TabbedContent).active = tab  # (a box may hold the focus)
+                await pilot.pause()
+                await pilot.pause()
+                said = str(line.render())
+                assert said == {
+                    "tab-dynamics": "qk-dynamics ready",
+                    "tab-heads": "score histograms: log10 counts",
+                }.get(tab, ""), (tab, said)
+                footer = lab.query(FooterKey).results()
+                keys = [k for k in footer if k.display]
+                labels = [label for label in lab.query(FooterLabel).results() if label.display]
+                right = max(w.region.right for w in [*keys, *labels])
+                footers[tab] = (right, {k.key for k in keys})
+                assert right <= 80, (tab, right)
+            assert {"left_square_bracket", "right_square_bracket", "b", "x"} <= footers["tab-dynamics"][1]
+
+    asyncio.run(scenario())
+
+
+def test_trajectory_labels_never_run_together():
+    """Two ends at one point (a head whose K did not move): K:0 and K:1000 were drawn over each
+    other (``K:1000:0``); each label now has its own cells, a row away."""
+    import plotext as plt
+
+    from isotui.figures import draw_trajectory
+
+    class Still(_FakeSeries):
+        def trajectory(self, site, head, basis):
+            return np.array([[-0.8, -0.1], [0.3, -0.4]]), np.array([[0.0, 0.0], [0.0, 0.0]])
+
+    for size in ((40, 12), (60, 16), (100, 24)):
+        plt.clf()
+        plt.plotsize(*size)
+        draw_trajectory(plt, Still(), 0, 0, "qk", ("red", "blue"), size=size)
+        out = plt.uncolorize(plt.build())
+        plt.clf()
+        words = out.replace("│", " ").replace("┤", " ").replace("•", " ").split()
+        for label in ("Q:0", "Q:1000", "K:0", "K:1000"):
+            assert label in words, (label, out)
+
+
+def test_histogram_ticks_are_round_and_small_bars_leave_the_bottom_row_empty():
+    """The middle tick read 3.08 (the range's centre): ticks are round values and 0 when in range;
+    in linear counts a bar under half a row is not drawn (plotext drew each as a full row, so the
+    bottom row covered the whole range)."""
+    from isotui.figures import draw_histogram, histogram_bars
+
+    edges = np.linspace(-20.0, 40.0, 61)
+    counts = np.zeros(62)
+    counts[1:-1] = np.exp(-(((edges[:-1] + edges[1:]) / 2 - 6.0) ** 2) / 30) * 1000
+    counts[2] = counts[55] = 1  # far scores: a count of 1 each
+    drawn = {}
+
+    class Recorder:
+        def title(self, text):
+            drawn["title"] = text
+
+        def bar(self, xs, ys, **_kw):
+            drawn["xs"], drawn["ys"] = xs, ys
+
+        def xticks(self, ticks, labels):
+            drawn["ticks"], drawn["labels"] = ticks, labels
+
+    draw_histogram(Recorder(), counts, edges, "red", "scores", rows=15)
+    centres, sums = histogram_bars(counts, edges)
+    assert 0.0 in drawn["ticks"] and "0" in drawn["labels"]
+    assert all(centres[0] <= t <= centres[-1] for t in drawn["ticks"]) and len(drawn["ticks"]) <= 3
+    steps = np.diff(drawn["ticks"])
+    assert np.allclose(steps, steps[0]) and steps[0] in (5, 10, 20, 25, 50)  # round values
+    half_row = max(sums) / 10 / 2  # 15 rows less the 5 of the axes and title
+    assert drawn["ys"] == [s if s >= half_row else 0 for s in sums]
+    assert any(0 < s < half_row for s in sums)  # some bars were left out ...
+    draw_histogram(Recorder(), counts, edges, "red", "scores", log=True, rows=15)
+    assert np.allclose(drawn["ys"], np.log10(1 + np.asarray(sums, dtype=float)))  # ... not in log counts

@@ -346,3 +346,48 @@ def test_fig5_marks_monte_carlo_and_bounded_spearman_points():
     assert {"Spearman", "Spearman (Monte Carlo)", "Spearman (upper bound)"} <= labels
     (bound,) = [c for c in drawing.figure.axes[0].collections if c.get_label() == "Spearman (upper bound)"]
     assert bound.get_offsets()[0][1] == pytest.approx(deep.spearman_p)
+
+
+def test_fig1_legend_keeps_random_settings_and_the_divider_is_labelled(data, tmp_path, monkeypatch):
+    """Two untrained models of one type read the same in the legend (``random:gpt2``), and the
+    encoder/decoder divider had no label (issue 29): the legend keeps the settings (broken after
+    a comma to fit the figure), the divider says which side is which."""
+    import isotui.paper_figures as paper_figures
+
+    drawn = []
+    render = paper_figures.render
+
+    def keep(*args, **kwargs):
+        out, drawing = render(*args, **kwargs)
+        drawn.append(drawing.figure)
+        return out, drawing
+
+    monkeypatch.setattr(paper_figures, "render", keep)
+    models = [
+        "random:gpt2:n_layer=2,n_embd=32,n_head=2",
+        "random:gpt2:n_layer=3,n_embd=32,n_head=2",
+        "random:t5:num_layers=2,d_model=32,d_ff=64,num_heads=2,d_kv=16",
+    ]
+    out = tmp_path / "fig1.png"
+    args = ["figure", "godey2024-fig1", *(a for m in models for a in ("-m", m)), "--data", f"text:{data}"]
+    assert main([*args, "--max-samples", "8", "--max-length", "16", "--out", str(out), "-q"]) == 0
+    (fig,) = drawn
+    (legend,) = fig.legends or [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+    entries = [t.get_text() for t in legend.get_texts()]
+    assert [e.replace("\n", "") for e in entries[:3]] == models  # each model as written
+    fig.canvas.draw()
+    width = fig.bbox.width
+    for text in legend.get_texts():  # none wider than the figure (the long ones broken)
+        box = text.get_window_extent()
+        assert box.x0 >= 0 and box.x1 <= width, text.get_text()
+    (ax,) = fig.axes
+    said = sorted(t.get_text().strip() for t in ax.texts)
+    assert said == ["decoder", "encoder"]
+    divider = [
+        line.get_xdata()[0]
+        for line in ax.get_lines()
+        if line.get_linestyle() == ":" and len(set(line.get_xdata())) == 1
+    ]
+    left, right = sorted(ax.texts, key=lambda t: t.get_position()[0] if t.get_ha() == "right" else 1e9)
+    assert left.get_text().strip() == "encoder" and left.get_ha() == "right" and right.get_ha() == "left"
+    assert left.get_position()[0] == right.get_position()[0] == divider[0]  # at the dotted line

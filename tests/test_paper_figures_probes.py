@@ -290,3 +290,50 @@ def test_every_probe_figure_is_in_the_readme_and_the_gallery():
     for name in ("machina2024-final-norm", "gradient-energy"):
         assert f"| `{name}` |" in readme and f"isotui figure {name} " in readme and f'"{name}"' in gallery
         assert (root / "docs" / "figures" / f"{name}.png").is_file()
+
+
+def _drawn(monkeypatch) -> list:
+    """The matplotlib figures `isotui figure` draws, kept for their artists."""
+    import isotui.paper_figures as paper_figures
+
+    drawn = []
+    render = paper_figures.render
+
+    def keep(*args, **kwargs):
+        data, drawing = render(*args, **kwargs)
+        drawn.append(drawing.figure)
+        return data, drawing
+
+    monkeypatch.setattr(paper_figures, "render", keep)
+    return drawn
+
+
+def _overlaps(labels) -> list[tuple[str, str]]:
+    boxes = [(t.get_text(), t.get_window_extent()) for t in labels if t.get_visible() and t.get_text()]
+    return [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1 :] if box.overlaps(other)]
+
+
+def test_fig7_log_counts_tick_labels_never_overlap(tmp_path, monkeypatch):
+    """With --log-counts a panel whose counts span under a decade had its minor ticks labelled
+    (6x10^3 over 4x10^3 over 3x10^3, issue 29): y labels are powers of ten, none overlap."""
+    drawn = _drawn(monkeypatch)
+    wide = ["--hidden", "64", "--heads", "4", "--intermediate", "256", "--batch", "2"]
+    wide += ["--seq-len", "64", "--norms", "0:30:16", "--seeds", "0,1", "--log-counts"]  # as in README
+    figure(tmp_path, "godey2024-fig7", *wide, suffix="png")
+    (fig,) = drawn
+    fig.canvas.draw()
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == 4
+    narrow = 0
+    for ax in panels:
+        low, high = ax.get_ylim()
+        narrow += np.log10(high / low) < 2  # the case in question: a panel under two decades
+        labels = [
+            t
+            for t in ax.get_yticklabels(which="both")
+            if t.get_visible() and t.get_text() and low <= t.get_position()[1] <= high
+        ]
+        for t in labels:
+            assert np.log10(t.get_position()[1]) % 1 == 0, (ax.get_title(), t.get_text())
+        assert not _overlaps(labels), ax.get_title()
+    assert narrow

@@ -219,8 +219,38 @@ def test_local_sweep_equals_the_plain_runs_a_killed_task_is_retried_and_a_rerun_
 def test_ray_sweep_equals_the_plain_runs_and_retries_a_killed_task(series, data, plain, tmp_path, capsys):
     pytest.importorskip("ray")
     config = _config(tmp_path / "ray", series, data[1], executor="ray", retries=2)
-    _sweep_with_a_kill(config, capsys)
+    err = _sweep_with_a_kill(config, capsys)
+    assert "Token authentication" not in err  # Ray's own start-up notice is not the sweep's news
     _assert_same_csv(plain, _rows(tmp_path / "ray" / "out.csv"))
+
+
+def test_rays_token_notice_stays_out_of_the_sweeps_output():
+    """Ray says "Token authentication is enabled for this Ray cluster..." on each local start
+    (issue 29): its logger is quieted before ``ray.init``; its errors still show."""
+    pytest.importorskip("ray")
+    import logging
+
+    from ray._private.authentication import authentication_token_setup as setup
+
+    from isotui.sweep import quiet_ray_notices
+
+    logger = logging.getLogger(setup.__name__)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    level = logger.level
+    try:
+        setup._warn_token_auth_enabled()  # Ray's own words, as ray.init says them
+        assert any("Token authentication is enabled" in r.getMessage() for r in records)
+        records.clear()
+        quiet_ray_notices()
+        setup._warn_token_auth_enabled()
+        logger.error("a real problem")
+        assert [r.getMessage() for r in records] == ["a real problem"]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def test_a_task_that_keeps_failing_is_said_and_the_others_finish(series, data, tmp_path, capsys):

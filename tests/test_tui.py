@@ -7,6 +7,7 @@ import csv
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 from textual.widgets import DataTable, Input, OptionList, Select
@@ -161,6 +162,58 @@ def test_jobs_pane_shows_progress_and_cancels_the_chosen_job(tmp_path):
             await pilot.press("x")  # nothing picked: job 1, stopped between batches
             await _wait(pilot, lambda: jobs.records[1].state == "cancelled")
             assert app.backend.in_flight() == [] and app.results == {}
+
+    asyncio.run(scenario())
+
+
+def test_jobs_pane_shows_each_phase_as_it_is(tmp_path):
+    """Loading is not "running 0%": the state is the phase the job's events say (issue 29)."""
+    import threading
+
+    go = {phase: threading.Event() for phase in ("tokenising", "running", "finalising")}
+
+    def prepare(spec):
+        return Prepared(spec, "fake", [], "fp", "dfp", "float32", "cpu")
+
+    def compute(prepared, on_progress, should_stop):
+        on_progress(Progress(0, 8, 0, 0.0, stage="prepare", phase="loading", detail="90.9 MB"))
+        go["tokenising"].wait(60)
+        on_progress(Progress(0, 8, 0, 0.0, stage="prepare", phase="tokenising", detail="text 8 samples"))
+        go["running"].wait(60)
+        on_progress(Progress(4, 8, 400, 2.0, phase="running", memory_bytes=300 * 2**20))
+        go["finalising"].wait(60)
+        done = Progress(8, 8, 800, 4.0, phase="running")
+        on_progress(replace(done, stage="finalize", phase="finalising", layers_done=1, layers_total=4))
+        while not should_stop():
+            time.sleep(0.02)
+        raise Cancelled()
+
+    async def scenario():
+        app = IsotuiApp(
+            cache_root=tmp_path / "cache",
+            backend_factory=lambda cache, post: Backend(cache, post, compute=compute, prepare=prepare),
+        )
+        async with app.run_test(size=(120, 36)) as pilot:
+            jobs = app.query_one("#jobs", JobsTable)
+            await _run_typed(pilot, app, "fake-model")
+            seen = {}
+            for phase, cue in (*go.items(), (None, None)):
+                await _wait(pilot, lambda: jobs.records.get(1) and jobs.records[1].progress is not None)
+                want = {"tokenising": "loading", "running": "tokenising", "finalising": "running"}
+                state = want.get(phase or "", "finalising")
+                await _wait(pilot, lambda s=state: jobs.records[1].state == s, why=lambda: jobs.records[1])
+                await pilot.pause()
+                seen[state] = jobs.get_row_at(0)[2:6]
+                if cue is not None:
+                    cue.set()
+            assert seen["loading"] == ["loading", "90.9 MB", "", ""]  # no bar, no 0 tok/s
+            assert seen["tokenising"] == ["tokenising", "text 8 samples", "", ""]
+            state, bar, speed, eta = seen["running"]
+            assert state == "running" and bar.endswith(" 50%") and speed == "200" and eta == "0:02"
+            state, bar, speed, eta = seen["finalising"]
+            assert state == "finalising" and bar.endswith(" 25% layers") and speed == ""
+            await pilot.press("x")
+            await _wait(pilot, lambda: jobs.records[1].state == "cancelled")
 
     asyncio.run(scenario())
 
@@ -658,5 +711,86 @@ def test_a_device_map_job_holds_every_device_it_uses_and_the_pane_names_them(tmp
             for job in (2, 3):
                 app.backend.cancel(job)
             await _wait(pilot, lambda: app.backend.in_flight() == [])
+
+    asyncio.run(scenario())
+
+
+def _canvas(widget) -> list[str]:
+    """What ``widget`` draws (its padding too), as lines of text."""
+    from textual.geometry import Region
+
+    width, height = widget.outer_size
+    return ["".join(seg.text for seg in strip) for strip in widget.render_lines(Region(0, 0, width, height))]
+
+
+def _colours(widget) -> set[tuple[int, int, int]]:
+    """The colours of the braille cells (the curves) ``widget`` draws."""
+    from textual.geometry import Region
+
+    width, height = widget.size
+    return {
+        tuple(seg.style.color.get_truecolor())
+        for strip in widget.render_lines(Region(0, 0, width, height))
+        for seg in strip
+        if seg.style and seg.style.color and any("\u2800" < ch <= "\u28ff" for ch in seg.text)
+    }
+
+
+def test_every_compared_curve_shows_with_its_legend_outside_the_plot(tmp_path):
+    """At 80x24 with 4 compared models plotext's legend (one row per model, over the curves)
+    covered the whole plot: the legend is beside the plot there and under it at 120x36, never
+    on it; the drift plot's legend has no L/⅃ axis glyphs (issue 29)."""
+    from .test_snapshots import fixture_result
+
+    models = ("minilm", "random:gpt2", "bert-base-uncased", "EleutherAI/pythia-160m")
+
+    async def scenario(size):
+        app = IsotuiApp(cache_root=tmp_path / "cache", fresh=True, device_probe=lambda: "cpu")
+        async with app.run_test(size=size) as pilot:
+            for i, name in enumerate(models):
+                app.add_result(fixture_result(name, 13 if i else 7, 768, 0.2 * (i + 1)))
+            await pilot.press("n")
+            await pilot.pause()
+            plot = app.query_one("#plot")
+            canvas = "\n".join(_canvas(plot))
+            assert not any(shorten(m, 16)[:6] in canvas for m in models), canvas  # no legend on it
+            assert set(app.model_colours()[:4]) <= _colours(plot)  # every curve is drawn
+            legend = app.query_one("#plot-legend")
+            assert not plot.region.overlaps(legend.region)
+            written = "\n".join(_canvas(legend))
+            assert all(shorten(m, 16) in written or shorten(m, 22) in written for m in models), written
+            beside = legend.region.x >= plot.region.right
+            assert beside == (size[0] < 120)  # 80 columns: beside; 120: under it
+            if size[0] >= 120:
+                drift = app.query_one("#drift-plot")
+                assert not any(g in "\n".join(_canvas(drift)) for g in ("⅃", " L ")), _canvas(drift)
+                said = "\n".join(_canvas(app.query_one("#drift-legend")))
+                assert "drift (left)" in said and "avg_cos (right)" in said
+
+    for size in ((80, 24), (120, 36)):
+        asyncio.run(scenario(size))
+
+
+def test_list_entries_wrap_between_name_parts_never_mid_word(tmp_path):
+    """At 80x24 the models pane is 22 cells wide: a preset name wraps after one of its ``_``,
+    not mid-word (``godey2024_fig2_charac`` / ``ters``, issue 29)."""
+    from isotui.presets import presets
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", fresh=True, device_probe=lambda: "cpu")
+        async with app.run_test(size=(80, 24)) as pilot:
+            models = app.query_one("#models", OptionList)
+            await _wait(pilot, lambda: models.option_count > 1)
+            await pilot.pause()
+            lines = [line.strip(" ▁▇▂▃▄▅▆█▎▌") for line in _canvas(models)]  # less the scrollbar
+            names = [p.path.stem for p in presets()][:4]  # those on screen
+            long = [n for n in names if len(n) > models.scrollable_content_region.width]
+            assert long  # the case in question: names wider than the pane
+            for name in names:
+                at = next(i for i, line in enumerate(lines) if line and name.startswith(line.rstrip("_")))
+                drawn = lines[at] + (lines[at + 1] if not name.startswith(lines[at] + " ") else "")
+                assert drawn.startswith(name), (name, lines[at : at + 2])
+                if name in long:  # cut after a separator, the rest whole on the next line
+                    assert lines[at].endswith("_") and name.startswith(lines[at]), lines[at : at + 2]
 
     asyncio.run(scenario())

@@ -21,7 +21,7 @@ from textual import events, on, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.color import Color
-from textual.containers import Horizontal, Vertical
+from textual.containers import Container, Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, OptionList
@@ -48,7 +48,7 @@ from isotui.tui.layer_table import LayerTable
 from isotui.tui.model_list import Entry
 from isotui.tui.models_pane import ModelsPane
 from isotui.tui.options import OptionsScreen, check_options
-from isotui.tui.plots import RGB, FitPlot, draw_metric_curves
+from isotui.tui.plots import RGB, FitPlot, PlotLegend, draw_metric_curves
 from isotui.tui.session import Session, load_session, save_session, session_path
 from isotui.tui.sysinfo import describe_devices, query_gpus
 from isotui.tui.themes import load_themes, starting_theme
@@ -200,7 +200,9 @@ class IsotuiApp(App[None]):
             with Vertical(id="main"):
                 yield LayerTable(id="layers")
                 with Horizontal(id="charts"):
-                    yield FitPlot(id="plot")
+                    with Container(id="plot-box"):  # the plot, its legend under it (beside: narrow)
+                        yield FitPlot(id="plot")
+                        yield PlotLegend(id="plot-legend")
                     yield DriftPane(id="drift-pane")
         yield JobsTable(id="jobs")
         yield Footer(compact=True)
@@ -506,7 +508,8 @@ class IsotuiApp(App[None]):
         if lab is not None:
             lab.refresh_all()
             lab.status(
-                f"{kind} ready" + (" (from the cache)" if kind == "attention" and result.from_cache else "")
+                f"{kind} ready" + (" (from the cache)" if kind == "attention" and result.from_cache else ""),
+                kind,
             )
         else:
             self.notify(f"{kind} ready: press A for the attention lab")
@@ -853,8 +856,11 @@ class IsotuiApp(App[None]):
         )
 
     def replot(self) -> None:
-        plot = self.main_screen.query_one("#plot", FitPlot)
-        draw_metric_curves(plot, self.compared(), self.metric, self.depth, self.model_colours())
+        screen = self.main_screen
+        legend = draw_metric_curves(
+            screen.query_one("#plot", FitPlot), self.compared(), self.metric, self.depth, self.model_colours()
+        )
+        screen.query_one("#plot-legend", PlotLegend).show(legend)
 
 
 def settle_memory() -> None:

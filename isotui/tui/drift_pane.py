@@ -13,7 +13,7 @@ from textual.widgets import DataTable
 
 from isotui.render import shorten
 from isotui.results import ModelResult
-from isotui.tui.plots import RGB, FitPlot, draw_drift_curves
+from isotui.tui.plots import RGB, FitPlot, PlotLegend, draw_drift_curves
 
 DRIFT_COLUMNS = ("model", "layers", "spearman rho", "p", "pearson r", "p ", "spearman p (t)")
 
@@ -46,6 +46,7 @@ class DriftPane(Vertical):
             drift.add_column(label, key=label)
         yield drift
         yield FitPlot(id="drift-plot")
+        yield PlotLegend(id="drift-legend")
 
     def show(
         self,
@@ -63,7 +64,8 @@ class DriftPane(Vertical):
             self._shown_curves[0] is selected and self._shown_curves[1:] == curves[1:]
         ):
             self._shown_curves = curves
-            draw_drift_curves(self.query_one("#drift-plot", FitPlot), selected, depth, colours)
+            legend = draw_drift_curves(self.query_one("#drift-plot", FitPlot), selected, depth, colours)
+            self.query_one("#drift-legend", PlotLegend).show(legend)
 
     def _fill_table(self, compared: Sequence[ModelResult]) -> None:
         table = self.query_one("#drift", DataTable)

@@ -92,7 +92,7 @@ class JobEventView:
         """A line in the lab's status bar about an experiment's job, when the lab is open."""
         lab = self.app.lab_screen()
         if lab is not None and not isinstance(ev.spec, RunSpec):
-            lab.status(f"{ev.spec.kind} {shorten(ev.spec.model, 40)}{text}")
+            lab.status(f"{ev.spec.kind} {shorten(ev.spec.model, 40)}{text}", ev.spec.kind)
 
     @singledispatchmethod
     def on_event(self, ev: JobEvent) -> None:

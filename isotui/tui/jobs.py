@@ -30,7 +30,19 @@ from isotui.render import shorten
 JOB_COLUMNS = ("job", "model", "state", "progress", "tok/s", "ETA", "device", "memory")
 KEEP_FINISHED = 3
 BAR_WIDTH = 12
-ACTIVE = ("queued", "loading", "running", "finishing", "cancelling")
+# a job's state is the phase it is in, as its progress events say (extract/progress.PHASES):
+# no "running 0%" while the model loads, no 100% while the metrics are finalised
+PREPARING = ("resolving", "loading", "tokenising")
+COMPUTING = ("running", "second pass", "finalising", "writing")
+ACTIVE = ("queued", *PREPARING, *COMPUTING, "cancelling")
+
+
+def phase_state(progress: Progress) -> str:
+    """The jobs pane's state word for a progress event: its phase (``running`` when a producer
+    does not say, as the attention experiments' passes)."""
+    if progress.phase in PREPARING or progress.phase in COMPUTING:
+        return progress.phase
+    return "finalising" if progress.stage == "finalize" else "running"
 
 
 def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
@@ -68,14 +80,17 @@ class JobRecord:
 
     def cells(self) -> tuple[str, ...]:
         p = self.progress
-        if self.state in ("running", "finishing", "cancelling") and p is not None:
+        bar = speed = eta = ""
+        if p is not None and self.state in (*PREPARING, "writing"):
+            bar = p.detail  # what is known: the model's size while it loads, the samples to tokenise
+        elif p is not None and self.state == "finalising" and p.layers_total:
+            bar, eta = f"{progress_bar(p.layers_done, p.layers_total)} layers", duration(p.eta_s)
+        elif p is not None and self.state in ("running", "second pass", "cancelling"):
             bar = progress_bar(p.samples_done, p.samples_total)
             speed = f"{p.tokens_per_s:,.0f}"
             eta = duration(p.eta_s)
             if self.counts == "tasks":  # a sweep: its bar counts tasks (each a process: no tokens here)
                 bar, speed = f"{bar} {p.samples_done}/{p.samples_total} tasks", ""
-        else:
-            bar = speed = eta = ""
         memory = memory_text(p.memory_bytes) if p is not None else "-"
         return (str(self.job_id), shorten(self.model, 32), self.state, bar, speed, eta, self.device, memory)
 
@@ -108,7 +123,7 @@ class JobsTable(DataTable[str]):
         elif isinstance(ev, JobProgress) and not ev.progress.message:
             rec.progress = ev.progress
             if rec.state != "cancelling":
-                rec.state = "finishing" if ev.progress.stage == "finalize" else "running"
+                rec.state = phase_state(ev.progress)
         elif isinstance(ev, JobFinished):
             cached = getattr(ev.result, "from_cache", False)
             rec.state = "cached" if (all(cached) if isinstance(cached, tuple) else cached) else "done"

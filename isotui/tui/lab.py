@@ -105,6 +105,9 @@ DRIFT_FIGURES = (
 )
 
 
+HEAD_KEYS = Binding.Group("Head", compact=True)
+
+
 class LabScreen(Screen[None]):
     """The attention lab; see the module docstring. Esc goes back to the layer view."""
 
@@ -145,11 +148,22 @@ class LabScreen(Screen[None]):
         ),
         Binding("r", "run", "Run", id="lab_run", tooltip="run this tab's experiment"),
         Binding("m", "cycle", "Figure", id="lab_figure", tooltip="next metric or figure in this tab"),
+        # one footer entry for both (``[] Head``): the Dynamics footer was cut at 80 columns
         Binding(
-            "left_square_bracket", "head(-1)", "Head-", id="lab_head_prev", tooltip="Dynamics: previous head"
+            "left_square_bracket",
+            "head(-1)",
+            "Head-",
+            id="lab_head_prev",
+            tooltip="Dynamics: previous head",
+            group=HEAD_KEYS,
         ),
         Binding(
-            "right_square_bracket", "head(1)", "Head+", id="lab_head_next", tooltip="Dynamics: next head"
+            "right_square_bracket",
+            "head(1)",
+            "Head+",
+            id="lab_head_next",
+            tooltip="Dynamics: next head",
+            group=HEAD_KEYS,
         ),
         Binding(
             "b", "basis", "Basis", id="lab_basis", tooltip="Dynamics: the trajectory's SVD basis (qk, q or k)"
@@ -176,6 +190,7 @@ class LabScreen(Screen[None]):
         super().__init__()
         self.log_counts = False  # the score histograms (Heads, Drift block Fig. 7): log10 counts
         self.drift_figure = 0  # the Drift block tab's figure (kept by isotui.tui.lab_drift)
+        self.statuses: dict[str, str] = {}  # each tab's status line (shown with its tab only)
 
     @property
     def host(self) -> AppHost:
@@ -206,8 +221,14 @@ class LabScreen(Screen[None]):
         for tab in self.query(LabTab):
             tab.show()
 
-    def status(self, text: str) -> None:
-        self.query_one("#lab-status", Static).update(text)
+    def status(self, text: str, kind: str | None = None) -> None:
+        """The status line of the tab of experiment ``kind`` (else of the tab shown): each tab
+        has its own, so "qk-dynamics ready" does not stay on the Heads tab."""
+        tab = next((t.id for t in self.query(LabTab) if kind == t.KIND), None) if kind else None
+        tab = tab or self.tab
+        self.statuses[tab] = text
+        if tab == self.tab:
+            self.query_one("#lab-status", Static).update(text)
 
     def app_colours(self) -> list[RGB]:
         return [*self.host.model_colours(), (200, 200, 200)]
@@ -227,6 +248,7 @@ class LabScreen(Screen[None]):
     @on(TabbedContent.TabActivated)
     def _tab_shown(self, _event: TabbedContent.TabActivated) -> None:
         self.refresh_bindings()
+        self.query_one("#lab-status", Static).update(self.statuses.get(self.tab, ""))
 
     def action_help(self) -> None:
         from isotui.tui.help import LAB_WIDGET_KEYS, HelpScreen

@@ -16,7 +16,7 @@ from textual.containers import Horizontal
 from textual.widgets import DataTable, Input, Static
 from textual_plotext import PlotextPlot
 
-from isotui.tui.plots import FitPlot
+from isotui.tui.plots import FitPlot, clear, sized
 
 if TYPE_CHECKING:
     from isotui.experiments.drift_block import DriftBlockConfig
@@ -171,9 +171,7 @@ def plot_drift(screen: Any) -> None:
     app: Any = screen.app
     result = app.lab_results.get("drift-block")
     plot = screen.query_one("#drift-fig", PlotextPlot)
-    plt = plot.plt
-    plt.clear_data()
-    plt.clear_figure()
+    plt = clear(plot)
     figure = getattr(screen, "drift_figure", 0)
     colours = screen.app_colours()
     plt.title(FIGURES[figure] + ("" if result else ": run it (r)"))
@@ -197,14 +195,14 @@ def plot_drift(screen: Any) -> None:
             from isotui.experiments.drift_block import score_bars
 
             counts, edges = score_bars(result, row)  # the range of this N's scores
-            draw_histogram(
-                plt,
-                counts,
-                edges,
-                colours[0],
-                f"{FIGURES[1]} (N={norms[row]:g}, heads and seeds pooled)",
-                log=getattr(screen, "log_counts", False),
-            )
+            title = f"{FIGURES[1]} (N={norms[row]:g}, heads and seeds pooled)"
+            log = getattr(screen, "log_counts", False)
+
+            def histogram(plt: Any, size: tuple[int, int]) -> None:
+                draw_histogram(plt, counts, edges, colours[0], title, log=log, rows=size[1])
+
+            sized(plot, histogram)
+            return
         elif figure == 2:
             line("q_avg_cos", "q avg_cos", colours[0])
             line("k_avg_cos", "k avg_cos", colours[1])

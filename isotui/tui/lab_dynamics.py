@@ -14,7 +14,7 @@ from textual.widgets import DataTable, Input
 from isotui.render import DUPLICATE_MARK, shorten
 from isotui.tui.lab_tab import LabTab
 from isotui.tui.lab_tab import fmt as _f
-from isotui.tui.plots import FitPlot
+from isotui.tui.plots import FitPlot, clear, sized
 
 DYN_METRICS = (
     ("cos_qk_bar", "cos(Q-mean, K-mean)"),
@@ -79,8 +79,7 @@ class DynamicsTab(LabTab):
         traj = self.query_one("#dyn-plot", FitPlot)
         lines = self.query_one("#dyn-lines", FitPlot)
         for p in (traj, lines):
-            p.plt.clear_data()
-            p.plt.clear_figure()
+            clear(p)
         colours = self.lab.app_colours()
         if result is None:
             traj.plt.title("Q-mean and K-mean along training: give checkpoints above")
@@ -91,9 +90,12 @@ class DynamicsTab(LabTab):
                 {r.head for r in result.rows if (r.component, r.layer, r.attention) == result.sites[site]}
             )
             self.head = min(self.head, len(heads) - 1)
-            draw_trajectory(
-                traj.plt, result, site, heads[self.head], BASES[self.basis], (colours[0], colours[1])
-            )
+            head, basis = heads[self.head], BASES[self.basis]
+
+            def trajectory(plt: Any, size: tuple[int, int]) -> None:
+                draw_trajectory(plt, result, site, head, basis, (colours[0], colours[1]), size=size)
+
+            sized(traj, trajectory)
             attr, name = DYN_METRICS[self.metric]
             labels = [str(s[1]) for s in result.sites]
             draw_layer_series(

@@ -69,8 +69,8 @@ class HeadsTab(LabTab):
         source = "cache" if result.from_cache else f"{result.meta.get('seconds', 0):.1f} s"
         info.update(
             f"{shorten(result.model, 50)} · {result.meta.get('data')} · {result.meta.get('n_samples')} "
-            f"samples · {source} · Qm, Km: a head's mean query and key · layer L: the block "
-            "whose output is row L"
+            f"samples · {source} · Qm, Km: a head's mean query, key · range: lowest..highest "
+            "over heads · layer L: block whose output is row L"
         )
         summary = summarize(result)
         many = len({s.component for s in summary}) > 1

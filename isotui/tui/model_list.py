@@ -6,8 +6,11 @@ runs every model of a preset on its data, ``run:KEY`` opens a cached result (no 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.text import Text
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
@@ -56,6 +59,39 @@ def gather_entries(cache: ResultCache) -> list[Entry]:
 
 
 COMPARED = "● "  # before a model (or cached run) in the comparison set
+# where a label may wrap: after a space, or after _ / - : in a name (never inside a part)
+PARTS = re.compile(r"[^\s_/:-]*(?:[_/:-]+|\s+|$)")
+
+
+class Label:
+    """A list entry that wraps between the parts of a name (``godey2024_fig2_`` / ``characters``),
+    not mid-word as the pane's width would cut it; a part wider than the pane is folded."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.parts = [m for m in PARTS.findall(text) if m]
+
+    def __str__(self) -> str:
+        return self.text
+
+    def lines(self, width: int) -> list[str]:
+        out: list[str] = []
+        line = ""
+        for part in self.parts:
+            if line and len(line) + len(part.rstrip()) > width:
+                out.append(line.rstrip())
+                line = ""
+            while len(part.rstrip()) > width:  # longer than the pane: cut where it must
+                out.append(part[:width])
+                part = part[width:]
+            line += part if line or not part.isspace() else ""
+        return [*out, line.rstrip()] if line.strip() else out
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Text("\n".join(self.lines(max(options.max_width, 1))), no_wrap=True, overflow="crop")
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(max((len(p.rstrip()) for p in self.parts), default=1), len(self.text))
 
 
 def build_options(
@@ -72,7 +108,8 @@ def build_options(
         if e.section != section:
             section = e.section
             options.append(Option(Text(section, style="bold italic"), id=f"header:{section}", disabled=True))
-        options.append(Option(COMPARED + e.label if e.option_id in marked else e.label, id=e.option_id))
+        label = COMPARED + e.label if e.option_id in marked else e.label
+        options.append(Option(Label(label), id=e.option_id))
     if not options:
         options.append(Option(Text("no match: enter runs what you typed", style="italic"), disabled=True))
     return options
