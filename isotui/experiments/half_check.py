@@ -3,8 +3,9 @@ run's half dtype and in float32, the largest relative change per metric over the
 
 isotui's own sums are float64 whatever the model's dtype (every metric equals float64 on the
 same half-precision states to ~1e-14); what moves the numbers is the model's forward in bf16 or
-fp16 (MiniLM: avg_cos 0.3%, avg_cos_centered 3.7%, I(W) 1.8% in bf16). A half-precision layer run
-measures it on :data:`CHECK_SAMPLES` samples and says it in its notes and JSON (``half_check``).
+fp16 (issue 28's audit, MiniLM in bf16: avg_cos 0.3%, avg_cos_centered 3.7%, I(W) 1.8%). A
+half-precision layer run measures it on :data:`CHECK_SAMPLES` samples and says it in its notes and
+JSON (``half_check``).
 """
 
 from __future__ import annotations
