@@ -98,7 +98,8 @@ def interval_note(rows: list[LayerRow]) -> str:
     biased = own_directions(rows)
     if biased:
         note += (
-            f"; layers {', '.join(str(r.layer) for r in biased)}: I(W) and all-but-the-top from the "
+            f"; layer{'s' if len(biased) > 1 else ''} {', '.join(str(r.layer) for r in biased)}: I(W) and "
+            "all-but-the-top from the "
             "reservoir's own directions, whose bias can be as large as the SE; --exact removes it"
         )
     return note

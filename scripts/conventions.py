@@ -483,12 +483,12 @@ def claims(res: dict) -> dict[str, str]:
         return "equal to " + _e(max(rel(i[a], p[b]) for i, p in zip(iso, pl, strict=True) for a, b in pairs))
 
     def span(values) -> str:
-        values = list(values)
-        return f"{_e(min(values))} to {_e(max(values))}"
+        low, high = _e(min(values := list(values))), _e(max(values))
+        return low if low == high else f"{low} to {high}"
 
     def times(values) -> str:
         values = [abs(v) for v in values]
-        return f"{min(values):.2g}× to {max(values):.2g}×"
+        return " to ".join(f"{v:.0f}×" if v >= 10 else f"{v:.2g}×" for v in (min(values), max(values)))
 
     expect = [p["eth_baseline_expected"] / i["avg_cos"] - 1 for i, p in zip(iso, pl, strict=True)]
     draws = [p["eth_baseline"] for p in pl]
@@ -526,7 +526,7 @@ def claims(res: dict) -> dict[str, str]:
         "`avg_cos_types`, `drift_norm_types`": worst(
             ("avg_cos_types", "avg_cos_types"), ("drift_norm_types", "drift_norm_types")
         ),
-        "`intra_sim`": f"within {intra:.0e} (the rounding)",
+        "`intra_sim`": f"within {_e(intra)} (the rounding)",
         "`self_sim`": f"his {_pct(self_rel[0])} (layer 0) to {_pct(self_rel[last])} (layer {last}) isotui's; "
         f"{pl[0]['eth_self_sim_words']} words vs {iso[0]['self_sim_types']} types",
         "`null_p95`": f"{iso[0]['null_p95']:.4f} for d = {res['dim']}",

@@ -91,3 +91,22 @@ def test_a_cached_floored_monte_carlo_p_is_recomputed_on_load():
     assert got.spearman_p == pytest.approx(2 / math.factorial(24), rel=1e-12)
     kept = ModelResult.from_json(data | {"drift": {"model": old | {"spearman_p": 0.01}}}, {})
     assert kept.drift["model"].spearman_p == 0.01  # a p off the floor loads as stored
+
+
+def test_the_table_says_the_degrees_of_freedom_the_bias_and_the_bound():
+    from isotui.core.correlation import drift_correlation
+    from isotui.render import result_table
+
+    rows = [
+        _row(layer=0, avg_cos=0.05, avg_cos_centered_se=0.001),
+        _row(layer=1, avg_cos=1e-7, spectrum_from="sample:4096", iw=0.2, iw_se=0.01),
+    ]
+    deep = drift_correlation(
+        list(range(24)), list(np.arange(24) + 3 * np.random.default_rng(3).normal(size=24))
+    )
+    caption = str(result_table(ModelResult("m", "k", rows, {"model": deep}, {}), width=400).caption)
+    assert "8 groups of the reservoir (7 degrees of freedom): a 95% interval is ±2.36 SE" in caption
+    assert "layer 1: I(W) and all-but-the-top from the reservoir's own directions" in caption
+    assert "--exact removes it" in caption
+    assert "1 of 2 layers above it" in caption  # the mean's own null: 0.05 is, 1e-7 is not
+    assert "p=<6e-06 Monte Carlo, none of 1,000,000 as extreme" in caption

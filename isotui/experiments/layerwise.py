@@ -19,6 +19,7 @@ from isotui.core.correlation import drift_correlation
 from isotui.core.null import null_cos_quantile
 from isotui.data.sources import fingerprint
 from isotui.data.stream import open_samples
+from isotui.experiments.half_check import HALF_DTYPES
 from isotui.extract.device import needs_device_for_dtype, resolve_device, resolve_dtype
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
@@ -185,6 +186,15 @@ def measure(
         if merged is not None:
             return merged
     result = compute(prepared, on_progress=on_progress, should_stop=should_stop)
+    if prepared.dtype in HALF_DTYPES and spec.shard is None:  # the forward's half precision, measured
+        from isotui.experiments.half_check import half_check, note
+
+        on_progress(
+            Progress(0, 0, 0, 0.0, stage="finalize", phase="running", detail=f"{prepared.dtype} vs float32")
+        )
+        check = half_check(spec, prepared.dtype, len(prepared.samples))
+        result.meta["half_check"] = check
+        result.meta["notes"].append(note(check))
     if cache is not None:
         n = result.meta.get("n_samples") or 0
         on_progress(
