@@ -15,6 +15,7 @@ Whoever runs a sweep is told of each finished task through a callback, and may s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,14 +24,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from isotui.errors import IsotuiError
+from isotui.spec import MAX_SHARDS
 
 EXECUTORS = ("local", "ray")
+MAX_TASKS = MAX_SHARDS  # runs x shards: each task is a process
 EXIT_BAD_INPUT = 2
 INSTALL_RAY = "pip install 'isotui[ray]'"
 # [sweep] key -> the TOML types it may have
@@ -84,6 +87,11 @@ def read_sweep(path: Path, table: dict[str, Any] | None) -> SweepSettings:
     )
     if settings.shards < 1:
         raise IsotuiError(f"{where} shards = {settings.shards}: a run needs at least 1 shard")
+    if settings.shards > MAX_SHARDS:
+        raise IsotuiError(
+            f"{where} shards = {settings.shards} is more than {MAX_SHARDS:,} (each shard is a process "
+            "of its own and needs samples of its own)"
+        )
     if settings.executor not in EXECUTORS:
         raise IsotuiError(f"{where} executor = {settings.executor!r} is not one of {', '.join(EXECUTORS)}")
     if settings.retries < 0:
@@ -156,6 +164,7 @@ class TaskResult:
     problem: str = ""  # one sentence, when not ok
     crashed: bool = False  # not a refusal of bad input (exit 2)
     cancelled: bool = False  # the sweep was stopped before or while it ran
+    started: bool = True  # False: the sweep was stopped before its process started
 
 
 class TaskCrashed(Exception):
@@ -183,6 +192,23 @@ def never() -> bool:
 
 
 STOP_POLL_S = 0.2  # how often a running task's process checks whether the sweep was stopped
+NOT_STARTED = "not started: the sweep was stopped"
+STOPPED = "stopped while it ran: the sweep was stopped"
+# how a task's process ends on ^C: isotui's exit status 130, or killed by the signal itself
+INTERRUPTED = (130, -signal.SIGINT)
+INTERRUPT_GRACE_S = 2.0  # a task ended by ^C: how long to wait for the sweep to see the ^C too
+
+
+def _soon(stop: Callable[[], bool], within: float = INTERRUPT_GRACE_S) -> bool:
+    """Whether ``stop`` says so within ``within`` seconds: a terminal's ^C reaches the sweep and
+    its tasks at once, and a task may end before the sweep has handled it; a task interrupted
+    on its own (``kill -INT`` of that process) is a crash, retried."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if stop():
+            return True
+        time.sleep(0.05)
+    return stop()
 
 
 def run_task(
@@ -273,19 +299,19 @@ def run_local(
     free = list(range(workers))
     lock = threading.Lock()
 
-    def one(task: Task, argv: list[str]) -> TaskResult:
+    def one(task: Task, argv: list[str], stop: Callable[[], bool]) -> TaskResult:
         with lock:
             slot = free.pop(0)
         try:
             env = {"CUDA_VISIBLE_DEVICES": devices[slot % len(devices)]} if devices else {}
             for attempt in range(settings.retries + 1):
-                if should_stop():
-                    return TaskResult(task, False, "the sweep was stopped", cancelled=True)
-                code, text = run_task(argv, env, should_stop)
+                if stop():
+                    return TaskResult(task, False, NOT_STARTED, cancelled=True, started=attempt > 0)
+                code, text = run_task(argv, env, stop)
                 if code == 0:
                     return TaskResult(task, True)
-                if should_stop():
-                    return TaskResult(task, False, "the sweep was stopped", cancelled=True)
+                if stop() or (code in INTERRUPTED and _soon(stop)):  # ^C reaches the tasks too
+                    return TaskResult(task, False, STOPPED, cancelled=True)
                 if code == EXIT_BAD_INPUT:
                     return TaskResult(task, False, text)
                 if attempt < settings.retries:
@@ -295,13 +321,33 @@ def run_local(
             with lock:
                 free.append(slot)
 
-    results = []
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(one, task, argv) for task, argv in jobs]
-        for future in as_completed(futures):
-            result = future.result()
-            done(result)
-            results.append(result)
+    stopping = threading.Event()  # set on a stop or an interrupt: no task starts, running ones end
+
+    def stop_now() -> bool:
+        return stopping.is_set() or should_stop()
+
+    results: list[TaskResult] = []
+
+    def finish(result: TaskResult) -> None:
+        results.append(result)
+        done(result)
+
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        pending = {pool.submit(one, task, argv, stop_now): task for task, argv in jobs}
+        while pending:
+            ended, _ = wait(pending, timeout=STOP_POLL_S, return_when=FIRST_COMPLETED)
+            for future in ended:
+                del pending[future]
+                finish(future.result())
+            if stop_now():  # queued tasks never start; the running ones see it within STOP_POLL_S
+                for future in [f for f in pending if f.cancel()]:
+                    finish(TaskResult(pending.pop(future), False, NOT_STARTED, cancelled=True, started=False))
+    except BaseException:  # an interrupt (^C without the CLI's handler): stop everything, then go
+        stopping.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return results
 
 
@@ -311,6 +357,33 @@ def import_ray() -> Any:
     except ImportError:
         raise IsotuiError(f'executor = "ray" needs Ray, which is not installed: {INSTALL_RAY}') from None
     return ray
+
+
+RAY_CONNECT_S = 10.0  # how long the sweep waits for a Ray cluster's address to answer
+
+
+def check_ray_address(where: str, address: str | None, timeout: float = RAY_CONNECT_S) -> None:
+    """One sentence when nothing answers at ``address`` (``HOST:PORT`` or ``ray://HOST:PORT``)
+    within ``timeout`` seconds: ``ray.init`` itself retries such an address for many minutes,
+    printing warnings. ``auto`` (or no address) is Ray's to find."""
+    import socket
+
+    if not address or address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rstrip("/").rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise IsotuiError(
+            f'{where} address = "{address}" is not HOST:PORT, ray://HOST:PORT or "auto" (a Ray cluster)'
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        reason = f"no answer in {timeout:g} s" if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
+        raise IsotuiError(
+            f'{where} address = "{address}": cannot connect to a Ray cluster there ({reason}); '
+            "start one with `ray start --head`, or fix the address"
+        ) from None
 
 
 def run_ray(
@@ -344,33 +417,48 @@ def run_ray(
             retry_exceptions=[TaskCrashed],
         )
         pending = {remote.remote(argv): task for task, argv in jobs}
-        results = []
-        while pending:
-            if should_stop():  # nothing more starts, and the running ones are killed
-                for ref, task in pending.items():
-                    ray.cancel(ref, force=True)
-                    results.append(TaskResult(task, False, "the sweep was stopped", cancelled=True))
-                    done(results[-1])
-                break
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=STOP_POLL_S)
-            if not ready:
-                continue
-            task = pending.pop(ready[0])
-            try:
-                text = ray.get(ready[0])
-                result = TaskResult(task, not text, text)
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if isinstance(getattr(exc, "cause", None), TaskCrashed) else None
-                text = cause.text if cause else str(exc).strip().splitlines()[-1]
-                result = TaskResult(task, False, f"{text} ({settings.retries + 1} attempts)", crashed=True)
-            except ray.exceptions.RayError as exc:  # a worker or node lost beyond max_retries
-                result = TaskResult(task, False, f"{type(exc).__name__}: {exc}".splitlines()[0], crashed=True)
-            done(result)
-            results.append(result)
+        results: list[TaskResult] = []
+        try:
+            while pending:
+                if should_stop():  # nothing more starts, and the running ones are killed
+                    _cancel_ray(ray, pending, results, done)
+                    break
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=STOP_POLL_S)
+                if not ready:
+                    continue
+                task = pending.pop(ready[0])
+                try:
+                    text = ray.get(ready[0])
+                    result = TaskResult(task, not text, text)
+                except ray.exceptions.RayTaskError as exc:
+                    cause = exc.cause if isinstance(getattr(exc, "cause", None), TaskCrashed) else None
+                    text = cause.text if cause else str(exc).strip().splitlines()[-1]
+                    result = TaskResult(
+                        task, False, f"{text} ({settings.retries + 1} attempts)", crashed=True
+                    )
+                except ray.exceptions.RayError as exc:  # a worker or node lost beyond max_retries
+                    result = TaskResult(
+                        task, False, f"{type(exc).__name__}: {exc}".splitlines()[0], crashed=True
+                    )
+                done(result)
+                results.append(result)
+        except BaseException:  # an interrupt: the cluster's tasks of this sweep end too
+            _cancel_ray(ray, pending, [], lambda _r: None)
+            raise
         return results
     finally:
         if started:
             ray.shutdown()
+
+
+def _cancel_ray(ray: Any, pending: dict[Any, Task], results: list[TaskResult], done: Report) -> None:
+    """Cancel every task of ``pending`` (queued or running: Ray kills a running one's worker)."""
+    for ref, task in pending.items():
+        with contextlib.suppress(Exception):  # ended meanwhile, or the cluster is gone
+            ray.cancel(ref, force=True)
+        results.append(TaskResult(task, False, "stopped: the sweep was stopped", cancelled=True))
+        done(results[-1])
+    pending.clear()
 
 
 # --- planning, running, collecting -------------------------------------------------------------------
@@ -385,6 +473,7 @@ def read_config(config: Path, given: Sequence[str] = ()) -> tuple[dict[str, Any]
     sweep = read_sweep(config, settings.get("sweep"))
     if sweep.executor == "ray":
         import_ray()  # not installed: say so before anything runs
+        check_ray_address(f"config file {config}: [sweep]", sweep.address)  # nor one that hangs
     return settings, sweep, resolve_models(config, settings.get("models") or ["minilm"], sweep.checkpoints)
 
 
@@ -422,9 +511,15 @@ def plan(config: Path, settings: dict[str, Any], runs: list[str], shards: int, c
     """Which (run, shard) tasks the cache does not answer yet. Each run's key comes from
     :func:`isotui.experiments.layerwise.prepare` (cheap: names, data, no model load)."""
     from isotui.experiments import layerwise
-    from isotui.experiments.shards import partial_runs
+    from isotui.experiments.shards import check_shard_count, partial_runs
     from isotui.store.cache import ResultCache
 
+    if len(runs) * shards > MAX_TASKS:
+        raise IsotuiError(
+            f"config file {config}: {len(runs)} run{'s' if len(runs) != 1 else ''} x [sweep] shards = "
+            f"{shards} are {len(runs) * shards:,} tasks, more than a sweep runs ({MAX_TASKS:,}): use "
+            "fewer shards, or split the sweep"
+        )
     base = base_spec(config, settings, runs[0])
     cache = ResultCache(cache_root)
     partial = {(r.key, r.count): set(r.have) for r in partial_runs(cache_root)}
@@ -435,6 +530,8 @@ def plan(config: Path, settings: dict[str, Any], runs: list[str], shards: int, c
         except IsotuiError as exc:
             out.failed_early.append((model, str(exc)))
             continue
+        # before any task starts: the check each task would make, once for all of them
+        check_shard_count(len(prepared.samples), shards, f"config file {config}: [sweep] shards = {shards}")
         if layerwise.lookup(prepared, cache) is not None:
             out.cached += shards
             continue

@@ -59,6 +59,16 @@ def shard_ids(n: int, index: int, count: int) -> tuple[int, ...]:
     return tuple(range(index, n, count))
 
 
+def check_shard_count(n: int, count: int, what: str) -> None:
+    """One sentence when ``count`` shards are more than the ``n`` samples: a shard without samples
+    has nothing to measure, and a split with one can never merge."""
+    if count > n:
+        raise IsotuiError(
+            f"{what}: the data has {n} sample{'s' if n != 1 else ''}, fewer than {count} shards "
+            f"(each shard needs a sample of its own: at most {n} shards)"
+        )
+
+
 def partial_key(run_key: str, index: int, count: int) -> str:
     return f"{run_key}-{index}-of-{count}"
 
@@ -126,6 +136,34 @@ def state_from_payload(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -
                 tensors[name] = tensors[name].reshape(())
             components[component].append({**kept, **tensors})
     return {**payload["facts"], "components": components}
+
+
+# what a damaged partial state raises when it is decoded, checked or merged (a valid checksum
+# says the bytes are intact, not that they fit: an entry rewritten by hand, or by another version)
+DAMAGE = (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError)
+
+
+def checked_state(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The state of a cached shard, every layer's accumulator rebuilt from it once, so that a
+    damaged entry (an array of a wrong shape, a missing field) raises one of :data:`DAMAGE` here
+    and not in the merge."""
+    from isotui.core.accumulator import LayerAccumulator
+
+    state = state_from_payload(payload, arrays)
+    for layers in state["components"].values():
+        for layer in layers:
+            LayerAccumulator.from_state(layer)
+    seconds = [state.get(n, 0.0) for n in ("tokenise_s", "forward_s", "metrics_s")]
+    seconds.append(payload["shard"]["loaded"]["load_s"])
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in seconds):
+        raise TypeError("timings that are not numbers")
+    return state
+
+
+def _why(exc: BaseException) -> str:
+    """A damage's reason, short: the error's first line, or its type."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return text[:200] if isinstance(exc, ValueError) and text else type(exc).__name__
 
 
 # --- what the cache holds -------------------------------------------------------------------------
@@ -241,6 +279,7 @@ def measure_shard(
     )
     runs = ResultCache(cache_root)
     prepared = layerwise.prepare(spec, runs)
+    check_shard_count(len(prepared.samples), count, f"shard {index}/{count}")
     hit = layerwise.lookup(prepared, runs, on_notice)
     if hit is not None:
         on_notice(f"the whole run of {spec.model} is cached already (key {prepared.key[:12]}): shard not run")
@@ -249,28 +288,27 @@ def measure_shard(
                 for i in r.have:
                     shard_cache(cache_root).remove(partial_key(r.key, i, r.count))
         return hit
-    n = len(prepared.samples)
-    if index >= n:
-        raise IsotuiError(
-            f"shard {index}/{count} has no samples: the data has {n}, fewer than {count} shards"
-        )
     _check_split(prepared, cache_root, index, count)
     cache = shard_cache(cache_root)
     key = partial_key(prepared.key, index, count)
-    try:
-        cached = cache.get_payload(key) is not None
-    except CacheProblem as problem:
-        on_notice(f"{problem}; recomputing")
-        cached = False
-    if cached:
-        on_notice(f"shard {index}/{count} of {spec.model} is cached already")
-    else:
-        payload, arrays = _run_shard(prepared, index, count, on_progress, should_stop)
+    for _attempt in range(2):
         try:
-            cache.put_payload(key, payload, arrays)
-        except CacheWriteError as exc:
-            raise IsotuiError(f"{exc}; a shard is kept only in the cache, so it is lost") from None
-    merged = merge_cached(prepared, cache_root, on_notice=on_notice, on_progress=on_progress)
+            cached = cache.get_payload(key) is not None
+        except CacheProblem as problem:
+            on_notice(f"{problem}; recomputing")
+            cached = False
+        if cached:
+            on_notice(f"shard {index}/{count} of {spec.model} is cached already")
+        else:
+            payload, arrays = _run_shard(prepared, index, count, on_progress, should_stop)
+            try:
+                cache.put_payload(key, payload, arrays)
+            except CacheWriteError as exc:
+                raise IsotuiError(f"{exc}; a shard is kept only in the cache, so it is lost") from None
+        merged = merge_cached(prepared, cache_root, on_notice=on_notice, on_progress=on_progress)
+        if merged is not None or not cached or cache.path_for(key).is_file():
+            break
+        # this shard's own cached entry was damaged (the merge dropped it): measured again, once
     if merged is None:
         have = next(
             (r.have for r in partial_runs(cache_root) if r.key == prepared.key and r.count == count), ()
@@ -370,15 +408,34 @@ def merge_cached(
                 on_notice(said)
             return hit
         entries.append(found)
-    states = [state_from_payload(*e) for e in entries]
-    merged = merge_extraction_states(states)
-    for phase in ("tokenise_s", "forward_s", "metrics_s"):  # the timings: every shard's work
-        merged[phase] = sum(s.get(phase, 0.0) for s in states)
-    ex = finish_extraction(merged)
-    ex.notes.append(f"merged from {count} shards")
-    loaded = [e[0]["shard"]["loaded"] for e in entries]
-    facts = {**loaded[0], "load_s": sum(f["load_s"] for f in loaded)}
-    result = layerwise.build_result(prepared, ex, facts)
+    states, damaged = [], False
+    for i, entry in enumerate(entries):  # each checked alone: a damaged one is dropped, runs again
+        try:
+            states.append(checked_state(*entry))
+        except DAMAGE as exc:
+            damaged = True
+            cache.remove(partial_key(prepared.key, i, count))
+            on_notice(
+                f"cache entry {FOLDER}/{partial_key(prepared.key, i, count)}.safetensors is damaged "
+                f"({_why(exc)}); removed it: shard {i}/{count} of this run runs again"
+            )
+    if damaged:
+        return None
+    try:
+        merged = merge_extraction_states(states)
+        for phase in ("tokenise_s", "forward_s", "metrics_s"):  # the timings: every shard's work
+            merged[phase] = sum(s.get(phase, 0.0) for s in states)
+        ex = finish_extraction(merged)
+        ex.notes.append(f"merged from {count} shards")
+        loaded = [e[0]["shard"]["loaded"] for e in entries]
+        facts = {**loaded[0], "load_s": sum(f["load_s"] for f in loaded)}
+        result = layerwise.build_result(prepared, ex, facts)
+    except DAMAGE as exc:  # each fine alone, not together: which is wrong cannot be told
+        on_notice(
+            f"the {count} cached shards of this run do not merge ({_why(exc)}): remove them with "
+            f"`isotui cache rm {prepared.key[:12]}` and run them again"
+        )
+        return None
     layerwise.store(result, runs, on_notice)
     if runs.path_for(prepared.key).is_file():  # kept: the shards are no longer needed
         for i in range(count):
