@@ -115,12 +115,19 @@ def stop_summary(results: list[TaskResult], tasks: list[Task], cached: int) -> s
 
     done = those(lambda r: r is not None and r.ok)
     failed = those(lambda r: r is not None and not r.ok and not r.cancelled)
-    stopped = those(lambda r: r is not None and r.cancelled and r.started)
-    not_started = those(lambda r: r is None or (r.cancelled and not r.started))
+    stopped = those(lambda r: r is not None and r.cancelled and r.started is True)
+    either = those(lambda r: r is not None and r.cancelled and r.started is None)  # Ray's
+    not_started = those(lambda r: r is None or (r.cancelled and r.started is False))
     parts = [f"{len(done)} of {len(tasks)} tasks done" + (f" ({_named(done)})" if done else "")]
     if cached:
         parts[0] += f", {cached} cached before"
-    for what, group in (("failed", failed), ("stopped while running", stopped), ("not started", not_started)):
+    groups = (
+        ("failed", failed),
+        ("stopped while running", stopped),
+        ("stopped, running or queued on Ray", either),
+        ("not started", not_started),
+    )
+    for what, group in groups:
         if group:
             parts.append(f"{len(group)} {what} ({_named(group)})")
     return (

@@ -164,7 +164,7 @@ class TaskResult:
     problem: str = ""  # one sentence, when not ok
     crashed: bool = False  # not a refusal of bad input (exit 2)
     cancelled: bool = False  # the sweep was stopped before or while it ran
-    started: bool = True  # False: the sweep was stopped before its process started
+    started: bool | None = True  # False: stopped before its process started; None: not known (Ray)
 
 
 class TaskCrashed(Exception):
@@ -456,7 +456,9 @@ def _cancel_ray(ray: Any, pending: dict[Any, Task], results: list[TaskResult], d
     for ref, task in pending.items():
         with contextlib.suppress(Exception):  # ended meanwhile, or the cluster is gone
             ray.cancel(ref, force=True)
-        results.append(TaskResult(task, False, "stopped: the sweep was stopped", cancelled=True))
+        results.append(
+            TaskResult(task, False, "stopped: the sweep was stopped", cancelled=True, started=None)
+        )
         done(results[-1])
     pending.clear()
 
@@ -530,8 +532,10 @@ def plan(config: Path, settings: dict[str, Any], runs: list[str], shards: int, c
         except IsotuiError as exc:
             out.failed_early.append((model, str(exc)))
             continue
-        # before any task starts: the check each task would make, once for all of them
-        check_shard_count(len(prepared.samples), shards, f"config file {config}: [sweep] shards = {shards}")
+        if shards > 1:  # before any task starts: the check each task would make, once for all
+            check_shard_count(
+                len(prepared.samples), shards, f"config file {config}: [sweep] shards = {shards}"
+            )
         if layerwise.lookup(prepared, cache) is not None:
             out.cached += shards
             continue

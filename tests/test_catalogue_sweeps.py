@@ -180,6 +180,30 @@ def test_a_damaged_shard_is_said_dropped_and_run_again(tmp_path):
         assert float(b["avg_cos"]) == pytest.approx(float(a["avg_cos"]), rel=1e-6)
 
 
+def test_a_shard_whose_own_cached_entry_is_damaged_runs_again_and_merges(tmp_path):
+    """Both shards cached (each by its own task, into caches that are then put together), shard 0's
+    own entry damaged: running shard 0/2 again finds it damaged at the merge, measures it again
+    and merges, instead of failing on every try."""
+    common = ("run", "-m", TINY, "--max-samples", "20", "-q")
+    for i in (0, 1):
+        proc = isotui(*common, "--cache-dir", str(tmp_path / f"c{i}"), "--shard", f"{i}/2", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+    (tmp_path / "c" / "shards").mkdir(parents=True)
+    for i in (0, 1):
+        (entry,) = (tmp_path / f"c{i}" / "shards").glob(f"*-{i}-of-2.safetensors")
+        shutil.copy(entry, tmp_path / "c" / "shards" / entry.name)
+    (own,) = (tmp_path / "c" / "shards").glob("*-0-of-2.safetensors")
+    _damage_an_array(own)
+    proc = isotui(*common, "--cache-dir", str(tmp_path / "c"), "--shard", "0/2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    err = " ".join(one_sentence(proc.stderr).split())
+    assert f"cache entry shards/{own.name} is damaged" in err and "merging the 2 shards" in err, err
+    from isotui.experiments.shards import partial_runs
+    from isotui.store.cache import ResultCache
+
+    assert partial_runs(tmp_path / "c") == [] and len(ResultCache(tmp_path / "c").entries()) == 1
+
+
 # --- 1. ^C stops a local sweep: nothing more starts, the running task ends, exit 130 -------------------
 
 
