@@ -57,7 +57,7 @@ class SweepSettings:
     shards: int = 1
     executor: str = "local"
     address: str | None = None
-    gpus_per_task: float = 0.0
+    gpus_per_task: float | None = None  # None: one GPU per task where there are GPUs, else none
     retries: int = 1
     workers: int | None = None  # local: processes at once (default: one per visible device, else 1)
 
@@ -81,7 +81,7 @@ def read_sweep(path: Path, table: dict[str, Any] | None) -> SweepSettings:
         shards=table.get("shards", 1),
         executor=table.get("executor", "local"),
         address=table.get("address"),
-        gpus_per_task=float(table.get("gpus_per_task", 0)),
+        gpus_per_task=float(table["gpus_per_task"]) if "gpus_per_task" in table else None,
         retries=table.get("retries", 1),
         workers=table.get("workers"),
     )
@@ -96,8 +96,14 @@ def read_sweep(path: Path, table: dict[str, Any] | None) -> SweepSettings:
         raise IsotuiError(f"{where} executor = {settings.executor!r} is not one of {', '.join(EXECUTORS)}")
     if settings.retries < 0:
         raise IsotuiError(f"{where} retries = {settings.retries} must be 0 or more")
-    if settings.gpus_per_task < 0:
-        raise IsotuiError(f"{where} gpus_per_task = {settings.gpus_per_task:g} must be 0 or more")
+    gpus = settings.gpus_per_task
+    if gpus is not None and gpus < 0:
+        raise IsotuiError(f"{where} gpus_per_task = {gpus:g} must be 0 or more")
+    if settings.executor == "local" and gpus is not None and gpus != int(gpus):
+        raise IsotuiError(
+            f"{where} gpus_per_task = {gpus:g}: a local task gets whole GPUs (Ray's executor shares "
+            "them by fractions)"
+        )
     if settings.workers is not None and settings.workers < 1:
         raise IsotuiError(f"{where} workers = {settings.workers} must be at least 1")
     if settings.executor == "local" and settings.address:
@@ -285,6 +291,26 @@ def local_devices() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+def gpu_groups(devices: Sequence[str], gpus_per_task: float | None) -> list[str | None]:
+    """The ``CUDA_VISIBLE_DEVICES`` of each local worker: the visible GPUs cut into disjoint
+    groups of ``gpus_per_task`` (default one each; ``0``: none, the tasks run on the CPU); None
+    on a machine without GPUs (the environment is left as it is). One sentence when the machine
+    has fewer GPUs than one task asks for."""
+    per = 1 if gpus_per_task is None else int(gpus_per_task)
+    if not devices:
+        if per and gpus_per_task is not None:
+            raise IsotuiError(f"[sweep] gpus_per_task = {per}, but this machine has no GPU visible")
+        return [None]
+    if per == 0:
+        return [""]  # hides the GPUs: each task's plan is made for the CPU it runs on
+    if per > len(devices):
+        raise IsotuiError(
+            f"[sweep] gpus_per_task = {per}, but this machine has {len(devices)} GPU"
+            f"{'s' if len(devices) != 1 else ''} visible ({', '.join(devices)})"
+        )
+    return [",".join(devices[i * per : (i + 1) * per]) for i in range(len(devices) // per)]
+
+
 def run_local(
     jobs: list[tuple[Task, list[str]]],
     settings: SweepSettings,
@@ -292,10 +318,11 @@ def run_local(
     say: Say,
     should_stop: Callable[[], bool] = never,
 ) -> list[TaskResult]:
-    """One process per visible device at once (``workers`` to choose; one on a CPU-only box),
-    each task's process pinned to its worker's device; a crash retried ``retries`` times."""
-    devices = local_devices()
-    workers = settings.workers or max(1, len(devices))
+    """One process per group of ``gpus_per_task`` visible GPUs at once (default one GPU each;
+    ``workers`` to choose; one on a CPU-only box), each task's process given its worker's GPUs
+    through ``CUDA_VISIBLE_DEVICES``; a crash retried ``retries`` times."""
+    groups = gpu_groups(local_devices(), settings.gpus_per_task)
+    workers = settings.workers or len(groups)
     free = list(range(workers))
     lock = threading.Lock()
 
@@ -303,7 +330,8 @@ def run_local(
         with lock:
             slot = free.pop(0)
         try:
-            env = {"CUDA_VISIBLE_DEVICES": devices[slot % len(devices)]} if devices else {}
+            group = groups[slot % len(groups)]
+            env = {"CUDA_VISIBLE_DEVICES": group} if group is not None else {}
             for attempt in range(settings.retries + 1):
                 if stop():
                     return TaskResult(task, False, NOT_STARTED, cancelled=True, started=attempt > 0)
@@ -412,7 +440,7 @@ def run_ray(
     try:
         remote = ray.remote(ray_task).options(
             num_cpus=1,
-            num_gpus=settings.gpus_per_task,
+            num_gpus=ray_gpus_per_task(settings.gpus_per_task, ray.cluster_resources()),
             max_retries=settings.retries,
             retry_exceptions=[TaskCrashed],
         )
@@ -449,6 +477,21 @@ def run_ray(
     finally:
         if started:
             ray.shutdown()
+
+
+def ray_gpus_per_task(gpus_per_task: float | None, resources: dict[str, float]) -> float:
+    """Each Ray task's ``num_gpus``: ``gpus_per_task``, by default 1 on a cluster with GPUs
+    (every task on a GPU of its own) and 0 without; one sentence when a task asks for more GPUs
+    than the cluster has (Ray would queue it for ever)."""
+    have = float(resources.get("GPU", 0.0))
+    if gpus_per_task is None:
+        return 1.0 if have >= 1 else 0.0
+    if gpus_per_task > have:
+        raise IsotuiError(
+            f"[sweep] gpus_per_task = {gpus_per_task:g}, but the Ray cluster has {have:g} GPU"
+            f"{'s' if have != 1 else ''}: no task could ever start"
+        )
+    return gpus_per_task
 
 
 def _cancel_ray(ray: Any, pending: dict[Any, Task], results: list[TaskResult], done: Report) -> None:
