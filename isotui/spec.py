@@ -141,6 +141,7 @@ def _switch(name: str) -> Parse:
     return parse
 
 
+MAX_SHARDS = 10_000  # K of --shard I/K and [sweep] shards: each shard is a process and a cache entry
 SHARD_FORM = "I/K, the I-th of K slices counted from 0 as $SLURM_ARRAY_TASK_ID is (0/4 to 3/4 of 4)"
 
 
@@ -158,6 +159,11 @@ def _shard(value: Any, _base: Path | None) -> tuple[int, int] | None:
     i, k = int(index), int(count)
     if k < 1:
         raise IsotuiError(f"shard {text} splits the samples into no slices: K must be at least 1")
+    if k > MAX_SHARDS:
+        raise IsotuiError(
+            f"shard {text}: K must be at most {MAX_SHARDS:,} (each shard is a process of its own and "
+            "needs samples of its own)"
+        )
     if i >= k:
         raise IsotuiError(
             f"shard {text} does not exist: shards count from 0 as $SLURM_ARRAY_TASK_ID does, so {k} "

@@ -15,6 +15,7 @@ Whoever runs a sweep is told of each finished task through a callback, and may s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,14 +24,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from isotui.errors import IsotuiError
+from isotui.spec import MAX_SHARDS
 
 EXECUTORS = ("local", "ray")
+MAX_TASKS = MAX_SHARDS  # runs x shards: each task is a process
 EXIT_BAD_INPUT = 2
 INSTALL_RAY = "pip install 'isotui[ray]'"
 # [sweep] key -> the TOML types it may have
@@ -54,7 +57,7 @@ class SweepSettings:
     shards: int = 1
     executor: str = "local"
     address: str | None = None
-    gpus_per_task: float = 0.0
+    gpus_per_task: float | None = None  # None: one GPU per task where there are GPUs, else none
     retries: int = 1
     workers: int | None = None  # local: processes at once (default: one per visible device, else 1)
 
@@ -78,18 +81,29 @@ def read_sweep(path: Path, table: dict[str, Any] | None) -> SweepSettings:
         shards=table.get("shards", 1),
         executor=table.get("executor", "local"),
         address=table.get("address"),
-        gpus_per_task=float(table.get("gpus_per_task", 0)),
+        gpus_per_task=float(table["gpus_per_task"]) if "gpus_per_task" in table else None,
         retries=table.get("retries", 1),
         workers=table.get("workers"),
     )
     if settings.shards < 1:
         raise IsotuiError(f"{where} shards = {settings.shards}: a run needs at least 1 shard")
+    if settings.shards > MAX_SHARDS:
+        raise IsotuiError(
+            f"{where} shards = {settings.shards} is more than {MAX_SHARDS:,} (each shard is a process "
+            "of its own and needs samples of its own)"
+        )
     if settings.executor not in EXECUTORS:
         raise IsotuiError(f"{where} executor = {settings.executor!r} is not one of {', '.join(EXECUTORS)}")
     if settings.retries < 0:
         raise IsotuiError(f"{where} retries = {settings.retries} must be 0 or more")
-    if settings.gpus_per_task < 0:
-        raise IsotuiError(f"{where} gpus_per_task = {settings.gpus_per_task:g} must be 0 or more")
+    gpus = settings.gpus_per_task
+    if gpus is not None and gpus < 0:
+        raise IsotuiError(f"{where} gpus_per_task = {gpus:g} must be 0 or more")
+    if settings.executor == "local" and gpus is not None and gpus != int(gpus):
+        raise IsotuiError(
+            f"{where} gpus_per_task = {gpus:g}: a local task gets whole GPUs (Ray's executor shares "
+            "them by fractions)"
+        )
     if settings.workers is not None and settings.workers < 1:
         raise IsotuiError(f"{where} workers = {settings.workers} must be at least 1")
     if settings.executor == "local" and settings.address:
@@ -156,6 +170,7 @@ class TaskResult:
     problem: str = ""  # one sentence, when not ok
     crashed: bool = False  # not a refusal of bad input (exit 2)
     cancelled: bool = False  # the sweep was stopped before or while it ran
+    started: bool | None = True  # False: stopped before its process started; None: not known (Ray)
 
 
 class TaskCrashed(Exception):
@@ -183,6 +198,23 @@ def never() -> bool:
 
 
 STOP_POLL_S = 0.2  # how often a running task's process checks whether the sweep was stopped
+NOT_STARTED = "not started: the sweep was stopped"
+STOPPED = "stopped while it ran: the sweep was stopped"
+# how a task's process ends on ^C: isotui's exit status 130, or killed by the signal itself
+INTERRUPTED = (130, -signal.SIGINT)
+INTERRUPT_GRACE_S = 2.0  # a task ended by ^C: how long to wait for the sweep to see the ^C too
+
+
+def _soon(stop: Callable[[], bool], within: float = INTERRUPT_GRACE_S) -> bool:
+    """Whether ``stop`` says so within ``within`` seconds: a terminal's ^C reaches the sweep and
+    its tasks at once, and a task may end before the sweep has handled it; a task interrupted
+    on its own (``kill -INT`` of that process) is a crash, retried."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if stop():
+            return True
+        time.sleep(0.05)
+    return stop()
 
 
 def run_task(
@@ -259,6 +291,26 @@ def local_devices() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+def gpu_groups(devices: Sequence[str], gpus_per_task: float | None) -> list[str | None]:
+    """The ``CUDA_VISIBLE_DEVICES`` of each local worker: the visible GPUs cut into disjoint
+    groups of ``gpus_per_task`` (default one each; ``0``: none, the tasks run on the CPU); None
+    on a machine without GPUs (the environment is left as it is). One sentence when the machine
+    has fewer GPUs than one task asks for."""
+    per = 1 if gpus_per_task is None else int(gpus_per_task)
+    if not devices:
+        if per and gpus_per_task is not None:
+            raise IsotuiError(f"[sweep] gpus_per_task = {per}, but this machine has no GPU visible")
+        return [None]
+    if per == 0:
+        return [""]  # hides the GPUs: each task's plan is made for the CPU it runs on
+    if per > len(devices):
+        raise IsotuiError(
+            f"[sweep] gpus_per_task = {per}, but this machine has {len(devices)} GPU"
+            f"{'s' if len(devices) != 1 else ''} visible ({', '.join(devices)})"
+        )
+    return [",".join(devices[i * per : (i + 1) * per]) for i in range(len(devices) // per)]
+
+
 def run_local(
     jobs: list[tuple[Task, list[str]]],
     settings: SweepSettings,
@@ -266,26 +318,28 @@ def run_local(
     say: Say,
     should_stop: Callable[[], bool] = never,
 ) -> list[TaskResult]:
-    """One process per visible device at once (``workers`` to choose; one on a CPU-only box),
-    each task's process pinned to its worker's device; a crash retried ``retries`` times."""
-    devices = local_devices()
-    workers = settings.workers or max(1, len(devices))
+    """One process per group of ``gpus_per_task`` visible GPUs at once (default one GPU each;
+    ``workers`` to choose; one on a CPU-only box), each task's process given its worker's GPUs
+    through ``CUDA_VISIBLE_DEVICES``; a crash retried ``retries`` times."""
+    groups = gpu_groups(local_devices(), settings.gpus_per_task)
+    workers = settings.workers or len(groups)
     free = list(range(workers))
     lock = threading.Lock()
 
-    def one(task: Task, argv: list[str]) -> TaskResult:
+    def one(task: Task, argv: list[str], stop: Callable[[], bool]) -> TaskResult:
         with lock:
             slot = free.pop(0)
         try:
-            env = {"CUDA_VISIBLE_DEVICES": devices[slot % len(devices)]} if devices else {}
+            group = groups[slot % len(groups)]
+            env = {"CUDA_VISIBLE_DEVICES": group} if group is not None else {}
             for attempt in range(settings.retries + 1):
-                if should_stop():
-                    return TaskResult(task, False, "the sweep was stopped", cancelled=True)
-                code, text = run_task(argv, env, should_stop)
+                if stop():
+                    return TaskResult(task, False, NOT_STARTED, cancelled=True, started=attempt > 0)
+                code, text = run_task(argv, env, stop)
                 if code == 0:
                     return TaskResult(task, True)
-                if should_stop():
-                    return TaskResult(task, False, "the sweep was stopped", cancelled=True)
+                if stop() or (code in INTERRUPTED and _soon(stop)):  # ^C reaches the tasks too
+                    return TaskResult(task, False, STOPPED, cancelled=True)
                 if code == EXIT_BAD_INPUT:
                     return TaskResult(task, False, text)
                 if attempt < settings.retries:
@@ -295,13 +349,33 @@ def run_local(
             with lock:
                 free.append(slot)
 
-    results = []
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(one, task, argv) for task, argv in jobs]
-        for future in as_completed(futures):
-            result = future.result()
-            done(result)
-            results.append(result)
+    stopping = threading.Event()  # set on a stop or an interrupt: no task starts, running ones end
+
+    def stop_now() -> bool:
+        return stopping.is_set() or should_stop()
+
+    results: list[TaskResult] = []
+
+    def finish(result: TaskResult) -> None:
+        results.append(result)
+        done(result)
+
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        pending = {pool.submit(one, task, argv, stop_now): task for task, argv in jobs}
+        while pending:
+            ended, _ = wait(pending, timeout=STOP_POLL_S, return_when=FIRST_COMPLETED)
+            for future in ended:
+                del pending[future]
+                finish(future.result())
+            if stop_now():  # queued tasks never start; the running ones see it within STOP_POLL_S
+                for future in [f for f in pending if f.cancel()]:
+                    finish(TaskResult(pending.pop(future), False, NOT_STARTED, cancelled=True, started=False))
+    except BaseException:  # an interrupt (^C without the CLI's handler): stop everything, then go
+        stopping.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return results
 
 
@@ -325,6 +399,33 @@ def quiet_ray_notices() -> None:
 
     for name in RAY_QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+RAY_CONNECT_S = 10.0  # how long the sweep waits for a Ray cluster's address to answer
+
+
+def check_ray_address(where: str, address: str | None, timeout: float = RAY_CONNECT_S) -> None:
+    """One sentence when nothing answers at ``address`` (``HOST:PORT`` or ``ray://HOST:PORT``)
+    within ``timeout`` seconds: ``ray.init`` itself retries such an address for many minutes,
+    printing warnings. ``auto`` (or no address) is Ray's to find."""
+    import socket
+
+    if not address or address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rstrip("/").rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise IsotuiError(
+            f'{where} address = "{address}" is not HOST:PORT, ray://HOST:PORT or "auto" (a Ray cluster)'
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        reason = f"no answer in {timeout:g} s" if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
+        raise IsotuiError(
+            f'{where} address = "{address}": cannot connect to a Ray cluster there ({reason}); '
+            "start one with `ray start --head`, or fix the address"
+        ) from None
 
 
 def run_ray(
@@ -354,38 +455,70 @@ def run_ray(
     try:
         remote = ray.remote(ray_task).options(
             num_cpus=1,
-            num_gpus=settings.gpus_per_task,
+            num_gpus=ray_gpus_per_task(settings.gpus_per_task, ray.cluster_resources()),
             max_retries=settings.retries,
             retry_exceptions=[TaskCrashed],
         )
         pending = {remote.remote(argv): task for task, argv in jobs}
-        results = []
-        while pending:
-            if should_stop():  # nothing more starts, and the running ones are killed
-                for ref, task in pending.items():
-                    ray.cancel(ref, force=True)
-                    results.append(TaskResult(task, False, "the sweep was stopped", cancelled=True))
-                    done(results[-1])
-                break
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=STOP_POLL_S)
-            if not ready:
-                continue
-            task = pending.pop(ready[0])
-            try:
-                text = ray.get(ready[0])
-                result = TaskResult(task, not text, text)
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if isinstance(getattr(exc, "cause", None), TaskCrashed) else None
-                text = cause.text if cause else str(exc).strip().splitlines()[-1]
-                result = TaskResult(task, False, f"{text} ({settings.retries + 1} attempts)", crashed=True)
-            except ray.exceptions.RayError as exc:  # a worker or node lost beyond max_retries
-                result = TaskResult(task, False, f"{type(exc).__name__}: {exc}".splitlines()[0], crashed=True)
-            done(result)
-            results.append(result)
+        results: list[TaskResult] = []
+        try:
+            while pending:
+                if should_stop():  # nothing more starts, and the running ones are killed
+                    _cancel_ray(ray, pending, results, done)
+                    break
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=STOP_POLL_S)
+                if not ready:
+                    continue
+                task = pending.pop(ready[0])
+                try:
+                    text = ray.get(ready[0])
+                    result = TaskResult(task, not text, text)
+                except ray.exceptions.RayTaskError as exc:
+                    cause = exc.cause if isinstance(getattr(exc, "cause", None), TaskCrashed) else None
+                    text = cause.text if cause else str(exc).strip().splitlines()[-1]
+                    result = TaskResult(
+                        task, False, f"{text} ({settings.retries + 1} attempts)", crashed=True
+                    )
+                except ray.exceptions.RayError as exc:  # a worker or node lost beyond max_retries
+                    result = TaskResult(
+                        task, False, f"{type(exc).__name__}: {exc}".splitlines()[0], crashed=True
+                    )
+                done(result)
+                results.append(result)
+        except BaseException:  # an interrupt: the cluster's tasks of this sweep end too
+            _cancel_ray(ray, pending, [], lambda _r: None)
+            raise
         return results
     finally:
         if started:
             ray.shutdown()
+
+
+def ray_gpus_per_task(gpus_per_task: float | None, resources: dict[str, float]) -> float:
+    """Each Ray task's ``num_gpus``: ``gpus_per_task``, by default 1 on a cluster with GPUs
+    (every task on a GPU of its own) and 0 without; one sentence when a task asks for more GPUs
+    than the cluster has (Ray would queue it for ever)."""
+    have = float(resources.get("GPU", 0.0))
+    if gpus_per_task is None:
+        return 1.0 if have >= 1 else 0.0
+    if gpus_per_task > have:
+        raise IsotuiError(
+            f"[sweep] gpus_per_task = {gpus_per_task:g}, but the Ray cluster has {have:g} GPU"
+            f"{'s' if have != 1 else ''}: no task could ever start"
+        )
+    return gpus_per_task
+
+
+def _cancel_ray(ray: Any, pending: dict[Any, Task], results: list[TaskResult], done: Report) -> None:
+    """Cancel every task of ``pending`` (queued or running: Ray kills a running one's worker)."""
+    for ref, task in pending.items():
+        with contextlib.suppress(Exception):  # ended meanwhile, or the cluster is gone
+            ray.cancel(ref, force=True)
+        results.append(
+            TaskResult(task, False, "stopped: the sweep was stopped", cancelled=True, started=None)
+        )
+        done(results[-1])
+    pending.clear()
 
 
 # --- planning, running, collecting -------------------------------------------------------------------
@@ -400,6 +533,7 @@ def read_config(config: Path, given: Sequence[str] = ()) -> tuple[dict[str, Any]
     sweep = read_sweep(config, settings.get("sweep"))
     if sweep.executor == "ray":
         import_ray()  # not installed: say so before anything runs
+        check_ray_address(f"config file {config}: [sweep]", sweep.address)  # nor one that hangs
     return settings, sweep, resolve_models(config, settings.get("models") or ["minilm"], sweep.checkpoints)
 
 
@@ -437,9 +571,15 @@ def plan(config: Path, settings: dict[str, Any], runs: list[str], shards: int, c
     """Which (run, shard) tasks the cache does not answer yet. Each run's key comes from
     :func:`isotui.experiments.layerwise.prepare` (cheap: names, data, no model load)."""
     from isotui.experiments import layerwise
-    from isotui.experiments.shards import partial_runs
+    from isotui.experiments.shards import check_shard_count, partial_runs
     from isotui.store.cache import ResultCache
 
+    if len(runs) * shards > MAX_TASKS:
+        raise IsotuiError(
+            f"config file {config}: {len(runs)} run{'s' if len(runs) != 1 else ''} x [sweep] shards = "
+            f"{shards} are {len(runs) * shards:,} tasks, more than a sweep runs ({MAX_TASKS:,}): use "
+            "fewer shards, or split the sweep"
+        )
     base = base_spec(config, settings, runs[0])
     cache = ResultCache(cache_root)
     partial = {(r.key, r.count): set(r.have) for r in partial_runs(cache_root)}
@@ -450,6 +590,10 @@ def plan(config: Path, settings: dict[str, Any], runs: list[str], shards: int, c
         except IsotuiError as exc:
             out.failed_early.append((model, str(exc)))
             continue
+        if shards > 1:  # before any task starts: the check each task would make, once for all
+            check_shard_count(
+                len(prepared.samples), shards, f"config file {config}: [sweep] shards = {shards}"
+            )
         if layerwise.lookup(prepared, cache) is not None:
             out.cached += shards
             continue

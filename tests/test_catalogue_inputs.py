@@ -310,7 +310,10 @@ QUIT_DRIVER = textwrap.dedent(
     async def quit_while_running(pilot):
         app = pilot.app
         app.submit("random:bert:num_hidden_layers=4", {"max_samples": 3000, "batch_size": 8})
-        while not any(r.state == "running" for r in app.query_one("JobsTable").records.values()):
+        # the job handed to its lane, whose worker process the app has started: an event of the
+        # app's own, not the worker's progress (a worker at nice 10 may get no CPU for minutes on
+        # a busy machine); quitting then waits at most QUIT_WAIT_S for it, then kills it
+        while len(app.backend.worker_pids()) < 2:  # the lookup worker, and the lane's
             await pilot.pause(0.1)
         await pilot.pause(0.5)
         await pilot.press(sys.argv[1])
@@ -326,7 +329,9 @@ QUIT_DRIVER = textwrap.dedent(
 @pytest.mark.parametrize("key", ["q", "ctrl+q"])
 def test_quitting_during_a_job_stops_it_and_exits_0(key, tmp_path):
     """Was: "terminate called without an active exception", exit 134 (the interpreter's teardown
-    under a live torch thread); now: "stopping...", a bounded wait, exit 0."""
+    under a live torch thread); now: "stopping...", a bounded wait, exit 0. Whatever the load: it
+    waits for the job's worker process to be started, not for the job to run (issue 30: at load 20
+    the nice-10 worker never reached "running" within 600 s)."""
     proc = subprocess.run(
         [sys.executable, "-c", QUIT_DRIVER, key],
         cwd=tmp_path,

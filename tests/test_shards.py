@@ -249,8 +249,13 @@ def test_shards_with_other_run_options_or_another_split_are_refused(tiny_models,
     assert "drop --no-cache" in capsys.readouterr().err
     assert _run(model, data, cache, "--shard", "1/2", "--exact") == 2
     assert "cannot run in shards" in capsys.readouterr().err
-    assert _run(model, data, cache, "--shard", f"{N}/{N + 1}") == 2
-    assert f"the data has {N}, fewer than {N + 1} shards" in capsys.readouterr().err
+    for shard in (f"{N}/{N + 1}", f"1/{N + 1}"):  # a shard with no samples, or one with a sample
+        assert _run(model, data, cache, "--shard", shard) == 2
+        assert f"the data has {N} samples, fewer than {N + 1} shards" in capsys.readouterr().err
+    # more shards than isotui runs: one sentence before the model loads
+    assert _run(model, data, cache, "--shard", "0/99999999999999999999") == 2
+    assert "K must be at most 10,000" in capsys.readouterr().err
+    assert [(r.have, r.count) for r in partial_runs(cache)] == [((0,), 2)]  # nothing more cached
 
 
 def test_python_api_and_a_plain_run_with_some_shards(tiny_models, texts, tmp_path, capsys):

@@ -536,3 +536,75 @@ def test_a_ray_sweep_from_the_app_shows_its_tasks_and_ends_with_the_plain_runs_n
     config = _app_config(tmp_path / "cfg", [model], data[1], 'shards = 2\nexecutor = "ray"')
     config.write_text(config.read_text().replace("workers = 1\n", ""), encoding="utf-8")  # local's key
     _sweep_in_app(tmp_path, config, model, plain, data, executor="ray")
+
+
+# --- where a sweep's tasks run: GPUs placed as users expect (issue 24) -------------------------------
+
+
+def test_local_gpu_groups_are_disjoint_and_sized_as_asked():
+    from isotui.errors import IsotuiError
+    from isotui.sweep import gpu_groups
+
+    eight = [str(i) for i in range(8)]
+    assert gpu_groups(eight, None) == eight  # default: one GPU per task
+    assert gpu_groups(eight, 2) == ["0,1", "2,3", "4,5", "6,7"]
+    assert gpu_groups(eight, 3) == ["0,1,2", "3,4,5"]  # 6 and 7 stay idle: no task gets a partial set
+    assert gpu_groups(["4", "6"], 1) == ["4", "6"]  # CUDA_VISIBLE_DEVICES as the user set it
+    assert gpu_groups(eight, 0) == [""]  # on the CPU: every GPU hidden from the tasks
+    assert gpu_groups([], None) == [None]  # a CPU-only machine: the environment as it is
+    with pytest.raises(IsotuiError, match=r"gpus_per_task = 16, but this machine has 8 GPUs visible"):
+        gpu_groups(eight, 16)
+    with pytest.raises(IsotuiError, match="no GPU visible"):
+        gpu_groups([], 1)
+
+
+def test_local_tasks_get_their_own_gpus_while_they_run(monkeypatch, tmp_path):
+    """Four faked GPUs, two per task, six tasks: every task's CUDA_VISIBLE_DEVICES is a pair, and
+    no two tasks that run at the same time share a GPU."""
+    from isotui import sweep
+
+    monkeypatch.setattr(sweep, "local_devices", lambda: ["0", "1", "2", "3"])
+    held: set[str] = set()
+    seen: list[str] = []
+    clash: list[str] = []
+    lock = threading.Lock()
+
+    def fake_task(argv, env=None, should_stop=sweep.never):
+        gpus = env["CUDA_VISIBLE_DEVICES"].split(",")
+        with lock:
+            seen.append(env["CUDA_VISIBLE_DEVICES"])
+            clash.extend(g for g in gpus if g in held)
+            held.update(gpus)
+        time.sleep(0.05)
+        with lock:
+            held.difference_update(gpus)
+        return 0, ""
+
+    monkeypatch.setattr(sweep, "run_task", fake_task)
+    settings = sweep.SweepSettings(gpus_per_task=2)
+    jobs = [(sweep.Task(f"m{i}", 0, 1), [str(i)]) for i in range(6)]
+    results = sweep.run_local(jobs, settings, lambda _r: None, lambda _t: None)
+    assert all(r.ok for r in results) and len(seen) == 6
+    assert set(seen) <= {"0,1", "2,3"} and not clash
+
+
+def test_ray_tasks_take_a_gpu_each_where_the_cluster_has_them():
+    from isotui.errors import IsotuiError
+    from isotui.sweep import ray_gpus_per_task
+
+    assert ray_gpus_per_task(None, {"CPU": 16.0, "GPU": 8.0}) == 1.0  # before: 0, every task on cuda:0
+    assert ray_gpus_per_task(None, {"CPU": 2.0}) == 0.0
+    assert ray_gpus_per_task(0.5, {"GPU": 1.0}) == 0.5
+    assert ray_gpus_per_task(2, {"GPU": 8.0}) == 2
+    with pytest.raises(IsotuiError, match="the Ray cluster has 0 GPUs: no task could ever start"):
+        ray_gpus_per_task(1, {"CPU": 2.0})
+
+
+def test_a_fraction_of_a_gpu_is_for_ray_only(tmp_path):
+    from isotui.errors import IsotuiError
+    from isotui.sweep import read_sweep
+
+    with pytest.raises(IsotuiError, match=r"gpus_per_task = 0.5: a local task gets whole GPUs"):
+        read_sweep(tmp_path / "s.toml", {"gpus_per_task": 0.5})
+    assert read_sweep(tmp_path / "s.toml", {"executor": "ray", "gpus_per_task": 0.5}).gpus_per_task == 0.5
+    assert read_sweep(tmp_path / "s.toml", {}).gpus_per_task is None

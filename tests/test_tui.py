@@ -218,6 +218,53 @@ def test_jobs_pane_shows_each_phase_as_it_is(tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_job_stuck_at_0_percent_on_a_busy_machine_says_why(tmp_path, monkeypatch):
+    """A job whose worker gets no CPU posts nothing: its row says so once it has sat at 0% a
+    while on a machine whose load is above its cores (issue 30); the job queued behind it waits
+    for it, not for the CPU, and says nothing; the first sample done brings the bar back."""
+    import threading
+
+    import isotui.tui.jobs as jobs_module
+
+    monkeypatch.setattr(jobs_module, "SLOW_START_S", 0.4)
+    monkeypatch.setattr(jobs_module, "load_average", lambda: 20.3)
+    monkeypatch.setattr(jobs_module, "usable_cores", lambda: 2)
+    release = threading.Event()
+
+    def prepare(spec):
+        return Prepared(spec, f"fake-{spec.model}", [], "fp", "dfp", "float32", "cpu")
+
+    def compute(prepared, on_progress, should_stop):
+        while not release.wait(0.05):  # starved: nothing to say
+            if should_stop():
+                raise Cancelled()
+        on_progress(Progress(1, 2, 100, 1.0))
+        while not should_stop():
+            time.sleep(0.05)
+        raise Cancelled()
+
+    async def scenario():
+        app = IsotuiApp(
+            cache_root=tmp_path / "cache",
+            backend_factory=lambda cache, post: Backend(cache, post, compute=compute, prepare=prepare),
+        )
+        async with app.run_test(size=(140, 36)) as pilot:
+            jobs = app.query_one("#jobs", JobsTable)
+            for model in ("fake-a", "fake-b"):
+                await _run_typed(pilot, app, model)
+            said = "waiting for CPU: load 20 on 2 cores"
+            await _wait(pilot, lambda: jobs.row_count == 2 and jobs.get_row("1")[3] == said)
+            assert jobs.records[1].state == "loading" and jobs.get_row("2")[2:4] == ["queued", ""]
+            release.set()
+            await _wait(pilot, lambda: "%" in jobs.get_row("1")[3])
+            await pilot.pause(0.6)  # past SLOW_START_S again: a job that moved says nothing more
+            assert "50%" in jobs.get_row("1")[3] and said not in jobs.get_row("2")[3]
+            app.backend.close(wait=False)
+
+    asyncio.run(scenario())
+    assert jobs_module.waiting_for_cpu(1.5, 2) == ""  # a machine that is not busy: nothing to say
+
+
 def test_models_pane_presets_filter_and_cached_runs(tmp_path, tiny_models):
     async def scenario():
         # 1. a real run fills the cache

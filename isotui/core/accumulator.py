@@ -683,8 +683,34 @@ def _layer_from_state(
     acc.weighted = bool(state["weighted"])
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
+            _check_shape(acc, k, v)
             setattr(acc, k, v.to(device).clone())
+    if (acc.res is None) != (acc.res_keys is None) or (
+        acc.res is not None and acc.res_keys is not None and len(acc.res) != len(acc.res_keys)
+    ):
+        raise ValueError("the layer state's reservoir and its keys do not match")
     return acc
+
+
+def _check_shape(acc: LayerAccumulator, name: str, value: torch.Tensor) -> None:
+    """ValueError when a state's tensor ``name`` has not the shape an accumulator of its ``dim``
+    (``types``, ``full_cov``) keeps: a damaged or foreign state, which would fail (or worse,
+    broadcast) later in a merge or the metrics."""
+    fresh = getattr(acc, name, None)
+    if name == "shift":
+        want: tuple[int | None, ...] = (acc.dim,)
+    elif name == "res":
+        want = (None, acc.dim)
+    elif name == "res_keys":
+        want = (None,)  # as many as the reservoir's rows: checked once both are set
+    elif isinstance(fresh, type(value)):
+        want = tuple(fresh.shape)
+    else:
+        return
+    got = tuple(value.shape)
+    if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want, strict=False)):
+        shown = tuple("n" if w is None else w for w in want)
+        raise ValueError(f"the layer state's {name} has shape {got}, not {shown} (dim {acc.dim})")
 
 
 def _layer_merge(acc: LayerAccumulator, other: LayerAccumulator) -> None:

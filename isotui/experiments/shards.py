@@ -154,6 +154,16 @@ def shard_ids(n: int, index: int, count: int) -> tuple[int, ...]:
     return tuple(range(index, n, count))
 
 
+def check_shard_count(n: int, count: int, what: str) -> None:
+    """One sentence when ``count`` shards are more than the ``n`` samples: a shard without samples
+    has nothing to measure, and a split with one can never merge."""
+    if count > n:
+        raise IsotuiError(
+            f"{what}: the data has {n} sample{'s' if n != 1 else ''}, fewer than {count} shards "
+            f"(each shard needs a sample of its own: at most {n} shards)"
+        )
+
+
 def partial_key(run_key: str, index: int, count: int) -> str:
     return f"{run_key}-{index}-of-{count}"
 
@@ -221,6 +231,34 @@ def state_from_payload(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -
                 tensors[name] = tensors[name].reshape(())
             components[component].append({**kept, **tensors})
     return {**payload["facts"], "components": components}
+
+
+# what a damaged partial state raises when it is decoded, checked or merged (a valid checksum
+# says the bytes are intact, not that they fit: an entry rewritten by hand, or by another version)
+DAMAGE = (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError)
+
+
+def checked_state(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The state of a cached shard, every layer's accumulator rebuilt from it once, so that a
+    damaged entry (an array of a wrong shape, a missing field) raises one of :data:`DAMAGE` here
+    and not in the merge."""
+    from isotui.core.accumulator import LayerAccumulator
+
+    state = state_from_payload(payload, arrays)
+    for layers in state["components"].values():
+        for layer in layers:
+            LayerAccumulator.from_state(layer)
+    seconds = [state.get(n, 0.0) for n in ("tokenise_s", "forward_s", "metrics_s")]
+    seconds.append(payload["shard"]["loaded"]["load_s"])
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in seconds):
+        raise TypeError("timings that are not numbers")
+    return state
+
+
+def _why(exc: BaseException) -> str:
+    """A damage's reason, short: the error's first line, or its type."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return text[:200] if isinstance(exc, ValueError) and text else type(exc).__name__
 
 
 # --- what the cache holds -------------------------------------------------------------------------
@@ -336,6 +374,7 @@ def measure_shard(
     )
     runs = ResultCache(cache_root)
     prepared = layerwise.prepare(spec, runs)
+    check_shard_count(len(prepared.samples), count, f"shard {index}/{count}")
     hit = layerwise.lookup(prepared, runs, on_notice)
     if hit is not None:
         on_notice(f"the whole run of {spec.model} is cached already (key {prepared.key[:12]}): shard not run")
@@ -344,28 +383,27 @@ def measure_shard(
                 for i in r.have:
                     remove_shard(cache_root, partial_key(r.key, i, r.count))
         return hit
-    n = len(prepared.samples)
-    if index >= n:
-        raise IsotuiError(
-            f"shard {index}/{count} has no samples: the data has {n}, fewer than {count} shards"
-        )
     _check_split(prepared, cache_root, index, count)
     cache = shard_cache(cache_root)
     key = partial_key(prepared.key, index, count)
-    try:
-        cached = cache.get_payload(key) is not None
-    except CacheProblem as problem:
-        on_notice(f"{problem}; recomputing")
-        cached = False
-    if cached:
-        on_notice(f"shard {index}/{count} of {spec.model} is cached already")
-    else:
-        payload, arrays = _run_shard(prepared, cache_root, index, count, on_progress, should_stop)
+    for _attempt in range(2):
         try:
-            cache.put_payload(key, payload, arrays)
-        except CacheWriteError as exc:
-            raise IsotuiError(f"{exc}; a shard is kept only in the cache, so it is lost") from None
-    merged = merge_cached(prepared, cache_root, on_notice=on_notice, on_progress=on_progress)
+            cached = cache.get_payload(key) is not None
+        except CacheProblem as problem:
+            on_notice(f"{problem}; recomputing")
+            cached = False
+        if cached:
+            on_notice(f"shard {index}/{count} of {spec.model} is cached already")
+        else:
+            payload, arrays = _run_shard(prepared, cache_root, index, count, on_progress, should_stop)
+            try:
+                cache.put_payload(key, payload, arrays)
+            except CacheWriteError as exc:
+                raise IsotuiError(f"{exc}; a shard is kept only in the cache, so it is lost") from None
+        merged = merge_cached(prepared, cache_root, on_notice=on_notice, on_progress=on_progress)
+        if merged is not None or not cached or cache.path_for(key).is_file():
+            break
+        # this shard's own cached entry was damaged (the merge dropped it): measured again, once
     if merged is None:
         have = next(
             (r.have for r in partial_runs(cache_root) if r.key == prepared.key and r.count == count), ()
@@ -463,37 +501,60 @@ def merge_cached(
     loaded: list[dict[str, Any]] = []  # each shard's load facts
     timings = dict.fromkeys(("tokenise_s", "forward_s", "metrics_s"), 0.0)  # every shard's work
     said: list[str] = []
+    damaged: list[int] = []
 
     def states() -> Iterator[dict[str, Any]]:
-        """Each shard's state, read when the merge asks for it (one at a time in memory)."""
+        """Each shard's state, read and checked when the merge asks for it (one at a time in
+        memory); a damaged one is removed (it runs again) and the others are only checked."""
         for i in range(count):
+            name = partial_key(prepared.key, i, count)
             try:
-                found = cache.get_payload(partial_key(prepared.key, i, count))
+                found = cache.get_payload(name)
             except CacheProblem as problem:
                 found = None
                 said.append(f"{problem}; run shard {i}/{count} again")
             if found is None:  # another process merged and removed them meanwhile, or damaged
                 raise _Gone
+            try:
+                state = checked_state(*found)
+            except DAMAGE as exc:
+                damaged.append(i)
+                cache.remove(name)
+                on_notice(
+                    f"cache entry {FOLDER}/{name}.safetensors is damaged ({_why(exc)}); removed it: "
+                    f"shard {i}/{count} of this run runs again"
+                )
+                continue
             loaded.append(found[0]["shard"]["loaded"])
-            state = state_from_payload(*found)
             del found
-            for phase in timings:
-                timings[phase] += state.get(phase, 0.0)
-            yield state
+            if not damaged:
+                for phase in timings:
+                    timings[phase] += state.get(phase, 0.0)
+                yield state
             del state  # not held while the next one is read
 
     try:
         merged = merge_extraction_states(states())
+        if damaged:
+            return None
+        merged.update(timings)
+        ex = finish_extraction(merged)
+        ex.notes.append(f"merged from {count} shards")
+        facts = {**loaded[0], "load_s": sum(f["load_s"] for f in loaded)}
+        result = layerwise.build_result(prepared, ex, facts)
     except _Gone:
         hit = layerwise.lookup(prepared, runs, on_notice)
         if hit is None and said:
             on_notice(said[0])
         return hit
-    merged.update(timings)
-    ex = finish_extraction(merged)
-    ex.notes.append(f"merged from {count} shards")
-    facts = {**loaded[0], "load_s": sum(f["load_s"] for f in loaded)}
-    result = layerwise.build_result(prepared, ex, facts)
+    except DAMAGE as exc:  # each fine alone, not together: which is wrong cannot be told
+        if damaged:  # every state was damaged: nothing was merged
+            return None
+        on_notice(
+            f"the {count} cached shards of this run do not merge ({_why(exc)}): remove them with "
+            f"`isotui cache rm {prepared.key[:12]}` and run them again"
+        )
+        return None
     layerwise.store(result, runs, on_notice)
     if runs.path_for(prepared.key).is_file():  # kept: the shards and their plan are no longer needed
         for i in range(count):

@@ -7,7 +7,8 @@ sees what happened to a job that ended while they looked elsewhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from textual.widgets import DataTable
@@ -25,6 +26,7 @@ from isotui.backend import (
     devices_label,
 )
 from isotui.extract.progress import Progress
+from isotui.extract.threads import load_average, usable_cores
 from isotui.render import shorten
 
 JOB_COLUMNS = ("job", "model", "state", "progress", "tok/s", "ETA", "device", "memory")
@@ -43,6 +45,20 @@ def phase_state(progress: Progress) -> str:
     if progress.phase in PREPARING or progress.phase in COMPUTING:
         return progress.phase
     return "finalising" if progress.stage == "finalize" else "running"
+
+
+SLOW_START_S = 10.0  # a job with no sample done after this long says why, when the CPU is busy
+
+
+def waiting_for_cpu(load: float | None = None, cores: int | None = None) -> str:
+    """``waiting for CPU: load 20 on 2 cores`` when the 1-minute load average is above the cores
+    this process may use (a job's worker runs at a lower priority, so on a busy machine it may
+    get no core for minutes), else ''."""
+    load = load_average() if load is None else load
+    cores = usable_cores() if cores is None else cores
+    if load is None or load <= cores:
+        return ""
+    return f"waiting for CPU: load {load:.0f} on {cores} core{'s' if cores != 1 else ''}"
 
 
 def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
@@ -73,15 +89,27 @@ class JobRecord:
     state: str = "queued"
     progress: Progress | None = None
     counts: str = "samples"  # what its progress counts: a sweep's counts tasks
+    since: float = field(default_factory=time.monotonic)  # when its state or samples last moved
 
     @property
     def active(self) -> bool:
         return self.state in ACTIVE
 
-    def cells(self) -> tuple[str, ...]:
+    def stalled(self, now: float | None = None) -> bool:
+        """Whether it has been at no sample done for :data:`SLOW_START_S` or more (a layer run;
+        a sweep's tasks take long by nature)."""
+        waiting = self.progress is None or self.progress.samples_done == 0
+        now = time.monotonic() if now is None else now
+        started = self.state in ("queued", *PREPARING, "running")
+        return started and waiting and self.counts == "samples" and now - self.since >= SLOW_START_S
+
+    def cells(self, why: str = "") -> tuple[str, ...]:
+        """The row; ``why``: what the progress cell says instead of a bar at 0% (a busy CPU)."""
         p = self.progress
         bar = speed = eta = ""
-        if p is not None and self.state in (*PREPARING, "writing"):
+        if why:
+            bar = why
+        elif p is not None and self.state in (*PREPARING, "writing"):
             bar = p.detail  # what is known: the model's size while it loads, the samples to tokenise
         elif p is not None and self.state == "finalising" and p.layers_total:
             bar, eta = f"{progress_bar(p.layers_done, p.layers_total)} layers", duration(p.eta_s)
@@ -106,6 +134,7 @@ class JobsTable(DataTable[str]):
         for label in JOB_COLUMNS:
             self.add_column(label, key=label)
         self.redraw()
+        self.set_interval(SLOW_START_S / 4, self._refresh_waits)
 
     def apply(self, ev: JobEvent) -> None:
         """Fold one backend event into the records and redraw."""
@@ -116,6 +145,7 @@ class JobsTable(DataTable[str]):
             counts = "tasks" if kind == "sweep" else "samples"
             device = devices_label(ev.spec) or ev.spec.device  # a device map: every device it holds
             rec = self.records[ev.job_id] = JobRecord(ev.job_id, label, device, counts=counts)
+        before = (rec.state, rec.progress.samples_done if rec.progress else 0)
         if isinstance(ev, JobQueued):
             rec.state = "queued"
         elif isinstance(ev, JobStarted):
@@ -136,6 +166,8 @@ class JobsTable(DataTable[str]):
             rec.state = "cancelled"
         elif isinstance(ev, JobNotice):
             return
+        if (rec.state, rec.progress.samples_done if rec.progress else 0) != before:
+            rec.since = time.monotonic()
         self.redraw()
 
     def mark_cancelling(self, job_id: int) -> None:
@@ -156,10 +188,12 @@ class JobsTable(DataTable[str]):
         """Jobs in flight first and in view; the user's pick stays picked while they look.
         The same jobs in the same order (a progress report): only the changed cells are redrawn."""
         ordered = self.ordered()
+        whys = self._whys(ordered)
         if ordered and [str(r.job_id) for r in ordered] == [str(k.value) for k in self.rows]:
             for rec in ordered:
+                cells = rec.cells(whys.get(rec.job_id, ""))
                 for column, (old, new) in zip(
-                    JOB_COLUMNS, zip(self.get_row(str(rec.job_id)), rec.cells(), strict=True), strict=True
+                    JOB_COLUMNS, zip(self.get_row(str(rec.job_id)), cells, strict=True), strict=True
                 ):
                     if old != new:
                         self.update_cell(str(rec.job_id), column, new, update_width=True)
@@ -168,13 +202,31 @@ class JobsTable(DataTable[str]):
         chosen = self.chosen_job() if self.has_focus else None
         self.clear()
         for rec in ordered:
-            self.add_row(*rec.cells(), key=str(rec.job_id))
+            self.add_row(*rec.cells(whys.get(rec.job_id, "")), key=str(rec.job_id))
         if chosen is not None and str(chosen) in {str(k.value) for k in self.rows}:
             self.move_cursor(row=self.get_row_index(str(chosen)), animate=False)
         else:
             self.scroll_home(animate=False)
         self.show_header = self.row_count > 0  # an idle pane takes one line
         self._titles()
+
+    @staticmethod
+    def _whys(records: list[JobRecord]) -> dict[int, str]:
+        """Jobs stalled at no sample done on a busy machine: the busy CPU, said in their row. A
+        queued job behind one that runs waits for that one instead, and says nothing."""
+        now = time.monotonic()
+        stalled = [r for r in records if r.stalled(now)]
+        if not stalled:
+            return {}
+        why = waiting_for_cpu()
+        ahead = any(r.state in (*PREPARING, *COMPUTING) for r in records)
+        return {r.job_id: why for r in stalled if why and (r.state != "queued" or not ahead)}
+
+    def _refresh_waits(self) -> None:
+        """Now and then while jobs are in flight: a starved worker posts nothing, so its row is
+        redrawn from here to say why it waits."""
+        if any(r.active for r in self.records.values()):
+            self.redraw()
 
     def _titles(self) -> None:
         active = sum(r.active for r in self.records.values())
