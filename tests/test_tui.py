@@ -687,7 +687,7 @@ def test_moving_through_models_redraws_only_what_changed(tmp_path, monkeypatch):
     monkeypatch.setattr(
         drift_pane,
         "draw_drift_curves",
-        lambda plot, result, *a: (curves.append(result), draw(plot, result, *a)),
+        lambda plot, result, *a: (curves.append(result), draw(plot, result, *a))[1],
     )
 
     async def scenario():
