@@ -155,7 +155,16 @@ class Parser(argparse.ArgumentParser):
         return did_you_mean(flag, [o for o in self._option_string_actions if o.startswith("--")])
 
     def error(self, message: str) -> Any:  # type: ignore[override]
-        """One line: what is wrong, and where the command's options are listed (exit 2)."""
+        """One line: what is wrong (a misspelt choice: with the nearest one), and where the
+        command's options are listed (exit 2)."""
+        import re
+
+        from isotui.suggest import did_you_mean
+
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            guess = did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+            message += f"; {guess}" if guess else ""
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
