@@ -506,8 +506,12 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
             params = [_run_params(e.path) for e in scan.entries]
             # every setting in the key; a column only some runs set (tokenizer, map units) only then
             shown = [c for c in RUN_KEY_COLUMNS if c[0] in ALWAYS_SHOWN or any(p.get(c[0]) for p in params)]
-            for col in ("key", "model", "data", "samples", *(header for _, header in shown)):
-                table.add_column(col, overflow="fold")  # a long name whole: its end may be what differs
+            # a long name whole (its end may be what differs): as wide as it needs, up to a third
+            longest = max(len(e.model) for e in scan.entries)
+            table.add_column("key")
+            table.add_column("model", overflow="fold", min_width=min(longest, out.width // 3))
+            for col in ("data", "samples", *(header for _, header in shown)):
+                table.add_column(col, overflow="fold")
             table.add_column("created")
             table.add_column("size")
             for e, p in zip(scan.entries, params, strict=True):
