@@ -155,7 +155,16 @@ class Parser(argparse.ArgumentParser):
         return did_you_mean(flag, [o for o in self._option_string_actions if o.startswith("--")])
 
     def error(self, message: str) -> Any:  # type: ignore[override]
-        """One line: what is wrong, and where the command's options are listed (exit 2)."""
+        """One line: what is wrong (a misspelt choice: with the nearest one), and where the
+        command's options are listed (exit 2)."""
+        import re
+
+        from isotui.suggest import did_you_mean
+
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            guess = did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+            message += f"; {guess}" if guess else ""
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
@@ -508,8 +517,12 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
             params = [_run_params(e.path) for e in scan.entries]
             # every setting in the key; a column only some runs set (tokenizer, map units) only then
             shown = [c for c in RUN_KEY_COLUMNS if c[0] in ALWAYS_SHOWN or any(p.get(c[0]) for p in params)]
-            for col in ("key", "model", "data", "samples", *(header for _, header in shown)):
-                table.add_column(col, overflow="fold")  # a long name whole: its end may be what differs
+            # a long name whole (its end may be what differs): as wide as it needs, up to a third
+            longest = max(len(e.model) for e in scan.entries)
+            table.add_column("key")
+            table.add_column("model", overflow="fold", min_width=min(longest, out.width // 3))
+            for col in ("data", "samples", *(header for _, header in shown)):
+                table.add_column(col, overflow="fold")
             table.add_column("created")
             table.add_column("size")
             for e, p in zip(scan.entries, params, strict=True):

@@ -653,7 +653,13 @@ FIGURES = dict(sorted(FIGURES.items(), key=lambda item: _order(item[0])))
 def find(name: str) -> PaperFigure:
     """The named figure, or one sentence naming the way to list them."""
     if name not in FIGURES:
-        raise IsotuiError(f"unknown figure {name!r}; `isotui figure --list` names them")
+        from isotui.suggest import did_you_mean
+
+        guess = did_you_mean(name, FIGURES)
+        raise IsotuiError(
+            f"unknown figure {name!r}; {guess + ' (' if guess else ''}`isotui figure --list` names them"
+            + (")" if guess else "")
+        )
     return FIGURES[name]
 
 

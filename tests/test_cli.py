@@ -110,7 +110,7 @@ def test_second_identical_run_comes_from_cache_without_torch(tmp_path, tiny_mode
         (["run", "--data", "ftp:somewhere"], "unknown scheme"),
         (["run", "--max-length", "0"], "max-length must be a positive integer"),
         (["run", "-m", "./no/such/dir"], "does not exist"),
-        (["run", "-m", "random:no_such_arch"], "no configuration"),
+        (["run", "-m", "random:no_such_arch"], "transformers has no model type 'no_such_arch'"),
         (["cache", "rm", "feedbeef"], "matches no cached run"),
     ],
 )
@@ -202,7 +202,7 @@ def test_run_takes_a_preset_by_name(tmp_path):
     assert result["model"] == "minilm" and len(result["rows"]) == 7
     assert result["meta"]["n_samples"] == 6 and result["meta"]["max_length"] == 128  # from the preset
     missing = isotui("run", "no_such_preset")
-    assert missing.returncode == 2 and "no_such_preset does not exist" in missing.stderr
+    assert missing.returncode == 2 and "no config file or preset named 'no_such_preset'" in missing.stderr
 
 
 def test_models_lists_bundled_presets_and_hf_cache(tmp_path, tiny_models):

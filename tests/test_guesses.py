@@ -154,3 +154,14 @@ def test_the_options_dialog_takes_a_typed_data_path_from_where_the_app_started(t
     assert f"relative paths start from {work}, where isotui was started" in " ".join(errors[0].split())
     assert data == f"jsonl:{work / 'corpus.jsonl'}:body"  # kept whole: the session restores it as is
     assert spec.path == str(work / "corpus.jsonl") and spec.field == "body"
+
+
+def test_a_misspelt_choice_or_figure_gets_the_nearest(capsys):
+    with pytest.raises(SystemExit):
+        main(["experiment", "atention"])
+    assert "did you mean attention?" in _said(capsys)
+    with pytest.raises(SystemExit):
+        main(["run", "--dtype", "flaot16"])
+    assert "did you mean float16?" in _said(capsys)
+    assert main(["figure", "godey2024-fig71"]) == 2
+    assert "did you mean godey2024-fig7?" in _said(capsys)

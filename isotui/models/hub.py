@@ -49,7 +49,7 @@ def resolve_commit(repo_id: str, revision: str | None) -> str:
         commit = ref.read_text().strip()
         if (repo / "snapshots" / commit).is_dir():
             return commit
-    guess = spelling_guess(repo_id)
+    guess = "" if repo.is_dir() else spelling_guess(repo_id)  # in the cache: the revision is what lacks
     if offline():
         if guess:
             raise IsotuiError(
@@ -110,7 +110,7 @@ def spelling_guess(name: str) -> str:
         presets = [p.stem for p in resource_dir("sample_configs").glob("*.toml")]
     except FileNotFoundError:
         presets = []
-    guess = nearest(name, [*BUNDLED, *cached_repo_ids()])
+    guess = nearest(name, [n for n in [*BUNDLED, *cached_repo_ids()] if n.lower() != name.lower()])
     if guess is not None:
         return f"did you mean {guess}?"
     preset = nearest(name, presets)
