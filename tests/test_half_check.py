@@ -70,3 +70,20 @@ def test_float32_run_has_no_check():
     result = measure(make_spec("minilm", max_samples=2, dtype="float32"), None)
     assert "half_check" not in result.meta
     assert not any("forward: on the first" in n for n in result.meta["notes"])
+
+
+def test_the_float32_copy_is_not_loaded_where_it_cannot_fit(monkeypatch):
+    """A 70B model in bf16 would be loaded again in float32 (280 GB): skipped, said, never tried."""
+    from isotui.experiments import half_check as hc
+    from isotui.extract import device as dev
+    from isotui.spec import make_spec
+
+    spec = make_spec("minilm", "builtin")
+    monkeypatch.setattr(dev, "available_memory", lambda _d: 100 * 10**9)
+    assert hc.too_large(spec, 10 * 10**9, "cpu") == ""  # 20 GB of float32 in 100 GB free
+    said = hc.too_large(spec, 140 * 10**9, "cuda:0")
+    assert "float32 weights (280.0 GB) would not fit in the 100.0 GB cuda:0 has free" in said
+    check = hc.half_check(spec, "bfloat16", 500, 140 * 10**9, "cuda:0")
+    assert check["skipped"] == said and "max_rel_change" not in check
+    split = make_spec("minilm", "builtin", device_map="auto")
+    assert "--device-map" in hc.too_large(split, 1, "cpu")

@@ -42,14 +42,37 @@ def max_changes(half: ModelResult, full: ModelResult) -> dict[str, float]:
     return out
 
 
-def half_check(spec: RunSpec, dtype: str, n_samples: int) -> dict[str, Any]:
-    """Run the first samples in ``dtype`` and in float32 (no cache) and compare. A float32 run
-    that does not fit (out of memory, or any refusal) is reported, never fatal."""
+def too_large(spec: RunSpec, weights: int, device: str | None) -> str:
+    """Why the float32 copy is not tried ('' when it is): a model placed across devices, or one
+    whose float32 weights (twice the half ones) would not fit in what ``device`` has free. Loading
+    a 70B model again in float32 would offload it to disk for hours, or get the process killed."""
+    from isotui.extract.device import available_memory
+
+    if spec.device_map is not None:
+        return "the model is placed across devices (--device-map): its float32 copy is not loaded"
+    free = available_memory(device) if device else None
+    if free is not None and 2 * weights > 0.9 * free:
+        return (
+            f"its float32 weights ({2 * weights / 1e9:.1f} GB) would not fit in the "
+            f"{free / 1e9:.1f} GB {device} has free"
+        )
+    return ""
+
+
+def half_check(
+    spec: RunSpec, dtype: str, n_samples: int, weights: int = 0, device: str | None = None
+) -> dict[str, Any]:
+    """Run the first samples in ``dtype`` and in float32 (no cache) and compare, when the float32
+    copy fits (:func:`too_large`; ``weights``: the half model's bytes). A float32 run that does
+    not fit (out of memory, or any refusal) is reported, never fatal."""
     from isotui.experiments.layerwise import compute, prepare
 
     k = min(CHECK_SAMPLES, n_samples)
     small = replace(spec, max_samples=k, exact=False, shard=None)
     check: dict[str, Any] = {"dtype": dtype, "samples": k}
+    if why := too_large(spec, weights, device):
+        check["skipped"] = why
+        return check
     try:
         half = compute(prepare(replace(small, dtype=dtype)))
         full = compute(prepare(replace(small, dtype="float32")))

@@ -192,7 +192,9 @@ def measure(
         on_progress(
             Progress(0, 0, 0, 0.0, stage="finalize", phase="running", detail=f"{prepared.dtype} vs float32")
         )
-        check = half_check(spec, prepared.dtype, len(prepared.samples))
+        weights = sum(((result.meta.get("memory_plan") or {}).get("weights_bytes") or {}).values())
+        device = result.meta.get("device") or prepared.device
+        check = half_check(spec, prepared.dtype, len(prepared.samples), weights, device)
         result.meta["half_check"] = check
         result.meta["notes"].append(note(check))
     if cache is not None:
