@@ -92,6 +92,26 @@ def check_output(path: str | os.PathLike[str], flag: str = "") -> None:
     _plan(path, flag)
 
 
+def check_distinct(outputs: list[tuple[str, str | os.PathLike[str] | None]]) -> None:
+    """Refuse two output flags (``[("--csv", path), ("--json", path)]``) naming one file: the
+    second would replace the first. Streams, devices and FIFOs may be named twice (written
+    through, one after the other)."""
+    seen: dict[str, str] = {}
+    for flag, path in outputs:
+        if not path:
+            continue
+        how, target, _ = _plan(path, flag)
+        if how != "replace":
+            continue
+        key = os.fspath(target)
+        if key in seen:
+            raise IsotuiError(
+                f"{seen[key]} and {flag} both name {os.fspath(path)}: the second would replace the "
+                "first; give each its own file"
+            )
+        seen[key] = flag
+
+
 def _plan(path: str | os.PathLike[str], flag: str) -> tuple[str, Path | int, int | None]:
     """How to write ``path``: ("fd", fd, None), ("through", path, None) or ("replace", target,
     mode of the existing file or None)."""
