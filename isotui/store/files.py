@@ -101,7 +101,7 @@ def check_distinct(outputs: list[tuple[str, str | os.PathLike[str] | None]]) -> 
         if not path:
             continue
         how, target, _ = _plan(path, flag)
-        if how != "replace":
+        if how != "replace" or isinstance(target, int):
             continue
         key = os.fspath(target)
         if key in seen:
