@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import math
 import os
 import shlex
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -353,3 +355,129 @@ def test_served_app_ends_when_the_browser_leaves_early_and_honours_sigterm(tmp_p
             server.wait()
         log.close()
     assert server.returncode == 0
+
+
+# --- 5. sentences that said the wrong thing (issue 30 item 10) ----------------------------------
+
+
+def jsonl_with_bom(tmp: Path) -> None:
+    (tmp / "d.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "the first line"}\n{"text": "the second"}\n')
+
+
+def config_with(value: str) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        (tmp / "m").mkdir()
+        body = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4}
+        (tmp / "m" / "config.json").write_text(json.dumps(body).replace("32", value, 1))
+
+    return setup
+
+
+def huge_line(tmp: Path) -> None:
+    with (tmp / "a.txt").open("w") as f:
+        f.write("a" * 30_000_000 + "\n")
+
+
+MESSAGES = [  # (args, the sentence's part, what must not be said, a setup)
+    pytest.param(
+        ("run", "-m", "random:bert:hidden_size", *SMALL),
+        "config override 'hidden_size' is not key=value; give its value, e.g. random:bert:hidden_size=64",
+        "Should contain one of",  # was: transformers' ~400 model types
+        None,
+        id="override-without-value",
+    ),
+    pytest.param(
+        ("run", "-m", "random:bert:num_hidden_layers=0", *SMALL),
+        "has no layers (num_hidden_layers=0), so there are no hidden states to measure",
+        "output_hidden_states",
+        None,
+        id="no-layers",
+    ),
+    pytest.param(
+        ("run", "adir", "-q"),
+        "config file adir is a folder; give a TOML file",
+        "does not exist",
+        lambda t: (t / "adir").mkdir(),
+        id="config-is-a-folder",
+    ),
+    pytest.param(
+        ("run", "-m", "./m", *SMALL),
+        "Validation error for field 'hidden_size': TypeError: Field 'hidden_size' expected int",
+        "\n",
+        config_with('"big"'),
+        id="config-value-of-a-wrong-type",
+    ),
+    pytest.param(
+        ("run", "-m", TINY, "--data", "text:a.txt", "-q"),
+        "tokens are the unknown token [UNK], though the tokenizer of model",
+        "pass the tokenizer it was trained with",
+        huge_line,
+        id="a-30MB-line",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "said", "unsaid", "setup"), MESSAGES)
+def test_a_sentence_that_says_what_is_wrong(tmp_path, args, said, unsaid, setup):
+    if setup is not None:
+        setup(tmp_path)
+    err = one_sentence(cli(*args, cwd=tmp_path), said)
+    assert unsaid not in err.rstrip("\n")
+    assert cached_runs(tmp_path / "cache") == 0
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_is_read(tmp_path):
+    jsonl_with_bom(tmp_path)
+    proc = cli("run", "-m", TINY, "--data", "jsonl:d.jsonl", "--json", "o.json", "-q", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "o.json").read_text())["results"][0]["meta"]["n_samples"] == 2
+
+
+def test_weights_of_another_size_name_the_tensor(tiny_models, tmp_path):
+    import shutil
+
+    from safetensors import safe_open
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["bert"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 2 * config["intermediate_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with safe_open(str(folder / "model.safetensors"), framework="numpy") as f:
+        saved = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    err = one_sentence(cli("run", "-m", "./m", *SMALL, cwd=tmp_path), "its weights do not have the sizes")
+    text = " ".join(err.split())
+    name = text.split("config gives (weights and config of different models?): ")[1].split(" is ")[0]
+    assert f"{name} is {saved[name]} in the weights but" in text and "For details look" not in text
+    assert "intermediate" in name and "use the config.json saved with these weights" in text
+
+
+def test_a_refused_pickle_says_isotui_never_runs_one(tiny_models, tmp_path):
+    import pickle
+    import shutil
+
+    class Bomb:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'RAN'}",))
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for f in tiny_models["bert"].iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, folder / f.name)
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(Bomb()))
+    err = one_sentence(
+        cli("run", "-m", "./m", *SMALL, cwd=tmp_path), "isotui reads a pickle only as plain tensors"
+    )
+    assert "never runs one" in err and "weights_only" not in err and "arbitrary code" not in err
+    assert not (tmp_path / "RAN").exists()
+
+
+def test_an_unreadable_cache_entry_says_why(tmp_path):
+    assert cli("run", "-m", TINY, *SMALL, cwd=tmp_path).returncode == 0
+    (entry,) = (tmp_path / "cache" / "runs").glob("*.safetensors")
+    entry.chmod(0)
+    proc = as_a_user("run", "-m", TINY, *SMALL, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"cache entry {entry.name} is unreadable (Permission denied); recomputing" in proc.stderr
+    assert "FileNotFoundError" not in proc.stderr

@@ -302,6 +302,12 @@ def _parse_random(text: str) -> ModelRef:
                 raise IsotuiError(f"model {text!r}: config override {item!r} is not key=value")
             pairs.append((key.strip(), value.strip()))
         rest, overrides = head, tuple(pairs)
+    elif sep and head != "timm" and re.match(r"^\w+$", tail) and not Path(rest).expanduser().exists():
+        # random:bert:hidden_size, an override without its value (timm:NAME is no override)
+        raise IsotuiError(
+            f"model {text!r}: config override {tail!r} is not key=value; give its value, e.g. "
+            f"random:{head}:{tail}=64"
+        )
     if not rest:
         raise IsotuiError(f"model {text!r}: say which architecture, e.g. random:bert or random:gpt2")
     if rest.startswith("timm:") and not re.match(r"^timm:[\w.-]+$", rest):
