@@ -645,8 +645,9 @@ def check_out(path: str) -> Path:
 
 def check_sidecars(out: Path, force: bool = False) -> None:
     """PATH.csv and PATH.json go beside the figure: refuse, before any run, to replace a regular
-    file there that is not an earlier ``isotui figure``'s (whose JSON names this figure's file),
-    unless ``force`` (``--force``). A FIFO or a device there is written through, as exports are."""
+    file there that is not an earlier ``isotui figure``'s (its JSON names a figure and this CSV:
+    a redraw, in any format), unless ``force`` (``--force``). A FIFO or a device there is written
+    through, as exports are."""
     import json
     import os
     import stat
@@ -656,7 +657,7 @@ def check_sidecars(out: Path, force: bool = False) -> None:
     csv_path, json_path = out.with_suffix(".csv"), out.with_suffix(".json")
     try:
         earlier = json.loads(json_path.read_text(encoding="utf-8"))
-        ours = isinstance(earlier, dict) and "figure" in earlier and earlier.get("file") == out.name
+        ours = isinstance(earlier, dict) and "figure" in earlier and earlier.get("csv") == csv_path.name
     except (OSError, ValueError):
         ours = False
     for path in (csv_path, json_path):
