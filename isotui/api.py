@@ -141,6 +141,7 @@ def run(
     cache: bool = True,
     cache_dir: str | Path | None = None,
     progress: bool | None = None,
+    **more: Any,
 ) -> Result | Results:
     """Layer-wise anisotropy, as ``isotui run`` (same defaults: ``data`` builtin, the model's
     length limit up to 512, 4096-vector reservoir, seed 0, ...; ``config`` a TOML file or preset
@@ -150,7 +151,9 @@ def run(
     ``progress=True`` shows it anywhere. ``shard="I/K"``: one slice of a
     sharded run (``--shard``), an empty result until the shard that merges all K.
     ``device_map="auto"`` with ``max_memory="0=70GiB,cpu=200GiB"`` (or ``{0: "70GiB", "cpu": ...}``):
-    the model across devices through accelerate (``--device-map``, ``--max-memory``)."""
+    the model across devices through accelerate (``--device-map``, ``--max-memory``). Any other
+    flag of ``isotui run`` is a keyword too (``threads=4``, ``exact=True``, ``stream=True``,
+    ``tokenizer="minilm"``); a keyword it does not have is an :class:`IsotuiError` naming them."""
     if isinstance(max_memory, dict):  # the flag's own form
         max_memory = ",".join(f"{k}={v}" for k, v in max_memory.items())
     options = {
@@ -169,6 +172,7 @@ def run(
         "trust_remote_code": trust_remote_code,
         "shard": shard,
         "cache_dir": cache_dir,
+        **more,
     }
     positional = [str(config)] if config is not None else []
     return _per_model("run", model, options, positional, cache=cache, progress=progress)
@@ -184,7 +188,7 @@ def experiment(
     and ``checkpoints``; drift-block takes its own sizes."""
     from isotui.experiments.registry import EXPERIMENTS
 
-    if name not in EXPERIMENTS:
+    if not isinstance(name, str) or name not in EXPERIMENTS:
         raise IsotuiError(f"no experiment {name!r}; experiments: {', '.join(EXPERIMENTS)}")
     exp = EXPERIMENTS[name]
     if exp.inputs == "models":
@@ -340,9 +344,13 @@ def _argv(parser: argparse.ArgumentParser, what: str, options: dict[str, Any]) -
 
 def _per_model(command: str, model, options: dict[str, Any], positional: list[str], *, cache, progress):
     """One :class:`Result` for a model name; :class:`Results` (one per model) for a list."""
-    if isinstance(model, str):
-        return _call(command, {**options, "model": model}, positional, cache=cache, progress=progress)
-    models = list(model)
+    if isinstance(model, str | Path):
+        return _call(command, {**options, "model": str(model)}, positional, cache=cache, progress=progress)
+    if not isinstance(model, list | tuple) or not all(isinstance(m, str | Path) for m in model):
+        raise IsotuiError(
+            f"model must be a model name (a string such as 'minilm') or a list of names (got {model!r})"
+        )
+    models = [str(m) for m in model]
     if not models:
         raise IsotuiError("give at least one model")
     return Results(

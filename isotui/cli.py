@@ -342,13 +342,14 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
 
 def _dry_run(args: argparse.Namespace) -> int:
     """``isotui run --dry-run``: each model's memory plan from its config (``--json``: as JSON)."""
-    from isotui.cli_experiments import print_plans
+    from isotui.cli_experiments import print_plans, refuse_files_in_dry_run
     from isotui.experiments.registry import LAYERS
     from isotui.spec import given_options, make_spec
 
     args.config = _config_path(args.config)
     s = _settings(args)
     where = f"config file {args.config}: " if args.config else ""
+    refuse_files_in_dry_run({"csv": s.get("csv"), "wide_csv": args.wide_csv})
     entries = []
     for model in s.get("models") or ["minilm"]:
         try:
@@ -390,7 +391,7 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
     from isotui.data.sources import check_source
     from isotui.experiments.registry import LAYERS
     from isotui.spec import given_options, make_spec
-    from isotui.store.files import check_output
+    from isotui.store.files import check_distinct, check_output
 
     args.config = _config_path(args.config)
     s = _settings(args)
@@ -404,6 +405,7 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
     for key in ("csv", "json"):  # say it before a long run, not after
         if s.get(key):
             check_output(s[key], f"--{key}")
+    check_distinct([("--csv", s.get("csv")), ("--json", s.get("json")), ("--wide-csv", args.wide_csv)])
     args.csv, args.json = s.get("csv"), s.get("json")  # the config file may name them
     _wide_metric(args)  # --wide's metric and --wide-csv said before any model runs
     args.cache_dir = s.get("cache_dir")  # the config file may name it
@@ -687,12 +689,13 @@ def _cmd_show(args: argparse.Namespace, err) -> int:
     if len(matches) != 1:
         what = "no cached run" if not matches else f"{len(matches)} cached runs; give more characters"
         raise IsotuiError(f"key {prefix!r} matches {what} in {cache.root} (see `isotui cache ls`)")
-    from isotui.store.files import check_output
+    from isotui.store.files import check_distinct, check_output
 
     for flag in ("csv", "json"):
         value = getattr(args, flag)
         if value:
             check_output(value, f"--{flag}")
+    check_distinct([("--csv", args.csv), ("--json", args.json)])
     try:
         result = read(cache, matches[0].key)
     except CacheProblem as problem:

@@ -100,11 +100,26 @@ def print_plans(entries: list[tuple[str, str, Any]], json_target: str | None) ->
     return 0
 
 
+def refuse_files_in_dry_run(flags: dict[str, Any]) -> None:
+    """``--dry-run`` writes only its plans (``--json``): a ``--csv`` given with it is refused,
+    not silently ignored (``flags``: name -> value, e.g. ``{"csv": "o.csv"}``)."""
+    from isotui.errors import IsotuiError
+
+    for name, value in flags.items():
+        if value:
+            flag = "--" + name.replace("_", "-")
+            raise IsotuiError(
+                f"--dry-run prints the memory plan and writes no {flag} ({flag} {value}); drop one of "
+                "them (--json PATH writes the plan as JSON)"
+            )
+
+
 def dry_run(experiment: Experiment, args: argparse.Namespace, err: Any) -> int:
     """``isotui experiment NAME --dry-run``: each request's plan (:attr:`Experiment.plan`) from
     the config alone; a series is planned from its first checkpoint (all share one architecture,
     and run one at a time)."""
     assert experiment.plan is not None
+    refuse_files_in_dry_run({"csv": getattr(args, "csv", None)})
     experiment.check(args)
     entries = []
     from isotui.terminal import literal
@@ -157,16 +172,22 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def report(outcome: Outcome, args: argparse.Namespace, err: Any) -> int:
     """Write a command's --csv and --json (when it measured anything); its exit code."""
+    from isotui.cli import exit_code
+
+    write_outputs(outcome, args, err)
+    return exit_code(outcome, err)
+
+
+def write_outputs(outcome: Outcome, args: argparse.Namespace, err: Any) -> None:
+    """A command's --csv and --json of the results it has (none: nothing written)."""
     from pathlib import Path
 
-    from isotui.cli import exit_code
     from isotui.store.export import write_dicts_csv, write_payload_json
 
     if outcome.results and getattr(args, "csv", None):
         err.print(f"wrote {write_dicts_csv(outcome.rows, Path(args.csv))}", markup=False)
     if outcome.results and getattr(args, "json", None):
         err.print(f"wrote {write_payload_json(outcome.payload, Path(args.json))}", markup=False)
-    return exit_code(outcome, err)
 
 
 def command_main(
@@ -182,6 +203,7 @@ def command_main(
         from rich.text import Text
 
         from isotui.cli import print_error, stdout_console
+        from isotui.errors import Cancelled
         from isotui.views import view_of
 
         out = stdout_console()
@@ -195,13 +217,20 @@ def command_main(
         def run(*a: Any, **k: Any) -> Outcome:
             return collect_fn(*a, **k) if collect_fn else collect(experiment, *a, **k)
 
-        outcome = run(
-            args,
-            err,
-            width=out.width,
-            on_table=on_table,
-            on_error=lambda _model, text: print_error(err, text),
-        )
+        try:
+            outcome = run(
+                args,
+                err,
+                width=out.width,
+                on_table=on_table,
+                on_error=lambda _model, text: print_error(err, text),
+            )
+        except (KeyboardInterrupt, Cancelled) as stop:  # ^C: the models that finished are written
+            partial = getattr(stop, "partial_outcome", None)
+            if partial is not None and partial.results:
+                err.print(f"isotui: interrupted; writing the {len(partial.results)} result(s) that finished")
+                write_outputs(partial, args, err)
+            raise
         if before_report is not None:
             before_report(outcome, args, err)
         return report(outcome, args, err)
@@ -255,6 +284,7 @@ def collect(
     rows and JSON payload. The CLI and the Python API (:mod:`isotui.api`) both call this.
     ``requests``: made by the caller (``isotui run`` reads a config file too); default
     :func:`make_requests`."""
+    from isotui.errors import Cancelled
     from isotui.experiments.base import Context, flatten
     from isotui.paths import cache_dir
     from isotui.results import ModelFailures, Outcome
@@ -283,31 +313,52 @@ def collect(
         with progress(err, request.model, args) as bar:
             return experiment.run(request, Context(cache_root, on_progress=bar, notice=notice))
 
-    for request in requests:
-        if series:  # each checkpoint its own bar; a failed one said, the series built from the rest
-            n = len(request.checkpoints)
+    def each() -> None:
+        for request in requests:
+            if series:  # each checkpoint its own bar; a failed one said, the series built from the rest
+                n = len(request.checkpoints)
 
-            def part_progress(i: int, ckpt: Any, n: int = n) -> Any:
-                return progress(err, f"{i + 1}/{n} {ckpt.label}", args)
+                def part_progress(i: int, ckpt: Any, n: int = n) -> Any:
+                    return progress(err, f"{i + 1}/{n} {ckpt.label}", args)
 
-            context = Context(
-                cache_root, notice=notice, attempt=failures.attempt, part_progress=part_progress
-            )
-            result = experiment.run(request, context)
-        elif experiment.inputs == "config":  # one configuration: its failure is the command's
-            result = one(request)
-        else:
-            result = failures.attempt(request.model, one, request)
-        if result is None:
-            continue
-        outcome.results += flatten([result])
-        note = view.note(result, args) if view.note else None
-        if note:
-            err.print(note, highlight=highlight, markup=False)
-        for table in view.tables(result, args, width):
-            outcome.tables.append(table)
-            if on_table:
-                on_table(table)
+                context = Context(
+                    cache_root, notice=notice, attempt=failures.attempt, part_progress=part_progress
+                )
+                result = experiment.run(request, context)
+            elif experiment.inputs == "config":  # one configuration: its failure is the command's
+                result = one(request)
+            else:
+                result = failures.attempt(request.model, one, request)
+            if result is None:
+                continue
+            outcome.results += flatten([result])
+            note = view.note(result, args) if view.note else None
+            if note:
+                err.print(note, highlight=highlight, markup=False)
+            for table in view.tables(result, args, width):
+                outcome.tables.append(table)
+                if on_table:
+                    on_table(table)
+
+    try:
+        each()
+    except (KeyboardInterrupt, Cancelled) as stop:  # ^C: what finished goes with it (the exports)
+        _finish(outcome, experiment, view, args, width, None)
+        stop.partial_outcome = outcome  # type: ignore[union-attr]
+        raise
+    _finish(outcome, experiment, view, args, width, on_table)
+    return outcome
+
+
+def _finish(
+    outcome: Outcome,
+    experiment: Experiment,
+    view: Any,
+    args: argparse.Namespace,
+    width: int,
+    on_table: Callable[[Any], None] | None,
+) -> None:
+    """The closing tables, CSV rows and JSON payload of the results collected."""
     if outcome.results and view.closing:
         for table in view.closing(outcome.results, args, width):
             outcome.tables.append(table)
@@ -316,7 +367,6 @@ def collect(
     if outcome.results:
         outcome.rows = experiment.rows(outcome.results)
         outcome.payload = experiment.payload(outcome.results)
-    return outcome
 
 
 def add_experiment_parser(
@@ -361,11 +411,12 @@ def run(args: argparse.Namespace, err: Any) -> int | None:
     """Run the experiment or top-level command ``args`` names; None if it names none of them."""
     if args.command == "experiment":
         from isotui.experiments.registry import EXPERIMENTS
-        from isotui.store.files import check_output
+        from isotui.store.files import check_distinct, check_output
 
         for flag in ("csv", "json"):  # a path that cannot take the output: say it before the run
             if getattr(args, flag, None):
                 check_output(getattr(args, flag), f"--{flag}")
+        check_distinct([("--csv", getattr(args, "csv", None)), ("--json", getattr(args, "json", None))])
         if getattr(args, "dry_run", False):
             return dry_run(EXPERIMENTS[args.experiment], args, err)
         return command_main(EXPERIMENTS[args.experiment])(args, err)

@@ -29,6 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", metavar="NAME", help="the figure (see --list)")
     p.add_argument("--list", action="store_true", help="name every figure and what it shows")
     p.add_argument("--out", "-o", metavar="PATH", help="the figure: .pdf, .svg or .png (CSV, JSON beside it)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace PATH.csv and PATH.json even when they are not an earlier figure's",
+    )
     p.add_argument("--width", choices=("single", "double"), default="single", help="3.3 in or 6.9 in")
     p.add_argument("--dpi", type=int, default=300, help="PNG resolution (default 300)")
     p.add_argument("--style", metavar="FILE", help="a matplotlib style file applied over the paper defaults")
@@ -125,7 +130,7 @@ def main(args: argparse.Namespace, err: Any) -> int:
     """List the figures, or draw one: check the inputs, collect the results, write the three files."""
     from isotui.cli import exit_code, print_error, stdout_console
     from isotui.errors import IsotuiError
-    from isotui.paper_figures import check_out, find
+    from isotui.paper_figures import HEIGHTS, WIDTHS, check_out, check_pixels, check_sidecars, find
 
     if args.list:
         return _list(stdout_console())
@@ -141,8 +146,10 @@ def main(args: argparse.Namespace, err: Any) -> int:
             f"nothing; run the shards with `isotui run ... --shard I/K` (the last one merges), then "
             f"`isotui figure {args.name}` with the same flags draws from the cache"
         )
+    check_sidecars(out, args.force)
     if args.dpi <= 0:
         raise IsotuiError(f"--dpi {args.dpi} must be a positive number of dots per inch")
+    check_pixels(WIDTHS[args.width], HEIGHTS[args.width], args.dpi, out.suffix.lower()[1:])  # before any run
     chosen = [
         f
         for f, v in (("--basis", args.basis), ("--layer", args.layer), ("--head", args.head))
@@ -195,15 +202,11 @@ def _render(figure: Any, results: list[Any], args: argparse.Namespace, fmt: str)
 def _write(out: Any, data: bytes, drawing: Any, args: argparse.Namespace) -> None:
     """The figure, its CSV and its JSON, each written whole or not at all."""
     from isotui import __version__
-    from isotui.errors import IsotuiError
     from isotui.paper_figures import WIDTHS
     from isotui.store.export import write_dicts_csv, write_payload_json
-    from isotui.store.files import write_bytes_atomic
+    from isotui.store.files import write_output_bytes
 
-    try:
-        write_bytes_atomic(out.parent.resolve(), out.name, data)
-    except OSError as exc:
-        raise IsotuiError(f"cannot write --out {args.out}: {exc.strerror or exc}") from None
+    write_output_bytes(out, data, "--out")  # a symlink's target replaced, a FIFO written through
     write_dicts_csv(drawing.rows, out.with_suffix(".csv"))
     argv = getattr(args, "argv", None)
     payload = {

@@ -33,6 +33,8 @@ OUTPUT_SETTINGS = ("csv", "json")  # files a run writes: kept inside the config 
 
 def read_toml(path: Path, what: str = "config file") -> dict[str, Any]:
     """Parse a TOML file; a missing or malformed file is one sentence naming it."""
+    if path.is_dir():
+        raise IsotuiError(f"{what} {path} is a folder; give a TOML file (or a preset name)")
     if not path.is_file():
         raise IsotuiError(f"{what} {path} does not exist")
     try:

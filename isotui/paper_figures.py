@@ -33,6 +33,11 @@ NULL_COLOUR = "#777777"
 DEFAULT_DIMS = (8, 32, 128, 768)
 SIGNIFICANCE = 0.05
 LEGEND_ROW = 0.16  # inches: one row of 8 pt legend entries
+# A PNG's pixels are drawn into one RGBA buffer (4 bytes each) before they are encoded: 2**28
+# pixels (16,384 x 16,384, 1 GiB) is far beyond print (a 6.9 in figure at 1,200 dpi is 8,280
+# pixels wide) and still drawn in seconds; --dpi 100000 asked for 79 billion (an internal
+# MemoryError, issue 30).
+MAX_PIXELS = 2**28
 
 Rows = list[dict[str, Any]]
 
@@ -677,7 +682,58 @@ def check_out(path: str) -> Path:
         folder = folder.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise IsotuiError(f"cannot write --out {path}: {folder} is not a folder isotui can write to")
+    from isotui.store.files import check_output
+
+    check_output(out, "--out")  # a socket, a block device: refused as the CSV export refuses them
     return out
+
+
+def check_sidecars(out: Path, force: bool = False) -> None:
+    """PATH.csv and PATH.json go beside the figure: refuse, before any run, to replace a regular
+    file there that is not an earlier ``isotui figure``'s (its JSON names a figure and this CSV:
+    a redraw, in any format), unless ``force`` (``--force``). A FIFO or a device there is written
+    through, as exports are."""
+    import json
+    import os
+    import stat
+
+    if force:
+        return
+    csv_path, json_path = out.with_suffix(".csv"), out.with_suffix(".json")
+    try:
+        earlier = json.loads(json_path.read_text(encoding="utf-8"))
+        ours = isinstance(earlier, dict) and "figure" in earlier and earlier.get("csv") == csv_path.name
+    except (OSError, ValueError):
+        ours = False
+    for path in (csv_path, json_path):
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError:
+            continue  # not there (or a dangling link): nothing to lose
+        if regular and not ours:
+            raise IsotuiError(
+                f"--out {out} writes its numbers beside it to {csv_path.name} and {json_path.name}, and "
+                f"{path} is a file of yours, not an earlier figure's: move it, choose another --out, or "
+                "give --force to replace it"
+            )
+
+
+def check_pixels(width_in: float, height_in: float, dpi: int, out_format: str) -> None:
+    """Refuse a PNG of more than :data:`MAX_PIXELS` pixels, saying the largest ``--dpi`` that
+    fits (a PDF or SVG is drawn as vectors: ``--dpi`` does not size it)."""
+    if out_format != "png":
+        return
+    wide, high = math.ceil(width_in * dpi), math.ceil(height_in * dpi)
+    if wide * high <= MAX_PIXELS:
+        return
+    largest = math.floor(math.sqrt(MAX_PIXELS / (width_in * height_in)))
+    while math.ceil(width_in * largest) * math.ceil(height_in * largest) > MAX_PIXELS:
+        largest -= 1
+    raise IsotuiError(
+        f"--dpi {dpi:,} makes a PNG of {wide:,} x {high:,} pixels ({wide * high * 4 / 2**30:,.1f} GiB to "
+        f"draw), more than isotui draws ({MAX_PIXELS / 1e6:,.0f} million pixels); the largest --dpi "
+        f"that fits this {width_in:g} x {height_in:g} in figure is {largest:,}"
+    )
 
 
 def render(figure: PaperFigure, results: list[Any], options: Any, out_format: str) -> tuple[bytes, Drawing]:
@@ -701,7 +757,9 @@ def render(figure: PaperFigure, results: list[Any], options: Any, out_format: st
             except (OSError, ValueError) as exc:
                 raise IsotuiError(f"--style {style} could not be read as a matplotlib style: {exc}") from None
         fig = Figure(figsize=(WIDTHS[width], HEIGHTS[width]), dpi=dpi, layout="constrained")
+        check_pixels(fig.get_figwidth(), fig.get_figheight(), dpi, out_format)  # before the drawing
         drawing = figure.draw(fig, results, options)
+        check_pixels(fig.get_figwidth(), fig.get_figheight(), dpi, out_format)  # a legend made it taller
         metadata: dict[str, Any] = {"Creator": f"isotui {__version__}", "CreationDate": None}
         if out_format == "svg":
             metadata = {"Creator": f"isotui {__version__}", "Date": None}

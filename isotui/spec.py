@@ -18,6 +18,7 @@ from isotui.data.sources import DataSpec, parse_data
 from isotui.errors import IsotuiError
 from isotui.extract.device import DTYPE_ALIASES, DTYPES, validate_device
 from isotui.extract.memory_plan import DEVICE_MAPS, parse_max_memory
+from isotui.extract.threads import check_threads
 
 MAP_UNITS = ("auto", "image", "position")
 SPECIAL_TOKENS = ("exclude", "include")
@@ -98,6 +99,12 @@ def _choice(
 
 def _data(value: Any, base: Path | None) -> DataSpec:
     return value if isinstance(value, DataSpec) else parse_data(str(value), base)
+
+
+def _threads(value: Any) -> int | None:
+    """A positive count within :func:`isotui.extract.threads.max_threads` (checked before any work)."""
+    count = _positive("threads", value)
+    return None if count is None else check_threads(count)
 
 
 def _batch_size(value: Any, _base: Path | None) -> int | None:
@@ -247,7 +254,7 @@ class RunSpec:
         help="CPU threads for torch (default: the cores this process may use, fewer when the "
         "load average says the machine is busy)",
         toml=(int,),
-        parse=_count("threads"),
+        parse=lambda value, _base: _threads(value),
         label="threads",
         hint="empty: the usable cores, fewer on a loaded machine",
     )

@@ -333,6 +333,8 @@ def _read_jsonl(path: Path, field: str, max_samples: int | None) -> list[str]:
 
 def jsonl_value(path: Path, field: str, lineno: int, line: str) -> str:
     """The stripped text of ``field`` on one JSONL line ("" for a blank line or value)."""
+    if lineno == 1:
+        line = line.removeprefix("\ufeff")  # a byte-order mark (Windows editors) starts no record
     if not line.strip():
         return ""
     try:

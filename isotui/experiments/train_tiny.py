@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from isotui.errors import Cancelled, IsotuiError
+from isotui.extract.threads import check_threads
 
 if TYPE_CHECKING:
     import torch
@@ -671,7 +672,7 @@ def main(args: argparse.Namespace, err: Any) -> int:
     from isotui.extract.device import resolve_device, validate_device
 
     settings = settings_from_args(args)
-    threads = _int(args.threads, "--threads", default_threads(), minimum=1)
+    threads = check_threads(_int(args.threads, "--threads", default_threads(), minimum=1), "--threads")
     device = resolve_device(validate_device(str(args.device)))
     out = Path(args.out).expanduser()
     _prepare_out(out, settings, args.force)

@@ -85,7 +85,12 @@ def parse_max_memory(value: Any) -> tuple[tuple[int | str, int], ...] | None:
         amount = parse_size(size)
         if amount is None or amount <= 0:
             raise IsotuiError(f"max-memory must be {MAX_MEMORY_FORM}: {size.strip()!r} is no size for {key}")
-        out[int(key) if key.isdigit() else key] = amount
+        device = int(key) if key.isdigit() else key
+        if device in out:  # cpu=1GiB,cpu=2GiB: which one was meant?
+            raise IsotuiError(
+                f"max-memory names {key} twice ({out[device]:,} and {amount:,} bytes); give each device once"
+            )
+        out[device] = amount
     if not out:
         raise IsotuiError(f"max-memory must be {MAX_MEMORY_FORM} (got nothing)")
     return tuple(out.items())

@@ -7,6 +7,13 @@ one thread). The default here is the cores this process may use (its CPU affinit
 how oversubscribed the machine is (the 1-minute load average over those cores), and the run says
 so. The thread count never changes which vectors are measured, only the order of float sums inside
 a matrix product, so it is not part of the cache key.
+
+A requested count has a ceiling, :func:`max_threads`: 4 per logical CPU of the machine. torch
+gains nothing from intra-op threads beyond the CPUs (the extra ones wait for a core at every op),
+so the ceiling only stops a slip of the keyboard: ``--threads 100000`` started threads until the
+machine's process table was full and every process on it failed to fork (issue 30). Four per CPU
+still lets a user oversubscribe on purpose, and torch's two pools of that size stay far below a
+Linux process table (2 x 4 x 128 = 1,024 threads on a 128-CPU server; pid_max is 32,768 or more).
 """
 
 from __future__ import annotations
@@ -14,6 +21,29 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+
+from isotui.errors import IsotuiError
+
+THREADS_PER_CPU = 4  # the most threads a run may ask for, per logical CPU (see the module doc)
+
+
+def max_threads() -> int:
+    """The most threads a run may ask for: :data:`THREADS_PER_CPU` per logical CPU."""
+    return THREADS_PER_CPU * max(1, os.cpu_count() or 1)
+
+
+def check_threads(requested: int, name: str = "threads") -> int:
+    """``requested`` if at most :func:`max_threads`, else one sentence naming ``name`` (the flag,
+    config key or keyword), said before any work starts."""
+    limit = max_threads()
+    if requested > limit:
+        cpus = limit // THREADS_PER_CPU
+        raise IsotuiError(
+            f"{name} {requested:,} is more than this machine can use: at most {limit:,} "
+            f"({THREADS_PER_CPU} per logical CPU, {cpus:,} CPU{'s' if cpus != 1 else ''}); torch gains "
+            "nothing from threads beyond the CPUs"
+        )
+    return requested
 
 
 def usable_cores() -> int:

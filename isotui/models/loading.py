@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -83,9 +84,56 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+PICKLE_REFUSED = (
+    "its weights are a pickle (.bin, .pt or .pth) that holds more than tensors; isotui reads a pickle "
+    "only as plain tensors and never runs one (a pickle can run any code): use this model's "
+    "safetensors weights (model.safetensors)"
+)
+
+
 def _short(exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    """The first line of an error (with the next one when the first only introduces it)."""
+    if "Weights only load failed" in str(exc):  # torch's advice ends at its unsafe switch: not ours
+        return PICKLE_REFUSED
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    if first.endswith(":") and len(lines) > 1:  # "Validation error for field 'hidden_size':"
+        first = f"{first} {lines[1]}"
     return first if len(first) < 300 else first[:297] + "..."
+
+
+def _size_mismatch(where: str, kwargs: dict[str, Any]) -> str:
+    """Which weights do not have the shapes the config gives: the model built on the meta device
+    (no memory) against the safetensors headers of the weight files."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    said = "its weights do not have the sizes its config gives (weights and config of different models?)"
+    try:
+        with torch.device("meta"):
+            model = AutoModel.from_config(AutoConfig.from_pretrained(where, **kwargs))
+        expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+        saved: dict[str, list[int]] = {}
+        for f in sorted(Path(where).glob("*.safetensors")):
+            with f.open("rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+            saved |= {k: v["shape"] for k, v in header.items() if isinstance(v, dict) and "shape" in v}
+    except Exception:
+        return said
+    prefix = getattr(model, "base_model_prefix", "")
+    differ = []
+    for name, shape in saved.items():
+        mine = expected.get(name) or expected.get(name.removeprefix(f"{prefix}."))
+        if mine is not None and mine != shape:
+            differ.append((name, shape, mine))
+    if not differ:
+        return said
+    name, shape, mine = differ[0]
+    more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+    return (
+        f"{said}: {name} is {shape} in the weights but {mine} for the config{more}; use the config.json "
+        "saved with these weights"
+    )
 
 
 def load_model(
@@ -297,18 +345,20 @@ def _load(
         kwargs["revision"] = ref.revision
     placing = placement.load_kwargs(offload_dir()) if placement is not None else {}
     try:
-        if head:
-            from transformers import AutoConfig
+        with warnings.catch_warnings():  # torch warns of a pickle's protocol, then refuses it (said below)
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            if head:
+                from transformers import AutoConfig
 
-            cls = lm_class(AutoConfig.from_pretrained(where, **kwargs), ref.name)
-            model, info = cls.from_pretrained(
-                where, dtype=torch_dtype, output_loading_info=True, **placing, **kwargs
-            )
-            _check_head(model, info, ref.name)
-        else:
-            model, info = AutoModel.from_pretrained(
-                where, dtype=torch_dtype, output_loading_info=True, **placing, **kwargs
-            )
+                cls = lm_class(AutoConfig.from_pretrained(where, **kwargs), ref.name)
+                model, info = cls.from_pretrained(
+                    where, dtype=torch_dtype, output_loading_info=True, **placing, **kwargs
+                )
+                _check_head(model, info, ref.name)
+            else:
+                model, info = AutoModel.from_pretrained(
+                    where, dtype=torch_dtype, output_loading_info=True, **placing, **kwargs
+                )
         if placement is not None:
             model = placement.keep_new_weights_in_memory(model, info, where, torch_dtype, kwargs)
     except IsotuiError:
@@ -320,6 +370,8 @@ def _load(
                 "--max-memory: transformers' device-map planner fails on its tied weights at this "
                 "budget (a known bug, huggingface/transformers#35824); give --max-memory more or less"
             ) from None
+        if "ignore_mismatched_sizes" in str(exc):  # its own text points at a report isotui hides
+            raise IsotuiError(f"could not load model {ref.name!r}: {_size_mismatch(where, kwargs)}") from None
         own_code = not trust_remote_code and _names_own_code(where, kwargs)
         hint = " (it needs its own code: pass --trust-remote-code if you trust it)" if own_code else ""
         raise IsotuiError(f"could not load model {ref.name!r}: {_short(exc)}{hint}") from None
@@ -405,6 +457,9 @@ def check_tokenizer(loaded: LoadedModel) -> None:
         )
 
 
+PLAIN_TEXT = "the cat sat on the mat and looked at the door"  # words any text tokenizer knows
+
+
 def check_unknown_share(loaded: LoadedModel, ids: Any, special: Any) -> None:
     """Refuse a tokenizer that makes most of the first samples' tokens its unknown token."""
     unk = getattr(loaded.tokenizer, "unk_token_id", None)
@@ -413,6 +468,21 @@ def check_unknown_share(loaded: LoadedModel, ids: Any, special: Any) -> None:
     words = ids[~special]
     if len(words) and (words == unk).mean() > UNKNOWN_MAX_SHARE:
         token = getattr(loaded.tokenizer, "unk_token", "unknown")
+        try:  # a tokenizer that reads plain words: the data is what it cannot read
+            probe = list(loaded.tokenizer(PLAIN_TEXT, add_special_tokens=False)["input_ids"])
+        except Exception:
+            probe = []
+        if probe and sum(i == unk for i in probe) / len(probe) <= UNKNOWN_MAX_SHARE:
+            limit = getattr(
+                getattr(loaded.tokenizer, "wordpiece_tokenizer", None), "max_input_chars_per_word", 0
+            )
+            longest = f" (a word longer than its {limit} characters is one {token})" if limit else ""
+            raise IsotuiError(
+                f"{(words == unk).mean():.0%} of the first samples' tokens are the unknown token {token}, "
+                f"though the tokenizer of model {loaded.name!r} reads plain words{longest}: the data is not "
+                "text it can read (one huge word, a line of one repeated character, binary data?); "
+                "check --data"
+            )
         raise IsotuiError(
             f"the tokenizer of model {loaded.name!r} turns {(words == unk).mean():.0%} of the first "
             f"samples' tokens into the unknown token {token}; {_fix_advice(loaded)}"

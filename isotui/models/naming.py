@@ -121,7 +121,10 @@ class ModelRef:
                 h.update(hub.resolve_commit(self.source, self.revision).encode())
         folder = self.local_dir() if self.kind != "random" or self.random_source_kind == "dir" else None
         if folder is not None:
-            _hash_folder(h, folder, weights=self.kind != "random", digests=digests)
+            try:
+                _hash_folder(h, folder, weights=self.kind != "random", digests=digests)
+            except OSError as exc:  # unreadable (mode 000), vanished, an I/O error: the user's files
+                raise IsotuiError(unreadable_file(exc, folder)) from None
         return "sha256:" + h.hexdigest()
 
     def declared_dtype(self) -> str | None:
@@ -152,6 +155,13 @@ class ModelRef:
             )
         except Exception:
             return None
+
+
+def unreadable_file(exc: OSError, folder: Path) -> str:
+    """The sentence for a model file that cannot be read (``exc`` from reading it in ``folder``)."""
+    name = exc.filename or folder
+    why = exc.strerror or type(exc).__name__
+    return f"cannot read the model file {name} ({why}); check that you may read every file in {folder}"
 
 
 def _hash_folder(h: hashlib._Hash, folder: Path, *, weights: bool, digests: Path | None = None) -> None:
@@ -284,7 +294,11 @@ def parse_model(name: str) -> ModelRef:
     if path.is_dir() or text.startswith(("/", "./", "../", "~")):
         if not path.is_dir():
             raise IsotuiError(f"model directory {text!r} does not exist")
-        if not (path / "config.json").is_file():
+        try:
+            has_config = (path / "config.json").is_file()
+        except OSError as exc:  # a folder this process may not enter (mode 000)
+            raise IsotuiError(unreadable_file(exc, path)) from None
+        if not has_config:
             raise IsotuiError(
                 f"directory {text!r} has no config.json, so it is not a Hugging Face model folder "
                 "(save one with model.save_pretrained)"
@@ -311,6 +325,12 @@ def _parse_random(text: str) -> ModelRef:
                 raise IsotuiError(f"model {text!r}: config override {item!r} is not key=value")
             pairs.append((key.strip(), value.strip()))
         rest, overrides = head, tuple(pairs)
+    elif sep and head != "timm" and re.match(r"^\w+$", tail) and not Path(rest).expanduser().exists():
+        # random:bert:hidden_size, an override without its value (timm:NAME is no override)
+        raise IsotuiError(
+            f"model {text!r}: config override {tail!r} is not key=value; give its value, e.g. "
+            f"random:{head}:{tail}=64"
+        )
     if not rest:
         raise IsotuiError(f"model {text!r}: say which architecture, e.g. random:bert or random:gpt2")
     if rest.startswith("timm:") and not re.match(r"^timm:[\w.-]+$", rest):

@@ -104,7 +104,7 @@ class ResultCache:
         except CacheProblem:
             raise
         except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CacheProblem(f"cache entry {path.name} is unreadable ({type(exc).__name__})") from None
+            raise CacheProblem(f"cache entry {path.name} is unreadable ({_why(path, exc)})") from None
 
     @staticmethod
     def _header(path: Path) -> dict[str, Any]:
@@ -187,3 +187,14 @@ def _entry(path: Path, head: Any, size: int) -> CacheEntry:
         return CacheEntry(path.stem, path, model, data, n_samples, created, size, schema, max_length)
     except Exception:
         return CacheEntry(path.stem, path, "(unreadable)", "", 0, "", size, 0)
+
+
+def _why(path: Path, exc: BaseException) -> str:
+    """Why an entry could not be read, in words: the file system's reason where opening it fails
+    (safetensors calls a file it may not open "not found"), else the kind of damage."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as os_exc:
+        return os_exc.strerror or type(os_exc).__name__
+    return type(exc).__name__

@@ -10,6 +10,7 @@ Temporary files a killed writer left behind are removed by the next write once a
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import stat
@@ -18,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from isotui.errors import IsotuiError
 
@@ -91,6 +92,26 @@ def check_output(path: str | os.PathLike[str], flag: str = "") -> None:
     _plan(path, flag)
 
 
+def check_distinct(outputs: list[tuple[str, str | os.PathLike[str] | None]]) -> None:
+    """Refuse two output flags (``[("--csv", path), ("--json", path)]``) naming one file: the
+    second would replace the first. Streams, devices and FIFOs may be named twice (written
+    through, one after the other)."""
+    seen: dict[str, str] = {}
+    for flag, path in outputs:
+        if not path:
+            continue
+        how, target, _ = _plan(path, flag)
+        if how != "replace" or isinstance(target, int):
+            continue
+        key = os.fspath(target)
+        if key in seen:
+            raise IsotuiError(
+                f"{seen[key]} and {flag} both name {os.fspath(path)}: the second would replace the "
+                "first; give each its own file"
+            )
+        seen[key] = flag
+
+
 def _plan(path: str | os.PathLike[str], flag: str) -> tuple[str, Path | int, int | None]:
     """How to write ``path``: ("fd", fd, None), ("through", path, None) or ("replace", target,
     mode of the existing file or None)."""
@@ -120,17 +141,29 @@ def _plan(path: str | os.PathLike[str], flag: str) -> tuple[str, Path | int, int
 
 def write_output(path: str | os.PathLike[str], write: Callable[[IO[str]], None], flag: str = "") -> Path:
     """Write a user-named text output with ``write(file)`` (see the module doc for how)."""
+    return _write(path, write, flag, {"mode": "w", "newline": "", "encoding": "utf-8"})
+
+
+def write_output_bytes(path: str | os.PathLike[str], data: bytes, flag: str = "") -> Path:
+    """Write a user-named binary output (a figure) as :func:`write_output` writes text."""
+    return _write(path, lambda f: f.write(data), flag, {"mode": "wb"})
+
+
+def _write(
+    path: str | os.PathLike[str], write: Callable[[Any], Any], flag: str, how_open: dict[str, Any]
+) -> Path:
+    """:func:`write_output`'s work; ``how_open``: :func:`open`'s mode (and text settings)."""
     how, target, mode = _plan(path, flag)
     where = f"{os.fspath(path)} ({flag})" if flag else os.fspath(path)
     try:
         if isinstance(target, int):  # how == "fd"
             sys.stdout.flush()
             sys.stderr.flush()
-            with os.fdopen(os.dup(target), "w", newline="", encoding="utf-8") as f:
+            with os.fdopen(os.dup(target), **how_open) as f:
                 write(f)
             return Path({1: "/dev/stdout", 2: "/dev/stderr"}.get(target, f"/dev/fd/{target}"))
         if how == "through":
-            with open(target, "w", newline="", encoding="utf-8") as f:
+            with _open_through(target, where, how_open) as f:
                 write(f)
             return Path(target)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +172,7 @@ def write_output(path: str | os.PathLike[str], write: Callable[[IO[str]], None],
     except OSError as exc:
         raise IsotuiError(f"cannot write {where}: {exc.strerror or exc}; choose another path") from None
     try:
-        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
+        with os.fdopen(fd, **how_open) as f:
             write(f)
         os.replace(tmp, target)
     except OSError as exc:
@@ -148,6 +181,25 @@ def write_output(path: str | os.PathLike[str], write: Callable[[IO[str]], None],
         if os.path.exists(tmp):
             os.unlink(tmp)
     return Path(os.fspath(path)).expanduser()
+
+
+def _open_through(target: Path, where: str, how_open: dict[str, Any]) -> IO[Any]:
+    """Open a device or FIFO to write through. A FIFO with no reader would block the open
+    silently: that is said first (on stderr), then waited for (Ctrl-C stops the wait)."""
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_NONBLOCK)  # a FIFO without a reader: ENXIO at once
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:
+            raise
+        print(
+            f"isotui: waiting for a reader of {where}, a FIFO: open it for reading (e.g. cat), "
+            "or press Ctrl-C",
+            file=sys.stderr,
+            flush=True,
+        )
+        fd = os.open(target, os.O_WRONLY)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, **how_open)
 
 
 def write_bytes_atomic(folder: Path, name: str, data: bytes, stale: re.Pattern[str] | None = None) -> Path:

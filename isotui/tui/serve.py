@@ -23,8 +23,9 @@ LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 
 def app_command(*, fresh: bool = False) -> str:
-    """The shell command textual-serve runs for each browser: this Python's ``isotui``."""
-    return shlex.join([sys.executable, "-m", "isotui", *(["--fresh"] if fresh else [])])
+    """The shell command textual-serve runs for each browser: this Python's ``isotui``, in place
+    of the shell (``exec``), so that the server's signals reach the app itself."""
+    return "exec " + shlex.join([sys.executable, "-m", "isotui", *(["--fresh"] if fresh else [])])
 
 
 def is_loopback(host: str) -> bool:
@@ -70,7 +71,7 @@ def check_address(host: str, port: int) -> None:
 def serve(host: str, port: int, *, public_url: str | None = None, fresh: bool = False, err: Any) -> int:
     """Serve the app until Ctrl+C; 0 when stopped, :class:`IsotuiError` for a bad flag."""
     try:
-        from textual_serve.server import Server
+        from isotui.tui.serve_service import AppServer
     except ImportError:
         raise IsotuiError(INSTALL) from None
     check_address(host, port)
@@ -81,7 +82,7 @@ def serve(host: str, port: int, *, public_url: str | None = None, fresh: bool = 
             highlight=False,
         )
     url = public_url or page_url(host, port)
-    server = Server(app_command(fresh=fresh), host=host, port=port, title="isotui", public_url=url)
+    server = AppServer(app_command(fresh=fresh), host=host, port=port, title="isotui", public_url=url)
     try:
         server.serve()
     except OSError as exc:  # lost the port between the check and the bind
