@@ -594,7 +594,10 @@ def fig7_bars(result, row: int, log: bool) -> tuple[list[float], list[float]]:
 
     plt = _Plt()
     widgets = {
-        "#drift-fig": SimpleNamespace(plt=plt, refresh=lambda: None),
+        # a plot tall enough that no bar is under half a row (those are left out on screen)
+        "#drift-fig": SimpleNamespace(
+            plt=plt, refresh=lambda: None, size=SimpleNamespace(width=200, height=10**6)
+        ),
         "#drift-table": SimpleNamespace(cursor_row=row),
     }
     screen = SimpleNamespace(

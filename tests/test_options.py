@@ -50,7 +50,7 @@ CSV_HEADER = (
     "final_norm,depth,dim,n_zero,n_sample,spectrum_from,isoscore_star,iw,iw_centered,avg_cos_abtt,"
     "avg_cos_std,avg_cos_types,drift_norm_types,intra_sim,self_sim,self_sim_types,data,n_samples,"
     "max_length,special_tokens,dtype,run_key,avg_cos_centered_se,iw_se,iw_centered_se,avg_cos_abtt_se,"
-    "avg_cos_std_se"
+    "avg_cos_std_se,null_mean_p95,above_null_mean"  # issue 28's test of the mean: appended last
 )
 
 

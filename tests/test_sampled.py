@@ -125,10 +125,13 @@ def test_csv_keeps_its_columns_and_appends_the_errors(tmp_path):
     path = write_csv([result], tmp_path / "x.csv")
     with path.open() as f:
         header = next(csv.reader(f))
-    n = len(LayerRow.columns()) - len(SE_FIELDS)
-    assert header[:n] == [c for c in LayerRow.columns() if c not in SE_FIELDS]
+    names = LayerRow.columns()
+    n = names.index(SE_FIELDS[0])  # what came before the standard errors keeps its place
+    assert header[:n] == names[:n]
     assert header[n : n + len(RUN_COLUMNS)] == list(RUN_COLUMNS)
-    assert header[-len(SE_FIELDS) :] == list(SE_FIELDS) == [f"{m}_se" for m in SAMPLED]
+    later = header[n + len(RUN_COLUMNS) :]  # the errors, then what was added after them
+    assert later[: len(SE_FIELDS)] == list(SE_FIELDS) == [f"{m}_se" for m in SAMPLED]
+    assert later == names[n:]
 
 
 def test_exact_setting_is_checked():

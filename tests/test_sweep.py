@@ -240,6 +240,7 @@ def test_rays_token_notice_stays_out_of_the_sweeps_output():
     handler.emit = records.append  # type: ignore[method-assign]
     logger.addHandler(handler)
     level = logger.level
+    logger.setLevel(logging.NOTSET)  # as a fresh process has it (a sweep run earlier quieted it)
     try:
         setup._warn_token_auth_enabled()  # Ray's own words, as ray.init says them
         assert any("Token authentication is enabled" in r.getMessage() for r in records)
