@@ -4,11 +4,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed-test
+# `make test-oldest`: the oldest versions pyproject.toml declares, pinned in ci/oldest.txt.
+OLDEST ?= .venv-oldest
+OLDEST_STAMP := $(OLDEST)/.installed-oldest
 # CPU-only machine: `make run TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU
 # torch wheel first (PyPI's default torch on Linux is the CUDA build, several GB).
 TORCH_INDEX ?=
 
-.PHONY: run test lint format bench clean
+.PHONY: run test test-oldest lint format bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +27,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e '.[test]'
 	touch $(STAMP) $(RUN_STAMP)
 
+$(OLDEST_STAMP): ci/oldest.txt pyproject.toml
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install -r ci/oldest.txt
+	$(OLDEST)/bin/pip install --no-deps -e .
+	touch $(OLDEST_STAMP)
+
 run: $(RUN_STAMP)
 	$(BIN)/isotui run sample_configs/minilm_builtin.toml --csv results/minilm_builtin.csv
 
@@ -33,6 +42,11 @@ test: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+
+# The suite on the oldest declared versions, less the screen snapshots (taken with the test
+# extra's Textual) and the type checker's own test (mypy is a tool, not a dependency).
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST)/bin/python -m pytest -q --ignore=tests/test_snapshots.py --ignore=tests/test_typecheck.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check isotui tests benchmarks scripts
@@ -49,4 +63,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py
 
 clean:
-	rm -rf $(VENV) results
+	rm -rf $(VENV) $(OLDEST) results

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
+import tomllib
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from isotui.errors import IsotuiError
 from isotui.spec import RUN_OPTIONS
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 # Setting name -> the Python types a TOML value may have: the run options (isotui.spec), the
 # models, the outputs and the file's own name and description.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import pytest
 
@@ -83,6 +85,29 @@ def test_hf_local_dataset_through_datasets(tmp_path):
         load_samples(parse_data(f"hf:{folder}:train:body"))
     with pytest.raises(IsotuiError, match="could not be loaded"):
         load_samples(parse_data("hf:no-such-dataset-anywhere:train"))
+
+
+def test_hf_without_datasets_or_with_a_broken_one_says_which(tmp_path, monkeypatch):
+    """Not installed: "pip install datasets". Installed but failing to import (pyarrow 26 under
+    numpy 1.x says "pyarrow requires NumPy 2.0 or newer"): that failure, not "pip install"."""
+    for name in [m for m in sys.modules if m == "datasets" or m.startswith("datasets.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(IsotuiError, match=r"needs the `datasets` package: pip install datasets$"):
+        load_samples(parse_data("hf:imdb:train"), 3)
+    monkeypatch.delitem(sys.modules, "datasets")
+    broken = tmp_path / "datasets"
+    broken.mkdir()
+    (broken / "__init__.py").write_text(
+        'raise ImportError("pyarrow requires NumPy 2.0 or newer, found 1.26.0")\n', encoding="utf-8"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    said = (
+        "data source hf:imdb:train needs the `datasets` package, which is installed but does not import: "
+        "ImportError: pyarrow requires NumPy 2.0 or newer, found 1.26.0"
+    )
+    with pytest.raises(IsotuiError, match=re.escape(said)):
+        load_samples(parse_data("hf:imdb:train"), 3)
 
 
 def test_hf_split_slices_keep_their_colon_and_builtin_takes_no_argument():

@@ -151,6 +151,8 @@ def test_make_run_installs_only_what_running_needs(tmp_path):
     run = plan("run")
     assert "pip install -e .\n" in run and "[test]" not in run and "--index-url" not in run
     assert "pip install -e '.[test]'" in plan("test")
+    oldest = plan("test-oldest", f"OLDEST={tmp_path / 'oldest'}")  # CI's second run: the declared floors
+    assert "pip install -r ci/oldest.txt\n" in oldest and "-m pytest" in oldest
     cpu = plan("run", "TORCH_INDEX=https://download.pytorch.org/whl/cpu")
     torch_line = cpu.index("pip install torch --index-url https://download.pytorch.org/whl/cpu")
     assert torch_line < cpu.index("pip install -e .")

@@ -361,7 +361,10 @@ def test_the_apps_checkpoints_tab_takes_a_selector_and_marks_the_duplicate(cache
 
 def test_the_hubs_refusals_are_one_sentence(monkeypatch):
     """Recorded refusals: a gated model, no such model, no such branch (before any download)."""
-    import httpx2
+    try:  # the HTTP library whose responses huggingface_hub's errors carry: httpx2 from hub 2.0
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.hf_api import GitRefInfo, GitRefs
@@ -370,7 +373,7 @@ def test_the_hubs_refusals_are_one_sentence(monkeypatch):
     url = "https://huggingface.co/api/models/someorg/m/refs"
 
     def answer(status: int):
-        return httpx2.Response(status, request=httpx2.Request("GET", url))
+        return httpx.Response(status, request=httpx.Request("GET", url))
 
     for error, said in (
         (GatedRepoError("gated", response=answer(403)), "'someorg/m' is gated on the hub: accept its terms"),

@@ -137,7 +137,7 @@ def pearson(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> tuple[flo
         out: npt.NDArray[np.float64] = vm / (vmax * np.linalg.norm(vm / vmax, ord=2, axis=-1, keepdims=True))
         return out
 
-    r = np.clip(np.vecdot(unit(x), unit(y)), -1.0, 1.0)
+    r = np.clip(np.dot(unit(x), unit(y)), -1.0, 1.0)  # np.vecdot's bits; np.vecdot is numpy 2.0+
     ab = np.asarray(np.float64(len(x)) / 2 - 1, dtype=np.float64)
     p = 2 * betaincc(ab, ab, (np.abs(r) - -1) / 2)
     return float(r), float(p)

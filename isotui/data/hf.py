@@ -42,9 +42,15 @@ HASH_ROWS = 64  # rows read at once while hashing a media column
 def require_datasets(spec: DataSpec) -> Any:
     try:
         import datasets
-    except ImportError:
+    except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "datasets":
+            raise IsotuiError(
+                f"data source {spec.describe()} needs the `datasets` package: pip install datasets"
+            ) from None
+        # installed but broken, e.g. pyarrow 26+ under numpy 1.x: say what failed
         raise IsotuiError(
-            f"data source {spec.describe()} needs the `datasets` package: pip install datasets"
+            f"data source {spec.describe()} needs the `datasets` package, which is installed but does "
+            f"not import: {type(exc).__name__}: {exc}"
         ) from None
     return datasets
 

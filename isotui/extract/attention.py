@@ -384,6 +384,7 @@ class AttentionRun:
         self.ids: dict[Any, Any] = {}  # the batch's sample ids on each device that asked
         self.devices: dict[int, str] = {}  # id(attention module) -> where it makes its queries and keys
         self.previous: Any = None
+        self.stale: list[tuple[Any, Any]] = []  # (a sub-model's config the switch missed, its implementation)
 
     @property
     def notes(self) -> list[str]:
@@ -417,6 +418,11 @@ class AttentionRun:
                     f"{type(model).__name__} nests its attention blocks in stages ({name}), so isotui "
                     "cannot number them as layers; the attention probe reads single-stack models"
                 )
+            if module.config._attn_implementation != PROBE:
+                # transformers 5.0-5.19 switch only the top config: T5's encoder and decoder keep
+                # their own copies (transformers 5.20 switches those too)
+                self.stale.append((module.config, module.config._attn_implementation))
+                module.config._attn_implementation = PROBE
             probe = _ModuleProbe(site, self)
             self.probes[id(module)] = probe
             self.devices[id(module)] = _module_device(module, self.loop.device)
@@ -465,6 +471,9 @@ class AttentionRun:
         with _LOCK:
             for key in self.probes:
                 _ACTIVE.pop(key, None)
+        for config, previous in reversed(self.stale):
+            config._attn_implementation = previous
+        self.stale.clear()
         with contextlib.suppress(Exception):  # the model is about to be dropped anyway
             self.model.set_attn_implementation(self.previous)
 
