@@ -69,7 +69,7 @@ async def end_process(process: Any, grace: float, term: float) -> int | None:
                 process.send_signal(sig)
         try:
             return int(await asyncio.wait_for(process.wait(), wait))
-        except asyncio.TimeoutError:  # TimeoutError's alias from 3.11 on
+        except TimeoutError:  # asyncio.TimeoutError is this from 3.11 on
             continue
     return process.returncode
 
