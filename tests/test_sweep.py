@@ -227,10 +227,8 @@ def test_ray_sweep_equals_the_plain_runs_and_retries_a_killed_task(series, data,
 def test_rays_token_notice_stays_out_of_the_sweeps_output():
     """Ray says "Token authentication is enabled for this Ray cluster..." on each local start
     (issue 29): its logger is quieted before ``ray.init``; its errors still show."""
-    pytest.importorskip("ray")
+    setup = pytest.importorskip("ray._private.authentication.authentication_token_setup")  # Ray 2.5x
     import logging
-
-    from ray._private.authentication import authentication_token_setup as setup
 
     from isotui.sweep import quiet_ray_notices
 

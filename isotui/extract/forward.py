@@ -30,6 +30,13 @@ def hidden_states(loaded: LoadedModel, inputs: dict[str, Any]) -> HiddenStates:
         return {"model": tuple(model(inputs["pixel_values"]))}
     if loaded.family == "timm-blocks":
         return {"model": _timm_blocks(model, inputs["pixel_values"])}
+    config = getattr(model, "config", None)
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):  # some transformers versions return
+        if getattr(config, key, None) == 0:  # the embeddings alone, others nothing: refused alike
+            raise IsotuiError(
+                f"model {type(model).__name__} has no layers ({key}=0), so there are no hidden "
+                f"states to measure; give it at least one ({key}=1)"
+            )
     with layers_stay(model):
         out = model(**inputs, output_hidden_states=True, return_dict=True)
     enc, dec = getattr(out, "encoder_hidden_states", None), getattr(out, "decoder_hidden_states", None)
@@ -37,13 +44,6 @@ def hidden_states(loaded: LoadedModel, inputs: dict[str, Any]) -> HiddenStates:
         return {"encoder": tuple(enc), "decoder": tuple(dec)}
     hidden = getattr(out, "hidden_states", None)
     if not hidden:
-        config = getattr(model, "config", None)
-        for key in ("num_hidden_layers", "n_layer", "num_layers"):
-            if getattr(config, key, None) == 0:
-                raise IsotuiError(
-                    f"model {type(model).__name__} has no layers ({key}=0), so there are no hidden "
-                    f"states to measure; give it at least one ({key}=1)"
-                )
         raise IsotuiError(
             f"model {type(model).__name__} returned no hidden states; isotui needs a model "
             "whose forward accepts output_hidden_states=True"

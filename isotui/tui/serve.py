@@ -71,6 +71,8 @@ def check_address(host: str, port: int) -> None:
 def serve(host: str, port: int, *, public_url: str | None = None, fresh: bool = False, err: Any) -> int:
     """Serve the app until Ctrl+C; 0 when stopped, :class:`IsotuiError` for a bad flag."""
     try:
+        import textual_serve.server  # noqa: F401  (the extra itself: serve_service may be loaded already)
+
         from isotui.tui.serve_service import AppServer
     except ImportError:
         raise IsotuiError(INSTALL) from None
