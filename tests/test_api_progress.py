@@ -63,7 +63,9 @@ def job(tiny_models, tmp_path, monkeypatch):
 def test_a_terminal_gets_the_clis_bar_by_default(job):
     drawn, asked = job(tty=True)
     assert asked == [False]
-    assert "samples" in drawn and "tok/s" in drawn  # the CLI bar's status words
+    # rich's bar with the CLI's status words; a quick job may be drawn only at its last refresh
+    # (finalising), so any of the words the CLI's bar says in its phases will do
+    assert "━" in drawn and any(w in drawn for w in ("tok/s", "samples", "computing metrics"))
 
 
 def test_files_and_pipes_get_nothing_and_progress_false_silences(job):
