@@ -22,6 +22,7 @@ import pytest
 
 from .conftest import corpus
 from .test_catalogue_inputs import TINY, Case, isotui, one_sentence, run_case
+from .test_sweep import _task_pids
 
 MAX_LENGTH = 16
 
@@ -205,18 +206,6 @@ def test_a_shard_whose_own_cached_entry_is_damaged_runs_again_and_merges(tmp_pat
 
 
 # --- 1. ^C stops a local sweep: nothing more starts, the running task ends, exit 130 -------------------
-
-
-def _task_pids(marker: str) -> list[int]:
-    """The processes whose command line names ``marker`` (this test's config file)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
 
 
 @pytest.mark.parametrize("group", [True, False], ids=["terminal-ctrl-c", "sigint-to-the-sweep"])
