@@ -1,28 +1,33 @@
 """The Python API, for notebooks: ``isotui.run``, ``isotui.experiment``, ``isotui.load``.
 
-Each call is the command line's own path: the keyword options become the flags the command would
-get, its own parser reads them (same defaults, same checks, same one-sentence errors, raised as
-:class:`~isotui.errors.IsotuiError`), and the function the command calls to do its work
-(``collect``) computes, reading and writing the same result cache. So the numbers, the cache
-entries and the files of :meth:`Result.to_csv` / :meth:`Result.to_json` are the CLI's, byte for
-byte. Nothing here imports torch until a model must run.
+Each call stands on the service (:mod:`isotui.service`), as the command line does: the keywords
+are the experiment's run options (:mod:`isotui.spec`) and parameters (its ``params`` dataclass),
+checked by the same code and said in the same sentences (raised as
+:class:`~isotui.errors.IsotuiError`); the same requests run through the same result cache. So the
+numbers, the cache entries and the files of :meth:`Result.to_csv` / :meth:`Result.to_json` are
+the CLI's, byte for byte. Nothing here imports argparse, rich, textual or a front end; showing a
+result's tables loads the terminal views by name (:meth:`Experiment.terminal_view`) only then,
+and torch loads only when a model must run.
 """
 
 from __future__ import annotations
 
-import argparse
-import io
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from isotui.cli import Parser
 from isotui.errors import IsotuiError
 
-# API keywords that are not the command's flags, and flags the API spells differently
-_NOT_OPTIONS = ("csv", "json", "quiet")  # files: Result.to_csv / to_json; quiet: progress=False
+if TYPE_CHECKING:
+    from isotui.experiments.base import Experiment
+    from isotui.extract.progress import Progress, ProgressCallback
+    from isotui.results import Outcome
+
+# keywords that are command-line outputs, not options of the Python API
+_NOT_OPTIONS = ("csv", "json", "quiet", "wide_csv", "verbose", "no_cache", "dry_run")
 
 
 @dataclass
@@ -32,7 +37,8 @@ class Result:
     ``rows``: the ``--csv`` rows (dicts, keys in column order); ``payload``: the ``--json``
     document; ``results``: the experiment's own result objects (a layer run's
     :class:`~isotui.results.ModelResult`, with ``.rows``, ``.meta``, ``.arrays``...); ``tables``:
-    the rich tables the CLI prints (``show()``, or just display the object in a notebook).
+    the rich tables the CLI prints (drawn on first use: ``show()``, or display the object in a
+    notebook).
     """
 
     command: str
@@ -40,7 +46,8 @@ class Result:
     rows: list[dict[str, Any]] = field(repr=False)
     payload: dict[str, Any] = field(repr=False)
     results: list = field(repr=False)
-    tables: list = field(default_factory=list, repr=False)
+    params: Any = field(default=None, repr=False)  # the experiment's parameters (what a view shows)
+    _tables: list | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         key = f", key={self.key[:12]}" if self.key else ""
@@ -57,6 +64,13 @@ class Result:
     def key(self) -> str | None:
         """The cache key (``isotui.load(key)`` reopens it), for results that are cached by one."""
         return getattr(self.results[0], "key", None) if len(self.results) == 1 else None
+
+    @property
+    def tables(self) -> list:
+        """The renderables the CLI prints for this result, in order (rich tables, figures)."""
+        if self._tables is None:
+            self._tables = _tables(self.command, self.results, self.params)
+        return self._tables
 
     def to_csv(self, path: str | Path) -> Path:
         """Write the table as the CLI's ``--csv`` does (the same bytes); returns the path."""
@@ -80,22 +94,14 @@ class Result:
 
     def show(self, console=None) -> None:
         """Print the tables the CLI prints (to ``console``, default a new rich console)."""
-        from isotui.terminal import console as new_console
-
-        console = console or new_console()
-        for table in self.tables:
-            console.print(table)
+        _display().show(self.tables, console)
 
     def __rich_console__(self, console, options):
         yield from self.tables
 
     def _repr_html_(self) -> str:
         """Jupyter shows the tables, coloured as in the terminal."""
-        from isotui.terminal import console as new_console
-
-        console = new_console(record=True, width=200, file=io.StringIO())
-        self.show(console)
-        return console.export_html(inline_styles=True)
+        return str(_display().html(self.tables))
 
 
 class Results(list):
@@ -121,7 +127,7 @@ class Results(list):
 
 
 def run(
-    model: str | Sequence[str] = "minilm",
+    model: str | Sequence[str] | None = None,
     data: str | None = None,
     *,
     config: str | Path | None = None,
@@ -154,6 +160,9 @@ def run(
     the model across devices through accelerate (``--device-map``, ``--max-memory``). Any other
     flag of ``isotui run`` is a keyword too (``threads=4``, ``exact=True``, ``stream=True``,
     ``tokenizer="minilm"``); a keyword it does not have is an :class:`IsotuiError` naming them."""
+    from isotui import service
+    from isotui.experiments.registry import LAYERS
+
     if isinstance(max_memory, dict):  # the flag's own form
         max_memory = ",".join(f"{k}={v}" for k, v in max_memory.items())
     options = {
@@ -171,29 +180,66 @@ def run(
         "map_units": map_units,
         "trust_remote_code": trust_remote_code,
         "shard": shard,
-        "cache_dir": cache_dir,
         **more,
     }
-    positional = [str(config)] if config is not None else []
-    return _per_model("run", model, options, positional, cache=cache, progress=progress)
+    run_options, params = _split(LAYERS, "isotui.run", options)
+    models = None if model is None else _model_names(model)
+    path = service.config_path(config)
+    settings = service.run_settings(path, {"models": models, "cache_dir": cache_dir, **run_options})
+    requests = service.layer_requests(settings, path, params)
+    root = _cache_root(cache, settings.get("cache_dir"))
+    outcomes = [([r.model], _one(LAYERS, [r], root, progress)) for r in requests]
+    single = isinstance(model, str | Path) or (model is None and len(requests) == 1)
+    return _results(LAYERS, outcomes, params, single)
 
 
 def experiment(
-    name: str, *, cache: bool = True, progress: bool | None = None, **options: Any
+    name: str,
+    *,
+    cache: bool = True,
+    cache_dir: str | Path | None = None,
+    progress: bool | None = None,
+    **options: Any,
 ) -> Result | Results:
     """One of the experiments of ``isotui experiment NAME`` (attention, final-norm, gradients,
     qk-dynamics, checkpoints, drift-block), with its flags as keywords (``max_samples=200``,
     ``every_layer=True``, ``checkpoints=["step1000", "step2000"]``...). Experiments over models
     take ``model`` (a name, or a list: :class:`Results`); the series experiments take ``model``
-    and ``checkpoints``; drift-block takes its own sizes."""
+    and ``checkpoints`` (and ``skip_duplicates``); drift-block takes its own sizes."""
+    from isotui import service
     from isotui.experiments.registry import EXPERIMENTS
 
     if not isinstance(name, str) or name not in EXPERIMENTS:
         raise IsotuiError(f"no experiment {name!r}; experiments: {', '.join(EXPERIMENTS)}")
     exp = EXPERIMENTS[name]
+    what = f"experiment {name!r}"
+    inputs = {"models": ("model",), "series": ("model", "checkpoints", "skip_duplicates"), "config": ()}
+    given = {k: options.pop(k) for k in inputs[exp.inputs] if k in options}
+    run_options, params = _split(exp, what, options)
+    root = _cache_root(cache, cache_dir)
     if exp.inputs == "models":
-        return _per_model(name, options.pop("model", "minilm"), options, [], cache=cache, progress=progress)
-    return _call(name, options, [], cache=cache, progress=progress)
+        model = given.get("model", "minilm")
+        names = _model_names(model)
+        requests = service.make_requests(exp, params, models=names, options=run_options, notice=_say)
+        outcomes = [([r.model], _one(exp, [r], root, progress)) for r in requests]
+        return _results(exp, outcomes, params, isinstance(model, str | Path))
+    if exp.inputs == "series":
+        checkpoints = given.get("checkpoints")
+        if not checkpoints:
+            raise IsotuiError(
+                f"{what} needs checkpoints=: the series' revisions, model ids or folders "
+                "(a list, or one comma-separated string)"
+            )
+        series = service.Series(
+            None if given.get("model") is None else str(given["model"]),
+            tuple(str(c) for c in ([checkpoints] if isinstance(checkpoints, str | Path) else checkpoints)),
+            bool(given.get("skip_duplicates", False)),
+        )
+        requests = service.make_requests(exp, params, series=series, options=run_options, notice=_say)
+        names = [] if series.model is None else [series.model]
+    else:
+        requests, names = service.make_requests(exp, params), []
+    return _results(exp, [(names, _one(exp, requests, root, progress))], params, True)
 
 
 def load(key: str, cache_dir: str | Path | None = None) -> Result:
@@ -201,10 +247,10 @@ def load(key: str, cache_dir: str | Path | None = None) -> Result:
     them; ``Result.key`` gives one): a layer run, or the result of any registered experiment
     cached one result per entry (attention, final-norm, gradients)."""
     from isotui.experiments.cached import read
+    from isotui.experiments.params import make_params
     from isotui.experiments.registry import REGISTRY
     from isotui.paths import cache_dir as default_cache_dir
     from isotui.store.cache import CacheProblem
-    from isotui.views import view_of
 
     root = default_cache_dir(str(cache_dir) if cache_dir is not None else None)
     readable = [(e, e.folder, e.decode) for e in REGISTRY if e.folder is not None and e.decode is not None]
@@ -225,14 +271,9 @@ def load(key: str, cache_dir: str | Path | None = None) -> Result:
     if found is None:
         raise IsotuiError(f"cached result {full[:12]} was removed meanwhile")
     results = found if isinstance(found, list) else [found]
-    view = view_of(exp.view)
-    options = _subparser([exp.command] if exp.command == "run" else ["experiment", exp.name]).parse_args([])
-    tables = [
-        t for r in ([found] if isinstance(found, list) else results) for t in view.tables(r, options, 200)
-    ]
-    command = exp.command if exp.command == "run" else exp.name
     models = sorted({r.model for r in results})
-    return Result(command, models, exp.rows(results), exp.payload(results), results, tables)
+    params = make_params(exp.params, {})
+    return Result(_command(exp), models, exp.rows(results), exp.payload(results), results, params)
 
 
 # --- progress where a person is watching ---------------------------------------------------------
@@ -240,16 +281,29 @@ def load(key: str, cache_dir: str | Path | None = None) -> Result:
 
 def watching() -> str | None:
     """Where the default progress goes: ``"notebook"`` in Jupyter (or Colab...: tqdm's notebook
-    bar when tqdm is installed, else rich's), ``"terminal"`` when stderr is a terminal (the CLI's
-    bar), None when output goes to files or pipes (a script's log: nothing)."""
-    import sys
-
-    from isotui.terminal import console
-
-    if console(stderr=True).is_jupyter:
+    widget), ``"terminal"`` when stderr is a terminal (tqdm's bar on stderr), None when output
+    goes to files or pipes (a script's log: nothing)."""
+    if _in_notebook():
         return "notebook"
     isatty = getattr(sys.stderr, "isatty", None)
     return "terminal" if isatty is not None and isatty() else None
+
+
+def _in_notebook() -> bool:
+    """A Jupyter kernel (or Colab, Databricks) runs this, as IPython's shell class says."""
+    import builtins
+    import os
+
+    get_ipython = getattr(builtins, "get_ipython", None)
+    if get_ipython is None:
+        return False
+    shell = get_ipython()
+    kind = type(shell).__name__
+    return (
+        "google.colab" in str(type(shell))
+        or bool(os.getenv("DATABRICKS_RUNTIME_VERSION"))
+        or kind == "ZMQInteractiveShell"
+    )
 
 
 def _has_tqdm() -> bool:
@@ -262,18 +316,16 @@ def _has_tqdm() -> bool:
 
 
 @contextmanager
-def tqdm_bar(_err: Any, name: str, _args: Any) -> Iterator[Callable[[Any], None]]:
-    """A job's progress as a tqdm bar (``tqdm.auto``: the notebook's widget where it can): samples
-    while running, layers while finalising, the CLI's status words beside it."""
+def tqdm_bar(name: str) -> Iterator[ProgressCallback]:
+    """A job's progress as a tqdm bar (``tqdm.auto``: the notebook's widget where it can, else
+    a bar on stderr): samples while running, layers while finalising, the status words beside it."""
     from tqdm.auto import tqdm
 
-    from isotui.cli import progress_status
+    bar = tqdm(total=None, desc=name, unit="sample", leave=False, dynamic_ncols=True, file=sys.stderr)
 
-    bar = tqdm(total=None, desc=name, unit="sample", leave=False, dynamic_ncols=True)
-
-    def on_progress(ev: Any) -> None:
+    def on_progress(ev: Progress) -> None:
         if ev.message:
-            bar.write(f"{name}: {ev.message}")
+            bar.write(f"{name}: {ev.message}", file=sys.stderr)
             return
         finalising = ev.phase == "finalising"
         total = (ev.layers_total if finalising else ev.samples_total) or None
@@ -281,7 +333,7 @@ def tqdm_bar(_err: Any, name: str, _args: Any) -> Iterator[Callable[[Any], None]
             bar.reset(total=total)
             bar.unit = "layer" if finalising else "sample"
         bar.n = ev.layers_done if finalising else ev.samples_done
-        bar.set_postfix_str(progress_status(ev), refresh=False)
+        bar.set_postfix_str(ev.status(), refresh=False)
         bar.refresh()
 
     try:
@@ -290,105 +342,106 @@ def tqdm_bar(_err: Any, name: str, _args: Any) -> Iterator[Callable[[Any], None]
         bar.close()
 
 
-# --- the command line's path -----------------------------------------------------------------------
+def _bar(progress: bool | None) -> Callable[[str], AbstractContextManager[ProgressCallback]]:
+    """The progress of each job: tqdm's bar where a person watches (or ``progress=True``)."""
+    from isotui.service import no_bar
+
+    shown = None if progress is False else watching() or ("terminal" if progress else None)
+    return tqdm_bar if shown is not None and _has_tqdm() else no_bar
 
 
-class _Parser(Parser):
-    """The CLI's parser, saying a bad option as an :class:`IsotuiError` instead of exiting."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise IsotuiError(message)
+# --- keywords to the service ----------------------------------------------------------------------
 
 
-def _subparser(command: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The parser of ``isotui COMMAND...`` (``["run"]``, ``["experiment", "attention"]``) within
-    ``parser`` (default: a new one of the whole command line)."""
-    from isotui.cli import build_parser
+def _split(exp: Experiment, what: str, options: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """(run options, the experiment's parameters) from the keywords ``options``; a keyword the
+    experiment does not take is said with the ones it does."""
+    from isotui.experiments.params import make_params, params_of
+    from isotui.spec import options_for
 
-    parser = parser or build_parser(parser_class=_Parser)
-    for word in command:
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        parser = sub.choices[word]
-    return parser
-
-
-def _argv(parser: argparse.ArgumentParser, what: str, options: dict[str, Any]) -> list[str]:
-    """The flags ``options`` (API keywords) stand for; a keyword the command lacks is said."""
-    flags = {}
-    for action in parser._actions:
-        for flag in action.option_strings:
-            if flag.startswith("--"):
-                flags[flag[2:].replace("-", "_")] = flag
-    argv: list[str] = []
-    for name, value in options.items():
+    command = "run" if exp.command == "run" else exp.name
+    run_names = [o.name for o in options_for(command)] if exp.run_flags else []
+    param_names = [p.name for p in params_of(exp.params)]
+    for name in options:
         if name in _NOT_OPTIONS:
             raise IsotuiError(
                 f"{name}= is not an option of the Python API: "
-                + ("use progress=" if name == "quiet" else f"write files with result.to_{name}(path)")
+                + (
+                    "use progress="
+                    if name in ("quiet", "verbose")
+                    else "use cache=False"
+                    if name == "no_cache"
+                    else "use isotui.run's plan with the command line's --dry-run"
+                    if name == "dry_run"
+                    else f"write files with result.to_{name.removeprefix('wide_')}(path)"
+                )
             )
-        if name not in flags or name in ("help", "no_cache"):
-            known = sorted(k for k in flags if k not in (*_NOT_OPTIONS, "help", "no_cache"))
-            options_said = ", ".join([*known, "cache", "progress"])
-            raise IsotuiError(f"{what} has no option {name!r}; its options: {options_said}")
-        if value is None or value is False:
-            continue
-        if value is True:
-            argv.append(flags[name])
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                argv += [flags[name], str(item)]
-        else:
-            argv += [flags[name], str(value)]
-    return argv
+        if name not in run_names and name not in param_names:
+            inputs = {"models": ["model"], "series": ["model", "checkpoints", "skip_duplicates"]}
+            known = sorted(
+                [*inputs.get(exp.inputs, []), *run_names, *param_names, "cache", "cache_dir", "progress"]
+            )
+            raise IsotuiError(f"{what} has no option {name!r}; its options: {', '.join(known)}")
+    run_options = {k: v for k, v in options.items() if k in run_names}
+    return run_options, make_params(exp.params, {k: v for k, v in options.items() if k in param_names})
 
 
-def _per_model(command: str, model, options: dict[str, Any], positional: list[str], *, cache, progress):
-    """One :class:`Result` for a model name; :class:`Results` (one per model) for a list."""
+def _model_names(model: Any) -> list[str]:
     if isinstance(model, str | Path):
-        return _call(command, {**options, "model": str(model)}, positional, cache=cache, progress=progress)
+        return [str(model)]
     if not isinstance(model, list | tuple) or not all(isinstance(m, str | Path) for m in model):
         raise IsotuiError(
             f"model must be a model name (a string such as 'minilm') or a list of names (got {model!r})"
         )
-    models = [str(m) for m in model]
-    if not models:
+    if not model:
         raise IsotuiError("give at least one model")
-    return Results(
-        _call(command, {**options, "model": m}, positional, cache=cache, progress=progress) for m in models
-    )
+    return [str(m) for m in model]
 
 
-def _call(
-    command: str, options: dict[str, Any], positional: list[str], *, cache: bool, progress: bool | None
-):
-    """Parse ``options`` as the command's flags and run the command's ``collect``."""
-    from isotui.cli import build_parser
-    from isotui.terminal import console
+def _cache_root(cache: bool, cache_dir: str | Path | None) -> Path | None:
+    from isotui.paths import cache_dir as default_cache_dir
 
-    words = ["run"] if command == "run" else ["experiment", command]
-    root = build_parser(parser_class=_Parser)
-    parser = _subparser(words, root)
-    what = "isotui.run" if command == "run" else f"experiment {command!r}"
-    argv = [*positional, *_argv(parser, what, options)]
-    if not cache and any("--no-cache" in a.option_strings for a in parser._actions):
-        argv.append("--no-cache")
-    shown = None if progress is False else watching() or ("terminal" if progress else None)
-    if shown is None:
-        argv.append("--quiet")
-    args = root.parse_args([*words, *argv])
-    err = console(stderr=True, soft_wrap=True)
-    if shown == "notebook" and _has_tqdm():
-        args.progress_bar = tqdm_bar
-    if command == "run":
-        from isotui.cli import collect_run
+    return default_cache_dir(str(cache_dir) if cache_dir is not None else None) if cache else None
 
-        outcome = collect_run(args, err)
-    else:
-        from isotui.cli_experiments import collect
-        from isotui.experiments.registry import EXPERIMENTS
 
-        outcome = collect(EXPERIMENTS[command], args, err)
+def _say(text: str) -> None:
+    """A notice (a damaged cache entry, a skipped duplicate checkpoint), on stderr."""
+    print(f"isotui: {text}", file=sys.stderr)
+
+
+def _one(exp: Experiment, requests: list[Any], root: Path | None, progress: bool | None) -> Outcome:
+    """Run ``requests`` through the service; the first failure raised as its sentence."""
+    from isotui import service
+
+    outcome = service.run(exp, requests, service.Session(root, bar=_bar(progress), notice=_say))
     if outcome.failed:
         raise IsotuiError(outcome.failed[0][1])
-    models = [str(m) for m in (options.get("model"),) if m is not None]
-    return Result(command, models, outcome.rows, outcome.payload, outcome.results, outcome.tables)
+    return outcome
+
+
+def _command(exp: Experiment) -> str:
+    return "run" if exp.command == "run" else exp.name
+
+
+def _results(
+    exp: Experiment, outcomes: list[tuple[list[str], Outcome]], params: Any, single: bool
+) -> Result | Results:
+    """A :class:`Result` per outcome (one per model asked, with its names as asked); one of them
+    alone when one was asked."""
+    made = [Result(_command(exp), names, o.rows, o.payload, o.results, params) for names, o in outcomes]
+    return made[0] if single and len(made) == 1 else Results(made)
+
+
+# --- display, loaded by name when a result is shown ------------------------------------------------
+
+
+def _display() -> Any:
+    """The terminal views' display functions (rich), loaded only when a result is shown."""
+    import importlib
+
+    return importlib.import_module("isotui.views")
+
+
+def _tables(command: str, results: list[Any], params: Any) -> list[Any]:
+    """The renderables the CLI prints for ``results`` of experiment ``command``."""
+    return list(_display().result_tables(command, results, params, 200))

@@ -108,14 +108,10 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--verbose", "-v", action="store_true", help="print each phase and the time breakdown on stderr"
     )
-    p.add_argument(
-        "--wide",
-        nargs="?",
-        const="avg_cos",
-        metavar="METRIC",
-        help="also one table of layers (rows) by models (columns) for METRIC (default avg_cos; the "
-        "layer metrics below)",
-    )
+    from isotui.cli_experiments import add_param_flags
+    from isotui.experiments.layerwise import LayersParams
+
+    add_param_flags(p, LayersParams)
     p.add_argument("--wide-csv", metavar="PATH", help="write that layer x model table here as CSV")
     from isotui.cli_experiments import add_dry_run_flag
 
@@ -300,8 +296,8 @@ def _silence_stdout() -> None:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Config file settings, overridden by the flags that were given."""
-    from isotui.config import load_run_config
+    """Config file settings, overridden by the flags that were given (:func:`isotui.service.run_settings`)."""
+    from isotui.service import run_settings
     from isotui.spec import options_for
 
     flags = {
@@ -311,24 +307,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "csv": args.csv,
         "json": args.json,
     }
-    given = [key for key, value in flags.items() if value is not None]
-    settings: dict[str, Any] = load_run_config(args.config, given) if args.config else {}
-    for key, value in flags.items():
-        if value is not None:
-            settings[key] = value
-            if key == "data":
-                settings["data_base_dir"] = Path.cwd()
-    return settings
+    return run_settings(args.config, flags)
 
 
 def _config_path(config: Path | None) -> Path | None:
-    """``config`` as given, or the bundled preset of that name when no such file exists (neither:
-    one sentence, with the nearest preset's name)."""
-    if config is None:
-        return config
-    from isotui.presets import config_or_preset
+    """``config`` as given, or the bundled preset of that name (:func:`isotui.service.config_path`)."""
+    from isotui.service import config_path
 
-    return config_or_preset(config)
+    return config_path(config)
 
 
 def _cmd_run(args: argparse.Namespace, err) -> int:
@@ -342,24 +328,15 @@ def _cmd_run(args: argparse.Namespace, err) -> int:
 
 def _dry_run(args: argparse.Namespace) -> int:
     """``isotui run --dry-run``: each model's memory plan from its config (``--json``: as JSON)."""
-    from isotui.cli_experiments import print_plans, refuse_files_in_dry_run
+    from isotui import service
+    from isotui.cli_experiments import params_from_args, print_plans, refuse_files_in_dry_run
     from isotui.experiments.registry import LAYERS
-    from isotui.spec import given_options, make_spec
 
     args.config = _config_path(args.config)
     s = _settings(args)
-    where = f"config file {args.config}: " if args.config else ""
     refuse_files_in_dry_run({"csv": s.get("csv"), "wide_csv": args.wide_csv})
-    entries = []
-    for model in s.get("models") or ["minilm"]:
-        try:
-            spec = make_spec(model, base_dir=s.get("data_base_dir", s.get("base_dir")), **given_options(s))
-        except IsotuiError as exc:
-            raise IsotuiError(f"{where}{exc}") from None
-        assert LAYERS.plan is not None
-        plan = LAYERS.plan(LAYERS.request(spec, args))
-        entries.append((model, f"{model}: memory plan (dry run, no weights read)", plan))
-    return print_plans(entries, s.get("json"))
+    requests = service.layer_requests(s, args.config, params_from_args(LAYERS, args))
+    return print_plans(service.plans(LAYERS, requests), s.get("json"))
 
 
 def _write_wide_csv(outcome, args: argparse.Namespace, err) -> None:
@@ -384,32 +361,25 @@ def print_error(err, text: str) -> None:
 def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=None, on_error=None):
     """``isotui run``'s work without its output: an :class:`~isotui.results.Outcome` with one
     layer table per model that succeeded (``on_table`` sees each as soon as it is made) and one
-    sentence per model that failed (``on_error``). The CLI and :func:`isotui.run` both call this:
-    the settings (config file, then flags) make the layer experiment's requests, and the one loop
-    of every experiment (:func:`isotui.cli_experiments.collect`) runs them."""
-    from isotui.cli_experiments import collect
-    from isotui.data.sources import check_source
+    sentence per model that failed (``on_error``): the settings (config file, then flags) make
+    the layer experiment's requests (:func:`isotui.service.layer_requests`), and the one loop of
+    every experiment (:func:`isotui.cli_experiments.collect`) runs them."""
+    from isotui import service
+    from isotui.cli_experiments import collect, params_from_args
     from isotui.experiments.registry import LAYERS
-    from isotui.spec import given_options, make_spec
     from isotui.store.files import check_distinct, check_output
 
     args.config = _config_path(args.config)
     s = _settings(args)
-    models = s.get("models") or ["minilm"]
-    where = f"config file {args.config}: " if args.config else ""
-    try:
-        base = make_spec(models[0], base_dir=s.get("data_base_dir", s.get("base_dir")), **given_options(s))
-    except IsotuiError as exc:
-        raise IsotuiError(f"{where}{exc}") from None
-    check_source(base.data)  # missing data: one sentence, before any model is looked up
+    params = params_from_args(LAYERS, args)
+    requests = service.layer_requests(s, args.config, params)
     for key in ("csv", "json"):  # say it before a long run, not after
         if s.get(key):
             check_output(s[key], f"--{key}")
     check_distinct([("--csv", s.get("csv")), ("--json", s.get("json")), ("--wide-csv", args.wide_csv)])
     args.csv, args.json = s.get("csv"), s.get("json")  # the config file may name them
-    _wide_metric(args)  # --wide's metric and --wide-csv said before any model runs
+    _wide_metric(args)  # --wide-csv said before any model runs
     args.cache_dir = s.get("cache_dir")  # the config file may name it
-    requests = [LAYERS.request(base.with_model(model), args) for model in models]
     return collect(LAYERS, args, err, width=width, on_table=on_table, on_error=on_error, requests=requests)
 
 
@@ -426,30 +396,9 @@ def _wide_metric(args: argparse.Namespace) -> str:
     return metric
 
 
-def _clock(seconds: float | None) -> str:
-    if seconds is None:
-        return "-:--"
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
-
-
 def progress_status(ev) -> str:
-    """What a job is doing, in words: the phase, and while running samples, tokens, rate, ETA."""
-    if ev.phase == "resolving":
-        return f"resolving {ev.detail}".strip()
-    if ev.phase == "loading":
-        return f"loading the model ({ev.detail})" if ev.detail else "loading the model"
-    if ev.phase == "tokenising":
-        return ev.detail or "tokenising"
-    if ev.phase == "finalising":
-        return f"computing metrics: layer {ev.layers_done + 1}/{ev.layers_total}  ETA {_clock(ev.eta_s)}"
-    if ev.phase == "writing":
-        return f"writing {ev.detail}".strip()
-    total = ev.samples_total or "?"
-    return (
-        f"{ev.samples_done}/{total} samples  {ev.tokens_done:,} tokens  {ev.tokens_per_s:,.0f} tok/s  "
-        f"ETA {_clock(ev.eta_s)}"
-    )
+    """What a job is doing, in words (:meth:`isotui.extract.progress.Progress.status`)."""
+    return str(ev.status())
 
 
 @contextmanager

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from isotui.spec import RunSpec
 
 TOP_LEVEL = {
-    "train-tiny": "isotui.experiments.train_tiny",
+    "train-tiny": "isotui.cli_train_tiny",
     "figure": "isotui.cli_figure",
     "sweep": "isotui.cli_sweep",
 }
@@ -116,26 +116,44 @@ def refuse_files_in_dry_run(flags: dict[str, Any]) -> None:
 
 def dry_run(experiment: Experiment, args: argparse.Namespace, err: Any) -> int:
     """``isotui experiment NAME --dry-run``: each request's plan (:attr:`Experiment.plan`) from
-    the config alone; a series is planned from its first checkpoint (all share one architecture,
-    and run one at a time)."""
-    assert experiment.plan is not None
+    the config alone (:func:`isotui.service.plans`)."""
+    from isotui import service
+
     refuse_files_in_dry_run({"csv": getattr(args, "csv", None)})
-    experiment.check(args)
-    entries = []
-    from isotui.terminal import literal
+    requests = make_requests(experiment, args, _notice(err))
+    return print_plans(service.plans(experiment, requests), getattr(args, "json", None))
 
-    def notice(text: str) -> None:
-        err.print(f"[yellow]isotui: {literal(text)}[/]", highlight=False)
 
-    for request in make_requests(experiment, args, notice):
-        heading = f"{request.model}: memory plan of {experiment.name} (dry run, no weights read)"
-        label = request.model
-        if experiment.inputs == "series":
-            n = len(request.checkpoints)
-            label = request.series or request.model
-            heading += f"; each of its {n} checkpoint{'s' * (n != 1)} in turn holds this"
-        entries.append((label, heading, experiment.plan(request)))
-    return print_plans(entries, getattr(args, "json", None))
+def add_param_flags(p: argparse.ArgumentParser, params: type, skip: tuple[str, ...] = ()) -> None:
+    """The flags of an experiment's parameters (:mod:`isotui.experiments.params`): each
+    parameter's ``--name`` (and short spelling), its help, choices and on/off form; None when
+    not given, so the parameter's own default (and check) applies."""
+    from isotui.experiments.params import params_of
+
+    for param in params_of(params):
+        if param.name in skip:
+            continue
+        names = [param.flag, *([param.short] if param.short else [])]
+        kwargs: dict[str, Any] = {"help": param.help, "dest": param.name}
+        if param.switch:
+            kwargs.update(action="store_true", default=None)
+        else:
+            if param.choices:
+                kwargs["choices"] = list(param.choices)
+            if param.metavar:
+                kwargs["metavar"] = param.metavar
+            if param.nargs:
+                kwargs.update(nargs=param.nargs, const=param.const)
+        p.add_argument(*names, **kwargs)
+
+
+def params_from_args(experiment: Experiment, args: argparse.Namespace) -> Any:
+    """The experiment's parameters from the parsed flags (a flag not given: its default)."""
+    from isotui.experiments.params import make_params, params_of
+
+    return make_params(
+        experiment.params, {p.name: getattr(args, p.name, None) for p in params_of(experiment.params)}
+    )
 
 
 def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
@@ -249,23 +267,39 @@ def _progress(err: Any, name: str, args: argparse.Namespace) -> Any:
     return progress_printer(err, name, quiet=bool(args.quiet), verbose=bool(getattr(args, "verbose", False)))
 
 
+def _notice(err: Any) -> Callable[[str], None]:
+    """A notice (not a failure) on stderr, in yellow."""
+    from isotui.terminal import literal
+
+    def notice(text: str) -> None:
+        err.print(f"[yellow]isotui: {literal(text)}[/]", highlight=False)
+
+    return notice
+
+
 def make_requests(
     experiment: Experiment, args: argparse.Namespace, notice: Callable[[str], None] | None = None
 ) -> list[Any]:
-    """The requests the flags of ``isotui experiment NAME`` stand for: one per ``--model``, the
-    one series of ``--model``/``--checkpoints``, or the one configuration of its own flags."""
-    if experiment.inputs == "config":
-        return [experiment.request(None, args)]
-    if experiment.inputs == "series":
-        from isotui.experiments.qk_dynamics import resolve_checkpoints
+    """The requests the flags of ``isotui experiment NAME`` stand for (:func:`isotui.service.
+    make_requests`): one per ``--model``, the one series of ``--model``/``--checkpoints``, or
+    the one configuration of its own flags; --csv/--json said before any work."""
+    from isotui import service
 
-        skip = bool(getattr(args, "skip_duplicates", False))
-        checkpoints = resolve_checkpoints(args.model, args.checkpoints, skip_duplicates=skip, notice=notice)
-        base = spec_from_args(args, checkpoints[0].model)
-        return [experiment.request((args.model, checkpoints, base), args)]
-    models = args.models or ["minilm"]
-    base = spec_from_args(args, models[0])
-    return [experiment.request(base.with_model(model), args) for model in models]
+    check_outputs(args)
+    params = params_from_args(experiment, args)
+    series = None
+    if experiment.inputs == "series":
+        series = service.Series(
+            args.model, tuple(args.checkpoints), bool(getattr(args, "skip_duplicates", False))
+        )
+    return service.make_requests(
+        experiment,
+        params,
+        models=getattr(args, "models", None) or (),
+        series=series,
+        options=vars(args),
+        notice=notice or (lambda _t: None),
+    )
 
 
 def collect(
@@ -278,95 +312,63 @@ def collect(
     on_error: Callable[[str, str], None] | None = None,
     requests: list[Any] | None = None,
 ) -> Outcome:
-    """An experiment's work without its output: an :class:`~isotui.results.Outcome` with the
-    view's tables of every request that succeeded (``on_table`` sees each as soon as it is made),
-    one sentence per model (or checkpoint) that failed (``on_error``), and the experiment's CSV
-    rows and JSON payload. The CLI and the Python API (:mod:`isotui.api`) both call this.
-    ``requests``: made by the caller (``isotui run`` reads a config file too); default
-    :func:`make_requests`."""
+    """An experiment's work (:func:`isotui.service.run`) with the view's tables: an
+    :class:`~isotui.results.Outcome` with the tables of every request that succeeded
+    (``on_table`` sees each as soon as it is made), one sentence per model (or checkpoint) that
+    failed (``on_error``), and the experiment's CSV rows and JSON payload. ``requests``: made by
+    the caller (``isotui run`` reads a config file too); default :func:`make_requests`."""
+    from isotui import service
     from isotui.errors import Cancelled
-    from isotui.experiments.base import Context, flatten
     from isotui.paths import cache_dir
-    from isotui.results import ModelFailures, Outcome
-    from isotui.terminal import literal
     from isotui.views import view_of
 
     view = view_of(experiment.view)
-    experiment.check(args)
-
-    def notice(text: str) -> None:
-        err.print(f"[yellow]isotui: {literal(text)}[/]", highlight=False)
-
+    notice = _notice(err)
     if requests is None:
         requests = make_requests(experiment, args, notice)
-    cache_root = None if args.no_cache else cache_dir(args.cache_dir)
-    series = experiment.inputs == "series"
-    total = sum(len(r.checkpoints) for r in requests) if series else len(requests)
-    name = "run" if experiment.command == "run" else experiment.name
-    outcome = Outcome(name, [], [], {}, total=total, what=experiment.what)
-    failures = ModelFailures(outcome, on_error)
-    # the Python API's bar in a notebook (isotui.api.tqdm_bar), a view's own, or the CLI's
-    progress = getattr(args, "progress_bar", None) or view.progress or _progress
+    tables: list[Any] = []
     highlight = None if view.highlight else False
+    # a view's own bar (drift-block), or the CLI's
+    progress = view.progress or _progress
 
-    def one(request: Any) -> Any:
-        with progress(err, request.model, args) as bar:
-            return experiment.run(request, Context(cache_root, on_progress=bar, notice=notice))
+    def on_result(result: Any) -> None:
+        note = view.note(result, args) if view.note else None
+        if note:
+            err.print(note, highlight=highlight, markup=False)
+        for table in view.tables(result, args, width):
+            tables.append(table)
+            if on_table:
+                on_table(table)
 
-    def each() -> None:
-        for request in requests:
-            if series:  # each checkpoint its own bar; a failed one said, the series built from the rest
-                n = len(request.checkpoints)
-
-                def part_progress(i: int, ckpt: Any, n: int = n) -> Any:
-                    return progress(err, f"{i + 1}/{n} {ckpt.label}", args)
-
-                context = Context(
-                    cache_root, notice=notice, attempt=failures.attempt, part_progress=part_progress
-                )
-                result = experiment.run(request, context)
-            elif experiment.inputs == "config":  # one configuration: its failure is the command's
-                result = one(request)
-            else:
-                result = failures.attempt(request.model, one, request)
-            if result is None:
-                continue
-            outcome.results += flatten([result])
-            note = view.note(result, args) if view.note else None
-            if note:
-                err.print(note, highlight=highlight, markup=False)
-            for table in view.tables(result, args, width):
-                outcome.tables.append(table)
-                if on_table:
-                    on_table(table)
-
+    session = service.Session(
+        None if args.no_cache else cache_dir(args.cache_dir),
+        bar=lambda name: progress(err, name, args),
+        notice=notice,
+        on_result=on_result,
+        on_error=on_error,
+    )
     try:
-        each()
+        outcome = service.run(experiment, requests, session)
     except (KeyboardInterrupt, Cancelled) as stop:  # ^C: what finished goes with it (the exports)
-        _finish(outcome, experiment, view, args, width, None)
-        stop.partial_outcome = outcome  # type: ignore[union-attr]
+        partial = getattr(stop, "partial_outcome", None)
+        if partial is not None:
+            partial.tables = tables
+            _closing(partial, view, args, width, None)
         raise
-    _finish(outcome, experiment, view, args, width, on_table)
+    outcome.tables = tables
+    _closing(outcome, view, args, width, on_table)
     return outcome
 
 
-def _finish(
-    outcome: Outcome,
-    experiment: Experiment,
-    view: Any,
-    args: argparse.Namespace,
-    width: int,
-    on_table: Callable[[Any], None] | None,
+def _closing(
+    outcome: Outcome, view: Any, args: argparse.Namespace, width: int, on_table: Callable[[Any], None] | None
 ) -> None:
-    """The closing tables, CSV rows and JSON payload of the results collected."""
+    """The closing tables of the results collected (``run --wide``)."""
     if outcome.results and view.closing:
         for table in view.closing(outcome.results, args, width):
             outcome.tables.append(table)
             if on_table:
                 on_table(table)
-    if outcome.results:
-        outcome.rows = experiment.rows(outcome.results)
-        outcome.payload = experiment.payload(outcome.results)
 
 
 def add_experiment_parser(
@@ -383,13 +385,12 @@ def add_experiment_parser(
         )
     elif experiment.inputs == "series":
         add_series_flags(p)
-    experiment.add_options(p)
+    add_param_flags(p, experiment.params)
     if experiment.run_flags:
         add_run_flags(p, experiment.name)
     if experiment.plan is not None:
         add_dry_run_flag(p)
-    if "--csv" not in p._option_string_actions:
-        add_common(p, device_seed=not experiment.run_flags)
+    add_common(p, device_seed=not experiment.run_flags and "--device" not in p._option_string_actions)
     return p
 
 

@@ -20,10 +20,10 @@ HELP = "draw a paper's figure (PDF, SVG or PNG) from cached or computed results;
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The figure's flags: which figure, where, how wide; the models or series and the run flags."""
     from isotui.cli import add_run_flags
-    from isotui.cli_experiments import add_duplicates_flag
+    from isotui.cli_experiments import add_duplicates_flag, add_param_flags
     from isotui.core.trajectory import BASES
     from isotui.experiments.checkpoints import METRICS
-    from isotui.experiments.drift_block.cli import add_options as add_drift_block_options
+    from isotui.experiments.drift_block.params import DriftBlockParams
     from isotui.experiments.qk_dynamics import DEFAULT_SAMPLE
 
     p.add_argument("name", nargs="?", metavar="NAME", help="the figure (see --list)")
@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_duplicates_flag(p)
     add_run_flags(p, "run")
     group = p.add_argument_group("godey2024-fig6: the drift block (as isotui experiment drift-block)")
-    add_drift_block_options(group)  # type: ignore[arg-type]
+    add_param_flags(group, DriftBlockParams, skip=("device", "seed"))  # type: ignore[arg-type]
     p.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
     p.add_argument("--no-cache", action="store_true", help="recompute, and store nothing")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress output")

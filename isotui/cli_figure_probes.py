@@ -36,10 +36,12 @@ def model_args(args: argparse.Namespace, ns: argparse.Namespace, experiment: str
 def check_at_norm(ns: argparse.Namespace) -> None:
     """godey2024-fig9's ``--at-norm``: one of the sweep's N, checked against the drift block's
     own flags before anything runs."""
-    from isotui.experiments.drift_block import config_from_args
+    from isotui.cli_experiments import params_from_args
+    from isotui.experiments.drift_block import config_from_params
+    from isotui.experiments.registry import get
     from isotui.paper_figures_probes import parse_at_norm
 
-    parse_at_norm(ns.at_norm, config_from_args(ns).norms)
+    parse_at_norm(ns.at_norm, config_from_params(params_from_args(get("drift-block"), ns)).norms)
 
 
 def collect_gradients(

@@ -393,3 +393,39 @@ VIEWS: dict[str, View] = {
 def view_of(name: str) -> View:
     """The view an experiment names (a registered experiment without one is a bug)."""
     return VIEWS[name]
+
+
+def result_tables(command: str, results: list[Any], options: Any, width: int) -> list[Any]:
+    """What the CLI prints for the results of ``command`` (``run`` or an experiment's name),
+    in order: each result's tables, then the closing ones; ``options``: the experiment's
+    parameters (or the parsed flags). The Python API's ``Result.tables``."""
+    from isotui.experiments.registry import get
+
+    experiment = get(command)
+    view = view_of(experiment.view)
+    # an experiment whose request gives a list (final-norm) has one view of the whole list
+    groups = [results] if experiment.result_type is list else results
+    tables = [t for group in groups for t in view.tables(group, options, width)]
+    if results and view.closing:
+        tables += view.closing(results, options, width)
+    return tables
+
+
+def show(tables: list[Any], console: Any = None) -> None:
+    """Print ``tables`` (to ``console``, default a new rich console)."""
+    from isotui.terminal import console as new_console
+
+    out = console or new_console()
+    for table in tables:
+        out.print(table)
+
+
+def html(tables: list[Any]) -> str:
+    """``tables`` as HTML, coloured as in the terminal (Jupyter's display)."""
+    import io
+
+    from isotui.terminal import console as new_console
+
+    out = new_console(record=True, width=200, file=io.StringIO())
+    show(tables, out)
+    return str(out.export_html(inline_styles=True))

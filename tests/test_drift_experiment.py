@@ -11,7 +11,7 @@ import pytest
 
 base = pytest.importorskip("isotui.experiments.base")  # the contract (the registry's branch)
 
-from isotui.cli_experiments import add_common  # noqa: E402
+from isotui.cli_experiments import add_common, add_param_flags, params_from_args  # noqa: E402
 from isotui.experiments.drift_block import DriftBlockConfig, run_drift_block  # noqa: E402
 from isotui.experiments.drift_block.experiment import EXPERIMENT  # noqa: E402
 
@@ -23,9 +23,9 @@ FLAGS = [
 
 def test_the_entry_runs_caches_and_reads_back_the_sweep(tmp_path):
     parser = argparse.ArgumentParser()
-    EXPERIMENT.add_options(parser)
-    add_common(parser)  # the shared flags, as the CLI adds them
-    request = EXPERIMENT.request(None, parser.parse_args(FLAGS))
+    add_param_flags(parser, EXPERIMENT.params)  # its flags, as the CLI adds them
+    add_common(parser, device_seed=False)  # the shared ones
+    request = EXPERIMENT.request(None, params_from_args(EXPERIMENT, parser.parse_args(FLAGS)))
     config = DriftBlockConfig(
         hidden=32, heads=4, intermediate=64, vocab=200, batch=2, seq_len=16, device="cpu",
         norms=(0.0, 6.0, 12.0), seeds=(0, 1),

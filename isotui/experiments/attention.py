@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from isotui.experiments.params import param
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 
 if TYPE_CHECKING:
@@ -395,6 +396,8 @@ def json_payload(results: list[AttentionResult]) -> dict[str, Any]:
     }
 
 
-def add_options(p: Any) -> None:
-    """Its own flags (the CLI adds the models, run and output flags)."""
-    p.add_argument("--heads", action="store_true", help="print every head, not heads averaged per layer")
+@dataclass(frozen=True)
+class AttentionParams:
+    """attention's own parameters (the front ends add the models and the run options)."""
+
+    heads: bool = param(False, switch=True, view=True, help="print every head, not heads averaged per layer")

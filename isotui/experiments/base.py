@@ -18,15 +18,16 @@ An experiment is:
 - **decode**: a cache entry back into a result (``isotui.load``, ``isotui show``);
 - its terminal **view**: a *name*, resolved in the views layer (:mod:`isotui.views`), so that no
   experiment imports rich tables, plotext figures or the CLI;
-- its own **options** (argparse flags beyond what its ``inputs`` kind gives: the CLI adds the
-  model or series flags, the run flags and the output flags) and how a request is made from them.
+- its own **parameters** (``params``: a frozen dataclass declared with
+  :func:`isotui.experiments.params.param`, beyond what its ``inputs`` kind and the run options
+  give: the command line's flags, the API's keywords come from its fields) and how a request is
+  made from them.
 
-Nothing here imports torch, rich or the CLI.
+Nothing here imports torch, argparse, rich or a front end.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from isotui.experiments.params import NoParams
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 
 Notice = Callable[[str], None]
@@ -120,12 +122,12 @@ class Experiment:
     schema: int
     view: str  # the terminal view's name in isotui.views.VIEWS
     inputs: Inputs  # models (-m, repeatable), series (--model/--checkpoints) or config (own flags)
-    make_request: Callable[[Any, argparse.Namespace], Any]  # (spec | series | None, args) -> request
+    make_request: Callable[[Any, Any], Any]  # (spec | series | None, params) -> request
     rows: Callable[[list[Any]], Rows]
     payload: Callable[[list[Any]], Payload]
-    add_options: Callable[[argparse.ArgumentParser], None] = lambda _p: None
+    params: type = NoParams  # its own parameters (a dataclass of param() fields)
     decode: Callable[[Payload, Arrays], Any] | None = None
-    check: Callable[[argparse.Namespace], None] = lambda _args: None  # flags said before any work
+    check: Callable[[Any], None] = lambda _params: None  # parameters said before any work
     command: str = "experiment"  # "run": a top-level command of its own
     run_flags: bool = True  # takes the data and extraction flags of `isotui run`
     what: str = "models"  # what the closing failure line counts
@@ -133,10 +135,10 @@ class Experiment:
     # for an experiment that streams no model
     plan: Callable[[Any], Any] | None = None
 
-    def request(self, spec: Any, args: argparse.Namespace) -> Any:
+    def request(self, spec: Any, params: Any) -> Any:
         """The request ``spec`` (a RunSpec; a (series, checkpoints, spec) triple; None for a
-        config experiment, which reads its own flags) and the parsed flags stand for."""
-        return self.make_request(spec, args)
+        config experiment, which reads its own parameters) and the parameters stand for."""
+        return self.make_request(spec, params)
 
     def lookup(self, request: Any, context: Context) -> Any:
         """The cached result of ``request``, or None."""

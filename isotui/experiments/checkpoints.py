@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from isotui.errors import IsotuiError
+from isotui.experiments.params import param
 from isotui.results import METRICS as LAYER_METRIC_DECLARATIONS
 
 HELP = "any layer metric along a checkpoint series, as a layer x step heatmap (Machina & Mercer 2024)"
@@ -139,6 +140,8 @@ def json_payload(results: list[CheckpointSeries]) -> dict[str, Any]:
     }
 
 
-def add_options(p: Any) -> None:
-    """Its own flags (the CLI adds the series, run and output flags)."""
-    p.add_argument("--metric", default="avg_cos", choices=METRICS, help="the heatmap's metric (CSV: all)")
+@dataclass(frozen=True)
+class CheckpointsParams:
+    """checkpoints' own parameters (the front ends add the series and the run options)."""
+
+    metric: str = param("avg_cos", choices=METRICS, view=True, help="the heatmap's metric (CSV: all)")

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from isotui.errors import IsotuiError
+from isotui.experiments.params import param
 
 if TYPE_CHECKING:
     import torch
@@ -502,10 +503,12 @@ def json_payload(results: list[FinalNormResult]) -> dict[str, Any]:
     }
 
 
-def add_options(p: Any) -> None:
-    """Its own flags (the CLI adds the models, run and output flags)."""
-    p.add_argument(
-        "--every-layer",
-        action="store_true",
+@dataclass(frozen=True)
+class FinalNormParams:
+    """final-norm's own parameters (the front ends add the models and the run options)."""
+
+    every_layer: bool = param(
+        False,
+        switch=True,
         help="every block's output norm (post-LN models such as BERT), one table row per block",
     )

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from isotui.errors import IsotuiError
+from isotui.experiments.params import param
 
 if TYPE_CHECKING:
     import numpy as np
@@ -442,8 +443,18 @@ def json_payload(results: list[GradientResult]) -> dict[str, Any]:
     return {"results": [{k: v for k, v in asdict(r).items() if k != "from_cache"} for r in results]}
 
 
-def add_options(p: Any) -> None:
-    """Its own flags (the CLI adds the models, run and output flags)."""
-    p.add_argument(
-        "--top-k", type=int, default=10, help="principal directions of the activations (default 10)"
-    )
+def _top_k(value: str | int) -> int:
+    try:
+        top_k = int(value)
+    except (TypeError, ValueError):
+        raise IsotuiError(f"top-k must be a positive integer (got {value!r})") from None
+    if top_k < 1:
+        raise IsotuiError(f"top-k must be a positive integer (got {top_k})")
+    return top_k
+
+
+@dataclass(frozen=True)
+class GradientsParams:
+    """gradients' own parameters (the front ends add the models and the run options)."""
+
+    top_k: int = param(10, parse=_top_k, help="principal directions of the activations (default 10)")

@@ -20,6 +20,7 @@ from isotui.core.null import null_cos_quantile
 from isotui.data.sources import fingerprint
 from isotui.data.stream import open_samples
 from isotui.experiments.half_check import HALF_DTYPES
+from isotui.experiments.params import param
 from isotui.extract.device import needs_device_for_dtype, resolve_device, resolve_dtype
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
@@ -450,3 +451,29 @@ def build_rows(model: str, component: str, layers: list[LayerStats], *, final_no
             )
         )
     return rows
+
+
+def _wide(metric: str) -> str:
+    """``--wide METRIC``, checked: a layer metric (the ones a figure can plot)."""
+    from isotui.errors import IsotuiError
+    from isotui.results import LAYER_METRICS
+
+    if metric not in LAYER_METRICS:
+        raise IsotuiError(f"--wide {metric} is not a layer metric; choose one of {', '.join(LAYER_METRICS)}")
+    return metric
+
+
+@dataclass(frozen=True)
+class LayersParams:
+    """The layer run's own parameters (beyond the models and the run options): what is shown."""
+
+    wide: str | None = param(
+        None,
+        parse=_wide,
+        nargs="?",
+        const="avg_cos",
+        metavar="METRIC",
+        view=True,
+        help="also one table of layers (rows) by models (columns) for METRIC (default avg_cos; the "
+        "layer metrics below)",
+    )

@@ -22,6 +22,7 @@ import numpy as np
 
 from isotui.core.trajectory import BASES, common_basis, project
 from isotui.errors import IsotuiError
+from isotui.experiments.params import param
 
 HELP = "queries and keys along a checkpoint series (Godey et al. 2024, Figs. 11-15, 19-23)"
 DEFAULT_SAMPLE = 256
@@ -391,39 +392,44 @@ def json_payload(results: list[DynamicsResult]) -> dict[str, Any]:
     }
 
 
-def add_options(p: Any) -> None:
-    """Its own flags (the CLI adds the series, run and output flags)."""
-    p.add_argument(
-        "--sample",
-        default=str(DEFAULT_SAMPLE),
-        help=f"query and key positions per module kept for the common SVD (default {DEFAULT_SAMPLE})",
-    )
-    p.add_argument("--plot", metavar="LAYER[:HEAD]", help="draw Q_bar/K_bar trajectories of one head")
-    p.add_argument("--basis", choices=BASES, default="qk", help="SVD of queries+keys (qk), or q or k only")
-
-
-def sample_size(text: str) -> int:
+def sample_size(text: str | int) -> int:
     """``--sample``, checked: positions kept per module (at least 2, to span two directions)."""
     try:
         sample = int(text)
-    except ValueError:
+    except (TypeError, ValueError):
         raise IsotuiError(f"--sample must be a positive integer (got {text!r})") from None
     if sample < 2:
         raise IsotuiError(f"--sample must be at least 2 to span two directions (got {sample})")
     return sample
 
 
-def check_options(args: Any) -> None:
-    """``--sample`` and ``--plot`` said before any checkpoint is resolved."""
-    sample_size(args.sample)
-    parse_plot(args.plot)
-
-
-def parse_plot(text: str | None) -> tuple[int, int] | None:
+def parse_plot(text: str | int | None) -> tuple[int, int] | None:
+    """``--plot LAYER[:HEAD]``, checked: (layer, head), None when not given."""
     if text is None:
         return None
-    layer, _, head = text.partition(":")
+    layer, _, head = str(text).partition(":")
     try:
         return int(layer), int(head or 0)
     except ValueError:
         raise IsotuiError(f"--plot must be LAYER or LAYER:HEAD, e.g. 3:0 (got {text!r})") from None
+
+
+def _plot(text: str | int) -> str:
+    parse_plot(text)
+    return str(text)
+
+
+@dataclass(frozen=True)
+class DynamicsParams:
+    """qk-dynamics' own parameters (the front ends add the series and the run options); each
+    said before any checkpoint is resolved."""
+
+    sample: int = param(
+        DEFAULT_SAMPLE,
+        parse=sample_size,
+        help=f"query and key positions per module kept for the common SVD (default {DEFAULT_SAMPLE})",
+    )
+    plot: str | None = param(
+        None, parse=_plot, metavar="LAYER[:HEAD]", view=True, help="draw Q_bar/K_bar trajectories of one head"
+    )
+    basis: str = param("qk", choices=BASES, view=True, help="SVD of queries+keys (qk), or q or k only")

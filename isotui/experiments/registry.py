@@ -8,12 +8,12 @@ Adding an experiment: its module (request type in :mod:`isotui.experiments.reque
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 from isotui.experiments import attention, checkpoints, final_norm, gradients, plans, qk_dynamics
 from isotui.experiments.base import Arrays, Experiment, Payload, Rows
 from isotui.experiments.drift_block import experiment as drift_block_experiment
+from isotui.experiments.layerwise import LayersParams
 from isotui.experiments.requests import (
     AttentionRequest,
     CheckpointsRequest,
@@ -46,12 +46,12 @@ def _series(spec: Any) -> tuple[str | None, tuple[Any, ...], Any]:
     return series, tuple(ckpts), base
 
 
-def _dynamics_request(spec: Any, args: argparse.Namespace) -> DynamicsRequest:
+def _dynamics_request(spec: Any, params: qk_dynamics.DynamicsParams) -> DynamicsRequest:
     series, ckpts, base = _series(spec)
-    return DynamicsRequest(series, ckpts, base, sample_size=qk_dynamics.sample_size(args.sample))
+    return DynamicsRequest(series, ckpts, base, sample_size=params.sample)
 
 
-def _checkpoints_request(spec: Any, _args: argparse.Namespace) -> CheckpointsRequest:
+def _checkpoints_request(spec: Any, _params: checkpoints.CheckpointsParams) -> CheckpointsRequest:
     return CheckpointsRequest(*_series(spec))
 
 
@@ -64,9 +64,10 @@ LAYERS = Experiment(
     schema=SCHEMA_VERSION,
     view="layers",
     inputs="models",
-    make_request=lambda spec, _args: LayersRequest(spec),
+    make_request=lambda spec, _params: LayersRequest(spec),
     rows=_layer_rows,
     payload=_layer_payload,
+    params=LayersParams,
     decode=_layer_decode,
     command="run",
     plan=plans.layers,
@@ -83,10 +84,10 @@ REGISTRY: tuple[Experiment, ...] = (
         schema=attention.SCHEMA,
         view="attention",
         inputs="models",
-        make_request=lambda spec, _args: AttentionRequest(spec),
+        make_request=lambda spec, _params: AttentionRequest(spec),
         rows=attention.csv_rows,
         payload=attention.json_payload,
-        add_options=attention.add_options,
+        params=attention.AttentionParams,
         decode=attention.AttentionResult.from_json,
         plan=plans.attention,
     ),
@@ -103,8 +104,7 @@ REGISTRY: tuple[Experiment, ...] = (
         make_request=_dynamics_request,
         rows=qk_dynamics.csv_rows,
         payload=qk_dynamics.json_payload,
-        add_options=qk_dynamics.add_options,
-        check=qk_dynamics.check_options,
+        params=qk_dynamics.DynamicsParams,
         what="checkpoints",
         plan=plans.attention,
     ),
@@ -120,7 +120,7 @@ REGISTRY: tuple[Experiment, ...] = (
         make_request=_checkpoints_request,
         rows=checkpoints.csv_rows,
         payload=checkpoints.json_payload,
-        add_options=checkpoints.add_options,
+        params=checkpoints.CheckpointsParams,
         what="checkpoints",
         plan=plans.layers,
     ),
@@ -133,10 +133,10 @@ REGISTRY: tuple[Experiment, ...] = (
         schema=final_norm.SCHEMA,
         view="final-norm",
         inputs="models",
-        make_request=lambda spec, args: FinalNormRequest(spec, every_layer=bool(args.every_layer)),
+        make_request=lambda spec, params: FinalNormRequest(spec, every_layer=params.every_layer),
         rows=final_norm.csv_rows,
         payload=final_norm.json_payload,
-        add_options=final_norm.add_options,
+        params=final_norm.FinalNormParams,
         decode=final_norm.results_from_payload,
         plan=plans.final_norm,
     ),
@@ -149,10 +149,10 @@ REGISTRY: tuple[Experiment, ...] = (
         schema=gradients.SCHEMA,
         view="gradients",
         inputs="models",
-        make_request=lambda spec, args: GradientsRequest(spec, top_k=int(args.top_k)),
+        make_request=lambda spec, params: GradientsRequest(spec, top_k=params.top_k),
         rows=gradients.csv_rows,
         payload=gradients.json_payload,
-        add_options=gradients.add_options,
+        params=gradients.GradientsParams,
         decode=gradients.gradients_from_payload,
         plan=plans.gradients,
     ),

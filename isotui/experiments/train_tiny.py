@@ -22,7 +22,6 @@ repeatable.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -35,7 +34,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from isotui.errors import Cancelled, IsotuiError
-from isotui.extract.threads import check_threads
 
 if TYPE_CHECKING:
     import torch
@@ -95,42 +93,6 @@ _STEP_DIR = re.compile(r"^step_\d{6,}$")
 _TMP_DIR = re.compile(r"^\.step_\d{6,}\.tmp-\d+$")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = DEFAULTS
-    p.add_argument("--out", required=True, metavar="DIR", help="folder for the checkpoints (new or empty)")
-    p.add_argument("--arch", choices=ARCHS, default="bert", help="bert: masked LM (default); gpt2: causal LM")
-    p.add_argument("--steps", help=f"optimizer steps (default {d['steps']})")
-    p.add_argument("--save-every", metavar="K", help="save every K steps (plus step 0 and the last)")
-    p.add_argument(
-        "--save-at",
-        metavar="S,S,...",
-        help="save at these steps, e.g. 0,10,50,100 (step 0 and the last are always saved); "
-        "default: 0, 10, 20, 50, 100, 200, 500... and the last",
-    )
-    p.add_argument("--hidden", help=f"hidden size (default {d['hidden']}; feed-forward 4x)")
-    p.add_argument("--layers", help=f"Transformer layers (default {d['layers']})")
-    p.add_argument("--heads", help=f"attention heads (default {d['heads']})")
-    p.add_argument(
-        "--seq-len", help=f"tokens per packed row, also the model's positions (default {d['seq_len']})"
-    )
-    p.add_argument("--batch-size", help="rows per step (default 32 for bert, 8 for gpt2)")
-    p.add_argument(
-        "--lr", help=f"peak learning rate: 10%% warmup, then linear decay to 0 (default {d['lr']:g})"
-    )
-    p.add_argument("--dropout", help="dropout in the model (default 0, as in Pythia)")
-    p.add_argument("--seed", help="seed for the init, batch order and masking (default 0)")
-    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
-    p.add_argument(
-        "--threads",
-        help="CPU threads for torch (default: half the cores, at most 8; tiny models gain little from "
-        "more, and an oversubscribed CPU makes them many times slower)",
-    )
-    p.add_argument(
-        "--force", action="store_true", help="overwrite an earlier train-tiny run in the same --out folder"
-    )
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
-
-
 @dataclass(frozen=True)
 class Settings:
     """Validated settings: everything the checkpoints depend on (device aside)."""
@@ -168,7 +130,7 @@ class Settings:
         }
 
 
-def _int(value: str | None, flag: str, default: int, *, minimum: int) -> int:
+def whole_number(value: str | None, flag: str, default: int, *, minimum: int) -> int:
     if value is None:
         return default
     try:
@@ -180,7 +142,9 @@ def _int(value: str | None, flag: str, default: int, *, minimum: int) -> int:
     return number
 
 
-def _float(value: str | None, flag: str, default: float, *, low: float, high: float | None = None) -> float:
+def real_number(
+    value: str | None, flag: str, default: float, *, low: float, high: float | None = None
+) -> float:
     if value is None:
         return default
     try:
@@ -205,60 +169,6 @@ def default_schedule(steps: int) -> list[int]:
                 return [*out, steps]
             out.append(m * scale)
         scale *= 10
-
-
-def _schedule(args: argparse.Namespace, steps: int) -> tuple[int, ...]:
-    if args.save_every is not None and args.save_at is not None:
-        raise IsotuiError("--save-every and --save-at both say when to save; give only one of them")
-    if args.save_every is not None:
-        every = _int(args.save_every, "--save-every", 1, minimum=1)
-        return tuple(sorted({*range(0, steps + 1, every), steps}))
-    if args.save_at is None:
-        return tuple(default_schedule(steps))
-    chosen = set()
-    for item in str(args.save_at).split(","):
-        if not item.strip():
-            continue
-        try:
-            step = int(item.strip())
-        except ValueError:
-            raise IsotuiError(
-                f"--save-at {args.save_at!r}: {item.strip()!r} is not a step number; "
-                "give whole numbers separated by commas, e.g. --save-at 0,10,50"
-            ) from None
-        if step < 0 or step > steps:
-            raise IsotuiError(
-                f"--save-at step {step} is outside the run (0 to --steps {steps}); drop it or raise --steps"
-            )
-        chosen.add(step)
-    return tuple(sorted({0, *chosen, steps}))
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Validate the flags; raise :class:`IsotuiError` with one sentence on the first bad one."""
-    d = DEFAULTS
-    steps = _int(args.steps, "--steps", d["steps"], minimum=1)
-    hidden = _int(args.hidden, "--hidden", d["hidden"], minimum=1)
-    heads = _int(args.heads, "--heads", d["heads"], minimum=1)
-    if hidden % heads:
-        raise IsotuiError(
-            f"--hidden {hidden} does not split into --heads {heads} equal heads; "
-            "choose a hidden size that is a multiple of the number of heads"
-        )
-    seed = _int(args.seed, "--seed", d["seed"], minimum=0)
-    return Settings(
-        arch=args.arch,
-        steps=steps,
-        save_at=_schedule(args, steps),
-        hidden=hidden,
-        layers=_int(args.layers, "--layers", d["layers"], minimum=1),
-        heads=heads,
-        seq_len=_int(args.seq_len, "--seq-len", d["seq_len"], minimum=8),
-        batch_size=_int(args.batch_size, "--batch-size", d["batch_size"][args.arch], minimum=1),
-        lr=_float(args.lr, "--lr", d["lr"], low=0.0),
-        dropout=_float(args.dropout, "--dropout", d["dropout"], low=0.0, high=1.0),
-        seed=seed,
-    )
 
 
 def default_threads() -> int:
@@ -294,7 +204,7 @@ def checkpoint_dirs(out: Path) -> list[Path]:
     return [Path(out) / c["path"] for c in payload.get("checkpoints", [])]
 
 
-def _prepare_out(out: Path, settings: Settings, force: bool) -> None:
+def prepare_out(out: Path, settings: Settings, force: bool) -> None:
     """Refuse a foreign or earlier output (unless --force for ours); clear ours when forced."""
     if out.exists() and not out.is_dir():
         raise IsotuiError(f"--out {out} is a file, not a folder; give a new or empty folder")
@@ -536,7 +446,7 @@ def train(
 ) -> dict[str, Any]:
     """Train and save the checkpoints; return the run's JSON payload (also in ``out/train_tiny.json``).
 
-    ``out`` must be ready (see :func:`_prepare_out`). On KeyboardInterrupt or :class:`Cancelled`,
+    ``out`` must be ready (see :func:`prepare_out`). On KeyboardInterrupt or :class:`Cancelled`,
     the checkpoints already written stay, the JSON says ``interrupted``, and the exception goes on.
     """
     import logging
@@ -666,30 +576,3 @@ def train(
     payload["seconds"] = round(time.perf_counter() - started, 2)
     _write_json(out / RUN_FILE, payload)
     return payload
-
-
-def main(args: argparse.Namespace, err: Any) -> int:
-    from isotui.extract.device import resolve_device, validate_device
-
-    settings = settings_from_args(args)
-    threads = check_threads(_int(args.threads, "--threads", default_threads(), minimum=1), "--threads")
-    device = resolve_device(validate_device(str(args.device)))
-    out = Path(args.out).expanduser()
-    _prepare_out(out, settings, args.force)
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        payload = train(settings, out, device=device, err=err, quiet=args.quiet)
-    finally:
-        torch.set_num_threads(before)  # in-process callers (tests, the app) keep their setting
-    if not args.quiet:
-        err.print(
-            f"train-tiny: {len(payload['checkpoints'])} checkpoints in {out} "
-            f"({payload['seconds']:.0f} s); the run is described in {out / RUN_FILE}",
-            highlight=False,
-        )
-    for c in payload["checkpoints"]:
-        print(out / c["path"])
-    return 0

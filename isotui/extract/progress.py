@@ -49,6 +49,34 @@ class Progress:
     def tokens_per_s(self) -> float:
         return self.tokens_done / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    def status(self) -> str:
+        """What the job is doing, in words (every front end's bar shows this): the phase, and
+        while running samples, tokens, rate, ETA."""
+        if self.phase == "resolving":
+            return f"resolving {self.detail}".strip()
+        if self.phase == "loading":
+            return f"loading the model ({self.detail})" if self.detail else "loading the model"
+        if self.phase == "tokenising":
+            return self.detail or "tokenising"
+        if self.phase == "finalising":
+            layer = f"layer {self.layers_done + 1}/{self.layers_total}"
+            return f"computing metrics: {layer}  ETA {clock(self.eta_s)}"
+        if self.phase == "writing":
+            return f"writing {self.detail}".strip()
+        total = self.samples_total or "?"
+        return (
+            f"{self.samples_done}/{total} samples  {self.tokens_done:,} tokens  "
+            f"{self.tokens_per_s:,.0f} tok/s  ETA {clock(self.eta_s)}"
+        )
+
+
+def clock(seconds: float | None) -> str:
+    """``m:ss`` (``h:mm:ss`` from an hour), ``-:--`` when unknown."""
+    if seconds is None:
+        return "-:--"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
+
 
 ProgressCallback = Callable[[Progress], None]
 StopCheck = Callable[[], bool]

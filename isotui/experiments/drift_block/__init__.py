@@ -60,17 +60,12 @@ the torch/transformers versions), so a sweep asked again, or with more seeds, re
 
 Modules: :mod:`.config` (settings, cache key), :mod:`.result` (rows, one seed's sweep, the
 result), :mod:`.fixed_point` (N*), :mod:`.model` (the drawn block, one N's measurement),
-:mod:`.sweep` (seeds and norms), :mod:`.store` (cache), :mod:`.view` (table), :mod:`.cli`
-(flags and command). None imports torch at import time.
+:mod:`.sweep` (seeds and norms), :mod:`.store` (cache), :mod:`.view` (table), :mod:`.params`
+(its parameters: flags and keywords). None imports torch at import time.
 """
 
 from __future__ import annotations
 
-from isotui.experiments.drift_block.cli import (
-    HELP,
-    add_options,
-    config_from_args,
-)
 from isotui.experiments.drift_block.config import (
     BLOCKS,
     DEFAULT_NORMS,
@@ -85,6 +80,11 @@ from isotui.experiments.drift_block.config import (
 )
 from isotui.experiments.drift_block.fixed_point import fixed_point
 from isotui.experiments.drift_block.model import BlockInputs, build_block, init_like_bert
+from isotui.experiments.drift_block.params import (
+    HELP,
+    DriftBlockParams,
+    config_from_params,
+)
 from isotui.experiments.drift_block.result import (
     HEAD_METRICS,
     SOFTMAX_STATS,
@@ -111,6 +111,7 @@ __all__ = [
     "TABLE_COLUMNS",
     "BlockInputs",
     "DriftBlockConfig",
+    "DriftBlockParams",
     "DriftBlockResult",
     "DriftBlockRow",
     "NormSummary",
@@ -121,9 +122,8 @@ __all__ = [
     "_run_seed",
     "_store",
     "_version",
-    "add_options",
     "build_block",
-    "config_from_args",
+    "config_from_params",
     "drift_cache",
     "fixed_point",
     "init_like_bert",

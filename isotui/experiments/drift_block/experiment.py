@@ -3,26 +3,25 @@
 document, how a cache entry reads back, its view's name and its own flags.
 
 The registry lists it as ``drift_block.experiment.EXPERIMENT``. Import-light: no torch, no rich,
-no CLI (its flags come from :func:`.cli.add_options`; the CLI adds the shared ones).
+no CLI (its flags and keywords come from :class:`.params.DriftBlockParams`).
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict
 from typing import Any
 
 from isotui.experiments.base import Arrays, Experiment, Payload, Rows
-from isotui.experiments.drift_block.cli import HELP, add_options, config_from_args
 from isotui.experiments.drift_block.config import FOLDER, SCHEMA, DriftBlockConfig
+from isotui.experiments.drift_block.params import HELP, DriftBlockParams, config_from_params
 from isotui.experiments.drift_block.result import DriftBlockResult, SeedRun
 from isotui.experiments.drift_block.sweep import _assemble
 from isotui.experiments.requests import DriftBlockRequest
 
 
-def make_request(_spec: Any, args: argparse.Namespace) -> DriftBlockRequest:
-    """The request the flags describe (drift-block reads no model: ``_spec`` is None)."""
-    return DriftBlockRequest(config_from_args(args))
+def make_request(_spec: Any, params: DriftBlockParams) -> DriftBlockRequest:
+    """The request the parameters describe (drift-block reads no model: ``_spec`` is None)."""
+    return DriftBlockRequest(config_from_params(params))
 
 
 def csv_rows(results: list[Any]) -> Rows:
@@ -70,7 +69,7 @@ EXPERIMENT = Experiment(
     make_request=make_request,
     rows=csv_rows,
     payload=json_payload,
-    add_options=add_options,
+    params=DriftBlockParams,
     decode=decode,
     run_flags=False,
 )
