@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from isotui.experiments import plans
+from isotui.experiments.base import Experiment
+from isotui.experiments.requests import AttentionRequest
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 
 if TYPE_CHECKING:
@@ -398,3 +401,21 @@ def json_payload(results: list[AttentionResult]) -> dict[str, Any]:
 def add_options(p: Any) -> None:
     """Its own flags (the CLI adds the models, run and output flags)."""
     p.add_argument("--heads", action="store_true", help="print every head, not heads averaged per layer")
+
+
+EXPERIMENT = Experiment(
+    name="attention",
+    help=HELP,
+    request_type=AttentionRequest,
+    result_type=AttentionResult,
+    folder=FOLDER,
+    schema=SCHEMA,
+    view="attention",
+    inputs="models",
+    make_request=lambda spec, _args: AttentionRequest(spec),
+    rows=csv_rows,
+    payload=json_payload,
+    add_options=add_options,
+    decode=AttentionResult.from_json,
+    plan=plans.attention,
+)

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from isotui.errors import IsotuiError
+from isotui.experiments import plans
+from isotui.experiments.base import Experiment
+from isotui.experiments.requests import CheckpointsRequest
+from isotui.experiments.series import unpack_series
 from isotui.results import METRICS as LAYER_METRIC_DECLARATIONS
+from isotui.results import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    import argparse
 
 HELP = "any layer metric along a checkpoint series, as a layer x step heatmap (Machina & Mercer 2024)"
 METRICS = tuple(m.name for m in LAYER_METRIC_DECLARATIONS)  # the plottable ones and the rogue share
@@ -142,3 +150,25 @@ def json_payload(results: list[CheckpointSeries]) -> dict[str, Any]:
 def add_options(p: Any) -> None:
     """Its own flags (the CLI adds the series, run and output flags)."""
     p.add_argument("--metric", default="avg_cos", choices=METRICS, help="the heatmap's metric (CSV: all)")
+
+
+def _checkpoints_request(spec: Any, _args: argparse.Namespace) -> CheckpointsRequest:
+    return CheckpointsRequest(*unpack_series(spec))
+
+
+EXPERIMENT = Experiment(
+    name="checkpoints",
+    help=HELP,
+    request_type=CheckpointsRequest,
+    result_type=CheckpointSeries,
+    folder=None,  # each checkpoint is a layer run
+    schema=SCHEMA_VERSION,
+    view="checkpoints",
+    inputs="series",
+    make_request=_checkpoints_request,
+    rows=csv_rows,
+    payload=json_payload,
+    add_options=add_options,
+    what="checkpoints",
+    plan=plans.layers,
+)

@@ -18,6 +18,9 @@ import numpy as np
 import numpy.typing as npt
 
 from isotui.errors import IsotuiError
+from isotui.experiments import plans
+from isotui.experiments.base import Experiment
+from isotui.experiments.requests import FinalNormRequest
 
 if TYPE_CHECKING:
     import torch
@@ -509,3 +512,21 @@ def add_options(p: Any) -> None:
         action="store_true",
         help="every block's output norm (post-LN models such as BERT), one table row per block",
     )
+
+
+EXPERIMENT = Experiment(
+    name="final-norm",
+    help=HELP,
+    request_type=FinalNormRequest,
+    result_type=list,  # of FinalNormResult: the final norm, or every block's
+    folder=FOLDER,
+    schema=SCHEMA,
+    view="final-norm",
+    inputs="models",
+    make_request=lambda spec, args: FinalNormRequest(spec, every_layer=bool(args.every_layer)),
+    rows=csv_rows,
+    payload=json_payload,
+    add_options=add_options,
+    decode=results_from_payload,
+    plan=plans.final_norm,
+)

@@ -27,6 +27,9 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from isotui.errors import IsotuiError
+from isotui.experiments import plans
+from isotui.experiments.base import Experiment
+from isotui.experiments.requests import GradientsRequest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -447,3 +450,21 @@ def add_options(p: Any) -> None:
     p.add_argument(
         "--top-k", type=int, default=10, help="principal directions of the activations (default 10)"
     )
+
+
+EXPERIMENT = Experiment(
+    name="gradients",
+    help=HELP,
+    request_type=GradientsRequest,
+    result_type=GradientResult,
+    folder=FOLDER,
+    schema=SCHEMA,
+    view="gradients",
+    inputs="models",
+    make_request=lambda spec, args: GradientsRequest(spec, top_k=int(args.top_k)),
+    rows=csv_rows,
+    payload=json_payload,
+    add_options=add_options,
+    decode=gradients_from_payload,
+    plan=plans.gradients,
+)

@@ -16,12 +16,20 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from isotui.core.trajectory import BASES, common_basis, project
 from isotui.errors import IsotuiError
+from isotui.experiments import plans
+from isotui.experiments.attention import SCHEMA as ATTENTION_SCHEMA
+from isotui.experiments.base import Experiment
+from isotui.experiments.requests import DynamicsRequest
+from isotui.experiments.series import unpack_series
+
+if TYPE_CHECKING:
+    import argparse
 
 HELP = "queries and keys along a checkpoint series (Godey et al. 2024, Figs. 11-15, 19-23)"
 DEFAULT_SAMPLE = 256
@@ -427,3 +435,27 @@ def parse_plot(text: str | None) -> tuple[int, int] | None:
         return int(layer), int(head or 0)
     except ValueError:
         raise IsotuiError(f"--plot must be LAYER or LAYER:HEAD, e.g. 3:0 (got {text!r})") from None
+
+
+def _dynamics_request(spec: Any, args: argparse.Namespace) -> DynamicsRequest:
+    series, ckpts, base = unpack_series(spec)
+    return DynamicsRequest(series, ckpts, base, sample_size=sample_size(args.sample))
+
+
+EXPERIMENT = Experiment(
+    name="qk-dynamics",
+    help=HELP,
+    request_type=DynamicsRequest,
+    result_type=DynamicsResult,
+    folder=None,  # each checkpoint is an attention result
+    schema=ATTENTION_SCHEMA,
+    view="qk-dynamics",
+    inputs="series",
+    make_request=_dynamics_request,
+    rows=csv_rows,
+    payload=json_payload,
+    add_options=add_options,
+    check=check_options,
+    what="checkpoints",
+    plan=plans.attention,
+)
