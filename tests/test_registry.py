@@ -167,3 +167,25 @@ def test_a_layers_request_resolves_once_and_takes_a_front_ends_steps(tmp_path):
     with pytest.raises(IsotuiError, match="fake compute of ffff"):
         request.compute(tmp_path, on_progress=print, should_stop=lambda: False, notice=print)
     assert prepared == [spec]
+
+
+def test_the_registry_imports_an_experiment_on_first_use_only():
+    """Registry entries are ``"module:attr"`` strings: importing the registry imports no
+    experiment's module; asking for one entry imports that module (and its request's)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from isotui.experiments import registry\n"
+        "print(sorted(m for m in sys.modules if m.startswith('isotui.experiments.')))\n"
+        "registry.get('gradients')\n"
+        "m = sys.modules\n"
+        "print('isotui.experiments.gradients' in m, 'isotui.experiments.attention' in m)\n"
+        "print([e.name for e in registry.REGISTRY] == list(registry.TABLE))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    first, loaded, named = out.splitlines()
+    assert first == "['isotui.experiments.registry']"
+    assert loaded == "True False"
+    assert named == "True"  # each entry under its experiment's own name

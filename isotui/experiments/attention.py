@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from isotui.experiments import plans
+from isotui.experiments.base import Experiment
 from isotui.experiments.params import param
+from isotui.experiments.requests import AttentionRequest
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 
 if TYPE_CHECKING:
@@ -401,3 +404,21 @@ class AttentionParams:
     """attention's own parameters (the front ends add the models and the run options)."""
 
     heads: bool = param(False, switch=True, view=True, help="print every head, not heads averaged per layer")
+
+
+EXPERIMENT = Experiment(
+    name="attention",
+    help=HELP,
+    request_type=AttentionRequest,
+    result_type=AttentionResult,
+    folder=FOLDER,
+    schema=SCHEMA,
+    view="attention",
+    inputs="models",
+    make_request=lambda spec, _params: AttentionRequest(spec),
+    rows=csv_rows,
+    payload=json_payload,
+    params=AttentionParams,
+    decode=AttentionResult.from_json,
+    plan=plans.attention,
+)

@@ -14,8 +14,13 @@ from typing import Any
 import numpy as np
 
 from isotui.errors import IsotuiError
+from isotui.experiments import plans
+from isotui.experiments.base import Experiment
 from isotui.experiments.params import param
+from isotui.experiments.requests import CheckpointsRequest
+from isotui.experiments.series import unpack_series
 from isotui.results import METRICS as LAYER_METRIC_DECLARATIONS
+from isotui.results import SCHEMA_VERSION
 
 HELP = "any layer metric along a checkpoint series, as a layer x step heatmap (Machina & Mercer 2024)"
 METRICS = tuple(m.name for m in LAYER_METRIC_DECLARATIONS)  # the plottable ones and the rogue share
@@ -145,3 +150,25 @@ class CheckpointsParams:
     """checkpoints' own parameters (the front ends add the series and the run options)."""
 
     metric: str = param("avg_cos", choices=METRICS, view=True, help="the heatmap's metric (CSV: all)")
+
+
+def _checkpoints_request(spec: Any, _params: CheckpointsParams) -> CheckpointsRequest:
+    return CheckpointsRequest(*unpack_series(spec))
+
+
+EXPERIMENT = Experiment(
+    name="checkpoints",
+    help=HELP,
+    request_type=CheckpointsRequest,
+    result_type=CheckpointSeries,
+    folder=None,  # each checkpoint is a layer run
+    schema=SCHEMA_VERSION,
+    view="checkpoints",
+    inputs="series",
+    make_request=_checkpoints_request,
+    rows=csv_rows,
+    payload=json_payload,
+    params=CheckpointsParams,
+    what="checkpoints",
+    plan=plans.layers,
+)

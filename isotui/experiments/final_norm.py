@@ -18,7 +18,10 @@ import numpy as np
 import numpy.typing as npt
 
 from isotui.errors import IsotuiError
+from isotui.experiments import plans
+from isotui.experiments.base import Experiment
 from isotui.experiments.params import param
+from isotui.experiments.requests import FinalNormRequest
 
 if TYPE_CHECKING:
     import torch
@@ -512,3 +515,21 @@ class FinalNormParams:
         switch=True,
         help="every block's output norm (post-LN models such as BERT), one table row per block",
     )
+
+
+EXPERIMENT = Experiment(
+    name="final-norm",
+    help=HELP,
+    request_type=FinalNormRequest,
+    result_type=list,  # of FinalNormResult: the final norm, or every block's
+    folder=FOLDER,
+    schema=SCHEMA,
+    view="final-norm",
+    inputs="models",
+    make_request=lambda spec, params: FinalNormRequest(spec, every_layer=params.every_layer),
+    rows=csv_rows,
+    payload=json_payload,
+    params=FinalNormParams,
+    decode=results_from_payload,
+    plan=plans.final_norm,
+)

@@ -27,7 +27,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from isotui.errors import IsotuiError
+from isotui.experiments import plans
+from isotui.experiments.base import Experiment
 from isotui.experiments.params import param
+from isotui.experiments.requests import GradientsRequest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -458,3 +461,21 @@ class GradientsParams:
     """gradients' own parameters (the front ends add the models and the run options)."""
 
     top_k: int = param(10, parse=_top_k, help="principal directions of the activations (default 10)")
+
+
+EXPERIMENT = Experiment(
+    name="gradients",
+    help=HELP,
+    request_type=GradientsRequest,
+    result_type=GradientResult,
+    folder=FOLDER,
+    schema=SCHEMA,
+    view="gradients",
+    inputs="models",
+    make_request=lambda spec, params: GradientsRequest(spec, top_k=params.top_k),
+    rows=csv_rows,
+    payload=json_payload,
+    params=GradientsParams,
+    decode=gradients_from_payload,
+    plan=plans.gradients,
+)

@@ -19,8 +19,11 @@ from isotui.core.correlation import drift_correlation
 from isotui.core.null import null_cos_quantile
 from isotui.data.sources import fingerprint
 from isotui.data.stream import open_samples
+from isotui.experiments import plans
+from isotui.experiments.base import Arrays, Experiment, Payload, Rows
 from isotui.experiments.half_check import HALF_DTYPES
 from isotui.experiments.params import param
+from isotui.experiments.requests import LayersRequest
 from isotui.extract.device import needs_device_for_dtype, resolve_device, resolve_dtype
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
@@ -477,3 +480,39 @@ class LayersParams:
         help="also one table of layers (rows) by models (columns) for METRIC (default avg_cos; the "
         "layer metrics below)",
     )
+
+
+# --- the registry's entry (isotui run) ---------------------------------------------------------------
+
+
+def _layer_rows(results: list[Any]) -> Rows:
+    from isotui.store.export import layer_csv_rows
+
+    return layer_csv_rows(results)
+
+
+def _layer_payload(results: list[Any]) -> Payload:
+    return {"results": [r.to_json() for r in results]}
+
+
+def _layer_decode(payload: Payload, arrays: Arrays) -> ModelResult:
+    return ModelResult.from_json(payload, arrays)
+
+
+EXPERIMENT = Experiment(
+    name="layers",
+    help="measure layer-wise anisotropy of one or more models",
+    request_type=LayersRequest,
+    result_type=ModelResult,
+    folder="runs",
+    schema=SCHEMA_VERSION,
+    view="layers",
+    inputs="models",
+    make_request=lambda spec, _params: LayersRequest(spec),
+    rows=_layer_rows,
+    payload=_layer_payload,
+    params=LayersParams,
+    decode=_layer_decode,
+    command="run",
+    plan=plans.layers,
+)

@@ -22,7 +22,12 @@ import numpy as np
 
 from isotui.core.trajectory import BASES, common_basis, project
 from isotui.errors import IsotuiError
+from isotui.experiments import plans
+from isotui.experiments.attention import SCHEMA as ATTENTION_SCHEMA
+from isotui.experiments.base import Experiment
 from isotui.experiments.params import param
+from isotui.experiments.requests import DynamicsRequest
+from isotui.experiments.series import unpack_series
 
 HELP = "queries and keys along a checkpoint series (Godey et al. 2024, Figs. 11-15, 19-23)"
 DEFAULT_SAMPLE = 256
@@ -433,3 +438,26 @@ class DynamicsParams:
         None, parse=_plot, metavar="LAYER[:HEAD]", view=True, help="draw Q_bar/K_bar trajectories of one head"
     )
     basis: str = param("qk", choices=BASES, view=True, help="SVD of queries+keys (qk), or q or k only")
+
+
+def _dynamics_request(spec: Any, params: DynamicsParams) -> DynamicsRequest:
+    series, ckpts, base = unpack_series(spec)
+    return DynamicsRequest(series, ckpts, base, sample_size=params.sample)
+
+
+EXPERIMENT = Experiment(
+    name="qk-dynamics",
+    help=HELP,
+    request_type=DynamicsRequest,
+    result_type=DynamicsResult,
+    folder=None,  # each checkpoint is an attention result
+    schema=ATTENTION_SCHEMA,
+    view="qk-dynamics",
+    inputs="series",
+    make_request=_dynamics_request,
+    rows=csv_rows,
+    payload=json_payload,
+    params=DynamicsParams,
+    what="checkpoints",
+    plan=plans.attention,
+)

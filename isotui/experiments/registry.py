@@ -1,170 +1,75 @@
 """The one table of experiments: the CLI's parser and loop, ``cache ls/rm``, the Python API
 (``isotui.run``, ``isotui.experiment``, ``isotui.load``) and the app read it.
 
-Adding an experiment: its module (request type in :mod:`isotui.experiments.requests`, result,
-``csv_rows``/``json_payload``, ``add_options``), one :class:`Experiment` line below, a view in
-:mod:`isotui.views`, and a test. Import-light: no torch, no rich.
+Each experiment's module defines its own ``EXPERIMENT`` (an :class:`~isotui.experiments.base.
+Experiment`); the table below names it as a ``"module:attr"`` string, imported on first use, so
+that importing the registry imports no experiment. Adding an experiment: its module (request,
+result, ``csv_rows``/``json_payload``, its parameters dataclass, its ``EXPERIMENT``), one line below, a
+view in :mod:`isotui.views`, and a test. Import-light: no torch, no rich.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from isotui.experiments import attention, checkpoints, final_norm, gradients, plans, qk_dynamics
-from isotui.experiments.base import Arrays, Experiment, Payload, Rows
-from isotui.experiments.drift_block import experiment as drift_block_experiment
-from isotui.experiments.layerwise import LayersParams
-from isotui.experiments.requests import (
-    AttentionRequest,
-    CheckpointsRequest,
-    DynamicsRequest,
-    FinalNormRequest,
-    GradientsRequest,
-    LayersRequest,
-)
-from isotui.results import SCHEMA_VERSION, ModelResult
+if TYPE_CHECKING:
+    from isotui.experiments.base import Experiment
 
-# --- layers (isotui run) ---------------------------------------------------------------------------
+TABLE: dict[str, str] = {
+    "layers": "isotui.experiments.layerwise:EXPERIMENT",
+    "attention": "isotui.experiments.attention:EXPERIMENT",
+    "drift-block": "isotui.experiments.drift_block.experiment:EXPERIMENT",
+    "qk-dynamics": "isotui.experiments.qk_dynamics:EXPERIMENT",
+    "checkpoints": "isotui.experiments.checkpoints:EXPERIMENT",
+    "final-norm": "isotui.experiments.final_norm:EXPERIMENT",
+    "gradients": "isotui.experiments.gradients:EXPERIMENT",
+}
+"""Every registered experiment by name, in the order of the CLI's subcommands (the layer run
+first): ``get(name)`` imports that one experiment's module alone."""
 
-
-def _layer_rows(results: list[Any]) -> Rows:
-    from isotui.store.export import layer_csv_rows
-
-    return layer_csv_rows(results)
-
-
-def _layer_payload(results: list[Any]) -> Payload:
-    return {"results": [r.to_json() for r in results]}
+if TYPE_CHECKING:  # resolved on first use by the module's __getattr__
+    REGISTRY: tuple[Experiment, ...]
+    EXPERIMENTS: dict[str, Experiment]
+    LAYERS: Experiment
 
 
-def _layer_decode(payload: Payload, arrays: Arrays) -> ModelResult:
-    return ModelResult.from_json(payload, arrays)
+def resolve(entry: str) -> Experiment:
+    """The experiment a ``"module:attr"`` entry names (its module imported now)."""
+    module, _, attr = entry.partition(":")
+    experiment: Experiment = getattr(import_module(module), attr)
+    return experiment
 
 
-def _series(spec: Any) -> tuple[str | None, tuple[Any, ...], Any]:
-    series, ckpts, base = spec
-    return series, tuple(ckpts), base
+def _registry() -> tuple[Experiment, ...]:
+    """REGISTRY: the table resolved once (or what a test set in its place)."""
+    found = globals().get("REGISTRY")
+    if found is None:
+        found = tuple(resolve(entry) for entry in TABLE.values())
+        globals()["REGISTRY"] = found
+    registry: tuple[Experiment, ...] = found
+    return registry
 
 
-def _dynamics_request(spec: Any, params: qk_dynamics.DynamicsParams) -> DynamicsRequest:
-    series, ckpts, base = _series(spec)
-    return DynamicsRequest(series, ckpts, base, sample_size=params.sample)
-
-
-def _checkpoints_request(spec: Any, _params: checkpoints.CheckpointsParams) -> CheckpointsRequest:
-    return CheckpointsRequest(*_series(spec))
-
-
-LAYERS = Experiment(
-    name="layers",
-    help="measure layer-wise anisotropy of one or more models",
-    request_type=LayersRequest,
-    result_type=ModelResult,
-    folder="runs",
-    schema=SCHEMA_VERSION,
-    view="layers",
-    inputs="models",
-    make_request=lambda spec, _params: LayersRequest(spec),
-    rows=_layer_rows,
-    payload=_layer_payload,
-    params=LayersParams,
-    decode=_layer_decode,
-    command="run",
-    plan=plans.layers,
-)
-
-REGISTRY: tuple[Experiment, ...] = (
-    LAYERS,
-    Experiment(
-        name="attention",
-        help=attention.HELP,
-        request_type=AttentionRequest,
-        result_type=attention.AttentionResult,
-        folder=attention.FOLDER,
-        schema=attention.SCHEMA,
-        view="attention",
-        inputs="models",
-        make_request=lambda spec, _params: AttentionRequest(spec),
-        rows=attention.csv_rows,
-        payload=attention.json_payload,
-        params=attention.AttentionParams,
-        decode=attention.AttentionResult.from_json,
-        plan=plans.attention,
-    ),
-    drift_block_experiment.EXPERIMENT,
-    Experiment(
-        name="qk-dynamics",
-        help=qk_dynamics.HELP,
-        request_type=DynamicsRequest,
-        result_type=qk_dynamics.DynamicsResult,
-        folder=None,  # each checkpoint is an attention result
-        schema=attention.SCHEMA,
-        view="qk-dynamics",
-        inputs="series",
-        make_request=_dynamics_request,
-        rows=qk_dynamics.csv_rows,
-        payload=qk_dynamics.json_payload,
-        params=qk_dynamics.DynamicsParams,
-        what="checkpoints",
-        plan=plans.attention,
-    ),
-    Experiment(
-        name="checkpoints",
-        help=checkpoints.HELP,
-        request_type=CheckpointsRequest,
-        result_type=checkpoints.CheckpointSeries,
-        folder=None,  # each checkpoint is a layer run
-        schema=SCHEMA_VERSION,
-        view="checkpoints",
-        inputs="series",
-        make_request=_checkpoints_request,
-        rows=checkpoints.csv_rows,
-        payload=checkpoints.json_payload,
-        params=checkpoints.CheckpointsParams,
-        what="checkpoints",
-        plan=plans.layers,
-    ),
-    Experiment(
-        name="final-norm",
-        help=final_norm.HELP,
-        request_type=FinalNormRequest,
-        result_type=list,  # of final_norm.FinalNormResult: the final norm, or every block's
-        folder=final_norm.FOLDER,
-        schema=final_norm.SCHEMA,
-        view="final-norm",
-        inputs="models",
-        make_request=lambda spec, params: FinalNormRequest(spec, every_layer=params.every_layer),
-        rows=final_norm.csv_rows,
-        payload=final_norm.json_payload,
-        params=final_norm.FinalNormParams,
-        decode=final_norm.results_from_payload,
-        plan=plans.final_norm,
-    ),
-    Experiment(
-        name="gradients",
-        help=gradients.HELP,
-        request_type=GradientsRequest,
-        result_type=gradients.GradientResult,
-        folder=gradients.FOLDER,
-        schema=gradients.SCHEMA,
-        view="gradients",
-        inputs="models",
-        make_request=lambda spec, params: GradientsRequest(spec, top_k=params.top_k),
-        rows=gradients.csv_rows,
-        payload=gradients.json_payload,
-        params=gradients.GradientsParams,
-        decode=gradients.gradients_from_payload,
-        plan=plans.gradients,
-    ),
-)
-
-EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in REGISTRY if e.command == "experiment"}
-"""``isotui experiment NAME``: every registered experiment but layers (which is ``isotui run``)."""
+def __getattr__(name: str) -> Any:
+    """``REGISTRY``, ``EXPERIMENTS`` and ``LAYERS``, resolved on first use."""
+    if name == "REGISTRY":
+        return _registry()
+    if name == "EXPERIMENTS":
+        # ``isotui experiment NAME``: every registered experiment but layers (``isotui run``)
+        experiments = {e.name: e for e in _registry() if e.command == "experiment"}
+        globals()["EXPERIMENTS"] = experiments
+        return experiments
+    if name == "LAYERS":
+        return get("layers")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get(name: str) -> Experiment:
     """The registered experiment ``name`` (``layers`` or ``run`` for the layer run)."""
-    for e in REGISTRY:
+    if "REGISTRY" not in globals() and name in TABLE:  # that one module imported, no other
+        return resolve(TABLE[name])
+    for e in _registry():
         if name in (e.name, e.command):
             return e
     raise KeyError(name)
@@ -172,4 +77,4 @@ def get(name: str) -> Experiment:
 
 def cache_folders() -> list[str]:
     """Every folder of the result cache an experiment writes (``runs`` first), for ``cache ls/rm``."""
-    return [e.folder for e in REGISTRY if e.folder is not None]
+    return [e.folder for e in _registry() if e.folder is not None]

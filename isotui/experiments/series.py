@@ -43,3 +43,9 @@ def measure_checkpoints(
             kept.append(ckpt)
             results.append(result)
     return kept, results
+
+
+def unpack_series(spec: Any) -> tuple[str | None, tuple[Any, ...], Any]:
+    """A series experiment's (series, checkpoints, spec) triple, its checkpoints as a tuple."""
+    series, ckpts, base = spec
+    return series, tuple(ckpts), base
