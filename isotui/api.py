@@ -272,7 +272,7 @@ def load(key: str, cache_dir: str | Path | None = None) -> Result:
         raise IsotuiError(f"cached result {full[:12]} was removed meanwhile")
     results = found if isinstance(found, list) else [found]
     models = sorted({r.model for r in results})
-    params = make_params(exp.params, {})
+    params: Any = make_params(exp.params, {})
     return Result(_command(exp), models, exp.rows(results), exp.payload(results), results, params)
 
 

@@ -326,6 +326,7 @@ def collect(
     notice = _notice(err)
     if requests is None:
         requests = make_requests(experiment, args, notice)
+    args = shown(experiment, args)
     tables: list[Any] = []
     highlight = None if view.highlight else False
     # a view's own bar (drift-block), or the CLI's
@@ -358,6 +359,14 @@ def collect(
     outcome.tables = tables
     _closing(outcome, view, args, width, on_table)
     return outcome
+
+
+def shown(experiment: Experiment, args: argparse.Namespace) -> argparse.Namespace:
+    """What the view reads: the parsed flags (``--quiet``, ``--verbose``...) with the
+    experiment's parameters as parsed (a flag not given: its parameter's default)."""
+    from dataclasses import asdict
+
+    return argparse.Namespace(**{**vars(args), **asdict(params_from_args(experiment, args))})
 
 
 def _closing(

@@ -331,7 +331,7 @@ def trajectory_text(result: DynamicsResult, layer: int, head: int, *, basis: str
 
 
 def _drift_tables(result: Any, _args: Any, width: int) -> list[Any]:
-    from isotui.experiments.drift_block import result_table
+    from isotui.experiments.drift_block.view import result_table
 
     return [result_table(result, width)]
 

@@ -206,7 +206,7 @@ def test_options_the_command_lacks_are_said():
         isotui.experiment("nope")
     with pytest.raises(isotui.IsotuiError, match=r"result\.to_csv"):
         isotui.experiment("attention", model="minilm", csv="x.csv")
-    with pytest.raises(isotui.IsotuiError, match="qk-dynamics. needs checkpoints="):
+    with pytest.raises(isotui.IsotuiError, match=r"qk-dynamics. needs checkpoints="):
         isotui.experiment("qk-dynamics", model="minilm")
 
 

@@ -392,8 +392,10 @@ def test_no_torch_at_import_nor_for_a_cached_answer(tmp_path):
 def test_table_fits_a_narrow_terminal(result):
     from rich.console import Console
 
+    from isotui.experiments.drift_block.view import result_table
+
     console = Console(width=80, record=True, color_system=None)
-    console.print(db.result_table(result, 80))
+    console.print(result_table(result, 80))
     text = console.export_text()
     assert "some columns hidden" in text and "in cos" in text and "out |x|" in text
     assert "fixed point N*" in text and "floor min" not in text
@@ -617,7 +619,7 @@ def test_fig7_at_small_d_spreads_over_many_bars():
     them in a handful of bars; the data's range gives Fig. 7 many, each checked against
     np.histogram of the plainly computed scores on the same edges."""
     from isotui.core.attention import score_edges
-    from isotui.experiments.drift_block import score_bars
+    from isotui.experiments.drift_block.view import score_bars
     from isotui.figures import histogram_bars
 
     cfg = config(hidden=32, heads=4, intermediate=64, init_std=0.02, norms=(0.0, 5.0))

@@ -57,8 +57,12 @@ def test_a_registered_experiment_gets_a_subcommand(monkeypatch):
     _demo(monkeypatch)
     experiments = _subcommands(_subcommands(build_parser())["experiment"])
     assert "demo-exp" in experiments and "--top-k" in _flags(experiments["demo-exp"])
+    from isotui.cli_experiments import params_from_args
+
+    demo = _demo(monkeypatch)
     args = build_parser().parse_args(["experiment", "demo-exp", "-m", "x", "--top-k", "3"])
-    assert (args.experiment, args.models, args.top_k) == ("demo-exp", ["x"], 3)
+    assert (args.experiment, args.models) == ("demo-exp", ["x"])
+    assert params_from_args(demo, args).top_k == 3  # its parameters, parsed as the API's keywords are
 
 
 def test_cache_ls_and_rm_all_cover_every_registered_folder(monkeypatch, tmp_path, capsys):

@@ -192,7 +192,7 @@ def plot_drift(screen: Any) -> None:
             if math.isfinite(result.n_star):
                 plt.vline(result.n_star, colours[-1])
         elif figure == 1:
-            from isotui.experiments.drift_block import score_bars
+            from isotui.experiments.drift_block.view import score_bars
 
             counts, edges = score_bars(result, row)  # the range of this N's scores
             title = f"{FIGURES[1]} (N={norms[row]:g}, heads and seeds pooled)"

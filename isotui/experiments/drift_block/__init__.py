@@ -60,8 +60,9 @@ the torch/transformers versions), so a sweep asked again, or with more seeds, re
 
 Modules: :mod:`.config` (settings, cache key), :mod:`.result` (rows, one seed's sweep, the
 result), :mod:`.fixed_point` (N*), :mod:`.model` (the drawn block, one N's measurement),
-:mod:`.sweep` (seeds and norms), :mod:`.store` (cache), :mod:`.view` (table), :mod:`.params`
-(its parameters: flags and keywords). None imports torch at import time.
+:mod:`.sweep` (seeds and norms), :mod:`.store` (cache), :mod:`.view` (table; rich, so only the
+views layer imports it), :mod:`.params` (its parameters: flags and keywords). None imports torch
+at import time.
 """
 
 from __future__ import annotations
@@ -96,7 +97,6 @@ from isotui.experiments.drift_block.result import (
 )
 from isotui.experiments.drift_block.store import _lookup, _store, drift_cache
 from isotui.experiments.drift_block.sweep import _assemble, _run_seed, norm_note, run_drift_block
-from isotui.experiments.drift_block.view import TABLE_COLUMNS, n_star_line, result_table, score_bars
 
 __all__ = [
     "BLOCKS",
@@ -108,7 +108,6 @@ __all__ = [
     "MEASURES",
     "SCHEMA",
     "SOFTMAX_STATS",
-    "TABLE_COLUMNS",
     "BlockInputs",
     "DriftBlockConfig",
     "DriftBlockParams",
@@ -127,11 +126,8 @@ __all__ = [
     "drift_cache",
     "fixed_point",
     "init_like_bert",
-    "n_star_line",
     "norm_note",
     "parse_norms",
     "parse_seeds",
-    "result_table",
     "run_drift_block",
-    "score_bars",
 ]

@@ -1,0 +1,58 @@
+"""The API is the service (issue 25): ``isotui.run``'s import closure holds no module of the
+command line or the app, and no argparse, rich or textual; statically (every import statement,
+lazy ones too, as import-linter reads them) and at run time (what a computed run loads)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+FRONT_ENDS = ("isotui.cli", "isotui.tui", "isotui.views", "isotui.render")
+FORBIDDEN = ("argparse", "rich", "textual")
+
+
+def _closure(module: str) -> set[str]:
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("isotui", include_external_packages=True)
+    # the root package's lazy attributes (isotui.run -> isotui.api) are loaded on use only
+    graph.remove_import(importer="isotui", imported="isotui.api")
+    return set(graph.find_upstream_modules(module)) | {module}
+
+
+@pytest.mark.parametrize("module", ["isotui.api", "isotui.service"])
+def test_the_import_closure_holds_no_front_end_argparse_rich_or_textual(module):
+    closure = _closure(module)
+    assert "isotui.service" in closure or module == "isotui.service"
+    assert not [m for m in closure if m.startswith(FRONT_ENDS)]
+    assert not closure & set(FORBIDDEN)
+
+
+def test_the_closure_check_sees_a_front_end_when_there_is_one():
+    """The same check on the CLI finds what it must (a check that cannot fail proves nothing)."""
+    closure = _closure("isotui.cli")
+    assert {"argparse", "rich"} <= closure and "isotui.service" in closure
+
+
+def test_a_computed_run_loads_no_front_end_rich_or_textual(tiny_models, tmp_path):
+    """At run time: a model computed through ``isotui.run`` (torch and all) and its rows read,
+    with no module of the CLI, the app, the views, rich or textual loaded; showing the result
+    then loads the views (and rich), as it must. (argparse is loaded by numpy.testing itself.)"""
+    data = tmp_path / "samples.txt"
+    data.write_text("one sample here\nanother one there\nand a third\n", encoding="utf-8")
+    probe = (
+        "import sys, isotui\n"
+        f"r = isotui.run({str(tiny_models['bert'])!r}, data='text:{data}', progress=False)\n"
+        "assert r.rows and not r.result.from_cache\n"
+        f"bad = sorted(m for m in sys.modules if m.startswith({FRONT_ENDS!r})"
+        " or m.split('.')[0] in ('rich', 'textual'))\n"
+        "print('LOADED', bad)\n"
+        "r.tables\n"
+        "print('SHOWN', 'rich' in sys.modules, 'isotui.views' in sys.modules)\n"
+    )
+    env = dict(os.environ, ISOTUI_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "LOADED []" in proc.stdout and "SHOWN True True" in proc.stdout
