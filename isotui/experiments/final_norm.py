@@ -174,24 +174,29 @@ def cached_norms(
 ) -> list[FinalNormResult]:
     """:func:`measure_norms` through the result cache (folder ``final-norm``; ``cache`` from
     :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
-    from isotui.experiments.cached import find, keep
+    from isotui.experiments.cached import cached_run, experiment_key
     from isotui.experiments.layerwise import prepare
 
     prepared = prepare(spec, cache)
-    key, found = find(cache, prepared, FOLDER, SCHEMA, {"every_layer": every_layer}, on_notice)
-    if found is not None:
-        results = results_from_payload(*found)
+
+    def relabel(results: list[FinalNormResult]) -> None:
         for r in results:
             r.model, r.from_cache = spec.model, True
             r.meta["data"] = spec.data.describe()
             for d in r.dims:
                 d.model = spec.model
-        return results
-    results = measure_norms(
-        spec, every_layer=every_layer, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+
+    return cached_run(
+        cache,
+        [experiment_key(k, FOLDER, SCHEMA, {"every_layer": every_layer}) for k in prepared.keys],
+        decode=results_from_payload,
+        relabel=relabel,
+        compute=lambda: measure_norms(
+            spec, every_layer=every_layer, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+        ),
+        encode=results_payload,
+        notice=on_notice,
     )
-    keep(cache, key, *results_payload(results), on_notice)
-    return results
 
 
 _STAT_ARRAYS = ("dim_contrib", "eigenvalues", "mean")

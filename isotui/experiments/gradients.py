@@ -98,25 +98,29 @@ def cached_gradients(
 ) -> GradientResult:
     """:func:`measure_gradients` through the result cache (folder ``gradients``; ``cache`` from
     :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
-    from isotui.experiments.cached import find, keep
+    from isotui.experiments.cached import cached_run, experiment_key
     from isotui.experiments.layerwise import prepare
 
     _refuse_bundled(spec.model)
     prepared = prepare(spec, cache)
-    key, found = find(cache, prepared, FOLDER, SCHEMA, {"top_k": top_k}, on_notice)
-    if found is not None:
-        result = gradients_from_payload(*found)
+
+    def relabel(result: GradientResult) -> None:
         result.model, result.from_cache = spec.model, True
         result.meta["data"] = spec.data.describe()
         for row in result.rows:
             row.model = spec.model
-        return result
-    result = measure_gradients(
-        spec, top_k=top_k, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+
+    return cached_run(
+        cache,
+        [experiment_key(k, FOLDER, SCHEMA, {"top_k": top_k}) for k in prepared.keys],
+        decode=gradients_from_payload,
+        relabel=relabel,
+        compute=lambda: measure_gradients(
+            spec, top_k=top_k, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+        ),
+        encode=lambda result: ({k: v for k, v in asdict(result).items() if k != "from_cache"}, {}),
+        notice=on_notice,
     )
-    payload = {k: v for k, v in asdict(result).items() if k != "from_cache"}
-    keep(cache, key, payload, {}, on_notice)
-    return result
 
 
 def gradients_from_payload(payload: dict[str, Any], _arrays: dict[str, Any]) -> GradientResult:

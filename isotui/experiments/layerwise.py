@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +26,7 @@ from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_
 from isotui.models.naming import parse_model
 from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult, joined_drift
 from isotui.spec import RunSpec
-from isotui.store.cache import CacheProblem, CacheWriteError, ResultCache
+from isotui.store.cache import ResultCache
 
 if TYPE_CHECKING:
     from isotui.extract.planning import ExtractOptions
@@ -58,7 +56,9 @@ class Prepared:
 
 def run_key(key_fields: dict[str, Any]) -> str:
     """The hash of a run's resolved settings."""
-    return hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
+    from isotui.experiments.cached import key_hash
+
+    return key_hash(key_fields)
 
 
 def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
@@ -129,17 +129,9 @@ def lookup(
     prepared: Prepared, cache: ResultCache | None, on_notice: NoticeCallback = _no_notice
 ) -> ModelResult | None:
     """The cached result for ``prepared``, or None; a damaged entry is reported and ignored."""
-    if cache is None:
-        return None
-    hit = None
-    for key in prepared.keys:
-        try:
-            hit = read(cache, key)
-        except CacheProblem as problem:
-            on_notice(f"{problem}; recomputing")
-            return None
-        if hit is not None:
-            break
+    from isotui.experiments.cached import lookup as lookup_entry
+
+    hit: ModelResult | None = lookup_entry(cache, prepared.keys, ModelResult.from_json, on_notice)
     if hit is not None:  # same key: same numbers; the names are the ones asked for now
         hit.model = prepared.spec.model
         for row in hit.rows:
@@ -151,12 +143,9 @@ def lookup(
 
 def store(result: ModelResult, cache: ResultCache | None, on_notice: NoticeCallback = _no_notice) -> None:
     """Cache ``result``; a cache that cannot be written is reported, never fatal."""
-    if cache is None:
-        return
-    try:
-        cache.put_payload(result.key, result.to_json(), result.arrays)
-    except CacheWriteError as exc:  # the result itself is fine: report, keep it, go on
-        on_notice(str(exc))
+    from isotui.experiments.cached import keep
+
+    keep(cache, result.key, result.to_json(), result.arrays, on_notice)
 
 
 def measure(

@@ -251,14 +251,13 @@ class _CachedRequest:
 
     def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
         """Answered when the cache holds the result (the same reading as :meth:`measure`)."""
-        from isotui.experiments.cached import find
-        from isotui.experiments.layerwise import prepare
+        from isotui.experiments.cached import lookup
 
         if cache_root is None:
             return None
-        folder, schema, params = self._folder()
+        folder, schema, _ = self._folder()
         cache = _cache(cache_root, folder, schema)
-        if find(cache, prepare(self.spec, cache), folder, schema, params, notice)[1] is None:
+        if lookup(cache, self.keys(cache_root), lambda payload, _arrays: payload, notice) is None:
             return None
         return self._measure(cache, Context(cache_root, notice=notice))
 
