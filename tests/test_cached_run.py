@@ -59,7 +59,7 @@ def test_an_entry_that_does_not_decode_is_said_and_recomputed(tmp_path):
 def test_a_final_norm_request_is_looked_up_after_its_compute(tmp_path, tiny_models):
     """The app's two steps through the same path: nothing cached, computed (and stored), then
     answered by the lookup with the same numbers."""
-    from isotui.experiments.requests import FinalNormRequest
+    from isotui.experiments.final_norm import FinalNormRequest
     from isotui.spec import make_spec
 
     from .conftest import corpus

@@ -11,14 +11,13 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
 from isotui.experiments import plans
-from isotui.experiments.base import Experiment
-from isotui.experiments.requests import AttentionRequest
+from isotui.experiments.base import Context, Experiment
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 
 if TYPE_CHECKING:
@@ -272,6 +271,52 @@ def compute_attention(
     result = _compute(prepared, key, sample_size, on_progress, should_stop)
     keep(cache, key, result.to_json(), result.arrays, on_notice)
     return result
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """Queries, keys and attention sharpness of one model (``isotui experiment attention``)."""
+
+    spec: RunSpec
+    sample_size: int = 0
+    kind: ClassVar[str] = "attention"
+
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    def keys(self, cache_root: Path | None) -> list[str]:
+        return [find_attention(self.spec, None, self.sample_size)[1]]
+
+    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+        cache = attention_cache(cache_root) if cache_root else None
+        return find_attention(self.spec, cache, self.sample_size, notice)[2]
+
+    def compute(
+        self,
+        cache_root: Path | None,
+        *,
+        on_progress: ProgressCallback,
+        should_stop: StopCheck,
+        notice: Notice,
+    ) -> Any:
+        cache = attention_cache(cache_root) if cache_root else None
+        prepared, key, _ = find_attention(self.spec, None, self.sample_size)
+        return compute_attention(prepared, key, self.sample_size, cache, on_progress, should_stop, notice)
+
+    def measure(self, context: Context) -> Any:
+        return measure_attention(
+            self.spec,
+            attention_cache(context.cache_root) if context.cache_root else None,
+            sample_size=self.sample_size,
+            on_progress=context.on_progress,
+            should_stop=context.should_stop,
+            on_notice=context.notice,
+        )
 
 
 def _compute(

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
-from isotui.experiments.base import Experiment
-from isotui.experiments.requests import CheckpointsRequest
-from isotui.experiments.series import unpack_series
+from isotui.experiments.base import Context, Experiment, Notice
+from isotui.experiments.cached import runs_cache
+from isotui.experiments.series import Attempts, SeriesRequest, unpack_series
 from isotui.results import METRICS as LAYER_METRIC_DECLARATIONS
 from isotui.results import SCHEMA_VERSION
 
@@ -130,6 +131,42 @@ def assemble_series(series: str | None, checkpoints: list[Any], results: list[An
 
 
 # --- export and command-line options ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointsRequest(SeriesRequest):
+    """Layer metrics along a checkpoint series (``isotui experiment checkpoints``)."""
+
+    kind: ClassVar[str] = "checkpoints"
+
+    def _parts(self) -> list[Any]:
+        from isotui.experiments.layerwise import LayersRequest
+
+        return [LayersRequest(self.spec.with_model(c.model)) for c in self.checkpoints]
+
+    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+        """Answered at once only when every checkpoint's layer run is cached."""
+        if cache_root is None:
+            return None
+        found = []
+        for part in self._parts():
+            hit = part.lookup(cache_root, notice)
+            if hit is None:
+                return None
+            found.append(hit)
+        return assemble_series(self.series, list(self.checkpoints), found)
+
+    def measure(self, context: Context) -> Any:
+        return run_series(
+            self.series,
+            list(self.checkpoints),
+            self.spec,
+            runs_cache(context.cache_root),
+            progress=self._progress(context),
+            on_notice=context.notice,
+            should_stop=context.should_stop,
+            failures=Attempts(context.attempt) if context.attempt else None,
+        )
 
 
 def csv_rows(results: list[CheckpointSeries]) -> list[dict[str, Any]]:

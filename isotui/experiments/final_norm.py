@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
-from isotui.experiments.base import Experiment
-from isotui.experiments.requests import FinalNormRequest
+from isotui.experiments.base import Context, Experiment
+from isotui.experiments.cached import CachedRequest
 
 if TYPE_CHECKING:
     import torch
@@ -197,6 +197,28 @@ def cached_norms(
         encode=results_payload,
         notice=on_notice,
     )
+
+
+@dataclass(frozen=True)
+class FinalNormRequest(CachedRequest):
+    """Metrics before and after the final norm (``isotui experiment final-norm``); its result is
+    a list: the final norm, or (``every_layer``) every block's output norm."""
+
+    every_layer: bool = False
+    kind: ClassVar[str] = "final-norm"
+
+    def _folder(self) -> tuple[str, int, dict[str, Any]]:
+        return FOLDER, SCHEMA, {"every_layer": self.every_layer}
+
+    def _measure(self, cache: Any, context: Context) -> Any:
+        return cached_norms(
+            self.spec,
+            cache,
+            every_layer=self.every_layer,
+            on_progress=context.on_progress,
+            should_stop=context.should_stop,
+            on_notice=context.notice,
+        )
 
 
 _STAT_ARRAYS = ("dim_contrib", "eigenvalues", "mean")

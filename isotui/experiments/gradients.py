@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
-from isotui.experiments.base import Experiment
-from isotui.experiments.requests import GradientsRequest
+from isotui.experiments.base import Context, Experiment
+from isotui.experiments.cached import CachedRequest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -121,6 +121,27 @@ def cached_gradients(
         encode=lambda result: ({k: v for k, v in asdict(result).items() if k != "from_cache"}, {}),
         notice=on_notice,
     )
+
+
+@dataclass(frozen=True)
+class GradientsRequest(CachedRequest):
+    """Loss gradients w.r.t. hidden states (``isotui experiment gradients``)."""
+
+    top_k: int = 10
+    kind: ClassVar[str] = "gradients"
+
+    def _folder(self) -> tuple[str, int, dict[str, Any]]:
+        return FOLDER, SCHEMA, {"top_k": self.top_k}
+
+    def _measure(self, cache: Any, context: Context) -> Any:
+        return cached_gradients(
+            self.spec,
+            cache,
+            top_k=self.top_k,
+            on_progress=context.on_progress,
+            should_stop=context.should_stop,
+            on_notice=context.notice,
+        )
 
 
 def gradients_from_payload(payload: dict[str, Any], _arrays: dict[str, Any]) -> GradientResult:

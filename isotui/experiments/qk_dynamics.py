@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -24,9 +24,9 @@ from isotui.core.trajectory import BASES, common_basis, project
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
 from isotui.experiments.attention import SCHEMA as ATTENTION_SCHEMA
-from isotui.experiments.base import Experiment
-from isotui.experiments.requests import DynamicsRequest
-from isotui.experiments.series import unpack_series
+from isotui.experiments.attention import AttentionRequest
+from isotui.experiments.base import Context, Experiment, Notice
+from isotui.experiments.series import Attempts, SeriesRequest, unpack_series
 
 if TYPE_CHECKING:
     import argparse
@@ -372,6 +372,45 @@ def series_name(checkpoints: list[Checkpoint]) -> str:
 
 
 # --- export and command-line options ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DynamicsRequest(SeriesRequest):
+    """Queries and keys along a checkpoint series (``isotui experiment qk-dynamics``)."""
+
+    sample_size: int = 256
+    kind: ClassVar[str] = "qk-dynamics"
+
+    def _parts(self) -> list[Any]:
+        return [AttentionRequest(self.spec.with_model(c.model), self.sample_size) for c in self.checkpoints]
+
+    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+        """Answered at once only when every checkpoint is cached."""
+        if cache_root is None:
+            return None
+        found = []
+        for part in self._parts():
+            hit = part.lookup(cache_root, notice)
+            if hit is None:
+                return None
+            found.append(hit)
+        return assemble(self.series, list(self.checkpoints), found, self.sample_size)
+
+    def measure(self, context: Context) -> Any:
+        from isotui.experiments.attention import attention_cache
+
+        cache = attention_cache(context.cache_root) if context.cache_root else None
+        return run_dynamics(
+            self.series,
+            list(self.checkpoints),
+            self.spec,
+            cache,
+            sample_size=self.sample_size,
+            progress=self._progress(context),
+            should_stop=context.should_stop,
+            on_notice=context.notice,
+            failures=Attempts(context.attempt) if context.attempt else None,
+        )
 
 
 def csv_rows(results: list[DynamicsResult]) -> list[dict[str, Any]]:
