@@ -34,7 +34,7 @@ class CheckpointSeries:
     """The layer-wise results of a series' checkpoints, in series order."""
 
     series: str
-    checkpoints: list[Any]  # of qk_dynamics.Checkpoint
+    checkpoints: list[Any]  # of series.Checkpoint
     results: list[Any]  # of ModelResult
 
     def steps(self) -> list[int]:
@@ -118,7 +118,7 @@ def run_series(
 
 def assemble_series(series: str | None, checkpoints: list[Any], results: list[Any]) -> CheckpointSeries:
     """The series from its checkpoints' layer results; one architecture or one sentence."""
-    from isotui.experiments.qk_dynamics import series_name
+    from isotui.experiments.series import series_name
 
     shape = [(r.component, r.layer, r.dim) for r in results[0].rows]
     for ckpt, result in zip(checkpoints, results, strict=True):
