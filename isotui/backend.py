@@ -36,7 +36,6 @@ from typing import Any, Protocol, cast
 
 from isotui.errors import Cancelled, IsotuiError
 from isotui.experiments import layerwise
-from isotui.experiments.requests import LayersRequest
 from isotui.extract.device import resolve_device
 from isotui.extract.progress import Progress
 from isotui.results import ModelResult
@@ -47,7 +46,7 @@ from isotui.store.cache import ResultCache
 @dataclass(frozen=True)
 class JobEvent:
     """Something happened to job ``job_id`` (which measures ``spec``: a layer-wise RunSpec, or an
-    experiment request of :mod:`isotui.experiments.requests`)."""
+    experiment's request, defined in its module)."""
 
     job_id: int
     spec: Any
@@ -101,8 +100,8 @@ LANE_NICENESS = 10
 
 
 class Request(Protocol):
-    """A job as the backend runs it (the experiments' requests of
-    :mod:`isotui.experiments.requests`)."""
+    """A job as the backend runs it (an experiment's request, the contract of
+    :class:`isotui.experiments.base.Request`)."""
 
     @property
     def device(self) -> str: ...
@@ -128,7 +127,7 @@ def as_request(
     is the layers experiment's request (``prepare``/``compute``: tests' fakes); an experiment's
     request is itself."""
     if isinstance(spec, RunSpec):
-        return LayersRequest(spec, compute_fn=compute, prepare_fn=prepare)
+        return layerwise.LayersRequest(spec, compute_fn=compute, prepare_fn=prepare)
     return cast(Request, spec)
 
 

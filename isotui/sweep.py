@@ -118,7 +118,7 @@ def resolve_models(path: Path, models: list[str], checkpoints: Sequence[str]) ->
     the parser of ``--checkpoints``: hub revisions of the model, model ids, checkpoint folders).
     A checkpoint name that is a sub-folder of a local model folder (an ``isotui train-tiny``
     output) is that folder; ``./`` paths are relative to the config file."""
-    from isotui.experiments.qk_dynamics import resolve_checkpoints
+    from isotui.experiments.series import resolve_checkpoints
 
     if not checkpoints:
         return list(models)

@@ -183,7 +183,7 @@ def test_a_failing_checkpoint_leaves_the_rest_of_the_series(tmp_path, capsys):
 
     from isotui.cli import exit_code, print_error
     from isotui.experiments.checkpoints import run_series
-    from isotui.experiments.qk_dynamics import Checkpoint
+    from isotui.experiments.series import Checkpoint
     from isotui.results import ModelFailures, Outcome
     from isotui.spec import make_spec
 

@@ -9,7 +9,7 @@ import pytest
 
 from isotui.cli import main
 from isotui.experiments.checkpoints import run_series
-from isotui.experiments.qk_dynamics import resolve_checkpoints
+from isotui.experiments.series import resolve_checkpoints
 from isotui.spec import make_spec
 from isotui.store.cache import ResultCache
 

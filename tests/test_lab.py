@@ -138,7 +138,7 @@ def test_lab_drift_block_tab(tmp_path):
 def test_drift_lookup_never_computes(tmp_path):
     """A damaged cached seed is not recomputed on the lookup thread: lookup says 'not cached'."""
     from isotui.experiments.drift_block import DriftBlockConfig, drift_cache, run_drift_block
-    from isotui.experiments.requests import DriftBlockRequest
+    from isotui.experiments.drift_block.experiment import DriftBlockRequest
 
     config = DriftBlockConfig(
         hidden=16, heads=2, intermediate=32, vocab=50, batch=2, seq_len=8, norms=(0.0, 5.0)

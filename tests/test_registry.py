@@ -113,7 +113,7 @@ def test_the_layer_run_is_a_request_like_the_others(tmp_path, tiny_models, data)
     """The backend can run a layer job as it runs every other: lookup, compute (which stores),
     the same numbers as ``layerwise.measure`` and the same cache entry ``isotui run`` reads."""
     from isotui.experiments import layerwise
-    from isotui.experiments.requests import LayersRequest, request_for
+    from isotui.experiments.layerwise import LayersRequest, request_for
     from isotui.spec import make_spec
     from isotui.store.cache import ResultCache
 
@@ -151,8 +151,7 @@ def test_a_layers_request_resolves_once_and_takes_a_front_ends_steps(tmp_path):
     """The backend's fakes (prepare, compute) run through the request; lookup then compute
     resolve the spec once, as the backend's own layer branch did."""
     from isotui.errors import IsotuiError
-    from isotui.experiments.layerwise import Prepared
-    from isotui.experiments.requests import LayersRequest
+    from isotui.experiments.layerwise import LayersRequest, Prepared
     from isotui.spec import make_spec
 
     spec = make_spec("minilm", "builtin", max_samples=2)

@@ -21,7 +21,7 @@ import pytest
 
 from isotui.cli import main
 from isotui.errors import IsotuiError
-from isotui.experiments.qk_dynamics import resolve_checkpoints
+from isotui.experiments.series import resolve_checkpoints
 
 from .conftest import corpus
 

@@ -116,14 +116,11 @@ def lab_results(tmp_path_factory, tiny_models) -> dict:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
+    from isotui.experiments.attention import AttentionRequest
+    from isotui.experiments.checkpoints import CheckpointsRequest
     from isotui.experiments.drift_block import DriftBlockConfig
-    from isotui.experiments.qk_dynamics import resolve_checkpoints
-    from isotui.experiments.requests import (
-        AttentionRequest,
-        CheckpointsRequest,
-        DriftBlockRequest,
-        DynamicsRequest,
-    )
+    from isotui.experiments.drift_block.experiment import DriftBlockRequest
+    from isotui.experiments.qk_dynamics import DynamicsRequest, resolve_checkpoints
     from isotui.spec import make_spec
 
     from .conftest import corpus

@@ -69,7 +69,7 @@ def test_checkpoints_and_run_file(runs):
             assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= files
         assert checkpoint_dirs(out) == [out / c["path"] for c in run["checkpoints"]]
         # the dynamics and checkpoints experiments take the run folder as a series
-        from isotui.experiments.qk_dynamics import resolve_checkpoints
+        from isotui.experiments.series import resolve_checkpoints
 
         series = resolve_checkpoints(None, [str(out)])
         assert [c.model for c in series] == [str(p) for p in checkpoint_dirs(out)]

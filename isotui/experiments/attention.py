@@ -7,21 +7,18 @@ CSV row per layer and head; results are cached like layer runs (folder ``attenti
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
 from isotui.experiments import plans
-from isotui.experiments.base import Experiment
+from isotui.experiments.base import Context, Experiment
 from isotui.experiments.params import param
-from isotui.experiments.requests import AttentionRequest
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 
 if TYPE_CHECKING:
@@ -207,8 +204,9 @@ def summarize(result: AttentionResult) -> list[LayerSummary]:
 def cache_key(layer_key: str, sample_size: int) -> str:
     """The attention result's key: the layer run's key (model, data, limits, dtype, seed...) plus
     this experiment's schema and subsample size."""
-    fields_ = {"run": layer_key, "experiment": FOLDER, "schema": SCHEMA, "sample": sample_size}
-    return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:32]
+    from isotui.experiments.cached import experiment_key
+
+    return experiment_key(layer_key, FOLDER, SCHEMA, {"sample": sample_size})
 
 
 def attention_cache(root: Path) -> ResultCache:
@@ -242,31 +240,15 @@ def find_attention(
     spec: RunSpec, cache: ResultCache | None, sample_size: int = 0, on_notice: Notice | None = None
 ) -> tuple[Prepared, str, AttentionResult | None]:
     """(prepared run, cache key, cached result or None): the quick part, no model loaded."""
+    from isotui.experiments.cached import lookup
     from isotui.experiments.layerwise import prepare
-    from isotui.store.cache import CacheProblem
 
     prepared = prepare(spec, cache)
     key = cache_key(prepared.key, sample_size)
-    if cache is None:
-        return prepared, key, None
-    found: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None
-    try:
-        for layer_key in prepared.keys:  # the current key, then one an older isotui wrote
-            found = cache.get_payload(cache_key(layer_key, sample_size))
-            if found is not None:
-                break
-    except CacheProblem as problem:
-        (on_notice or (lambda _t: None))(f"{problem}; recomputing")
-        found = None
-    if found is None:
-        return prepared, key, None
-    try:
-        result = AttentionResult.from_json(*found)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        # a valid checksum over a structure this version cannot read: say it, recompute
-        (on_notice or (lambda _t: None))(
-            f"cache entry {key}.safetensors is unreadable ({type(exc).__name__}); recomputing"
-        )
+    # the current key, then one an older isotui wrote
+    keys = [cache_key(layer_key, sample_size) for layer_key in prepared.keys]
+    result = lookup(cache, keys, AttentionResult.from_json, on_notice)
+    if result is None:
         return prepared, key, None
     result.model = spec.model
     for row in result.rows:
@@ -285,15 +267,57 @@ def compute_attention(
     on_notice: Notice | None = None,
 ) -> AttentionResult:
     """Load the model, measure, and store the result (a cache that cannot be written is said)."""
-    result = _compute(prepared, key, sample_size, on_progress, should_stop)
-    if cache is not None:
-        from isotui.store.cache import CacheWriteError
+    from isotui.experiments.cached import keep
 
-        try:
-            cache.put_payload(key, result.to_json(), result.arrays)
-        except CacheWriteError as exc:
-            (on_notice or (lambda _t: None))(str(exc))
+    result = _compute(prepared, key, sample_size, on_progress, should_stop)
+    keep(cache, key, result.to_json(), result.arrays, on_notice)
     return result
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """Queries, keys and attention sharpness of one model (``isotui experiment attention``)."""
+
+    spec: RunSpec
+    sample_size: int = 0
+    kind: ClassVar[str] = "attention"
+
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    def keys(self, cache_root: Path | None) -> list[str]:
+        return [find_attention(self.spec, None, self.sample_size)[1]]
+
+    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+        cache = attention_cache(cache_root) if cache_root else None
+        return find_attention(self.spec, cache, self.sample_size, notice)[2]
+
+    def compute(
+        self,
+        cache_root: Path | None,
+        *,
+        on_progress: ProgressCallback,
+        should_stop: StopCheck,
+        notice: Notice,
+    ) -> Any:
+        cache = attention_cache(cache_root) if cache_root else None
+        prepared, key, _ = find_attention(self.spec, None, self.sample_size)
+        return compute_attention(prepared, key, self.sample_size, cache, on_progress, should_stop, notice)
+
+    def measure(self, context: Context) -> Any:
+        return measure_attention(
+            self.spec,
+            attention_cache(context.cache_root) if context.cache_root else None,
+            sample_size=self.sample_size,
+            on_progress=context.on_progress,
+            should_stop=context.should_stop,
+            on_notice=context.notice,
+        )
 
 
 def _compute(

@@ -1,34 +1,52 @@
-"""The result cache of an experiment that computes over a model (final-norm, gradients...).
+"""The one cached-run path of every experiment: a result's cache key (the hash of its fields),
+its lookup (every key it may be stored under, the entry decoded, a damaged one said and
+ignored), its computation and its store (a cache that cannot be written said, never fatal).
 
-Each experiment keeps its results in a folder of its own under the cache root, with its own
-schema number, keyed by the layer run's key (model, data, resolved max length, dtype, seed...)
-plus the experiment's own parameters: the same scheme as attention (see
-:func:`isotui.experiments.attention.cache_key`). Reading also tries the layer run's legacy keys,
-so results cached before a key change stay readable.
+An experiment that computes over a model (attention, final-norm, gradients) keeps its results in
+a folder of its own under the cache root, with its own schema number, keyed by the layer run's
+key (model, data, resolved max length, dtype, seed...) plus the experiment's own parameters
+(:func:`experiment_key`). Reading also tries the layer run's legacy keys, so results cached
+before a key change stay readable. The layer run and drift-block hash their own fields with
+:func:`key_hash` and read and store through :func:`lookup` and :func:`keep`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from isotui.experiments.base import Context
+from isotui.extract.progress import ProgressCallback, StopCheck
+
 if TYPE_CHECKING:
-    from isotui.experiments.layerwise import Prepared
+    from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
 
 Notice = Callable[[str], None]
+T = TypeVar("T")
+Decode = Callable[[dict[str, Any], dict[str, np.ndarray]], T]
 
 
-def experiment_key(layer_key: str, folder: str, schema: int, params: dict[str, Any]) -> str:
-    """The key of one experiment result: the run's key plus the experiment, schema and parameters."""
-    fields = {"run": layer_key, "experiment": folder, "schema": schema, **params}
+def _ignore(_text: str) -> None:
+    """Default: drop notices."""
+
+
+def key_hash(fields: Mapping[str, Any]) -> str:
+    """A cache key: the sha256 of ``fields`` as JSON with sorted keys, its first 32 hex digits
+    (every key of the result cache, so existing caches keep answering)."""
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def experiment_key(layer_key: str, folder: str, schema: int, params: Mapping[str, Any]) -> str:
+    """The key of one experiment result: the run's key plus the experiment, schema and parameters."""
+    return key_hash({"run": layer_key, "experiment": folder, "schema": schema, **params})
 
 
 def experiment_cache(root: Path, folder: str, schema: int) -> ResultCache:
@@ -38,7 +56,19 @@ def experiment_cache(root: Path, folder: str, schema: int) -> ResultCache:
     return ResultCache(root, folder=folder, schema=schema)
 
 
-def read(cache: ResultCache, key: str, decode: Callable[[dict[str, Any], dict[str, np.ndarray]], Any]) -> Any:
+def folder_cache(cache_root: Path | None, folder: str, schema: int) -> ResultCache | None:
+    """An experiment's folder of the result cache at ``cache_root`` (None: no cache)."""
+    return experiment_cache(cache_root, folder, schema) if cache_root is not None else None
+
+
+def runs_cache(cache_root: Path | None) -> ResultCache | None:
+    """The layer runs' folder (``runs``) of the result cache at ``cache_root`` (None: no cache)."""
+    from isotui.store.cache import ResultCache
+
+    return ResultCache(cache_root) if cache_root is not None else None
+
+
+def read(cache: ResultCache, key: str, decode: Decode[T]) -> T | None:
     """The result cached under ``key`` (``decode`` of its payload and arrays), None if absent;
     :class:`~isotui.store.cache.CacheProblem` if it cannot be used (damaged, or a structure this
     version cannot read: a valid checksum says the bytes are intact, not that they fit)."""
@@ -53,29 +83,29 @@ def read(cache: ResultCache, key: str, decode: Callable[[dict[str, Any], dict[st
         raise CacheProblem(f"cache entry {key}.safetensors is unreadable ({type(exc).__name__})") from None
 
 
-def find(
+def lookup(
     cache: ResultCache | None,
-    prepared: Prepared,
-    folder: str,
-    schema: int,
-    params: dict[str, Any],
-    on_notice: Notice | None = None,
-) -> tuple[str, tuple[dict[str, Any], dict[str, np.ndarray]] | None]:
-    """(key to store under, cached (payload, arrays) or None); a damaged entry is said and ignored.
-    ``cache`` None (``--no-cache``) finds nothing."""
+    keys: Sequence[str],
+    decode: Decode[T],
+    notice: Notice | None = None,
+    then: str = "recomputing",
+) -> T | None:
+    """The result cached under the first of ``keys`` (the current key, then older ones) that
+    holds one, else None; an entry that cannot be used is said (``"...; recomputing"``) and
+    ends the lookup. ``cache`` None (``--no-cache``) finds nothing."""
     from isotui.store.cache import CacheProblem
 
-    keys = [experiment_key(k, folder, schema, params) for k in prepared.keys]
     if cache is None:
-        return keys[0], None
-    try:
-        for key in keys:
-            found = cache.get_payload(key)
-            if found is not None:
-                return keys[0], found
-    except CacheProblem as problem:
-        (on_notice or (lambda _t: None))(f"{problem}; recomputing")
-    return keys[0], None
+        return None
+    for key in keys:
+        try:
+            hit = read(cache, key, decode)
+        except CacheProblem as problem:
+            (notice or _ignore)(f"{problem}; {then}")
+            return None
+        if hit is not None:
+            return hit
+    return None
 
 
 def keep(
@@ -93,4 +123,83 @@ def keep(
     try:
         cache.put_payload(key, payload, arrays)
     except CacheWriteError as exc:  # the result itself is fine: said in one sentence, kept
-        (on_notice or (lambda _t: None))(str(exc))
+        (on_notice or _ignore)(str(exc))
+
+
+def cached_run(
+    cache: ResultCache | None,
+    keys: Sequence[str],
+    *,
+    decode: Decode[T],
+    relabel: Callable[[T], None],
+    compute: Callable[[], T],
+    encode: Callable[[T], tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]],
+    notice: Notice | None = None,
+) -> T:
+    """The cached result when there is one (``relabel`` gives it the names asked for now and
+    marks it from the cache), else ``compute()``'d and stored under the first of ``keys``."""
+    hit = lookup(cache, keys, decode, notice)
+    if hit is not None:
+        relabel(hit)
+        return hit
+    result = compute()
+    keep(cache, keys[0], *encode(result), notice)
+    return result
+
+
+@dataclass(frozen=True)
+class CachedRequest:
+    """A job of an experiment cached in a folder of its own, keyed by the layer run's key plus its
+    parameters (:mod:`isotui.experiments.cached`): final-norm, gradients."""
+
+    spec: RunSpec
+
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    def _measure(self, cache: Any, context: Context) -> Any:
+        raise NotImplementedError
+
+    def _folder(self) -> tuple[str, int, dict[str, Any]]:
+        raise NotImplementedError
+
+    def keys(self, cache_root: Path | None) -> list[str]:
+        from isotui.experiments.layerwise import prepare
+
+        folder, schema, params = self._folder()
+        return [
+            experiment_key(k, folder, schema, params) for k in prepare(self.spec, runs_cache(cache_root)).keys
+        ]
+
+    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+        """Answered when the cache holds the result (the same reading as :meth:`measure`)."""
+        if cache_root is None:
+            return None
+        folder, schema, _ = self._folder()
+        cache = folder_cache(cache_root, folder, schema)
+        if lookup(cache, self.keys(cache_root), lambda payload, _arrays: payload, notice) is None:
+            return None
+        return self._measure(cache, Context(cache_root, notice=notice))
+
+    def compute(
+        self,
+        cache_root: Path | None,
+        *,
+        on_progress: ProgressCallback,
+        should_stop: StopCheck,
+        notice: Notice,
+    ) -> Any:
+        folder, schema, _ = self._folder()
+        return self._measure(
+            folder_cache(cache_root, folder, schema),
+            Context(cache_root, on_progress=on_progress, should_stop=should_stop, notice=notice),
+        )
+
+    def measure(self, context: Context) -> Any:
+        folder, schema, _ = self._folder()
+        return self._measure(folder_cache(context.cache_root, folder, schema), context)

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
-from isotui.experiments.base import Experiment
+from isotui.experiments.base import Context, Experiment, Notice
+from isotui.experiments.cached import runs_cache
 from isotui.experiments.params import param
-from isotui.experiments.requests import CheckpointsRequest
-from isotui.experiments.series import unpack_series
+from isotui.experiments.series import Attempts, SeriesRequest, unpack_series
 from isotui.results import METRICS as LAYER_METRIC_DECLARATIONS
 from isotui.results import SCHEMA_VERSION
 
@@ -31,7 +32,7 @@ class CheckpointSeries:
     """The layer-wise results of a series' checkpoints, in series order."""
 
     series: str
-    checkpoints: list[Any]  # of qk_dynamics.Checkpoint
+    checkpoints: list[Any]  # of series.Checkpoint
     results: list[Any]  # of ModelResult
 
     def steps(self) -> list[int]:
@@ -115,7 +116,7 @@ def run_series(
 
 def assemble_series(series: str | None, checkpoints: list[Any], results: list[Any]) -> CheckpointSeries:
     """The series from its checkpoints' layer results; one architecture or one sentence."""
-    from isotui.experiments.qk_dynamics import series_name
+    from isotui.experiments.series import series_name
 
     shape = [(r.component, r.layer, r.dim) for r in results[0].rows]
     for ckpt, result in zip(checkpoints, results, strict=True):
@@ -128,6 +129,42 @@ def assemble_series(series: str | None, checkpoints: list[Any], results: list[An
 
 
 # --- export and command-line options ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointsRequest(SeriesRequest):
+    """Layer metrics along a checkpoint series (``isotui experiment checkpoints``)."""
+
+    kind: ClassVar[str] = "checkpoints"
+
+    def _parts(self) -> list[Any]:
+        from isotui.experiments.layerwise import LayersRequest
+
+        return [LayersRequest(self.spec.with_model(c.model)) for c in self.checkpoints]
+
+    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+        """Answered at once only when every checkpoint's layer run is cached."""
+        if cache_root is None:
+            return None
+        found = []
+        for part in self._parts():
+            hit = part.lookup(cache_root, notice)
+            if hit is None:
+                return None
+            found.append(hit)
+        return assemble_series(self.series, list(self.checkpoints), found)
+
+    def measure(self, context: Context) -> Any:
+        return run_series(
+            self.series,
+            list(self.checkpoints),
+            self.spec,
+            runs_cache(context.cache_root),
+            progress=self._progress(context),
+            on_notice=context.notice,
+            should_stop=context.should_stop,
+            failures=Attempts(context.attempt) if context.attempt else None,
+        )
 
 
 def csv_rows(results: list[CheckpointSeries]) -> list[dict[str, Any]]:

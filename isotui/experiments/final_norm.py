@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
-from isotui.experiments.base import Experiment
+from isotui.experiments.base import Context, Experiment
+from isotui.experiments.cached import CachedRequest
 from isotui.experiments.params import param
-from isotui.experiments.requests import FinalNormRequest
 
 if TYPE_CHECKING:
     import torch
@@ -175,24 +175,51 @@ def cached_norms(
 ) -> list[FinalNormResult]:
     """:func:`measure_norms` through the result cache (folder ``final-norm``; ``cache`` from
     :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
-    from isotui.experiments.cached import find, keep
+    from isotui.experiments.cached import cached_run, experiment_key
     from isotui.experiments.layerwise import prepare
 
     prepared = prepare(spec, cache)
-    key, found = find(cache, prepared, FOLDER, SCHEMA, {"every_layer": every_layer}, on_notice)
-    if found is not None:
-        results = results_from_payload(*found)
+
+    def relabel(results: list[FinalNormResult]) -> None:
         for r in results:
             r.model, r.from_cache = spec.model, True
             r.meta["data"] = spec.data.describe()
             for d in r.dims:
                 d.model = spec.model
-        return results
-    results = measure_norms(
-        spec, every_layer=every_layer, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+
+    return cached_run(
+        cache,
+        [experiment_key(k, FOLDER, SCHEMA, {"every_layer": every_layer}) for k in prepared.keys],
+        decode=results_from_payload,
+        relabel=relabel,
+        compute=lambda: measure_norms(
+            spec, every_layer=every_layer, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+        ),
+        encode=results_payload,
+        notice=on_notice,
     )
-    keep(cache, key, *results_payload(results), on_notice)
-    return results
+
+
+@dataclass(frozen=True)
+class FinalNormRequest(CachedRequest):
+    """Metrics before and after the final norm (``isotui experiment final-norm``); its result is
+    a list: the final norm, or (``every_layer``) every block's output norm."""
+
+    every_layer: bool = False
+    kind: ClassVar[str] = "final-norm"
+
+    def _folder(self) -> tuple[str, int, dict[str, Any]]:
+        return FOLDER, SCHEMA, {"every_layer": self.every_layer}
+
+    def _measure(self, cache: Any, context: Context) -> Any:
+        return cached_norms(
+            self.spec,
+            cache,
+            every_layer=self.every_layer,
+            on_progress=context.on_progress,
+            should_stop=context.should_stop,
+            on_notice=context.notice,
+        )
 
 
 _STAT_ARRAYS = ("dim_contrib", "eigenvalues", "mean")

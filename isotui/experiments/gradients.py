@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
-from isotui.experiments.base import Experiment
+from isotui.experiments.base import Context, Experiment
+from isotui.experiments.cached import CachedRequest
 from isotui.experiments.params import param
-from isotui.experiments.requests import GradientsRequest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -99,25 +99,50 @@ def cached_gradients(
 ) -> GradientResult:
     """:func:`measure_gradients` through the result cache (folder ``gradients``; ``cache`` from
     :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
-    from isotui.experiments.cached import find, keep
+    from isotui.experiments.cached import cached_run, experiment_key
     from isotui.experiments.layerwise import prepare
 
     _refuse_bundled(spec.model)
     prepared = prepare(spec, cache)
-    key, found = find(cache, prepared, FOLDER, SCHEMA, {"top_k": top_k}, on_notice)
-    if found is not None:
-        result = gradients_from_payload(*found)
+
+    def relabel(result: GradientResult) -> None:
         result.model, result.from_cache = spec.model, True
         result.meta["data"] = spec.data.describe()
         for row in result.rows:
             row.model = spec.model
-        return result
-    result = measure_gradients(
-        spec, top_k=top_k, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+
+    return cached_run(
+        cache,
+        [experiment_key(k, FOLDER, SCHEMA, {"top_k": top_k}) for k in prepared.keys],
+        decode=gradients_from_payload,
+        relabel=relabel,
+        compute=lambda: measure_gradients(
+            spec, top_k=top_k, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+        ),
+        encode=lambda result: ({k: v for k, v in asdict(result).items() if k != "from_cache"}, {}),
+        notice=on_notice,
     )
-    payload = {k: v for k, v in asdict(result).items() if k != "from_cache"}
-    keep(cache, key, payload, {}, on_notice)
-    return result
+
+
+@dataclass(frozen=True)
+class GradientsRequest(CachedRequest):
+    """Loss gradients w.r.t. hidden states (``isotui experiment gradients``)."""
+
+    top_k: int = 10
+    kind: ClassVar[str] = "gradients"
+
+    def _folder(self) -> tuple[str, int, dict[str, Any]]:
+        return FOLDER, SCHEMA, {"top_k": self.top_k}
+
+    def _measure(self, cache: Any, context: Context) -> Any:
+        return cached_gradients(
+            self.spec,
+            cache,
+            top_k=self.top_k,
+            on_progress=context.on_progress,
+            should_stop=context.should_stop,
+            on_notice=context.notice,
+        )
 
 
 def gradients_from_payload(payload: dict[str, Any], _arrays: dict[str, Any]) -> GradientResult:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -20,16 +19,16 @@ from isotui.core.null import null_cos_quantile
 from isotui.data.sources import fingerprint
 from isotui.data.stream import open_samples
 from isotui.experiments import plans
-from isotui.experiments.base import Arrays, Experiment, Payload, Rows
+from isotui.experiments.base import Arrays, Context, Experiment, Notice, Payload, Rows
+from isotui.experiments.cached import runs_cache
 from isotui.experiments.half_check import HALF_DTYPES
 from isotui.experiments.params import param
-from isotui.experiments.requests import LayersRequest
 from isotui.extract.device import needs_device_for_dtype, resolve_device, resolve_dtype
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
 from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult, joined_drift
 from isotui.spec import RunSpec
-from isotui.store.cache import CacheProblem, CacheWriteError, ResultCache
+from isotui.store.cache import ResultCache
 
 if TYPE_CHECKING:
     from isotui.extract.planning import ExtractOptions
@@ -59,7 +58,9 @@ class Prepared:
 
 def run_key(key_fields: dict[str, Any]) -> str:
     """The hash of a run's resolved settings."""
-    return hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
+    from isotui.experiments.cached import key_hash
+
+    return key_hash(key_fields)
 
 
 def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
@@ -130,17 +131,9 @@ def lookup(
     prepared: Prepared, cache: ResultCache | None, on_notice: NoticeCallback = _no_notice
 ) -> ModelResult | None:
     """The cached result for ``prepared``, or None; a damaged entry is reported and ignored."""
-    if cache is None:
-        return None
-    hit = None
-    for key in prepared.keys:
-        try:
-            hit = read(cache, key)
-        except CacheProblem as problem:
-            on_notice(f"{problem}; recomputing")
-            return None
-        if hit is not None:
-            break
+    from isotui.experiments.cached import lookup as lookup_entry
+
+    hit: ModelResult | None = lookup_entry(cache, prepared.keys, ModelResult.from_json, on_notice)
     if hit is not None:  # same key: same numbers; the names are the ones asked for now
         hit.model = prepared.spec.model
         for row in hit.rows:
@@ -152,12 +145,9 @@ def lookup(
 
 def store(result: ModelResult, cache: ResultCache | None, on_notice: NoticeCallback = _no_notice) -> None:
     """Cache ``result``; a cache that cannot be written is reported, never fatal."""
-    if cache is None:
-        return
-    try:
-        cache.put_payload(result.key, result.to_json(), result.arrays)
-    except CacheWriteError as exc:  # the result itself is fine: report, keep it, go on
-        on_notice(str(exc))
+    from isotui.experiments.cached import keep
+
+    keep(cache, result.key, result.to_json(), result.arrays, on_notice)
 
 
 def measure(
@@ -480,6 +470,116 @@ class LayersParams:
         help="also one table of layers (rows) by models (columns) for METRIC (default avg_cos; the "
         "layer metrics below)",
     )
+
+
+# --- the layer run's job (the app's backend and the registry's request) -----------------------------
+
+
+@dataclass(frozen=True)
+class LayersRequest:
+    """Layer-wise anisotropy of one model (``isotui run``): the layer experiment's job.
+
+    ``prepare_fn(spec)`` and ``compute_fn(prepared, on_progress=, should_stop=)`` default to
+    :func:`~isotui.experiments.layerwise.prepare` (with this cache) and
+    :func:`~isotui.experiments.layerwise.compute`; a front end's test passes fakes (not part of
+    the job's identity: equal specs are one job)."""
+
+    spec: RunSpec
+    compute_fn: Any = field(default=None, compare=False, repr=False)
+    prepare_fn: Any = field(default=None, compare=False, repr=False)
+    _resolved: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    kind: ClassVar[str] = "layers"
+
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    def _prepare(self, cache: Any) -> Any:
+        """The spec resolved (names, data, dtype, key): once per request, so that a lookup and the
+        compute after it read the data once (a new request resolves anew)."""
+        if "prepared" not in self._resolved:
+            prepare_fn = self.prepare_fn or (lambda spec: prepare(spec, cache))
+            self._resolved["prepared"] = prepare_fn(self.spec)
+        return self._resolved["prepared"]
+
+    def keys(self, cache_root: Path | None) -> list[str]:
+        return list(self._prepare(runs_cache(cache_root)).keys)
+
+    def resolved_device(self) -> str:
+        """The device it runs on, once looked up (the lookup resolved it): the jobs pane's."""
+        from isotui.extract.device import resolve_device
+
+        prepared = self._resolved.get("prepared")
+        if prepared is not None and prepared.device:
+            return str(prepared.device)
+        return resolve_device(self.spec.device)
+
+    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+        cache = runs_cache(cache_root)
+        return lookup(self._prepare(cache), cache, notice)
+
+    def compute(
+        self,
+        cache_root: Path | None,
+        *,
+        on_progress: ProgressCallback,
+        should_stop: StopCheck,
+        notice: Notice,
+    ) -> Any:
+        from isotui.experiments.shards import measure_shard, merge_cached
+
+        if self.spec.shard is not None and self.compute_fn is None:
+            return measure_shard(
+                self.spec, cache_root, on_progress=on_progress, should_stop=should_stop, on_notice=notice
+            )
+        cache = runs_cache(cache_root)
+        prepared = self._prepare(cache)
+        merged = None if self.compute_fn else merge_cached(prepared, cache_root, on_notice=notice)
+        if merged is not None:
+            return merged
+        compute_fn = self.compute_fn or compute
+        result = compute_fn(prepared, on_progress=on_progress, should_stop=should_stop)
+        store(result, cache, notice)
+        return result
+
+    def measure(self, context: Context) -> Any:
+        from isotui.experiments.shards import measure_shard
+
+        if self.spec.shard is not None and not (self.compute_fn or self.prepare_fn):
+            return measure_shard(
+                self.spec,
+                context.cache_root,
+                on_progress=context.on_progress,
+                should_stop=context.should_stop,
+                on_notice=context.notice,
+            )
+        if self.compute_fn or self.prepare_fn:  # a fake's own steps
+            found = self.lookup(context.cache_root, context.notice)
+            if found is not None:
+                return found
+            return self.compute(
+                context.cache_root,
+                on_progress=context.on_progress,
+                should_stop=context.should_stop,
+                notice=context.notice,
+            )
+        return measure(
+            self.spec,
+            runs_cache(context.cache_root),
+            on_progress=context.on_progress,
+            should_stop=context.should_stop,
+            on_notice=context.notice,
+        )
+
+
+def request_for(job: Any) -> Any:
+    """The request of a job: a plain :class:`~isotui.spec.RunSpec` is a :class:`LayersRequest`;
+    any other request is itself (so a front end that still submits specs needs no other branch)."""
+    return LayersRequest(job) if isinstance(job, RunSpec) else job
 
 
 # --- the registry's entry (isotui run) ---------------------------------------------------------------

@@ -12,11 +12,9 @@ module by default), chosen by (sample, position) so every checkpoint contributes
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -24,132 +22,16 @@ from isotui.core.trajectory import BASES, common_basis, project
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
 from isotui.experiments.attention import SCHEMA as ATTENTION_SCHEMA
-from isotui.experiments.base import Experiment
+from isotui.experiments.attention import AttentionRequest
+from isotui.experiments.base import Context, Experiment, Notice
 from isotui.experiments.params import param
-from isotui.experiments.requests import DynamicsRequest
-from isotui.experiments.series import unpack_series
+from isotui.experiments.series import Attempts, SeriesRequest, unpack_series
+from isotui.experiments.series import Checkpoint as Checkpoint  # the series' names, as before
+from isotui.experiments.series import resolve_checkpoints as resolve_checkpoints
+from isotui.experiments.series import series_name as series_name
 
 HELP = "queries and keys along a checkpoint series (Godey et al. 2024, Figs. 11-15, 19-23)"
 DEFAULT_SAMPLE = 256
-_STEP = re.compile(r"step[_-]?0*(\d+)(k?)", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One checkpoint: the model name isotui loads, a short label and its training step;
-    ``duplicate_of``: the label of the later step whose weights it serves (see revisions)."""
-
-    model: str
-    label: str
-    step: int | None
-    duplicate_of: str | None = None
-
-
-def _step_of(text: str) -> int | None:
-    """``step1000`` -> 1000, ``step_20k`` -> 20000, ``step_000100`` -> 100; else None."""
-    found = _STEP.search(text)
-    if not found:
-        return None
-    return int(found.group(1)) * (1000 if found.group(2) else 1)
-
-
-def _series_folder(path: Path) -> list[Path]:
-    """The checkpoint folders inside a series folder: an ``isotui train-tiny`` run's own list,
-    else every sub-folder with a config.json, by step."""
-    from isotui.experiments.train_tiny import RUN_FILE, checkpoint_dirs
-
-    if (path / RUN_FILE).is_file():
-        return checkpoint_dirs(path)
-    subs = [p for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file()]
-    return sorted(subs, key=lambda p: (_step_of(p.name) is None, _step_of(p.name) or 0, p.name))
-
-
-def resolve_checkpoints(
-    model: str | None,
-    checkpoints: str | Sequence[str],
-    *,
-    skip_duplicates: bool = False,
-    notice: Callable[[str], None] | None = None,
-    flag: str = "--checkpoints",
-) -> list[Checkpoint]:
-    """Turn the user's ``--checkpoints`` into a series (the CLI, the app, the Python API and
-    ``isotui sweep`` all call this), in the order given.
-
-    Each item is a hub revision of ``model`` (``step1000`` -> ``MODEL@step1000``), a model id,
-    a checkpoint folder, a folder of checkpoint folders (expanded, ordered by step), or a selector
-    of ``model``'s branches (``all``, ``every:N``, ``stepA..stepB``: see
-    :mod:`isotui.experiments.revisions`; with one, the series is ordered by step). Checkpoints
-    serving another step's weights get ``duplicate_of`` (before anything is downloaded; said
-    through ``notice``); ``skip_duplicates`` leaves them out. ``flag`` is what a bad input's
-    sentence names (a config file's key, say).
-    """
-    from isotui.experiments import revisions
-
-    given = [checkpoints] if isinstance(checkpoints, str) else list(checkpoints)
-    items = [t for chunk in given for t in re.split(r"[,\s]+", chunk) if t]
-    if not items:
-        raise IsotuiError(f"{flag} is empty: give revisions, model ids or checkpoint folders")
-    out: list[Checkpoint] = []
-    branches: list[Checkpoint] | None = None
-    selected = False
-    for item in items:
-        selector = revisions.parse_selector(item, flag)
-        if selector is not None:
-            branches = branches or revisions.available(model, selector, flag, notice)
-            out += revisions.pick(branches, selector, str(model), flag)
-            selected = True
-            continue
-        path = Path(item).expanduser()
-        if not path.exists() and _meant_as_folder(item, path):
-            raise IsotuiError(
-                f"{flag}: checkpoint folder {item} does not exist (in {path.parent.resolve()}); give "
-                "checkpoint folders, a folder of them (isotui train-tiny output) or hub revisions"
-            )
-        if path.is_dir() and not (path / "config.json").is_file():
-            found = _series_folder(path)
-            if not found:
-                raise IsotuiError(
-                    f"checkpoint folder {item!r} holds no model folder (config.json); give checkpoint "
-                    "folders or an isotui train-tiny output folder"
-                )
-            out += [Checkpoint(str(p), p.name, _step_of(p.name)) for p in found]
-        elif path.is_dir() or "/" in item or item.startswith(("random:", "timm:")) or model is None:
-            label = path.name if path.is_dir() else item
-            out.append(Checkpoint(str(path) if path.is_dir() else item, label, _step_of(label)))
-        else:  # a revision of --model
-            out.append(Checkpoint(f"{model}@{item}", item, _step_of(item)))
-    if selected:
-        out = revisions.union(out)
-    _enough(out, flag)
-    out = revisions.flag_duplicates(out, model, branches, notice)
-    skip = "--skip-duplicates" if flag.startswith("--") else "skip_duplicates"
-    if any(c.duplicate_of for c in out) and notice is not None:
-        notice(revisions.duplicates_said(out, skip_duplicates, skip))
-    if skip_duplicates:
-        out = [c for c in out if not c.duplicate_of]
-        _enough(out, flag, f" once {skip} left out the checkpoints serving another step's weights")
-    return out
-
-
-def _meant_as_folder(item: str, path: Path) -> bool:
-    """Whether a ``--checkpoints`` item can only be a folder: written as a path (``./``, ``~``,
-    ``/``), or inside a folder that exists here (``runs/nope`` beside ``runs/``), not a hub id."""
-    if item.startswith(("/", "./", "../", "~")):
-        return True
-    return "/" in item and str(path.parent) not in ("", ".") and path.parent.is_dir()
-
-
-def _enough(checkpoints: list[Checkpoint], flag: str, after: str = "") -> None:
-    only = checkpoints[0].model if len(checkpoints) == 1 else ""
-    if not after and "/" in only and "@" not in only and not Path(only).expanduser().is_dir():
-        raise IsotuiError(
-            f"{flag} names 1 checkpoint, {only}, which is no folder here (a folder of checkpoints, e.g. "
-            "isotui train-tiny's output, gives a series); the dynamics need at least 2"
-        )
-    if len(checkpoints) < 2:
-        raise IsotuiError(
-            f"{flag} names {len(checkpoints)} checkpoint{after}; the dynamics need at least 2 (a series)"
-        )
 
 
 @dataclass
@@ -356,17 +238,43 @@ def assemble(
     return out
 
 
-def series_name(checkpoints: list[Checkpoint]) -> str:
-    """What to call a series without ``--model``: the folder holding its checkpoint folders, or
-    the common start of its model ids (``google/multiberts-seed_0``)."""
-    import os
+@dataclass(frozen=True)
+class DynamicsRequest(SeriesRequest):
+    """Queries and keys along a checkpoint series (``isotui experiment qk-dynamics``)."""
 
-    parents = {str(Path(c.model).parent) for c in checkpoints if Path(c.model).is_dir()}
-    if len(parents) == 1 and all(Path(c.model).is_dir() for c in checkpoints):
-        return Path(parents.pop()).name
-    prefix = os.path.commonprefix([c.model for c in checkpoints])  # noqa: RUF071 (ids, not paths)
-    prefix = re.sub(r"[-_@/]*(step)?[-_]*$", "", prefix, flags=re.IGNORECASE)
-    return prefix or checkpoints[0].label
+    sample_size: int = 256
+    kind: ClassVar[str] = "qk-dynamics"
+
+    def _parts(self) -> list[Any]:
+        return [AttentionRequest(self.spec.with_model(c.model), self.sample_size) for c in self.checkpoints]
+
+    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+        """Answered at once only when every checkpoint is cached."""
+        if cache_root is None:
+            return None
+        found = []
+        for part in self._parts():
+            hit = part.lookup(cache_root, notice)
+            if hit is None:
+                return None
+            found.append(hit)
+        return assemble(self.series, list(self.checkpoints), found, self.sample_size)
+
+    def measure(self, context: Context) -> Any:
+        from isotui.experiments.attention import attention_cache
+
+        cache = attention_cache(context.cache_root) if context.cache_root else None
+        return run_dynamics(
+            self.series,
+            list(self.checkpoints),
+            self.spec,
+            cache,
+            sample_size=self.sample_size,
+            progress=self._progress(context),
+            should_stop=context.should_stop,
+            on_notice=context.notice,
+            failures=Attempts(context.attempt) if context.attempt else None,
+        )
 
 
 # --- export and command-line options ------------------------------------------------------------

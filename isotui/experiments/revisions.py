@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from isotui.errors import IsotuiError
-from isotui.experiments.qk_dynamics import Checkpoint, _series_folder, _step_of
+from isotui.experiments.series import Checkpoint, series_folder, step_of
 
 if TYPE_CHECKING:
     from isotui.models.branches import Weights
@@ -61,7 +61,7 @@ class Selector:
 
 def _number(text: str) -> int:
     """``1000``, ``10k``, ``step1000``, ``step_20k`` -> the step."""
-    step = _step_of(text) if text.lower().startswith("step") else None
+    step = step_of(text) if text.lower().startswith("step") else None
     if step is not None:
         return step
     return int(text[:-1]) * 1000 if text.lower().endswith("k") else int(text)
@@ -107,8 +107,8 @@ def available(model: str | None, selector: Selector, flag: str, notice: Notice |
         )
     path = Path(model).expanduser()
     if path.is_dir():
-        found = _series_folder(path) if not (path / "config.json").is_file() else []
-        steps = [(p, _step_of(p.name)) for p in found]
+        found = series_folder(path) if not (path / "config.json").is_file() else []
+        steps = [(p, step_of(p.name)) for p in found]
         out = [Checkpoint(str(p), p.name, s) for p, s in steps if s is not None]
         if not out:
             raise IsotuiError(
@@ -126,7 +126,7 @@ def available(model: str | None, selector: Selector, flag: str, notice: Notice |
     from isotui.models.branches import list_refs
 
     refs = list_refs(ref.source, flag, notice)
-    out = [Checkpoint(f"{ref.source}@{r.name}", r.name, _step_of(r.name)) for r in refs]
+    out = [Checkpoint(f"{ref.source}@{r.name}", r.name, step_of(r.name)) for r in refs]
     out = sorted((c for c in out if c.step is not None), key=lambda c: (c.step, c.label))
     if not out:
         names = ", ".join(r.name for r in refs[:8]) or "none"
@@ -183,7 +183,7 @@ def _last_step(model: str | None, branches: list[Checkpoint] | None) -> Checkpoi
             refs = list_refs(model, "--checkpoints")
         except IsotuiError:  # not cached offline, not on the hub: loading says so
             return None
-        branches = [Checkpoint(f"{model}@{r.name}", r.name, _step_of(r.name)) for r in refs]
+        branches = [Checkpoint(f"{model}@{r.name}", r.name, step_of(r.name)) for r in refs]
     stepped = [c for c in branches if c.step is not None]
     return max(stepped, key=lambda c: c.step or 0) if stepped else None
 

@@ -1,16 +1,156 @@
-"""The loop over a checkpoint series, shared by every series experiment (qk-dynamics,
-checkpoints): each checkpoint measured (or read from the cache) on its own, with its own progress
-callback, a failure said and left out or ending the series."""
+"""A checkpoint series, shared by every series experiment (qk-dynamics, checkpoints), the app's
+series boxes, ``isotui sweep`` and the papers' figures: the series the user's ``--checkpoints``
+names (:func:`resolve_checkpoints`; branch selectors and duplicate weights in
+:mod:`isotui.experiments.revisions`), its name, and the loop over it: each checkpoint measured
+(or read from the cache) on its own, with its own progress callback, a failure said and left out
+or ending the series; the requests of a series experiment (:class:`SeriesRequest`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
+import re
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from isotui.errors import IsotuiError
-from isotui.experiments.base import Attempt, PartProgress
-from isotui.extract.progress import ProgressCallback, no_progress
+from isotui.experiments.base import Attempt, Context, Notice, PartProgress
+from isotui.extract.progress import Progress, ProgressCallback, StopCheck, no_progress
+from isotui.spec import RunSpec
+
+_STEP = re.compile(r"step[_-]?0*(\d+)(k?)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint: the model name isotui loads, a short label and its training step;
+    ``duplicate_of``: the label of the later step whose weights it serves (see revisions)."""
+
+    model: str
+    label: str
+    step: int | None
+    duplicate_of: str | None = None
+
+
+def step_of(text: str) -> int | None:
+    """``step1000`` -> 1000, ``step_20k`` -> 20000, ``step_000100`` -> 100; else None."""
+    found = _STEP.search(text)
+    if not found:
+        return None
+    return int(found.group(1)) * (1000 if found.group(2) else 1)
+
+
+def series_folder(path: Path) -> list[Path]:
+    """The checkpoint folders inside a series folder: an ``isotui train-tiny`` run's own list,
+    else every sub-folder with a config.json, by step."""
+    from isotui.experiments.train_tiny import RUN_FILE, checkpoint_dirs
+
+    if (path / RUN_FILE).is_file():
+        return checkpoint_dirs(path)
+    subs = [p for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file()]
+    return sorted(subs, key=lambda p: (step_of(p.name) is None, step_of(p.name) or 0, p.name))
+
+
+def resolve_checkpoints(
+    model: str | None,
+    checkpoints: str | Sequence[str],
+    *,
+    skip_duplicates: bool = False,
+    notice: Callable[[str], None] | None = None,
+    flag: str = "--checkpoints",
+) -> list[Checkpoint]:
+    """Turn the user's ``--checkpoints`` into a series (the CLI, the app, the Python API and
+    ``isotui sweep`` all call this), in the order given.
+
+    Each item is a hub revision of ``model`` (``step1000`` -> ``MODEL@step1000``), a model id,
+    a checkpoint folder, a folder of checkpoint folders (expanded, ordered by step), or a selector
+    of ``model``'s branches (``all``, ``every:N``, ``stepA..stepB``: see
+    :mod:`isotui.experiments.revisions`; with one, the series is ordered by step). Checkpoints
+    serving another step's weights get ``duplicate_of`` (before anything is downloaded; said
+    through ``notice``); ``skip_duplicates`` leaves them out. ``flag`` is what a bad input's
+    sentence names (a config file's key, say).
+    """
+    from isotui.experiments import revisions
+
+    given = [checkpoints] if isinstance(checkpoints, str) else list(checkpoints)
+    items = [t for chunk in given for t in re.split(r"[,\s]+", chunk) if t]
+    if not items:
+        raise IsotuiError(f"{flag} is empty: give revisions, model ids or checkpoint folders")
+    out: list[Checkpoint] = []
+    branches: list[Checkpoint] | None = None
+    selected = False
+    for item in items:
+        selector = revisions.parse_selector(item, flag)
+        if selector is not None:
+            branches = branches or revisions.available(model, selector, flag, notice)
+            out += revisions.pick(branches, selector, str(model), flag)
+            selected = True
+            continue
+        path = Path(item).expanduser()
+        if not path.exists() and _meant_as_folder(item, path):
+            raise IsotuiError(
+                f"{flag}: checkpoint folder {item} does not exist (in {path.parent.resolve()}); give "
+                "checkpoint folders, a folder of them (isotui train-tiny output) or hub revisions"
+            )
+        if path.is_dir() and not (path / "config.json").is_file():
+            found = series_folder(path)
+            if not found:
+                raise IsotuiError(
+                    f"checkpoint folder {item!r} holds no model folder (config.json); give checkpoint "
+                    "folders or an isotui train-tiny output folder"
+                )
+            out += [Checkpoint(str(p), p.name, step_of(p.name)) for p in found]
+        elif path.is_dir() or "/" in item or item.startswith(("random:", "timm:")) or model is None:
+            label = path.name if path.is_dir() else item
+            out.append(Checkpoint(str(path) if path.is_dir() else item, label, step_of(label)))
+        else:  # a revision of --model
+            out.append(Checkpoint(f"{model}@{item}", item, step_of(item)))
+    if selected:
+        out = revisions.union(out)
+    _enough(out, flag)
+    out = revisions.flag_duplicates(out, model, branches, notice)
+    skip = "--skip-duplicates" if flag.startswith("--") else "skip_duplicates"
+    if any(c.duplicate_of for c in out) and notice is not None:
+        notice(revisions.duplicates_said(out, skip_duplicates, skip))
+    if skip_duplicates:
+        out = [c for c in out if not c.duplicate_of]
+        _enough(out, flag, f" once {skip} left out the checkpoints serving another step's weights")
+    return out
+
+
+def _meant_as_folder(item: str, path: Path) -> bool:
+    """Whether a ``--checkpoints`` item can only be a folder: written as a path (``./``, ``~``,
+    ``/``), or inside a folder that exists here (``runs/nope`` beside ``runs/``), not a hub id."""
+    if item.startswith(("/", "./", "../", "~")):
+        return True
+    return "/" in item and str(path.parent) not in ("", ".") and path.parent.is_dir()
+
+
+def _enough(checkpoints: list[Checkpoint], flag: str, after: str = "") -> None:
+    only = checkpoints[0].model if len(checkpoints) == 1 else ""
+    if not after and "/" in only and "@" not in only and not Path(only).expanduser().is_dir():
+        raise IsotuiError(
+            f"{flag} names 1 checkpoint, {only}, which is no folder here (a folder of checkpoints, e.g. "
+            "isotui train-tiny's output, gives a series); the dynamics need at least 2"
+        )
+    if len(checkpoints) < 2:
+        raise IsotuiError(
+            f"{flag} names {len(checkpoints)} checkpoint{after}; the dynamics need at least 2 (a series)"
+        )
+
+
+def series_name(checkpoints: list[Checkpoint]) -> str:
+    """What to call a series without ``--model``: the folder holding its checkpoint folders, or
+    the common start of its model ids (``google/multiberts-seed_0``)."""
+    import os
+
+    parents = {str(Path(c.model).parent) for c in checkpoints if Path(c.model).is_dir()}
+    if len(parents) == 1 and all(Path(c.model).is_dir() for c in checkpoints):
+        return Path(parents.pop()).name
+    prefix = os.path.commonprefix([c.model for c in checkpoints])  # noqa: RUF071 (ids, not paths)
+    prefix = re.sub(r"[-_@/]*(step)?[-_]*$", "", prefix, flags=re.IGNORECASE)
+    return prefix or checkpoints[0].label
 
 
 def measure_checkpoints(
@@ -49,3 +189,67 @@ def unpack_series(spec: Any) -> tuple[str | None, tuple[Any, ...], Any]:
     """A series experiment's (series, checkpoints, spec) triple, its checkpoints as a tuple."""
     series, ckpts, base = spec
     return series, tuple(ckpts), base
+
+
+def series_progress(on_progress: ProgressCallback, n: int) -> PartProgress:
+    """Per checkpoint i of n, a context giving its progress callback: one bar for the whole series
+    (checkpoint i's samples come after those before it)."""
+
+    def for_checkpoint(i: int, _ckpt: Any) -> AbstractContextManager[ProgressCallback]:
+        def post(p: Progress) -> None:
+            if p.message:
+                on_progress(p)
+                return
+            per = p.samples_total
+            on_progress(replace(p, samples_done=i * per + p.samples_done, samples_total=n * per))
+
+        return nullcontext(post)
+
+    return for_checkpoint
+
+
+@dataclass(frozen=True)
+class SeriesRequest:
+    """A job over a checkpoint series: what the jobs pane shows and which lane it runs on."""
+
+    series: str | None
+    checkpoints: tuple[Checkpoint, ...]
+    spec: RunSpec  # data and run options; its model is the first checkpoint
+
+    @property
+    def model(self) -> str:
+        return self.series or series_name(list(self.checkpoints))
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    def _parts(self) -> list[Any]:
+        """The requests of its checkpoints, each cached on its own."""
+        raise NotImplementedError
+
+    def keys(self, cache_root: Path | None) -> list[str]:
+        return [k for part in self._parts() for k in part.keys(cache_root)[:1]]
+
+    def compute(
+        self,
+        cache_root: Path | None,
+        *,
+        on_progress: ProgressCallback,
+        should_stop: StopCheck,
+        notice: Notice,
+    ) -> Any:
+        return self.measure(Context(cache_root, on_progress, should_stop, notice))
+
+    def measure(self, context: Context) -> Any:
+        raise NotImplementedError
+
+    def _progress(self, context: Context) -> PartProgress:
+        return context.part_progress or series_progress(context.on_progress, len(self.checkpoints))
+
+
+@dataclass(frozen=True)
+class Attempts:
+    """A context's ``attempt`` where the series functions take ``failures`` (``.attempt``)."""
+
+    attempt: Any

@@ -483,7 +483,7 @@ class IsotuiApp(App[None]):
         self.backend.submit(spec)
 
     def submit_request(self, request: Any) -> None:
-        """Queue an attention-lab experiment (see :mod:`isotui.experiments.requests`)."""
+        """Queue an attention-lab experiment (its experiment's request)."""
         if self.backend is not None:
             self.backend.submit(request)
 

@@ -83,7 +83,7 @@ class CheckpointsTab(LabTab):
         show_checkpoints(self)
 
     def run(self) -> bool:
-        from isotui.experiments.requests import CheckpointsRequest
+        from isotui.experiments.checkpoints import CheckpointsRequest
 
         text = self.query_one("#ckpt-input", Input).value
         return self.submit_series(text, CheckpointsRequest, "checkpoints")

@@ -100,7 +100,7 @@ def parse_settings(text: str) -> DriftBlockConfig:
 def run_drift(screen: Any) -> bool:
     """Queue the settings in the box; False (and one sentence in ``key=value`` words) if refused."""
     from isotui.errors import IsotuiError
-    from isotui.experiments.requests import DriftBlockRequest
+    from isotui.experiments.drift_block.experiment import DriftBlockRequest
 
     app: Any = screen.app
     text = screen.query_one("#drift-input", Input).value

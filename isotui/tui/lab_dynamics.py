@@ -114,8 +114,7 @@ class DynamicsTab(LabTab):
         self.plot()
 
     def run(self) -> bool:
-        from isotui.experiments.qk_dynamics import DEFAULT_SAMPLE
-        from isotui.experiments.requests import DynamicsRequest
+        from isotui.experiments.qk_dynamics import DEFAULT_SAMPLE, DynamicsRequest
 
         def request(series: str | None, ckpts: tuple[Any, ...], spec: Any) -> DynamicsRequest:
             return DynamicsRequest(series, ckpts, spec, DEFAULT_SAMPLE)

@@ -110,7 +110,7 @@ class HeadsTab(LabTab):
 
     def run(self) -> bool:
         from isotui.errors import IsotuiError
-        from isotui.experiments.requests import AttentionRequest
+        from isotui.experiments.attention import AttentionRequest
 
         host = self.host
         if not host.selected:

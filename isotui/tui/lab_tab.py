@@ -77,7 +77,7 @@ class LabTab(TabPane):
         (a bad series is one sentence); the series is named after the selected model when every
         checkpoint is one of its revisions."""
         from isotui.errors import IsotuiError
-        from isotui.experiments.qk_dynamics import resolve_checkpoints
+        from isotui.experiments.series import resolve_checkpoints
 
         host = self.host
         try:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -192,7 +190,9 @@ class DriftBlockConfig:
         for name, default in (("block", "post-ln"), ("measure", "after-norm")):
             if fields_[name] == default:  # keys of the default sweep stay those of earlier versions
                 del fields_[name]
-        return hashlib.sha256(json.dumps(fields_, sort_keys=True).encode()).hexdigest()[:32]
+        from isotui.experiments.cached import key_hash
+
+        return key_hash(fields_)
 
 
 def _version(package: str) -> str:

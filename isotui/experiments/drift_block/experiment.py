@@ -8,15 +8,17 @@ no CLI (its flags and keywords come from :class:`.params.DriftBlockParams`).
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, ClassVar
 
-from isotui.experiments.base import Arrays, Experiment, Payload, Rows
+from isotui.experiments.base import Arrays, Context, Experiment, Notice, Payload, Rows
 from isotui.experiments.drift_block.config import FOLDER, SCHEMA, DriftBlockConfig
 from isotui.experiments.drift_block.params import HELP, DriftBlockParams, config_from_params
 from isotui.experiments.drift_block.result import DriftBlockResult, SeedRun
-from isotui.experiments.drift_block.sweep import _assemble
-from isotui.experiments.requests import DriftBlockRequest
+from isotui.experiments.drift_block.store import _lookup, drift_cache
+from isotui.experiments.drift_block.sweep import _assemble, run_drift_block
+from isotui.extract.progress import ProgressCallback, StopCheck
 
 
 def make_request(_spec: Any, params: DriftBlockParams) -> DriftBlockRequest:
@@ -55,6 +57,54 @@ def decode(payload: Payload, arrays: Arrays) -> DriftBlockResult:
     )
     run = SeedRun.from_payload(config.key(config.seeds[0]), payload, arrays)
     return _assemble(config, [run], [], None)
+
+
+@dataclass(frozen=True)
+class DriftBlockRequest:
+    """The untrained block under drift (``isotui experiment drift-block``)."""
+
+    config: Any  # drift_block.DriftBlockConfig (frozen, hashable)
+    kind: ClassVar[str] = "drift-block"
+
+    @property
+    def model(self) -> str:
+        c = self.config
+        variant = "".join(f" {v}" for v in (c.block, c.measure) if v not in ("post-ln", "after-norm"))
+        return f"d={c.hidden} heads={c.heads} std={c.init_std}{variant} seeds={','.join(map(str, c.seeds))}"
+
+    @property
+    def device(self) -> str:
+        return str(self.config.device)
+
+    def keys(self, cache_root: Path | None) -> list[str]:
+        return [str(self.config.key(seed)) for seed in self.config.seeds]
+
+    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+        """Answered at once only when every seed's sweep loads from the cache (nothing is
+        computed on the lookup thread; a damaged entry is recomputed on the device lane)."""
+        if cache_root is None:
+            return None
+        cache = drift_cache(cache_root)
+        notes: list[str] = []
+        runs = [_lookup(cache, self.config.key(seed), notes) for seed in self.config.seeds]
+        kept = [run for run in runs if run is not None]
+        if len(kept) < len(runs):
+            return None
+        return _assemble(self.config, kept, notes, None)
+
+    def compute(
+        self,
+        cache_root: Path | None,
+        *,
+        on_progress: ProgressCallback,
+        should_stop: StopCheck,
+        notice: Notice,
+    ) -> Any:
+        return self.measure(Context(cache_root, on_progress, should_stop, notice))
+
+    def measure(self, context: Context) -> Any:
+        cache = drift_cache(context.cache_root) if context.cache_root else None
+        return run_drift_block(self.config, cache, context.on_progress, context.should_stop)
 
 
 EXPERIMENT = Experiment(

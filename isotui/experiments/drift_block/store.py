@@ -13,33 +13,21 @@ if TYPE_CHECKING:
 
 
 def _lookup(cache: ResultCache | None, key: str, notes: list[str]) -> SeedRun | None:
-    if cache is None:
-        return None
-    from isotui.store.cache import CacheProblem
+    from isotui.experiments.cached import lookup
 
-    try:
-        found = cache.get_payload(key)
-    except CacheProblem as problem:
-        notes.append(f"{problem}; recomputed")
-        return None
-    if found is None:
-        return None
-    try:
-        return SeedRun.from_payload(key, *found)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        notes.append(f"cache entry {key} is unreadable ({type(exc).__name__}); recomputed")
-        return None
+    return lookup(
+        cache,
+        [key],
+        lambda payload, arrays: SeedRun.from_payload(key, payload, arrays),
+        notes.append,
+        "recomputed",
+    )
 
 
 def _store(cache: ResultCache | None, run: SeedRun, notes: list[str]) -> None:
-    if cache is None:
-        return
-    from isotui.store.cache import CacheWriteError
+    from isotui.experiments.cached import keep
 
-    try:
-        cache.put_payload(run.key, *run.to_payload())
-    except CacheWriteError as exc:
-        notes.append(str(exc))
+    keep(cache, run.key, *run.to_payload(), notes.append)
 
 
 def drift_cache(root: str | Path) -> ResultCache:
