@@ -98,7 +98,7 @@ def make_requests(
     if experiment.inputs == "config":
         return [experiment.request(None, params)]
     if experiment.inputs == "series":
-        from isotui.experiments.qk_dynamics import resolve_checkpoints
+        from isotui.experiments.series import resolve_checkpoints
 
         if series is None or not series.checkpoints:
             raise IsotuiError(f"{experiment.name} needs checkpoints: the series to measure")
