@@ -222,18 +222,21 @@ def run_step(
     def notice(text: str) -> None:
         send(("notice", text))
 
+    from contextlib import nullcontext
+
+    from isotui import service
+
+    progress = nullcontext(lambda p: send(("progress", p)))
+    session = service.Session(cache_root, bar=lambda _name: progress, notice=notice, should_stop=should_stop)
     try:
         if step == "lookup":
-            hit = request.lookup(cache_root, notice)
+            hit = service.cached(request, session)
             send(("done", hit) if hit is not None else ("miss", request))
             return
         if should_stop():
             raise Cancelled()
         send(("started", _started_device(request)))
-        result = request.compute(
-            cache_root, on_progress=lambda p: send(("progress", p)), should_stop=should_stop, notice=notice
-        )
-        send(("done", result))
+        send(("done", service.compute(request, session)))
     except Cancelled:
         send(("cancelled",))
     except BaseException as exc:  # one sentence; the worker goes on with the next job

@@ -192,6 +192,25 @@ def run(experiment: Experiment, requests: Sequence[Any], session: Session) -> Ou
     return outcome
 
 
+def cached(request: Any, session: Session) -> Any:
+    """One request's cached result, or None: the app's quick first step (its backend looks up
+    every job at once, in submission order, and sends only the misses to a device lane)."""
+    return request.lookup(session.cache_root, session.notice)
+
+
+def compute(request: Any, session: Session) -> Any:
+    """Compute one request (loading its model) and store its result: the app's second step, on
+    the device lane the backend chose (its progress from ``session.bar``, named after the
+    request; cancellation and notices from the session)."""
+    with session.bar(request.model) as on_progress:
+        return request.compute(
+            session.cache_root,
+            on_progress=on_progress,
+            should_stop=session.should_stop,
+            notice=session.notice,
+        )
+
+
 def finish(experiment: Experiment, outcome: Outcome) -> None:
     """The CSV rows and JSON payload of the results collected."""
     if outcome.results:
