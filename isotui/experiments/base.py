@@ -127,11 +127,19 @@ class Experiment:
     decode: Callable[[Payload, Arrays], Any] | None = None
     check: Callable[[argparse.Namespace], None] = lambda _args: None  # flags said before any work
     command: str = "experiment"  # "run": a top-level command of its own
-    run_flags: bool = True  # takes the data and extraction flags of `isotui run`
+    # the scopes of run options it takes (isotui.spec: MODEL, LAYER_METRICS, RESERVOIR, SHARD);
+    # every experiment that streams a model takes "model" (--data, --device, --max-samples,
+    # --seed...); () for one that builds its own model from its own options (drift-block)
+    run_options: tuple[str, ...] = ("model",)
     what: str = "models"  # what the closing failure line counts
     # --dry-run: a request's memory plan from the config alone (isotui.experiments.plans); None
     # for an experiment that streams no model
     plan: Callable[[Any], Any] | None = None
+
+    @property
+    def run_flags(self) -> bool:
+        """Whether it takes run options at all (the data and extraction flags of ``isotui run``)."""
+        return bool(self.run_options)
 
     def request(self, spec: Any, args: argparse.Namespace) -> Any:
         """The request ``spec`` (a RunSpec; a (series, checkpoints, spec) triple; None for a

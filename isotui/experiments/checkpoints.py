@@ -21,6 +21,7 @@ from isotui.experiments.cached import runs_cache
 from isotui.experiments.series import Attempts, SeriesRequest, unpack_series
 from isotui.results import METRICS as LAYER_METRIC_DECLARATIONS
 from isotui.results import SCHEMA_VERSION
+from isotui.spec import LAYER_METRICS, MODEL, RESERVOIR
 
 if TYPE_CHECKING:
     import argparse
@@ -208,4 +209,5 @@ EXPERIMENT = Experiment(
     add_options=add_options,
     what="checkpoints",
     plan=plans.layers,
+    run_options=(MODEL, LAYER_METRICS, RESERVOIR),  # a layer run per checkpoint, not sharded
 )

@@ -21,6 +21,7 @@ from isotui.errors import IsotuiError
 from isotui.experiments import plans
 from isotui.experiments.base import Context, Experiment
 from isotui.experiments.cached import CachedRequest
+from isotui.spec import MODEL, RESERVOIR
 
 if TYPE_CHECKING:
     import torch
@@ -556,4 +557,5 @@ EXPERIMENT = Experiment(
     add_options=add_options,
     decode=results_from_payload,
     plan=plans.final_norm,
+    run_options=(MODEL, RESERVOIR),
 )

@@ -26,7 +26,7 @@ from isotui.extract.device import needs_device_for_dtype, resolve_device, resolv
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
 from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult, joined_drift
-from isotui.spec import RunSpec
+from isotui.spec import LAYER_METRICS, MODEL, RESERVOIR, SHARD, RunSpec
 from isotui.store.cache import ResultCache
 
 if TYPE_CHECKING:
@@ -587,4 +587,5 @@ EXPERIMENT = Experiment(
     decode=_layer_decode,
     command="run",
     plan=plans.layers,
+    run_options=(MODEL, LAYER_METRICS, RESERVOIR, SHARD),
 )

@@ -78,3 +78,9 @@ def get(name: str) -> Experiment:
 def cache_folders() -> list[str]:
     """Every folder of the result cache an experiment writes (``runs`` first), for ``cache ls/rm``."""
     return [e.folder for e in _registry() if e.folder is not None]
+
+
+def commands_taking(scope: str) -> tuple[str, ...]:
+    """The commands (``run`` for the layer run, else the experiment's name) whose experiment
+    declares the run options of ``scope`` (:data:`isotui.spec.SCOPES`), in registry order."""
+    return tuple(e.command if e.command == "run" else e.name for e in _registry() if scope in e.run_options)

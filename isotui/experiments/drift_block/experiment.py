@@ -122,5 +122,5 @@ EXPERIMENT = Experiment(
     payload=json_payload,
     add_options=add_options,
     decode=decode,
-    run_flags=False,
+    run_options=(),  # its own model, from its own options
 )
