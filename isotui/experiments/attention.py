@@ -292,7 +292,7 @@ class AttentionRequest:
     def keys(self, cache_root: Path | None) -> list[str]:
         return [find_attention(self.spec, None, self.sample_size)[1]]
 
-    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+    def lookup(self, cache_root: Path | None, notice: Notice) -> AttentionResult | None:
         cache = attention_cache(cache_root) if cache_root else None
         return find_attention(self.spec, cache, self.sample_size, notice)[2]
 
@@ -303,12 +303,12 @@ class AttentionRequest:
         on_progress: ProgressCallback,
         should_stop: StopCheck,
         notice: Notice,
-    ) -> Any:
+    ) -> AttentionResult:
         cache = attention_cache(cache_root) if cache_root else None
         prepared, key, _ = find_attention(self.spec, None, self.sample_size)
         return compute_attention(prepared, key, self.sample_size, cache, on_progress, should_stop, notice)
 
-    def measure(self, context: Context) -> Any:
+    def measure(self, context: Context) -> AttentionResult:
         return measure_attention(
             self.spec,
             attention_cache(context.cache_root) if context.cache_root else None,
@@ -427,7 +427,7 @@ def add_options(p: Any) -> None:
     p.add_argument("--heads", action="store_true", help="print every head, not heads averaged per layer")
 
 
-EXPERIMENT = Experiment(
+EXPERIMENT: Experiment[Any, AttentionRequest, AttentionResult] = Experiment(
     name="attention",
     help=HELP,
     request_type=AttentionRequest,

@@ -135,7 +135,7 @@ def assemble_series(series: str | None, checkpoints: list[Any], results: list[An
 
 
 @dataclass(frozen=True)
-class CheckpointsRequest(SeriesRequest):
+class CheckpointsRequest(SeriesRequest[CheckpointSeries]):
     """Layer metrics along a checkpoint series (``isotui experiment checkpoints``)."""
 
     kind: ClassVar[str] = "checkpoints"
@@ -145,7 +145,7 @@ class CheckpointsRequest(SeriesRequest):
 
         return [LayersRequest(self.spec.with_model(c.model)) for c in self.checkpoints]
 
-    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+    def lookup(self, cache_root: Path | None, notice: Notice) -> CheckpointSeries | None:
         """Answered at once only when every checkpoint's layer run is cached."""
         if cache_root is None:
             return None
@@ -157,7 +157,7 @@ class CheckpointsRequest(SeriesRequest):
             found.append(hit)
         return assemble_series(self.series, list(self.checkpoints), found)
 
-    def measure(self, context: Context) -> Any:
+    def measure(self, context: Context) -> CheckpointSeries | None:
         return run_series(
             self.series,
             list(self.checkpoints),
@@ -194,7 +194,7 @@ def _checkpoints_request(spec: Any, _args: argparse.Namespace) -> CheckpointsReq
     return CheckpointsRequest(*unpack_series(spec))
 
 
-EXPERIMENT = Experiment(
+EXPERIMENT: Experiment[Any, CheckpointsRequest, CheckpointSeries] = Experiment(
     name="checkpoints",
     help=HELP,
     request_type=CheckpointsRequest,

@@ -124,7 +124,7 @@ def cached_gradients(
 
 
 @dataclass(frozen=True)
-class GradientsRequest(CachedRequest):
+class GradientsRequest(CachedRequest[GradientResult]):
     """Loss gradients w.r.t. hidden states (``isotui experiment gradients``)."""
 
     top_k: int = 10
@@ -133,7 +133,7 @@ class GradientsRequest(CachedRequest):
     def _folder(self) -> tuple[str, int, dict[str, Any]]:
         return FOLDER, SCHEMA, {"top_k": self.top_k}
 
-    def _measure(self, cache: Any, context: Context) -> Any:
+    def _measure(self, cache: ResultCache | None, context: Context) -> GradientResult:
         return cached_gradients(
             self.spec,
             cache,
@@ -477,7 +477,7 @@ def add_options(p: Any) -> None:
     )
 
 
-EXPERIMENT = Experiment(
+EXPERIMENT: Experiment[Any, GradientsRequest, GradientResult] = Experiment(
     name="gradients",
     help=HELP,
     request_type=GradientsRequest,

@@ -241,7 +241,7 @@ def assemble(
 
 
 @dataclass(frozen=True)
-class DynamicsRequest(SeriesRequest):
+class DynamicsRequest(SeriesRequest[DynamicsResult]):
     """Queries and keys along a checkpoint series (``isotui experiment qk-dynamics``)."""
 
     sample_size: int = 256
@@ -250,7 +250,7 @@ class DynamicsRequest(SeriesRequest):
     def _parts(self) -> list[Any]:
         return [AttentionRequest(self.spec.with_model(c.model), self.sample_size) for c in self.checkpoints]
 
-    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+    def lookup(self, cache_root: Path | None, notice: Notice) -> DynamicsResult | None:
         """Answered at once only when every checkpoint is cached."""
         if cache_root is None:
             return None
@@ -262,7 +262,7 @@ class DynamicsRequest(SeriesRequest):
             found.append(hit)
         return assemble(self.series, list(self.checkpoints), found, self.sample_size)
 
-    def measure(self, context: Context) -> Any:
+    def measure(self, context: Context) -> DynamicsResult | None:
         from isotui.experiments.attention import attention_cache
 
         cache = attention_cache(context.cache_root) if context.cache_root else None
@@ -350,7 +350,7 @@ def _dynamics_request(spec: Any, args: argparse.Namespace) -> DynamicsRequest:
     return DynamicsRequest(series, ckpts, base, sample_size=sample_size(args.sample))
 
 
-EXPERIMENT = Experiment(
+EXPERIMENT: Experiment[Any, DynamicsRequest, DynamicsResult] = Experiment(
     name="qk-dynamics",
     help=HELP,
     request_type=DynamicsRequest,

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from isotui.experiments.base import Experiment
 
+    AnyExperiment = Experiment[Any, Any, Any]  # each entry its own params, request and result
+
 TABLE: dict[str, str] = {
     "layers": "isotui.experiments.layerwise:EXPERIMENT",
     "attention": "isotui.experiments.attention:EXPERIMENT",
@@ -29,25 +31,25 @@ TABLE: dict[str, str] = {
 first): ``get(name)`` imports that one experiment's module alone."""
 
 if TYPE_CHECKING:  # resolved on first use by the module's __getattr__
-    REGISTRY: tuple[Experiment, ...]
-    EXPERIMENTS: dict[str, Experiment]
-    LAYERS: Experiment
+    REGISTRY: tuple[AnyExperiment, ...]
+    EXPERIMENTS: dict[str, AnyExperiment]
+    LAYERS: AnyExperiment
 
 
-def resolve(entry: str) -> Experiment:
+def resolve(entry: str) -> AnyExperiment:
     """The experiment a ``"module:attr"`` entry names (its module imported now)."""
     module, _, attr = entry.partition(":")
-    experiment: Experiment = getattr(import_module(module), attr)
+    experiment: AnyExperiment = getattr(import_module(module), attr)
     return experiment
 
 
-def _registry() -> tuple[Experiment, ...]:
+def _registry() -> tuple[AnyExperiment, ...]:
     """REGISTRY: the table resolved once (or what a test set in its place)."""
     found = globals().get("REGISTRY")
     if found is None:
         found = tuple(resolve(entry) for entry in TABLE.values())
         globals()["REGISTRY"] = found
-    registry: tuple[Experiment, ...] = found
+    registry: tuple[AnyExperiment, ...] = found
     return registry
 
 
@@ -65,7 +67,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def get(name: str) -> Experiment:
+def get(name: str) -> AnyExperiment:
     """The registered experiment ``name`` (``layers`` or ``run`` for the layer run)."""
     if "REGISTRY" not in globals() and name in TABLE:  # that one module imported, no other
         return resolve(TABLE[name])
