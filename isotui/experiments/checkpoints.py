@@ -26,6 +26,11 @@ from isotui.spec import LAYER_METRICS, MODEL, RESERVOIR
 if TYPE_CHECKING:
     import argparse
 
+    from isotui.experiments.base import PartProgress
+    from isotui.extract.progress import StopCheck
+    from isotui.spec import RunSpec
+    from isotui.store.cache import ResultCache
+
 HELP = "any layer metric along a checkpoint series, as a layer x step heatmap (Machina & Mercer 2024)"
 METRICS = tuple(m.name for m in LAYER_METRIC_DECLARATIONS)  # the plottable ones and the rogue share
 
@@ -84,12 +89,12 @@ def _label(row: Any) -> str:
 def run_series(
     series: str | None,
     checkpoints: list[Any],
-    base_spec: Any,
-    cache: Any,
+    base_spec: RunSpec,
+    cache: ResultCache | None,
     *,
-    progress: Any = None,
-    on_notice: Any = None,
-    should_stop: Any = None,
+    progress: PartProgress | None = None,
+    on_notice: Notice | None = None,
+    should_stop: StopCheck | None = None,
     failures: Any = None,
 ) -> CheckpointSeries | None:
     """Measure (or read from the cache) every checkpoint's layer table.

@@ -32,6 +32,11 @@ from isotui.experiments.series import series_name as series_name
 if TYPE_CHECKING:
     import argparse
 
+    from isotui.experiments.base import PartProgress
+    from isotui.extract.progress import StopCheck
+    from isotui.spec import RunSpec
+    from isotui.store.cache import ResultCache
+
 HELP = "queries and keys along a checkpoint series (Godey et al. 2024, Figs. 11-15, 19-23)"
 DEFAULT_SAMPLE = 256
 
@@ -188,13 +193,13 @@ def _xy(vector: np.ndarray, basis: np.ndarray) -> tuple[float, float]:
 def run_dynamics(
     model: str | None,
     checkpoints: list[Checkpoint],
-    base_spec: Any,
-    cache: Any,
+    base_spec: RunSpec,
+    cache: ResultCache | None,
     *,
     sample_size: int = DEFAULT_SAMPLE,
-    progress: Any = None,
-    should_stop: Any = None,
-    on_notice: Any = None,
+    progress: PartProgress | None = None,
+    should_stop: StopCheck | None = None,
+    on_notice: Notice | None = None,
     failures: Any = None,
 ) -> DynamicsResult | None:
     """Measure every checkpoint (each cached on its own), then build the trajectories.
