@@ -14,6 +14,9 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+if TYPE_CHECKING:
     from isotui.experiments.base import Experiment
 
     AnyExperiment = Experiment[Any, Any, Any]  # each entry its own params, request and result
@@ -86,3 +89,15 @@ def commands_taking(scope: str) -> tuple[str, ...]:
     """The commands (``run`` for the layer run, else the experiment's name) whose experiment
     declares the run options of ``scope`` (:data:`isotui.spec.SCOPES`), in registry order."""
     return tuple(e.command if e.command == "run" else e.name for e in _registry() if scope in e.run_options)
+
+
+def cached_entries(root: Path, prefix: str) -> list[tuple[AnyExperiment, str]]:
+    """(experiment, key) of every entry of the result cache at ``root`` whose key starts with
+    ``prefix``, in the folders of the experiments that read one entry back (``decode``): a layer
+    run, an attention, final-norm, gradients or drift-block result (``isotui show``, ``isotui.load``)."""
+    return [
+        (e, path.stem)
+        for e in _registry()
+        if e.folder is not None and e.decode is not None and (root / e.folder).is_dir()
+        for path in sorted((root / e.folder).glob(f"{prefix}*.safetensors"))
+    ]
