@@ -635,6 +635,12 @@ def _cmd_show(args: argparse.Namespace, err) -> int:
         )
     cache = ResultCache(cache_dir(args.cache_dir))
     matches = [e for e in cache.entries() if e.key.startswith(prefix)]
+    if not matches:  # any other experiment's cached result (attention, final-norm...)
+        from isotui.cli_show import show_experiment_entry
+
+        shown = show_experiment_entry(args, err, cache.root)
+        if shown is not None:
+            return shown
     if len(matches) != 1:
         what = "no cached run" if not matches else f"{len(matches)} cached runs; give more characters"
         raise IsotuiError(f"key {prefix!r} matches {what} in {cache.root} (see `isotui cache ls`)")

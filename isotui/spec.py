@@ -1,10 +1,13 @@
 """RunSpec: the validated settings of a layer-wise run, shared by the CLI, config files and TUI.
 
 Each run option is declared once, here: a :class:`RunSpec` field whose metadata is a
-:class:`RunOption` (help, TOML types, validation, which experiments take it, its field in the
-app's options dialog). The command line's flags (``cli.add_run_flags``), the config file's keys
-(``config.RUN_SETTINGS``), the settings file's ``[run]`` table, :func:`make_spec`, the options
-dialog and README's option table all read :data:`RUN_OPTIONS`; adding an option is one field.
+:class:`RunOption` (help, TOML types, validation, its scope, its field in the app's options
+dialog). Which experiments take it is said by each experiment: the scopes it declares
+(``Experiment.run_options``; every experiment that streams a model takes the ``model`` scope:
+``--data``, ``--device``, ``--max-samples``, ``--seed``...). The command line's flags
+(``cli.add_run_flags``), the config file's keys (``config.RUN_SETTINGS``), the settings file's
+``[run]`` table, :func:`make_spec`, the options dialog and README's option table all read
+:data:`RUN_OPTIONS`; adding an option is one field.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from isotui.extract.threads import check_threads
 MAP_UNITS = ("auto", "image", "position")
 SPECIAL_TOKENS = ("exclude", "include")
 
-# The commands that take run options: ``isotui run`` and the experiments that stream a model.
-# (drift-block builds its own model from its own settings; train-tiny trains one.)
-RUN_COMMANDS = ("run", "attention", "qk-dynamics", "checkpoints", "final-norm", "gradients")
-# The layer metrics of every kept vector (isotui run, and checkpoints: a run per checkpoint): the
-# only ones a reservoir sample, conv map units or an exact second pass change.
-LAYER_RUNS = ("run", "checkpoints")
+# The scopes of the run options; an experiment declares the ones it takes (Experiment.run_options).
+MODEL = "model"  # streaming a model over data: every experiment that does (not drift-block)
+LAYER_METRICS = "layer-metrics"  # the layer metrics of every kept vector (conv map units, --exact)
+RESERVOIR = "reservoir"  # a reservoir sample of each layer's vectors
+SHARD = "shard"  # one slice of the samples, merged with the others later
+SCOPES = (MODEL, LAYER_METRICS, RESERVOIR, SHARD)
 
 Parse = Callable[[Any, Path | None], Any]
 
@@ -46,7 +49,7 @@ class RunOption:
     choices: tuple[str, ...] = ()  # the command line refuses anything else (argparse)
     switch: bool = False  # an on/off flag: ``--exact`` turns it on
     metavar: str | None = None
-    applies_to: tuple[str, ...] = RUN_COMMANDS
+    scope: str = MODEL  # the experiments that declare this scope take it
     in_settings: bool = True  # the app's settings file ``[run]`` may set it
     label: str = ""  # its field in the app's options dialog ("": not in the dialog)
     hint: str = ""  # a free-text field's placeholder
@@ -308,7 +311,7 @@ class RunSpec:
         toml=(str,),
         parse=_choice("map-units", MAP_UNITS, "auto, image or position"),
         choices=MAP_UNITS,
-        applies_to=LAYER_RUNS,
+        scope=LAYER_METRICS,
         label="conv map units",
         menu=MAP_UNITS,
     )
@@ -317,7 +320,7 @@ class RunSpec:
         help="vectors per layer kept for centred metrics (default 4096)",
         toml=(int,),
         parse=_count("reservoir", allow_none=False),
-        applies_to=(*LAYER_RUNS, "final-norm"),
+        scope=RESERVOIR,
     )
     # a second pass: the reservoir metrics over every vector
     exact: bool = _option(
@@ -327,7 +330,7 @@ class RunSpec:
         toml=(bool,),
         parse=_switch("exact"),
         switch=True,
-        applies_to=LAYER_RUNS,
+        scope=LAYER_METRICS,
         label="exact (2nd pass)",
     )
     # read a text corpus as a stream (window by window) rather than whole: flat memory
@@ -349,7 +352,7 @@ class RunSpec:
         toml=(str,),
         parse=_shard,
         metavar="I/K",
-        applies_to=("run",),
+        scope=SHARD,
         in_settings=False,  # one process's slice: never a lasting setting of the app
     )
     # the app's max length is a ceiling: longer than the model accepts is capped (with a notice),
@@ -372,9 +375,17 @@ OPTIONS_BY_NAME: dict[str, RunOption] = {o.name: o for o in RUN_OPTIONS}
 SPEC_OPTIONS = ("base_dir", *OPTIONS_BY_NAME)
 
 
+def options_in(scopes: tuple[str, ...]) -> tuple[RunOption, ...]:
+    """The run options of ``scopes`` (what an experiment declares), in declaration order."""
+    return tuple(o for o in RUN_OPTIONS if o.scope in scopes)
+
+
 def options_for(command: str) -> tuple[RunOption, ...]:
-    """The run options ``command`` (``run`` or an experiment's name) takes."""
-    return tuple(o for o in RUN_OPTIONS if command in o.applies_to)
+    """The run options ``command`` (``run`` or an experiment's name) takes: those of the scopes
+    its registered experiment declares."""
+    from isotui.experiments.registry import get
+
+    return options_in(get(command).run_options)
 
 
 def make_spec(model: str, data: Any = "builtin", *, base_dir: Path | None = None, **options: Any) -> RunSpec:

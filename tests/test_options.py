@@ -14,9 +14,10 @@ import pytest
 
 from isotui.cli import build_parser, main
 from isotui.config import RUN_SETTINGS, load_run_config
+from isotui.experiments.registry import commands_taking
 from isotui.results import LAYER_METRICS, METRICS, SE_FIELDS, LayerRow
 from isotui.settings import RUN_KEYS, load_settings
-from isotui.spec import RUN_COMMANDS, RUN_OPTIONS, RunSpec, make_spec, options_for
+from isotui.spec import MODEL, RUN_OPTIONS, RunSpec, make_spec, options_for
 
 from .conftest import corpus
 
@@ -81,13 +82,14 @@ def test_a_declared_option_reaches_its_flags_config_key_settings_and_dialog(opti
     flag_text, toml_text, expected = SAMPLES[option.name]
     check = expected if callable(expected) else (lambda v: v == expected)
     # the flag: on every command it applies to, on none of the others
-    for command in RUN_COMMANDS:
-        assert (option.flag in _flags(_subparser(command))) == (command in option.applies_to), command
+    taking = commands_taking(option.scope)
+    for command in commands_taking(MODEL):
+        assert (option.flag in _flags(_subparser(command))) == (command in taking), command
     # ... and what the flag says becomes the spec's field (run: through _settings; experiments:
     # through spec_from_args)
     monkeypatch.chdir(tmp_path)
     argv = [option.flag] if flag_text is None else [option.flag, flag_text]
-    for command in option.applies_to:
+    for command in commands_taking(option.scope):
         if command == "run":
             from isotui.cli import _settings
             from isotui.spec import given_options
@@ -295,7 +297,8 @@ def options_table() -> str:
         if o.switch:
             default = "on" if o.default else "off"
         key = f"`{o.name}`" if o.in_settings else f"`{o.name}` (not in the app's settings file)"
-        commands = "all" if o.applies_to == RUN_COMMANDS else ", ".join(o.applies_to)
+        taking = commands_taking(o.scope)
+        commands = "all" if taking == commands_taking(MODEL) else ", ".join(taking)
         lines.append(f"| `{o.flag}` | {key} | {default} | {commands} | {o.help} |")
     return "\n".join(lines) + "\n"
 

@@ -192,3 +192,29 @@ def test_the_registry_imports_an_experiment_on_first_use_only():
     assert first == "['isotui.experiments.registry']"
     assert loaded == "True False"
     assert named == "True"  # each entry under its experiment's own name
+
+
+def test_every_experiment_that_streams_a_model_offers_the_run_options(monkeypatch):
+    """Which run options an experiment takes is its own declaration (``run_options``), not a list
+    of names elsewhere: a newly registered experiment over models, declaring nothing about them,
+    gets --data, --device, --max-samples and --seed like every registered one."""
+    from isotui.cli import build_parser
+    from isotui.experiments import registry
+    from isotui.experiments.base import Experiment
+
+    default = next(f.default for f in dataclasses.fields(Experiment) if f.name == "run_options")
+    demo = dataclasses.replace(
+        registry.get("attention"), name="demo-mean-norm", folder="demo-mean-norm", run_options=default
+    )
+    monkeypatch.setattr(registry, "REGISTRY", (*registry.REGISTRY, demo))
+    monkeypatch.setattr(registry, "EXPERIMENTS", {**registry.EXPERIMENTS, demo.name: demo})
+    top = _subcommands(build_parser())
+    experiments = _subcommands(top["experiment"])
+    streaming = [e for e in registry.REGISTRY if e.inputs in ("models", "series")]
+    assert {"layers", "attention", "qk-dynamics", "checkpoints", "final-norm", "gradients", demo.name} == {
+        e.name for e in streaming
+    }
+    for exp in streaming:
+        flags = _flags(top["run"] if exp.command == "run" else experiments[exp.name])
+        assert {"--data", "--device", "--max-samples", "--seed"} <= flags, exp.name
+    assert "--data" not in _flags(experiments["drift-block"])  # its own model, from its own flags

@@ -293,7 +293,7 @@ class AttentionRequest:
     def keys(self, cache_root: Path | None) -> list[str]:
         return [find_attention(self.spec, None, self.sample_size)[1]]
 
-    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+    def lookup(self, cache_root: Path | None, notice: Notice) -> AttentionResult | None:
         cache = attention_cache(cache_root) if cache_root else None
         return find_attention(self.spec, cache, self.sample_size, notice)[2]
 
@@ -304,12 +304,12 @@ class AttentionRequest:
         on_progress: ProgressCallback,
         should_stop: StopCheck,
         notice: Notice,
-    ) -> Any:
+    ) -> AttentionResult:
         cache = attention_cache(cache_root) if cache_root else None
         prepared, key, _ = find_attention(self.spec, None, self.sample_size)
         return compute_attention(prepared, key, self.sample_size, cache, on_progress, should_stop, notice)
 
-    def measure(self, context: Context) -> Any:
+    def measure(self, context: Context) -> AttentionResult:
         return measure_attention(
             self.spec,
             attention_cache(context.cache_root) if context.cache_root else None,
@@ -430,7 +430,7 @@ class AttentionParams:
     heads: bool = param(False, switch=True, view=True, help="print every head, not heads averaged per layer")
 
 
-EXPERIMENT = Experiment(
+EXPERIMENT: Experiment[Any, AttentionRequest, AttentionResult] = Experiment(
     name="attention",
     help=HELP,
     request_type=AttentionRequest,

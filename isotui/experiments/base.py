@@ -32,12 +32,15 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from isotui.experiments.params import NoParams
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
+
+if TYPE_CHECKING:
+    from isotui.store.cache import ResultCache
 
 Notice = Callable[[str], None]
 Rows = list[dict[str, Any]]
@@ -46,6 +49,12 @@ Arrays = dict[str, np.ndarray]
 Inputs = Literal["models", "series", "config"]
 Attempt = Callable[..., Any]  # (name, fn, *args) -> fn's value, or None once the failure is said
 PartProgress = Callable[[int, Any], AbstractContextManager[ProgressCallback]]
+
+R = TypeVar("R")  # what one request gives: its experiment's result (a list of them for final-norm)
+R_co = TypeVar("R_co", covariant=True)
+P = TypeVar("P")  # an experiment's parameters (the options its front ends take)
+Q = TypeVar("Q", bound="Request[Any]")  # an experiment's request: one job
+T = TypeVar("T")  # an experiment's result, as its rows, payload and views read it
 
 
 def ignore_notice(_text: str) -> None:
@@ -73,10 +82,11 @@ class Context:
 
 
 @runtime_checkable
-class Request(Protocol):
-    """One job of an experiment: hashable (identical jobs in flight are merged), with what the
-    jobs pane shows (``model``), which device lane it runs on (``device``) and the two steps the
-    app's backend calls (signatures kept as the backend calls them)."""
+class Request(Protocol[R_co]):
+    """One job of an experiment, giving ``R_co`` (its result): hashable (identical jobs in flight
+    are merged), with what the jobs pane shows (``model``), which device lane it runs on
+    (``device``) and the two steps the app's backend calls (signatures kept as the backend calls
+    them)."""
 
     kind: ClassVar[str]
 
@@ -90,11 +100,11 @@ class Request(Protocol):
         """The cache keys its result is (or would be) stored under, in its experiment's folder."""
         ...
 
-    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+    def lookup(self, cache_root: Path | None, notice: Notice) -> R_co | None:
         """The cached result, or None (nothing computed; a damaged entry is said and ignored)."""
         ...
 
-    def measure(self, context: Context) -> Any:
+    def measure(self, context: Context) -> R_co:
         """The cached result when there is one, else computed and stored (one resolution)."""
         ...
 
@@ -105,46 +115,56 @@ class Request(Protocol):
         on_progress: ProgressCallback,
         should_stop: StopCheck,
         notice: Notice,
-    ) -> Any:
+    ) -> R_co:
         """Compute (loading the model) and store the result; raises IsotuiError in one sentence."""
         ...
 
 
 @dataclass(frozen=True)
-class Experiment:
-    """One registered experiment (see the module's docstring for each field's meaning)."""
+class Experiment(Generic[P, Q, T]):
+    """One registered experiment (see the module's docstring for each field's meaning), generic
+    in its parameters ``P``, its request ``Q`` and its result ``T`` (a request of final-norm
+    gives a list of ``T``)."""
 
     name: str  # the subcommand: `isotui experiment NAME` (or `isotui run` for layers)
     help: str
-    request_type: type
-    result_type: type
+    request_type: type[Q]
+    result_type: type[T]
     folder: str | None  # cache folder under the root; None: its parts are cached by others
     schema: int
     view: str  # the terminal view's name in isotui.views.VIEWS
     inputs: Inputs  # models (-m, repeatable), series (--model/--checkpoints) or config (own flags)
-    make_request: Callable[[Any, Any], Any]  # (spec | series | None, params) -> request
-    rows: Callable[[list[Any]], Rows]
-    payload: Callable[[list[Any]], Payload]
-    params: type = NoParams  # its own parameters (a dataclass of param() fields)
-    decode: Callable[[Payload, Arrays], Any] | None = None
-    check: Callable[[Any], None] = lambda _params: None  # parameters said before any work
+    make_request: Callable[[Any, P], Q]  # (spec | series | None, params) -> request
+    rows: Callable[[list[T]], Rows]  # of every request's results, flattened
+    payload: Callable[[list[T]], Payload]
+    params: type[Any] = NoParams  # its own parameters (a dataclass of param() fields), P
+    decode: Callable[[Payload, Arrays], T | list[T]] | None = None  # one cache entry
+    check: Callable[[P], None] = lambda _params: None  # parameters said before any work
     command: str = "experiment"  # "run": a top-level command of its own
-    run_flags: bool = True  # takes the data and extraction flags of `isotui run`
+    # the scopes of run options it takes (isotui.spec: MODEL, LAYER_METRICS, RESERVOIR, SHARD);
+    # every experiment that streams a model takes "model" (--data, --device, --max-samples,
+    # --seed...); () for one that builds its own model from its own options (drift-block)
+    run_options: tuple[str, ...] = ("model",)
     what: str = "models"  # what the closing failure line counts
     # --dry-run: a request's memory plan from the config alone (isotui.experiments.plans); None
     # for an experiment that streams no model
-    plan: Callable[[Any], Any] | None = None
+    plan: Callable[[Q], Any] | None = None
 
-    def request(self, spec: Any, params: Any) -> Any:
+    @property
+    def run_flags(self) -> bool:
+        """Whether it takes run options at all (the data and extraction flags of ``isotui run``)."""
+        return bool(self.run_options)
+
+    def request(self, spec: Any, params: P) -> Q:
         """The request ``spec`` (a RunSpec; a (series, checkpoints, spec) triple; None for a
         config experiment, which reads its own parameters) and the parameters stand for."""
         return self.make_request(spec, params)
 
-    def lookup(self, request: Any, context: Context) -> Any:
+    def lookup(self, request: Request[R], context: Context) -> R | None:
         """The cached result of ``request``, or None."""
         return request.lookup(context.cache_root, context.notice)
 
-    def compute(self, request: Any, context: Context) -> Any:
+    def compute(self, request: Request[R], context: Context) -> R:
         """Compute ``request`` (and store its result when ``context`` has a cache)."""
         return request.compute(
             context.cache_root,
@@ -153,13 +173,13 @@ class Experiment:
             notice=context.notice,
         )
 
-    def run(self, request: Any, context: Context) -> Any:
+    def run(self, request: Request[R], context: Context) -> R:
         """The cached result when there is one, else computed and stored, in one pass (the
         CLI's and the Python API's path; a series' checkpoints each cached on their own)."""
         return request.measure(context)
 
-    def cache(self, root: Path) -> Any:
-        """This experiment's folder of the result cache at ``root`` (a ResultCache)."""
+    def cache(self, root: Path) -> ResultCache:
+        """This experiment's folder of the result cache at ``root``."""
         from isotui.store.cache import ResultCache
 
         if self.folder is None:
@@ -167,9 +187,9 @@ class Experiment:
         return ResultCache(root, folder=self.folder, schema=self.schema)
 
 
-def flatten(results: list[Any]) -> list[Any]:
+def flatten(results: list[T | list[T]]) -> list[T]:
     """Results of several requests as one list (a request may give a list, as final-norm does)."""
-    out: list[Any] = []
+    out: list[T] = []
     for r in results:
         out.extend(r if isinstance(r, list) else [r])
     return out

@@ -17,12 +17,12 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from isotui.experiments.base import Context
+from isotui.experiments.base import Context, R
 from isotui.extract.progress import ProgressCallback, StopCheck
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def cached_run(
 
 
 @dataclass(frozen=True)
-class CachedRequest:
+class CachedRequest(Generic[R]):
     """A job of an experiment cached in a folder of its own, keyed by the layer run's key plus its
     parameters (:mod:`isotui.experiments.cached`): final-norm, gradients."""
 
@@ -162,7 +162,7 @@ class CachedRequest:
     def device(self) -> str:
         return self.spec.device
 
-    def _measure(self, cache: Any, context: Context) -> Any:
+    def _measure(self, cache: ResultCache | None, context: Context) -> R:
         raise NotImplementedError
 
     def _folder(self) -> tuple[str, int, dict[str, Any]]:
@@ -176,7 +176,7 @@ class CachedRequest:
             experiment_key(k, folder, schema, params) for k in prepare(self.spec, runs_cache(cache_root)).keys
         ]
 
-    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+    def lookup(self, cache_root: Path | None, notice: Notice) -> R | None:
         """Answered when the cache holds the result (the same reading as :meth:`measure`)."""
         if cache_root is None:
             return None
@@ -193,13 +193,13 @@ class CachedRequest:
         on_progress: ProgressCallback,
         should_stop: StopCheck,
         notice: Notice,
-    ) -> Any:
+    ) -> R:
         folder, schema, _ = self._folder()
         return self._measure(
             folder_cache(cache_root, folder, schema),
             Context(cache_root, on_progress=on_progress, should_stop=should_stop, notice=notice),
         )
 
-    def measure(self, context: Context) -> Any:
+    def measure(self, context: Context) -> R:
         folder, schema, _ = self._folder()
         return self._measure(folder_cache(context.cache_root, folder, schema), context)

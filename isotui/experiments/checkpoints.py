@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -22,6 +22,13 @@ from isotui.experiments.params import param
 from isotui.experiments.series import Attempts, SeriesRequest, unpack_series
 from isotui.results import METRICS as LAYER_METRIC_DECLARATIONS
 from isotui.results import SCHEMA_VERSION
+from isotui.spec import LAYER_METRICS, MODEL, RESERVOIR
+
+if TYPE_CHECKING:
+    from isotui.experiments.base import PartProgress
+    from isotui.extract.progress import StopCheck
+    from isotui.spec import RunSpec
+    from isotui.store.cache import ResultCache
 
 HELP = "any layer metric along a checkpoint series, as a layer x step heatmap (Machina & Mercer 2024)"
 METRICS = tuple(m.name for m in LAYER_METRIC_DECLARATIONS)  # the plottable ones and the rogue share
@@ -81,12 +88,12 @@ def _label(row: Any) -> str:
 def run_series(
     series: str | None,
     checkpoints: list[Any],
-    base_spec: Any,
-    cache: Any,
+    base_spec: RunSpec,
+    cache: ResultCache | None,
     *,
-    progress: Any = None,
-    on_notice: Any = None,
-    should_stop: Any = None,
+    progress: PartProgress | None = None,
+    on_notice: Notice | None = None,
+    should_stop: StopCheck | None = None,
     failures: Any = None,
 ) -> CheckpointSeries | None:
     """Measure (or read from the cache) every checkpoint's layer table.
@@ -132,7 +139,7 @@ def assemble_series(series: str | None, checkpoints: list[Any], results: list[An
 
 
 @dataclass(frozen=True)
-class CheckpointsRequest(SeriesRequest):
+class CheckpointsRequest(SeriesRequest[CheckpointSeries]):
     """Layer metrics along a checkpoint series (``isotui experiment checkpoints``)."""
 
     kind: ClassVar[str] = "checkpoints"
@@ -142,7 +149,7 @@ class CheckpointsRequest(SeriesRequest):
 
         return [LayersRequest(self.spec.with_model(c.model)) for c in self.checkpoints]
 
-    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+    def lookup(self, cache_root: Path | None, notice: Notice) -> CheckpointSeries | None:
         """Answered at once only when every checkpoint's layer run is cached."""
         if cache_root is None:
             return None
@@ -154,7 +161,7 @@ class CheckpointsRequest(SeriesRequest):
             found.append(hit)
         return assemble_series(self.series, list(self.checkpoints), found)
 
-    def measure(self, context: Context) -> Any:
+    def measure(self, context: Context) -> CheckpointSeries | None:
         return run_series(
             self.series,
             list(self.checkpoints),
@@ -193,7 +200,7 @@ def _checkpoints_request(spec: Any, _params: CheckpointsParams) -> CheckpointsRe
     return CheckpointsRequest(*unpack_series(spec))
 
 
-EXPERIMENT = Experiment(
+EXPERIMENT: Experiment[Any, CheckpointsRequest, CheckpointSeries] = Experiment(
     name="checkpoints",
     help=HELP,
     request_type=CheckpointsRequest,
@@ -208,4 +215,5 @@ EXPERIMENT = Experiment(
     params=CheckpointsParams,
     what="checkpoints",
     plan=plans.layers,
+    run_options=(MODEL, LAYER_METRICS, RESERVOIR),  # a layer run per checkpoint, not sharded
 )

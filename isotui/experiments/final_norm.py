@@ -22,6 +22,7 @@ from isotui.experiments import plans
 from isotui.experiments.base import Context, Experiment
 from isotui.experiments.cached import CachedRequest
 from isotui.experiments.params import param
+from isotui.spec import MODEL, RESERVOIR
 
 if TYPE_CHECKING:
     import torch
@@ -201,7 +202,7 @@ def cached_norms(
 
 
 @dataclass(frozen=True)
-class FinalNormRequest(CachedRequest):
+class FinalNormRequest(CachedRequest[list[FinalNormResult]]):
     """Metrics before and after the final norm (``isotui experiment final-norm``); its result is
     a list: the final norm, or (``every_layer``) every block's output norm."""
 
@@ -211,7 +212,7 @@ class FinalNormRequest(CachedRequest):
     def _folder(self) -> tuple[str, int, dict[str, Any]]:
         return FOLDER, SCHEMA, {"every_layer": self.every_layer}
 
-    def _measure(self, cache: Any, context: Context) -> Any:
+    def _measure(self, cache: ResultCache | None, context: Context) -> list[FinalNormResult]:
         return cached_norms(
             self.spec,
             cache,
@@ -544,11 +545,11 @@ class FinalNormParams:
     )
 
 
-EXPERIMENT = Experiment(
+EXPERIMENT: Experiment[Any, FinalNormRequest, FinalNormResult] = Experiment(
     name="final-norm",
     help=HELP,
     request_type=FinalNormRequest,
-    result_type=list,  # of FinalNormResult: the final norm, or every block's
+    result_type=FinalNormResult,  # a request gives a list: the final norm, or every block's
     folder=FOLDER,
     schema=SCHEMA,
     view="final-norm",
@@ -559,4 +560,5 @@ EXPERIMENT = Experiment(
     params=FinalNormParams,
     decode=results_from_payload,
     plan=plans.final_norm,
+    run_options=(MODEL, RESERVOIR),
 )

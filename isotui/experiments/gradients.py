@@ -125,7 +125,7 @@ def cached_gradients(
 
 
 @dataclass(frozen=True)
-class GradientsRequest(CachedRequest):
+class GradientsRequest(CachedRequest[GradientResult]):
     """Loss gradients w.r.t. hidden states (``isotui experiment gradients``)."""
 
     top_k: int = 10
@@ -134,7 +134,7 @@ class GradientsRequest(CachedRequest):
     def _folder(self) -> tuple[str, int, dict[str, Any]]:
         return FOLDER, SCHEMA, {"top_k": self.top_k}
 
-    def _measure(self, cache: Any, context: Context) -> Any:
+    def _measure(self, cache: ResultCache | None, context: Context) -> GradientResult:
         return cached_gradients(
             self.spec,
             cache,
@@ -488,7 +488,7 @@ class GradientsParams:
     top_k: int = param(10, parse=_top_k, help="principal directions of the activations (default 10)")
 
 
-EXPERIMENT = Experiment(
+EXPERIMENT: Experiment[Any, GradientsRequest, GradientResult] = Experiment(
     name="gradients",
     help=HELP,
     request_type=GradientsRequest,

@@ -27,7 +27,7 @@ from isotui.extract.device import needs_device_for_dtype, resolve_device, resolv
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
 from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult, joined_drift
-from isotui.spec import RunSpec
+from isotui.spec import LAYER_METRICS, MODEL, RESERVOIR, SHARD, RunSpec
 from isotui.store.cache import ResultCache
 
 if TYPE_CHECKING:
@@ -477,7 +477,8 @@ class LayersParams:
 
 @dataclass(frozen=True)
 class LayersRequest:
-    """Layer-wise anisotropy of one model (``isotui run``): the layer experiment's job.
+    """Layer-wise anisotropy of one model (``isotui run``): the layer experiment's job. Its
+    compute gives None for a shard (``--shard I/K``) that is not the last of its K.
 
     ``prepare_fn(spec)`` and ``compute_fn(prepared, on_progress=, should_stop=)`` default to
     :func:`~isotui.experiments.layerwise.prepare` (with this cache) and
@@ -485,9 +486,9 @@ class LayersRequest:
     the job's identity: equal specs are one job)."""
 
     spec: RunSpec
-    compute_fn: Any = field(default=None, compare=False, repr=False)
-    prepare_fn: Any = field(default=None, compare=False, repr=False)
-    _resolved: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    compute_fn: Callable[..., ModelResult] | None = field(default=None, compare=False, repr=False)
+    prepare_fn: Callable[[RunSpec], Prepared] | None = field(default=None, compare=False, repr=False)
+    _resolved: dict[str, Prepared] = field(default_factory=dict, compare=False, repr=False)
     kind: ClassVar[str] = "layers"
 
     @property
@@ -498,7 +499,7 @@ class LayersRequest:
     def device(self) -> str:
         return self.spec.device
 
-    def _prepare(self, cache: Any) -> Any:
+    def _prepare(self, cache: ResultCache | None) -> Prepared:
         """The spec resolved (names, data, dtype, key): once per request, so that a lookup and the
         compute after it read the data once (a new request resolves anew)."""
         if "prepared" not in self._resolved:
@@ -518,7 +519,7 @@ class LayersRequest:
             return str(prepared.device)
         return resolve_device(self.spec.device)
 
-    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+    def lookup(self, cache_root: Path | None, notice: Notice) -> ModelResult | None:
         cache = runs_cache(cache_root)
         return lookup(self._prepare(cache), cache, notice)
 
@@ -529,7 +530,7 @@ class LayersRequest:
         on_progress: ProgressCallback,
         should_stop: StopCheck,
         notice: Notice,
-    ) -> Any:
+    ) -> ModelResult | None:
         from isotui.experiments.shards import measure_shard, merge_cached
 
         if self.spec.shard is not None and self.compute_fn is None:
@@ -546,7 +547,7 @@ class LayersRequest:
         store(result, cache, notice)
         return result
 
-    def measure(self, context: Context) -> Any:
+    def measure(self, context: Context) -> ModelResult | None:
         from isotui.experiments.shards import measure_shard
 
         if self.spec.shard is not None and not (self.compute_fn or self.prepare_fn):
@@ -599,7 +600,7 @@ def _layer_decode(payload: Payload, arrays: Arrays) -> ModelResult:
     return ModelResult.from_json(payload, arrays)
 
 
-EXPERIMENT = Experiment(
+EXPERIMENT: Experiment[Any, LayersRequest, ModelResult] = Experiment(
     name="layers",
     help="measure layer-wise anisotropy of one or more models",
     request_type=LayersRequest,
@@ -615,4 +616,5 @@ EXPERIMENT = Experiment(
     decode=_layer_decode,
     command="run",
     plan=plans.layers,
+    run_options=(MODEL, LAYER_METRICS, RESERVOIR, SHARD),
 )

@@ -6,9 +6,15 @@ one ``--dry-run`` path prints them. Import-light: torch and transformers load wh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from isotui.experiments.attention import AttentionRequest
+    from isotui.experiments.checkpoints import CheckpointsRequest
+    from isotui.experiments.final_norm import FinalNormRequest
+    from isotui.experiments.gradients import GradientsRequest
+    from isotui.experiments.layerwise import LayersRequest
+    from isotui.experiments.qk_dynamics import DynamicsRequest
     from isotui.extract.memory_plan import ExperimentPlan, MemoryPlan, Paper
     from isotui.spec import RunSpec
 
@@ -30,28 +36,28 @@ def _paper(spec: RunSpec, head: str | None = None) -> Paper:
     )
 
 
-def layers(request: Any) -> MemoryPlan:
+def layers(request: LayersRequest | CheckpointsRequest) -> MemoryPlan:
     """``isotui run`` (and each checkpoint of ``checkpoints``): every hidden state's sums."""
     from isotui.extract.memory_plan import layers_plan
 
     return layers_plan(_paper(request.spec), request.spec.reservoir)
 
 
-def attention(request: Any) -> ExperimentPlan:
+def attention(request: AttentionRequest | DynamicsRequest) -> ExperimentPlan:
     """The attention probe (and each checkpoint of ``qk-dynamics``, with its subsample)."""
     from isotui.extract.memory_plan import attention_plan
 
     return attention_plan(_paper(request.spec), sample_size=request.sample_size, experiment=request.kind)
 
 
-def final_norm(request: Any) -> ExperimentPlan:
+def final_norm(request: FinalNormRequest) -> ExperimentPlan:
     from isotui.extract.memory_plan import final_norm_plan
 
     spec = request.spec
     return final_norm_plan(_paper(spec), every_layer=request.every_layer, reservoir=spec.reservoir)
 
 
-def gradients(request: Any) -> ExperimentPlan:
+def gradients(request: GradientsRequest) -> ExperimentPlan:
     from isotui.extract.memory_plan import gradients_plan
 
     return gradients_plan(_paper(request.spec, head="lm"), model=request.spec.model)

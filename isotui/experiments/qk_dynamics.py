@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -29,6 +29,12 @@ from isotui.experiments.series import Attempts, SeriesRequest, unpack_series
 from isotui.experiments.series import Checkpoint as Checkpoint  # the series' names, as before
 from isotui.experiments.series import resolve_checkpoints as resolve_checkpoints
 from isotui.experiments.series import series_name as series_name
+
+if TYPE_CHECKING:
+    from isotui.experiments.base import PartProgress
+    from isotui.extract.progress import StopCheck
+    from isotui.spec import RunSpec
+    from isotui.store.cache import ResultCache
 
 HELP = "queries and keys along a checkpoint series (Godey et al. 2024, Figs. 11-15, 19-23)"
 DEFAULT_SAMPLE = 256
@@ -186,13 +192,13 @@ def _xy(vector: np.ndarray, basis: np.ndarray) -> tuple[float, float]:
 def run_dynamics(
     model: str | None,
     checkpoints: list[Checkpoint],
-    base_spec: Any,
-    cache: Any,
+    base_spec: RunSpec,
+    cache: ResultCache | None,
     *,
     sample_size: int = DEFAULT_SAMPLE,
-    progress: Any = None,
-    should_stop: Any = None,
-    on_notice: Any = None,
+    progress: PartProgress | None = None,
+    should_stop: StopCheck | None = None,
+    on_notice: Notice | None = None,
     failures: Any = None,
 ) -> DynamicsResult | None:
     """Measure every checkpoint (each cached on its own), then build the trajectories.
@@ -239,7 +245,7 @@ def assemble(
 
 
 @dataclass(frozen=True)
-class DynamicsRequest(SeriesRequest):
+class DynamicsRequest(SeriesRequest[DynamicsResult]):
     """Queries and keys along a checkpoint series (``isotui experiment qk-dynamics``)."""
 
     sample_size: int = 256
@@ -248,7 +254,7 @@ class DynamicsRequest(SeriesRequest):
     def _parts(self) -> list[Any]:
         return [AttentionRequest(self.spec.with_model(c.model), self.sample_size) for c in self.checkpoints]
 
-    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+    def lookup(self, cache_root: Path | None, notice: Notice) -> DynamicsResult | None:
         """Answered at once only when every checkpoint is cached."""
         if cache_root is None:
             return None
@@ -260,7 +266,7 @@ class DynamicsRequest(SeriesRequest):
             found.append(hit)
         return assemble(self.series, list(self.checkpoints), found, self.sample_size)
 
-    def measure(self, context: Context) -> Any:
+    def measure(self, context: Context) -> DynamicsResult | None:
         from isotui.experiments.attention import attention_cache
 
         cache = attention_cache(context.cache_root) if context.cache_root else None
@@ -353,7 +359,7 @@ def _dynamics_request(spec: Any, params: DynamicsParams) -> DynamicsRequest:
     return DynamicsRequest(series, ckpts, base, sample_size=params.sample)
 
 
-EXPERIMENT = Experiment(
+EXPERIMENT: Experiment[Any, DynamicsRequest, DynamicsResult] = Experiment(
     name="qk-dynamics",
     help=HELP,
     request_type=DynamicsRequest,

@@ -14,7 +14,12 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+if TYPE_CHECKING:
     from isotui.experiments.base import Experiment
+
+    AnyExperiment = Experiment[Any, Any, Any]  # each entry its own params, request and result
 
 TABLE: dict[str, str] = {
     "layers": "isotui.experiments.layerwise:EXPERIMENT",
@@ -29,25 +34,25 @@ TABLE: dict[str, str] = {
 first): ``get(name)`` imports that one experiment's module alone."""
 
 if TYPE_CHECKING:  # resolved on first use by the module's __getattr__
-    REGISTRY: tuple[Experiment, ...]
-    EXPERIMENTS: dict[str, Experiment]
-    LAYERS: Experiment
+    REGISTRY: tuple[AnyExperiment, ...]
+    EXPERIMENTS: dict[str, AnyExperiment]
+    LAYERS: AnyExperiment
 
 
-def resolve(entry: str) -> Experiment:
+def resolve(entry: str) -> AnyExperiment:
     """The experiment a ``"module:attr"`` entry names (its module imported now)."""
     module, _, attr = entry.partition(":")
-    experiment: Experiment = getattr(import_module(module), attr)
+    experiment: AnyExperiment = getattr(import_module(module), attr)
     return experiment
 
 
-def _registry() -> tuple[Experiment, ...]:
+def _registry() -> tuple[AnyExperiment, ...]:
     """REGISTRY: the table resolved once (or what a test set in its place)."""
     found = globals().get("REGISTRY")
     if found is None:
         found = tuple(resolve(entry) for entry in TABLE.values())
         globals()["REGISTRY"] = found
-    registry: tuple[Experiment, ...] = found
+    registry: tuple[AnyExperiment, ...] = found
     return registry
 
 
@@ -65,7 +70,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def get(name: str) -> Experiment:
+def get(name: str) -> AnyExperiment:
     """The registered experiment ``name`` (``layers`` or ``run`` for the layer run)."""
     if "REGISTRY" not in globals() and name in TABLE:  # that one module imported, no other
         return resolve(TABLE[name])
@@ -78,3 +83,21 @@ def get(name: str) -> Experiment:
 def cache_folders() -> list[str]:
     """Every folder of the result cache an experiment writes (``runs`` first), for ``cache ls/rm``."""
     return [e.folder for e in _registry() if e.folder is not None]
+
+
+def commands_taking(scope: str) -> tuple[str, ...]:
+    """The commands (``run`` for the layer run, else the experiment's name) whose experiment
+    declares the run options of ``scope`` (:data:`isotui.spec.SCOPES`), in registry order."""
+    return tuple(e.command if e.command == "run" else e.name for e in _registry() if scope in e.run_options)
+
+
+def cached_entries(root: Path, prefix: str) -> list[tuple[AnyExperiment, str]]:
+    """(experiment, key) of every entry of the result cache at ``root`` whose key starts with
+    ``prefix``, in the folders of the experiments that read one entry back (``decode``): a layer
+    run, an attention, final-norm, gradients or drift-block result (``isotui show``, ``isotui.load``)."""
+    return [
+        (e, path.stem)
+        for e in _registry()
+        if e.folder is not None and e.decode is not None and (root / e.folder).is_dir()
+        for path in sorted((root / e.folder).glob(f"{prefix}*.safetensors"))
+    ]

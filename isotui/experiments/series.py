@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic
 
 from isotui.errors import IsotuiError
-from isotui.experiments.base import Attempt, Context, Notice, PartProgress
+from isotui.experiments.base import Attempt, Context, Notice, PartProgress, R
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, no_progress
 from isotui.spec import RunSpec
 
@@ -185,7 +185,7 @@ def measure_checkpoints(
     return kept, results
 
 
-def unpack_series(spec: Any) -> tuple[str | None, tuple[Any, ...], Any]:
+def unpack_series(spec: Any) -> tuple[str | None, tuple[Checkpoint, ...], RunSpec]:
     """A series experiment's (series, checkpoints, spec) triple, its checkpoints as a tuple."""
     series, ckpts, base = spec
     return series, tuple(ckpts), base
@@ -209,8 +209,9 @@ def series_progress(on_progress: ProgressCallback, n: int) -> PartProgress:
 
 
 @dataclass(frozen=True)
-class SeriesRequest:
-    """A job over a checkpoint series: what the jobs pane shows and which lane it runs on."""
+class SeriesRequest(Generic[R]):
+    """A job over a checkpoint series: what the jobs pane shows and which lane it runs on. Its
+    result is None when every checkpoint failed and the context's ``attempt`` said each."""
 
     series: str | None
     checkpoints: tuple[Checkpoint, ...]
@@ -238,10 +239,10 @@ class SeriesRequest:
         on_progress: ProgressCallback,
         should_stop: StopCheck,
         notice: Notice,
-    ) -> Any:
+    ) -> R | None:
         return self.measure(Context(cache_root, on_progress, should_stop, notice))
 
-    def measure(self, context: Context) -> Any:
+    def measure(self, context: Context) -> R | None:
         raise NotImplementedError
 
     def _progress(self, context: Context) -> PartProgress:
@@ -252,4 +253,4 @@ class SeriesRequest:
 class Attempts:
     """A context's ``attempt`` where the series functions take ``failures`` (``.attempt``)."""
 
-    attempt: Any
+    attempt: Attempt

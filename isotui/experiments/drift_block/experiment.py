@@ -63,7 +63,7 @@ def decode(payload: Payload, arrays: Arrays) -> DriftBlockResult:
 class DriftBlockRequest:
     """The untrained block under drift (``isotui experiment drift-block``)."""
 
-    config: Any  # drift_block.DriftBlockConfig (frozen, hashable)
+    config: DriftBlockConfig  # frozen, hashable
     kind: ClassVar[str] = "drift-block"
 
     @property
@@ -79,7 +79,7 @@ class DriftBlockRequest:
     def keys(self, cache_root: Path | None) -> list[str]:
         return [str(self.config.key(seed)) for seed in self.config.seeds]
 
-    def lookup(self, cache_root: Path | None, notice: Notice) -> Any:
+    def lookup(self, cache_root: Path | None, notice: Notice) -> DriftBlockResult | None:
         """Answered at once only when every seed's sweep loads from the cache (nothing is
         computed on the lookup thread; a damaged entry is recomputed on the device lane)."""
         if cache_root is None:
@@ -99,15 +99,15 @@ class DriftBlockRequest:
         on_progress: ProgressCallback,
         should_stop: StopCheck,
         notice: Notice,
-    ) -> Any:
+    ) -> DriftBlockResult:
         return self.measure(Context(cache_root, on_progress, should_stop, notice))
 
-    def measure(self, context: Context) -> Any:
+    def measure(self, context: Context) -> DriftBlockResult:
         cache = drift_cache(context.cache_root) if context.cache_root else None
         return run_drift_block(self.config, cache, context.on_progress, context.should_stop)
 
 
-EXPERIMENT = Experiment(
+EXPERIMENT: Experiment[Any, DriftBlockRequest, DriftBlockResult] = Experiment(
     name="drift-block",
     help=HELP,
     request_type=DriftBlockRequest,
@@ -121,5 +121,5 @@ EXPERIMENT = Experiment(
     payload=json_payload,
     params=DriftBlockParams,
     decode=decode,
-    run_flags=False,
+    run_options=(),  # its own model, from its own options
 )

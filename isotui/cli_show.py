@@ -1,0 +1,76 @@
+"""``isotui show KEY`` for a cached result of any registered experiment other than the layer run
+(attention, final-norm, gradients, drift-block): read back through the experiment's ``decode``,
+printed through its view, exported through its ``rows`` and ``payload`` as the experiment's own
+``--csv``/``--json`` would be. (A layer run's ``show`` is :func:`isotui.cli._cmd_show`.)"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from isotui.errors import IsotuiError
+
+
+def _defaults(command: list[str]) -> argparse.Namespace:
+    """The options of ``isotui COMMAND...`` with nothing given (what the view reads)."""
+    from isotui.cli import build_parser
+
+    parser = build_parser()
+    for word in command:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    return parser.parse_args([])
+
+
+def show_experiment_entry(args: argparse.Namespace, err: Any, root: Path) -> int | None:
+    """Print the one experiment result whose key starts with ``args.key`` (and write its
+    ``--csv``/``--json``); None when no experiment's folder holds such a key."""
+    from rich.text import Text
+
+    from isotui.cli import stdout_console
+    from isotui.experiments.base import flatten
+    from isotui.experiments.cached import read
+    from isotui.experiments.registry import cached_entries
+    from isotui.store.cache import CacheProblem
+    from isotui.store.export import write_dicts_csv, write_payload_json
+    from isotui.store.files import check_distinct, check_output
+    from isotui.views import view_of
+
+    prefix = args.key.strip()
+    found = [(e, key) for e, key in cached_entries(root, prefix) if e.command != "run"]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise IsotuiError(
+            f"key {prefix!r} matches {len(found)} cached results; give more characters "
+            "(see `isotui cache ls`)"
+        )
+    exp, key = found[0]
+    assert exp.decode is not None  # cached_entries lists the experiments that decode an entry
+    for flag in ("csv", "json"):
+        value = getattr(args, flag)
+        if value:
+            check_output(value, f"--{flag}")
+    check_distinct([("--csv", args.csv), ("--json", args.json)])
+    try:
+        result = read(exp.cache(root), key, exp.decode)
+    except CacheProblem as problem:
+        raise IsotuiError(f"{problem}; remove it with `isotui cache rm {key[:12]}`") from None
+    if result is None:
+        raise IsotuiError(f"cached result {key[:12]} was removed meanwhile")
+    results = flatten([result])
+    for r in results:
+        if hasattr(r, "from_cache"):
+            r.from_cache = True
+    out = stdout_console()
+    view = view_of(exp.view)
+    for table in view.tables(result, _defaults(["experiment", exp.name]), out.width):
+        out.print(table, highlight=None if view.highlight else False)
+        if view.blank_line and not isinstance(table, Text):  # as the experiment printed it
+            out.print()
+    if args.csv:
+        err.print(f"wrote {write_dicts_csv(exp.rows(results), Path(args.csv))}", markup=False)
+    if args.json:
+        err.print(f"wrote {write_payload_json(exp.payload(results), Path(args.json))}", markup=False)
+    return 0
