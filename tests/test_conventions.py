@@ -49,8 +49,25 @@ def _docs_samples() -> int:
 
 @pytest.fixture(scope="module")
 def res(conv):
-    """One run on the samples the docs' quoted output states (its tests and the relations' share it)."""
-    return conv.run(_docs_samples())
+    """One run on the samples the docs' quoted output states (its tests and the relations' share it).
+
+    At one BLAS and one torch thread: the script's many small d x d eigendecompositions and
+    one-sample forwards ran several times slower with two threads waiting on each other on a busy
+    machine (an eigh of 384 x 384: 0.6-1.8 s against 0.1 s at load 8). Only the last bits of float
+    sums can change, which the comparisons allow for."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:  # the limit is for speed only
+            return conv.run(_docs_samples())
+        with threadpool_limits(1):
+            return conv.run(_docs_samples())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _same_text(quoted: str, fresh: str, where: str) -> None:

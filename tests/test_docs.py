@@ -138,19 +138,22 @@ def _trains(argv: list[str]) -> bool:
 
 
 def _cases():
+    ran: dict[tuple[str, ...], str] = {}  # a command the docs repeat runs once, in its first block
     for page in PAGES:
         for i, block in enumerate(page_blocks(page)):
             name = f"{page.relative_to(ROOT)}:{i + 1}"
-            runnable = [argv for argv in block if skip_reason(argv) is None]
+            runnable = [argv for argv in block if skip_reason(argv) is None and tuple(argv) not in ran]
             for argv in block:
                 if argv not in runnable:
                     # listed as skipped, each with its reason
+                    reason = skip_reason(argv) or f"the same command runs in {ran[tuple(argv)]}"
                     yield pytest.param(
                         name,
                         [argv],
                         id=f"{name} {shlex.join(argv)}"[:90],
-                        marks=pytest.mark.skip(reason=skip_reason(argv)),
+                        marks=pytest.mark.skip(reason=reason),
                     )
+            ran.update({tuple(argv): name for argv in runnable})
             if runnable:
                 # a block that trains makes its series first, as a reader running it would need
                 runnable.sort(key=lambda a: not _trains(a))
