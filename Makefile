@@ -11,7 +11,9 @@ OLDEST_STAMP := $(OLDEST)/.installed-oldest
 # torch wheel first (PyPI's default torch on Linux is the CUDA build, several GB).
 TORCH_INDEX ?=
 
-.PHONY: run test test-oldest lint format bench clean
+.PHONY: run test test-oldest docs lint format bench clean
+# The docs site (mkdocs.yml): built strictly, offline; `make test` builds it into a temporary folder.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,12 +43,16 @@ test: $(STAMP)
 	$(BIN)/ruff format --check isotui tests benchmarks scripts
 	$(BIN)/lint-imports
 	$(BIN)/mypy
+	site=$$(mktemp -d) && $(MKDOCS) --site-dir $$site; status=$$?; rm -rf $$site; exit $$status
 	$(BIN)/python -m pytest -q
 
 # The suite on the oldest declared versions, less the screen snapshots (taken with the test
 # extra's Textual) and the type checker's own test (mypy is a tool, not a dependency).
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST)/bin/python -m pytest -q --ignore=tests/test_snapshots.py --ignore=tests/test_typecheck.py
+
+docs: $(STAMP)
+	$(MKDOCS) --site-dir site
 
 lint: $(STAMP)
 	$(BIN)/ruff check isotui tests benchmarks scripts
@@ -63,4 +69,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py
 
 clean:
-	rm -rf $(VENV) $(OLDEST) results
+	rm -rf $(VENV) $(OLDEST) results site

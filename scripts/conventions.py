@@ -474,8 +474,8 @@ def _pct(x: float) -> str:
 
 
 def claims(res: dict) -> dict[str, str]:
-    """README's conventions table, last column ("on MiniLM"), generated from a run: the cell of
-    each row, keyed by the row's first cell. tests/test_conventions.py checks README against it."""
+    """docs/conventions.md's table, last column ("on MiniLM"), generated from a run: the cell of
+    each row, keyed by the row's first cell. tests/test_conventions.py checks the page against it."""
     iso = [lay["isotui"] for lay in res["layers"]]
     pl = [lay["plain"] for lay in res["layers"]]
 
@@ -541,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", help="also write every number to this file")
     parser.add_argument(
-        "--claims", action="store_true", help='also print README\'s table column ("on MiniLM") from this run'
+        "--claims",
+        action="store_true",
+        help='also print docs/conventions.md\'s table column ("on MiniLM") from this run',
     )
     args = parser.parse_args(argv)
     if args.max_samples < 2:

@@ -1,4 +1,5 @@
-"""README's figure gallery: every `isotui figure` drawn as PNG into docs/figures/, offline.
+"""The docs' figure gallery (docs/experiments/figures.md): every `isotui figure` drawn as PNG into
+docs/figures/, offline.
 
 Models: the bundled MiniLM and small untrained ones (`random:gpt2`, `random:t5`, an
 encoder-decoder), on the built-in corpus; the checkpoint series is a `train-tiny` run made

@@ -119,7 +119,7 @@ SHARDS = [
         ),
         id="huge-K",
     ),
-    pytest.param(  # README: more shards than samples is refused (that split could never merge)
+    pytest.param(  # docs/guide/sweeps.md: more shards than samples is refused (that split could never merge)
         Case(
             ("run", "-m", TINY, "--max-samples", "3", "--shard", "1/10", "-q"),
             "shard 1/10: the data has 3 samples, fewer than 10 shards",

@@ -25,33 +25,56 @@ def conv():
     return module
 
 
-README = SCRIPT.parents[1] / "README.md"
+CONVENTIONS = SCRIPT.parents[1] / "docs" / "conventions.md"  # the docs page that quotes the script
+METRICS = SCRIPT.parents[1] / "docs" / "metrics.md"
 NUMBER = re.compile(r"[-−]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 ROUNDING_LEVEL = 1e-5  # below: float rounding, whose size varies with the machine's BLAS
 MACHINE_ZERO = 1e-12  # below: a float64 difference that is zero to machine precision, either way
 
 
-def _readme_block() -> str:
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("### Conventions: isotui beside the papers' code") :]
+def _section() -> str:
+    """The conventions page up to its references."""
+    text = CONVENTIONS.read_text(encoding="utf-8")
+    return text[text.index("# Conventions: isotui beside the papers' code") : text.index("## Citing")]
+
+
+def _docs_block() -> str:
+    section = _section()
     return section[section.index("```text\n") + 8 : section.index("\n```", section.index("```text\n"))]
 
 
-def _readme_samples() -> int:
-    return int(re.search(r"first (\d+) samples", _readme_block()).group(1))
+def _docs_samples() -> int:
+    return int(re.search(r"first (\d+) samples", _docs_block()).group(1))
 
 
 @pytest.fixture(scope="module")
 def res(conv):
-    """One run on the samples README's quoted output states (its tests and the relations' share it)."""
-    return conv.run(_readme_samples())
+    """One run on the samples the docs' quoted output states (its tests and the relations' share it).
+
+    At one BLAS and one torch thread: the script's many small d x d eigendecompositions and
+    one-sample forwards ran several times slower with two threads waiting on each other on a busy
+    machine (an eigh of 384 x 384: 0.6-1.8 s against 0.1 s at load 8). Only the last bits of float
+    sums can change, which the comparisons allow for."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:  # the limit is for speed only
+            return conv.run(_docs_samples())
+        with threadpool_limits(1):
+            return conv.run(_docs_samples())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _same_text(quoted: str, fresh: str, where: str) -> None:
     """The same words; each number to its printed digits (rounding-level ones to their order)."""
     # the columns' padding follows the numbers' widths ("0" or "3.053e-16"): words compared alone
     assert NUMBER.sub("#", quoted).split() == NUMBER.sub("#", fresh).split(), (
-        f"{where}: README {quoted!r}, the script {fresh!r}"
+        f"{where}: the docs {quoted!r}, the script {fresh!r}"
     )
     for q, f in zip(NUMBER.findall(quoted), NUMBER.findall(fresh), strict=True):
         a, b = float(q.replace("−", "-")), float(f.replace("−", "-"))
@@ -63,7 +86,7 @@ def _same_text(quoted: str, fresh: str, where: str) -> None:
         mantissa = q.split("e")[0].lstrip("-−")
         digits = len(mantissa.replace(".", "").lstrip("0")) or 1
         ulp = 10 ** (math.floor(math.log10(abs(a))) - digits + 1) if a else 1e-12
-        assert abs(a - b) <= 0.5 * ulp * 1.5 + 1e-12, f"{where}: README {q}, the script now {f}"
+        assert abs(a - b) <= 0.5 * ulp * 1.5 + 1e-12, f"{where}: the docs {q}, the script now {f}"
 
 
 def test_isotui_equals_each_plain_definition(res):
@@ -138,21 +161,21 @@ def test_one_sign_iw_and_original_abtt(conv):
     assert conv.abtt(x, original=False) == pytest.approx(conv.mean_cos(tilde - (tilde @ u.T) @ u), rel=1e-9)
 
 
-def test_readme_quotes_the_scripts_output_as_it_is_now(conv, res):
-    """README's output block is what scripts/conventions.py prints on the samples it states."""
+def test_docs_quote_the_scripts_output_as_it_is_now(conv, res):
+    """The conventions page's output block is what scripts/conventions.py prints on the samples it
+    states."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         conv.print_tables(res)
-    quoted = [line.rstrip() for line in _readme_block().splitlines()]
+    quoted = [line.rstrip() for line in _docs_block().splitlines()]
     fresh = [line.rstrip() for line in out.getvalue().rstrip("\n").splitlines()]
     assert len(quoted) == len(fresh)
     for i, (q, f) in enumerate(zip(quoted, fresh, strict=True)):
-        _same_text(q, f, f"README's conventions block, line {i + 1}")
+        _same_text(q, f, f"docs/conventions.md's output block, line {i + 1}")
 
 
-def test_readme_table_column_is_the_scripts_claims(conv, res):
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("### Conventions: isotui beside the papers' code") : text.index("### Citing")]
+def test_docs_table_column_is_the_scripts_claims(conv, res):
+    section = _section()
     rows = {
         line.split(" | ")[0][2:]: line.split(" | ")[-1].removesuffix(" |")
         for line in section.splitlines()
@@ -161,14 +184,14 @@ def test_readme_table_column_is_the_scripts_claims(conv, res):
     claims = conv.claims(res)
     assert set(rows) == set(claims)
     for key, cell in claims.items():
-        _same_text(rows[key], cell, f"README's conventions table, {key}")
-    assert f"on MiniLM ({_readme_samples()} built-in samples" in section
+        _same_text(rows[key], cell, f"docs/conventions.md's table, {key}")
+    assert f"on MiniLM ({_docs_samples()} built-in samples" in section
 
 
-def test_isoscore_star_agrees_with_the_package_as_readme_says(res):
-    """The package's IsoScore* is off by its float32 sqrt(d): 2-3e-8, not "1e-8" (README)."""
+def test_isoscore_star_agrees_with_the_package_as_the_docs_say(res):
+    """The package's IsoScore* is off by its float32 sqrt(d): 2-3e-8, not "1e-8" (docs/metrics.md)."""
     gaps = [
         abs(lay["plain"]["isoscore_star_pkg"] - lay["plain"]["isoscore_star_f64"]) for lay in res["layers"]
     ]
     assert 2e-8 < min(gaps) <= max(gaps) < 3e-8
-    assert "`IsoScore_star` given that C₀ to about 2.7e-8" in README.read_text(encoding="utf-8")
+    assert "`IsoScore_star` given that C₀ to about 2.7e-8" in METRICS.read_text(encoding="utf-8")

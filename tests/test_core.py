@@ -327,7 +327,7 @@ def test_spearman_edgeworth_is_as89_as_r_computes_it():
     # and by AS 89 0.005825634; the lower tail is the reversed ranks' upper tail, 330 - 36
     assert as89_upper(10, 330 - 36) == pytest.approx(0.005825634, abs=5e-10)
     assert s_distribution(10)[:37].sum() / math.factorial(10) == pytest.approx(0.005265377, abs=5e-10)
-    # its accuracy against the exact distribution at 14 layers, as README states it
+    # its accuracy against the exact distribution at 14 layers, as docs/metrics.md states it
     counts = s_distribution(14).astype(float)
     tail = np.cumsum(counts) / counts.sum()
     top = 14 * (14 * 14 - 1) // 3

@@ -12,7 +12,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
-# torch: the oldest this machine installs with a matching torchvision is its newest (README, Development)
+# torch: the oldest this machine installs with a matching torchvision is its newest (docs/development.md)
 UNTESTED_FLOORS = {"torch"}
 
 

@@ -1,5 +1,5 @@
 """Run options and layer metrics are declared once (isotui.spec, isotui.results): every front end
-(flags, config keys, the settings file, the options dialog, the tables, the plot, README) reads
+(flags, config keys, the settings file, the options dialog, the tables, the plot, the docs) reads
 the declaration, so one declared option or metric reaches all of them."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from isotui.spec import MODEL, RUN_OPTIONS, RunSpec, make_spec, options_for
 
 from .conftest import corpus
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"  # the documentation site's pages
 # A valid value other than the default for each option: as a flag (text), as a TOML value, and
 # the RunSpec field it must become. A new option needs its line here (the test says so).
 SAMPLES = {
@@ -261,36 +261,36 @@ def test_wide_accepts_every_layer_metric_and_names_them_when_wrong(capsys):
     assert ", ".join(LAYER_METRICS) in capsys.readouterr().err
 
 
-# -- README --------------------------------------------------------------------------------
+# -- the docs ------------------------------------------------------------------------------
 
 
-def _readme() -> str:
-    return README.read_text(encoding="utf-8")
+def _page(name: str) -> str:
+    return (DOCS / name).read_text(encoding="utf-8")
 
 
-def test_readme_m_key_lists_every_plotted_metric_in_cycle_order():
-    line = next(x for x in _readme().splitlines() if x.startswith("| `m` | `metric` |"))
+def test_docs_m_key_lists_every_plotted_metric_in_cycle_order():
+    line = next(x for x in _page("app.md").splitlines() if x.startswith("| `m` | `metric` |"))
     listed = re.search(r"\(([^)]*)\)", line)
     assert listed and tuple(listed.group(1).split(", ")) == LAYER_METRICS
 
 
-def test_readme_o_key_lists_every_dialog_field():
+def test_docs_o_key_lists_every_dialog_field():
     from isotui.tui.options import CHOICES, SWITCHES, TEXT_FIELDS
 
-    line = next(x for x in _readme().splitlines() if x.startswith("| `o` | `options` |"))
+    line = next(x for x in _page("app.md").splitlines() if x.startswith("| `o` | `options` |"))
     labels = [label for _, label, *_ in (*TEXT_FIELDS, *CHOICES, *SWITCHES)]
     assert f"data and run options: {', '.join(labels)} (checked before they apply)" in line
 
 
-def test_readme_what_is_measured_defines_every_metric():
-    section = _readme().split("## What is measured")[1].split("\n## ")[0]
-    cells = re.findall(r"^\| ([^|]+) \|", section, re.M)
+def test_docs_what_is_measured_defines_every_metric():
+    cells = re.findall(r"^\| ([^|]+) \|", _page("metrics.md"), re.M)
     names = {n.strip("` ") for cell in cells for n in cell.split(",")}
     assert {m.name for m in METRICS} <= names
 
 
 def options_table() -> str:
-    """README's table of the run options, from their declaration (isotui.spec)."""
+    """The docs' table of the run options (docs/guide/options.md), from their declaration
+    (isotui.spec); a ``[`` is escaped, as Markdown reads ``[a][b]`` as a link."""
     lines = ["| flag | config key | default | commands | what |", "| --- | --- | --- | --- | --- |"]
     for o in RUN_OPTIONS:
         default = "" if o.default is None else f"`{o.default}`"
@@ -299,10 +299,13 @@ def options_table() -> str:
         key = f"`{o.name}`" if o.in_settings else f"`{o.name}` (not in the app's settings file)"
         taking = commands_taking(o.scope)
         commands = "all" if taking == commands_taking(MODEL) else ", ".join(taking)
-        lines.append(f"| `{o.flag}` | {key} | {default} | {commands} | {o.help} |")
+        what = o.help.replace("[", "\\[")
+        lines.append(f"| `{o.flag}` | {key} | {default} | {commands} | {what} |")
     return "\n".join(lines) + "\n"
 
 
-def test_readme_options_table_is_the_declaration():
+def test_docs_options_table_is_the_declaration():
     table = options_table()
-    assert table in _readme(), "README's options table differs from isotui.spec; it should read:\n" + table
+    assert table in _page("guide/options.md"), (
+        "docs/guide/options.md's table differs from isotui.spec; it should read:\n" + table
+    )

@@ -278,17 +278,17 @@ def test_a_k_the_model_cannot_take_is_said_in_terms_of_ks(ks, needle, capsys, tm
     assert not out.exists()
 
 
-def test_every_probe_figure_is_in_the_readme_and_the_gallery():
+def test_every_probe_figure_is_in_the_docs_and_the_gallery():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text(encoding="utf-8")
+    page = (root / "docs" / "experiments" / "figures.md").read_text(encoding="utf-8")
     gallery = (root / "scripts" / "figure_gallery.py").read_text(encoding="utf-8")
     for name in ("godey2024-fig7", "godey2024-fig8", "godey2024-fig9", "godey2024-fig10", "godey2024-fig16"):
-        assert f"| `{name}` |" in readme and f"docs/figures/{name}.png" in readme and f'"{name}"' in gallery
+        assert f"| `{name}` |" in page and f"(../figures/{name}.png)" in page and f'"{name}"' in gallery
         assert (root / "docs" / "figures" / f"{name}.png").is_file()
     for name in ("machina2024-final-norm", "gradient-energy"):
-        assert f"| `{name}` |" in readme and f"isotui figure {name} " in readme and f'"{name}"' in gallery
+        assert f"| `{name}` |" in page and f"isotui figure {name} " in page and f'"{name}"' in gallery
         assert (root / "docs" / "figures" / f"{name}.png").is_file()
 
 
@@ -318,7 +318,7 @@ def test_fig7_log_counts_tick_labels_never_overlap(tmp_path, monkeypatch):
     (6x10^3 over 4x10^3 over 3x10^3, issue 29): y labels are powers of ten, none overlap."""
     drawn = _drawn(monkeypatch)
     wide = ["--hidden", "64", "--heads", "4", "--intermediate", "256", "--batch", "2"]
-    wide += ["--seq-len", "64", "--norms", "0:30:16", "--seeds", "0,1", "--log-counts"]  # as in README
+    wide += ["--seq-len", "64", "--norms", "0:30:16", "--seeds", "0,1", "--log-counts"]  # as in the docs
     figure(tmp_path, "godey2024-fig7", *wide, suffix="png")
     (fig,) = drawn
     fig.canvas.draw()

@@ -32,7 +32,7 @@ from .reference import hidden_vectors
 N = 9  # samples: odd, so the two shards differ in size
 MAX_LENGTH = 16
 STEPS = ("step_0", "step_100", "step_200")
-README = Path(__file__).resolve().parents[1] / "README.md"
+SWEEPS = Path(__file__).resolve().parents[1] / "docs" / "guide" / "sweeps.md"
 
 
 @pytest.fixture(scope="module")
@@ -313,14 +313,12 @@ def test_a_run_of_a_sweep_config_ignores_its_sweep_table(tmp_path):
     assert load_run_config(config)["sweep"] == {"shards": 4}
 
 
-def test_readme_sweep_example_is_a_valid_sweep_config(tmp_path):
-    """README's config example (the ``toml`` block of "Sweeps") reads as a sweep config."""
+def test_docs_sweep_example_is_a_valid_sweep_config(tmp_path):
+    """The sweeps page's config example (its ``toml`` block) reads as a sweep config."""
     from isotui.config import load_run_config
     from isotui.sweep import read_sweep
 
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("### Sweeps") :]
-    (block,) = re.findall(r"^```toml\n(.*?)^```", section[: section.index("\n## ")], re.S | re.M)
+    (block,) = re.findall(r"^```toml\n(.*?)^```", SWEEPS.read_text(encoding="utf-8"), re.S | re.M)
     config = tmp_path / "sweep.toml"
     config.write_text(block, encoding="utf-8")
     settings = load_run_config(config)

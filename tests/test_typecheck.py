@@ -1,5 +1,5 @@
-"""The type checker's configuration does what README says: core/ and experiments/ strictly, the
-rest of the package with its function bodies checked but no annotation required."""
+"""The type checker's configuration does what docs/development.md says: core/ and experiments/
+strictly, the rest of the package with its function bodies checked but no annotation required."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Why untrained Transformers are not near the isotropic null (README, "What is measured"): with
+"""Why untrained Transformers are not near the isotropic null (docs/metrics.md): with
 Hugging Face's default initialisation the MLP's GELU has a positive mean on zero-mean inputs, so
 every block adds one shared vector, W_out^T E[GELU(z)] + b_out, to every token. Shown on a
 GPT-2 of GPT-2 small's width (two blocks, untrained), against the Gaussian formula for E[GELU]

@@ -91,7 +91,8 @@ def note(check: dict[str, Any]) -> str:
     if "skipped" in check:
         return (
             f"{dtype}: the float32 comparison on {k} samples did not run ({check['skipped']}); half "
-            "precision moves the numbers by up to a few percent (README): for a paper use --dtype float32"
+            "precision moves the numbers by up to a few percent (docs: Run options): for a paper use "
+            "--dtype float32"
         )
     changes = sorted(check["max_rel_change"].items(), key=lambda kv: -kv[1])
     shown = ", ".join(f"{name} {value:.2%}" for name, value in changes[:SHOWN])
