@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, ClassVar, Protocol, cast
 
 from isotui.errors import Cancelled, IsotuiError
 from isotui.experiments import layerwise
@@ -103,6 +103,8 @@ class Request(Protocol):
     """A job as the backend runs it (an experiment's request, the contract of
     :class:`isotui.experiments.base.Request`)."""
 
+    kind: ClassVar[str]  # which experiment (layers, attention... and sweep)
+
     @property
     def device(self) -> str: ...
 
@@ -126,9 +128,15 @@ def as_request(
     """What the backend runs for ``spec``: the app submits a layer-wise run as its RunSpec, which
     is the layers experiment's request (``prepare``/``compute``: tests' fakes); an experiment's
     request is itself."""
-    if isinstance(spec, RunSpec):
+    if isinstance(spec, RunSpec):  # the one place a submitted RunSpec becomes its request
         return layerwise.LayersRequest(spec, compute_fn=compute, prepare_fn=prepare)
     return cast(Request, spec)
+
+
+def job_kind(job: Any) -> str:
+    """Which experiment a job runs: its request's ``kind`` (``layers`` for a layer run, also
+    when submitted as its RunSpec; ``sweep`` for a sweep)."""
+    return str(as_request(job, None, None).kind)
 
 
 def _started_device(request: Request) -> str:
@@ -146,7 +154,7 @@ ALL_DEVICES = "*"  # a device map without --max-memory: accelerate may use every
 
 def _spec_of(job: Any) -> Any:
     """The RunSpec a job (a RunSpec, or an experiment request holding one) runs, or None."""
-    return job if isinstance(job, RunSpec) else getattr(job, "spec", None)
+    return getattr(as_request(job, None, None), "spec", None)
 
 
 def job_devices(job: Any) -> frozenset[str]:

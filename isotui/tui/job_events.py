@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 from textual.css.query import NoMatches
 from textual.message import Message
 
-from isotui.backend import JobEvent, JobFailed, JobFinished, JobNotice, JobProgress
+from isotui.backend import JobEvent, JobFailed, JobFinished, JobNotice, JobProgress, job_kind
 from isotui.render import shorten
-from isotui.spec import RunSpec
 from isotui.sweep import SweepResult
 from isotui.tui.jobs import JobsTable
 from isotui.tui.wording import in_options_terms
@@ -91,7 +90,7 @@ class JobEventView:
     def _lab_status(self, ev: JobEvent, text: str) -> None:
         """A line in the lab's status bar about an experiment's job, when the lab is open."""
         lab = self.app.lab_screen()
-        if lab is not None and not isinstance(ev.spec, RunSpec):
+        if lab is not None and job_kind(ev.spec) != "layers":
             lab.status(f"{ev.spec.kind} {shorten(ev.spec.model, 40)}{text}", ev.spec.kind)
 
     @singledispatchmethod
@@ -115,8 +114,9 @@ class JobEventView:
         if isinstance(ev.result, SweepResult):
             self.app.add_sweep_result(ev.result)
             return
-        if not isinstance(ev.spec, RunSpec):
-            self.app.add_lab_result(ev.spec.kind, ev.result)
+        kind = job_kind(ev.spec)
+        if kind != "layers":  # the lab's experiments; a layer run goes to the main screen's table
+            self.app.add_lab_result(kind, ev.result)
             return
         self.app.add_result(ev.result)
         if not ev.result.from_cache:
