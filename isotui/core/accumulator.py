@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from isotui.core.exact_spectrum import ExactEigen, exact_eigen
 from isotui.core.isotropy import isoscore_star, sample_metrics
-from isotui.core.products import gram32
+from isotui.core.products import gram
 from isotui.core.spectrum import (
     Spectrum,
     eigenvalues,
@@ -248,7 +248,7 @@ class LayerAccumulator:
             # the spectrum metrics within ~1e-8 of float64 (tests/test_products.py), which float64
             # accumulation across batches then preserves; a float64 d x d product costs 2x on a
             # CPU and up to 64x on a GPU
-            out["gram"] = gram32(xs64)
+            out["gram"] = gram(xs64)
         if weights is not None:
             out |= self._sentences(x64, ids, per_sample, counts.to(torch.float64))
             if type_index is not None and self.types:

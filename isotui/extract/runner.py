@@ -47,6 +47,7 @@ from isotui.extract.planning import ExtractOptions, effective_max_length, select
 from isotui.extract.planning import position_limit as position_limit  # importable from here too
 from isotui.extract.planning import resolve_max_length as resolve_max_length
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
+from isotui.extract.tensor_cores import ensure_scheme
 from isotui.models.loading import LoadedModel, final_norm_modules
 
 SELF_SIM_TYPES = 1000  # token types followed for self-similarity (the most frequent ones)
@@ -460,6 +461,8 @@ class LayerStream:
         asked = 0 if self.tracked is None else int(min(SELF_SIM_TYPES, int((self.tracked >= 0).sum())))
         # each layer's sums on its hidden states' device (no float64 on MPS: there, the CPU)
         where = {c: [_acc_device(h.device) for h in hidden] for c, hidden in components.items()}
+        for dev in {str(d) for ds in where.values() for d in ds}:  # a model across several GPUs
+            ensure_scheme(dev)
         bounds = {c: [self._vector_bound(h) for h in hidden] for c, hidden in components.items()}
         self.plan = _memory_plan(
             self.loaded, self.loop, dims, where, asked, self.opts.reservoir, self.max_length or None, bounds
