@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isotui.errors import Cancelled, IsotuiError
-from isotui.extract.device import memory_in_use
+from isotui.extract.device import memory_in_use, to_device
 from isotui.extract.heap import TRIM_EVERY, release_free_memory
 from isotui.extract.inputs import Fed, make_feeder
 from isotui.extract.planning import TOKEN_BUDGET, BatchPlan, ExtractOptions, selected_ids
@@ -252,7 +252,7 @@ class BatchLoop:
         for name, value in fed.inputs.items():
             if value.is_floating_point() and self.dtype is not None:
                 value = value.to(self.dtype)
-            inputs[name] = value.to(self.device)
+            inputs[name] = to_device(value, self.device)  # pinned, non-blocking (issue 26)
         return inputs
 
     def keep(self, fed: Fed, component: str, width: int) -> Any:

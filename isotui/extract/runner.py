@@ -22,7 +22,7 @@ import numpy as np
 from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
 from isotui.core.sampled import EIGEN_JACKKNIFE_MAX_DIM, SE_GROUPS, ExactPass
 from isotui.errors import IsotuiError
-from isotui.extract.device import memory_in_use
+from isotui.extract.device import memory_in_use, to_device
 from isotui.extract.finalise import finalize_all, finalize_estimate_s
 from isotui.extract.forward import (
     HiddenStates,
@@ -275,7 +275,7 @@ class LayerStream:
             keys = sample_keys(self.opts.seed, ids[local], positions)
             weights, types = self._weights(fed, component, h, flat)
             index[shape] = tuple(
-                None if t is None else t.to(dev)
+                None if t is None else to_device(t, dev)
                 for t, dev in (
                     (flat, h.device),
                     (local, acc.device),
