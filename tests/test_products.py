@@ -453,3 +453,44 @@ def test_split_product_on_tensor_cores_is_float64_close(scheme, cpu_scheme):
         assert right.scheme.name == scheme and _fmt_exact(right.hi, right.scheme.fmt)
         got = mm_split(torch.from_numpy(v), right).numpy()
         assert np.abs(got - want).max() / np.abs(want).max() < 2e-8
+
+
+def test_tf32_and_full_float32_products_take_turns_between_threads():
+    """The precision flags are global: a thread that asks for TF32 (a tensor-core slice product)
+    while another holds full float32 waits for it to leave, then gets TF32, and the user's
+    setting is back after both; a thread nesting TF32 inside its own full float32 keeps full
+    float32 (the same numbers for exact slices) instead of waiting for itself."""
+    import time
+
+    import torch
+
+    from isotui.core.products import _matmul_precision
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    order: list[str] = []
+    inside = threading.Event()
+    try:
+
+        def holder():
+            with _matmul_precision("ieee"):
+                inside.set()
+                time.sleep(0.3)
+                order.append(f"ieee:{torch.get_float32_matmul_precision()}")
+
+        t = threading.Thread(target=holder)
+        t.start()
+        inside.wait(10)
+        with _matmul_precision("tf32"):
+            order.append(f"tf32:{torch.get_float32_matmul_precision()}")
+        t.join()
+        assert order == ["ieee:highest", "tf32:high"]
+        assert torch.get_float32_matmul_precision() == "medium"
+        with _matmul_precision("ieee"), _matmul_precision("tf32"):  # no self-deadlock
+            assert torch.get_float32_matmul_precision() == "highest"
+        tf32, full = _matmul_precision("tf32"), _matmul_precision("ieee")
+        with pytest.raises(RuntimeError, match="inside a TF32"), tf32, full:
+            pass
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -87,6 +87,7 @@ SPLIT_ON_CPU = False
 _COND = threading.Condition()
 _depth = 0
 _level = "ieee"  # the level switched to while _depth > 0
+_MINE = threading.local()  # this thread's depth
 _saved: tuple[str | None, Any, Any] | None = None  # the user's settings while switched
 
 
@@ -130,24 +131,32 @@ def _matmul_precision(level: str) -> Iterator[None]:
     product launched inside reads them at launch); a thread asking for the other level waits."""
     global _depth, _saved, _level
     with _COND:
-        while _depth and _level != level:
+        # another thread's level: wait for it to leave; this thread's own (nested): keep it (TF32
+        # slices multiplied at full float32 give the same numbers, only slower)
+        while _depth and _level != level and not getattr(_MINE, "depth", 0):
             _COND.wait()
+        if getattr(_MINE, "depth", 0) and _level == "tf32" and level == "ieee":
+            raise RuntimeError("a full-precision float32 product inside a TF32 one would run at TF32")
         if _depth == 0:
             _level = level
             now = _settings()
             legacy, cuda, mkldnn = now
             if level == "ieee":
                 want = ("highest" if legacy else None, "ieee" if cuda else None, "ieee" if mkldnn else None)
-            else:  # TF32 on CUDA only: the CPU's products are emulated, never switched
-                want = ("high" if legacy else None, "tf32" if cuda else None, mkldnn)
+            elif legacy:  # TF32 (used on CUDA only: the CPU's slice products are emulated)
+                want = ("high", "tf32" if cuda else None, "tf32" if mkldnn else None)
+            else:
+                want = (None, "tf32" if cuda else None, mkldnn)
             if now != want:
                 _saved = now
                 _apply(want, tf32=level == "tf32")
         _depth += 1
+        _MINE.depth = getattr(_MINE, "depth", 0) + 1
     try:
         yield
     finally:
         with _COND:
+            _MINE.depth -= 1
             _depth -= 1
             if _depth == 0:
                 if _saved is not None:
