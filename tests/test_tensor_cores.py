@@ -80,3 +80,26 @@ def test_a_device_is_probed_once_and_its_scheme_set(monkeypatch):
         assert tensor_cores.scheme_note("cpu") is None
     finally:
         products.set_scheme("cuda:0", None)
+
+
+def test_a_scheme_the_device_cannot_run_is_measured_as_failed(monkeypatch):
+    """A torch without ``mm(..., out_dtype=)`` (TypeError) or a device without the kernel
+    (RuntimeError): that scheme fails, the others are measured and one of them is chosen."""
+    import torch
+
+    real = tensor_cores.gram
+
+    def gram(x, scheme):
+        if scheme is products.BF16X6:
+            raise TypeError("mm() got an unexpected keyword argument 'out_dtype'")
+        if scheme is products.TF32X3:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        return real(x, scheme)
+
+    monkeypatch.setattr(tensor_cores, "gram", gram)
+    x = tensor_cores.probe_data(torch.device("cpu"), rows=256, dim=64)
+    schemes = [products.FLOAT32, products.TF32X3, products.BF16X6]
+    table = tensor_cores.measure(torch.device("cpu"), schemes, x, sync=lambda: None, repeats=1)
+    assert [m.passes for m in table] == [True, False, False]
+    assert table[1].seconds is None and table[2].seconds is None
+    assert tensor_cores.choose(table) is products.FLOAT32

@@ -103,7 +103,7 @@ def measure(
                 wait()
                 best = min(best, clock() - start)
             out.append(Measured(scheme, error, best))
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError, TypeError):  # no kernel, or a torch without mm(out_dtype=)
             out.append(Measured(scheme, float("inf"), None))
     return out
 
