@@ -494,3 +494,35 @@ def test_tf32_and_full_float32_products_take_turns_between_threads():
         assert torch.get_float32_matmul_precision() == "medium"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("scheme", ["float32", "3xtf32", "bf16x6"])
+def test_gradient_shares_within_1e6_of_float64_by_each_scheme(scheme, cpu_scheme):
+    """The gradients' d x d sums (G^T G, and the activations' shifted X^T X) by each scheme
+    (tensor cores emulated): the top-k, random-subspace and activation shares within 1e-6 of the
+    same shares from float64 numpy over all vectors."""
+    import torch
+
+    from isotui.core.gradients import GradAccumulator, random_basis, subspace_share, top_eigvecs
+
+    cpu_scheme(scheme)
+    d, k = 64, 3
+    x = _shifted(1500, d, seed=3).astype(np.float64)
+    g = (_shifted(1500, d, seed=4).astype(np.float64) - 100.0) * 1e-3
+    acc = GradAccumulator(d, torch.device("cpu"))
+    for s in range(0, len(x), 300):
+        acc.add(torch.from_numpy(x[s : s + 300]).float(), torch.from_numpy(g[s : s + 300]).float())
+    basis = random_basis(d, k, 0)
+    got = acc.finalize(k, basis)
+    x32, g32 = x.astype(np.float32).astype(np.float64), g.astype(np.float32).astype(np.float64)
+    g2 = g32.T @ g32
+    vals, top = top_eigvecs(np.cov(x32, rowvar=False, bias=True), k)
+    g_vals = np.linalg.eigvalsh(g2)[::-1]
+    want = {
+        "top_share": subspace_share(g2, top),
+        "random_share": subspace_share(g2, basis),
+        "act_top_var": vals[:k].sum() / vals.sum(),
+        "grad_top_share": g_vals[:k].sum() / np.trace(g2),
+    }
+    errors = {key: abs(getattr(got, key) - v) / abs(v) for key, v in want.items()}
+    assert max(errors.values()) < 1e-6, errors
