@@ -220,14 +220,31 @@ METRICS = (
 )
 
 
+@pytest.fixture
+def cpu_scheme():
+    """Set the CPU's product scheme for one test (the tensor cores emulated), then the default."""
+    from isotui.core import products
+
+    def use(name: str) -> None:
+        products.set_scheme("cpu", products.SCHEMES[name])
+
+    yield use
+    products.set_scheme("cpu", None)
+
+
+@pytest.mark.parametrize("scheme", ["float32", "3xtf32", "bf16x6"])
 @pytest.mark.parametrize("precision", ["high", "medium"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_metrics_within_1e6_of_float64_on_shifted_data(precision, d, monkeypatch):
+def test_metrics_within_1e6_of_float64_on_shifted_data(precision, d, scheme, monkeypatch, cpu_scheme):
+    """Every metric within 1e-6 of float64 numpy with the d x d sums and --exact's projections
+    formed by each scheme a GPU may get (issue 26: 3xTF32 and bf16x6 with the tensor cores
+    emulated: operands rounded to TF32 / bfloat16 explicitly, float32 accumulation)."""
     import torch
 
     from isotui.core import products
 
     monkeypatch.setattr(products, "SPLIT_ON_CPU", True)  # the GPU's path: the CPU's is float64
+    cpu_scheme(scheme)
 
     x = _shifted(2000, d)
     want = {k: v for k, v in _reference(x).items() if k in METRICS}
@@ -270,10 +287,10 @@ def test_tf32_or_bf16_products_would_not_stay_within_1e6(monkeypatch, bits, name
     low = _rounded(bits)
     monkeypatch.setattr(products, "mm32", low)
     monkeypatch.setattr(products, "mm_split", lambda a, right: low(a, right.full))
-    monkeypatch.setattr(products, "gram32", lambda xs: low(xs.T, xs))
+    monkeypatch.setattr(products, "gram", lambda xs: low(xs.T, xs))
     import isotui.core.accumulator as accumulator
 
-    monkeypatch.setattr(accumulator, "gram32", lambda xs: low(xs.T, xs))
+    monkeypatch.setattr(accumulator, "gram", lambda xs: low(xs.T, xs))
     errors = _errors(_measure(x), want)
     print(name, {k: f"{v:.1e}" for k, v in errors.items()})
     assert max(errors[k] for k in ("isoscore", "eff_rank", "top_pc_share", "iw_centered")) > 1e-5
@@ -353,3 +370,159 @@ def test_split_product_is_float64_close_where_one_float32_product_is_not(monkeyp
         one = (torch.from_numpy(v).float() @ torch.from_numpy(w).float()).double().numpy()
         assert np.abs(got - want).max() / scale < 2e-8
         assert np.abs(one - want).max() / scale > 1e-8
+
+
+# -- tensor-core schemes (issue 26), emulated ------------------------------------------------------
+
+
+def _fmt_exact(t, fmt: str) -> bool:
+    """Whether every entry of the float32 tensor ``t`` is a TF32 / bfloat16 number: no mantissa
+    bit below the format's (checked on the bits, not with the code under test)."""
+    bits = t.numpy().view(np.uint32)
+    low = (1 << (23 - {"tf32": 10, "bf16": 7}[fmt])) - 1
+    return bool(((bits & low) == 0).all())
+
+
+@pytest.mark.parametrize("fmt, slices", [("tf32", 2), ("bf16", 3), ("tf32", 1), ("bf16", 2)])
+def test_split_slices_are_exact_in_the_format_and_sum_to_the_operand(fmt, slices):
+    import torch
+
+    from isotui.core.products import split
+
+    rng = np.random.default_rng(7)
+    t = rng.normal(size=(50, 40)) * np.exp(rng.uniform(-20, 20, size=(50, 40))) + 3.0
+    parts = split(torch.from_numpy(t), fmt, slices)
+    assert len(parts) == slices and all(_fmt_exact(p, fmt) for p in parts)
+    total = sum(p.numpy().astype(np.float64) for p in parts)
+    p1 = {"tf32": 11, "bf16": 8}[fmt]  # significant bits: each slice's rounding halves a unit
+    assert (np.abs(total - t) <= 2.0 ** -(slices * p1) * np.abs(t)).all()
+
+
+@pytest.mark.parametrize("scheme", ["float32", "3xtf32", "bf16x6", "tf32", "bf16x3"])
+def test_scheme_gram_within_the_float32_bound(scheme):
+    """|G - X^T X| <= (gamma_m + 4 2^-22) |X|^T |X| entrywise (gamma_m = m u / (1 - m u), u =
+    2^-24: the bound of a float32 sum of m exact products, plus the slices' truncation): true of
+    float32, 3xTF32 and bf16x6; one TF32 product and two bfloat16 slices (3 products) break it, so
+    the scheme's slices are what keeps it."""
+    import torch
+
+    from isotui.core import products
+
+    schemes = products.SCHEMES | {"tf32": products.Scheme("tf32", "tf32", 1)}
+    schemes["bf16x3"] = products.Scheme("bf16x3", "bf16", 2)
+    rng = np.random.default_rng(11)
+    m, d = 64, 256
+    x = (rng.normal(size=(m, d)) @ (rng.normal(size=(d, d)) * np.exp(-np.arange(d) / 32)[:, None])) + 0.3
+    got = products.gram(torch.from_numpy(x), schemes[scheme]).numpy()
+    want = x.T @ x
+    u = 2.0**-24
+    bound = (m * u / (1 - m * u) + 4 * 2.0**-22) * (np.abs(x).T @ np.abs(x))
+    excess = float((np.abs(got - want) / bound).max())
+    if scheme in ("float32", "3xtf32", "bf16x6"):
+        assert excess <= 1.0, excess
+    else:
+        assert excess > 1.0, excess
+    if excess > 1.0:
+        return
+    # and a general product a @ b by the same slices, within its own bound
+    b = rng.normal(size=(d, 30))
+    got_ab = products.mm_scheme(torch.from_numpy(x), torch.from_numpy(b), schemes[scheme]).numpy()
+    bound_ab = (d * u / (1 - d * u) + 4 * 2.0**-22) * (np.abs(x) @ np.abs(b))
+    assert float((np.abs(got_ab - x @ b) / bound_ab).max()) <= 1.0
+
+
+@pytest.mark.parametrize("scheme", ["3xtf32", "bf16x6"])
+def test_split_product_on_tensor_cores_is_float64_close(scheme, cpu_scheme):
+    """--exact's I(W) projections with a tensor-core scheme (emulated): the hi parts exact in
+    the format (one exact product), the small terms by the scheme: within 2e-8 of float64, as
+    the float32 split is (test_split_product_is_float64_close_where_one_float32_product_is_not)."""
+    import torch
+
+    from isotui.core.products import mm_split, split_right
+
+    cpu_scheme(scheme)
+    rng = np.random.default_rng(1)
+    for m, d in ((600, 64), (300, 384), (100, 1024)):
+        v = (
+            rng.normal(size=(m, d)) @ (rng.normal(size=(d, d)) * np.exp(-np.arange(d) / (d / 8))[:, None])
+            + 100
+        )
+        w = np.linalg.eigh(v.T @ v)[1]
+        want = v @ w
+        right = split_right(torch.from_numpy(w))
+        assert right.scheme.name == scheme and _fmt_exact(right.hi, right.scheme.fmt)
+        got = mm_split(torch.from_numpy(v), right).numpy()
+        assert np.abs(got - want).max() / np.abs(want).max() < 2e-8
+
+
+def test_tf32_and_full_float32_products_take_turns_between_threads():
+    """The precision flags are global: a thread that asks for TF32 (a tensor-core slice product)
+    while another holds full float32 waits for it to leave, then gets TF32, and the user's
+    setting is back after both; a thread nesting TF32 inside its own full float32 keeps full
+    float32 (the same numbers for exact slices) instead of waiting for itself."""
+    import time
+
+    import torch
+
+    from isotui.core.products import _matmul_precision
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    order: list[str] = []
+    inside = threading.Event()
+    try:
+
+        def holder():
+            with _matmul_precision("ieee"):
+                inside.set()
+                time.sleep(0.3)
+                order.append(f"ieee:{torch.get_float32_matmul_precision()}")
+
+        t = threading.Thread(target=holder)
+        t.start()
+        inside.wait(10)
+        with _matmul_precision("tf32"):
+            order.append(f"tf32:{torch.get_float32_matmul_precision()}")
+        t.join()
+        assert order == ["ieee:highest", "tf32:high"]
+        assert torch.get_float32_matmul_precision() == "medium"
+        with _matmul_precision("ieee"), _matmul_precision("tf32"):  # no self-deadlock
+            assert torch.get_float32_matmul_precision() == "highest"
+        tf32, full = _matmul_precision("tf32"), _matmul_precision("ieee")
+        with pytest.raises(RuntimeError, match="inside a TF32"), tf32, full:
+            pass
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("scheme", ["float32", "3xtf32", "bf16x6"])
+def test_gradient_shares_within_1e6_of_float64_by_each_scheme(scheme, cpu_scheme):
+    """The gradients' d x d sums (G^T G, and the activations' shifted X^T X) by each scheme
+    (tensor cores emulated): the top-k, random-subspace and activation shares within 1e-6 of the
+    same shares from float64 numpy over all vectors."""
+    import torch
+
+    from isotui.core.gradients import GradAccumulator, random_basis, subspace_share, top_eigvecs
+
+    cpu_scheme(scheme)
+    d, k = 64, 3
+    x = _shifted(1500, d, seed=3).astype(np.float64)
+    g = (_shifted(1500, d, seed=4).astype(np.float64) - 100.0) * 1e-3
+    acc = GradAccumulator(d, torch.device("cpu"))
+    for s in range(0, len(x), 300):
+        acc.add(torch.from_numpy(x[s : s + 300]).float(), torch.from_numpy(g[s : s + 300]).float())
+    basis = random_basis(d, k, 0)
+    got = acc.finalize(k, basis)
+    x32, g32 = x.astype(np.float32).astype(np.float64), g.astype(np.float32).astype(np.float64)
+    g2 = g32.T @ g32
+    vals, top = top_eigvecs(np.cov(x32, rowvar=False, bias=True), k)
+    g_vals = np.linalg.eigvalsh(g2)[::-1]
+    want = {
+        "top_share": subspace_share(g2, top),
+        "random_share": subspace_share(g2, basis),
+        "act_top_var": vals[:k].sum() / vals.sum(),
+        "grad_top_share": g_vals[:k].sum() / np.trace(g2),
+    }
+    errors = {key: abs(getattr(got, key) - v) / abs(v) for key, v in want.items()}
+    assert max(errors.values()) < 1e-6, errors

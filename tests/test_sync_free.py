@@ -464,3 +464,244 @@ def test_rotary_check_reads_nothing_back(tmp_path, monkeypatch, syncs):
     result = measure_attention(make_spec(TINY_BART, _text(tmp_path), max_length=32, batch_size=3), None)
     assert calls[0] >= 4 and result.rows and not any(r.rope for r in result.rows)
     assert dict(counts) == {}
+
+
+# -- issue 26: where each tensor lives, traced; host-to-device copies from pageable memory -----------
+
+_READS = {
+    "item",
+    "cpu",
+    "tolist",
+    "numpy",
+    "nonzero",
+    "unique",
+    "unique_consecutive",
+    "masked_select",
+    "argwhere",
+    "bincount",
+    "equal",
+    "allclose",
+    "is_nonzero",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__array__",
+}
+_FACTORIES = {"zeros", "ones", "full", "empty", "arange", "rand", "randn", "randint", "eye", "linspace"}
+
+
+class _Ids:
+    """Tensors by identity, forgotten when freed (a WeakSet compares tensors with ==)."""
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+
+    def add(self, t) -> None:
+        import weakref
+
+        if id(t) not in self.ids:
+            self.ids.add(id(t))
+            weakref.finalize(t, self.ids.discard, id(t))
+
+    def __contains__(self, t) -> bool:
+        return id(t) in self.ids
+
+
+class _Where:
+    """A torch-function mode that follows where each tensor would live on a GPU (the CPU trace
+    cannot tell): model weights and what is made from them, or made with an explicit ``device=``,
+    are device tensors; the rest (token ids, masks, numpy) host tensors. While ``armed``, counts
+    (1) a copy of a host tensor to the device unless it is pinned and non-blocking (a pageable
+    copy waits for the device) and (2) every read of a device tensor on the host: ``.item()``,
+    ``.cpu()``, ``nonzero``, a boolean mask, ``bincount``..., from isotui's own code (the
+    model's forward is the bare forward's business)."""
+
+    def __init__(self) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        self.device = _Ids()
+        self.pinned = _Ids()
+        self.counts: Counter[str] = Counter()
+        self.armed = False
+        tracer = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                return tracer.after(func, args, kwargs, func(*args, **kwargs))
+
+        self.mode = Mode()
+
+    def on_device(self, t: object) -> bool:
+        import torch
+
+        return isinstance(t, torch.Tensor) and t in self.device
+
+    def _any_device(self, items) -> bool:
+        for a in items:
+            if isinstance(a, list | tuple):
+                if self._any_device(a):
+                    return True
+            elif self.on_device(a):
+                return True
+        return False
+
+    def _mark(self, out, device: bool) -> None:
+        import torch
+
+        if not device:
+            return
+        for t in out if isinstance(out, list | tuple) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.device.add(t)
+
+    def count(self, what: str) -> None:
+        if not self.armed:
+            return
+        where = _own_frame()
+        if where is not None:
+            self.counts[f"{what} in {where}"] += 1
+
+    def after(self, func, args, kwargs, out):
+        """Count what ``func`` did, mark where its result lives, and return it (a move that is a
+        no-op on the CPU returns a copy, as a GPU would: the host tensor stays a host tensor)."""
+        import torch
+
+        name = getattr(func, "__name__", "")
+        source = args[0] if args else None
+        if name in ("to", "cuda", "pin_memory") and isinstance(source, torch.Tensor):
+            target = kwargs.get("device")
+            for a in args[1:]:
+                if isinstance(a, torch.device | str | torch.Tensor):
+                    target = a
+            if name == "pin_memory":
+                self.pinned.add(out)
+                self._mark(out, self.on_device(source))
+                return out
+            if name == "cuda" or target is not None:
+                if not self.on_device(source):
+                    if not (source in self.pinned and kwargs.get("non_blocking")):
+                        self.count("pageable host-to-device copy")
+                    if out is source:
+                        out = out.clone()
+                self._mark(out, True)
+                return out
+        if name in ("as_tensor", "tensor") and kwargs.get("device") is not None:
+            if not self.on_device(source):
+                self.count(f"host-to-device copy by torch.{name}")
+                if out is source:
+                    out = out.clone()
+            self._mark(out, True)
+            return out
+        if name in _FACTORIES or name.endswith("_like"):
+            self._mark(out, kwargs.get("device") is not None or self._any_device(args))
+            return out
+        device = self._any_device(args) or self._any_device(list(kwargs.values()))
+        bool_mask = name in ("__getitem__", "__setitem__") and any(
+            isinstance(p, torch.Tensor) and p.dtype == torch.bool
+            for p in (args[1] if isinstance(args[1], tuple) else (args[1],))
+        )
+        reads = name in _READS or bool_mask or (name == "where" and len(args) == 1)
+        reads |= name == "repeat_interleave" and isinstance(args[1] if len(args) > 1 else None, torch.Tensor)
+        if reads and device:
+            self.count(f"{name}()")
+        self._mark(out, device and name not in ("cpu", "numpy", "tolist", "item"))
+        return out
+
+
+def _own_frame() -> str | None:
+    """``file:function`` of the isotui code that made the call (skipping torch's frames), or
+    None when it is not isotui's (the model's forward, transformers, the tests)."""
+    frame = sys._getframe(4)  # past this, count, after and the mode's __torch_function__
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "/torch/" in path or "/contextlib.py" in path or "/weakref" in path:
+            frame = frame.f_back
+            continue
+        if f"{Path('isotui')}/" in path and "/tests/" not in path:
+            return f"{Path(path).parent.name}/{Path(path).name}:{frame.f_code.co_name}"
+        return None
+    return None
+
+
+@pytest.fixture
+def where(monkeypatch):
+    """A :class:`_Where` over every pass of :class:`BatchLoop` (the model's weights are device
+    tensors), armed from the second batch on: building the batch, moving it, the step. The CPU
+    has no pinned memory: ``pin_memory`` is traced (a copy marked pinned)."""
+    import torch
+
+    from isotui.extract import device as device_module
+    from isotui.extract.loop import BatchLoop
+
+    tracer = _Where()
+    monkeypatch.setattr(device_module, "PINNED_ON_CPU", True)
+
+    def pin_memory(self, *_args, **_kwargs):
+        pinned = self.clone()
+        tracer.pinned.add(pinned)
+        return pinned
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    original_run, original_attempt = BatchLoop.run, BatchLoop._attempt
+    seen = [0]
+
+    def run(self, step, *args, **kwargs):
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            tracer.device.add(t)
+        with tracer.mode:
+            return original_run(self, step, *args, **kwargs)
+
+    def attempt(self, step, idx, ledger=None):
+        seen[0] += 1
+        tracer.armed = seen[0] >= 2
+        try:
+            return original_attempt(self, step, idx, ledger)
+        finally:
+            tracer.armed = False
+
+    monkeypatch.setattr(BatchLoop, "run", run)
+    monkeypatch.setattr(BatchLoop, "_attempt", attempt)
+    return tracer, seen
+
+
+@pytest.mark.parametrize(
+    "experiment", ["layers", "layers --exact", "final-norm", "gradients", "attention", "qk-dynamics"]
+)
+def test_no_pageable_copy_nor_read_of_a_device_tensor_per_batch(
+    tmp_path, where, lm_models, experiment, monkeypatch
+):
+    """Issue 26 (about 23 syncs per batch on an H100 though the trace above found none): every
+    host tensor a batch needs goes to the device pinned and non-blocking, and nothing made on the
+    device is read back, anywhere in isotui's per-batch code (the loop, the stream, the
+    accumulators, the experiments' steps), after the first batch."""
+    from isotui.core import attention
+
+    monkeypatch.setattr(attention, "CPU_PATHS", False)  # the GPU's path of the probe
+    tracer, seen = where
+    data = _text(tmp_path)
+    if experiment.startswith("layers"):
+        exact = "exact" in experiment
+        spec = make_spec(TINY_GPT2, data, max_length=32, batch_size=3, reservoir=16, exact=exact)
+        assert measure(spec, None).rows
+    elif experiment == "final-norm":
+        from isotui.experiments.final_norm import measure_final_norm
+
+        measure_final_norm(make_spec(TINY_GPT2, data, max_length=32, batch_size=3, reservoir=16))
+    elif experiment == "gradients":
+        from isotui.experiments.gradients import measure_gradients
+
+        measure_gradients(make_spec(str(lm_models["gpt2"]), data, max_length=32, batch_size=3), top_k=3)
+    elif experiment == "attention":
+        from isotui.experiments.attention import measure_attention
+
+        measure_attention(make_spec(TINY_GPT2, data, max_length=32, batch_size=3), None)
+    else:  # the probe with its query/key subsample, on a rotary model
+        from isotui.experiments.qk_dynamics import Checkpoint, run_dynamics
+
+        base = make_spec(ROTARY["llama"], data, max_length=32, batch_size=3)
+        series = [Checkpoint(ROTARY["llama"], "a", 0)]
+        assert run_dynamics(None, series, base, None, sample_size=16) is not None
+    assert seen[0] >= 4
+    assert dict(tracer.counts) == {}

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from isotui.core.exact_spectrum import ExactEigen, exact_eigen
 from isotui.core.isotropy import isoscore_star, sample_metrics
-from isotui.core.products import gram32
+from isotui.core.products import gram
 from isotui.core.spectrum import (
     Spectrum,
     eigenvalues,
@@ -248,7 +248,7 @@ class LayerAccumulator:
             # the spectrum metrics within ~1e-8 of float64 (tests/test_products.py), which float64
             # accumulation across batches then preserves; a float64 d x d product costs 2x on a
             # CPU and up to 64x on a GPU
-            out["gram"] = gram32(xs64)
+            out["gram"] = gram(xs64)
         if weights is not None:
             out |= self._sentences(x64, ids, per_sample, counts.to(torch.float64))
             if type_index is not None and self.types:
@@ -395,8 +395,10 @@ class LayerAccumulator:
             self.res.index_copy_(0, change[1], change[2])
             self.res_keys.index_copy_(0, change[1], change[3])
 
-    def finalize(self) -> LayerStats:
-        """Turn the sums into metrics (see design.md for the exact definitions)."""
+    def finalize(self, eigen: ExactEigen | None = None) -> LayerStats:
+        """Turn the sums into metrics (see design.md for the exact definitions). ``eigen``: this
+        layer's :meth:`exact_eigen`, when the caller decomposed it already (batched with other
+        layers: isotui/extract/finalise.py)."""
         n, n_all, d = self.n, self.n_all, self.dim
         sum_u = self.sum_u.cpu().numpy()
         sum_u2 = self.sum_u2.cpu().numpy()
@@ -420,7 +422,7 @@ class LayerAccumulator:
             # rank-deficient data, n <= d, the float32 batch products would blur the null space)
             eig = sample_eigenvalues(sample) if d > n_sample else eigenvalues(np.cov(sample, rowvar=False))
             spectrum_from = "all"
-        elif (exact := self.exact_eigen()) is not None:  # full_cov: one eigh each, on the device
+        elif (exact := eigen or self.exact_eigen()) is not None:  # full_cov: one eigh each, on the device
             eig = exact.values.cpu().numpy()
             spectrum_from = "all"
         elif sample is not None and n_sample >= 2:
@@ -486,12 +488,23 @@ class LayerAccumulator:
             out["self_sim_types"] = int(live.sum())
         return out
 
+    def spectrum_from_sample(self) -> bool:
+        """Whether :meth:`finalize` takes the spectrum from the reservoir (it holds every vector),
+        not from the d x d sums: then no :meth:`exact_eigen` is needed."""
+        return self.res is not None and 2 <= len(self.res) == self.n_all
+
     def exact_eigen(self) -> ExactEigen | None:
         """The eigendecompositions of the exact covariance and X^T X over every vector (see
         :mod:`isotui.core.exact_spectrum`); None when the d x d sums are not held (or n < 2)."""
+        sums = self.exact_eigen_inputs()
+        return None if sums is None else exact_eigen(*sums)
+
+    def exact_eigen_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """(gram, shift, sum_xs, n) for :func:`~isotui.core.exact_spectrum.exact_eigen`; None when
+        the d x d sums are not held (or n < 2)."""
         if self.gram is None or self.shift is None or self.n_all < 2:
             return None
-        return exact_eigen(self.gram, self.shift, self.sum_xs, self.n_all)
+        return self.gram, self.shift, self.sum_xs, self.n_all
 
     def _sample_metrics(
         self,

@@ -110,7 +110,7 @@ class GradAccumulator:
         products are float32, added into the float64 sums (see isotui.core.products)."""
         import torch
 
-        from isotui.core.products import gram32
+        from isotui.core.products import gram
 
         if not len(x):
             return
@@ -128,13 +128,13 @@ class GradAccumulator:
         self.sum_gnorm += gn.sum()
         # G is not centred: its float32 rounding is relative to its own entries (the shares are
         # ratios of positive sums, no cancellation)
-        self.g2 += gram32(g64)
+        self.g2 += gram(g64)
         self.sum_xu += (x64 / torch.where(xz, xn, 1.0)[:, None]).sum(0)
         if self.shift is None:
             self.shift = x64.mean(0)
         xs = x64 - self.shift
         self.sum_xs += xs.sum(0)
-        self.x2 += gram32(xs)
+        self.x2 += gram(xs)
 
     _SUMS = ("sum_gu", "sum_g", "sum_gnorm", "g2", "sum_xu")
     _COUNTS = ("n_all", "n_grad", "n_act")

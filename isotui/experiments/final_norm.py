@@ -344,6 +344,7 @@ def _stream_norms(
 
     from isotui.core.accumulator import LayerAccumulator, sample_keys
     from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.extract.device import to_device
     from isotui.extract.loop import Batch, BatchLoop
     from isotui.extract.memory_plan import cov_bytes, measured_budget, partial_bytes
     from isotui.extract.runner import resolve_max_length
@@ -410,6 +411,14 @@ def _stream_norms(
                         "before attention and MLP, pre-LN); analyse its final norm without --every-layer"
                     )
         measured = 0
+        moved: dict[tuple[tuple[int, int], str], Any] = {}
+
+        def moved_once(key: tuple[int, int], t: Any, device: Any) -> Any:
+            """Host tensor ``t`` on ``device``, moved once per batch (pinned, non-blocking: issue 26)."""
+            if (key, str(device)) not in moved:
+                moved[(key, str(device))] = to_device(t, device)
+            return moved[(key, str(device))]
+
         for i, (n, _m, _k) in enumerate(sites):
             x_in, x_out = seen[i]
             first = n.split(".")[0]
@@ -420,9 +429,10 @@ def _stream_norms(
             for side, (acc, x) in enumerate(zip(accs[i], (x_in, x_out), strict=True)):
                 if not batch.pending((i, side)):  # a try of a batch holding these samples did it
                     continue
-                vec = x.reshape(-1, x.shape[-1]).index_select(0, flat.to(x.device))
+                vec = x.reshape(-1, x.shape[-1]).index_select(0, moved_once((i, 0), flat, x.device))
                 # committed at once (one side's batch sums at a time; see extract/loop.py)
-                acc.commit(acc.partial(vec, ids, keys, None, None, x_in.shape[0]))
+                at_ids, at_keys = moved_once((i, 1), ids, acc.device), moved_once((i, 2), keys, acc.device)
+                acc.commit(acc.partial(vec, at_ids, at_keys, None, None, x_in.shape[0]))
                 batch.committed((i, side))
             if i == 0:
                 measured = int(flat.numel())  # the tokens measured (kept by the first norm)

@@ -256,6 +256,7 @@ def _stream_gradients(
     from transformers import AutoModelForMaskedLM
 
     from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.extract.device import to_device
     from isotui.extract.loop import Batch, BatchLoop, is_oom
     from isotui.extract.runner import resolve_max_length
 
@@ -295,9 +296,8 @@ def _stream_gradients(
         if objective == "masked":
             masked = mlm_mask(spec.seed, batch.ids, positions, valid & ~special)
             labels = torch.where(masked, ids, torch.full_like(ids, -100))
-            batch.inputs["input_ids"] = torch.where(masked, torch.full_like(ids, int(mask_id)), ids).to(
-                device
-            )
+            masked_ids = torch.where(masked, torch.full_like(ids, int(mask_id)), ids)
+            batch.inputs["input_ids"] = to_device(masked_ids, device)
         else:  # position t predicts token t + 1
             labels = torch.full_like(ids, -100)
             labels[:, :-1] = torch.where(valid[:, 1:], ids[:, 1:], labels[:, 1:])
@@ -308,7 +308,7 @@ def _stream_gradients(
             logits = out.logits.float()
             batch_loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]),
-                labels.to(device).reshape(-1),
+                to_device(labels, device).reshape(-1),
                 ignore_index=-100,
                 reduction="sum",
             )
@@ -323,7 +323,7 @@ def _stream_gradients(
             accs.extend(_accumulators(hidden, top_k, spec.model, acc_device))
         if any(h.shape[1] != ids.shape[1] for h in hidden):
             raise IsotuiError(f"model {spec.model!r} has layers that are not one vector per input token")
-        flat = keep.flatten().nonzero().squeeze(1).to(device)
+        flat = to_device(keep.flatten().nonzero().squeeze(1), device)  # pinned, non-blocking (issue 26)
         try:
             for acc, h, g in zip(accs, hidden, grads, strict=True):
                 d = h.shape[-1]

@@ -29,6 +29,7 @@ import numpy as np
 from isotui.core.accumulator import keep_smallest, sample_keys
 from isotui.core.attention import AttentionAccumulator, HeadStats, VectorSums
 from isotui.errors import IsotuiError
+from isotui.extract.device import to_device
 from isotui.extract.loop import Batch, BatchLoop, Hooks, merge_facts
 from isotui.extract.memory_plan import device_name, measured_budget, size_text
 from isotui.extract.planning import ExtractOptions, effective_max_length
@@ -269,8 +270,7 @@ class _ModuleProbe:
             )
         if q.device.type == "mps":  # no float64 on MPS: measure on the CPU
             q, k, scores, probs, allowed = (x.cpu() for x in (q, k, scores, probs, allowed))
-        q_keep, k_keep = self.run.keep(self.site, t, k.shape[-2])
-        q_keep, k_keep = q_keep.to(q.device), k_keep.to(q.device)
+        q_keep, k_keep = self.run.keep_on(self.site, t, k.shape[-2], q.device)
         device = q.device
         if self.acc is None:
             self.acc = AttentionAccumulator(h, k.shape[1], d, device)
@@ -378,7 +378,7 @@ class AttentionRun:
         self.sample_size = sample_size
         self.seed = loop.opts.seed
         self.probes: dict[int, _ModuleProbe] = {}
-        self.masks: dict[tuple[str, int], Any] = {}
+        self.masks: dict[tuple[Any, ...], Any] = {}  # (component, width[, device]) -> mask
         self.fed: Any = None
         self.sample_ids: Any = None
         self.ids: dict[Any, Any] = {}  # the batch's sample ids on each device that asked
@@ -482,10 +482,22 @@ class AttentionRun:
         k_comp = "encoder" if site.kind == "cross" else site.component
         return self._mask(site.component, q_len), self._mask(k_comp, k_len)
 
+    def keep_on(self, site: ModuleSite, q_len: int, k_len: int, device: Any) -> tuple[Any, Any]:
+        """:meth:`keep` on ``device``, each mask moved there once per batch (issue 26: a copy
+        from pageable memory waits for the device; every module shares it)."""
+        q_comp, k_comp = site.component, "encoder" if site.kind == "cross" else site.component
+        return self._mask_on(q_comp, q_len, device), self._mask_on(k_comp, k_len, device)
+
+    def _mask_on(self, component: str, width: int, device: Any) -> Any:
+        key = (component, width, str(device))
+        if key not in self.masks:
+            self.masks[key] = to_device(self._mask(component, width), device)
+        return self.masks[key]
+
     def ids_on(self, device: Any) -> Any:
         """The batch's (B,) sample indices on ``device``, moved there once per batch."""
         if device not in self.ids:
-            self.ids[device] = self.sample_ids.to(device)
+            self.ids[device] = to_device(self.sample_ids, device)
         return self.ids[device]
 
     def _mask(self, component: str, width: int) -> Any:

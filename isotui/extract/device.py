@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from isotui.errors import IsotuiError
 
@@ -119,3 +120,21 @@ def process_rss() -> int:
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
+
+
+PINNED_ON_CPU = False  # tests: the GPU's staging through pinned memory, traced on the CPU
+
+
+def to_device(t: Any, device: Any) -> Any:
+    """A host tensor on ``device`` without waiting for it (issue 26): a copy from pageable memory
+    to a GPU waits until the GPU has done everything queued before it, so the tensor is staged in
+    pinned memory and copied non-blocking (the pinned block is not reused before the copy ran);
+    a tensor already there, or a CPU target, as it is."""
+    import torch
+
+    dev = torch.device(device)
+    if t.device == dev and not PINNED_ON_CPU:
+        return t
+    if t.device.type == "cpu" and (dev.type == "cuda" or PINNED_ON_CPU):
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)

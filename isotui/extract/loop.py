@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isotui.errors import Cancelled, IsotuiError
-from isotui.extract.device import memory_in_use
+from isotui.extract.device import memory_in_use, to_device
 from isotui.extract.heap import TRIM_EVERY, release_free_memory
 from isotui.extract.inputs import Fed, make_feeder
 from isotui.extract.planning import TOKEN_BUDGET, BatchPlan, ExtractOptions, selected_ids
@@ -252,7 +252,7 @@ class BatchLoop:
         for name, value in fed.inputs.items():
             if value.is_floating_point() and self.dtype is not None:
                 value = value.to(self.dtype)
-            inputs[name] = value.to(self.device)
+            inputs[name] = to_device(value, self.device)  # pinned, non-blocking (issue 26)
         return inputs
 
     def keep(self, fed: Fed, component: str, width: int) -> Any:
@@ -296,6 +296,7 @@ class BatchLoop:
         ``finalize_left(batch number)`` when given). Stops with :class:`Cancelled` between
         batches when asked; :attr:`hooks` are removed when the pass ends, however it ends."""
         start = time.perf_counter() if start is None else start
+        self._product_scheme()
         done = units = 0
         left = None
         last = Progress(0, self.total, 0, 0.0, phase=phase)
@@ -322,6 +323,16 @@ class BatchLoop:
         finally:
             self.hooks.remove()
         return PassStats(done, units, time.perf_counter() - start, last)
+
+    def _product_scheme(self) -> None:
+        """Measure which products the device's d x d sums use (once per kind of device, issue
+        26: isotui/extract/tensor_cores.py) and say so in the notes (not on the CPU)."""
+        from isotui.extract.tensor_cores import ensure_scheme, scheme_note
+
+        ensure_scheme(self.device)
+        note = scheme_note(self.device)
+        if note is not None and note not in self.notes:
+            self.notes.append(note)
 
     def _attempt(self, step: Step, idx: list[int], ledger: Ledger | None = None) -> int:
         """``step`` on ``idx`` with out-of-memory back-off: halve the batch and retry, say so,

@@ -22,7 +22,8 @@ import numpy as np
 from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
 from isotui.core.sampled import EIGEN_JACKKNIFE_MAX_DIM, SE_GROUPS, ExactPass
 from isotui.errors import IsotuiError
-from isotui.extract.device import memory_in_use
+from isotui.extract.device import memory_in_use, to_device
+from isotui.extract.finalise import finalize_all, finalize_estimate_s
 from isotui.extract.forward import (
     HiddenStates,
     Sites,
@@ -47,6 +48,7 @@ from isotui.extract.planning import ExtractOptions, effective_max_length, select
 from isotui.extract.planning import position_limit as position_limit  # importable from here too
 from isotui.extract.planning import resolve_max_length as resolve_max_length
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
+from isotui.extract.tensor_cores import ensure_scheme
 from isotui.models.loading import LoadedModel, final_norm_modules
 
 SELF_SIM_TYPES = 1000  # token types followed for self-similarity (the most frequent ones)
@@ -273,7 +275,7 @@ class LayerStream:
             keys = sample_keys(self.opts.seed, ids[local], positions)
             weights, types = self._weights(fed, component, h, flat)
             index[shape] = tuple(
-                None if t is None else t.to(dev)
+                None if t is None else to_device(t, dev)
                 for t, dev in (
                     (flat, h.device),
                     (local, acc.device),
@@ -460,6 +462,8 @@ class LayerStream:
         asked = 0 if self.tracked is None else int(min(SELF_SIM_TYPES, int((self.tracked >= 0).sum())))
         # each layer's sums on its hidden states' device (no float64 on MPS: there, the CPU)
         where = {c: [_acc_device(h.device) for h in hidden] for c, hidden in components.items()}
+        for dev in {str(d) for ds in where.values() for d in ds}:  # a model across several GPUs
+            ensure_scheme(dev)
         bounds = {c: [self._vector_bound(h) for h in hidden] for c, hidden in components.items()}
         self.plan = _memory_plan(
             self.loaded, self.loop, dims, where, asked, self.opts.reservoir, self.max_length or None, bounds
@@ -724,10 +728,10 @@ def _finish(
     """Metrics and notes from the accumulators and the facts of :func:`_stream` (or a merge);
     ``at``: the last running event, from which finalisation's per-layer events go on."""
     begin = time.perf_counter()
-    components = finalize_all(accs, on_progress, at or Progress(0, 0, 0, 0.0), estimate)
+    notes = list(facts["notes"])
+    components = finalize_all(accs, on_progress, at or Progress(0, 0, 0, 0.0), estimate, notes=notes)
     finalize_s = time.perf_counter() - begin
     all_stats = [s for stats in components.values() for s in stats]
-    notes = list(facts["notes"])
     notes.extend(_sample_notes(facts, all_stats))
     notes.extend(_rank_notes(all_stats))
     notes.extend(constant_notes(components))
@@ -755,63 +759,6 @@ def _finish(
             "finalise_s": finalize_s,
         },
     )
-
-
-# Finalisation per layer at one CPU thread, reservoir 4096 full (benchmarks/finalisation.py, issue
-# 15: d = 256 / 1,024 / 4,096: 0.21 / 2.3 / 55 s of CPU): the two d x d eigh (d^3) whatever the
-# reservoir holds, and its projections (K d^2); an estimate for the ETA before finalisation starts;
-# once it runs, the layers already finalised give the time per layer.
-FINALIZE_BASE_S = 0.15
-FINALIZE_PER_DIM2_S = 7e-7
-FINALIZE_PER_DIM3_S = 6.3e-10
-
-
-def finalize_estimate_s(all_accs: dict[str, list[LayerAccumulator]] | None) -> float | None:
-    """Seconds the finalisation of every layer will take, estimated from each layer's d and how
-    full its reservoir is (the reservoir's per-vector metrics grow with it, the eigh do not)."""
-    if not all_accs:
-        return None
-    total = 0.0
-    for accs in all_accs.values():
-        for acc in accs:
-            fill = min(1.0, acc.n_all / max(1, acc.reservoir_size))
-            total += (FINALIZE_BASE_S + FINALIZE_PER_DIM2_S * acc.dim**2) * max(fill, 0.05)
-            total += FINALIZE_PER_DIM3_S * acc.dim**3
-    return total
-
-
-def finalize_all(
-    all_accs: dict[str, list[LayerAccumulator]],
-    on_progress: ProgressCallback,
-    at: Progress,
-    estimate: float | None,
-) -> dict[str, list[LayerStats]]:
-    """Finalise every layer, posting one progress event per layer with the time left (from the
-    layers done so far, else ``estimate``)."""
-    from dataclasses import replace
-
-    n_layers = sum(len(accs) for accs in all_accs.values())
-    start = time.perf_counter()
-    done = 0
-    out: dict[str, list[LayerStats]] = {}
-    for component, accs in all_accs.items():
-        out[component] = []
-        for acc in accs:
-            spent = time.perf_counter() - start
-            left = spent / done * (n_layers - done) if done else estimate
-            on_progress(
-                replace(
-                    at,
-                    stage="finalize",
-                    phase="finalising",
-                    layers_done=done,
-                    layers_total=n_layers,
-                    finalize_left_s=left,
-                )
-            )
-            out[component].append(acc.finalize())
-            done += 1
-    return out
 
 
 def _exact_pass(
