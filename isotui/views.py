@@ -49,6 +49,7 @@ class View:
     progress: Callable[[Any, str, Any], Any] | None = None
     highlight: bool = True
     blank_line: bool = True
+    whole: bool = False  # tables() takes a request's whole list of results (final-norm)
 
 
 # --- layers (isotui run) ----------------------------------------------------------------------------
@@ -381,7 +382,8 @@ VIEWS: dict[str, View] = {
     "final-norm": View(
         lambda found, args, _width: [
             per_block_table(found) if args.every_layer else final_norm_table(found[0])
-        ]
+        ],
+        whole=True,
     ),
     "gradients": View(lambda result, _args, _width: [gradients_table(result)]),
     "drift-block": View(
@@ -403,8 +405,8 @@ def result_tables(command: str, results: list[Any], options: Any, width: int) ->
 
     experiment = get(command)
     view = view_of(experiment.view)
-    # an experiment whose request gives a list (final-norm) has one view of the whole list
-    groups = [results] if experiment.result_type is list else results
+    # a view of a request's whole list (final-norm): the results of one request, as one
+    groups = [results] if view.whole else results
     tables = [t for group in groups for t in view.tables(group, options, width)]
     if results and view.closing:
         tables += view.closing(results, options, width)
