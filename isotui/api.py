@@ -248,24 +248,19 @@ def load(key: str, cache_dir: str | Path | None = None) -> Result:
     cached one result per entry (attention, final-norm, gradients)."""
     from isotui.experiments.cached import read
     from isotui.experiments.params import make_params
-    from isotui.experiments.registry import REGISTRY
+    from isotui.experiments.registry import cached_entries
     from isotui.paths import cache_dir as default_cache_dir
     from isotui.store.cache import CacheProblem
 
     root = default_cache_dir(str(cache_dir) if cache_dir is not None else None)
-    readable = [(e, e.folder, e.decode) for e in REGISTRY if e.folder is not None and e.decode is not None]
-    matches = [
-        (exp, decode, path.stem)
-        for exp, folder, decode in readable
-        if (root / folder).is_dir()
-        for path in sorted((root / folder).glob(f"{key}*.safetensors"))
-    ]
-    if len(matches) != 1 or not key:
+    matches = cached_entries(root, key) if key else []
+    if len(matches) != 1:
         what = "no cached result" if not matches else f"{len(matches)} cached results"
         raise IsotuiError(f"key {key!r} matches {what} in {root}; see `isotui cache ls`")
-    exp, decode, full = matches[0]
+    exp, full = matches[0]
+    assert exp.decode is not None  # cached_entries lists the experiments that read an entry back
     try:
-        found = read(exp.cache(root), full, decode)
+        found = read(exp.cache(root), full, exp.decode)
     except CacheProblem as problem:
         raise IsotuiError(str(problem)) from None
     if found is None:
