@@ -76,19 +76,32 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
     """
     from isotui.models.limits import declared_default_length
 
-    ref = parse_model(spec.model)
-    model_fp = ref.fingerprint(cache.root if cache is not None else None)
+    given = spec.given  # a model object (isotui.models.given): keyed by its weights, run where it is
+    ref = None if given is not None else parse_model(spec.model)
+    model_fp = given.fingerprint() if ref is None else ref.fingerprint(cache.root if cache else None)
     samples = open_samples(spec.data, spec.max_samples, spec.max_length, stream=spec.stream)
     data_fp = fingerprint(samples, spec.data)
-    declared = ref.declared_dtype()
+    declared = None if ref is None else ref.declared_dtype()
     device = None
-    if spec.device != "auto":
+    if given is not None:
+        device = given.device
+    elif spec.device != "auto":
         device = spec.device
     elif needs_device_for_dtype(spec.dtype, declared):
         device = resolve_device("auto")
-    dtype = resolve_dtype(spec.dtype, device.split(":")[0] if device else None, declared)
+    dtype = (
+        given.dtype
+        if given is not None
+        else resolve_dtype(spec.dtype, device.split(":")[0] if device else None, declared)
+    )
     text = spec.data.modality == "text"
-    default = declared_default_length(ref) if text else None
+    default = None
+    if text and ref is not None:
+        default = declared_default_length(ref)
+    elif text and given.modality == "text":  # the length the run resolves (extract/planning.py)
+        from isotui.extract.planning import resolve_max_length
+
+        default = resolve_max_length(given.loaded(), None, spec.model)
     max_length = spec.max_length if text else None
     if text and default is not None and (max_length is None or max_length <= default):
         max_length = max_length or default  # a longer request is refused when the model loads
@@ -180,7 +193,9 @@ def measure(
         if merged is not None:
             return merged
     result = compute(prepared, on_progress=on_progress, should_stop=should_stop)
-    if prepared.dtype in HALF_DTYPES and spec.shard is None:  # the forward's half precision, measured
+    if (
+        prepared.dtype in HALF_DTYPES and spec.shard is None and spec.given is None
+    ):  # the forward's half precision, measured
         from isotui.experiments.half_check import half_check, note
 
         on_progress(
@@ -191,6 +206,11 @@ def measure(
         check = half_check(spec, prepared.dtype, len(prepared.samples), weights, device)
         result.meta["half_check"] = check
         result.meta["notes"].append(note(check))
+    elif prepared.dtype in HALF_DTYPES and spec.given is not None:
+        result.meta["notes"].append(
+            f"{prepared.dtype} forward of a model object: not compared with float32 (that needs a float32 "
+            "copy of it); isotui's sums are float64 either way: for a paper, measure it in float32"
+        )
     if cache is not None:
         n = result.meta.get("n_samples") or 0
         on_progress(
@@ -212,6 +232,8 @@ def measure(
 
 def weights_size(spec: RunSpec) -> str:
     """The model's weight files on disk (``90.9 MB``), or what is known without them."""
+    if spec.given is not None:
+        return f"{spec.given.weights_bytes / 1e6:.1f} MB in memory"
     ref = parse_model(spec.model)
     if ref.kind == "random":
         return "untrained, built from its config"
@@ -251,6 +273,8 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
     from isotui.models.loading import load_model
 
     spec = prepared.spec
+    if spec.given is not None:  # a model object: the same object, where it sits (models/given.py)
+        return _given_loaded(spec, head)
     with paused_gc():  # torch, transformers and the model: no collection while they are made
         device = "cpu" if spec.device_map else resolve_device(prepared.device or "auto")
         threads_note = apply_threads(spec.threads)  # every streaming experiment loads through here
@@ -273,6 +297,29 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
         device = execution_device(loaded.device_map)
         loaded.notes.append(f"--device-map {spec.device_map}: {device_summary(loaded.device_map)}")
     return loaded, device
+
+
+def _given_loaded(spec: RunSpec, head: str | None) -> tuple[LoadedModel, str]:
+    """(the model object as a loaded model, its device): nothing loaded, copied or moved; an
+    experiment that needs a language-model head (``head="lm"``) refuses an object without one."""
+    from isotui.errors import IsotuiError
+    from isotui.extract.threads import apply_threads
+    from isotui.models.given import describe
+
+    given = spec.given
+    if head == "lm" and (
+        given.family != "transformers"
+        or getattr(given.model, "get_output_embeddings", lambda: None)() is None
+    ):
+        raise IsotuiError(
+            f"model {spec.model!r} ({type(given.model).__name__}) has no language-model head: give the "
+            "AutoModelForMaskedLM or AutoModelForCausalLM object"
+        )
+    loaded = given.loaded()
+    loaded.notes.insert(0, describe(given))
+    if threads_note := apply_threads(spec.threads):
+        loaded.notes.append(threads_note)
+    return loaded, given.device
 
 
 def compute(

@@ -45,7 +45,7 @@ class ExtractOptions:
 
 def position_limit(loaded: LoadedModel) -> int | None:
     """How many positions the model's embeddings have, when its config says so."""
-    return config_position_limit(loaded.model.config)
+    return config_position_limit(getattr(loaded.model, "config", None))
 
 
 def _special_count(tokenizer: Any) -> int:

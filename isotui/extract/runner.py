@@ -336,7 +336,7 @@ class LayerStream:
         run keeps ``output_hidden_states``, and its notes say why)."""
         import torch
 
-        if self.loaded.family.startswith("timm"):  # their own path (extract/forward.py)
+        if self.loaded.family.startswith("timm") or self.loaded.family == "module":  # their own path
             return None
         if set(sites) != set(components):
             self.notes.append(
