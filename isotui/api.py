@@ -72,6 +72,29 @@ class Result:
             self._tables = _tables(self.command, self.results, self.params)
         return self._tables
 
+    def sample(self, layer: int, component: str | None = None) -> Any:
+        """Layer ``layer``'s reservoir sample, for a layer run made with ``save_sample=PATH``
+        (the cache keeps no sample): an :class:`~isotui.extract.sample.LayerSample` with
+        ``vectors`` (n x d float32, by sample then position), ``sample_index`` and ``position``
+        (where each came from in the data), ``token_ids`` and ``tokens`` (their text; -1 and ""
+        where the units are not tokens: images, audio). ``component``: ``encoder`` or
+        ``decoder`` for an encoder-decoder model."""
+        found = getattr(self.result, "sample", None)
+        if found is None:
+            raise IsotuiError(
+                "this result holds no reservoir sample: run it with save_sample=PATH (the cache keeps none)"
+            )
+        if component is None:
+            if len(found) != 1:
+                raise IsotuiError(f"give component=, one of {', '.join(found)}")
+            component = next(iter(found))
+        if component not in found:
+            raise IsotuiError(f"no component {component!r}; this model has {', '.join(found)}")
+        layers = found[component]
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(layers):
+            raise IsotuiError(f"layer must be 0 to {len(layers) - 1} (got {layer!r})")
+        return layers[layer]
+
     def to_csv(self, path: str | Path) -> Path:
         """Write the table as the CLI's ``--csv`` does (the same bytes); returns the path."""
         from isotui.store.export import write_dicts_csv

@@ -271,6 +271,11 @@ def layer_requests(
 
     check_source(base.data)  # missing data: one sentence, before any model is looked up
     LAYERS.check(params)
+    if getattr(params, "save_sample", None) is not None and (len(models) > 1 or base.shard is not None):
+        why = (
+            "one model per run (-m once)" if len(models) > 1 else "the whole run in one process (no --shard)"
+        )
+        raise IsotuiError(f"{where}--save-sample writes one run's sample: it needs {why}")
     if given is not None:
         base = replace(base, given=given)
     return [LAYERS.request(base.with_model(model), params) for model in models]

@@ -170,11 +170,14 @@ def measure(
     on_progress: ProgressCallback = no_progress,
     should_stop: StopCheck = never_stop,
     on_notice: NoticeCallback | None = None,
+    keep_sample: bool = False,
 ) -> ModelResult:
     """The layer-wise result for ``spec``: from ``cache`` when present, else computed and stored.
 
     ``cache=None`` recomputes and stores nothing. ``on_notice`` receives one-sentence news
-    (e.g. a damaged cache entry being recomputed).
+    (e.g. a damaged cache entry being recomputed). ``keep_sample``: the result holds every
+    layer's reservoir sample (``result.sample``), so it is computed even when cached (the cache
+    keeps no sample) and stored again.
     """
     from isotui.extract.progress import Progress
 
@@ -183,16 +186,16 @@ def measure(
         Progress(0, 0, 0, 0.0, stage="prepare", phase="resolving", detail="model, data and cache key")
     )
     prepared = prepare(spec, cache)
-    hit = lookup(prepared, cache, notice)
+    hit = None if keep_sample else lookup(prepared, cache, notice)
     if hit is not None:
         return hit
     from isotui.experiments.shards import merge_cached
 
-    if cache is not None:  # all K shards of this run cached: merged, not recomputed
+    if cache is not None and not keep_sample:  # all K shards of this run cached: merged, not recomputed
         merged = merge_cached(prepared, cache.root, on_notice=notice, on_progress=on_progress)
         if merged is not None:
             return merged
-    result = compute(prepared, on_progress=on_progress, should_stop=should_stop)
+    result = compute(prepared, on_progress=on_progress, should_stop=should_stop, keep_sample=keep_sample)
     if (
         prepared.dtype in HALF_DTYPES and spec.shard is None and spec.given is None
     ):  # the forward's half precision, measured
@@ -327,8 +330,10 @@ def compute(
     *,
     on_progress: ProgressCallback = no_progress,
     should_stop: StopCheck = never_stop,
+    keep_sample: bool = False,
 ) -> ModelResult:
-    """Load the model, run the extraction and build the table."""
+    """Load the model, run the extraction and build the table (``keep_sample``: with each
+    layer's reservoir sample, ``result.sample``)."""
     from isotui.extract.progress import Progress
     from isotui.extract.runner import extract
 
@@ -338,17 +343,21 @@ def compute(
     started = time.perf_counter()
     loaded, device = load_prepared(prepared)
     load_s = time.perf_counter() - started
+    opts = extract_options(spec)
+    opts.keep_sample = keep_sample
     ex = extract(
         loaded,
         prepared.samples,
         device=device,
-        opts=extract_options(spec),
+        opts=opts,
         on_progress=on_progress,
         should_stop=should_stop,
         model_name=spec.model,
         modality=spec.data.modality,
     )
-    return build_result(prepared, ex, loaded_facts(loaded, device, load_s))
+    result = build_result(prepared, ex, loaded_facts(loaded, device, load_s))
+    result.sample = ex.sample
+    return result
 
 
 def loaded_facts(loaded: LoadedModel, device: str, load_s: float) -> dict[str, Any]:
@@ -503,9 +512,20 @@ def _wide(metric: str) -> str:
     return metric
 
 
+def _sample_path(value: Any) -> str:
+    """``--save-sample PATH``: a file name (``~`` expanded)."""
+    from isotui.errors import IsotuiError
+
+    text = str(value).strip()
+    if not text:
+        raise IsotuiError("--save-sample needs a file name, e.g. sample.safetensors")
+    return str(Path(text).expanduser())
+
+
 @dataclass(frozen=True)
 class LayersParams:
-    """The layer run's own parameters (beyond the models and the run options): what is shown."""
+    """The layer run's own parameters (beyond the models and the run options): what is shown,
+    and where the reservoir sample goes."""
 
     wide: str | None = param(
         None,
@@ -516,6 +536,14 @@ class LayersParams:
         view=True,
         help="also one table of layers (rows) by models (columns) for METRIC (default avg_cos; the "
         "layer metrics below)",
+    )
+    save_sample: str | None = param(
+        None,
+        parse=_sample_path,
+        metavar="PATH",
+        help="write every layer's reservoir sample (its vectors, with each one's sample, position, "
+        "token id and token text) to PATH as safetensors; one model per run; computed even when "
+        "cached (the cache keeps no sample)",
     )
 
 
@@ -535,6 +563,7 @@ class LayersRequest:
     compute_fn: Any = field(default=None, compare=False, repr=False)
     prepare_fn: Any = field(default=None, compare=False, repr=False)
     _resolved: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    save_sample: str | None = None  # --save-sample PATH: the reservoir sample written there
     kind: ClassVar[str] = "layers"
 
     @property
@@ -614,13 +643,21 @@ class LayersRequest:
                 should_stop=context.should_stop,
                 notice=context.notice,
             )
-        return measure(
+        result = measure(
             self.spec,
             runs_cache(context.cache_root),
             on_progress=context.on_progress,
             should_stop=context.should_stop,
             on_notice=context.notice,
+            keep_sample=self.save_sample is not None,
         )
+        if self.save_sample is not None and result.sample is not None:
+            from isotui.store.sample_file import save_sample
+
+            meta = {"model": result.model, "run_key": result.key, "seed": self.spec.seed}
+            meta |= {"reservoir": self.spec.reservoir, "data": result.meta.get("data")}
+            save_sample(result.sample, self.save_sample, meta, "--save-sample")
+        return result
 
 
 def request_for(job: Any) -> Any:
@@ -655,7 +692,7 @@ EXPERIMENT = Experiment(
     schema=SCHEMA_VERSION,
     view="layers",
     inputs="models",
-    make_request=lambda spec, _params: LayersRequest(spec),
+    make_request=lambda spec, params: LayersRequest(spec, save_sample=getattr(params, "save_sample", None)),
     rows=_layer_rows,
     payload=_layer_payload,
     params=LayersParams,

@@ -41,6 +41,7 @@ class ExtractOptions:
     # given the memory plan this process would make at its first batch, the plan to follow (a
     # shard follows the plan its run's first shard fixed); None: its own
     settle_plan: Callable[[MemoryPlan], MemoryPlan] | None = None
+    keep_sample: bool = False  # hand out every layer's reservoir (Extraction.sample; extract/sample.py)
 
 
 def position_limit(loaded: LoadedModel) -> int | None:

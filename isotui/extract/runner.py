@@ -72,6 +72,7 @@ class Extraction:
     memory_plan: dict[str, Any] | None = None  # MemoryPlan.to_json(): where the sums lived
     # per component, each layer's (C, H, W) where its vectors are flattened maps (else None)
     map_shapes: dict[str, list[list[int] | None]] | None = None
+    sample: Any = None  # with ExtractOptions.keep_sample: each layer's reservoir (extract/sample.py)
 
     @property
     def layers(self) -> list[LayerStats]:
@@ -563,6 +564,11 @@ def extract(
     stream, facts = _stream(loaded, samples, device, opts, on_progress, should_stop, model_name, modality)
     assert stream.accs is not None
     ex = _finish(stream.accs, facts, on_progress, facts.pop("at"), facts.pop("estimate"))
+    if opts.keep_sample:  # before --exact's second pass frees the reservoirs
+        from isotui.extract.sample import reservoir_sample
+
+        config = getattr(loaded.model, "config", None)
+        ex.sample = reservoir_sample(stream.accs, stream.loop.feeder, loaded.tokenizer, opts.seed, config)
     if opts.exact and any(s.n_sample < s.n_vectors for stats in ex.components.values() for s in stats):
         before = len(stream.notes)
         ex.components = _exact_pass(stream, ex.components, facts["n_samples"], on_progress)
