@@ -196,3 +196,33 @@ def test_an_experiment_takes_a_model_object(bert_folder, data):
                 assert abs(a[column] - y) <= 1e-9, column
     with pytest.raises(IsotuiError, match="takes model names, not a model object"):
         isotui.experiment("checkpoints", model=model, checkpoints=["a", "b"])
+
+
+def test_gradients_take_a_language_model_object(tmp_path, data):
+    """The gradient experiment on a masked-LM object equals it on the folder; a bare encoder
+    object (no head) is refused in one sentence; the object's parameters get no .grad."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer, BertConfig, BertForMaskedLM
+
+    from isotui.models.naming import bundled_minilm_dir
+
+    torch.manual_seed(2)
+    folder = tmp_path / "mlm"
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
+    BertForMaskedLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(bundled_minilm_dir())).save_pretrained(folder)
+    model = BertForMaskedLM.from_pretrained(str(folder))
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    by_name = isotui.experiment("gradients", model=str(folder), data=data, cache=False)
+    obj = isotui.experiment("gradients", model=model, tokenizer=tok, data=data, cache=False)
+    assert_same_rows(obj.rows, by_name.rows)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(IsotuiError, match="has no language-model head: give the AutoModelForMaskedLM"):
+        isotui.experiment("gradients", model=AutoModel.from_pretrained(str(folder)), tokenizer=tok, data=data)
