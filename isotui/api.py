@@ -195,7 +195,7 @@ def run(
     flags back afterwards. Its rows are named ``name=``, else the folder or id it was loaded from
     (``config.name_or_path``), else its class. The cache keys it by a SHA-256 of its weights,
     structure and tokenizer (a changed weight is a new key; ``cache=False`` skips the hash, about
-    1 s per GB). The keywords that say how to load a name (``device``, ``device_map``,
+    2 s per GB on one CPU core). The keywords that say how to load a name (``device``, ``device_map``,
     ``max_memory``, ``dtype``, ``trust_remote_code``, ``shard``) are refused with an object."""
     from isotui import service
     from isotui.experiments.registry import LAYERS
