@@ -100,5 +100,21 @@ def test_what_a_sample_needs_is_said(tiny_models, data, tmp_path, capsys):
     assert "--save-sample writes one run's sample: it needs one model per run" in capsys.readouterr().err
     with pytest.raises(IsotuiError, match="holds no reservoir sample: run it with save_sample=PATH"):
         isotui.run(gpt2, data=data, reservoir=RESERVOIR).sample(0)
+    assert main(["run", "-m", gpt2, "--data", data, "--save-sample", str(tmp_path), "-q"]) == 2
+    assert "--save-sample): it is a directory, not a file" in capsys.readouterr().err
     with pytest.raises(IsotuiError, match="layer must be 0 to 2"):
         isotui.run(gpt2, data=data, reservoir=RESERVOIR, save_sample=out).sample(3)
+
+
+def test_a_model_objects_sample_is_the_named_models(tiny_models, data, tmp_path):
+    from transformers import AutoModel, AutoTokenizer
+
+    folder = str(tiny_models["gpt2"])
+    named, held = tmp_path / "named.safetensors", tmp_path / "held.safetensors"
+    isotui.run(folder, data=data, reservoir=RESERVOIR, save_sample=str(named), cache=False)
+    model, tok = AutoModel.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    isotui.run(model, tokenizer=tok, data=data, reservoir=RESERVOIR, save_sample=str(held), cache=False)
+    theirs, mine = read(named), read(held)
+    assert sorted(theirs[0]) == sorted(mine[0]) and theirs[2] == mine[2]
+    for key, value in theirs[0].items():
+        np.testing.assert_allclose(mine[0][key], value, rtol=0, atol=1e-9)

@@ -513,12 +513,15 @@ def _wide(metric: str) -> str:
 
 
 def _sample_path(value: Any) -> str:
-    """``--save-sample PATH``: a file name (``~`` expanded)."""
+    """``--save-sample PATH``: a file name (``~`` expanded) that can be written, said before any
+    work (a folder, a missing parent...)."""
     from isotui.errors import IsotuiError
+    from isotui.store.files import check_output
 
     text = str(value).strip()
     if not text:
         raise IsotuiError("--save-sample needs a file name, e.g. sample.safetensors")
+    check_output(text, "--save-sample")
     return str(Path(text).expanduser())
 
 
