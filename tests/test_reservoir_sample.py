@@ -118,3 +118,23 @@ def test_a_model_objects_sample_is_the_named_models(tiny_models, data, tmp_path)
     assert sorted(theirs[0]) == sorted(mine[0]) and theirs[2] == mine[2]
     for key, value in theirs[0].items():
         np.testing.assert_allclose(mine[0][key], value, rtol=0, atol=1e-9)
+
+
+def test_a_streamed_corpus_gives_the_same_sample(tiny_models, data, tmp_path, monkeypatch):
+    """Windows of 2 samples (the corpus's 6 in 3 windows): each kept vector is found in its own
+    window, with its corpus index, as in the run that holds the whole corpus."""
+    from isotui.extract import streaming
+
+    monkeypatch.setattr(streaming, "WINDOW", 2)
+    folder = str(tiny_models["gpt2"])
+    whole, streamed = tmp_path / "whole.safetensors", tmp_path / "streamed.safetensors"
+    isotui.run(folder, data=data, reservoir=RESERVOIR, save_sample=str(whole), cache=False)
+    isotui.run(folder, data=data, reservoir=RESERVOIR, save_sample=str(streamed), stream=True, cache=False)
+    theirs, mine = read(whole), read(streamed)
+    assert sorted(theirs[0]) == sorted(mine[0]) and theirs[2] == mine[2]
+    assert set(theirs[0]["model.0.sample_index"].tolist()) - {0, 1}  # samples past the first window
+    for key, value in theirs[0].items():
+        if key.endswith(".vectors"):
+            np.testing.assert_allclose(mine[0][key], value, rtol=1e-5, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(mine[0][key], value)

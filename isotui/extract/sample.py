@@ -5,9 +5,9 @@ token id and text.
 A reservoir keeps vectors and their keys only (:func:`isotui.core.accumulator.sample_keys`, a
 pure function of the seed, the sample's index in the corpus and the position). Where each kept
 vector came from is found again by computing the key of every token of the corpus and matching:
-no bookkeeping during the run, and no cost unless a sample is asked for. Layers whose units are
-not the corpus's tokens (images, audio, a streamed corpus whose tokens are not held) get their
-vectors with ``-1`` for the sample, position and token id, and empty texts.
+no bookkeeping during the run, and no cost unless a sample is asked for (a streamed corpus is
+tokenised once more, window by window). Layers whose units are not the corpus's tokens (images,
+audio) get their vectors with ``-1`` for the sample, position and token id, and empty texts.
 """
 
 from __future__ import annotations
@@ -40,48 +40,60 @@ def reservoir_sample(
     accs: dict[str, list[Any]], feeder: Any, tokenizer: Any, seed: int, config: Any
 ) -> Sample:
     """Every layer's reservoir (``accs``: component -> its accumulators), located in the corpus
-    ``feeder`` read (its ``tokens`` for text) with the run's ``seed``."""
-    tokens = getattr(feeder, "tokens", None)
-    where = _token_keys(tokens, seed) if tokens is not None else None
+    ``feeder`` read (its ``tokens`` for text; a streamed corpus's windows) with the run's ``seed``."""
     start = getattr(config, "decoder_start_token_id", None)
     start = start if isinstance(start, int) else (getattr(config, "pad_token_id", None) or 0)
-    texts: dict[int, str] = {}
-    out: Sample = {}
+    kept: list[tuple[str, np.ndarray, np.ndarray]] = []  # (component, vectors, keys) per layer
     for component, layers in accs.items():
-        out[component] = []
         for acc in layers:
             if acc.res is None or acc.res_keys is None:
-                vectors, keys = np.zeros((0, acc.dim), np.float32), np.zeros(0)
+                kept.append((component, np.zeros((0, acc.dim), np.float32), np.zeros(0)))
             else:
                 vectors = acc.res.detach().cpu().numpy().astype(np.float32, copy=False)
-                keys = acc.res_keys.detach().cpu().numpy()
-            sample, position, ids = _locate(keys, where, tokens, component == "decoder", start)
-            order = np.lexsort((position, sample))
-            ids = ids[order]
-            for i in np.unique(ids[ids >= 0]).tolist():
-                if i not in texts:
-                    texts[i] = str(tokenizer.convert_ids_to_tokens(int(i))) if tokenizer is not None else ""
-            out[component].append(
-                LayerSample(
-                    vectors[order],
-                    sample[order],
-                    position[order],
-                    ids,
-                    [texts.get(int(i), "") for i in ids],
-                )
-            )
+                kept.append((component, vectors, acc.res_keys.detach().cpu().numpy()))
+    found = [
+        (np.full(len(k), -1, np.int64), np.full(len(k), -1, np.int64), np.full(len(k), -1, np.int64))
+        for _, _, k in kept
+    ]
+    for base, tokens in _windows(feeder):
+        where = _token_keys(tokens, seed, base)
+        for (component, _, keys), (sample, position, ids) in zip(kept, found, strict=True):
+            _locate(keys, where, tokens, base, component == "decoder", start, (sample, position, ids))
+    texts: dict[int, str] = {}
+    out: Sample = {}
+    for (component, vectors, _), (sample, position, ids) in zip(kept, found, strict=True):
+        order = np.lexsort((position, sample))
+        ids = ids[order]
+        for i in np.unique(ids[ids >= 0]).tolist():
+            if i not in texts:
+                texts[i] = str(tokenizer.convert_ids_to_tokens(int(i))) if tokenizer is not None else ""
+        layer = LayerSample(
+            vectors[order], sample[order], position[order], ids, [texts.get(int(i), "") for i in ids]
+        )
+        out.setdefault(component, []).append(layer)
     return out
 
 
-def _token_keys(tokens: Any, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sorted keys, their sample, their position) for every token of the corpus."""
+def _windows(feeder: Any) -> Any:
+    """(corpus index of its first sample, its tokens) of each part of a text corpus: the whole
+    corpus at once, or a streamed one's windows; none for images and audio."""
+    if hasattr(feeder, "windows"):
+        return feeder.windows()
+    tokens = getattr(feeder, "tokens", None)
+    return [] if tokens is None else [(0, tokens)]
+
+
+def _token_keys(tokens: Any, seed: int, base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sorted keys, their sample in the corpus, their position) for every token of ``tokens``,
+    whose first sample is the corpus's ``base``."""
     import torch
 
     from isotui.core.accumulator import sample_keys
 
     lengths = np.diff(tokens.offsets)
-    sample = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    position = np.arange(len(sample), dtype=np.int64) - tokens.offsets[:-1].astype(np.int64)[sample]
+    local = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    position = np.arange(len(local), dtype=np.int64) - tokens.offsets[:-1].astype(np.int64)[local]
+    sample = local + base
     keys = sample_keys(seed, torch.from_numpy(sample), torch.from_numpy(position)).numpy()
     order = np.argsort(keys, kind="stable")
     return keys[order], sample[order], position[order]
@@ -89,25 +101,24 @@ def _token_keys(tokens: Any, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def _locate(
     keys: np.ndarray,
-    where: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+    where: tuple[np.ndarray, np.ndarray, np.ndarray],
     tokens: Any,
+    base: int,
     decoder: bool,
     start: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sample, position, token id) of each key; -1 where a key is no token of the corpus. The
-    decoder of an encoder-decoder reads the text shifted right: position p is token p - 1, and
-    position 0 its start token."""
-    n = len(keys)
-    none = np.full(n, -1, dtype=np.int64)
-    if where is None or n == 0:
-        return none, none.copy(), none.copy()
+    out: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> None:
+    """Fill ``out`` (sample, position, token id) for the ``keys`` that are tokens of ``tokens``
+    (``where``: their keys). The decoder of an encoder-decoder reads the text shifted right:
+    position p is token p - 1, and position 0 its start token."""
     sorted_keys, samples, positions = where
+    if not len(keys) or not len(sorted_keys):
+        return
     at = np.clip(np.searchsorted(sorted_keys, keys), 0, len(sorted_keys) - 1)
-    found = sorted_keys[at] == keys
-    sample = np.where(found, samples[at], -1)
-    position = np.where(found, positions[at], -1)
-    index = tokens.offsets[np.maximum(sample, 0)] + position - (1 if decoder else 0)
+    hit = sorted_keys[at] == keys
+    sample, position = samples[at][hit], positions[at][hit]
+    index = tokens.offsets[sample - base] + position - (1 if decoder else 0)
     ids = tokens.ids[np.clip(index, 0, len(tokens.ids) - 1)].astype(np.int64)
     if decoder:
         ids = np.where(position == 0, start, ids)
-    return sample, position, np.where(found, ids, -1)
+    out[0][hit], out[1][hit], out[2][hit] = sample, position, ids
