@@ -25,7 +25,7 @@ SPECIAL_TOKENS = ("exclude", "include")
 
 # The commands that take run options: ``isotui run`` and the experiments that stream a model.
 # (drift-block builds its own model from its own settings; train-tiny trains one.)
-RUN_COMMANDS = ("run", "attention", "qk-dynamics", "checkpoints", "final-norm", "gradients")
+RUN_COMMANDS = ("run", "attention", "qk-dynamics", "checkpoints", "final-norm", "gradients", "token-types")
 # The layer metrics of every kept vector (isotui run, and checkpoints: a run per checkpoint): the
 # only ones a reservoir sample, conv map units or an exact second pass change.
 LAYER_RUNS = ("run", "checkpoints")
