@@ -72,6 +72,29 @@ class Result:
             self._tables = _tables(self.command, self.results, self.params)
         return self._tables
 
+    def sample(self, layer: int, component: str | None = None) -> Any:
+        """Layer ``layer``'s reservoir sample, for a layer run made with ``save_sample=PATH``
+        (the cache keeps no sample): an :class:`~isotui.extract.sample.LayerSample` with
+        ``vectors`` (n x d float32, by sample then position), ``sample_index`` and ``position``
+        (where each came from in the data), ``token_ids`` and ``tokens`` (their text; -1 and ""
+        where the units are not tokens: images, audio). ``component``: ``encoder`` or
+        ``decoder`` for an encoder-decoder model."""
+        found = getattr(self.result, "sample", None)
+        if found is None:
+            raise IsotuiError(
+                "this result holds no reservoir sample: run it with save_sample=PATH (the cache keeps none)"
+            )
+        if component is None:
+            if len(found) != 1:
+                raise IsotuiError(f"give component=, one of {', '.join(found)}")
+            component = next(iter(found))
+        if component not in found:
+            raise IsotuiError(f"no component {component!r}; this model has {', '.join(found)}")
+        layers = found[component]
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(layers):
+            raise IsotuiError(f"layer must be 0 to {len(layers) - 1} (got {layer!r})")
+        return layers[layer]
+
     def to_csv(self, path: str | Path) -> Path:
         """Write the table as the CLI's ``--csv`` does (the same bytes); returns the path."""
         from isotui.store.export import write_dicts_csv
@@ -127,9 +150,12 @@ class Results(list):
 
 
 def run(
-    model: str | Sequence[str] | None = None,
+    model: str | Sequence[str] | Any = None,
     data: str | None = None,
     *,
+    tokenizer: Any = None,
+    processor: Any = None,
+    name: str | None = None,
     config: str | Path | None = None,
     max_samples: int | None = None,
     max_length: int | None = None,
@@ -159,9 +185,43 @@ def run(
     ``device_map="auto"`` with ``max_memory="0=70GiB,cpu=200GiB"`` (or ``{0: "70GiB", "cpu": ...}``):
     the model across devices through accelerate (``--device-map``, ``--max-memory``). Any other
     flag of ``isotui run`` is a keyword too (``threads=4``, ``exact=True``, ``stream=True``,
-    ``tokenizer="minilm"``); a keyword it does not have is an :class:`IsotuiError` naming them."""
+    ``tokenizer="minilm"``); a keyword it does not have is an :class:`IsotuiError` naming them.
+
+    ``model`` may also be a model object already in memory: a transformers model (with
+    ``tokenizer=`` for text, ``processor=`` for images or audio), a timm model, or a plain
+    ``torch.nn.Module`` (see :mod:`isotui.models.given` for its call convention), measured on
+    whatever device it sits, never copied, moved or cast, through the same extraction as a model
+    named (the same numbers on the same weights). It runs in eval mode and gets its train/eval
+    flags back afterwards. Its rows are named ``name=``, else the folder or id it was loaded from
+    (``config.name_or_path``), else its class. The cache keys it by a SHA-256 of its weights,
+    structure and tokenizer (a changed weight is a new key; ``cache=False`` skips the hash, about
+    2 s per GB on one CPU core). The keywords that say how to load a name (``device``, ``device_map``,
+    ``max_memory``, ``dtype``, ``trust_remote_code``, ``shard``) are refused with an object."""
     from isotui import service
     from isotui.experiments.registry import LAYERS
+
+    if _is_object(model):
+        options: dict[str, Any] = {"data": data, "max_samples": max_samples, "max_length": max_length}
+        options |= {"special_tokens": special_tokens, "batch_size": batch_size, "device": device}
+        options |= {"device_map": device_map, "max_memory": max_memory, "dtype": dtype, "seed": seed}
+        options |= {"reservoir": reservoir, "map_units": map_units, "trust_remote_code": trust_remote_code}
+        given = _given(model, tokenizer, processor, name, {**options, "shard": shard, **more})
+        run_options, params = _split(LAYERS, "isotui.run", {**options, **more})
+        path = service.config_path(config)
+        settings = service.run_settings(path, {"models": [given.name], "cache_dir": cache_dir, **run_options})
+        _refuse_loading(settings)
+        requests = service.layer_requests(settings, path, params, given=given)
+        root = _cache_root(cache, settings.get("cache_dir"))
+        with given.kept():
+            outcome = _one(LAYERS, requests, root, progress)
+        return _results(LAYERS, [([given.name], outcome)], params, True)
+    if processor is not None or name is not None:
+        raise IsotuiError(
+            f"{'processor' if processor is not None else 'name'}= goes with a model object; a model "
+            "given by name loads its own processor and is named as given"
+        )
+    if tokenizer is not None:
+        more["tokenizer"] = tokenizer
 
     if isinstance(max_memory, dict):  # the flag's own form
         max_memory = ",".join(f"{k}={v}" for k, v in max_memory.items())
@@ -204,8 +264,9 @@ def experiment(
     """One of the experiments of ``isotui experiment NAME`` (attention, final-norm, gradients,
     qk-dynamics, checkpoints, drift-block), with its flags as keywords (``max_samples=200``,
     ``every_layer=True``, ``checkpoints=["step1000", "step2000"]``...). Experiments over models
-    take ``model`` (a name, or a list: :class:`Results`); the series experiments take ``model``
-    and ``checkpoints`` (and ``skip_duplicates``); drift-block takes its own sizes."""
+    take ``model`` (a name, or a list: :class:`Results`; or a model object with ``tokenizer=``
+    or ``processor=`` and ``name=``, as :func:`run` takes one); the series experiments take
+    ``model`` and ``checkpoints`` (and ``skip_duplicates``); drift-block takes its own sizes."""
     from isotui import service
     from isotui.experiments.registry import EXPERIMENTS
 
@@ -217,6 +278,17 @@ def experiment(
     given = {k: options.pop(k) for k in inputs[exp.inputs] if k in options}
     run_options, params = _split(exp, what, options)
     root = _cache_root(cache, cache_dir)
+    model = given.get("model")
+    if _is_object(model) and exp.inputs != "models":
+        raise IsotuiError(f"{what} takes model names, not a model object")
+    if _is_object(model):
+        tok, proc, label = (options.pop(k, None) for k in ("tokenizer", "processor", "name"))
+        obj = _given(model, tok, proc, label, options)
+        run_options, params = _split(exp, what, options)
+        requests = service.make_requests(exp, params, models=[obj.name], options=run_options, given=obj)
+        with obj.kept():
+            outcome = _one(exp, requests, _cache_root(cache, cache_dir), progress)
+        return _results(exp, [([obj.name], outcome)], params, True)
     if exp.inputs == "models":
         model = given.get("model", "minilm")
         names = _model_names(model)
@@ -379,6 +451,28 @@ def _split(exp: Experiment, what: str, options: Mapping[str, Any]) -> tuple[dict
             raise IsotuiError(f"{what} has no option {name!r}; its options: {', '.join(known)}")
     run_options = {k: v for k, v in options.items() if k in run_names}
     return run_options, make_params(exp.params, {k: v for k, v in options.items() if k in param_names})
+
+
+def _is_object(model: Any) -> bool:
+    """Whether ``model`` is an object rather than a name, names or None (torch not imported)."""
+    return model is not None and not isinstance(model, str | Path | list | tuple)
+
+
+def _given(model: Any, tokenizer: Any, processor: Any, name: Any, options: Mapping[str, Any]) -> Any:
+    """A model object as :func:`isotui.models.given.given_model` takes it in, after refusing
+    the keywords that say how to load a name."""
+    from isotui.models.given import given_model
+
+    _refuse_loading(options)
+    if name is not None and not isinstance(name, str):
+        raise IsotuiError(f"name= must be a string, the model column's label (got {name!r})")
+    return given_model(model, tokenizer=tokenizer, processor=processor, name=name)
+
+
+def _refuse_loading(options: Mapping[str, Any]) -> None:
+    from isotui.models.given import refuse_loading_options
+
+    refuse_loading_options(dict(options))
 
 
 def _model_names(model: Any) -> list[str]:

@@ -177,6 +177,9 @@ class ModelResult:
     # seconds the cache write took: shown in the table and --verbose, not in the JSON or the
     # cache (a result read back from the cache exports the same bytes as when it was computed)
     write_seconds: float | None = None
+    # each layer's reservoir sample, when the run was asked to keep it (save_sample=; never
+    # cached: isotui.extract.sample.Sample)
+    sample: Any = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (arrays excluded; the cache stores them beside it)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,9 +90,12 @@ def make_requests(
     options: Mapping[str, Any] | None = None,
     base_dir: Path | None = None,
     notice: Notice = _ignore,
+    given: Any = None,
 ) -> list[Any]:
     """The requests a user's ask stands for: one per model (default ``minilm``), the one series,
-    or the one configuration of the parameters; each bad setting one sentence, before any work."""
+    or the one configuration of the parameters; each bad setting one sentence, before any work.
+    ``given``: a model object (:class:`isotui.models.given.GivenModel`) measured where it sits,
+    under the one name in ``models`` (its label)."""
     experiment.check(params)
     options = options or {}
     if experiment.inputs == "config":
@@ -109,6 +112,8 @@ def make_requests(
         return [experiment.request((series.model, checkpoints, base), params)]
     names = list(models) or ["minilm"]
     base = spec_for(experiment, names[0], options, base_dir)
+    if given is not None:
+        base = replace(base, given=given)
     return [experiment.request(base.with_model(name), params) for name in names]
 
 
@@ -243,9 +248,12 @@ def config_path(config: str | Path | None) -> Path | None:
     return config_or_preset(Path(config))
 
 
-def layer_requests(settings: Mapping[str, Any], config: Path | None, params: Any) -> list[Any]:
+def layer_requests(
+    settings: Mapping[str, Any], config: Path | None, params: Any, given: Any = None
+) -> list[Any]:
     """The layer run's requests from :func:`run_settings` (``models``, run options, data base
-    folder); a bad setting is said with the config file it came from."""
+    folder); a bad setting is said with the config file it came from. ``given``: a model object
+    measured where it sits, under the one name in ``models`` (see :func:`make_requests`)."""
     from isotui.experiments.registry import LAYERS
     from isotui.spec import given_options, make_spec
 
@@ -263,4 +271,11 @@ def layer_requests(settings: Mapping[str, Any], config: Path | None, params: Any
 
     check_source(base.data)  # missing data: one sentence, before any model is looked up
     LAYERS.check(params)
+    if getattr(params, "save_sample", None) is not None and (len(models) > 1 or base.shard is not None):
+        why = (
+            "one model per run (-m once)" if len(models) > 1 else "the whole run in one process (no --shard)"
+        )
+        raise IsotuiError(f"{where}--save-sample writes one run's sample: it needs {why}")
+    if given is not None:
+        base = replace(base, given=given)
     return [LAYERS.request(base.with_model(model), params) for model in models]

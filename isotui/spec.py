@@ -358,6 +358,9 @@ class RunSpec:
     # the app's max length is a ceiling: longer than the model accepts is capped (with a notice),
     # where the CLI's explicit --max-length is refused
     cap_max_length: bool = False
+    # a model object handed to the Python API (isotui.models.given.GivenModel): measured where it
+    # sits instead of loading ``model`` (then its label); keyed by its weights' fingerprint
+    given: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_memory is not None and self.device_map is None:  # budgets are for a device map

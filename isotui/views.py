@@ -263,6 +263,45 @@ def per_block_table(results: list[FinalNormResult]) -> Any:
     return table
 
 
+def token_types_table(result: Any) -> Any:
+    """One row per layer and direction: the token types carrying it, largest share first."""
+    from isotui.render import Table
+
+    m = result.meta
+    table = Table(
+        title=markup(
+            f"[bold]{literal(result.model)}[/]  {literal(m.get('data'))}, {m.get('n_samples')} samples  "
+            f"({'cache' if result.from_cache else format(m.get('seconds', 0), '.1f') + ' s'})",
+            style="table.title",
+        ),
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+    )
+    for h, justify in (
+        ("layer", "right"),
+        ("direction", "left"),
+        ("token types: share (count, share of tokens)", "left"),
+    ):
+        table.add_column(h, justify=justify)  # type: ignore[arg-type]
+    groups: dict[tuple[str, int, str], list[Any]] = {}
+    for r in result.rows:
+        groups.setdefault((r.component, r.layer, r.direction), []).append(r)
+    for (component, layer, direction), rows in groups.items():
+        where = str(layer) if component == "model" else f"{component} {layer}"
+        types = "  ".join(
+            f"{literal(repr(r.token))} {_f(r.share, 3)} ({r.count}, {_f(r.freq_share, 3)})" for r in rows
+        )
+        table.add_row(where, direction, markup(types))
+    table.caption = (
+        "share: the type's part of the layer's mean direction (sum of its tokens' projections on it) "
+        "or of its top rogue dimension K (sum of its tokens' unit-vector coordinate K); all types' "
+        "shares sum to 1: a share well above the type's share of tokens marks a carrier"
+    )
+    table.caption_justify = "left"
+    return table
+
+
 def gradients_table(result: GradientResult) -> Any:
     """One row per layer: the gradients' geometry, then where their energy lies."""
 
@@ -386,6 +425,7 @@ VIEWS: dict[str, View] = {
         whole=True,
     ),
     "gradients": View(lambda result, _args, _width: [gradients_table(result)]),
+    "token-types": View(lambda result, _args, _width: [token_types_table(result)]),
     "drift-block": View(
         _drift_tables, note=_drift_note, progress=_drift_progress, highlight=False, blank_line=False
     ),

@@ -217,7 +217,7 @@ def test_final_norm_takes_reservoir(tiny_models, tmp_path):
 
 def test_run_spec_fields_are_the_options_and_the_model():
     declared = {o.name for o in RUN_OPTIONS}
-    internal = {"model", "cap_max_length"}
+    internal = {"model", "cap_max_length", "given"}  # given: a model object (isotui.models.given)
     assert {f for f in RunSpec.__dataclass_fields__} == declared | internal
 
 

@@ -102,7 +102,8 @@ def cached_gradients(
     from isotui.experiments.cached import cached_run, experiment_key
     from isotui.experiments.layerwise import prepare
 
-    _refuse_bundled(spec.model)
+    if spec.given is None:  # a model object: its head is checked where it is loaded
+        _refuse_bundled(spec.model)
     prepared = prepare(spec, cache)
 
     def relabel(result: GradientResult) -> None:
@@ -262,7 +263,8 @@ def _stream_gradients(
 
     if top_k < 1:
         raise IsotuiError(f"top-k must be a positive integer (got {top_k})")
-    _refuse_bundled(spec.model)
+    if spec.given is None:  # a model object: its head is checked where it is loaded
+        _refuse_bundled(spec.model)
     prepared = prepared or prepare(spec)
     if spec.data.modality != "text":
         raise IsotuiError("the gradient experiment reads language models; give text data")

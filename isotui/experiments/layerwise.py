@@ -76,19 +76,32 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
     """
     from isotui.models.limits import declared_default_length
 
-    ref = parse_model(spec.model)
-    model_fp = ref.fingerprint(cache.root if cache is not None else None)
+    given = spec.given  # a model object (isotui.models.given): keyed by its weights, run where it is
+    ref = None if given is not None else parse_model(spec.model)
+    model_fp = given.fingerprint() if ref is None else ref.fingerprint(cache.root if cache else None)
     samples = open_samples(spec.data, spec.max_samples, spec.max_length, stream=spec.stream)
     data_fp = fingerprint(samples, spec.data)
-    declared = ref.declared_dtype()
+    declared = None if ref is None else ref.declared_dtype()
     device = None
-    if spec.device != "auto":
+    if given is not None:
+        device = given.device
+    elif spec.device != "auto":
         device = spec.device
     elif needs_device_for_dtype(spec.dtype, declared):
         device = resolve_device("auto")
-    dtype = resolve_dtype(spec.dtype, device.split(":")[0] if device else None, declared)
+    dtype = (
+        given.dtype
+        if given is not None
+        else resolve_dtype(spec.dtype, device.split(":")[0] if device else None, declared)
+    )
     text = spec.data.modality == "text"
-    default = declared_default_length(ref) if text else None
+    default = None
+    if text and ref is not None:
+        default = declared_default_length(ref)
+    elif text and given.modality == "text":  # the length the run resolves (extract/planning.py)
+        from isotui.extract.planning import resolve_max_length
+
+        default = resolve_max_length(given.loaded(), None, spec.model)
     max_length = spec.max_length if text else None
     if text and default is not None and (max_length is None or max_length <= default):
         max_length = max_length or default  # a longer request is refused when the model loads
@@ -157,11 +170,14 @@ def measure(
     on_progress: ProgressCallback = no_progress,
     should_stop: StopCheck = never_stop,
     on_notice: NoticeCallback | None = None,
+    keep_sample: bool = False,
 ) -> ModelResult:
     """The layer-wise result for ``spec``: from ``cache`` when present, else computed and stored.
 
     ``cache=None`` recomputes and stores nothing. ``on_notice`` receives one-sentence news
-    (e.g. a damaged cache entry being recomputed).
+    (e.g. a damaged cache entry being recomputed). ``keep_sample``: the result holds every
+    layer's reservoir sample (``result.sample``), so it is computed even when cached (the cache
+    keeps no sample) and stored again.
     """
     from isotui.extract.progress import Progress
 
@@ -170,17 +186,19 @@ def measure(
         Progress(0, 0, 0, 0.0, stage="prepare", phase="resolving", detail="model, data and cache key")
     )
     prepared = prepare(spec, cache)
-    hit = lookup(prepared, cache, notice)
+    hit = None if keep_sample else lookup(prepared, cache, notice)
     if hit is not None:
         return hit
     from isotui.experiments.shards import merge_cached
 
-    if cache is not None:  # all K shards of this run cached: merged, not recomputed
+    if cache is not None and not keep_sample:  # all K shards of this run cached: merged, not recomputed
         merged = merge_cached(prepared, cache.root, on_notice=notice, on_progress=on_progress)
         if merged is not None:
             return merged
-    result = compute(prepared, on_progress=on_progress, should_stop=should_stop)
-    if prepared.dtype in HALF_DTYPES and spec.shard is None:  # the forward's half precision, measured
+    result = compute(prepared, on_progress=on_progress, should_stop=should_stop, keep_sample=keep_sample)
+    if (
+        prepared.dtype in HALF_DTYPES and spec.shard is None and spec.given is None
+    ):  # the forward's half precision, measured
         from isotui.experiments.half_check import half_check, note
 
         on_progress(
@@ -191,6 +209,11 @@ def measure(
         check = half_check(spec, prepared.dtype, len(prepared.samples), weights, device)
         result.meta["half_check"] = check
         result.meta["notes"].append(note(check))
+    elif prepared.dtype in HALF_DTYPES and spec.given is not None:
+        result.meta["notes"].append(
+            f"{prepared.dtype} forward of a model object: not compared with float32 (that needs a float32 "
+            "copy of it); isotui's sums are float64 either way: for a paper, measure it in float32"
+        )
     if cache is not None:
         n = result.meta.get("n_samples") or 0
         on_progress(
@@ -212,6 +235,8 @@ def measure(
 
 def weights_size(spec: RunSpec) -> str:
     """The model's weight files on disk (``90.9 MB``), or what is known without them."""
+    if spec.given is not None:
+        return f"{spec.given.weights_bytes / 1e6:.1f} MB in memory"
     ref = parse_model(spec.model)
     if ref.kind == "random":
         return "untrained, built from its config"
@@ -251,6 +276,8 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
     from isotui.models.loading import load_model
 
     spec = prepared.spec
+    if spec.given is not None:  # a model object: the same object, where it sits (models/given.py)
+        return _given_loaded(spec, head)
     with paused_gc():  # torch, transformers and the model: no collection while they are made
         device = "cpu" if spec.device_map else resolve_device(prepared.device or "auto")
         threads_note = apply_threads(spec.threads)  # every streaming experiment loads through here
@@ -275,13 +302,38 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
     return loaded, device
 
 
+def _given_loaded(spec: RunSpec, head: str | None) -> tuple[LoadedModel, str]:
+    """(the model object as a loaded model, its device): nothing loaded, copied or moved; an
+    experiment that needs a language-model head (``head="lm"``) refuses an object without one."""
+    from isotui.errors import IsotuiError
+    from isotui.extract.threads import apply_threads
+    from isotui.models.given import describe
+
+    given = spec.given
+    if head == "lm" and (
+        given.family != "transformers"
+        or getattr(given.model, "get_output_embeddings", lambda: None)() is None
+    ):
+        raise IsotuiError(
+            f"model {spec.model!r} ({type(given.model).__name__}) has no language-model head: give the "
+            "AutoModelForMaskedLM or AutoModelForCausalLM object"
+        )
+    loaded = given.loaded()
+    loaded.notes.insert(0, describe(given))
+    if threads_note := apply_threads(spec.threads):
+        loaded.notes.append(threads_note)
+    return loaded, given.device
+
+
 def compute(
     prepared: Prepared,
     *,
     on_progress: ProgressCallback = no_progress,
     should_stop: StopCheck = never_stop,
+    keep_sample: bool = False,
 ) -> ModelResult:
-    """Load the model, run the extraction and build the table."""
+    """Load the model, run the extraction and build the table (``keep_sample``: with each
+    layer's reservoir sample, ``result.sample``)."""
     from isotui.extract.progress import Progress
     from isotui.extract.runner import extract
 
@@ -291,17 +343,21 @@ def compute(
     started = time.perf_counter()
     loaded, device = load_prepared(prepared)
     load_s = time.perf_counter() - started
+    opts = extract_options(spec)
+    opts.keep_sample = keep_sample
     ex = extract(
         loaded,
         prepared.samples,
         device=device,
-        opts=extract_options(spec),
+        opts=opts,
         on_progress=on_progress,
         should_stop=should_stop,
         model_name=spec.model,
         modality=spec.data.modality,
     )
-    return build_result(prepared, ex, loaded_facts(loaded, device, load_s))
+    result = build_result(prepared, ex, loaded_facts(loaded, device, load_s))
+    result.sample = ex.sample
+    return result
 
 
 def loaded_facts(loaded: LoadedModel, device: str, load_s: float) -> dict[str, Any]:
@@ -456,9 +512,23 @@ def _wide(metric: str) -> str:
     return metric
 
 
+def _sample_path(value: Any) -> str:
+    """``--save-sample PATH``: a file name (``~`` expanded) that can be written, said before any
+    work (a folder, a missing parent...)."""
+    from isotui.errors import IsotuiError
+    from isotui.store.files import check_output
+
+    text = str(value).strip()
+    if not text:
+        raise IsotuiError("--save-sample needs a file name, e.g. sample.safetensors")
+    check_output(text, "--save-sample")
+    return str(Path(text).expanduser())
+
+
 @dataclass(frozen=True)
 class LayersParams:
-    """The layer run's own parameters (beyond the models and the run options): what is shown."""
+    """The layer run's own parameters (beyond the models and the run options): what is shown,
+    and where the reservoir sample goes."""
 
     wide: str | None = param(
         None,
@@ -469,6 +539,14 @@ class LayersParams:
         view=True,
         help="also one table of layers (rows) by models (columns) for METRIC (default avg_cos; the "
         "layer metrics below)",
+    )
+    save_sample: str | None = param(
+        None,
+        parse=_sample_path,
+        metavar="PATH",
+        help="write every layer's reservoir sample (its vectors, with each one's sample, position, "
+        "token id and token text) to PATH as safetensors; one model per run; computed even when "
+        "cached (the cache keeps no sample)",
     )
 
 
@@ -489,6 +567,7 @@ class LayersRequest:
     compute_fn: Callable[..., ModelResult] | None = field(default=None, compare=False, repr=False)
     prepare_fn: Callable[[RunSpec], Prepared] | None = field(default=None, compare=False, repr=False)
     _resolved: dict[str, Prepared] = field(default_factory=dict, compare=False, repr=False)
+    save_sample: str | None = None  # --save-sample PATH: the reservoir sample written there
     kind: ClassVar[str] = "layers"
 
     @property
@@ -568,13 +647,21 @@ class LayersRequest:
                 should_stop=context.should_stop,
                 notice=context.notice,
             )
-        return measure(
+        result = measure(
             self.spec,
             runs_cache(context.cache_root),
             on_progress=context.on_progress,
             should_stop=context.should_stop,
             on_notice=context.notice,
+            keep_sample=self.save_sample is not None,
         )
+        if self.save_sample is not None and result.sample is not None:
+            from isotui.store.sample_file import save_sample
+
+            meta = {"model": result.model, "run_key": result.key, "seed": self.spec.seed}
+            meta |= {"reservoir": self.spec.reservoir, "data": result.meta.get("data")}
+            save_sample(result.sample, self.save_sample, meta, "--save-sample")
+        return result
 
 
 def request_for(job: Any) -> Any:
@@ -609,7 +696,7 @@ EXPERIMENT: Experiment[Any, LayersRequest, ModelResult] = Experiment(
     schema=SCHEMA_VERSION,
     view="layers",
     inputs="models",
-    make_request=lambda spec, _params: LayersRequest(spec),
+    make_request=lambda spec, params: LayersRequest(spec, save_sample=getattr(params, "save_sample", None)),
     rows=_layer_rows,
     payload=_layer_payload,
     params=LayersParams,

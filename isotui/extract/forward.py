@@ -30,6 +30,8 @@ def hidden_states(loaded: LoadedModel, inputs: dict[str, Any]) -> HiddenStates:
         return {"model": tuple(model(inputs["pixel_values"]))}
     if loaded.family == "timm-blocks":
         return {"model": _timm_blocks(model, inputs["pixel_values"])}
+    if loaded.family == "module":  # a plain torch.nn.Module handed in (isotui.models.given)
+        return {"model": _module_states(loaded, inputs)}
     config = getattr(model, "config", None)
     for key in ("num_hidden_layers", "n_layer", "num_layers"):  # some transformers versions return
         if getattr(config, key, None) == 0:  # the embeddings alone, others nothing: refused alike
@@ -77,7 +79,7 @@ def block_sites(loaded: LoadedModel) -> Sites:
     import torch
 
     model = loaded.model
-    if loaded.family.startswith("timm"):
+    if loaded.family.startswith("timm") or loaded.family == "module":
         return {}
     roots = {"model": model}
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
@@ -120,6 +122,27 @@ def watch_layers(
     hooks.pre(blocks[0], hook_for(0), with_kwargs=True)
     for i, block in enumerate(blocks):
         hooks.forward(last if last is not None and i == len(blocks) - 1 else block, hook_for(i + 1))
+
+
+def _module_states(loaded: LoadedModel, inputs: dict[str, Any]) -> tuple[Any, ...]:
+    """A plain module's hidden states by its call convention (isotui.models.given): a tuple or
+    list of tensors, layer 0 first, or an object holding one as ``hidden_states``."""
+    import torch
+
+    out = loaded.model(**inputs)
+    hidden = getattr(out, "hidden_states", out)
+    if isinstance(hidden, torch.Tensor) or not isinstance(hidden, tuple | list) or not hidden:
+        raise IsotuiError(
+            f"model {loaded.name!r} ({type(loaded.model).__name__}) returned "
+            f"{type(hidden).__name__}; a plain torch.nn.Module must return its hidden states, layer "
+            "0 first: a tuple or list of (batch, position, d) tensors, or an object with hidden_states"
+        )
+    if not all(isinstance(h, torch.Tensor) for h in hidden):
+        raise IsotuiError(
+            f"model {loaded.name!r} ({type(loaded.model).__name__}) returned a sequence holding "
+            "something other than tensors; its hidden states must be tensors, layer 0 first"
+        )
+    return tuple(hidden)
 
 
 def _timm_blocks(model: Any, pixels: Any) -> tuple[Any, ...]:

@@ -83,7 +83,7 @@ class TextFeeder:
         # CANINE's downsampled layers see padding (its molecules are built over padded characters):
         # batch only samples of the same length, so that no sample is padded.
         self.same_length_key = self.lengths if loaded.model_type in PADDING_SENSITIVE else None
-        self.enc_dec = bool(getattr(loaded.model.config, "is_encoder_decoder", False))
+        self.enc_dec = bool(getattr(getattr(loaded.model, "config", None), "is_encoder_decoder", False))
 
     def feed(self, idx: list[int]) -> Fed:
         import torch
@@ -152,7 +152,7 @@ class ImageFeeder:
         else:
             images = [load_image(samples[i]) for i in idx]
         proc = self.loaded.processor
-        if self.loaded.family.startswith("timm"):
+        if self.loaded.family.startswith("timm") or self.loaded.family == "module":  # per image
             return torch.stack([proc(img) for img in images])
         out = proc(images=images, return_tensors="pt")
         return out["pixel_values"]

@@ -41,11 +41,12 @@ class ExtractOptions:
     # given the memory plan this process would make at its first batch, the plan to follow (a
     # shard follows the plan its run's first shard fixed); None: its own
     settle_plan: Callable[[MemoryPlan], MemoryPlan] | None = None
+    keep_sample: bool = False  # hand out every layer's reservoir (Extraction.sample; extract/sample.py)
 
 
 def position_limit(loaded: LoadedModel) -> int | None:
     """How many positions the model's embeddings have, when its config says so."""
-    return config_position_limit(loaded.model.config)
+    return config_position_limit(getattr(loaded.model, "config", None))
 
 
 def _special_count(tokenizer: Any) -> int:

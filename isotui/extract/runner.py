@@ -74,6 +74,7 @@ class Extraction:
     memory_plan: dict[str, Any] | None = None  # MemoryPlan.to_json(): where the sums lived
     # per component, each layer's (C, H, W) where its vectors are flattened maps (else None)
     map_shapes: dict[str, list[list[int] | None]] | None = None
+    sample: Any = None  # with ExtractOptions.keep_sample: each layer's reservoir (extract/sample.py)
 
     @property
     def layers(self) -> list[LayerStats]:
@@ -338,7 +339,7 @@ class LayerStream:
         run keeps ``output_hidden_states``, and its notes say why)."""
         import torch
 
-        if self.loaded.family.startswith("timm"):  # their own path (extract/forward.py)
+        if self.loaded.family.startswith("timm") or self.loaded.family == "module":  # their own path
             return None
         if set(sites) != set(components):
             self.notes.append(
@@ -567,6 +568,11 @@ def extract(
     stream, facts = _stream(loaded, samples, device, opts, on_progress, should_stop, model_name, modality)
     assert stream.accs is not None
     ex = _finish(stream.accs, facts, on_progress, facts.pop("at"), facts.pop("estimate"))
+    if opts.keep_sample:  # before --exact's second pass frees the reservoirs
+        from isotui.extract.sample import reservoir_sample
+
+        config = getattr(loaded.model, "config", None)
+        ex.sample = reservoir_sample(stream.accs, stream.loop.feeder, loaded.tokenizer, opts.seed, config)
     if opts.exact and any(s.n_sample < s.n_vectors for stats in ex.components.values() for s in stats):
         before = len(stream.notes)
         ex.components = _exact_pass(stream, ex.components, facts["n_samples"], on_progress)

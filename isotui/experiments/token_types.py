@@ -1,0 +1,324 @@
+"""Which token types make a layer anisotropic (issue 27 item 5): per layer, the types that carry
+most of the mean direction and of the top rogue dimension.
+
+Over a layer's n kept vectors x_i (u_i = x_i / ||x_i||), each token type t (a token id) has
+
+- its share of the **mean direction** m = mean_i x_i: sum over its tokens of <x_i, m/||m||>,
+  divided by the same sum over all tokens (n ||m||); the shares of all types sum to 1;
+- its share of the **top rogue dimension** k (the dimension contributing most to avg_cos,
+  (S_k^2 - sum_i u_ik^2) / (n (n - 1)) with S = sum_i u_i, as in the layer table): sum over its
+  tokens of u_ik, divided by S_k; these sum to 1 too.
+
+Two passes over the data (the first makes m, S and k; the second the per-type sums), each layer
+read as the layer run reads it (same masks, special tokens left out unless included), sums in
+float64. Text models only: a type is a token id. Rows: per layer and direction, the ``top``
+types by share, with their token count and text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from isotui.errors import IsotuiError
+from isotui.experiments.base import Context, Experiment
+from isotui.experiments.cached import CachedRequest
+from isotui.experiments.params import param
+
+if TYPE_CHECKING:
+    from isotui.experiments.cached import Notice
+    from isotui.extract.progress import ProgressCallback, StopCheck
+    from isotui.spec import RunSpec
+    from isotui.store.cache import ResultCache
+
+HELP = "which token types carry each layer's mean direction and its top rogue dimension"
+FOLDER = "token-types"
+SCHEMA = 1
+
+
+@dataclass
+class TypeRow:
+    """One token type's share of one layer's direction (a ``--csv`` row)."""
+
+    model: str
+    component: str
+    layer: int
+    direction: str  # "mean", or "rogue:K" (the layer's top rogue dimension K)
+    rank: int  # 1: the type with the largest share
+    token_id: int
+    token: str
+    count: int  # its kept tokens in the layer
+    share: float  # its share of the direction (all types' shares sum to 1)
+    freq_share: float  # its share of the layer's tokens: count / n (a share above it: a carrier)
+
+
+@dataclass
+class TokenTypesResult:
+    model: str
+    rows: list[TypeRow]
+    meta: dict[str, Any] = field(default_factory=dict)
+    from_cache: bool = False
+
+
+def _positive(name: str) -> Any:
+    def parse(value: Any) -> int:
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            raise IsotuiError(f"--{name} must be a positive integer (got {value!r})") from None
+        if isinstance(value, bool) or n < 1:
+            raise IsotuiError(f"--{name} must be a positive integer (got {value!r})")
+        return n
+
+    return parse
+
+
+@dataclass(frozen=True)
+class TokenTypesParams:
+    """token-types' own parameters (the front ends add the models and the run options)."""
+
+    top: int = param(5, parse=_positive("top"), metavar="N", help="token types shown per layer and direction")
+
+
+class _Sums:
+    """One layer's first-pass sums: of x, of u and of u squared (float64), and the count."""
+
+    def __init__(self, d: int, device: Any) -> None:
+        import torch
+
+        self.x = torch.zeros(d, dtype=torch.float64, device=device)
+        self.u = torch.zeros(d, dtype=torch.float64, device=device)
+        self.u2 = torch.zeros(d, dtype=torch.float64, device=device)
+        self.n = 0
+
+
+def _kept(loop: Any, batch: Any, component: str, h: Any) -> tuple[Any, Any]:
+    """A (B, T, d) layer's kept vectors (float64) and their token ids, as the layer run keeps them."""
+    if h.ndim != 3:
+        raise IsotuiError("token-types reads layers of one vector per token; this model's are not")
+    keep = loop.keep(batch.fed, component, h.shape[1])
+    key = "decoder_input_ids" if component == "decoder" else "input_ids"
+    ids = batch.fed.inputs[key]
+    if ids.shape[1] != h.shape[1]:
+        raise IsotuiError("token-types reads layers of one vector per input token; this model's are not")
+    flat = keep.flatten().nonzero().squeeze(1)
+    x = h.reshape(-1, h.shape[-1]).index_select(0, flat.to(h.device)).double()
+    return x, ids.flatten()[flat]
+
+
+def measure_types(
+    spec: RunSpec,
+    *,
+    top: int,
+    on_progress: ProgressCallback | None = None,
+    should_stop: StopCheck | None = None,
+    prepared: Any = None,
+) -> TokenTypesResult:
+    """The two passes of the module's doc over ``spec``'s data."""
+    import time
+
+    import torch
+
+    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.extract.forward import hidden_states
+    from isotui.extract.loop import Batch, BatchLoop
+    from isotui.extract.runner import resolve_max_length
+
+    started = time.perf_counter()
+    prepared = prepared or prepare(spec)
+    if spec.data.modality != "text":
+        raise IsotuiError("token-types reads text models (a type is a token id); give text data")
+    loaded, device = load_prepared(prepared)
+    if loaded.modality != "text":
+        raise IsotuiError(f"token-types reads text models; {spec.model!r} reads {loaded.modality}")
+    loop = BatchLoop(loaded, device, dataclasses.replace(extract_options(spec)), on_progress, should_stop)
+    loop.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
+    first: dict[str, list[_Sums]] = {}
+
+    def pass_one(batch: Batch) -> int:
+        with torch.inference_mode():
+            for component, hidden in hidden_states(loaded, batch.inputs).items():
+                sums = first.setdefault(component, [_Sums(h.shape[-1], h.device) for h in hidden])
+                for s, h in zip(sums, hidden, strict=True):
+                    x, _ = _kept(loop, batch, component, h)
+                    u = x / x.norm(dim=1, keepdim=True).clamp_min(1e-300)
+                    s.x += x.sum(0)
+                    s.u += u.sum(0)
+                    s.u2 += (u * u).sum(0)
+                    s.n += len(x)
+        return batch.units
+
+    loop.run(pass_one)
+    directions: dict[str, list[tuple[Any, int, float, float]]] = {}  # (m hat, k, n||m||, S_k)
+    for component, sums in first.items():
+        directions[component] = []
+        for s in sums:
+            n = s.n
+            mean = s.x / max(n, 1)
+            norm = float(mean.norm())
+            contrib = (s.u**2 - s.u2) / (n * (n - 1)) if n >= 2 else s.u * math.nan
+            k = int(torch.argmax(contrib))
+            directions[component].append((mean / norm if norm > 0 else mean, k, n * norm, float(s.u[k])))
+    size = max(len(loaded.tokenizer), 1)
+    second: dict[str, list[list[np.ndarray]]] = {
+        c: [[np.zeros(size), np.zeros(size), np.zeros(size, np.int64)] for _ in ds]
+        for c, ds in directions.items()
+    }
+
+    def pass_two(batch: Batch) -> int:
+        with torch.inference_mode():
+            for component, hidden in hidden_states(loaded, batch.inputs).items():
+                for (m, k, _, _), parts, h in zip(
+                    directions[component], second[component], hidden, strict=True
+                ):
+                    x, ids = _kept(loop, batch, component, h)
+                    u_k = x[:, k] / x.norm(dim=1).clamp_min(1e-300)
+                    ids_np = ids.numpy().astype(np.int64)
+                    grow = int(ids_np.max()) + 1 if len(ids_np) else 0
+                    if grow > len(parts[0]):
+                        for j, dtype in enumerate((np.float64, np.float64, np.int64)):
+                            parts[j] = np.concatenate([parts[j], np.zeros(grow - len(parts[j]), dtype)])
+                    n = len(parts[0])
+                    parts[0] += np.bincount(ids_np, (x @ m).cpu().numpy(), minlength=n)
+                    parts[1] += np.bincount(ids_np, u_k.cpu().numpy(), minlength=n)
+                    parts[2] += np.bincount(ids_np, minlength=n)
+        return batch.units
+
+    loop.run(pass_two, phase="second pass")
+    rows: list[TypeRow] = []
+    texts: dict[int, str] = {}
+    for component, ds in directions.items():
+        for layer, ((_, k, along, s_k), (proj, rogue, count)) in enumerate(
+            zip(ds, second[component], strict=True)
+        ):
+            n = int(count.sum())
+            for direction, total, part in (("mean", along, proj), (f"rogue:{k}", s_k, rogue)):
+                shares: np.ndarray = np.asarray(part / total) if total else np.full(len(part), math.nan)
+                seen = np.flatnonzero(count)
+                best = seen[np.lexsort((seen, -shares[seen]))][:top]
+                for rank, t in enumerate(best.tolist(), 1):
+                    if t not in texts:
+                        texts[t] = str(loaded.tokenizer.convert_ids_to_tokens(t))
+                    rows.append(
+                        TypeRow(
+                            spec.model,
+                            component,
+                            layer,
+                            direction,
+                            rank,
+                            t,
+                            texts[t],
+                            int(count[t]),
+                            float(shares[t]),
+                            float(count[t] / n) if n else math.nan,
+                        )
+                    )
+    meta = {
+        "data": spec.data.describe(),
+        "n_samples": len(prepared.samples),
+        "top": top,
+        "seconds": round(time.perf_counter() - started, 3),
+        "notes": list(loaded.notes),
+    }
+    return TokenTypesResult(spec.model, rows, meta)
+
+
+def cached_types(
+    spec: RunSpec,
+    cache: ResultCache | None,
+    *,
+    top: int,
+    on_progress: ProgressCallback | None = None,
+    should_stop: StopCheck | None = None,
+    on_notice: Notice | None = None,
+) -> TokenTypesResult:
+    """:func:`measure_types` through the result cache (folder ``token-types``)."""
+    from isotui.experiments.cached import cached_run, experiment_key
+    from isotui.experiments.layerwise import prepare
+
+    prepared = prepare(spec, cache)
+
+    def relabel(result: TokenTypesResult) -> None:
+        result.model, result.from_cache = spec.model, True
+        result.meta["data"] = spec.data.describe()
+        for row in result.rows:
+            row.model = spec.model
+
+    return cached_run(
+        cache,
+        [experiment_key(k, FOLDER, SCHEMA, {"top": top}) for k in prepared.keys],
+        decode=decode,
+        relabel=relabel,
+        compute=lambda: measure_types(
+            spec, top=top, on_progress=on_progress, should_stop=should_stop, prepared=prepared
+        ),
+        encode=lambda r: ({"model": r.model, "rows": [asdict(x) for x in r.rows], "meta": r.meta}, {}),
+        notice=on_notice,
+    )
+
+
+def decode(payload: dict[str, Any], _arrays: Any) -> TokenTypesResult:
+    return TokenTypesResult(payload["model"], [TypeRow(**r) for r in payload["rows"]], dict(payload["meta"]))
+
+
+@dataclass(frozen=True)
+class TokenTypesRequest(CachedRequest[TokenTypesResult]):
+    """The token types of each layer's directions (``isotui experiment token-types``)."""
+
+    top: int = 5
+    kind: ClassVar[str] = "token-types"
+
+    def _folder(self) -> tuple[str, int, dict[str, Any]]:
+        return FOLDER, SCHEMA, {"top": self.top}
+
+    def _measure(self, cache: Any, context: Context) -> Any:
+        return cached_types(
+            self.spec,
+            cache,
+            top=self.top,
+            on_progress=context.on_progress,
+            should_stop=context.should_stop,
+            on_notice=context.notice,
+        )
+
+
+def csv_rows(results: list[TokenTypesResult]) -> list[dict[str, Any]]:
+    """The ``--csv`` rows: per model, layer, direction and rank."""
+    return [asdict(row) for r in results for row in r.rows]
+
+
+def json_payload(results: list[TokenTypesResult]) -> dict[str, Any]:
+    return {
+        "results": [{"model": r.model, "rows": [asdict(x) for x in r.rows], "meta": r.meta} for r in results]
+    }
+
+
+def _plan(request: TokenTypesRequest) -> Any:
+    """--dry-run: the layer run's plan (one batch's hidden states and a few d-vectors per layer
+    fit within it; it also counts the reservoirs this experiment does not keep: an overstatement)."""
+    from isotui.experiments.layerwise import LayersRequest
+    from isotui.experiments.plans import layers
+
+    return layers(LayersRequest(request.spec))
+
+
+EXPERIMENT: Experiment[Any, TokenTypesRequest, TokenTypesResult] = Experiment(
+    name="token-types",
+    help=HELP,
+    request_type=TokenTypesRequest,
+    result_type=TokenTypesResult,
+    folder=FOLDER,
+    schema=SCHEMA,
+    view="token-types",
+    inputs="models",
+    make_request=lambda spec, params: TokenTypesRequest(spec, top=params.top),
+    rows=csv_rows,
+    payload=json_payload,
+    params=TokenTypesParams,
+    decode=decode,
+    plan=_plan,  # one batch's hidden states and a few d-vectors per layer: within the layer run's
+)
