@@ -41,6 +41,10 @@ class ExtractOptions:
     # given the memory plan this process would make at its first batch, the plan to follow (a
     # shard follows the plan its run's first shard fixed); None: its own
     settle_plan: Callable[[MemoryPlan], MemoryPlan] | None = None
+    # --max-memory as accelerate keys it: the devices whose budgets it sets (as the dry run's)
+    max_memory: tuple[tuple[int | str, int], ...] | None = None
+    # padded input units per batch (auto batches) where the plan sets it; None: TOKEN_BUDGET's
+    token_budget: int | None = None
 
 
 def position_limit(loaded: LoadedModel) -> int | None:
