@@ -11,7 +11,14 @@ at a time, not one per layer: issue 15); the reservoirs share what is left, per 
 ``isotui run --dry-run`` makes the same plan from the model's config alone: the model is built
 on the meta device (accelerate's ``init_empty_weights``: no weights read or downloaded), placed
 by accelerate's ``infer_auto_device_map`` under ``--max-memory``, and each device's budget is what
-``--max-memory`` gives it less its weights, the first batch's activations and the margin.
+``--max-memory`` gives it less its weights, the workspace and the margin (:func:`sums_budgets`).
+
+``--max-memory`` bounds everything isotui places on a device: before placement, the sums (the
+whole plan where it fits, else the floor) and the first batch's workspace are taken out of what
+accelerate is given (:func:`placement_memory`), and a run under ``--max-memory`` budgets those
+devices with the dry run's arithmetic, its measured free memory only stopping it. The workspace
+is the larger of a batch (the forward's activations and one layer's fold,
+:func:`fold_transient_bytes`) and finalising one layer (:func:`finalisation_workspace_bytes`).
 """
 
 from __future__ import annotations
