@@ -334,13 +334,14 @@ def placement_memory(
     reservoir: int,
 ) -> dict[int | str, int] | None:
     """The ``max_memory`` handed to accelerate for ``--max-memory``: on each device that will
-    hold isotui's sums (every GPU named, else the CPU), what the user gave less the sums (the
-    whole plan asked for, when that fits in what was given, else the sums at the floor,
-    :func:`reservoir_floor`; with their margin, :func:`room_for`) and the workspace of the first
-    batch (:func:`workspace_bytes`), so that weights, sums and workspace together stay
-    within what was typed (accelerate fills a device up to what it is given). The main device
-    (the first GPU named, else the CPU) is planned for every hidden state, as it runs the blocks
-    offloaded to the CPU or disk; any other GPU for an even share and one more. One
+    hold isotui's sums (every GPU named, else the CPU), what the user gave less the sums (on the
+    CPU the whole plan asked for when that fits in what was given, else and on GPUs the sums at
+    the floor, :func:`reservoir_floor`; with their margin, :func:`room_for`) and the workspace of
+    the first batch (:func:`workspace_bytes`), so that weights, sums and workspace together stay
+    within what was typed (accelerate fills a device up to what it is given). One device is
+    planned for every hidden state, several GPUs each for an even share and one more (the main
+    GPU also runs blocks offloaded to the CPU or disk: where that leaves it short of the floor,
+    the plan is refused after placement, :meth:`MemoryPlan.refuse_below_floor`). One
     sentence (:class:`IsotuiError`) when a device cannot hold even that; models whose config
     gives no ``hidden_size`` and ``num_hidden_layers`` keep ``max_memory`` as given."""
     from isotui.extract.runner import SELF_SIM_TYPES
@@ -361,8 +362,9 @@ def placement_memory(
     length = max_length or default_length(config_position_limit(config), None)
     inter = getattr(config, "intermediate_size", None) or 4 * dim
     for key in homes:
-        # the main device makes the hidden states of every block offloaded to the CPU or disk too
-        states = n_blocks + 1 if key == homes[0] else -(-(n_blocks + 1) // len(homes)) + 1
+        # its share of the hidden states (all of them on one device; the main GPU also makes
+        # those of blocks offloaded to the CPU or disk: a plan short of its floor there is refused)
+        states = n_blocks + 1 if len(homes) == 1 else -(-(n_blocks + 1) // len(homes)) + 1
         need = states * (fixed_bytes(dim, 0) + reservoir_bytes(dim, floor))
         given, dev = out[key], device_name(key)
         room = sums_budgets(
@@ -378,10 +380,12 @@ def placement_memory(
             reservoir=reservoir,
         )
         reserve = room.workspace[dev] + room_for(need)
-        # the plan asked for (exact covariances, the whole reservoir, every token type) when it
-        # fits in what was given before any weight: accelerate then places weights beside it
+        # on the CPU, the plan asked for (exact covariances, the whole reservoir, every token
+        # type) when it fits in what was given before any weight: accelerate then places weights
+        # beside it; a GPU keeps the floor, so that weights stay in GPU memory rather than go to
+        # disk (Llama-3-70B on 2 x 80 GB: the whole plan would send 74 GB of weights to disk)
         whole = states * LayerPlan("", dim, dev, True, reservoir, SELF_SIM_TYPES).bytes + partial_bytes(dim)
-        if given >= room.workspace[dev] + room_for(whole):
+        if key == "cpu" and given >= room.workspace[dev] + room_for(whole):
             reserve = room.workspace[dev] + room_for(whole)
         if given < reserve:
             left = max(0, given - room.workspace[dev])
