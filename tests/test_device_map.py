@@ -19,6 +19,7 @@ from isotui.spec import make_spec
 
 from .conftest import corpus
 from .reference import hidden_vectors
+from .test_plan_equal import _limit
 
 GiB = 1 << 30
 
@@ -33,13 +34,20 @@ def test_disk_offload_gives_the_numbers_of_a_plain_load(tiny_models, tmp_path):
     from isotui.experiments.layerwise import load_prepared, measure, prepare
 
     folder, data = tiny_models["gpt_neox"], f"text:{_texts(tmp_path)}"
-    plain = make_spec(str(folder), data, max_length=64, device="cpu")
-    split = make_spec(str(folder), data, max_length=64, device_map="auto", max_memory="cpu=130KB")
+    # --max-memory bounds isotui's sums too (issue 24): 130 kB for weights beyond what isotui
+    # keeps for its sums at their floor and a batch; the one-process run made under the plan the
+    # split run records is the plain load to compare with (batches of 4 samples in both)
+    limit = _limit(folder, ["--batch-size", "4"], 130_000)
+    split = make_spec(
+        str(folder), data, max_length=64, device_map="auto", max_memory=f"cpu={limit}", batch_size=4
+    )
+    plain = make_spec(str(folder), data, max_length=64, device="cpu", batch_size=4)
     assert prepare(split).key == prepare(plain).key  # where the model sits is not what is measured
     loaded, device = load_prepared(prepare(split))
     placed = set(map(str, loaded.device_map.values()))
     assert {"cpu", "disk"} <= placed and device == "cpu"  # some layers really went to disk
-    a, b = measure(plain, None), measure(split, None)
+    b = measure(split, None)
+    a = _measured_under(plain, b.meta["memory_plan"])
     assert any("--device-map auto" in n for n in b.meta["notes"])
     assert any(n.startswith("memory plan") for n in b.meta["notes"])
     xs, _labels = hidden_vectors(folder, corpus(12), max_length=64)
@@ -50,6 +58,27 @@ def test_disk_offload_gives_the_numbers_of_a_plain_load(tiny_models, tmp_path):
         n = len(u)
         ref = (np.square(u.sum(0)).sum() - n) / (n * (n - 1))  # mean cosine over distinct pairs
         assert rb.avg_cos == pytest.approx(ref, rel=1e-6)  # float32 forward vs the reference's
+
+
+def _measured_under(spec, recorded: dict):
+    """``spec`` measured in one process following the plan ``recorded`` (as a later shard of a
+    run follows its first shard's plan)."""
+    from dataclasses import replace
+
+    from isotui.experiments import layerwise
+    from isotui.extract.memory_plan import MemoryPlan
+
+    plan = MemoryPlan.from_json(recorded)
+    options = layerwise.extract_options
+
+    def following(spec_):
+        return replace(options(spec_), settle_plan=lambda own: plan.follow(own, "the plain run", "-"))
+
+    layerwise.extract_options = following
+    try:
+        return layerwise.measure(spec, None)
+    finally:
+        layerwise.extract_options = options
 
 
 def _config(tmp_path: Path, name: str, config: dict) -> Path:
@@ -130,7 +159,9 @@ def test_dry_run_plans_pythia_12b_from_its_config(tmp_path, capsys):
     for device, used in plan["accumulator_bytes"].items():
         mine = sum(p["device"] == device for p in plan["layers"])
         assert used == mine * per_layer + partial
-    assert "64 samples of 512 tokens" in plan["batch"]
+    # a batch's fold (~50 bytes a token per dimension with tracked types) beside 19 hidden states
+    # of each GPU halves the 32,768-token budget once
+    assert plan["batch_tokens"] == 16_384 and "32 samples of 512 tokens" in plan["batch"]
     main(
         ["run", "--model", str(folder), "--dry-run", "--device-map", "auto", "--max-memory", "0=80GB,1=80GB"]
     )
@@ -148,7 +179,9 @@ def test_dry_run_plans_llama_3_70b_on_80gb_gpus(tmp_path, gpus, exact):
     assert sum(plan["weights_bytes"].values()) == params * 2  # bfloat16, 70.6e9 parameters
     assert len(plan["layers"]) == n
     held = sum(p["exact_cov"] for p in plan["layers"])
-    assert held == exact or (exact is None and held <= 2)
+    # one GPU: --max-memory keeps room for the sums' floor and a batch before the weights are
+    # placed, so what covariances fit depends on where the batch settles (asserted within budget)
+    assert held == exact or exact is None
     assert plan["covariance_bytes"] == held * d * d * 8  # 8 x 80 GB: 81 x 8192^2 x 8 = 43.5 GB
     if held:  # one batch partial per device, not one per layer (that was 43.5 GB more)
         devices = {p["device"] for p in plan["layers"] if p["exact_cov"]}

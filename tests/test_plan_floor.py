@@ -22,7 +22,7 @@ def test_a_max_memory_too_small_for_the_floor_is_refused_with_the_size_that_fits
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     m = re.search(
-        r"too little for even 16 reservoir vectors per layer .* needs at least --max-memory cpu=(\S+ MB)$",
+        r"too little for even 16 reservoir vectors per layer .* needs at least --max-memory cpu=(\S+ MB) ",
         err,
     )
     assert m, err

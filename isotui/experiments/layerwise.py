@@ -18,6 +18,7 @@ from isotui.core.correlation import drift_correlation
 from isotui.core.null import null_cos_quantile
 from isotui.data.sources import fingerprint
 from isotui.data.stream import open_samples
+from isotui.errors import IsotuiError
 from isotui.experiments import plans
 from isotui.experiments.base import Arrays, Context, Experiment, Notice, Payload, Rows
 from isotui.experiments.cached import runs_cache
@@ -264,6 +265,7 @@ def extract_options(spec: RunSpec) -> ExtractOptions:
         map_units=spec.map_units,
         cap_max_length=spec.cap_max_length,
         exact=spec.exact,
+        max_memory=spec.max_memory,
     )
 
 
@@ -281,6 +283,7 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
     with paused_gc():  # torch, transformers and the model: no collection while they are made
         device = "cpu" if spec.device_map else resolve_device(prepared.device or "auto")
         threads_note = apply_threads(spec.threads)  # every streaming experiment loads through here
+        handed = placement_memory(spec, prepared.dtype)
         loaded = load_model(
             parse_model(spec.model),
             device=device,
@@ -290,7 +293,7 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
             tokenizer=spec.tokenizer,
             head=head,
             device_map=spec.device_map,
-            max_memory=spec.max_memory,
+            max_memory=handed,
         )
     if threads_note:
         loaded.notes.append(threads_note)
@@ -323,6 +326,30 @@ def _given_loaded(spec: RunSpec, head: str | None) -> tuple[LoadedModel, str]:
     if threads_note := apply_threads(spec.threads):
         loaded.notes.append(threads_note)
     return loaded, given.device
+
+
+def placement_memory(spec: RunSpec, dtype: str) -> tuple[tuple[int | str, int], ...] | None:
+    """``--max-memory`` as accelerate gets it: less isotui's sums at the floor and the first
+    batch's workspace on the devices that hold them (:func:`~isotui.extract.memory_plan.placement_memory`,
+    as the dry run places the model), so weights, sums and workspace stay within what was typed."""
+    from isotui.extract import memory_plan
+    from isotui.models.loading import model_config
+
+    if not spec.max_memory or not spec.device_map:
+        return spec.max_memory
+    try:
+        config = model_config(parse_model(spec.model), spec.trust_remote_code)
+    except IsotuiError:  # a timm model: no transformers config, placed under what was given
+        return spec.max_memory
+    handed = memory_plan.placement_memory(
+        config,
+        dict(spec.max_memory),
+        dtype=dtype,
+        batch_size=spec.batch_size,
+        max_length=spec.max_length,
+        reservoir=spec.reservoir,
+    )
+    return tuple(handed.items()) if handed else None
 
 
 def compute(

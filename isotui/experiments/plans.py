@@ -33,6 +33,7 @@ def _paper(spec: RunSpec, head: str | None = None) -> Paper:
         max_length=spec.max_length,
         trust_remote_code=spec.trust_remote_code,
         head=head,
+        reservoir=spec.reservoir,
     )
 
 

@@ -182,7 +182,7 @@ class BatchLoop:
         """Tokenise (or read) the corpus and plan its batches; samples outside the shard of
         ``opts.sample_ids`` are read too (they set corpus-level choices) but never run. A
         streamed corpus is tokenised window by window as the batches go (extract/streaming.py)."""
-        budget = TOKEN_BUDGET.get(self.device.split(":")[0], TOKEN_BUDGET["cpu"])
+        budget = self.opts.token_budget or TOKEN_BUDGET.get(self.device.split(":")[0], TOKEN_BUDGET["cpu"])
         if is_stream(samples):
             self._feeder, self._plan = stream_plan(
                 self.loaded,

@@ -11,7 +11,14 @@ at a time, not one per layer: issue 15); the reservoirs share what is left, per 
 ``isotui run --dry-run`` makes the same plan from the model's config alone: the model is built
 on the meta device (accelerate's ``init_empty_weights``: no weights read or downloaded), placed
 by accelerate's ``infer_auto_device_map`` under ``--max-memory``, and each device's budget is what
-``--max-memory`` gives it less its weights, the first batch's activations and the margin.
+``--max-memory`` gives it less its weights, the workspace and the margin (:func:`sums_budgets`).
+
+``--max-memory`` bounds everything isotui places on a device: before placement, the sums (the
+whole plan where it fits, else the floor) and the first batch's workspace are taken out of what
+accelerate is given (:func:`placement_memory`), and a run under ``--max-memory`` budgets those
+devices with the dry run's arithmetic, its measured free memory only stopping it. The workspace
+is the larger of a batch (the forward's activations and one layer's fold,
+:func:`fold_transient_bytes`) and finalising one layer (:func:`finalisation_workspace_bytes`).
 """
 
 from __future__ import annotations
@@ -172,13 +179,82 @@ def measured_budget(device: str) -> int | None:
     return None if free is None else max(0, free - margin(free))
 
 
-def activation_bytes(tokens: int, dim: int, inter: int, act_bytes: int, states: int) -> int:
+def activation_bytes(
+    tokens: int, dim: int, inter: int, act_bytes: int, states: int, reservoir: int = 0
+) -> int:
     """A batch of ``tokens`` on a device where ``states`` hidden states of width ``dim`` are made:
-    those states, the widest transients (the MLP's ``inter``-wide ones) and the float64 copy of a
-    layer; nothing where no state is made. The dry run and the run budget the same bytes."""
+    those states, the widest forward transients (the MLP's ``inter``-wide ones) and the fold of
+    one layer into its sums (:func:`fold_transient_bytes`, as tracked types and exact covariance
+    at their most, a reservoir of ``reservoir`` vectors filling); nothing where no state is made.
+    The dry run and the run budget the same bytes."""
+    from isotui.extract.runner import SELF_SIM_TYPES
+
     if not states:
         return 0
-    return tokens * (dim * act_bytes * states + 3 * inter * act_bytes + 12 * dim)
+    forward = tokens * (dim * act_bytes * states + 3 * inter * act_bytes)
+    return forward + fold_transient_bytes(
+        tokens, dim, act_bytes, samples=tokens, types=SELF_SIM_TYPES, exact=True, reservoir=reservoir
+    )
+
+
+def fold_transient_bytes(
+    tokens: int, dim: int, act_bytes: int, *, samples: int, types: int, exact: bool, reservoir: int
+) -> int:
+    """The most memory one layer's fold of a batch allocates beside its sums, read off
+    :meth:`~isotui.core.accumulator.LayerAccumulator.partial` for ``tokens`` kept vectors of
+    width ``dim`` (the model's ``act_bytes`` per value) from ``samples`` samples. A device folds
+    one layer at a time (each commits before the next folds), so this is per device, not per
+    layer. Alive through the fold: the gathered vectors (``act_bytes``), their float64 copy, the
+    unit vectors and the shifted copy (8 + 8 + 8 bytes per value), the per-sample unit sums
+    (``samples`` x d float64) and norms; on top of them, the largest of these phases:
+
+    - a square before its column sum (``u * u``, ``xs * xs``): 8 bytes per value;
+    - ``exact``: the two float32 copies of the shifted vectors for the d x d product (4 + 4) and
+      its float32 result (4 d^2; the float64 partial, 8 d^2, is the plan's batch partial);
+    - the sentence sums: two ``samples`` x d float64;
+    - ``types``: the per-type sums ((types + 1) x d), the per-(sample, type) unit sums and their
+      square (8 + 8 bytes per value), and a few int64 keys per vector;
+    - the reservoir while it fills: the float32 vectors (4), their concatenation with the
+      ``reservoir`` held ones and the kept rows (4 (reservoir + m) d + 4 reservoir d).
+
+    With types tracked that is 40 bytes per value beside the gathered vectors' own: 42 a token
+    per dimension in bfloat16, 44 in float32."""
+    m, d = tokens, dim
+    value = m * d
+    alive = act_bytes * value + 3 * 8 * value + 8 * samples * d + 8 * m
+    phases = [
+        8 * value,
+        8 * value + 4 * d * d if exact else 0,
+        16 * samples * d,
+        8 * (types + 1) * d + 16 * value + 5 * 8 * m if types else 0,
+        4 * value + 4 * (reservoir + m) * d + 4 * reservoir * d if reservoir else 4 * value,
+    ]
+    return alive + max(phases)
+
+
+def finalisation_workspace_bytes(dim: int, *, exact: bool, sample: int) -> int:
+    """What finalising one layer allocates beside its sums (the plan's finalisation workspace).
+    ``exact`` (the d x d sums held): :func:`~isotui.core.exact_spectrum.moments` makes X^T X and
+    the centred scatter (2 x 8 d^2, after transients of 4 x 8 d^2 that are gone before the
+    decompositions), then two float64 ``eigh``: each copies its input (8 d^2), returns its
+    eigenvectors (8 d^2) and takes LAPACK's ``syevd`` workspace (1 + 6 d + 2 d^2 doubles); the
+    first's eigenvectors stay while the second runs, so the peak is 16 + 8 + 8 + 8 + 16 = 56
+    bytes per d^2 (plus the workspace's 8 (1 + 6 d)). A sampled layer's reservoir of ``sample``
+    vectors is copied to float64 on the host and on the device (2 x 8 sample d), and its
+    covariance (d x d, or the sample x sample Gram matrix when d > sample) decomposed the same
+    way (input copy, eigenvalues only: 8 n^2 + 8 (1 + 6 n + 2 n^2)).
+
+    Finalisation runs one layer at a time today, so a device's workspace is its widest layer's.
+    isotui's device-side finalisation (``gpumath``) sizes its batches of layers with this
+    function: ``k`` layers at once take ``k`` times it. cuSOLVER's ``syevd`` workspace on a GPU
+    can be larger than LAPACK's (this is LAPACK's count)."""
+    d = dim
+    syevd = 8 * (1 + 6 * d + 2 * d * d)
+    copies = 2 * 8 * sample * d
+    if exact:
+        return max(4 * 8 * d * d, 16 * d * d + 8 * d * d + 8 * d * d + syevd + 8 * d * d) + copies
+    n = min(d, sample) if sample else d
+    return copies + 8 * n * n + 8 * (1 + 6 * n + 2 * n * n)
 
 
 def limited_budget(given: int, weights: int, activations: int) -> int:
@@ -187,6 +263,142 @@ def limited_budget(given: int, weights: int, activations: int) -> int:
     margin of what is left."""
     room = max(0, given - weights - activations)
     return max(0, room - margin(room))
+
+
+def room_for(need: int) -> int:
+    """What a device must have left after weights and workspace for :func:`limited_budget` to
+    leave ``need`` bytes of sums (the margin taken from it)."""
+    return max(need + MARGIN_MIN, int(need / (1 - MARGIN_SHARE)) + 1)
+
+
+def workspace_bytes(tokens: int, dim: int, inter: int, act_bytes: int, states: int, reservoir: int) -> int:
+    """The memory a device needs beside weights and sums when ``states`` hidden states of width
+    ``dim`` live there: the larger of a batch (:func:`activation_bytes`: the forward and one
+    layer's fold) and finalising one layer (:func:`finalisation_workspace_bytes`, planned as an
+    exact layer: the larger); they never overlap (finalisation runs after the last batch)."""
+    if not states:
+        return 0
+    batch = activation_bytes(tokens, dim, inter, act_bytes, states, reservoir)
+    return max(batch, finalisation_workspace_bytes(dim, exact=True, sample=reservoir))
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Each device's room for isotui's sums, the batch they were made for, and what the weights
+    and the workspace take (the budgets' arithmetic, one function for the dry run and the run)."""
+
+    budgets: dict[str, int | None]
+    tokens: int  # the first batch's tokens the workspace is made for
+    held: dict[str, int]  # weights and workspace per device
+    workspace: dict[str, int]
+
+
+def sums_budgets(
+    have: Mapping[str, int | None],
+    weights: Mapping[str, int],
+    where: Sequence[str],
+    *,
+    dim: int,
+    inter: int,
+    act_bytes: int,
+    batch_size: int | None,
+    length: int,
+    main: str,
+    reservoir: int,
+) -> Budgets:
+    """The room for sums on each device of ``have`` (its bytes: ``--max-memory``'s or its free
+    memory; None: unknown): what is left after its ``weights``, the workspace of the hidden
+    states ``where`` puts there (:func:`workspace_bytes`) at the first batch's tokens
+    (:func:`batch_tokens`), and the margin."""
+
+    def activations(dev: str, n: int) -> int:
+        return activation_bytes(n, dim, inter, act_bytes, list(where).count(dev), reservoir)
+
+    tokens = batch_tokens(batch_size, length, main, have, weights, activations)
+    work = {d: workspace_bytes(tokens, dim, inter, act_bytes, list(where).count(d), reservoir) for d in have}
+    return Budgets(
+        {d: None if h is None else limited_budget(h, weights.get(d, 0), work[d]) for d, h in have.items()},
+        tokens,
+        {dev: weights.get(dev, 0) + work[dev] for dev in have},
+        work,
+    )
+
+
+def placement_memory(
+    config: Any,
+    max_memory: Mapping[int | str, int] | None,
+    *,
+    dtype: str,
+    batch_size: int | None,
+    max_length: int | None,
+    reservoir: int,
+) -> dict[int | str, int] | None:
+    """The ``max_memory`` handed to accelerate for ``--max-memory``: on each device that will
+    hold isotui's sums (every GPU named, else the CPU), what the user gave less the sums (on the
+    CPU the whole plan asked for when that fits in what was given, else and on GPUs the sums at
+    the floor, :func:`reservoir_floor`; with their margin, :func:`room_for`) and the workspace of
+    the first batch (:func:`workspace_bytes`), so that weights, sums and workspace together stay
+    within what was typed (accelerate fills a device up to what it is given). One device is
+    planned for every hidden state, several GPUs each for an even share and one more (the main
+    GPU also runs blocks offloaded to the CPU or disk: where that leaves it short of the floor,
+    the plan is refused after placement, :meth:`MemoryPlan.refuse_below_floor`). One
+    sentence (:class:`IsotuiError`) when a device cannot hold even that; models whose config
+    gives no ``hidden_size`` and ``num_hidden_layers`` keep ``max_memory`` as given."""
+    from isotui.extract.runner import SELF_SIM_TYPES
+    from isotui.models.limits import config_position_limit, default_length
+
+    if not max_memory:
+        return None
+    out = dict(max_memory)
+    dim, n_blocks = getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None)
+    if not isinstance(dim, int) or not isinstance(n_blocks, int):
+        return out
+    if getattr(config, "is_encoder_decoder", False):
+        return out
+    gpus = [k for k in out if isinstance(k, int)]
+    homes: list[int | str] = list(gpus) or (["cpu"] if "cpu" in out else [])
+    main = device_name(gpus[0]) if gpus else "cpu"
+    floor = reservoir_floor(reservoir)
+    length = max_length or default_length(config_position_limit(config), None)
+    inter = getattr(config, "intermediate_size", None) or 4 * dim
+    for key in homes:
+        # its share of the hidden states (all of them on one device; the main GPU also makes
+        # those of blocks offloaded to the CPU or disk: a plan short of its floor there is refused)
+        states = n_blocks + 1 if len(homes) == 1 else -(-(n_blocks + 1) // len(homes)) + 1
+        need = states * (fixed_bytes(dim, 0) + reservoir_bytes(dim, floor))
+        given, dev = out[key], device_name(key)
+        room = sums_budgets(
+            {dev: given},
+            {},
+            [dev] * states,
+            dim=dim,
+            inter=inter,
+            act_bytes=DTYPE_BYTES[dtype],
+            batch_size=batch_size,
+            length=length,
+            main=main,
+            reservoir=reservoir,
+        )
+        reserve = room.workspace[dev] + room_for(need)
+        # on the CPU, the plan asked for (exact covariances, the whole reservoir, every token
+        # type) when it fits in what was given before any weight: accelerate then places weights
+        # beside it; a GPU keeps the floor, so that weights stay in GPU memory rather than go to
+        # disk (Llama-3-70B on 2 x 80 GB: the whole plan would send 74 GB of weights to disk)
+        whole = states * LayerPlan("", dim, dev, True, reservoir, SELF_SIM_TYPES).bytes + partial_bytes(dim)
+        if key == "cpu" and given >= room.workspace[dev] + room_for(whole):
+            reserve = room.workspace[dev] + room_for(whole)
+        if given < reserve:
+            left = max(0, given - room.workspace[dev])
+            raise IsotuiError(
+                f"--max-memory leaves {_size(left)} on {dev} beside a batch of {room.tokens:,} tokens "
+                f"({_size(room.workspace[dev])} with finalisation) and before any weights, too little "
+                f"for even {floor} reservoir vectors per layer ({_size(need)} for its {states} layers) "
+                f"and the {_size(margin(room_for(need)))} kept free beside them; it needs at least "
+                f"--max-memory {key}={_size_up(reserve)} (more for weights to stay in memory), or a "
+                "smaller --batch-size or --max-length"
+            )
+        out[key] = given - reserve
+    return out
 
 
 def device_key(device: str) -> int | str:
@@ -199,8 +411,8 @@ def batch_tokens(
     length: int,
     main: str,
     have: Mapping[str, int | None],
-    weights: Mapping[str, int],
-    activations: Callable[[str, int], int],
+    weights: Mapping[str, int] | None = None,
+    activations: Callable[[str, int], int] | None = None,
 ) -> int:
     """The first batch's tokens the budgets are made for: ``--batch-size`` samples of ``length``,
     or the device's token budget, halved (as the run's out-of-memory back-off would) while its
@@ -208,8 +420,14 @@ def batch_tokens(
     if batch_size:
         return batch_size * length
     tokens = TOKEN_BUDGET.get(main.split(":")[0], TOKEN_BUDGET["cpu"])
-    while tokens > length and any(
-        h is not None and 0 < activations(d, tokens) > (h - weights.get(d, 0)) // 4 for d, h in have.items()
+    weights = weights or {}
+    while (
+        activations is not None
+        and tokens > length
+        and any(
+            h is not None and 0 < activations(d, tokens) > (h - weights.get(d, 0)) // 4
+            for d, h in have.items()
+        )
     ):
         tokens //= 2
     return tokens
@@ -317,6 +535,38 @@ class MemoryPlan:
     source: str = "measured free memory"
     on_paper: bool = False  # a dry run's
     types_asked: int = 0  # token types self-similarity would follow with room for all of them
+    batch_tokens: int = 0  # the first batch's tokens the workspace is planned for (0: not planned)
+    act_bytes: int = 4  # bytes per value of the model's hidden states
+    # a dry run's fields that the run may find otherwise (JSON paths: "budget_bytes.cpu")
+    estimates: list[str] = field(default_factory=list)
+
+    def transients(self) -> dict[str, int]:
+        """Per device, the most one batch's fold allocates there beside the sums (its widest
+        layer's :func:`fold_transient_bytes`: a device folds one layer at a time)."""
+        out: dict[str, int] = {}
+        if not self.batch_tokens:
+            return out
+        for p in self.layers:
+            fold = fold_transient_bytes(
+                self.batch_tokens,
+                p.dim,
+                self.act_bytes,
+                samples=self.batch_tokens,
+                types=p.types,
+                exact=p.exact_cov,
+                reservoir=p.held,
+            )
+            out[p.device] = max(out.get(p.device, 0), fold)
+        return out
+
+    def finalisation(self) -> dict[str, int]:
+        """Per device, finalising its widest layer (:func:`finalisation_workspace_bytes`; one
+        layer at a time, after the last batch)."""
+        out: dict[str, int] = {}
+        for p in self.layers:
+            work = finalisation_workspace_bytes(p.dim, exact=p.exact_cov, sample=p.held)
+            out[p.device] = max(out.get(p.device, 0), work)
+        return out
 
     def per_device(self) -> dict[str, int]:
         """Accumulator bytes per device: its layers' and one batch partial (:meth:`partials`)."""
@@ -389,7 +639,23 @@ class MemoryPlan:
         lines += self.caps()
         if self.batch:
             lines.append(f"batches: {self.batch}")
+        work = self.workspace_line()
+        if work:
+            lines.append(work)
+        if self.estimates:
+            lines.append(f"estimated (the run may find otherwise): {', '.join(self.estimates)}")
         return lines
+
+    def workspace_line(self) -> str:
+        """The workspace beside the sums per device, in words (empty when not planned)."""
+        fold, final = self.transients(), self.finalisation()
+        if not fold:
+            return ""
+        return (
+            f"workspace beside the sums (a batch of {self.batch_tokens:,} tokens, then finalisation, "
+            "one layer at a time): "
+            + ", ".join(f"{d} {_size(fold.get(d, 0))} folding, {_size(final[d])} finalising" for d in final)
+        )
 
     def caps(self) -> list[str]:
         """What the budgets cut below what was asked, and why (self-similarity's token types),
@@ -432,6 +698,14 @@ class MemoryPlan:
                 f"{p.name:<18} {p.device:<8} {p.dim:>6} {'exact' if p.exact_cov else 'sampled':>10} "
                 f"{p.reservoir:>9,} {_size(p.bytes):>10}"
             )
+        fold, final, per = self.transients(), self.finalisation(), self.per_device()
+        if fold:
+            rows += ["", f"{'device':<18} {'weights':>10} {'sums':>10} {'batch fold':>10} {'finalising':>10}"]
+            for device, sums in per.items():
+                rows.append(
+                    f"{device:<18} {_size(self.weights.get(device, 0)):>10} {_size(sums):>10} "
+                    f"{_size(fold.get(device, 0)):>10} {_size(final.get(device, 0)):>10}"
+                )
         return rows
 
     def to_json(self) -> dict[str, Any]:
@@ -445,6 +719,11 @@ class MemoryPlan:
             "source": self.source,
             "types_asked": self.types_asked,
             "reservoir_asked": self.reservoir_asked,
+            "batch_tokens": self.batch_tokens,
+            "act_bytes": self.act_bytes,
+            "transient_bytes": self.transients(),
+            "finalisation_bytes": self.finalisation(),
+            "estimates": list(self.estimates),
             "layers": [
                 {
                     "name": p.name,
@@ -516,6 +795,8 @@ class MemoryPlan:
             batch=str(doc.get("batch", "")),
             source=str(doc.get("source", "measured free memory")),
             types_asked=int(doc.get("types_asked", 0)),
+            batch_tokens=int(doc.get("batch_tokens", 0)),
+            act_bytes=int(doc.get("act_bytes", 4)),
         )
 
     def follow(self, own: MemoryPlan, who: str, run_key: str) -> MemoryPlan:
@@ -541,6 +822,8 @@ class MemoryPlan:
             batch=own.batch,
             source=self.source,
             types_asked=self.types_asked,
+            batch_tokens=own.batch_tokens,
+            act_bytes=own.act_bytes,
         )
         for device, need in kept.per_device().items():
             left = own.budgets.get(device)
@@ -560,6 +843,16 @@ class MemoryPlan:
 def size_text(n: int | None) -> str:
     """Bytes in the table's words: ``1.5 GB``, ``12.0 kB``, ``?`` when unknown."""
     return _size(n)
+
+
+def _size_up(n: int) -> str:
+    """Bytes in the table's words rounded up (a size to give that is never short of ``n``)."""
+    import math
+
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{math.ceil(n / scale * 10) / 10:.1f} {unit}"
+    return f"{n} B"
 
 
 def _size(n: int | None) -> str:
@@ -708,7 +1001,9 @@ class Paper:
     batch: str
     source: str
     max_memory: dict[int | str, int] | None = None  # --max-memory, as accelerate keys it
-    held: dict[str, int] = field(default_factory=dict)  # per device: weights and the first batch
+    held: dict[str, int] = field(default_factory=dict)  # per device: weights and the workspace
+    tokens: int = 0  # the first batch's tokens the workspace is planned for
+    estimates: list[str] = field(default_factory=list)  # the plan's fields the run may see otherwise
 
 
 def place_on_paper(
@@ -722,6 +1017,7 @@ def place_on_paper(
     max_length: int | None,
     trust_remote_code: bool = False,
     head: str | None = None,
+    reservoir: int = 4096,
 ) -> Paper:
     """``ref`` built from its config on the meta device (``head="lm"``: with its language-model
     head, as the gradient experiment loads it), placed by accelerate under ``--max-memory``; each
@@ -757,7 +1053,10 @@ def place_on_paper(
             )
     model.to(getattr(torch, run_dtype))
     if device_map:
-        placed = infer_device_map(model, device_map, memory)
+        handed = placement_memory(
+            config, memory, dtype=run_dtype, batch_size=batch_size, max_length=max_length, reservoir=reservoir
+        )
+        placed = infer_device_map(model, device_map, handed)
         main = execution_device(placed)
         source = "--max-memory" if memory else "this machine's devices"
     else:
@@ -765,28 +1064,38 @@ def place_on_paper(
         source = "the device's whole memory" if memory is None else "--max-memory"
     main = device_name(main)
     weights = weights_per_device(model, placed, main)
-    # hidden state 0 is the embeddings' output, i the i-th block's (offloaded blocks run on main)
-    blocks = _block_names(model, n_blocks)
-    emb = next((n for n, m in model.named_modules() if m is model.get_input_embeddings()), "")
-    where = [device_of(n, placed) for n in [emb, *blocks]] if blocks else [main] * (n_blocks + 1)
-    where = [main if w in ("cpu", "disk") and main != "cpu" else ("cpu" if w == "disk" else w) for w in where]
+    where = hidden_state_devices(model, placed, main, n_blocks)
     length = max_length or default_length(config_position_limit(config), None)
-    act_bytes = DTYPE_BYTES[run_dtype]
-    inter = getattr(config, "intermediate_size", None) or 4 * dim
     have: dict[str, int | None] = {}
     for dev in dict.fromkeys([*where, "cpu"]):
         given = (memory or {}).get(device_key(dev))
         measurable = not dev.startswith("cuda:") or torch.cuda.is_available()
         have[dev] = given if given is not None else available_memory(dev) if measurable else None
-
-    def activations(dev: str, n: int) -> int:
-        return activation_bytes(n, dim, inter, act_bytes, where.count(dev))
-
-    tokens = batch_tokens(batch_size, length, main, have, weights, activations)
-    budgets: dict[str, int | None] = {
-        dev: None if h is None else limited_budget(h, weights.get(dev, 0), activations(dev, tokens))
-        for dev, h in have.items()
-    }
+    room = sums_budgets(
+        have,
+        weights,
+        where,
+        dim=dim,
+        inter=getattr(config, "intermediate_size", None) or 4 * dim,
+        act_bytes=DTYPE_BYTES[run_dtype],
+        batch_size=batch_size,
+        length=length,
+        main=main,
+        reservoir=reservoir,
+    )
+    # what the dry run cannot know and the run will: budgets of devices that --max-memory does
+    # not bound are this machine's free memory now, before any weight is read (the run measures
+    # them after its first batch); the most vectors a layer sees (the run counts its corpus'
+    # tokens); the token types self-similarity follows (the run's corpus may have fewer than
+    # the 1,000 planned, and their sums' bytes with them); without --max-length, the tokenizer's
+    # limit on the length
+    estimates = [f"budget_bytes.{dev}" for dev in have if (memory or {}).get(device_key(dev)) is None]
+    estimates += ["layers.vectors", "types_asked", "layers.types", "layers.bytes", "accumulator_bytes"]
+    if max_length is None or (
+        room.tokens < batch_tokens(batch_size, length, main, {}) and "budget_bytes." + main in estimates
+    ):  # the tokenizer may cap the length; free memory halved the batch (the run halves on OOM)
+        estimates += ["batch", "batch_tokens"]
+    estimates.append("transient_bytes")  # with the types
     return Paper(
         config,
         model,
@@ -796,12 +1105,23 @@ def place_on_paper(
         weights,
         where,
         main,
-        budgets,
-        batch_line(batch_size, main, length, tokens),
+        room.budgets,
+        batch_line(batch_size, main, length, room.tokens),
         f"dry run from the config, {run_dtype} weights, memory from {source}",
         memory,
-        {dev: weights.get(dev, 0) + activations(dev, tokens) for dev in have},
+        room.held,
+        room.tokens,
+        estimates,
     )
+
+
+def hidden_state_devices(model: Any, placed: Mapping[str, Any], main: str, n_blocks: int) -> list[str]:
+    """Where each hidden state is made (0: the embeddings' output, i: the i-th block's), by the
+    device map ``placed``; offloaded blocks (CPU or disk) run on the main device when it is a GPU."""
+    blocks = _block_names(model, n_blocks)
+    emb = next((n for n, m in model.named_modules() if m is model.get_input_embeddings()), "")
+    where = [device_of(n, placed) for n in [emb, *blocks]] if blocks else [main] * (n_blocks + 1)
+    return [main if w in ("cpu", "disk") and main != "cpu" else ("cpu" if w == "disk" else w) for w in where]
 
 
 def dry_run(
@@ -826,6 +1146,7 @@ def dry_run(
         batch_size=batch_size,
         max_length=max_length,
         trust_remote_code=trust_remote_code,
+        reservoir=reservoir,
     )
     return layers_plan(paper, reservoir)
 
@@ -848,6 +1169,9 @@ def layers_plan(paper: Paper, reservoir: int) -> MemoryPlan:
         source=paper.source,
         on_paper=True,
         types_asked=SELF_SIM_TYPES,
+        batch_tokens=paper.tokens,
+        act_bytes=DTYPE_BYTES[paper.dtype],
+        estimates=list(paper.estimates),
     )
     what = "--max-memory" if paper.max_memory else "the free memory"
     plan.refuse_below_floor(paper.max_memory, paper.held, what)

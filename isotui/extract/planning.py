@@ -42,6 +42,10 @@ class ExtractOptions:
     # shard follows the plan its run's first shard fixed); None: its own
     settle_plan: Callable[[MemoryPlan], MemoryPlan] | None = None
     keep_sample: bool = False  # hand out every layer's reservoir (Extraction.sample; extract/sample.py)
+    # --max-memory as accelerate keys it: the devices whose budgets it sets (as the dry run's)
+    max_memory: tuple[tuple[int | str, int], ...] | None = None
+    # padded input units per batch (auto batches) where the plan sets it; None: TOKEN_BUDGET's
+    token_budget: int | None = None
 
 
 def position_limit(loaded: LoadedModel) -> int | None:

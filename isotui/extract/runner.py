@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ import numpy as np
 from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
 from isotui.core.sampled import EIGEN_JACKKNIFE_MAX_DIM, SE_GROUPS, ExactPass
 from isotui.errors import IsotuiError
-from isotui.extract.device import memory_in_use, to_device
+from isotui.extract.device import available_memory, memory_in_use, to_device
 from isotui.extract.finalise import finalize_all, finalize_estimate_s
 from isotui.extract.forward import (
     HiddenStates,
@@ -36,12 +36,19 @@ from isotui.extract.forward import (
 from isotui.extract.inputs import Fed
 from isotui.extract.loop import Batch, BatchLoop, Hooks, merge_facts
 from isotui.extract.memory_plan import (
+    DTYPE_BYTES,
+    Budgets,
     MemoryPlan,
     batch_line,
+    batch_tokens,
+    device_key,
     fit_types,
+    hidden_state_devices,
     measured_budget,
     plan_layers,
     reservoir_floor,
+    size_text,
+    sums_budgets,
     weights_per_device,
 )
 from isotui.extract.planning import ExtractOptions, effective_max_length, selected_ids
@@ -143,6 +150,8 @@ class LayerStream:
         self.map_shapes: dict[str, list[list[int] | None]] | None = None  # flattened maps' (C, H, W)
         self.reservoir_capped = False
         self.plan: MemoryPlan | None = None  # made at the first batch (see _memory_plan)
+        # under --max-memory, the budgets and the batch the dry run plans (see planned_room)
+        self.room: Budgets | None = None
         self.max_length = 0  # tokens per sample (text), from prepare
         self.max_dim = 0
         self.forward_s = 0.0  # forward passes (building the batches: the loop's feed_s)
@@ -459,7 +468,8 @@ class LayerStream:
             }
         all_dims = [d for ds in dims.values() for d in ds]
         self.max_dim = max(all_dims)
-        # the most frequent types, up to SELF_SIM_TYPES: as many as the plan finds room for
+        # the most frequent types, up to SELF_SIM_TYPES: as many as the plan finds room for (a
+        # dry run, which reads no corpus, plans SELF_SIM_TYPES and says it is an estimate)
         asked = 0 if self.tracked is None else int(min(SELF_SIM_TYPES, int((self.tracked >= 0).sum())))
         # each layer's sums on its hidden states' device (no float64 on MPS: there, the CPU)
         where = {c: [_acc_device(h.device) for h in hidden] for c, hidden in components.items()}
@@ -467,7 +477,15 @@ class LayerStream:
             ensure_scheme(dev)
         bounds = {c: [self._vector_bound(h) for h in hidden] for c, hidden in components.items()}
         self.plan = _memory_plan(
-            self.loaded, self.loop, dims, where, asked, self.opts.reservoir, self.max_length or None, bounds
+            self.loaded,
+            self.loop,
+            dims,
+            where,
+            asked,
+            self.opts.reservoir,
+            self.max_length or None,
+            bounds,
+            self.room,
         )
         if self.opts.settle_plan is not None:  # a shard: its run's one plan
             self.plan = self.opts.settle_plan(self.plan)
@@ -519,13 +537,19 @@ def _memory_plan(
     reservoir: int,
     max_length: int | None,
     bounds: dict[str, list[int | None]] | None = None,
+    room: Budgets | None = None,
 ) -> MemoryPlan:
     """The run's memory plan, made after the model is placed and its first batch has run: each
-    device's measured free memory (less the margin) shared out by :func:`plan_layers`, after the
-    self-similarity sums of as many of the ``types`` asked as fit (:func:`fit_types`);
-    ``bounds``: per layer, the most vectors it will see (a reservoir holds no more)."""
+    device's budget shared out by :func:`plan_layers`, after the self-similarity sums of as many
+    of the ``types`` asked as fit (:func:`fit_types`); ``bounds``: per layer, the most vectors it
+    will see (a reservoir holds no more). A device that ``--max-memory`` bounds has the budget
+    the dry run plans (``room``, :func:`planned_room`), and its measured free memory may only
+    stop the run; any other device has its measured free memory less the margin."""
     devices = {str(d) for ds in where.values() for d in ds}
-    budgets = {d: measured_budget(d) for d in sorted(devices)}
+    given = dict(loop.opts.max_memory or ())
+    bound = {d for d in devices if room is not None and device_key(d) in given}
+    measured = {d: measured_budget(d) for d in sorted(devices)}
+    budgets = {d: room.budgets[d] if room is not None and d in bound else measured[d] for d in measured}
     weights = weights_per_device(loaded.model, loaded.device_map, loop.device)
     asked = types
     tracks = [
@@ -541,16 +565,78 @@ def _memory_plan(
     ]
     opts = loop.opts
     vectors = [v for c in dims for v in (bounds or {}).get(c, [None] * len(dims[c]))]
+    act_bytes = _value_bytes(loaded.model)
+    # the batch the loop cuts: the plan's under --max-memory, else its token budget (halved only
+    # on out-of-memory)
+    length = max_length or 0
+    tokens = room.tokens if room is not None else batch_tokens(opts.batch_size, length, loop.device, {})
     plan = MemoryPlan(
         plan_layers(layers, budgets, reservoir, vectors),
         budgets,
         weights=weights,
         reservoir_asked=reservoir,
-        batch=batch_line(opts.batch_size, loop.device, max_length),
+        batch=batch_line(opts.batch_size, loop.device, max_length, room.tokens if room else None),
         types_asked=asked,
+        batch_tokens=tokens if max_length else 0,
+        act_bytes=act_bytes,
     )
     plan.refuse_below_floor(None, {}, "the free memory")  # measured: --max-memory bounds the weights
+    for device in sorted(bound):  # the plan --max-memory allows: may this machine hold it?
+        need, free = plan.per_device().get(device, 0), measured[device]
+        if free is not None and need > free:
+            raise IsotuiError(
+                f"--max-memory {device_key(device)}={size_text(given[device_key(device)])} plans "
+                f"{size_text(need)} of isotui's sums on {device}, but {device} has {size_text(free)} "
+                f"left here after the weights and the first batch: free {size_text(need - free)} there, "
+                "or give it less with --max-memory"
+            )
     return plan
+
+
+def _value_bytes(model: Any) -> int:
+    """Bytes per value of the model's weights (and so of its hidden states): 4, or 2 in half."""
+    first = next(iter(model.parameters()), None)
+    return DTYPE_BYTES.get(str(first.dtype).removeprefix("torch."), 4) if first is not None else 4
+
+
+def _room(loaded: LoadedModel, main: str, opts: ExtractOptions, length: int | None) -> Budgets | None:
+    """The budgets and first batch of the dry run's arithmetic (:func:`sums_budgets`) for this
+    loaded model: ``--max-memory``'s bytes where it names a device, else its free memory now;
+    None for models whose config gives no ``hidden_size`` and ``num_hidden_layers`` (the dry
+    run plans none of them) or no length (images, audio)."""
+    config = loaded.model.config
+    dim, n_blocks = getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None)
+    if not isinstance(dim, int) or not isinstance(n_blocks, int) or not length:
+        return None
+    if getattr(config, "is_encoder_decoder", False) or loaded.modality != "text":
+        return None
+    where = hidden_state_devices(loaded.model, loaded.device_map or {"": main}, main, n_blocks)
+    weights = weights_per_device(loaded.model, loaded.device_map, main)
+    given = dict(opts.max_memory or ())
+    have: dict[str, int | None] = {}
+    for dev in dict.fromkeys([*where, "cpu"]):
+        mine = given.get(device_key(dev))
+        have[dev] = mine if mine is not None else available_memory(dev)
+    return sums_budgets(
+        have,
+        weights,
+        where,
+        dim=dim,
+        inter=getattr(config, "intermediate_size", None) or 4 * dim,
+        act_bytes=_value_bytes(loaded.model),
+        batch_size=opts.batch_size,
+        length=length,
+        main=main,
+        reservoir=opts.reservoir,
+    )
+
+
+def planned_room(loaded: LoadedModel, main: str, opts: ExtractOptions, length: int) -> Budgets | None:
+    """Under ``--max-memory`` (a device map), the budgets and first batch the dry run plans,
+    made before the first batch so that the batches are cut to it; None otherwise."""
+    if not opts.max_memory:
+        return None
+    return _room(loaded, main, opts, length)
 
 
 def extract(
@@ -659,9 +745,13 @@ def _stream(
     modality: str,
 ) -> tuple[LayerStream, dict[str, Any]]:
     """Run the batches; (the stream with its accumulators, the facts :func:`_finish` needs)."""
+    max_length = effective_max_length(loaded, opts, model_name, on_progress)
+    room = planned_room(loaded, device, opts, max_length)
+    if room is not None and not opts.batch_size:  # batches cut to the plan's first batch
+        opts = replace(opts, token_budget=room.tokens)
     loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
     stream = LayerStream(loop)
-    max_length = effective_max_length(loaded, opts, model_name, on_progress)
+    stream.room = room
     total = len(samples) if opts.sample_ids is None else len(selected_ids(len(samples), opts.sample_ids))
     start = time.perf_counter()
     unit = "tokenising" if modality == "text" else "reading"

@@ -1,0 +1,178 @@
+"""The dry run is the run (issue 24): over six (model, limits) pairs, the plan JSON of
+``isotui run --dry-run --json`` equals the plan the run records in its result, field by field,
+except the fields the dry run itself lists as estimates (``estimates``: a device's budget that
+``--max-memory`` does not set, measured by the run after its first batch; the most vectors a
+layer sees, counted by the run in its corpus) and the words naming the source. Tiny random-init
+models saved to temporary folders; this machine's free memory is patched to a fixed 64 GiB.
+Under ``--max-memory`` the budgets are compared too, and the test checks them against the
+plan's own arithmetic by hand: what was typed, less the weights placed there, the workspace
+and the margin."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from isotui.cli import main
+from isotui.spec import make_spec
+
+from .conftest import corpus
+
+PLENTY = 64 << 30
+# samples: more tokens than any reservoir asked below; for BERT's tokenizer 1,348 token types
+# in two samples or more (the run follows 1,000, as the dry run plans)
+N = {"bert": 1000, "gpt2": 100, "gpt_neox": 100}
+
+
+def _texts(tmp_path: Path, n: int) -> str:
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(corpus(n)) + "\n", encoding="utf-8")
+    return f"text:{path}"
+
+
+def _without(plan: dict, estimates: list[str]) -> dict:
+    """``plan`` less its source, its estimates list and the fields that list names."""
+    out = {k: v for k, v in plan.items() if k not in ("source", "estimates", "notes")}
+    for path in estimates:
+        head, _, tail = path.partition(".")
+        if not tail:
+            out.pop(head, None)
+        elif head == "layers":
+            out["layers"] = [{k: v for k, v in p.items() if k != tail} for p in out["layers"]]
+        else:
+            out[head] = {k: v for k, v in out[head].items() if k != tail}
+    return out
+
+
+# (model, flags): plain CPU, --batch-size and --reservoir, device maps under --max-memory with
+# everything in memory, with part of the model offloaded to disk, and with sums the limit cuts;
+# "cpu=+N" is N bytes more than isotui keeps for itself beside the weights (see _limit)
+PAIRS = [
+    ("gpt2", ["--reservoir", "256"], None, "whole"),
+    ("gpt_neox", ["--batch-size", "4", "--reservoir", "64"], None, "whole"),
+    ("bert", ["--device-map", "auto", "--reservoir", "200"], 600_000_000, "whole"),
+    ("gpt2", ["--device-map", "auto", "--reservoir", "100"], 300_000_000, "whole"),
+    ("gpt_neox", ["--device-map", "sequential", "--batch-size", "2", "--reservoir", "400"], 130e3, "offload"),
+    ("bert", ["--device-map", "balanced", "--reservoir", "300"], 500e3, "cut"),
+]
+
+
+def _limit(folder: Path, flags: list[str], extra: float, *, floor: bool = False) -> int:
+    """A --max-memory for the CPU ``extra`` bytes above what isotui takes out of it before
+    accelerate places the weights: its whole plan's sums with their margin and a batch (``floor``:
+    its sums at the floor, which is what it takes when the whole plan does not fit), or ``extra``
+    itself when that is larger (a plain limit)."""
+    from isotui.extract.memory_plan import placement_memory
+    from isotui.models.loading import model_config
+    from isotui.models.naming import parse_model
+
+    options = dict(zip(flags[::2], flags[1::2], strict=True))
+
+    def kept(given: int) -> int:
+        handed = placement_memory(
+            model_config(parse_model(str(folder)), False),
+            {"cpu": given},
+            dtype="float32",
+            batch_size=int(options.get("--batch-size", 0)) or None,
+            max_length=64,
+            reservoir=int(options.get("--reservoir", 4096)),
+        )
+        assert handed is not None
+        return given - handed["cpu"]
+
+    whole = kept(10**12)
+    held = kept(whole - 1) if floor else whole
+    assert held <= whole
+    return int(extra if extra > 10 * held else held + extra)
+
+
+@pytest.mark.parametrize(("name", "flags", "extra", "kind"), PAIRS, ids=[f"{n}-{k}" for n, *_, k in PAIRS])
+def test_the_dry_run_plan_is_the_runs_recorded_plan(
+    tiny_models, tmp_path, monkeypatch, name, flags, extra, kind
+):
+    from isotui.experiments.layerwise import measure
+    from isotui.extract import device, memory_plan
+
+    monkeypatch.setattr(memory_plan, "available_memory", lambda _d: PLENTY)
+    monkeypatch.setattr(device, "available_memory", lambda _d: PLENTY)
+    if extra is not None:
+        limit = _limit(tiny_models[name], flags, extra, floor=kind == "cut")
+        flags = [*flags, "--max-memory", f"cpu={limit}"]
+    folder, data = str(tiny_models[name]), _texts(tmp_path, N[name])
+    common = ["--data", data, "--max-length", "64", *flags]
+    out = tmp_path / "plan.json"
+    assert main(["run", "-m", folder, *common, "--dry-run", "--json", str(out)]) == 0
+    dry = json.loads(out.read_text())[folder]
+    options = dict(zip(flags[::2], flags[1::2], strict=True))
+    spec = make_spec(
+        folder,
+        data,
+        max_length=64,
+        device="auto" if "--device-map" in options else "cpu",
+        batch_size=int(options.get("--batch-size", 0)) or None,
+        reservoir=int(options.get("--reservoir", 4096)),
+        device_map=options.get("--device-map"),
+        max_memory=options.get("--max-memory"),
+    )
+    run = measure(spec, None).meta["memory_plan"]
+    assert run["estimates"] == []  # the run's plan is what it followed
+    assert "layers.vectors" in dry["estimates"]
+    assert _without(dry, dry["estimates"]) == _without(run, dry["estimates"])
+    if name == "bert":  # a corpus with 1,000 token types in two samples or more: the dry run's
+        # estimates of the types and of the bytes that follow from them are the run's numbers
+        assert run["types_asked"] == 1000
+        exact = [e for e in dry["estimates"] if e.startswith("budget_bytes") or e == "layers.vectors"]
+        assert _without(dry, exact) == _without(run, exact)
+    assert all(p["reservoir"] <= p["vectors"] for p in run["layers"])  # the reservoirs fill
+    asked = int(options.get("--reservoir", 4096))
+    whole = all(p["exact_cov"] and p["reservoir"] == asked for p in run["layers"])
+    # the pair is what it says: the whole plan with all weights in memory, the whole plan with
+    # weights offloaded to disk, or a plan the limit cuts (to its floor: weights on disk too)
+    assert whole == (kind != "cut")
+    assert ("disk" in run["weights_bytes"]) == (kind != "whole")
+    assert ("cpu" in run["weights_bytes"]) == (kind != "cut")
+    given = options.get("--max-memory")
+    if given is None:
+        assert "budget_bytes.cpu" in dry["estimates"]
+        return
+    assert "budget_bytes.cpu" not in dry["estimates"]  # --max-memory sets it: compared above
+    limit = memory_plan.parse_size(given.split("=")[1])
+    assert limit is not None
+    # by hand: the typed limit less the weights accelerate kept in memory, the workspace (the
+    # larger of a batch and finalisation, at their most) and the margin (10% of what is left,
+    # at least 256 MiB)
+    weights = dry["weights_bytes"].get("cpu", 0)
+    work = _workspace_by_hand(tiny_models[name], dry["batch_tokens"], dry["reservoir_asked"])
+    room = limit - weights - work
+    assert run["budget_bytes"]["cpu"] == max(0, room - max(256 << 20, room // 10))
+    # and everything isotui places on the CPU stays within what was typed
+    assert weights + run["accumulator_bytes"]["cpu"] + work <= limit
+    assert work >= max(run["transient_bytes"]["cpu"], run["finalisation_bytes"]["cpu"])
+
+
+def _workspace_by_hand(folder: Path, m: int, k: int) -> int:
+    """A float32 model's workspace on the CPU at ``m`` tokens a batch and a reservoir of ``k``,
+    from the shapes of what the forward and LayerAccumulator.partial allocate: the forward's
+    hidden states (embeddings and every block) and three intermediate-wide tensors; the fold's
+    live copies (the gathered float32 vectors, float64, unit and shifted: 4 + 24 bytes a value,
+    per-sample sums with at most m samples: 8, norms) and its largest phase (1,000 tracked types:
+    their sums and two m x d float64; or the filling reservoir: float32 vectors, their
+    concatenation with k held ones and the k kept); finalising an exact layer: 56 d^2 bytes and
+    LAPACK's syevd workspace beyond its 2 d^2 doubles, and the reservoir twice in float64."""
+    config = json.loads((folder / "config.json").read_text())
+    d = config.get("hidden_size") or config["n_embd"]
+    states = (config.get("num_hidden_layers") or config["n_layer"]) + 1
+    inter = config.get("intermediate_size") or config.get("n_inner") or 4 * d
+    forward = m * (4 * d * states + 3 * 4 * inter)
+    alive = (4 + 24 + 8) * m * d + 8 * m
+    phase = max(
+        8 * m * d,
+        8 * m * d + 4 * d * d,
+        16 * m * d,
+        8 * 1001 * d + 16 * m * d + 40 * m,
+        4 * m * d + 4 * (k + m) * d + 4 * k * d,
+    )
+    final = 56 * d * d + 8 * (1 + 6 * d) + 2 * 8 * k * d
+    return max(forward + alive + phase, final)
