@@ -211,9 +211,16 @@ def test_every_experiment_that_streams_a_model_offers_the_run_options(monkeypatc
     top = _subcommands(build_parser())
     experiments = _subcommands(top["experiment"])
     streaming = [e for e in registry.REGISTRY if e.inputs in ("models", "series")]
-    assert {"layers", "attention", "qk-dynamics", "checkpoints", "final-norm", "gradients", demo.name} == {
-        e.name for e in streaming
-    }
+    assert {
+        "layers",
+        "attention",
+        "qk-dynamics",
+        "checkpoints",
+        "final-norm",
+        "gradients",
+        "token-types",
+        demo.name,
+    } == {e.name for e in streaming}
     for exp in streaming:
         flags = _flags(top["run"] if exp.command == "run" else experiments[exp.name])
         assert {"--data", "--device", "--max-samples", "--seed"} <= flags, exp.name
