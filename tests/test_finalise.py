@@ -181,3 +181,18 @@ def test_no_estimate_before_finalisation_on_a_device_the_cpus_model_on_the_cpu()
     assert finalise.finalize_estimate_s({"model": [cpu]}) == pytest.approx(want)
     device = LayerAccumulator(256, torch.device("meta"), full_cov=True, reservoir=4096)
     assert finalise.finalize_estimate_s({"model": [cpu, device]}) is None
+
+
+def test_the_first_batch_is_what_free_memory_holds_at_the_plans_workspace(monkeypatch):
+    """The batch of layers decomposed at once starts at what the device has free over one layer's
+    workspace as the memory plan counts it (56 d^2 bytes and LAPACK's syevd, written out here)."""
+    from isotui.extract import device, finalise
+
+    d = 512
+    per_layer = 56 * d * d + 8 * (1 + 6 * d)  # the exact layer's peak: sums' products, two eigh
+    monkeypatch.setattr(device, "available_memory", lambda _dev: int(3.5 * per_layer))
+    assert finalise.first_batch("cuda:0", d) == 3
+    monkeypatch.setattr(device, "available_memory", lambda _dev: per_layer // 2)
+    assert finalise.first_batch("cuda:0", d) == 1  # never none: out of memory then falls back
+    monkeypatch.setattr(device, "available_memory", lambda _dev: None)
+    assert finalise.first_batch("mps", d) == finalise.MAX_BATCH

@@ -159,7 +159,7 @@ def finalize_all(
         key = _batch_key(order[k][2])
         end = k + 1
         if key is not None and k > 0:  # the first layer alone: its time is the rate
-            limit = size.setdefault(key, MAX_BATCH)
+            limit = size.setdefault(key, first_batch(*key))
             while end < len(order) and end - k < limit and _batch_key(order[end][2]) == key:
                 end += 1
             asked.setdefault(key, end - k)
@@ -196,6 +196,20 @@ def finalize_all(
 
 
 Key = tuple[str, int]  # (device, d)
+
+
+def first_batch(device: str, dim: int) -> int:
+    """Layers of width ``dim`` decomposed at once on ``device`` at first: as many as the memory
+    it has free holds at the plan's finalisation workspace each
+    (:func:`~isotui.extract.memory_plan.finalisation_workspace_bytes`), at most
+    :data:`MAX_BATCH`, at least one; out of memory still halves it."""
+    from isotui.extract.device import available_memory
+    from isotui.extract.memory_plan import finalisation_workspace_bytes
+
+    free = available_memory(device)
+    if free is None:
+        return MAX_BATCH
+    return max(1, min(MAX_BATCH, free // max(1, finalisation_workspace_bytes(dim, exact=True, sample=0))))
 
 
 def _memory_note(size: dict[Key, int], asked: dict[Key, int], on_cpu: int, n: int) -> str:
