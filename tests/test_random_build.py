@@ -197,3 +197,17 @@ def test_a_bfloat16_build_never_holds_a_float32_copy_of_the_model(tmp_path):
     )
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["grew"] < 0.75 * seen["float32_bytes"], seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_seed_gives_the_same_weights_on_cuda_as_on_the_cpu(dtype):
+    """Built on the GPU (in its dtype, never on the CPU first), bit for bit the CPU's build."""
+    import torch
+
+    for kind in ("gpt2", "vit", "wav2vec2"):
+        on_gpu = _load(_name(kind), dtype=dtype, device="cuda")
+        assert {p.device.type for p in on_gpu.parameters()} == {"cuda"}
+        gpu, cpu = _weights(on_gpu), _weights(_load(_name(kind), dtype=dtype))
+        assert gpu.keys() == cpu.keys()
+        assert all(torch.equal(gpu[k], cpu[k]) for k in cpu), kind
