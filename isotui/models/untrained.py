@@ -220,10 +220,11 @@ class SeededDraws:
         self.workers = max(1, torch.get_num_threads())
         self.pool: ThreadPoolExecutor | None = None
         fills: dict[Any, str] = {getattr(torch.Tensor, n): n for n in _FILLS}
-        for n in _FILLS:
-            fills[getattr(torch.nn.init, n)] = n
-            fills[initialization.TORCH_INIT_FUNCTIONS[n]] = n
-            fills[getattr(initialization, n)] = n
+        for n in _FILLS:  # torch's, the originals transformers kept, and transformers' guarded ones
+            originals = getattr(initialization, "TORCH_INIT_FUNCTIONS", {})
+            for f in (getattr(torch.nn.init, n), originals.get(n), getattr(initialization, n, None)):
+                if f is not None:
+                    fills[f] = n
         others = {getattr(torch.Tensor, n) for n in _OTHER_FILLS}
         factories = {getattr(torch, n) for n in _FACTORIES if hasattr(torch, n)}
         takes_generator: dict[Any, bool] = {}
