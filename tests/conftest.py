@@ -3,11 +3,56 @@
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
 
 from isotui.paths import builtin_corpus_path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` are skipped where torch sees no CUDA GPU (torch is imported only when
+    such a test was collected)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is false here")
+    for item in gpu:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def _cuda_present() -> bool:
+    """Whether this machine has a CUDA GPU, asked once before any test hides it (CUDA reads
+    CUDA_VISIBLE_DEVICES when it starts in a process, so it starts here, with the real one)."""
+    if not any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")):
+        return False  # no NVIDIA driver (nor WSL's): no need to import torch to know
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu(request, monkeypatch, _cuda_present):
+    """A test not marked ``gpu`` runs as on a machine without CUDA, on a GPU server too: there
+    ``--device auto`` (every test that names no device) would pick cuda, whose float32 forward
+    differs from the CPU's in the last bits, and the suite checks numbers against plain CPU
+    references to 1e-6 and reads the CPU's plans and notes (issue 26: about 35 failures on an
+    H100). Hidden in this process (torch.cuda.is_available() is false while the test runs) and in
+    the CLI's subprocesses (CUDA_VISIBLE_DEVICES empty). The GPU paths are the ``gpu`` tests'."""
+    if not _cuda_present or request.node.get_closest_marker("gpu"):
+        return
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 @pytest.fixture(autouse=True)

@@ -573,7 +573,6 @@ def _load_random(
     tokenizer: str | None = None,
     placement: Placement | None = None,
 ) -> LoadedModel:
-    import torch
     from transformers import AutoModel
 
     notes: list[str] = []
@@ -593,13 +592,25 @@ def _load_random(
         if isinstance(vocab, int) and vocab < len(tok):
             config.vocab_size = len(tok)
             notes.append(f"vocab_size raised from {vocab} to {len(tok)} to fit the tokenizer")
-    torch.manual_seed(seed)
-    try:
-        model = model_cls(config) if head else AutoModel.from_config(config, trust_remote_code=trust)
+    from isotui.models.untrained import build_untrained
+
+    def factory() -> Any:
+        return model_cls(config) if head else AutoModel.from_config(config, trust_remote_code=trust)
+
+    try:  # built where it runs, in its dtype; the same weights for a seed on every device
+        model = build_untrained(
+            factory,
+            device="cpu" if placement is not None else device,
+            dtype=torch_dtype,
+            seed=seed,
+            name=ref.name,
+        )
+    except IsotuiError:
+        raise
     except Exception as exc:
         raise IsotuiError(f"could not build untrained model {ref.name!r}: {_short(exc)}") from None
     if placement is not None:
-        model = placement.dispatch(model.to(dtype=torch_dtype), ref.name)
+        model = placement.dispatch(model, ref.name)
     loaded = LoadedModel(_placed(model, device, placement, dtype=torch_dtype), tok, notes)
     loaded.device_map = getattr(model, "hf_device_map", None) if placement is not None else None
     loaded.own_tokenizer = own_tokenizer

@@ -117,6 +117,10 @@ class ModelRef:
             h.update(json.dumps([self.source, list(self.overrides)]).encode())
             lib = "timm" if self.random_source_kind == "timm" else "transformers"
             h.update(metadata.version(lib).encode())
+            if lib == "transformers":  # how a seed becomes weights (isotui.models.untrained)
+                from isotui.models.untrained import INIT_SCHEME
+
+                h.update(INIT_SCHEME.encode())
             if self.random_source_kind == "hub":
                 h.update(hub.resolve_commit(self.source, self.revision).encode())
         folder = self.local_dir() if self.kind != "random" or self.random_source_kind == "dir" else None
