@@ -19,7 +19,10 @@ An experiment is:
 - its terminal **view**: a *name*, resolved in the views layer (:mod:`isotui.views`), so that no
   experiment imports rich tables, plotext figures or the CLI;
 - its own **options** (argparse flags beyond what its ``inputs`` kind gives: the CLI adds the
-  model or series flags, the run flags and the output flags) and how a request is made from them.
+  model or series flags, the run flags and the output flags) and how a request is made from them;
+- its **lab tab**, if it has one: a ``"module:attr"`` string naming the tab's class in
+  :mod:`isotui.tui` (imported when the app's lab opens, never here), from which the lab composes
+  its tabs, their keys and their result slots.
 
 Nothing here imports torch, rich or the CLI.
 """
@@ -132,6 +135,8 @@ class Experiment:
     # --dry-run: a request's memory plan from the config alone (isotui.experiments.plans); None
     # for an experiment that streams no model
     plan: Callable[[Any], Any] | None = None
+    # its tab in the app's lab: "module:attr" of a LabTab subclass (isotui.tui.lab_tab); None: no tab
+    lab_tab: str | None = None
 
     def request(self, spec: Any, args: argparse.Namespace) -> Any:
         """The request ``spec`` (a RunSpec; a (series, checkpoints, spec) triple; None for a

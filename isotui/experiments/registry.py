@@ -89,6 +89,7 @@ REGISTRY: tuple[Experiment, ...] = (
         add_options=attention.add_options,
         decode=attention.AttentionResult.from_json,
         plan=plans.attention,
+        lab_tab="isotui.tui.lab_heads:HeadsTab",
     ),
     drift_block_experiment.EXPERIMENT,
     Experiment(
@@ -107,6 +108,7 @@ REGISTRY: tuple[Experiment, ...] = (
         check=qk_dynamics.check_options,
         what="checkpoints",
         plan=plans.attention,
+        lab_tab="isotui.tui.lab_dynamics:DynamicsTab",
     ),
     Experiment(
         name="checkpoints",
@@ -123,6 +125,7 @@ REGISTRY: tuple[Experiment, ...] = (
         add_options=checkpoints.add_options,
         what="checkpoints",
         plan=plans.layers,
+        lab_tab="isotui.tui.lab_checkpoints:CheckpointsTab",
     ),
     Experiment(
         name="final-norm",

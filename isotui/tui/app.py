@@ -44,6 +44,7 @@ from isotui.tui.drift_pane import DriftPane
 from isotui.tui.help import HelpScreen, binding_rows
 from isotui.tui.job_events import BackendMessage, EventRelay, JobEventView
 from isotui.tui.jobs import JobsTable
+from isotui.tui.lab_tabs import LabResults, tab_of
 from isotui.tui.layer_table import LayerTable
 from isotui.tui.model_list import Entry
 from isotui.tui.models_pane import ModelsPane
@@ -173,13 +174,9 @@ class IsotuiApp(App[None]):
         self.backend: Backend | None = None
         self._stopping = False  # quitting: waiting for the running job to stop
         self.results: dict[str, ModelResult] = {}
-        # the attention lab's results: attention per model, the latest dynamics and drift block
-        self.lab_results: dict[str, Any] = {
-            "attention": {},
-            "qk-dynamics": None,
-            "drift-block": None,
-            "checkpoints": None,
-        }
+        # the attention lab's results, a slot per lab tab (attention per model, the latest
+        # dynamics, drift block, checkpoints...)
+        self.lab_results: dict[str, Any] = LabResults()
         self._relay = EventRelay(self.post_message)  # backend threads -> the UI thread
         self._job_events = JobEventView(self)
         self.comparison: list[str] = []
@@ -499,18 +496,15 @@ class IsotuiApp(App[None]):
 
     def add_lab_result(self, kind: str, result: Any) -> None:
         """Keep an experiment's result and show it if the lab is open; say where it is if not."""
-        if kind == "attention":
-            self.lab_results["attention"][result.model] = result
-            self.selected = result.model
-        else:
+        tab = tab_of(kind)
+        if tab is not None:
+            tab.keep(self, result)
+        else:  # (no tab shows it; kept all the same)
             self.lab_results[kind] = result
         lab = self.lab_screen()
         if lab is not None:
             lab.refresh_all()
-            lab.status(
-                f"{kind} ready" + (" (from the cache)" if kind == "attention" and result.from_cache else ""),
-                kind,
-            )
+            lab.status(tab.ready(result) if tab is not None else f"{kind} ready", kind)
         else:
             self.notify(f"{kind} ready: press A for the attention lab")
 

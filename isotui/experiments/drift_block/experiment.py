@@ -73,4 +73,5 @@ EXPERIMENT = Experiment(
     add_options=add_options,
     decode=decode,
     run_flags=False,
+    lab_tab="isotui.tui.lab_drift:DriftTab",
 )
