@@ -192,6 +192,14 @@ def test_the_registered_lab_is_the_one_it_was(tmp_path):
             lab = app.screen
             assert isinstance(lab, LabScreen)
             assert [(b.key, b.id) for b in lab.keys] == LAB_KEYS_BEFORE
+            # the screen's own keys stay bound too: tab moves the focus (box -> table)
+            bound = [(b.key, b.action) for bs in lab._bindings.key_to_bindings.values() for b in bs]
+            assert bound[:2] == [("tab", "app.focus_next"), ("shift+tab", "app.focus_previous")]
+            await pilot.press("2")
+            await pilot.pause()
+            assert lab.query_one("#dyn-input", Input).has_focus
+            await pilot.press("tab")
+            assert lab.query_one("#dyn-table", DataTable).has_focus
             assert _tabs(lab) == TABS_BEFORE
             assert app.lab_results["qk-dynamics"] is None and app.lab_results["attention"] == {}
             with pytest.raises(KeyError):

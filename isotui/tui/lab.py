@@ -100,7 +100,9 @@ class LabScreen(Screen[None]):
         self.tabs = lab_tabs()
         # The tab keys 1-4 are written on the tabs themselves, so the footer keeps to this tab's keys.
         self.keys = lab_keys(self.tabs)
-        self._bindings = BindingsMap(self.keys)
+        # a screen's own bindings (focus, copy) first, then the lab's, as for a class's BINDINGS
+        own = BindingsMap(self.keys).key_to_bindings
+        self._bindings = BindingsMap.from_keys({**self._bindings.key_to_bindings, **own})
         self.tab_actions = tab_actions(self.tabs)
         self.log_counts = False  # the score histograms (Heads, Drift block Fig. 7): log10 counts
         self.statuses: dict[str, str] = {}  # each tab's status line (shown with its tab only)

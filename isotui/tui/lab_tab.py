@@ -4,7 +4,9 @@ experiment (run it, show its result, export its table); the lab screen's keys go
 A tab is found through the experiment registry: an experiment names its tab's class in its
 ``lab_tab`` field (``"module:attr"``), and the lab (:mod:`isotui.tui.lab_tabs`) composes its tabs,
 their keys, their help lines and the app's result slots from what each tab declares below. Adding
-a tab is its module and that field; no file of the app changes.
+a tab is its module and that field; no file of the app changes (a new tab styles its widgets in
+its own ``DEFAULT_CSS``; the built-in tabs' rules are in ``app.tcss``, with ``.lab-charts`` for a
+row of plots).
 """
 
 from __future__ import annotations
