@@ -14,7 +14,8 @@ import pytest
 from textual.widgets import TabbedContent
 
 from isotui.tui.app import IsotuiApp
-from isotui.tui.lab import DynamicsTab, LabScreen
+from isotui.tui.lab import LabScreen
+from isotui.tui.lab_dynamics import DynamicsTab
 
 from .test_snapshots import fixture_result
 from .test_tui import _wait, fake_backend

@@ -8,7 +8,9 @@ import numpy as np
 from textual.widgets import DataTable, Input, TabbedContent
 
 from isotui.experiments.attention import summarize
-from isotui.tui.lab import DynamicsTab, HeadsTab, LabScreen
+from isotui.tui.lab import LabScreen
+from isotui.tui.lab_dynamics import DynamicsTab
+from isotui.tui.lab_heads import HeadsTab
 
 from .test_tui import _app, _wait
 

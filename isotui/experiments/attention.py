@@ -445,4 +445,5 @@ EXPERIMENT: Experiment[Any, AttentionRequest, AttentionResult] = Experiment(
     params=AttentionParams,
     decode=AttentionResult.from_json,
     plan=plans.attention,
+    lab_tab="isotui.tui.lab_heads:HeadsTab",
 )

@@ -21,7 +21,10 @@ An experiment is:
 - its own **parameters** (``params``: a frozen dataclass declared with
   :func:`isotui.experiments.params.param`, beyond what its ``inputs`` kind and the run options
   give: the command line's flags, the API's keywords come from its fields) and how a request is
-  made from them.
+  made from them;
+- its **lab tab**, if it has one: a ``"module:attr"`` string naming the tab's class in
+  :mod:`isotui.tui` (imported when the app's lab opens, never here), from which the lab composes
+  its tabs, their keys and their result slots.
 
 Nothing here imports torch, argparse, rich or a front end.
 """
@@ -149,6 +152,8 @@ class Experiment(Generic[P, Q, T]):
     # --dry-run: a request's memory plan from the config alone (isotui.experiments.plans); None
     # for an experiment that streams no model
     plan: Callable[[Q], Any] | None = None
+    # its tab in the app's lab: "module:attr" of a LabTab subclass (isotui.tui.lab_tab); None: no tab
+    lab_tab: str | None = None
 
     @property
     def run_flags(self) -> bool:

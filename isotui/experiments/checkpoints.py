@@ -216,4 +216,5 @@ EXPERIMENT: Experiment[Any, CheckpointsRequest, CheckpointSeries] = Experiment(
     what="checkpoints",
     plan=plans.layers,
     run_options=(MODEL, LAYER_METRICS, RESERVOIR),  # a layer run per checkpoint, not sharded
+    lab_tab="isotui.tui.lab_checkpoints:CheckpointsTab",
 )

@@ -374,4 +374,5 @@ EXPERIMENT: Experiment[Any, DynamicsRequest, DynamicsResult] = Experiment(
     params=DynamicsParams,
     what="checkpoints",
     plan=plans.attention,
+    lab_tab="isotui.tui.lab_dynamics:DynamicsTab",
 )

@@ -1,7 +1,8 @@
 """The help screen: each screen's keys as currently bound (remapped keys included), and what they do.
 
 Help is per screen: the main screen lists its keys, the attention lab its own (plus the app keys
-that still work there), each with the keys its widgets handle themselves.
+that still work there, and its widgets' keys: :mod:`isotui.tui.lab`), each with the keys its
+widgets handle themselves.
 """
 
 from __future__ import annotations
@@ -24,14 +25,6 @@ WIDGET_KEYS = (
     ("← →", "layer table: pick the column that {sort} sorts by"),
     ("ctrl+p", "command palette: every action by name"),
     ("mouse", "click to focus or pick; click a layer-table header to sort"),
-)
-# ... and the attention lab's.
-LAB_WIDGET_KEYS = (
-    ("↑ ↓", "Heads: the layer whose score histogram shows; Drift block: the N of Figs. 7 and 9"),
-    ("← →", "Dynamics: the layer (column) whose trajectory shows"),
-    ("enter", "in a settings box: run what it says (a mistake keeps the cursor there)"),
-    ("tab, shift+tab", "move focus between a tab's settings box and its table"),
-    ("mouse", "click a tab to show it, a row or cell to pick it"),
 )
 
 

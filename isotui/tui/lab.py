@@ -11,185 +11,100 @@
   shaded layer x step heatmap (Machina & Mercer 2024).
 
 Each tab is a widget (:class:`~isotui.tui.lab_tab.LabTab`; Heads in ``lab_heads``, Dynamics in
-``lab_dynamics``, Checkpoints in ``lab_checkpoints``, Drift block here, its view in ``lab_drift``)
-that owns its state (the metric or figure shown, the head, the basis) and knows its experiment:
-run it, show its result, export its table. The screen's keys go to the tab shown. Jobs go
+``lab_dynamics``, Drift block in ``lab_drift``, Checkpoints in ``lab_checkpoints``) that owns its
+state (the metric or figure shown, the head, the basis) and knows its experiment: run it, show its
+result, export its table. The lab knows none of them: the experiment registry names each tab
+(``Experiment.lab_tab``), and the lab composes its tabs, their keys and its help from what the
+tabs declare (:mod:`isotui.tui.lab_tabs`). The screen's keys go to the tab shown. Jobs go
 through the app's backend like layer runs (the jobs pane on the main screen shows them); results
 come back to :meth:`LabScreen.refresh_all` on the UI thread.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingsMap
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Input, Static, TabbedContent
+from textual.widgets import Footer, Input, Static, TabbedContent
 
 from isotui.tui.host import RGB, AppHost
-from isotui.tui.lab_checkpoints import CheckpointsTab
-from isotui.tui.lab_dynamics import DynamicsTab
-from isotui.tui.lab_heads import HeadsTab
 from isotui.tui.lab_tab import LabTab
+from isotui.tui.lab_tabs import lab_tabs, widget_key_rows
 
 if TYPE_CHECKING:
     from isotui.tui.figure_export import ScreenFigure
 
-
-class DriftTab(LabTab):
-    """The untrained block under drift (its view lives in :mod:`isotui.tui.lab_drift`)."""
-
-    KIND = "drift-block"
-    BOX = "#drift-input"
-    TABLE = "#drift-table"
-
-    def compose(self) -> ComposeResult:
-        from isotui.tui.lab_drift import compose_drift
-
-        yield from compose_drift()
-
-    def show(self) -> None:
-        from isotui.tui.lab_drift import show_drift
-
-        show_drift(self.lab)
-
-    @on(DataTable.RowHighlighted, "#drift-table")
-    def _row(self, _event: DataTable.RowHighlighted) -> None:
-        from isotui.tui.lab_drift import plot_drift
-
-        plot_drift(self.lab)
-
-    def run(self) -> bool:
-        from isotui.tui.lab_drift import run_drift
-
-        return bool(run_drift(self.lab))
-
-    def cycle(self) -> None:
-        from isotui.tui.lab_drift import cycle_drift
-
-        cycle_drift(self.lab)
-
-    def replot(self) -> None:
-        from isotui.tui.lab_drift import plot_drift
-
-        plot_drift(self.lab)
-
-    def figure(self) -> ScreenFigure | str:
-        """The drift block's figure on screen as ``isotui figure godey2024-fig6`` ... ``fig10`` draw it
-        (Figs. 7 and 9 at the table cursor's N, as ``--at-norm``)."""
-        from textual.widgets import DataTable
-
-        from isotui.tui.figure_export import ScreenFigure
-
-        result = self.result()
-        if result is None:
-            return "no plot to save yet: run the drift block (r)"
-        shown = self.lab.drift_figure
-        norms = result.norms.tolist()
-        row = min(max(self.lab.query_one("#drift-table", DataTable).cursor_row, 0), len(norms) - 1)
-        draw, options = DRIFT_FIGURES[shown], {}
-        if shown in (1, 3):
-            options["at_norm"] = repr(float(norms[row]))
-        return ScreenFigure(f"drift-block-fig{6 + shown}", draw, [result], options)
-
-
-# the drift block tab's figures (lab_drift.FIGURES, in order) as isotui figure draws them
-DRIFT_FIGURES = (
-    "isotui.paper_figures:draw_drift_block",
-    "isotui.paper_figures_probes:draw_scores",
-    "isotui.paper_figures_probes:draw_qk",
-    "isotui.paper_figures_probes:draw_softmax",
-    "isotui.paper_figures_probes:draw_softmax_extremes",
+# The lab's own keys, around the keys its tabs bring (each tab's key, then each tab's own keys).
+OPENING_KEYS = (Binding("escape", "close", "Back", id="lab_close", tooltip="back to the layer view"),)
+TAB_KEYS = (
+    Binding("r", "run", "Run", id="lab_run", tooltip="run this tab's experiment"),
+    Binding("m", "cycle", "Figure", id="lab_figure", tooltip="next metric or figure in this tab"),
+)
+SHARED_KEYS = (  # offered on the tabs whose LAB_KEYS take them
+    Binding(
+        "l",
+        "log_counts",
+        "Log",
+        id="lab_log",
+        tooltip="score histograms (Heads, Drift block Fig. 7): log or linear counts",
+    ),
+)
+CLOSING_KEYS = (
+    *SHARED_KEYS,
+    Binding("e", "export", "CSV", id="lab_export", tooltip="CSV of this tab's table"),
+    Binding("question_mark,f1", "help", "Help", id="lab_help", tooltip="the lab's keys"),
+)
+# keys the lab's widgets handle themselves, after the tabs' own (help)
+LAB_WIDGET_KEYS = (
+    ("enter", "in a settings box: run what it says (a mistake keeps the cursor there)"),
+    ("tab, shift+tab", "move focus between a tab's settings box and its table"),
+    ("mouse", "click a tab to show it, a row or cell to pick it"),
 )
 
 
-HEAD_KEYS = Binding.Group("Head", compact=True)
+def lab_keys(tabs: list[type[LabTab]]) -> list[Binding]:
+    """The lab screen's bindings: back, each tab's key, run and figure, each tab's own keys (once
+    each), then the shared keys, export and help."""
+    own: dict[str | None, Binding] = {}
+    for tab in tabs:
+        for binding in tab.KEYS:
+            own.setdefault(binding.id, binding)
+    return [*OPENING_KEYS, *(tab.binding() for tab in tabs), *TAB_KEYS, *own.values(), *CLOSING_KEYS]
+
+
+def tab_actions(tabs: list[type[LabTab]]) -> dict[str, tuple[str, ...]]:
+    """The actions only some tabs take, each with the ids of those tabs (a tab's own keys and the
+    lab's shared keys it takes)."""
+    actions: dict[str, list[str]] = {}
+    for tab in tabs:
+        for action in (*(b.action.partition("(")[0] for b in tab.KEYS), *tab.LAB_KEYS):
+            if tab.tab_id() not in actions.setdefault(action, []):
+                actions[action].append(tab.tab_id())
+    for binding in SHARED_KEYS:
+        actions.setdefault(binding.action, [])
+    return {action: tuple(ids) for action, ids in actions.items()}
 
 
 class LabScreen(Screen[None]):
-    """The attention lab; see the module docstring. Esc goes back to the layer view."""
+    """The attention lab; see the module docstring. Esc goes back to the layer view. Its tabs and
+    their keys come from the experiment registry (:mod:`isotui.tui.lab_tabs`)."""
 
-    # The tab keys 1-4 are written on the tabs themselves, so the footer keeps to this tab's keys.
-    BINDINGS: ClassVar[list[Binding]] = [  # type: ignore[assignment]  # Bindings only: help reads their ids
-        Binding("escape", "close", "Back", id="lab_close", tooltip="back to the layer view"),
-        Binding(
-            "1",
-            "tab('tab-heads')",
-            "Heads",
-            id="lab_heads",
-            show=False,
-            tooltip="tab: queries and keys per head",
-        ),
-        Binding(
-            "2",
-            "tab('tab-dynamics')",
-            "Dynamics",
-            id="lab_dynamics",
-            show=False,
-            tooltip="tab: checkpoint series",
-        ),
-        Binding(
-            "3",
-            "tab('tab-drift')",
-            "Drift",
-            id="lab_drift",
-            show=False,
-            tooltip="tab: the untrained block under drift",
-        ),
-        Binding(
-            "4",
-            "tab('tab-ckpt')",
-            "Ckpts",
-            id="lab_ckpt",
-            show=False,
-            tooltip="tab: layer metrics along checkpoints",
-        ),
-        Binding("r", "run", "Run", id="lab_run", tooltip="run this tab's experiment"),
-        Binding("m", "cycle", "Figure", id="lab_figure", tooltip="next metric or figure in this tab"),
-        # one footer entry for both (``[] Head``): the Dynamics footer was cut at 80 columns
-        Binding(
-            "left_square_bracket",
-            "head(-1)",
-            "Head-",
-            id="lab_head_prev",
-            tooltip="Dynamics: previous head",
-            group=HEAD_KEYS,
-        ),
-        Binding(
-            "right_square_bracket",
-            "head(1)",
-            "Head+",
-            id="lab_head_next",
-            tooltip="Dynamics: next head",
-            group=HEAD_KEYS,
-        ),
-        Binding(
-            "b", "basis", "Basis", id="lab_basis", tooltip="Dynamics: the trajectory's SVD basis (qk, q or k)"
-        ),
-        Binding(
-            "l",
-            "log_counts",
-            "Log",
-            id="lab_log",
-            tooltip="score histograms (Heads, Drift block Fig. 7): log or linear counts",
-        ),
-        Binding("e", "export", "CSV", id="lab_export", tooltip="CSV of this tab's table"),
-        Binding("question_mark,f1", "help", "Help", id="lab_help", tooltip="the lab's keys"),
-    ]
     # the app keys that work in the lab too (shown in its help)
     APP_KEYS = ("options", "cancel", "screenshot", "figure", "theme", "quit")
-    TAB_ACTIONS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "head": ("tab-dynamics",),
-        "basis": ("tab-dynamics",),
-        "log_counts": ("tab-heads", "tab-drift"),
-    }
 
     def __init__(self) -> None:
         super().__init__()
+        self.tabs = lab_tabs()
+        # The tab keys 1-4 are written on the tabs themselves, so the footer keeps to this tab's keys.
+        self.keys = lab_keys(self.tabs)
+        # a screen's own bindings (focus, copy) first, then the lab's, as for a class's BINDINGS
+        own = BindingsMap(self.keys).key_to_bindings
+        self._bindings = BindingsMap.from_keys({**self._bindings.key_to_bindings, **own})
+        self.tab_actions = tab_actions(self.tabs)
         self.log_counts = False  # the score histograms (Heads, Drift block Fig. 7): log10 counts
-        self.drift_figure = 0  # the Drift block tab's figure (kept by isotui.tui.lab_drift)
         self.statuses: dict[str, str] = {}  # each tab's status line (shown with its tab only)
 
     @property
@@ -198,16 +113,16 @@ class LabScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         with TabbedContent(id="lab-tabs"):
-            yield HeadsTab("1 Heads", id="tab-heads")
-            yield DynamicsTab("2 Dynamics", id="tab-dynamics")
-            yield DriftTab("3 Drift block", id="tab-drift")
-            yield CheckpointsTab("4 Checkpoints", id="tab-ckpt")
+            for tab in self.tabs:
+                yield tab(f"{tab.KEY} {tab.TITLE}", id=tab.tab_id())
         yield Static(id="lab-status")
         yield Footer(compact=True, show_command_palette=False)
 
     def on_mount(self) -> None:
+        boxes = {tab.BOX for tab in self.tabs}
         for box, text in self.host.lab_inputs.items():  # what was typed last time (this run or the last)
-            self.query_one(f"#{box}", Input).value = text
+            if f"#{box}" in boxes:  # (a box of a tab no longer registered: left alone)
+                self.query_one(f"#{box}", Input).value = text
         self.refresh_all()
 
     @property
@@ -240,10 +155,19 @@ class LabScreen(Screen[None]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """A key that only one tab uses is offered (and works) in that tab only."""
-        tabs = self.TAB_ACTIONS.get(action)
+        tabs = self.tab_actions.get(action)
         if tabs is not None and self.is_mounted:
             return self.tab in tabs
         return True
+
+    if not TYPE_CHECKING:  # (hidden from the type checker: every other attribute stays checked)
+
+        def __getattr__(self, name: str) -> Any:
+            """``action_NAME`` of a key a tab brings (:attr:`LabTab.KEYS`): the shown tab's own."""
+            action = name.removeprefix("action_")
+            if action != name and action in self.__dict__.get("tab_actions", ()) and self.is_mounted:
+                return getattr(self.active_tab(), name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @on(TabbedContent.TabActivated)
     def _tab_shown(self, _event: TabbedContent.TabActivated) -> None:
@@ -251,12 +175,13 @@ class LabScreen(Screen[None]):
         self.query_one("#lab-status", Static).update(self.statuses.get(self.tab, ""))
 
     def action_help(self) -> None:
-        from isotui.tui.help import LAB_WIDGET_KEYS, HelpScreen
+        from isotui.tui.help import HelpScreen
 
         host = self.host
         shared = [b for b in host.BINDINGS if b.id in self.APP_KEYS]
-        keys = host.key_bindings(self.BINDINGS) + host.key_bindings(shared)
-        self.app.push_screen(HelpScreen(keys, title="attention lab keys", widget_keys=LAB_WIDGET_KEYS))
+        keys = host.key_bindings(self.keys) + host.key_bindings(shared)
+        widget_keys = (*widget_key_rows(self.tabs), *LAB_WIDGET_KEYS)
+        self.app.push_screen(HelpScreen(keys, title="attention lab keys", widget_keys=widget_keys))
 
     def action_log_counts(self) -> None:
         self.log_counts = not self.log_counts
@@ -274,12 +199,6 @@ class LabScreen(Screen[None]):
         self.query_one("#lab-tabs", TabbedContent).active = tab
         target = self.query_one(f"#{tab}", LabTab).focus_target()
         self.call_after_refresh(self.query_one(target).focus)  # once the tab is shown
-
-    def action_head(self, delta: int) -> None:
-        self.query_one(DynamicsTab).step_head(delta)
-
-    def action_basis(self) -> None:
-        self.query_one(DynamicsTab).next_basis()
 
     def screen_figure(self) -> ScreenFigure | str:
         """The app's ``F``: the figure of the tab shown (or why it has none)."""

@@ -71,6 +71,8 @@ class CheckpointsTab(LabTab):
     KIND = "checkpoints"
     BOX = "#ckpt-input"
     TABLE = "#ckpt-table"
+    KEY, NAME, TITLE, SHORT = "4", "ckpt", "Checkpoints", "Ckpts"
+    TOOLTIP = "tab: layer metrics along checkpoints"
 
     def __init__(self, title: str, *, id: str) -> None:
         super().__init__(title, id=id)

@@ -2,7 +2,8 @@
 
 Settings are typed as ``key=value`` pairs (``hidden=256 heads=4 norms=0:30:16 seeds=0,1
 block=pre-ln``); the table has one row per N (mean ± std over the seeds); ``m`` cycles the
-figures; the table cursor picks the N that Figs. 7 and 9 show.
+figures; the table cursor picks the N that Figs. 7 and 9 show. The figure shown is kept on the lab
+screen (``drift_figure``), as the score histograms' log counts are (``log_counts``).
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from textual import on
 from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import DataTable, Input, Static
 from textual_plotext import PlotextPlot
 
+from isotui.tui.lab_tab import LabTab
 from isotui.tui.plots import FitPlot, clear, sized
 
 if TYPE_CHECKING:
     from isotui.experiments.drift_block import DriftBlockConfig
+    from isotui.tui.figure_export import ScreenFigure
 
 FIGURES = (
     "Fig. 6: input and output mean norm and avg_cos",
@@ -222,3 +226,60 @@ def plot_drift(screen: Any) -> None:
             line("softmax_min", "row min (mean)", colours[2], "right")
             line("softmax_min_floor", "min over positions", colours[3 % len(colours)], "right")
     plot.refresh()
+
+
+# the drift block tab's figures (FIGURES, in order) as isotui figure draws them
+DRIFT_FIGURES = (
+    "isotui.paper_figures:draw_drift_block",
+    "isotui.paper_figures_probes:draw_scores",
+    "isotui.paper_figures_probes:draw_qk",
+    "isotui.paper_figures_probes:draw_softmax",
+    "isotui.paper_figures_probes:draw_softmax_extremes",
+)
+
+
+class DriftTab(LabTab):
+    """The untrained block under drift (its view: the functions above)."""
+
+    KIND = "drift-block"
+    BOX = "#drift-input"
+    TABLE = "#drift-table"
+    KEY, NAME, TITLE, SHORT = "3", "drift", "Drift block", "Drift"
+    TOOLTIP = "tab: the untrained block under drift"
+    LAB_KEYS = ("log_counts",)
+    WIDGET_KEYS = (("↑ ↓", "the N of Figs. 7 and 9"),)
+
+    def compose(self) -> ComposeResult:
+        yield from compose_drift()
+
+    def show(self) -> None:
+        show_drift(self.lab)
+
+    @on(DataTable.RowHighlighted, "#drift-table")
+    def _row(self, _event: DataTable.RowHighlighted) -> None:
+        plot_drift(self.lab)
+
+    def run(self) -> bool:
+        return bool(run_drift(self.lab))
+
+    def cycle(self) -> None:
+        cycle_drift(self.lab)
+
+    def replot(self) -> None:
+        plot_drift(self.lab)
+
+    def figure(self) -> ScreenFigure | str:
+        """The drift block's figure on screen as ``isotui figure godey2024-fig6`` ... ``fig10`` draw it
+        (Figs. 7 and 9 at the table cursor's N, as ``--at-norm``)."""
+        from isotui.tui.figure_export import ScreenFigure
+
+        result = self.result()
+        if result is None:
+            return "no plot to save yet: run the drift block (r)"
+        shown = getattr(self.lab, "drift_figure", 0)
+        norms = result.norms.tolist()
+        row = min(max(self.lab.query_one("#drift-table", DataTable).cursor_row, 0), len(norms) - 1)
+        draw, options = DRIFT_FIGURES[shown], {}
+        if shown in (1, 3):
+            options["at_norm"] = repr(float(norms[row]))
+        return ScreenFigure(f"drift-block-fig{6 + shown}", draw, [result], options)

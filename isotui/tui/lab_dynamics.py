@@ -8,6 +8,7 @@ from typing import Any
 
 from textual import on
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import DataTable, Input
 
@@ -22,6 +23,7 @@ DYN_METRICS = (
     ("dot_qk_bar", "Q-mean·K-mean"),
 )
 BASES = ("qk", "q", "k")
+HEAD_KEYS = Binding.Group("Head", compact=True)
 
 
 class DynamicsTab(LabTab):
@@ -30,6 +32,31 @@ class DynamicsTab(LabTab):
     KIND = "qk-dynamics"
     BOX = "#dyn-input"
     TABLE = "#dyn-table"
+    KEY, NAME, TITLE, SHORT = "2", "dynamics", "Dynamics", "Dynamics"
+    TOOLTIP = "tab: checkpoint series"
+    KEYS = (
+        # one footer entry for both (``[] Head``): the Dynamics footer was cut at 80 columns
+        Binding(
+            "left_square_bracket",
+            "head(-1)",
+            "Head-",
+            id="lab_head_prev",
+            tooltip="Dynamics: previous head",
+            group=HEAD_KEYS,
+        ),
+        Binding(
+            "right_square_bracket",
+            "head(1)",
+            "Head+",
+            id="lab_head_next",
+            tooltip="Dynamics: next head",
+            group=HEAD_KEYS,
+        ),
+        Binding(
+            "b", "basis", "Basis", id="lab_basis", tooltip="Dynamics: the trajectory's SVD basis (qk, q or k)"
+        ),
+    )
+    WIDGET_KEYS = (("← →", "the layer (column) whose trajectory shows"),)
 
     def __init__(self, title: str, *, id: str) -> None:
         super().__init__(title, id=id)
@@ -145,10 +172,10 @@ class DynamicsTab(LabTab):
         }
         return ScreenFigure("dynamics", "isotui.paper_figures_dynamics:draw_dynamics_view", [result], options)
 
-    def step_head(self, delta: int) -> None:
+    def action_head(self, delta: int) -> None:
         self.head = max(0, self.head + delta)
         self.plot()
 
-    def next_basis(self) -> None:
+    def action_basis(self) -> None:
         self.basis = (self.basis + 1) % len(BASES)
         self.plot()

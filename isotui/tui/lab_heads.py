@@ -12,6 +12,7 @@ from textual.containers import Horizontal
 from textual.widgets import DataTable, Static
 
 from isotui.render import shorten
+from isotui.tui.host import AppHost
 from isotui.tui.lab_tab import LabTab
 from isotui.tui.lab_tab import fmt as _f
 from isotui.tui.plots import FitPlot, draw_head_metric, draw_score_histogram
@@ -35,6 +36,10 @@ class HeadsTab(LabTab):
 
     KIND = "attention"
     TABLE = "#heads-table"
+    KEY, NAME, TITLE, SHORT = "1", "heads", "Heads", "Heads"
+    TOOLTIP = "tab: queries and keys per head"
+    LAB_KEYS = ("log_counts",)
+    WIDGET_KEYS = (("↑ ↓", "the layer whose score histogram shows"),)
 
     def __init__(self, title: str, *, id: str) -> None:
         super().__init__(title, id=id)
@@ -51,8 +56,22 @@ class HeadsTab(LabTab):
             yield FitPlot(id="heads-plot")
             yield FitPlot(id="hist-plot")
 
+    @classmethod
+    def no_result(cls) -> dict[str, Any]:
+        return {}  # per model
+
+    @classmethod
+    def keep(cls, host: AppHost, result: Any) -> None:
+        """Each model's attention is kept (the tab shows the selected model's); its model is selected."""
+        host.lab_results[cls.KIND][result.model] = result
+        host.selected = result.model
+
+    @classmethod
+    def ready(cls, result: Any) -> str:
+        return f"{cls.KIND} ready" + (" (from the cache)" if result.from_cache else "")
+
     def result(self) -> Any:
-        return self.host.lab_results["attention"].get(self.host.selected or "")
+        return self.host.lab_results[self.KIND].get(self.host.selected or "")
 
     def show(self) -> None:
         from isotui.experiments.attention import summarize

@@ -1,13 +1,22 @@
 """The base of the attention lab's tabs: a tab is a widget that owns its state and knows its
-experiment (run it, show its result, export its table); the lab screen's keys go to the tab shown."""
+experiment (run it, show its result, export its table); the lab screen's keys go to the tab shown.
+
+A tab is found through the experiment registry: an experiment names its tab's class in its
+``lab_tab`` field (``"module:attr"``), and the lab (:mod:`isotui.tui.lab_tabs`) composes its tabs,
+their keys, their help lines and the app's result slots from what each tab declares below. Adding
+a tab is its module and that field; no file of the app changes (a new tab styles its widgets in
+its own ``DEFAULT_CSS``; the built-in tabs' rules are in ``app.tcss``, with ``.lab-charts`` for a
+row of plots).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from textual import on
+from textual.binding import Binding
 from textual.widgets import DataTable, Input, TabPane
 
 from isotui.tui.host import AppHost
@@ -27,6 +36,52 @@ class LabTab(TabPane):
     KIND = ""  # the experiment (its results in the app's ``lab_results``; its CSV's name)
     BOX: str | None = None  # its settings box, focused while nothing has run
     TABLE = ""  # its table, focused once something has
+    # how the lab shows it: the key that shows it (tabs are ordered by it), its name (the tab's id
+    # is ``tab-NAME``, its key's binding id ``lab_NAME``), its title, its key's footer label
+    # and help line
+    KEY = ""
+    NAME = ""
+    TITLE = ""
+    SHORT = ""
+    TOOLTIP = ""
+    # keys of its own: bindings on the lab screen, offered while it is shown; each runs the tab's
+    # ``action_...`` method
+    KEYS: ClassVar[tuple[Binding, ...]] = ()
+    # the lab's shared keys it takes (e.g. ``log_counts``: log or linear score histograms)
+    LAB_KEYS: ClassVar[tuple[str, ...]] = ()
+    # keys its widgets handle themselves, for the lab's help: (key, what it does)
+    WIDGET_KEYS: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    @classmethod
+    def tab_id(cls) -> str:
+        return f"tab-{cls.NAME}"
+
+    @classmethod
+    def binding(cls) -> Binding:
+        """The key that shows this tab (written on the tab itself, so not in the footer)."""
+        return Binding(
+            cls.KEY,
+            f"tab('{cls.tab_id()}')",
+            cls.SHORT,
+            id=f"lab_{cls.NAME}",
+            show=False,
+            tooltip=cls.TOOLTIP,
+        )
+
+    @classmethod
+    def no_result(cls) -> Any:
+        """Its slot in the app's ``lab_results`` before anything has run."""
+        return None
+
+    @classmethod
+    def keep(cls, host: AppHost, result: Any) -> None:
+        """Keep a finished job's result in its slot (the lab need not be open)."""
+        host.lab_results[cls.KIND] = result
+
+    @classmethod
+    def ready(cls, result: Any) -> str:
+        """What the lab's status line says when a result arrives."""
+        return f"{cls.KIND} ready"
 
     @property
     def host(self) -> AppHost:

@@ -14,7 +14,7 @@ from rich.text import Text
 from textual.color import Color
 from textual.widgets import DataTable
 
-from isotui.render import COLUMNS, Column, null_note
+from isotui.render import COLUMNS, Column, amount, null_note
 from isotui.results import METRIC, ModelResult
 
 SHADE_MAX = 0.55  # the strongest blend towards the primary colour: text stays readable
@@ -57,6 +57,18 @@ class LayerTable(DataTable):
         if self._drawn and shown[0] is result and shown[1] == self._theme:
             return
         self.redraw()
+
+    def show_selected(self, selected: str | None, result: ModelResult | None) -> None:
+        """The selected model's result, named in the table's title (or what to do to get one)."""
+        if result is None:
+            self.show(None)
+            # the title is set once (each change repaints the table)
+            waiting = f"{selected} (not run yet: press r)"
+            self.border_title = waiting if selected else "no model selected"
+            return
+        self.show(result)
+        source = "cache" if result.from_cache else f"{result.meta.get('seconds', 0):.1f} s"
+        self.border_title = f"{result.model} · {result.meta.get('data')} · {amount(result.meta)} · {source}"
 
     def toggle_sort(self, field: str) -> None:
         if self.sort_field == field:

@@ -21,7 +21,6 @@ from isotui.errors import IsotuiError
 
 SESSION_FILE = "session.toml"
 VERSION = 1
-LAB_BOXES = ("dyn-input", "drift-input", "ckpt-input")
 
 
 @dataclass
@@ -71,7 +70,8 @@ def load_session(path: Path) -> Session:
             depth=bool(data.get("depth", False)),
             # an empty string stands for "none" (all samples, auto): TOML has no null
             options={k: (None if v == "" else v) for k, v in options.items()},
-            lab={k: _string(v, f"lab {k}") for k, v in lab.items() if k in LAB_BOXES},
+            # each lab tab's settings box by its id (the lab fills in those of its tabs)
+            lab={k: _string(v, f"lab {k}") for k, v in lab.items()},
         )
     except IsotuiError as exc:
         raise IsotuiError(f"session file {path} is damaged: {exc}") from None

@@ -122,4 +122,5 @@ EXPERIMENT: Experiment[Any, DriftBlockRequest, DriftBlockResult] = Experiment(
     params=DriftBlockParams,
     decode=decode,
     run_options=(),  # its own model, from its own options
+    lab_tab="isotui.tui.lab_drift:DriftTab",
 )
