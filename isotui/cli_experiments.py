@@ -222,10 +222,10 @@ def command_main(
 
         from isotui.cli import print_error, stdout_console
         from isotui.errors import Cancelled
-        from isotui.views import view_of
+        from isotui.views import view_for
 
         out = stdout_console()
-        view = view_of(experiment.view)
+        view = view_for(experiment)
 
         def on_table(table: Any) -> None:
             out.print(table, highlight=None if view.highlight else False)
@@ -320,9 +320,9 @@ def collect(
     from isotui import service
     from isotui.errors import Cancelled
     from isotui.paths import cache_dir
-    from isotui.views import view_of
+    from isotui.views import view_for
 
-    view = view_of(experiment.view)
+    view = view_for(experiment)
     notice = _notice(err)
     if requests is None:
         requests = make_requests(experiment, args, notice)

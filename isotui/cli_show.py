@@ -35,7 +35,7 @@ def show_experiment_entry(args: argparse.Namespace, err: Any, root: Path) -> int
     from isotui.store.cache import CacheProblem
     from isotui.store.export import write_dicts_csv, write_payload_json
     from isotui.store.files import check_distinct, check_output
-    from isotui.views import view_of
+    from isotui.views import view_for
 
     prefix = args.key.strip()
     found = [(e, key) for e, key in cached_entries(root, prefix) if e.command != "run"]
@@ -64,7 +64,7 @@ def show_experiment_entry(args: argparse.Namespace, err: Any, root: Path) -> int
         if hasattr(r, "from_cache"):
             r.from_cache = True
     out = stdout_console()
-    view = view_of(exp.view)
+    view = view_for(exp)
     for table in view.tables(result, _defaults(["experiment", exp.name]), out.width):
         out.print(table, highlight=None if view.highlight else False)
         if view.blank_line and not isinstance(table, Text):  # as the experiment printed it

@@ -437,6 +437,38 @@ def view_of(name: str) -> View:
     return VIEWS[name]
 
 
+def view_for(experiment: Any) -> View:
+    """The view of ``experiment``: the one it names in :data:`VIEWS`, else its CSV rows as a
+    table (so a new experiment prints, exports and shows in ``isotui show`` with no view of its
+    own: one may be added here later)."""
+    found = VIEWS.get(experiment.view)
+    if found is not None:
+        return found
+
+    def tables(result: Any, _args: Any, width: int) -> list[Any]:
+        return [
+            rows_table(
+                experiment.name, experiment.rows(result if isinstance(result, list) else [result]), width
+            )
+        ]
+
+    return View(tables)
+
+
+def rows_table(title: str, rows: list[dict[str, Any]], _width: int) -> Any:
+    """Rows (dicts in column order) as a table: numbers to 4 significant digits (the table
+    folds its columns to the console's width)."""
+    from isotui.render import Table
+
+    table = Table(title=title, title_justify="left")
+    columns = list(rows[0]) if rows else []
+    for column in columns:
+        table.add_column(column, justify="right" if isinstance(rows[0][column], int | float) else "left")
+    for row in rows:
+        table.add_row(*(f"{v:.4g}" if isinstance(v, float) else literal(str(v)) for v in row.values()))
+    return table
+
+
 def result_tables(command: str, results: list[Any], options: Any, width: int) -> list[Any]:
     """What the CLI prints for the results of ``command`` (``run`` or an experiment's name),
     in order: each result's tables, then the closing ones; ``options``: the experiment's
@@ -444,7 +476,7 @@ def result_tables(command: str, results: list[Any], options: Any, width: int) ->
     from isotui.experiments.registry import get
 
     experiment = get(command)
-    view = view_of(experiment.view)
+    view = view_for(experiment)
     # a view of a request's whole list (final-norm): the results of one request, as one
     groups = [results] if view.whole else results
     tables = [t for group in groups for t in view.tables(group, options, width)]

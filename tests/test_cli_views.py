@@ -86,3 +86,20 @@ def test_wide_table_of_a_multi_model_run(tiny_models, data, tmp_path, capsys):
     assert "avg_cos per layer, 2 models" in capsys.readouterr().out
     assert main([*args, "--wide", "nonsense"]) == 2
     assert "--wide nonsense is not a layer metric" in capsys.readouterr().err
+
+
+def test_an_experiment_without_a_view_of_its_own_prints_its_rows():
+    """A new experiment needs no view: its CSV rows are its table (numbers to 4 digits)."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from isotui.views import view_for
+
+    rows = [{"model": "m", "layer": 0, "value": 0.123456}, {"model": "m", "layer": 1, "value": 2.0}]
+    demo = SimpleNamespace(name="demo-exp", view="demo-exp", rows=lambda results: rows)
+    (table,) = view_for(demo).tables(object(), None, 80)
+    console = Console(width=80, record=True, color_system=None)
+    console.print(table)
+    text = console.export_text()
+    assert "demo-exp" in text and "value" in text and "0.1235" in text and "2" in text
