@@ -23,6 +23,7 @@ from textual.widgets import DataTable, Input, TabbedContent
 from isotui.backend import Backend
 from isotui.experiments import registry
 from isotui.experiments.base import Experiment
+from isotui.experiments.params import param
 from isotui.tui.app import IsotuiApp
 from isotui.tui.lab import LabScreen
 from isotui.tui.lab_tab import LabTab
@@ -118,6 +119,15 @@ class DemoTab(LabTab):
         self.show()
 
 
+@dataclass(frozen=True)
+class DemoParams:
+    """The demo's own parameters: its flags and keywords (``isotui experiment demo-avg-cos --n 8``)."""
+
+    n: int = param(64, parse=int, help="vectors")
+    dim: int = param(8, parse=int, help="their dimension")
+    seed: int = param(0, parse=int, help="the generator's seed")
+
+
 DEMO = Experiment(
     name="demo-avg-cos",
     help="the average cosine of seeded Gaussian vectors (a demo)",
@@ -127,10 +137,11 @@ DEMO = Experiment(
     schema=1,
     view="demo-avg-cos",
     inputs="config",
-    make_request=lambda _spec, args: DemoRequest(args.n, args.dim, args.seed),
+    make_request=lambda _spec, params: DemoRequest(params.n, params.dim, params.seed),
+    params=DemoParams,
     rows=lambda results: [row for r in results for row in r.rows],
     payload=lambda results: {"results": [r.rows for r in results]},
-    run_flags=False,
+    run_options=(),
     lab_tab="tests.test_lab_tabs:DemoTab",
 )
 
