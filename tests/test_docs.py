@@ -272,11 +272,12 @@ def _key_ids(table_header: str) -> set[str]:
 def test_the_apps_key_tables_are_its_bindings():
     """docs/app.md's key tables list the ids the app's help screen and `[keys]` settings use."""
     from isotui.tui.app import IsotuiApp
-    from isotui.tui.lab import LabScreen
+    from isotui.tui.lab import lab_keys
+    from isotui.tui.lab_tabs import lab_tabs
 
     app_ids = {b.id for b in IsotuiApp.BINDINGS if b.id}
     assert _key_ids("## Keys\n") == app_ids
-    lab_ids = {b.id for b in LabScreen.BINDINGS if b.id}
+    lab_ids = {b.id for b in lab_keys(lab_tabs()) if b.id}  # the lab's keys, composed from its tabs
     documented = _key_ids("### In the attention lab\n")
     # the tabs' row names its first and last id (`lab_heads` … `lab_ckpt`)
     assert documented <= lab_ids and len(documented) >= len(lab_ids) - 2
