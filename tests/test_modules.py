@@ -179,3 +179,6 @@ def test_refusals_name_the_module(text, capsys):
     assert main(["run", "-m", "minilm", "--data", text, "--modules", "nothing*", "-q", "--no-cache"]) == 2
     err = capsys.readouterr().err
     assert "--modules 'nothing*' matches no module of BertModel" in err and "Traceback" not in err
+    # the dry run plans from the config alone, which cannot say what the modules give
+    assert main(["run", "-m", "minilm", "--data", text, "--modules", "attn_out", "--dry-run"]) == 2
+    assert "drop --dry-run or --modules" in capsys.readouterr().err
