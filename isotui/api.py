@@ -185,7 +185,8 @@ def run(
     ``device_map="auto"`` with ``max_memory="0=70GiB,cpu=200GiB"`` (or ``{0: "70GiB", "cpu": ...}``):
     the model across devices through accelerate (``--device-map``, ``--max-memory``). Any other
     flag of ``isotui run`` is a keyword too (``threads=4``, ``exact=True``, ``stream=True``,
-    ``tokenizer="minilm"``); a keyword it does not have is an :class:`IsotuiError` naming them.
+    ``tokenizer="minilm"``, ``modules=["attn_out"]``: any module's output, see ``--modules``); a
+    keyword it does not have is an :class:`IsotuiError` naming them.
 
     ``model`` may also be a model object already in memory: a transformers model (with
     ``tokenizer=`` for text, ``processor=`` for images or audio), a timm model, or a plain

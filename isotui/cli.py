@@ -59,6 +59,8 @@ def add_run_flags(p: argparse.ArgumentParser, command: str = "run") -> None:
         kwargs: dict[str, Any] = {"help": option.help}
         if option.switch:
             kwargs.update(action="store_true", default=None)
+        if option.repeat:
+            kwargs["action"] = "append"
         if option.choices:
             kwargs["choices"] = list(option.choices)
         if option.aliases:  # checked against the choices after this

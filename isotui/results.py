@@ -150,6 +150,8 @@ class LayerRow:
     # compares avg_cos with one pair's 95th percentile); filled on load for older entries
     null_mean_p95: float = math.nan
     above_null_mean: bool = False
+    # --modules: the module whose output the row measures (its name in model.named_modules())
+    module: str = ""
 
     def __post_init__(self) -> None:
         n = self.n_vectors - self.n_zero

@@ -48,6 +48,7 @@ class RunOption:
     parse: Parse  # (value given, folder relative paths start from) -> the RunSpec's value
     choices: tuple[str, ...] = ()  # the command line refuses anything else (argparse)
     switch: bool = False  # an on/off flag: ``--exact`` turns it on
+    repeat: bool = False  # a flag given once per value: ``--modules A --modules B``
     metavar: str | None = None
     scope: str = MODEL  # the experiments that declare this scope take it
     in_settings: bool = True  # the app's settings file ``[run]`` may set it
@@ -149,6 +150,23 @@ def _switch(name: str) -> Parse:
         return value
 
     return parse
+
+
+def _modules(value: Any, _base: Path | None) -> tuple[str, ...] | None:
+    """``--modules``: module name globs and named sites (a flag per value, a TOML list, or one
+    string of them split at commas), in the order given; None when none."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(v, str) for v in items):
+        raise IsotuiError(f"modules must be module name globs or named sites, as strings (got {value!r})")
+    globs = tuple(dict.fromkeys(v.strip() for v in items if v.strip()))
+    if items and not globs:
+        raise IsotuiError(
+            "modules must name modules: a glob of names in model.named_modules() (encoder.layer.*.output) "
+            "or a named site (resid_post, attn_out, mlp_out, norm_in)"
+        )
+    return globs or None
 
 
 MAX_SHARDS = 10_000  # K of --shard I/K and [sweep] shards: each shard is a process and a cache entry
@@ -332,6 +350,18 @@ class RunSpec:
         switch=True,
         scope=LAYER_METRICS,
         label="exact (2nd pass)",
+    )
+    # the outputs of chosen modules instead of the hidden states (extract/modules.py)
+    modules: tuple[str, ...] | None = _option(
+        help="measure the output of every module whose name in model.named_modules() matches GLOB "
+        "(repeatable; * crosses dots) or of a named site: resid_post (the default rows), attn_out, "
+        "mlp_out, norm_in; one row per module, in the order they run, named in the CSV's module column",
+        toml=(str, list),
+        parse=_modules,
+        repeat=True,
+        metavar="GLOB",
+        scope=LAYER_METRICS,
+        in_settings=False,  # what one run measures, not a lasting setting of the app
     )
     # read a text corpus as a stream (window by window) rather than whole: flat memory
     stream: bool = _option(

@@ -41,6 +41,7 @@ SAMPLES = {
     "map_units": ("position", '"position"', "position"),
     "reservoir": ("50", "50", 50),
     "exact": (None, "true", True),
+    "modules": ("attn_out", '["attn_out"]', ("attn_out",)),
     "stream": (None, "true", True),
     "shard": ("1/4", '"1/4"', (1, 4)),
 }
@@ -51,7 +52,8 @@ CSV_HEADER = (
     "final_norm,depth,dim,n_zero,n_sample,spectrum_from,isoscore_star,iw,iw_centered,avg_cos_abtt,"
     "avg_cos_std,avg_cos_types,drift_norm_types,intra_sim,self_sim,self_sim_types,data,n_samples,"
     "max_length,special_tokens,dtype,run_key,avg_cos_centered_se,iw_se,iw_centered_se,avg_cos_abtt_se,"
-    "avg_cos_std_se,null_mean_p95,above_null_mean"  # issue 28's test of the mean: appended last
+    "avg_cos_std_se,null_mean_p95,above_null_mean,"  # issue 28's test of the mean: appended
+    "module"  # issue 27's --modules: appended last
 )
 
 
@@ -172,6 +174,7 @@ def test_options_that_do_not_apply_are_not_flags_there(capsys):
         "map_units",
         "reservoir",
         "exact",
+        "modules",
         "shard",
     }
     with pytest.raises(SystemExit) as stop:

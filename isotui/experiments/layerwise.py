@@ -118,6 +118,7 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
         **({"map_units": spec.map_units} if spec.data.modality == "image" else {}),
         **({"tokenizer": spec.tokenizer} if spec.tokenizer else {}),  # only when given: old keys hold
         **({"exact": True} if spec.exact else {}),  # off: the keys of earlier runs stay valid
+        **({"modules": list(spec.modules)} if spec.modules else {}),  # likewise
     }
     key = run_key(key_fields)
     legacy: tuple[str, ...] = ()
@@ -266,6 +267,7 @@ def extract_options(spec: RunSpec) -> ExtractOptions:
         cap_max_length=spec.cap_max_length,
         exact=spec.exact,
         max_memory=spec.max_memory,
+        modules=spec.modules,
     )
 
 
@@ -415,10 +417,19 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
     rows: list[LayerRow] = []
     drift = {}
     for component, layers in ex.components.items():
-        part = build_rows(spec.model, component, layers, final_norm=ex.final_norm.get(component, False))
+        part = build_rows(
+            spec.model, component, layers, final_norm=ex.final_norm.get(component, False), modules=ex.modules
+        )
         drift[component] = drift_correlation([r.drift_norm for r in part], [r.avg_cos for r in part])
         rows.extend(part)
     notes: list[str] = []
+    if ex.modules:
+        asked = " ".join(f"--modules {g}" for g in spec.modules or ())
+        notes.append(
+            f"{asked}: the rows are the outputs of {len(ex.modules)} modules in the order they ran, "
+            f"{ex.modules[0]} (layer 0) to {ex.modules[-1]} (layer {len(ex.modules) - 1}); the CSV's "
+            "module column names each"
+        )
     if len(ex.components) > 1:  # the concatenated view (Godey et al. Fig. 1, T5): encoder, then decoder
         joined, drift[joined], note = joined_drift(rows)
         notes += [note] if note else []
@@ -440,6 +451,7 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
         "seed": spec.seed,
         "reservoir": spec.reservoir,
         "exact": spec.exact,
+        **({"modules": list(spec.modules)} if spec.modules else {}),  # in the key when given
         **({"tokenizer": spec.tokenizer} if spec.tokenizer else {}),  # in the key when given
         "threads": facts.get("threads"),  # how fast, not what: not in the key
         "final_norm_module": ex.final_norm_module,
@@ -474,8 +486,16 @@ def _share(share: float) -> str:
     return f"{share:.4f}" if share == 0 or abs(share) >= 1e-3 else f"{share:.3e}"
 
 
-def build_rows(model: str, component: str, layers: list[LayerStats], *, final_norm: bool) -> list[LayerRow]:
-    """Per-layer rows with the isotropic null and the top rogue dimensions."""
+def build_rows(
+    model: str,
+    component: str,
+    layers: list[LayerStats],
+    *,
+    final_norm: bool,
+    modules: list[str] | None = None,
+) -> list[LayerRow]:
+    """Per-layer rows with the isotropic null and the top rogue dimensions; ``modules``: each
+    row's module (``--modules``)."""
     rows = []
     last = len(layers) - 1
     for i, s in enumerate(layers):
@@ -524,6 +544,7 @@ def build_rows(model: str, component: str, layers: list[LayerStats], *, final_no
                 self_sim=s.self_sim,
                 self_sim_types=s.self_sim_types,
                 **{f: getattr(s, f) for f in SE_FIELDS},
+                module=modules[i] if modules else "",
             )
         )
     return rows

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from isotui.errors import IsotuiError
+
 if TYPE_CHECKING:
     from isotui.experiments.attention import AttentionRequest
     from isotui.experiments.checkpoints import CheckpointsRequest
@@ -41,6 +43,11 @@ def layers(request: LayersRequest | CheckpointsRequest) -> MemoryPlan:
     """``isotui run`` (and each checkpoint of ``checkpoints``): every hidden state's sums."""
     from isotui.extract.memory_plan import layers_plan
 
+    if request.spec.modules:
+        raise IsotuiError(
+            "--dry-run plans the hidden states from the model's config, and the modules --modules "
+            "names are known only when the model runs (how many, how wide): drop --dry-run or --modules"
+        )
     return layers_plan(_paper(request.spec), request.spec.reservoir)
 
 

@@ -179,6 +179,7 @@ def _options(prepared: Prepared) -> dict[str, Any]:
         "reservoir": spec.reservoir,
         "map_units": spec.map_units,
         "tokenizer": spec.tokenizer,
+        **({"modules": list(spec.modules)} if spec.modules else {}),
     }
 
 

@@ -46,6 +46,8 @@ class ExtractOptions:
     max_memory: tuple[tuple[int | str, int], ...] | None = None
     # padded input units per batch (auto batches) where the plan sets it; None: TOKEN_BUDGET's
     token_budget: int | None = None
+    # --modules: the module globs and named sites whose outputs are the rows (None: the layers)
+    modules: tuple[str, ...] | None = None
 
 
 def position_limit(loaded: LoadedModel) -> int | None:

@@ -51,6 +51,7 @@ from isotui.extract.memory_plan import (
     sums_budgets,
     weights_per_device,
 )
+from isotui.extract.modules import Site
 from isotui.extract.planning import ExtractOptions, effective_max_length, selected_ids
 from isotui.extract.planning import position_limit as position_limit  # importable from here too
 from isotui.extract.planning import resolve_max_length as resolve_max_length
@@ -82,6 +83,7 @@ class Extraction:
     # per component, each layer's (C, H, W) where its vectors are flattened maps (else None)
     map_shapes: dict[str, list[list[int] | None]] | None = None
     sample: Any = None  # with ExtractOptions.keep_sample: each layer's reservoir (extract/sample.py)
+    modules: list[str] | None = None  # --modules: each row's module (Site.label), in run order
 
     @property
     def layers(self) -> list[LayerStats]:
@@ -161,6 +163,10 @@ class LayerStream:
         # last one, if any), once the first batch showed they give the very hidden states
         self.sites: dict[str, tuple[list[Any], Any]] | None = None
         self.final_norm_by: dict[str, str] = {}  # component -> the final norm module's name
+        # --modules: the sites the globs name (resolved at the first batch), and each one's row
+        # (the order they first ran in, during the first batch)
+        self.module_sites: list[Site] | None = None
+        self.module_rows: dict[int, int] = {}
 
     @property
     def notes(self) -> list[str]:
@@ -232,6 +238,11 @@ class LayerStream:
         started = time.perf_counter()
         self.fold_s = 0.0
         index: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        if self.opts.modules:
+            self._module_forward(batch, index)
+            self.forward_s += time.perf_counter() - started - self.fold_s
+            self.metrics_s += self.fold_s
+            return batch.units
         if self.accs is not None and self.sites is not None:
             self._hooked_forward(batch, index)
             self.forward_s += time.perf_counter() - started - self.fold_s
@@ -334,6 +345,71 @@ class LayerStream:
                 f"layer {missed[0][1]} on a batch, which its first batch ran once: isotui cannot read "
                 "its layers one by one; please report it"
             )
+
+    def _module_forward(self, batch: Batch, index: dict[tuple[Any, ...], tuple[Any, ...]]) -> None:
+        """``--modules``: run the model with a hook on every site the globs name. The first batch
+        keeps what each site gives, orders the sites by when they first ran (the rows' order) and
+        makes the accumulators from those tensors; later batches fold each site in its hook. A
+        site must run once per forward pass and give a (batch, position, d) tensor."""
+        import torch
+
+        from isotui.extract.modules import read_value, resolve, site_tensor
+
+        if self.module_sites is None:
+            config = getattr(self.model, "config", None)
+            if getattr(config, "is_encoder_decoder", False):
+                raise IsotuiError(
+                    f"--modules reads the modules of one stack of positions, and {type(self.model).__name__} "
+                    "is an encoder-decoder model: measure it without --modules"
+                )
+            self.module_sites = resolve(self.model, self.loaded.model_type, tuple(self.opts.modules or ()))
+        sites = self.module_sites
+        first = self.accs is None
+        size = len(batch.idx)
+        calls = [0] * len(sites)
+        got: dict[int, Any] = {}  # first batch: site -> its tensor, in the order they ran
+
+        def hook_for(k: int) -> Any:
+            def hook(_m: Any, *args: Any) -> None:
+                calls[k] += 1
+                if calls[k] > 1:
+                    return
+                tensor = site_tensor(sites[k], read_value(sites[k], args), size)
+                if first:  # kept to the end of the pass: a copy, whatever the model does in place
+                    got[k] = tensor.clone()
+                else:
+                    self._fold(batch, index, "model", self.module_rows[k], tensor)
+
+            return hook
+
+        with Hooks() as hooks, self.loop.model_call(f"a batch of {self.loaded.modality}"):
+            for k, site in enumerate(sites):
+                if site.read == "input":
+                    hooks.pre(site.module, hook_for(k), with_kwargs=True)
+                else:
+                    hooks.forward(site.module, hook_for(k))
+            with torch.inference_mode():
+                if self.loaded.family.startswith("timm") or self.loaded.family == "module":
+                    hidden_states(self.loaded, batch.inputs)  # their own forward
+                else:
+                    with layers_stay(self.model):
+                        self.model(**batch.inputs, return_dict=True)
+        wrong = next((k for k, n in enumerate(calls) if n != 1), None)
+        if wrong is not None:
+            times = "did not run" if calls[wrong] == 0 else f"ran {calls[wrong]} times"
+            raise IsotuiError(
+                f"--modules: module {sites[wrong].label} {times} in a forward pass of "
+                f"{type(self.model).__name__}; isotui measures a module that runs once per pass: "
+                "leave it out of the globs"
+            )
+        if not first:
+            return
+        self.module_rows = {k: row for row, k in enumerate(got)}  # dicts keep the order they ran in
+        tensors = tuple(got.values())
+        self._first_batch({"model": tensors}, {})
+        with torch.inference_mode():
+            for k, tensor in got.items():
+                self._fold(batch, index, "model", self.module_rows[k], tensor)
 
     def _hooks_agree(
         self,
@@ -810,8 +886,17 @@ def _stream(
         "exact": opts.exact,
         "memory_plan": stream.plan.to_json() if stream.plan is not None else None,
         "map_shapes": stream.map_shapes,
+        "modules": _module_labels(stream),
     }
     return stream, facts
+
+
+def _module_labels(stream: LayerStream) -> list[str] | None:
+    """``--modules``: each row's module, in the order they ran (None for a run by layers)."""
+    if stream.module_sites is None:
+        return None
+    by_row = sorted(stream.module_rows.items(), key=lambda item: item[1])
+    return [stream.module_sites[k].label for k, _row in by_row]
 
 
 def _finish(
@@ -846,6 +931,7 @@ def _finish(
         notes=notes,
         memory_plan=facts.get("memory_plan"),
         map_shapes=facts.get("map_shapes"),
+        modules=facts.get("modules"),
         map_units=facts["map_units"] if facts["saw_maps"] else None,
         audio_seconds=facts["audio_seconds"],
         timings={

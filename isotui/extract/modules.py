@@ -1,0 +1,160 @@
+"""Which modules a ``--modules`` run reads: globs over ``model.named_modules()`` and named sites.
+
+A glob (``fnmatch``, ``*`` crossing dots) names modules whose output is measured; a named site
+(``resid_post``, ``attn_out``, ``mlp_out``, ``norm_in``) names, for an architecture isotui knows,
+the modules (or the inputs of modules) that give that point of every block. Each read is a
+:class:`Site`; the run orders them by when they first run (extract/runner.py) and checks there
+that each gives one (batch, position, d) tensor per forward pass (:func:`site_tensor`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+from isotui.errors import IsotuiError
+
+OUTPUT, INPUT = "output", "input"
+
+# Per model_type, each named site as (module name pattern, what is read); ``{i}`` is a block's
+# number, names relative to the base model (``bert.`` of BertForMaskedLM is added when present).
+# resid_post is the default run's rows: the embeddings, then each block's output (GPT-2 and
+# GPT-NeoX: each block's input, then the final norm's output, as their hidden_states are).
+NAMED_SITES: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
+    "bert": {
+        "resid_post": (("embeddings", OUTPUT), ("encoder.layer.{i}", OUTPUT)),
+        "attn_out": (("encoder.layer.{i}.attention.output.dense", OUTPUT),),
+        "mlp_out": (("encoder.layer.{i}.output.dense", OUTPUT),),
+        "norm_in": (
+            ("encoder.layer.{i}.attention.output.LayerNorm", INPUT),
+            ("encoder.layer.{i}.output.LayerNorm", INPUT),
+        ),
+    },
+    "gpt2": {
+        "resid_post": (("h.{i}", INPUT), ("ln_f", OUTPUT)),
+        "attn_out": (("h.{i}.attn", OUTPUT),),
+        "mlp_out": (("h.{i}.mlp", OUTPUT),),
+        "norm_in": (("h.{i}.ln_1", INPUT), ("h.{i}.ln_2", INPUT), ("ln_f", INPUT)),
+    },
+    "gpt_neox": {
+        "resid_post": (("layers.{i}", INPUT), ("final_layer_norm", OUTPUT)),
+        "attn_out": (("layers.{i}.attention", OUTPUT),),
+        "mlp_out": (("layers.{i}.mlp", OUTPUT),),
+        "norm_in": (
+            ("layers.{i}.input_layernorm", INPUT),
+            ("layers.{i}.post_attention_layernorm", INPUT),
+            ("final_layer_norm", INPUT),
+        ),
+    },
+}
+SITE_NAMES = ("resid_post", "attn_out", "mlp_out", "norm_in")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One tensor a ``--modules`` run reads: a module's output, or its input (named sites)."""
+
+    name: str  # the module's name in model.named_modules()
+    module: Any
+    read: str = OUTPUT
+
+    @property
+    def label(self) -> str:
+        """The row's ``module`` column: the module's name, ``NAME (input)`` for its input."""
+        return self.name if self.read == OUTPUT else f"{self.name} (input)"
+
+
+def _base_prefix(model: Any) -> str:
+    """``bert.`` for a BertForMaskedLM (the base model's name under the model), else ``""``."""
+    base = getattr(model, "base_model", model)
+    if base is model:
+        return ""
+    name = next((n for n, m in model.named_modules() if m is base), "")
+    return f"{name}." if name else ""
+
+
+def _pattern(prefix: str, name: str) -> re.Pattern[str]:
+    return re.compile(re.escape(prefix + name).replace(re.escape("{i}"), r"\d+"))
+
+
+def _nearest(word: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(word, names, n=5, cutoff=0.0)
+    return ", ".join(close) if close else "(the model has no named modules)"
+
+
+def resolve(model: Any, model_type: str, globs: tuple[str, ...]) -> list[Site]:
+    """The sites ``globs`` name in ``model`` (named sites first looked up for ``model_type``),
+    each once, in ``named_modules`` order; a glob matching nothing is refused naming the nearest
+    module names."""
+    modules = {n: m for n, m in model.named_modules() if n}
+    names = list(modules)
+    chosen: dict[tuple[str, str], Site] = {}
+    what = type(model).__name__
+    for glob in globs:
+        if glob in SITE_NAMES:
+            table = NAMED_SITES.get(model_type)
+            if table is None:
+                raise IsotuiError(
+                    f"--modules {glob} is a named site of {', '.join(NAMED_SITES)} models, and {what} is a "
+                    f"{model_type or 'non-transformers'} model: give globs of its module names instead "
+                    f"(such as {_nearest(glob, names)})"
+                )
+            prefix = _base_prefix(model)
+            found = [
+                (n, read)
+                for n in names
+                for pattern, read in table[glob]
+                if _pattern(prefix, pattern).fullmatch(n)
+            ]
+            if not found:
+                raise IsotuiError(
+                    f"--modules {glob}: {what} has none of the modules {model_type}'s {glob} names "
+                    f"({', '.join(p for p, _ in table[glob])}); the nearest names: {_nearest(glob, names)}"
+                )
+        else:
+            found = [(n, OUTPUT) for n in names if fnmatchcase(n, glob)]
+            if not found:
+                raise IsotuiError(
+                    f"--modules {glob!r} matches no module of {what}; the nearest names: "
+                    f"{_nearest(glob, names)}"
+                )
+        for name, read in found:
+            chosen.setdefault((name, read), Site(name, modules[name], read))
+    order = {n: k for k, n in enumerate(names)}
+    return sorted(chosen.values(), key=lambda s: (order[s.name], s.read != INPUT))
+
+
+def read_value(site: Site, args: tuple[Any, ...]) -> Any:
+    """What a hook of ``site`` sees: (args, kwargs) of a pre-hook for an input (the first
+    positional argument, or ``hidden_states``), (inputs, output) of a forward hook."""
+    if site.read == INPUT:
+        inputs, kwargs = args
+        return inputs[0] if inputs else kwargs.get("hidden_states")
+    return args[1]
+
+
+def site_tensor(site: Site, value: Any, batch: int) -> Any:
+    """``value`` (the first element of a tuple or model output) as a (batch, position, d) tensor;
+    anything else is refused in one sentence naming the module."""
+    import torch
+
+    tensor = value
+    if not isinstance(value, torch.Tensor):
+        if hasattr(value, "to_tuple"):  # a transformers ModelOutput
+            value = value.to_tuple()
+        tensor = value[0] if isinstance(value, tuple | list) and value else value
+    is_tensor = isinstance(tensor, torch.Tensor)
+    if is_tensor and tensor.ndim == 3 and tensor.shape[0] == batch and tensor.is_floating_point():
+        return tensor
+    said = (
+        f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+        if is_tensor
+        else f"a {type(tensor).__name__}"
+    )
+    raise IsotuiError(
+        f"--modules: module {site.label} gives {said}, not a (batch, position, d) float tensor for "
+        f"a batch of {batch}; leave it out of the globs"
+    )

@@ -1,0 +1,184 @@
+"""``--modules``: any module's output measured as the layers are, checked against forward hooks and
+numpy over all pairs computed here; named sites; refusals; the plain run left as it was."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import isotui
+from isotui.cli import main
+from isotui.errors import IsotuiError
+
+from .conftest import corpus
+
+ATTN = "encoder.layer.{i}.attention.output.dense"
+MLP_IN = "encoder.layer.{i}.intermediate.dense"  # 1536 wide: another module kind, another d
+
+
+@pytest.fixture
+def text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("ISOTUI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "t.txt"
+    path.write_text("\n".join(corpus(6)) + "\n", encoding="utf-8")
+    return f"text:{path}"
+
+
+def _hooked(folder: Path, texts: list[str], names: list[str]) -> dict[str, list[tuple[int, np.ndarray]]]:
+    """Per module name, (sample, its kept token vectors) from plain forward hooks, one sample at a
+    time (no padding), CLS/SEP left out by the tokenizer's special-tokens mask."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModel.from_pretrained(str(folder)).eval()
+    modules = dict(model.named_modules())
+    out: dict[str, list[tuple[int, np.ndarray]]] = {n: [] for n in names}
+    for s, line in enumerate(texts):
+        enc = tok(line, return_tensors="pt", return_special_tokens_mask=True)
+        keep = ~enc.pop("special_tokens_mask")[0].bool()
+        seen: dict[str, torch.Tensor] = {}
+
+        def keep_output(name: str, kept: dict[str, torch.Tensor] = seen):
+            return lambda _m, _i, o: kept.__setitem__(name, o.detach().clone())
+
+        handles = [modules[n].register_forward_hook(keep_output(n)) for n in names]
+        with torch.no_grad():
+            model(**enc)
+        for h in handles:
+            h.remove()
+        for n in names:
+            out[n].append((s, seen[n][0][keep].double().numpy()))
+    return out
+
+
+def _pair_metrics(parts: list[tuple[int, np.ndarray]]) -> dict[str, float]:
+    """avg_cos over all distinct pairs, over pairs of different samples, drift and mean norm."""
+    x = np.concatenate([v for _, v in parts])
+    sample = np.concatenate([np.full(len(v), s) for s, v in parts])
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    cos = u @ u.T
+    upper = np.triu(np.ones_like(cos, dtype=bool), k=1)
+    other = upper & (sample[:, None] != sample[None, :])
+    return {
+        "n_vectors": len(x),
+        "avg_cos": float(cos[upper].mean()),
+        "avg_cos_xctx": float(cos[other].mean()),
+        "drift_norm": float(np.linalg.norm(x.mean(axis=0))),
+        "mean_norm": float(np.linalg.norm(x, axis=1).mean()),
+    }
+
+
+def test_modules_equal_forward_hooks_and_numpy_over_all_pairs(text):
+    from isotui.models.naming import bundled_minilm_dir
+
+    got = isotui.run(
+        "minilm", text, modules=["attn_out", "encoder.layer.*.intermediate.dense"], progress=False
+    )
+    rows = got.rows
+    n_blocks = 6
+    # the order they run: each block's attention output before its intermediate dense
+    expected_names = [p.format(i=i) for i in range(n_blocks) for p in (ATTN, MLP_IN)]
+    assert [r["module"] for r in rows] == expected_names
+    assert [r["layer"] for r in rows] == list(range(len(expected_names)))
+    assert list(rows[0])[-1] == "module"  # appended after every existing column
+    hooked = _hooked(bundled_minilm_dir(), corpus(6), expected_names)
+    for row in rows:
+        want = _pair_metrics(hooked[row["module"]])
+        assert row["n_vectors"] == want["n_vectors"]
+        assert row["dim"] == (1536 if "intermediate" in row["module"] else 384)
+        for metric in ("avg_cos", "avg_cos_xctx", "drift_norm", "mean_norm"):
+            assert row[metric] == pytest.approx(want[metric], rel=1e-5, abs=1e-6), (row["module"], metric)
+    # the same globs again: the cache's entry, under a key of its own
+    again = isotui.run(
+        "minilm", text, modules=["attn_out", "encoder.layer.*.intermediate.dense"], progress=False
+    )
+    assert again.result.from_cache and again.key == got.key
+    plain = isotui.run("minilm", text, progress=False)
+    assert plain.key != got.key and all(r["module"] == "" for r in plain.rows)
+
+
+@pytest.mark.parametrize("arch", ["minilm", "gpt2", "gpt_neox"])
+def test_resid_post_is_the_plain_run(arch, text, tiny_models):
+    """The named site resid_post gives the rows a plain run gives (BERT: embeddings and block
+    outputs; GPT-2, GPT-NeoX: block inputs and the final norm's output)."""
+    model = "minilm" if arch == "minilm" else str(tiny_models[arch])
+    plain = isotui.run(model, text, cache=False, progress=False).rows
+    sites = isotui.run(model, text, modules=["resid_post"], cache=False, progress=False).rows
+    assert len(sites) == len(plain)
+    for a, b in zip(sites, plain, strict=True):
+        for metric in ("n_vectors", "avg_cos", "drift_norm", "mean_norm", "isoscore", "avg_cos_centered"):
+            assert a[metric] == pytest.approx(b[metric], rel=1e-9, abs=1e-12), (a["module"], metric)
+    assert (
+        sites[-1]["module"]
+        == {"minilm": "encoder.layer.5", "gpt2": "ln_f", "gpt_neox": "final_layer_norm"}[arch]
+    )
+
+
+@pytest.mark.parametrize(
+    ("arch", "block"),
+    [
+        ("gpt2", ["h.{i}.ln_1 (input)", "h.{i}.attn", "h.{i}.ln_2 (input)", "h.{i}.mlp"]),
+        # GPT-NeoX declares post_attention_layernorm before attention, and runs it after
+        (
+            "gpt_neox",
+            [
+                "layers.{i}.input_layernorm (input)",
+                "layers.{i}.attention",
+                "layers.{i}.post_attention_layernorm (input)",
+                "layers.{i}.mlp",
+            ],
+        ),
+    ],
+)
+def test_named_sites_come_in_the_order_they_run(arch, block, text, tiny_models):
+    """attn_out, mlp_out and norm_in name each block's attention and MLP outputs and every
+    norm's input, in the order the model runs them (not the order it declares them)."""
+    rows = isotui.run(
+        str(tiny_models[arch]), text, modules=["norm_in", "attn_out", "mlp_out"], cache=False, progress=False
+    ).rows
+    final = {"gpt2": "ln_f (input)", "gpt_neox": "final_layer_norm (input)"}[arch]
+    assert [r["module"] for r in rows] == [*(p.format(i=i) for i in range(2) for p in block), final]
+    assert all(math.isfinite(r["avg_cos"]) for r in rows)
+
+
+def test_modules_shards_merge_as_one_pass(text, tmp_path):
+    cache = tmp_path / "shards"
+    base = ["run", "-m", "minilm", "--data", text, "--modules", "mlp_out", "-q", "--cache-dir", str(cache)]
+    assert main([*base, "--shard", "0/2"]) == 0
+    out = tmp_path / "merged.csv"
+    assert main([*base, "--shard", "1/2", "--csv", str(out)]) == 0
+    merged = list(csv.DictReader(out.open(encoding="utf-8")))
+    one = isotui.run("minilm", text, modules=["mlp_out"], cache=False, progress=False).rows
+    assert (
+        [r["module"] for r in merged]
+        == [r["module"] for r in one]
+        == [f"encoder.layer.{i}.output.dense" for i in range(6)]
+    )
+    for a, b in zip(merged, one, strict=True):
+        for metric in ("n_vectors", "avg_cos", "drift_norm", "mean_norm"):
+            assert float(a[metric]) == pytest.approx(b[metric], rel=1e-9), metric
+
+
+def test_refusals_name_the_module(text, capsys):
+    def refused(modules: list, said: str) -> None:
+        with pytest.raises(IsotuiError, match=said):
+            isotui.run("minilm", text, modules=modules, cache=False, progress=False)
+
+    refused(["encoder.layers.*"], r"matches no module of BertModel; the nearest names: .*encoder\.layer")
+    refused(["pooler"], r"module pooler gives a torch.float32 tensor of shape \(\d+, 384\), not a")
+    dropout = "encoder.layer.0.attention.self.dropout"  # sdpa attention drops out inside its kernel
+    refused([dropout], re.escape(f"module {dropout} did not run"))
+    refused([3], "modules must be module name globs")
+    assert main(["run", "-m", "minilm", "--data", text, "--modules", "nothing*", "-q", "--no-cache"]) == 2
+    err = capsys.readouterr().err
+    assert "--modules 'nothing*' matches no module of BertModel" in err and "Traceback" not in err
+    # the dry run plans from the config alone, which cannot say what the modules give
+    assert main(["run", "-m", "minilm", "--data", text, "--modules", "attn_out", "--dry-run"]) == 2
+    assert "drop --dry-run or --modules" in capsys.readouterr().err
