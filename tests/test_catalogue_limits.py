@@ -209,6 +209,7 @@ FAKE_APP = textwrap.dedent(
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         out = sys.stdout.buffer
         out.write(b"__GANGLION__\\n"); out.flush()
+        open(sys.argv[3], "w").close()  # past its prelude, SIGTERM ignored if it is to be
         signal.pause()
     out = sys.stdout.buffer
     out.write(b"__GANGLION__\\n"); out.flush()
@@ -264,16 +265,23 @@ def test_an_app_whose_browser_left_has_its_output_read_and_ends():
 
 
 @pytest.mark.parametrize(("how", "ended_by"), [("polite", signal.SIGTERM), ("stubborn", signal.SIGKILL)])
-def test_an_app_that_does_not_quit_gets_sigterm_then_sigkill(monkeypatch, how, ended_by):
+def test_an_app_that_does_not_quit_gets_sigterm_then_sigkill(monkeypatch, tmp_path, how, ended_by):
     from isotui.tui import serve_service
 
     monkeypatch.setattr(serve_service, "GRACE_S", 0.5)
     monkeypatch.setattr(serve_service, "TERM_S", 0.5)
 
     async def scenario() -> int | None:
-        service = serve_app("deaf", how)
+        ready = tmp_path / "ready"
+        service = serve_app("deaf", how, str(ready))
         await service.start(80, 24)
-        await asyncio.sleep(1)  # past its prelude
+        # the app's own word that it is past its prelude (on a loaded machine a fixed wait may end
+        # before a stubborn app ignores SIGTERM, and SIGTERM then ends it): a bound, not a timing check
+        for _ in range(1200):
+            if ready.exists():
+                break
+            await asyncio.sleep(0.1)
+        assert ready.exists(), "the app never started"
         process = service._process
         try:
             await asyncio.wait_for(service.stop(), 120)  # a bound, not a timing check
