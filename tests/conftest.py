@@ -10,6 +10,21 @@ import pytest
 from isotui.paths import builtin_corpus_path
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` are skipped where torch sees no CUDA GPU (torch is imported only when
+    such a test was collected)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is false here")
+    for item in gpu:
+        item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     """No network, and a private result cache and config folder for every test."""

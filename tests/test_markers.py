@@ -1,0 +1,69 @@
+"""The suite's own set-up (issue 25): the markers are registered and strict, a `gpu` test is
+skipped where torch sees no CUDA GPU, and `make test` runs the suite under pytest-xdist."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from . import conftest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_slow_and_gpu_are_registered_and_unknown_markers_are_errors(pytestconfig):
+    registered = {line.split(":")[0] for line in pytestconfig.getini("markers")}
+    assert {"slow", "gpu"} <= registered
+    assert "--strict-markers" in pytestconfig.getini("addopts")
+
+
+class _Item:
+    """What the collection hook reads of a test item: its markers."""
+
+    def __init__(self, *marks: str) -> None:
+        self.marks = list(marks)
+        self.added: list[pytest.MarkDecorator] = []
+
+    def get_closest_marker(self, name: str):
+        return name if name in self.marks else None
+
+    def add_marker(self, mark: pytest.MarkDecorator) -> None:
+        self.added.append(mark)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_gpu_test_is_skipped_only_where_torch_sees_no_gpu(monkeypatch, cuda):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    gpu, cpu, slow = _Item("gpu"), _Item(), _Item("slow")
+    conftest.pytest_collection_modifyitems(None, [gpu, cpu, slow])
+    assert cpu.added == [] and slow.added == []
+    if cuda:
+        assert gpu.added == []
+    else:
+        (skip,) = gpu.added
+        assert skip.name == "skip" and "CUDA" in skip.kwargs["reason"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
+def test_make_test_and_the_oldest_set_run_under_xdist_and_test_fast_leaves_out_slow(tmp_path):
+    def plan(*args: str) -> list[str]:
+        proc = subprocess.run(
+            ["make", "-n", "-C", str(ROOT), *args, f"VENV={tmp_path / 'venv'}", f"OLDEST={tmp_path / 'old'}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return [line for line in proc.stdout.splitlines() if "-m pytest" in line]
+
+    for target in ("test", "test-oldest", "test-fast"):
+        (line,) = plan(target)
+        assert " -n 2 --dist loadfile" in line, line
+        assert ('-m "not slow"' in line) == (target == "test-fast"), line
+    (line,) = plan("test", "WORKERS=auto")
+    assert " -n auto " in line
