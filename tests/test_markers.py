@@ -3,6 +3,7 @@ skipped where torch sees no CUDA GPU, and `make test` runs the suite under pytes
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -67,3 +68,12 @@ def test_make_test_and_the_oldest_set_run_under_xdist_and_test_fast_leaves_out_s
         assert ('-m "not slow"' in line) == (target == "test-fast"), line
     (line,) = plan("test", "WORKERS=auto")
     assert " -n auto " in line
+
+
+def test_hugging_face_caches_are_this_test_processs_own_not_the_users():
+    """Each pytest process (each xdist worker) has its own datasets cache (a fresh temporary
+    folder): a test's dataset lands neither in ~/.cache/huggingface nor in another worker's."""
+    datasets = pytest.importorskip("datasets")
+    folder = Path(os.environ["HF_HOME"])
+    assert folder.is_dir() and not folder.is_relative_to(Path.home())
+    assert Path(datasets.config.HF_DATASETS_CACHE) == folder / "datasets"
