@@ -257,6 +257,7 @@ def test_quitting_kills_a_worker_that_does_not_stop(tmp_path):
             time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_the_app_process_never_imports_torch_while_a_real_job_runs(tiny_models, tmp_path):
     """A real layer run through the backend: computed (and cached) by a worker process; the
     calling process gets the result and never imports torch."""

@@ -560,6 +560,7 @@ def test_paper_presets_parse_and_name_the_papers_models():
         make_spec(models[0], preset.data)  # the data source parses
 
 
+@pytest.mark.slow
 def test_a_preset_without_its_data_says_what_to_get(tmp_path):
     import subprocess
     import sys

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every command of README through the CLI, in subprocesses
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 SMALL = "6"
 TINY_TRAINING = ["--steps", "2", "--save-every", "1", "--hidden", "32", "--layers", "1", "--heads", "2"]
