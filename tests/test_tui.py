@@ -116,7 +116,7 @@ def test_a_bad_model_is_a_notification_and_nothing_is_lost(tmp_path, tiny_models
     asyncio.run(scenario())
 
 
-def fake_backend(submitted: list, steps: int = 2000, delay: float = 0.01):
+def fake_backend(submitted: list, steps: int = 200_000, delay: float = 0.01):
     """A backend whose model is a slow loop: progress every ``delay`` s, stops when asked."""
 
     def prepare(spec):
