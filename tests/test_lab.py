@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 from textual.widgets import DataTable, Input, TabbedContent
 
 from isotui.experiments.attention import summarize
@@ -13,6 +14,7 @@ from isotui.tui.lab import DynamicsTab, HeadsTab, LabScreen
 from .test_tui import _app, _wait
 
 
+@pytest.mark.slow
 def test_lab_heads_and_dynamics(tmp_path, tiny_models):
     import torch
     from transformers import AutoModel, AutoTokenizer
@@ -91,6 +93,7 @@ def test_lab_heads_and_dynamics(tmp_path, tiny_models):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_lab_drift_block_tab(tmp_path):
     from isotui.experiments.drift_block import DriftBlockConfig, drift_cache, run_drift_block
 

@@ -402,6 +402,7 @@ def test_image_data_errors_are_one_sentence(tmp_path, media_models, image_dir):
 # -- audio ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["wav2vec2", "hubert"])
 def test_waveform_models_keep_real_frames_only(media_models, arch, audio_dir):
     import torch
@@ -602,6 +603,7 @@ def test_same_files_elsewhere_hit_the_cache_under_their_new_name(tmp_path, media
     assert not changed.from_cache
 
 
+@pytest.mark.slow
 def test_random_overrides_go_through_the_config_constructor():
     from isotui.models.naming import parse_model
 
