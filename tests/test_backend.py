@@ -71,6 +71,7 @@ def data(tmp_path):
     return f"text:{path}"
 
 
+@pytest.mark.slow
 def test_real_job_then_cache_hit_without_computing(tmp_path, tiny_models, data):
     events = Events()
     backend = Backend(ResultCache(tmp_path / "c"), events)
@@ -204,6 +205,7 @@ def _pid_of(events, job_id: int) -> int:
     raise AssertionError(f"no progress from job {job_id}: {events.of(job_id)}")
 
 
+@pytest.mark.slow
 def test_jobs_compute_in_a_worker_process_and_cancel_between_batches(tmp_path):
     events = Events()
     backend = Backend(None, events, compute=slow_compute, prepare=fake_prepare, processes=True)
@@ -220,6 +222,7 @@ def test_jobs_compute_in_a_worker_process_and_cancel_between_batches(tmp_path):
     assert backend.wait_idle(120) and backend.worker_pids() == []
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_one_failure_and_the_next_job_gets_a_new_one(tmp_path):
     events = Events()
     backend = Backend(None, events, compute=slow_compute, prepare=fake_prepare, processes=True)
@@ -241,6 +244,7 @@ def test_a_killed_worker_is_one_failure_and_the_next_job_gets_a_new_one(tmp_path
     backend.close()
 
 
+@pytest.mark.slow
 def test_quitting_kills_a_worker_that_does_not_stop(tmp_path):
     events = Events()
     backend = Backend(None, events, compute=slow_compute, prepare=fake_prepare, processes=True)

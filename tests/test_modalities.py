@@ -280,7 +280,9 @@ def test_vision_transformers_drop_prefix_tokens(media_models, arch, prefix, imag
     assert incl.rows[0].n_vectors == 3 * (16 + prefix)  # 4x4 patches + prefix tokens
 
 
-@pytest.mark.parametrize("arch", ["resnet", "convnext", "efficientnet", "cvt"])
+@pytest.mark.parametrize(
+    "arch", ["resnet", "convnext", pytest.param("efficientnet", marks=pytest.mark.slow), "cvt"]
+)
 def test_cnn_maps_flattened_per_image_and_per_position(media_models, arch):
     folder = str(media_models[arch])
     samples = _samples("synthetic:images", 6)

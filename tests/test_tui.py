@@ -50,6 +50,7 @@ async def _run_typed(pilot, app, model: str) -> None:
     await pilot.press("enter")
 
 
+@pytest.mark.slow
 def test_type_a_model_run_it_compare_sort_and_export(tmp_path, tiny_models):
     async def scenario():
         app = _app(tmp_path)
