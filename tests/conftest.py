@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -25,6 +26,11 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["HF_HOME"] = folder
     os.environ["HF_DATASETS_CACHE"] = os.path.join(folder, "datasets")
     os.environ["HF_MODULES_CACHE"] = os.path.join(folder, "modules")
+    # A background job of a shell without job control (`make test &` in a script, nohup) starts
+    # with SIGINT ignored, and every process a test starts inherits that: the tests that press ^C
+    # on a child then wait for an end that never comes. Their ^C is the point: take it back.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,11 @@ def test_hugging_face_caches_are_this_test_processs_own_not_the_users():
     folder = Path(os.environ["HF_HOME"])
     assert folder.is_dir() and not folder.is_relative_to(Path.home())
     assert Path(datasets.config.HF_DATASETS_CACHE) == folder / "datasets"
+
+
+def test_a_child_of_a_test_takes_ctrl_c_even_when_the_suite_was_started_ignoring_it():
+    """The tests that send SIGINT to a process they started need it to arrive, however pytest
+    was started (a shell's background job ignores SIGINT, and children inherit an ignored one)."""
+    probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr
