@@ -10,8 +10,13 @@ OLDEST_STAMP := $(OLDEST)/.installed-oldest
 # CPU-only machine: `make run TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU
 # torch wheel first (PyPI's default torch on Linux is the CUDA build, several GB).
 TORCH_INDEX ?=
+# pytest-xdist: the suite in WORKERS processes (CI's machine has 2 cores; `make test WORKERS=auto`
+# takes one per core), a test module per worker at a time (--dist loadfile: the module-scoped
+# fixtures, tiny models trained or saved once, are built once).
+WORKERS ?= 2
+XDIST = -n $(WORKERS) --dist loadfile
 
-.PHONY: run test test-oldest docs lint format bench clean
+.PHONY: run test test-fast test-oldest docs lint format bench clean
 # The docs site (mkdocs.yml): built strictly, offline; `make test` builds it into a temporary folder.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
@@ -44,12 +49,17 @@ test: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 	site=$$(mktemp -d) && $(MKDOCS) --site-dir $$site; status=$$?; rm -rf $$site; exit $$status
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
+
+# The inner loop: every metric and the API, without the tests marked slow (the CLI and the app in
+# subprocesses, the documented commands, long model runs).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow"
 
 # The suite on the oldest declared versions, less the screen snapshots (taken with the test
 # extra's Textual) and the type checker's own test (mypy is a tool, not a dependency).
 test-oldest: $(OLDEST_STAMP)
-	$(OLDEST)/bin/python -m pytest -q --ignore=tests/test_snapshots.py --ignore=tests/test_typecheck.py
+	$(OLDEST)/bin/python -m pytest -q $(XDIST) --ignore=tests/test_snapshots.py --ignore=tests/test_typecheck.py
 
 docs: $(STAMP)
 	$(MKDOCS) --site-dir site

@@ -4,11 +4,39 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import signal
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from isotui.paths import builtin_corpus_path
+
+_HF_HOME = pytest.StashKey[str]()  # this test process's Hugging Face folder
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hugging Face's own caches (datasets', its modules') in a folder of this test process, not
+    the user's ~/.cache/huggingface: each pytest-xdist worker gets its own, and a dataset two
+    workers load at once is never half-written for the other. Set before any test module imports
+    ``datasets``, which reads them once. (The hub cache is each test's own: ``_isolated``.)"""
+    folder = tempfile.mkdtemp(prefix="isotui-tests-hf-")
+    config.stash[_HF_HOME] = folder
+    os.environ["HF_HOME"] = folder
+    os.environ["HF_DATASETS_CACHE"] = os.path.join(folder, "datasets")
+    os.environ["HF_MODULES_CACHE"] = os.path.join(folder, "modules")
+    # A background job of a shell without job control (`make test &` in a script, nohup) starts
+    # with SIGINT ignored, and every process a test starts inherits that: the tests that press ^C
+    # on a child then wait for an end that never comes. Their ^C is the point: take it back.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_HF_HOME, None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -55,6 +55,15 @@ class Events:
         return self.of(job_id)[-1]
 
 
+def _until(predicate, what: str, bound: float = 120) -> None:
+    """Waits for ``predicate`` (a bound, not a timing check: on a loaded machine a thread may get
+    no CPU for seconds)."""
+    deadline = time.monotonic() + bound
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} within {bound} s"
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def data(tmp_path):
     path = tmp_path / "samples.txt"
@@ -62,6 +71,7 @@ def data(tmp_path):
     return f"text:{path}"
 
 
+@pytest.mark.slow
 def test_real_job_then_cache_hit_without_computing(tmp_path, tiny_models, data):
     events = Events()
     backend = Backend(ResultCache(tmp_path / "c"), events)
@@ -101,7 +111,8 @@ def test_identical_requests_share_a_job_and_one_device_runs_one_at_a_time(tmp_pa
     job_a = backend.submit(a)
     assert backend.submit(a) == job_a  # deduplicated while in flight
     job_b = backend.submit(b)
-    time.sleep(0.5)
+    _until(lambda: started, "job a started")
+    time.sleep(0.5)  # room for b to start wrongly
     assert started == [str(tiny_models["bert"])]  # b waits for the device
     assert [j for j, _ in backend.in_flight()] == [job_a, job_b]
     gate.set()
@@ -124,7 +135,7 @@ def test_cancel_running_and_queued_jobs_and_failures_stay_local(tmp_path, tiny_m
     broken = backend.submit(make_spec("no-such-org/no-such-model", data, device="cpu"))
     end = events.wait_end(broken)
     assert isinstance(end, JobFailed) and "not in the local Hugging Face cache" in end.message
-    time.sleep(0.3)
+    _until(lambda: started, "the running job started")
     assert backend.cancel(queued) and backend.cancel(running)
     assert isinstance(events.wait_end(running), JobCancelled)
     assert isinstance(events.wait_end(queued), JobCancelled)
@@ -142,9 +153,9 @@ def test_a_queued_job_cancels_at_once_without_waiting_for_the_running_one(tmp_pa
     backend = Backend(None, events, compute=_gated_compute(gate, started))
     running = backend.submit(make_spec(str(tiny_models["bert"]), data, device="cpu"))
     queued = backend.submit(make_spec(str(tiny_models["gpt2"]), data, device="cpu"))
-    time.sleep(0.5)
+    _until(lambda: started, "the running job started")
     assert backend.cancel(queued)
-    assert isinstance(events.wait_end(queued, timeout=2), JobCancelled)  # gate still shut
+    assert isinstance(events.wait_end(queued), JobCancelled)  # the gate is still shut: not behind it
     assert [j for j, _ in backend.in_flight()] == [running]
     gate.set()
     assert isinstance(events.wait_end(running), JobFinished)
@@ -194,6 +205,7 @@ def _pid_of(events, job_id: int) -> int:
     raise AssertionError(f"no progress from job {job_id}: {events.of(job_id)}")
 
 
+@pytest.mark.slow
 def test_jobs_compute_in_a_worker_process_and_cancel_between_batches(tmp_path):
     events = Events()
     backend = Backend(None, events, compute=slow_compute, prepare=fake_prepare, processes=True)
@@ -204,12 +216,13 @@ def test_jobs_compute_in_a_worker_process_and_cancel_between_batches(tmp_path):
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, ours + LANE_NICENESS)
     assert backend.cancel(job)
-    assert isinstance(events.wait_end(job, timeout=30), JobCancelled)
+    assert isinstance(events.wait_end(job), JobCancelled)
     assert not backend.in_flight()
     backend.close()
-    assert backend.wait_idle(30) and backend.worker_pids() == []
+    assert backend.wait_idle(120) and backend.worker_pids() == []
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_one_failure_and_the_next_job_gets_a_new_one(tmp_path):
     events = Events()
     backend = Backend(None, events, compute=slow_compute, prepare=fake_prepare, processes=True)
@@ -217,7 +230,7 @@ def test_a_killed_worker_is_one_failure_and_the_next_job_gets_a_new_one(tmp_path
     queued = backend.submit(make_spec("fake-b", device="cpu"))
     pid = _pid_of(events, doomed)
     os.kill(pid, signal.SIGKILL)  # as the kernel's out-of-memory killer would
-    end = events.wait_end(doomed, timeout=30)
+    end = events.wait_end(doomed)
     assert isinstance(end, JobFailed), end
     assert end.message == (
         "the process computing fake-a ended unexpectedly (killed by SIGKILL, perhaps for lack of "
@@ -227,10 +240,11 @@ def test_a_killed_worker_is_one_failure_and_the_next_job_gets_a_new_one(tmp_path
     new_pid = _pid_of(events, queued)  # the queued job runs, in a new process
     assert new_pid != pid
     backend.cancel(queued)
-    assert isinstance(events.wait_end(queued, timeout=30), JobCancelled)
+    assert isinstance(events.wait_end(queued), JobCancelled)
     backend.close()
 
 
+@pytest.mark.slow
 def test_quitting_kills_a_worker_that_does_not_stop(tmp_path):
     events = Events()
     backend = Backend(None, events, compute=slow_compute, prepare=fake_prepare, processes=True)
@@ -239,14 +253,15 @@ def test_quitting_kills_a_worker_that_does_not_stop(tmp_path):
     backend.close(wait=False)
     backend.terminate()
     backend.close(wait=False)  # the app closes again as it unmounts: nothing more happens
-    assert isinstance(events.wait_end(job, timeout=30), JobCancelled)
-    assert backend.wait_idle(30)
+    assert isinstance(events.wait_end(job), JobCancelled)
+    assert backend.wait_idle(120)
     with pytest.raises(ProcessLookupError):
         for _ in range(100):
             os.kill(pid, 0)
             time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_the_app_process_never_imports_torch_while_a_real_job_runs(tiny_models, tmp_path):
     """A real layer run through the backend: computed (and cached) by a worker process; the
     calling process gets the result and never imports torch."""

@@ -158,6 +158,7 @@ FULL_DISK = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,command,printed", FULL_DISK, ids=[c[0] for c in FULL_DISK])
 def test_full_cache_disk_keeps_the_result(tmp_path, case, command, printed):
     with tmpfs(tmp_path / "cache") as root:
@@ -316,6 +317,7 @@ TARGETS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS, ids=[t.case for t in TARGETS])
 def test_export_to_special_files_and_symlinks(tmp_path, warm, target):
     root, _key = warm
@@ -346,6 +348,7 @@ EXPERIMENT_OUTPUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,flag", EXPERIMENT_OUTPUTS, ids=[f"{n} {f}" for n, f in EXPERIMENT_OUTPUTS])
 def test_experiment_outputs_refuse_special_files_before_the_run(tmp_path, name, flag):
     sock = _socket(tmp_path / "out")
@@ -362,6 +365,7 @@ MODES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,umask,existing,expected", MODES, ids=[m[0] for m in MODES])
 def test_export_mode_honours_umask_and_keeps_an_existing_mode(
     tmp_path, warm, case, umask, existing, expected
@@ -415,6 +419,7 @@ STALE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,name,age,removed", STALE, ids=[s[0] for s in STALE])
 def test_stale_export_temporaries_are_cleaned(tmp_path, warm, case, name, age, removed):
     root, _key = warm
@@ -535,6 +540,7 @@ REMOVALS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("removal", REMOVALS, ids=[r.case for r in REMOVALS])
 def test_cache_rm_only_removes_isotui_entries_by_a_clear_key(tmp_path, warm, removal):
     from safetensors.numpy import save_file
@@ -561,6 +567,7 @@ def test_cache_rm_only_removes_isotui_entries_by_a_clear_key(tmp_path, warm, rem
 READ_ONLY_RM = [("rm --all", ["--all"]), ("rm KEY", None)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,keys", READ_ONLY_RM, ids=[c[0] for c in READ_ONLY_RM])
 def test_cache_rm_on_a_read_only_cache_is_one_sentence(tmp_path, warm, case, keys):
     with tmpfs(tmp_path / "cache", "1m") as root:
@@ -615,6 +622,7 @@ ODD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,make_odd,shown,skipped", ODD, ids=[o[0] for o in ODD])
 def test_cache_ls_on_an_odd_cache(tmp_path, warm, case, make_odd, shown, skipped):
     root, key = copy_cache(warm, tmp_path / "cache")
@@ -631,6 +639,7 @@ def test_cache_ls_on_an_odd_cache(tmp_path, warm, case, make_odd, shown, skipped
         assert "skipped" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,make_odd,shown,skipped", ODD, ids=[o[0] for o in ODD])
 def test_app_starts_on_an_odd_cache(tmp_path, warm, case, make_odd, shown, skipped):
     import asyncio
@@ -701,6 +710,7 @@ def test_listing_while_another_thread_deletes_never_fails(tmp_path):
     assert seen and all(n <= 150 for n in seen)
 
 
+@pytest.mark.slow
 def test_two_concurrent_rm_all_remove_each_entry_once(tmp_path, warm):
     root, key = copy_cache(warm, tmp_path / "cache")
     for i in range(40):
@@ -743,6 +753,7 @@ def attention_entry(tmp_path_factory) -> tuple[Path, Path]:
     return root, entry
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,damage", WRONG_STRUCTURE, ids=[w[0] for w in WRONG_STRUCTURE])
 def test_attention_entry_of_a_wrong_structure_is_reported_and_recomputed(
     tmp_path, attention_entry, case, damage
@@ -768,6 +779,7 @@ def test_attention_entry_of_a_wrong_structure_is_reported_and_recomputed(
     assert not path.exists()
 
 
+@pytest.mark.slow
 def test_attention_entry_of_a_wrong_structure_is_recomputed_by_the_cli(tmp_path, attention_entry):
     src_root, src = attention_entry
     root = tmp_path / "cache"
@@ -818,6 +830,7 @@ KILLS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,temp_left", KILLS, ids=["SIGINT mid-write", "SIGKILL mid-write"])
 def test_a_kill_during_a_cache_write_leaves_no_partial_entry(tmp_path, sig, temp_left):
     from isotui.store.cache import ResultCache
@@ -837,6 +850,7 @@ def test_a_kill_during_a_cache_write_leaves_no_partial_entry(tmp_path, sig, temp
     assert temps(runs) == []
 
 
+@pytest.mark.slow
 def test_sigint_during_a_cli_run_leaves_no_partial_entry(tmp_path):
     proc = subprocess.Popen(
         [
@@ -879,6 +893,7 @@ def test_sigint_during_a_cli_run_leaves_no_partial_entry(tmp_path):
         assert read(cache, entry.stem) is not None
 
 
+@pytest.mark.slow
 def test_three_identical_concurrent_runs_give_one_entry_and_identical_numbers(tmp_path):
     outs = [tmp_path / f"out{i}.json" for i in range(3)]
     procs = [
@@ -994,6 +1009,7 @@ def test_damaged_entries_are_reported_and_recomputed(tmp_path, healthy, case, da
     assert not (tmp_path / "PICKLE-LOADED").exists()
 
 
+@pytest.mark.slow
 def test_a_read_only_cache_answers_hits(tmp_path, warm):
     with tmpfs(tmp_path / "cache", "1m") as root:
         _, key = copy_cache(warm, root)
@@ -1005,6 +1021,7 @@ def test_a_read_only_cache_answers_hits(tmp_path, warm):
         assert json.loads((tmp_path / "o.json").read_text())["results"][0]["key"] == key
 
 
+@pytest.mark.slow
 def test_a_pickled_weights_file_is_never_loaded(tmp_path, tiny_models):
     folder = tmp_path / "model"
     folder.mkdir()

@@ -153,6 +153,7 @@ MULTI = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", MULTI)
 def test_one_model_failing_leaves_the_others(case, tmp_path):
     one_sentence(run_case(case, tmp_path).stderr)
@@ -256,6 +257,7 @@ TOKENIZER_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("folder", "extra", "sentence", "code", "cached"), TOKENIZER_CASES)
 def test_text_model_without_a_usable_tokenizer(
     tokenizer_folders, tmp_path, folder, extra, sentence, code, cached
@@ -267,6 +269,7 @@ def test_text_model_without_a_usable_tokenizer(
     assert cached_runs(tmp_path) == cached
 
 
+@pytest.mark.slow
 def test_untrained_model_with_a_large_vocabulary_keeps_its_stand_in_tokenizer(tmp_path):
     """200,000 embedding rows, MiniLM's 30,522 tokens: deliberate for an untrained model."""
     proc = isotui(
@@ -290,6 +293,7 @@ def test_tokenizer_flag_is_a_stand_in_and_part_of_the_key_only_when_given(tokeni
     assert takes_token_types(loaded, lambda name: True)  # BERT declares type_vocab_size: still fed
 
 
+@pytest.mark.slow
 def test_tokenizer_config_key_is_relative_to_the_config(tokenizer_folders, tmp_path):
     from isotui.models.naming import bundled_minilm_dir
 
@@ -326,6 +330,7 @@ QUIT_DRIVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["q", "ctrl+q"])
 def test_quitting_during_a_job_stops_it_and_exits_0(key, tmp_path):
     """Was: "terminate called without an active exception", exit 134 (the interpreter's teardown
@@ -480,11 +485,13 @@ ONE_SENTENCE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ONE_SENTENCE)
 def test_one_sentence_not_an_internal_error(case, tmp_path):
     one_sentence(run_case(case, tmp_path).stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="on a GPU server cuda:99 is checked by count"
 )
@@ -527,6 +534,7 @@ def test_non_utf8_settings_file_lets_the_app_start(tmp_path):
     assert any(f"settings file {settings} is not UTF-8 text" in m for m in messages), messages
 
 
+@pytest.mark.slow
 def test_stdout_closed_early_ends_quietly(tmp_path):
     """``isotui run ... | head``: the reader is gone before the table is written."""
     proc = subprocess.Popen(
@@ -560,6 +568,7 @@ def test_synthetic_source_is_lazy():
     assert fp.startswith("sha256:") and peak < 1 << 20  # a list of 1e7 names would be ~700 MB
 
 
+@pytest.mark.slow
 def test_synthetic_source_beyond_its_cap_is_one_sentence(tmp_path):
     proc = isotui(
         "run", "-m", TINY_VIT, "--data", "synthetic:images", "--max-samples", "100000000", "-q", cwd=tmp_path
@@ -593,6 +602,7 @@ def test_batch_order_from_numpy_matches_the_sorted_reference():
         assert got == want
 
 
+@pytest.mark.slow
 def test_a_huge_line_is_cut_while_reading(tmp_path):
     from isotui.data.sources import load_samples, parse_data
 
@@ -700,6 +710,7 @@ def config_append(tmp: Path, line: str) -> None:
     path.write_text(path.read_text() + line + "\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CONFIG_CASES)
 def test_config_file_cannot_run_code_or_write_outside(case, tmp_path):
     one_sentence(run_case(case, tmp_path).stderr)
@@ -718,6 +729,7 @@ def custom_code_model(tmp_path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_remote_code_is_never_on_implicitly(custom_code_model, tmp_path):
     """Neither a bare command line nor a config file runs a model's own code."""
     proc = isotui("run", "-m", str(custom_code_model), *SMALL, cwd=tmp_path)
@@ -760,6 +772,7 @@ LOAD_HINTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("setup", "sentence", "advised"), LOAD_HINTS)
 def test_remote_code_advice_only_for_custom_code(setup, sentence, advised, tmp_path):
     setup(tmp_path)
@@ -772,6 +785,7 @@ def test_remote_code_advice_only_for_custom_code(setup, sentence, advised, tmp_p
 # --- what already holds (keep it) --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigint_stops_a_run_with_130_and_one_sentence(tmp_path):
     """Ctrl-C (SIGINT) to a running ``isotui run`` ends it (no time asserted, only that it ends)."""
     data = tmp_path / "d.txt"

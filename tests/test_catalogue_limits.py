@@ -94,6 +94,7 @@ THREADS = [  # (args, the sentence's part, a setup)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "said", "setup"), THREADS)
 def test_threads_beyond_the_ceiling_are_one_sentence_before_any_work(tmp_path, args, said, setup):
     if setup is not None:
@@ -151,6 +152,7 @@ def model_folder(tiny_models, tmp_path_factory) -> Path:
 UNREADABLE = ["model.safetensors", "config.json", "tokenizer.json", "."]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", UNREADABLE, ids=["weights", "config", "tokenizer", "the folder"])
 def test_an_unreadable_model_file_is_one_sentence_naming_it(model_folder, tmp_path, name):
     path = model_folder / name
@@ -177,6 +179,7 @@ def largest_dpi(width_in: float, height_in: float, pixels: int) -> int:
     return dpi
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width,inches", [("single", (3.3, 2.4)), ("double", (6.9, 2.6))])
 def test_a_png_beyond_the_pixel_limit_says_the_largest_dpi(tmp_path, width, inches):
     from isotui.paper_figures import MAX_PIXELS, check_pixels
@@ -193,6 +196,7 @@ def test_a_png_beyond_the_pixel_limit_says_the_largest_dpi(tmp_path, width, inch
         check_pixels(*inches, best + 1, "png")
 
 
+@pytest.mark.slow
 def test_a_vector_figure_is_not_sized_by_dpi(tmp_path):
     proc = cli("figure", "godey2024-fig17", "--out", "f.pdf", "--dpi", "100000", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -209,6 +213,7 @@ FAKE_APP = textwrap.dedent(
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         out = sys.stdout.buffer
         out.write(b"__GANGLION__\\n"); out.flush()
+        open(sys.argv[3], "w").close()  # past its prelude, SIGTERM ignored if it is to be
         signal.pause()
     out = sys.stdout.buffer
     out.write(b"__GANGLION__\\n"); out.flush()
@@ -264,16 +269,23 @@ def test_an_app_whose_browser_left_has_its_output_read_and_ends():
 
 
 @pytest.mark.parametrize(("how", "ended_by"), [("polite", signal.SIGTERM), ("stubborn", signal.SIGKILL)])
-def test_an_app_that_does_not_quit_gets_sigterm_then_sigkill(monkeypatch, how, ended_by):
+def test_an_app_that_does_not_quit_gets_sigterm_then_sigkill(monkeypatch, tmp_path, how, ended_by):
     from isotui.tui import serve_service
 
     monkeypatch.setattr(serve_service, "GRACE_S", 0.5)
     monkeypatch.setattr(serve_service, "TERM_S", 0.5)
 
     async def scenario() -> int | None:
-        service = serve_app("deaf", how)
+        ready = tmp_path / "ready"
+        service = serve_app("deaf", how, str(ready))
         await service.start(80, 24)
-        await asyncio.sleep(1)  # past its prelude
+        # the app's own word that it is past its prelude (on a loaded machine a fixed wait may end
+        # before a stubborn app ignores SIGTERM, and SIGTERM then ends it): a bound, not a timing check
+        for _ in range(1200):
+            if ready.exists():
+                break
+            await asyncio.sleep(0.1)
+        assert ready.exists(), "the app never started"
         process = service._process
         try:
             await asyncio.wait_for(service.stop(), 120)  # a bound, not a timing check
@@ -290,6 +302,7 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+@pytest.mark.slow
 def test_served_app_ends_when_the_browser_leaves_early_and_honours_sigterm(tmp_path):
     """The real server and app: a browser that leaves at its first bytes leaves no app process
     behind; an app whose browser stays ends on SIGTERM (it runs as the server's own child)."""
@@ -417,6 +430,7 @@ MESSAGES = [  # (args, the sentence's part, what must not be said, a setup)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "said", "unsaid", "setup"), MESSAGES)
 def test_a_sentence_that_says_what_is_wrong(tmp_path, args, said, unsaid, setup):
     if setup is not None:
@@ -426,6 +440,7 @@ def test_a_sentence_that_says_what_is_wrong(tmp_path, args, said, unsaid, setup)
     assert cached_runs(tmp_path / "cache") == 0
 
 
+@pytest.mark.slow
 def test_a_jsonl_file_with_a_byte_order_mark_is_read(tmp_path):
     jsonl_with_bom(tmp_path)
     proc = cli("run", "-m", TINY, "--data", "jsonl:d.jsonl", "--json", "o.json", "-q", cwd=tmp_path)
@@ -433,6 +448,7 @@ def test_a_jsonl_file_with_a_byte_order_mark_is_read(tmp_path):
     assert json.loads((tmp_path / "o.json").read_text())["results"][0]["meta"]["n_samples"] == 2
 
 
+@pytest.mark.slow
 def test_weights_of_another_size_name_the_tensor(tiny_models, tmp_path):
     import shutil
 
@@ -452,6 +468,7 @@ def test_weights_of_another_size_name_the_tensor(tiny_models, tmp_path):
     assert "intermediate" in name and "use the config.json saved with these weights" in text
 
 
+@pytest.mark.slow
 def test_a_refused_pickle_says_isotui_never_runs_one(tiny_models, tmp_path):
     import pickle
     import shutil
@@ -473,6 +490,7 @@ def test_a_refused_pickle_says_isotui_never_runs_one(tiny_models, tmp_path):
     assert not (tmp_path / "RAN").exists()
 
 
+@pytest.mark.slow
 def test_an_unreadable_cache_entry_says_why(tmp_path):
     assert cli("run", "-m", TINY, *SMALL, cwd=tmp_path).returncode == 0
     (entry,) = (tmp_path / "cache" / "runs").glob("*.safetensors")

@@ -57,6 +57,7 @@ def cached_runs(tmp: Path) -> int:
 # --- 1. isotui figure --out: a symlink, a FIFO, the user's files beside it ----------------------
 
 
+@pytest.mark.slow
 def test_figure_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
     (tmp_path / "real.pdf").write_text("old")
     (tmp_path / "link.pdf").symlink_to("real.pdf")
@@ -66,6 +67,7 @@ def test_figure_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_pat
     assert (tmp_path / "real.pdf").read_bytes().startswith(b"%PDF")
 
 
+@pytest.mark.slow
 def test_figure_into_a_fifo_is_written_through_and_the_fifo_stays(tmp_path):
     fifo = tmp_path / "pipe.pdf"
     os.mkfifo(fifo)
@@ -86,6 +88,7 @@ SIDECARS = [  # (files beside results.pdf before, extra flags, refused, what mus
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("before", "extra", "refused", "kept"), SIDECARS)
 def test_figure_never_replaces_the_users_files_beside_it_silently(tmp_path, before, extra, refused, kept):
     for name, text in before.items():
@@ -100,6 +103,7 @@ def test_figure_never_replaces_the_users_files_beside_it_silently(tmp_path, befo
         assert next(csv.reader((tmp_path / "results.csv").open())) == ["d", "cos", "density"]
 
 
+@pytest.mark.slow
 def test_figure_redrawn_over_its_own_files_needs_no_force(tmp_path):
     assert cli(*FIGURE, "--out", "f.png", cwd=tmp_path).returncode == 0
     assert json.loads((tmp_path / "f.json").read_text())["file"] == "f.png"
@@ -149,12 +153,14 @@ ONE_FILE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "said"), ONE_FILE)
 def test_outputs_sharing_a_file_or_ignored_are_refused_before_the_run(tmp_path, args, said):
     one_sentence(cli(*args, cwd=tmp_path), said)
     assert cached_runs(tmp_path) == 0 and not list(tmp_path.glob("o*")) and not (tmp_path / "a").exists()
 
 
+@pytest.mark.slow
 def test_the_same_stream_twice_is_fine(tmp_path):
     proc = cli("run", "-m", TINY, *SMALL, "--csv", "/dev/null", "--json", "/dev/null", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -163,6 +169,7 @@ def test_the_same_stream_twice_is_fine(tmp_path):
 # --- 3. a FIFO with no reader: said, then waited for ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_fifo_without_a_reader_says_it_waits(tmp_path):
     fifo = tmp_path / "p.csv"
     os.mkfifo(fifo)
@@ -196,6 +203,7 @@ def test_a_fifo_without_a_reader_says_it_waits(tmp_path):
 OUTPUTS = ("--csv", "o.csv", "--json", "o.json")
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_the_second_model_writes_the_first(tmp_path):
     (tmp_path / "d.txt").write_text("\n".join(corpus(3000)) + "\n", encoding="utf-8")
     slow = "random:bert:num_hidden_layers=4"

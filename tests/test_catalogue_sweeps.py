@@ -24,6 +24,8 @@ from .conftest import corpus
 from .test_catalogue_inputs import TINY, Case, isotui, one_sentence, run_case
 from .test_sweep import _task_pids
 
+pytestmark = pytest.mark.slow  # every case runs `isotui sweep` and its task processes
+
 MAX_LENGTH = 16
 
 

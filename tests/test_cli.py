@@ -37,6 +37,7 @@ def data(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_run_two_models_writes_csv_and_json(tmp_path, tiny_models, data):
     out_csv, out_json = tmp_path / "out" / "t.csv", tmp_path / "t.json"
     proc = isotui(
@@ -76,6 +77,7 @@ def test_run_two_models_writes_csv_and_json(tmp_path, tiny_models, data):
     assert "spearman_p" in payload["results"][0]["drift"]["model"]
 
 
+@pytest.mark.slow
 def test_config_file_and_flags_win(tmp_path, tiny_models, data):
     cfg = tmp_path / "job.toml"
     cfg.write_text(
@@ -88,6 +90,7 @@ def test_config_file_and_flags_win(tmp_path, tiny_models, data):
     assert payload["results"][0]["meta"]["n_samples"] == 3
 
 
+@pytest.mark.slow
 def test_second_identical_run_comes_from_cache_without_torch(tmp_path, tiny_models, data):
     args = ["run", "-m", str(tiny_models["bert"]), "--data", f"text:{data}", "-q"]
     assert main(args) == 0
@@ -103,6 +106,7 @@ def test_second_identical_run_comes_from_cache_without_torch(tmp_path, tiny_mode
     assert "LOADED False False" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -123,6 +127,7 @@ def test_bad_input_is_one_sentence_and_exit_2(args, needle):
     assert len(lines) == 1 and needle in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_malformed_and_unknown_config(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("models = [\n")
@@ -136,6 +141,7 @@ def test_malformed_and_unknown_config(tmp_path):
     assert proc.returncode == 2 and f"config file {bad}: max-length" in proc.stderr
 
 
+@pytest.mark.slow
 def test_failing_model_keeps_other_results(tmp_path, tiny_models, data):
     out_csv = tmp_path / "t.csv"
     out_csv.write_text("the user's old file\n")
@@ -171,6 +177,7 @@ def test_model_without_hidden_states(tmp_path, tiny_models, data, monkeypatch, c
     assert "returned no hidden states" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cache_ls_rm_path(tmp_path, tiny_models, data):
     assert isotui("run", "-m", str(tiny_models["bert"]), "--data", f"text:{data}", "-q").returncode == 0
     listing = isotui("cache", "ls")
@@ -185,6 +192,7 @@ def test_cache_ls_rm_path(tmp_path, tiny_models, data):
     assert "no cached runs" in isotui("cache", "ls").stdout
 
 
+@pytest.mark.slow
 def test_uncached_hub_model_with_the_hub_unreachable_is_one_sentence():
     """Online mode but no network (a closed port as the hub): no traceback, one clear line."""
     proc = isotui(
@@ -198,6 +206,7 @@ def test_uncached_hub_model_with_the_hub_unreachable_is_one_sentence():
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_run_takes_a_preset_by_name(tmp_path):
     """`isotui run minilm_builtin` finds the bundled preset; flags still override it."""
     out = tmp_path / "p.json"
@@ -210,6 +219,7 @@ def test_run_takes_a_preset_by_name(tmp_path):
     assert missing.returncode == 2 and "no config file or preset named 'no_such_preset'" in missing.stderr
 
 
+@pytest.mark.slow
 def test_models_lists_bundled_presets_and_hf_cache(tmp_path, tiny_models):
     hub = tmp_path / "hub"
     snap = hub / "models--someorg--tiny-bert" / "snapshots" / ("a" * 40)
@@ -245,6 +255,7 @@ def test_models_lists_bundled_presets_and_hf_cache(tmp_path, tiny_models):
     assert proc.returncode == 2 and "revision v9" in proc.stderr
 
 
+@pytest.mark.slow
 def test_unwritable_cache_and_csv_paths_are_reported_not_fatal(tmp_path, tiny_models, data):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")

@@ -89,6 +89,7 @@ def _same_text(quoted: str, fresh: str, where: str) -> None:
         assert abs(a - b) <= 0.5 * ulp * 1.5 + 1e-12, f"{where}: the docs {q}, the script now {f}"
 
 
+@pytest.mark.slow
 def test_isotui_equals_each_plain_definition(res):
     assert res["n_vectors"] > res["dim"]  # more vectors than dimensions: eigenvectors are unique
     pairs = [
@@ -115,6 +116,7 @@ def test_isotui_equals_each_plain_definition(res):
             assert layer["isotui"][mine] == pytest.approx(layer["plain"][plain], rel=1e-5, abs=1e-9), mine
 
 
+@pytest.mark.slow
 def test_conventions_relations(res):
     for layer in res["layers"]:
         iso, plain = layer["isotui"], layer["plain"]
@@ -161,6 +163,7 @@ def test_one_sign_iw_and_original_abtt(conv):
     assert conv.abtt(x, original=False) == pytest.approx(conv.mean_cos(tilde - (tilde @ u.T) @ u), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_docs_quote_the_scripts_output_as_it_is_now(conv, res):
     """The conventions page's output block is what scripts/conventions.py prints on the samples it
     states."""
@@ -174,6 +177,7 @@ def test_docs_quote_the_scripts_output_as_it_is_now(conv, res):
         _same_text(q, f, f"docs/conventions.md's output block, line {i + 1}")
 
 
+@pytest.mark.slow
 def test_docs_table_column_is_the_scripts_claims(conv, res):
     section = _section()
     rows = {
@@ -188,6 +192,7 @@ def test_docs_table_column_is_the_scripts_claims(conv, res):
     assert f"on MiniLM ({_docs_samples()} built-in samples" in section
 
 
+@pytest.mark.slow
 def test_isoscore_star_agrees_with_the_package_as_the_docs_say(res):
     """The package's IsoScore* is off by its float32 sqrt(d): 2-3e-8, not "1e-8" (docs/metrics.md)."""
     gaps = [

@@ -32,7 +32,7 @@ def _write_corpus(tmp_path, texts):
     return f"text:{path}"
 
 
-def _check_against_reference(result, folder, texts, max_length, special="exclude"):
+def _check_against_reference(result, folder, texts, max_length, special="exclude", rtol=RTOL):
     layers, labels = hidden_vectors(folder, texts, max_length=max_length, special=special)
     assert len(result.rows) == len(layers)
     for row, x in zip(result.rows, layers, strict=True):
@@ -40,7 +40,7 @@ def _check_against_reference(result, folder, texts, max_length, special="exclude
         assert row.n_vectors == ref.n
         for name in METRICS:
             got, want = getattr(row, name), getattr(ref, name)
-            assert got == pytest.approx(want, rel=RTOL, abs=1e-9), f"layer {row.layer} {name}"
+            assert got == pytest.approx(want, rel=rtol, abs=1e-9), f"layer {row.layer} {name}"
         top = int(np.argmax(ref.dim_contrib))
         assert row.top_rogue_dim == top
         assert row.top_rogue_share == pytest.approx(ref.dim_contrib[top] / ref.avg_cos, rel=1e-5)
@@ -71,6 +71,20 @@ def test_tiny_models_match_all_pairs(tmp_path, tiny_models, arch):
     # GPT-2 and GPT-NeoX return their last hidden state after the final norm; BERT has none.
     assert [r.final_norm for r in result.rows][-1] is (arch != "bert")
     assert not any(r.final_norm for r in result.rows[:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_a_cuda_run_matches_the_cpu_all_pairs_reference(tmp_path, tiny_models, arch):
+    """The model on the GPU, the metrics against the float64 all-pairs reference computed on the
+    CPU (float32 kernels on the GPU sum in another order: a looser tolerance)."""
+    texts = corpus(24)
+    spec = make_spec(
+        str(tiny_models[arch]), _write_corpus(tmp_path, texts), max_length=48, batch_size=5, device="cuda"
+    )
+    result = measure(spec, None)
+    assert result.meta["device"].startswith("cuda")
+    _check_against_reference(result, tiny_models[arch], texts, 48, rtol=1e-4)
 
 
 def test_minilm_matches_all_pairs(tmp_path):

@@ -141,6 +141,7 @@ def lab_results(tiny_models, tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_each_lab_tab_saves_its_plot(tmp_path, lab_results):
     out = tmp_path / "exports"
 

@@ -371,6 +371,7 @@ def test_the_one_text_column_is_taken_and_two_are_named(hf_data):
         load_samples(parse_data(f"hf:{hf_data}/t2:train"))
 
 
+@pytest.mark.slow
 def test_cli_offline_from_the_cache_and_exit_2_on_a_missing_split(models, hf_data, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(hf_data / "datasets-cache")}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])

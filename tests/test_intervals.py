@@ -22,7 +22,10 @@ def _row(**over) -> LayerRow:
     return LayerRow(**(base | over))
 
 
-@pytest.mark.parametrize(("n", "d"), [(40, 8), (200, 64), (60, 384)])
+@pytest.mark.parametrize(
+    ("n", "d"),
+    [(40, 8), pytest.param(200, 64, marks=pytest.mark.slow), pytest.param(60, 384, marks=pytest.mark.slow)],
+)
 def test_mean_cosine_null_against_a_simulation(n, d):
     rng = np.random.default_rng(n + d)
     reps = 20_000

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 from textual.widgets import DataTable, Input, TabbedContent
 
 from isotui.experiments.attention import summarize
@@ -15,6 +16,7 @@ from isotui.tui.lab_heads import HeadsTab
 from .test_tui import _app, _wait
 
 
+@pytest.mark.slow
 def test_lab_heads_and_dynamics(tmp_path, tiny_models):
     import torch
     from transformers import AutoModel, AutoTokenizer
@@ -93,6 +95,7 @@ def test_lab_heads_and_dynamics(tmp_path, tiny_models):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_lab_drift_block_tab(tmp_path):
     from isotui.experiments.drift_block import DriftBlockConfig, drift_cache, run_drift_block
 

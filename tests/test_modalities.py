@@ -280,7 +280,9 @@ def test_vision_transformers_drop_prefix_tokens(media_models, arch, prefix, imag
     assert incl.rows[0].n_vectors == 3 * (16 + prefix)  # 4x4 patches + prefix tokens
 
 
-@pytest.mark.parametrize("arch", ["resnet", "convnext", "efficientnet", "cvt"])
+@pytest.mark.parametrize(
+    "arch", ["resnet", "convnext", pytest.param("efficientnet", marks=pytest.mark.slow), "cvt"]
+)
 def test_cnn_maps_flattened_per_image_and_per_position(media_models, arch):
     folder = str(media_models[arch])
     samples = _samples("synthetic:images", 6)
@@ -402,6 +404,7 @@ def test_image_data_errors_are_one_sentence(tmp_path, media_models, image_dir):
 # -- audio ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["wav2vec2", "hubert"])
 def test_waveform_models_keep_real_frames_only(media_models, arch, audio_dir):
     import torch
@@ -560,6 +563,7 @@ def test_paper_presets_parse_and_name_the_papers_models():
         make_spec(models[0], preset.data)  # the data source parses
 
 
+@pytest.mark.slow
 def test_a_preset_without_its_data_says_what_to_get(tmp_path):
     import subprocess
     import sys
@@ -601,6 +605,7 @@ def test_same_files_elsewhere_hit_the_cache_under_their_new_name(tmp_path, media
     assert not changed.from_cache
 
 
+@pytest.mark.slow
 def test_random_overrides_go_through_the_config_constructor():
     from isotui.models.naming import parse_model
 

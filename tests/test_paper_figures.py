@@ -286,6 +286,7 @@ def test_bad_input_is_one_sentence_and_exit_2(args, needle, capsys, tmp_path, mo
     assert not list(tmp_path.glob("f.*"))
 
 
+@pytest.mark.slow
 def test_run_and_the_apps_first_frame_do_not_import_matplotlib(tiny_models, data):
     probe = (
         "import sys\nfrom isotui.cli import main\n"

@@ -173,6 +173,7 @@ def test_out_of_memory_at_a_middle_layer_counts_nothing_twice(
         assert row.mean_norm == pytest.approx(np.linalg.norm(x, axis=1).mean(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_one_layer_of_batch_sums_lives_at_a_time(monkeypatch):
     """The d x d batch grams (and every other batch sum) of one layer at a time, not of all L:
     a layer's sums are committed and freed before the next layer's are made. And after the

@@ -49,6 +49,7 @@ def test_model_load_pauses_the_collector_and_restores_it(tiny_models, monkeypatc
         gc.enable()
 
 
+@pytest.mark.slow
 def test_the_command_freezes_the_heap_before_the_interpreter_shuts_down():
     """The shutdown's collections walked every object torch and transformers made (1-4 s per
     command): the CLI freezes them at exit. The check below is registered first, so runs last."""

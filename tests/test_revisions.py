@@ -333,6 +333,7 @@ def test_named_revisions_in_the_cache_need_no_hub(cached_series, monkeypatch):
     assert notes[1].startswith("1 of 3 checkpoints serve the same weights")
 
 
+@pytest.mark.slow
 def test_the_apps_checkpoints_tab_takes_a_selector_and_marks_the_duplicate(cached_series, tmp_path):
     from textual.widgets import DataTable, Input
 

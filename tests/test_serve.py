@@ -36,6 +36,7 @@ def _free_port() -> int:
 # -- isotui serve ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_serve_answers_with_the_app_page_and_runs_the_app_for_a_browser(tmp_path):
     """The server on 127.0.0.1: its page names isotui and points the browser's websocket back at
     the same address; a websocket client (what the page's script does) gets the app's first

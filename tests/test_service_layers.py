@@ -36,6 +36,7 @@ def test_the_closure_check_sees_a_front_end_when_there_is_one():
     assert {"argparse", "rich"} <= closure and "isotui.service" in closure
 
 
+@pytest.mark.slow
 def test_a_computed_run_loads_no_front_end_rich_or_textual(tiny_models, tmp_path):
     """At run time: a model computed through ``isotui.run`` (torch and all) and its rows read,
     with no module of the CLI, the app, the views, rich or textual loaded; showing the result

@@ -193,6 +193,7 @@ def _sweep_with_a_kill(config: Path, capsys) -> str:
     return err
 
 
+@pytest.mark.slow
 def test_local_sweep_equals_the_plain_runs_a_killed_task_is_retried_and_a_rerun_is_cached(
     series, data, plain, tmp_path, capsys
 ):
@@ -216,6 +217,7 @@ def test_local_sweep_equals_the_plain_runs_a_killed_task_is_retried_and_a_rerun_
     assert _rows(tmp_path / "local" / "out.csv") == swept
 
 
+@pytest.mark.slow
 def test_ray_sweep_equals_the_plain_runs_and_retries_a_killed_task(series, data, plain, tmp_path, capsys):
     pytest.importorskip("ray")
     config = _config(tmp_path / "ray", series, data[1], executor="ray", retries=2)
@@ -252,6 +254,7 @@ def test_rays_token_notice_stays_out_of_the_sweeps_output():
         logger.setLevel(level)
 
 
+@pytest.mark.slow
 def test_a_task_that_keeps_failing_is_said_and_the_others_finish(series, data, tmp_path, capsys):
     """One checkpoint folder without weights: its tasks fail (bad input, not retried), the other
     runs are measured and written; the exit status says it, the closing line names them."""
@@ -326,6 +329,7 @@ def test_docs_sweep_example_is_a_valid_sweep_config(tmp_path):
     assert sweep.shards > 1 and sweep.checkpoints and settings["models"]
 
 
+@pytest.mark.slow
 def test_a_sweep_resumes_from_the_shards_already_cached(tiny_models, data, tmp_path, capsys):
     """Shard 0/2 cached by an earlier (interrupted) sweep: only shard 1/2 runs, and it merges."""
     folder = tmp_path / "resume"
@@ -377,6 +381,7 @@ def _app_config(folder: Path, models: list[Path], data: Path, sweep: str) -> Pat
     return path
 
 
+@pytest.mark.slow
 def test_a_sweep_from_the_app_is_one_job_counting_tasks_and_ends_with_the_plain_runs_numbers(
     series, data, plain, tmp_path
 ):
@@ -437,6 +442,7 @@ def _last_state(app, seen: list[str]) -> str:
     return cells[2]
 
 
+@pytest.mark.slow
 def test_a_failed_task_of_an_app_sweep_is_one_sentence_and_the_other_run_is_added(series, data, tmp_path):
     """A checkpoint folder without weights: its task fails (a notification, one sentence), the
     other checkpoint's run still joins the app; the row ends done, the closing notice names it."""
@@ -480,6 +486,7 @@ def _task_pids(marker: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_cancelling_an_app_sweep_stops_its_tasks_and_adds_nothing(series, data, tmp_path):
     """x on a running sweep: the running task's process is terminated, the next never starts,
     the row ends cancelled and no run is cached or added."""
@@ -522,6 +529,7 @@ def _cached(model: Path, data: Path, root: Path) -> bool:
     return layerwise.lookup(layerwise.prepare(spec, cache), cache) is not None
 
 
+@pytest.mark.slow
 def test_a_ray_sweep_from_the_app_shows_its_tasks_and_ends_with_the_plain_runs_numbers(
     series, data, plain, tmp_path
 ):

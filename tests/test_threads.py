@@ -76,6 +76,7 @@ def test_threads_is_not_part_of_the_cache_key(tiny_models, data):
     assert len(keys) == 1
 
 
+@pytest.mark.slow
 def test_the_chosen_threads_reach_torch(tmp_path, tiny_models, data):
     """In a subprocess, so this test process keeps its own threads: the JSON's meta records
     torch.get_num_threads() as the run left it, and the table's notes say nothing about load."""
@@ -102,6 +103,7 @@ def test_the_chosen_threads_reach_torch(tmp_path, tiny_models, data):
         assert not any("load average" in n for n in meta["notes"])
 
 
+@pytest.mark.slow
 def test_a_loaded_machine_is_said_in_the_notes(tmp_path, tiny_models, data):
     """The default under load (faked in the subprocess: a load average of 50 on this process's
     cores) reaches torch and the table's notes say what was chosen and why."""
@@ -124,6 +126,7 @@ def test_a_loaded_machine_is_said_in_the_notes(tmp_path, tiny_models, data):
     assert len(said) == 1 and f"torch uses {expected} thread" in said[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["0", "x", "-2"])
 def test_bad_threads_is_one_sentence_and_exit_2(value):
     proc = isotui("run", "--threads", value)

@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from textual.widgets import DataTable, Input, OptionList, Select
 
 from isotui.backend import Backend
@@ -49,6 +50,7 @@ async def _run_typed(pilot, app, model: str) -> None:
     await pilot.press("enter")
 
 
+@pytest.mark.slow
 def test_type_a_model_run_it_compare_sort_and_export(tmp_path, tiny_models):
     async def scenario():
         app = _app(tmp_path)
@@ -92,6 +94,7 @@ def test_type_a_model_run_it_compare_sort_and_export(tmp_path, tiny_models):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_a_bad_model_is_a_notification_and_nothing_is_lost(tmp_path, tiny_models):
     async def scenario():
         app = _app(tmp_path)
@@ -116,7 +119,7 @@ def test_a_bad_model_is_a_notification_and_nothing_is_lost(tmp_path, tiny_models
     asyncio.run(scenario())
 
 
-def fake_backend(submitted: list, steps: int = 2000, delay: float = 0.01):
+def fake_backend(submitted: list, steps: int = 200_000, delay: float = 0.01):
     """A backend whose model is a slow loop: progress every ``delay`` s, stops when asked."""
 
     def prepare(spec):
@@ -134,6 +137,7 @@ def fake_backend(submitted: list, steps: int = 2000, delay: float = 0.01):
     return lambda cache, post: Backend(cache, post, compute=compute, prepare=prepare)
 
 
+@pytest.mark.slow
 def test_jobs_pane_shows_progress_and_cancels_the_chosen_job(tmp_path):
     async def scenario():
         submitted: list = []
@@ -265,6 +269,7 @@ def test_a_job_stuck_at_0_percent_on_a_busy_machine_says_why(tmp_path, monkeypat
     assert jobs_module.waiting_for_cpu(1.5, 2) == ""  # a machine that is not busy: nothing to say
 
 
+@pytest.mark.slow
 def test_models_pane_presets_filter_and_cached_runs(tmp_path, tiny_models):
     async def scenario():
         # 1. a real run fills the cache
@@ -309,6 +314,7 @@ def test_models_pane_presets_filter_and_cached_runs(tmp_path, tiny_models):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_options_screen_checks_values_and_sets_the_next_jobs(tmp_path):
     data = tmp_path / "d.txt"
     data.write_text("\n".join(corpus(5)))
@@ -422,6 +428,7 @@ def test_bundled_themes_load_and_cycle_and_broken_user_theme_is_reported(tmp_pat
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_settings_file_theme_keys_and_run_options(tmp_path, tiny_models, monkeypatch):
     data = tmp_path / "samples.txt"
     data.write_text("\n".join(corpus(6)) + "\n", encoding="utf-8")
@@ -485,6 +492,7 @@ def test_header_names_gpus_from_nvidia_smi_without_torch(monkeypatch):
     assert sysinfo.query_gpus() == [] and "cpu" in sysinfo.describe_devices([])
 
 
+@pytest.mark.slow
 def test_app_max_length_is_capped_at_the_model_limit_and_said_in_app_words(tmp_path, tiny_models):
     """The app's max length (default 128) is a ceiling: above the model's 128 positions it is
     capped with a notice, not refused; the messages name the options dialog's field, no flag."""
@@ -553,6 +561,7 @@ def test_progress_reports_are_coalesced(tmp_path):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_session_is_restored_can_be_skipped_and_a_damaged_one_is_one_notice(tmp_path, tiny_models):
     """The comparison set (reopened from the result cache, no job), the options and the lab's
     boxes come back; --fresh starts clean; a damaged session file is one notification."""

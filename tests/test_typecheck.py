@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # mypy in a subprocess
+
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 UNTYPED = "def f(x):\n    return x\n"
 
