@@ -48,7 +48,13 @@ SWEEP_KEYS: dict[str, tuple[type, ...]] = {
     "shared_cache": (bool,),
     "worker_cache_dir": (str,),
 }
-_TYPE_NAMES = {list: "list", int: "whole number", float: "number", str: "string", bool: "true or false"}
+_TYPE_NAMES = {
+    list: "list",
+    int: "whole number",
+    float: "number",
+    str: "string",
+    bool: "boolean (true or false)",
+}
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,12 @@ def test_a_task_that_keeps_failing_is_said_and_the_others_finish(series, data, t
         ("retries = -1", "[sweep] retries = -1 must be 0 or more"),
         ('shards = "2"', "[sweep] shards must be a whole number"),
         ("checkpoints = []", "[sweep] checkpoints must be a non-empty list"),
+        ("shared_cache = false", '[sweep] shared_cache is for executor = "ray"'),
+        ('executor = "ray"\nshared_cache = "no"', "[sweep] shared_cache must be a boolean (true or false)"),
+        (
+            'executor = "ray"\nshared_cache = true\nworker_cache_dir = "/x"',
+            "worker_cache_dir is for shared_cache = false",
+        ),
     ],
 )
 def test_a_bad_sweep_table_is_one_sentence_naming_the_key(tmp_path, capsys, table, said):

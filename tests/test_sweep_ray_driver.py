@@ -155,3 +155,48 @@ def test_ray_workers_without_the_drivers_cache_send_states_and_the_driver_merges
         n = len(x)
         assert int(row["n_vectors"]) == n
         assert float(row["avg_cos"]) == pytest.approx((g.sum() - np.trace(g)) / (n * (n - 1)), rel=1e-9)
+
+
+def test_the_driver_keeps_only_a_whole_state_of_the_shard_it_asked_for(tiny_models, tmp_path):
+    """What a worker sends is checked before the driver keeps it: a damaged state, or the state
+    of another shard, is one sentence and nothing is kept; a whole one is kept with its plan."""
+    from isotui.errors import IsotuiError
+    from isotui.experiments.shards import (
+        FOLDER,
+        keep_from_worker,
+        measure_for_driver,
+        partial_key,
+        plan_name,
+    )
+    from isotui.spec import make_spec
+
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(corpus(N)) + "\n", encoding="utf-8")
+    spec = make_spec(str(tiny_models["bert"]), data=f"text:{data}", max_length=MAX_LENGTH, reservoir=20)
+    key, sent = measure_for_driver(spec, 0, 2, None, tmp_path / "worker")
+    driver = tmp_path / "driver"
+    shards = driver / FOLDER
+
+    damaged = bytearray(sent)
+    damaged[-5] ^= 0xFF  # one byte of the arrays flipped: the checksum no longer holds
+    with pytest.raises(IsotuiError, match=r"the state of shard 0/2 sent by its Ray worker is damaged"):
+        keep_from_worker(driver, key, 0, 2, bytes(damaged))
+    assert not list(shards.glob("*.safetensors"))
+    with pytest.raises(IsotuiError, match=r"shard 1/2 .* damaged \(it is shard 0/2 of run"):
+        keep_from_worker(driver, key, 1, 2, sent)
+    assert not list(shards.glob("*.safetensors"))
+
+    plan = keep_from_worker(driver, key, 0, 2, sent)
+    assert (shards / f"{partial_key(key, 0, 2)}.safetensors").is_file()
+    assert plan is not None and (shards / plan_name(key, 2)).is_file()
+    # the plan goes with the next shard, which follows it: its state records the same plan
+    key1, sent1 = measure_for_driver(spec, 1, 2, plan, tmp_path / "worker")
+    assert key1 == key and keep_from_worker(driver, key, 1, 2, sent1) == plan
+    # a whole run (shards = 1): the worker's result entry, kept under the run's key
+    from isotui.experiments.layerwise import read
+    from isotui.store.cache import ResultCache
+
+    whole_key, whole = measure_for_driver(spec, 0, 1, None, tmp_path / "worker")
+    assert whole_key == key and keep_from_worker(driver, key, 0, 1, whole) is None
+    kept = read(ResultCache(driver), key)
+    assert kept is not None and kept.meta["n_samples"] == N
