@@ -320,16 +320,21 @@ def test_a_run_of_a_sweep_config_ignores_its_sweep_table(tmp_path):
 
 
 def test_docs_sweep_example_is_a_valid_sweep_config(tmp_path):
-    """The sweeps page's config example (its ``toml`` block) reads as a sweep config."""
+    """The sweeps page's config examples (its ``toml`` blocks) read as sweep configs: the first a
+    whole one, the one for Ray without a shared file system its ``[sweep]`` table."""
     from isotui.config import load_run_config
     from isotui.sweep import read_sweep
 
-    (block,) = re.findall(r"^```toml\n(.*?)^```", SWEEPS.read_text(encoding="utf-8"), re.S | re.M)
+    first, *more = re.findall(r"^```toml\n(.*?)^```", SWEEPS.read_text(encoding="utf-8"), re.S | re.M)
     config = tmp_path / "sweep.toml"
-    config.write_text(block, encoding="utf-8")
+    config.write_text(first, encoding="utf-8")
     settings = load_run_config(config)
     sweep = read_sweep(config, settings["sweep"])
     assert sweep.shards > 1 and sweep.checkpoints and settings["models"]
+    (driver,) = more
+    config.write_text(driver, encoding="utf-8")
+    sweep = read_sweep(config, load_run_config(config)["sweep"])
+    assert sweep.executor == "ray" and not sweep.shares_cache() and sweep.worker_cache_dir
 
 
 def test_a_sweep_resumes_from_the_shards_already_cached(tiny_models, data, tmp_path, capsys):
