@@ -45,8 +45,16 @@ SWEEP_KEYS: dict[str, tuple[type, ...]] = {
     "gpus_per_task": (int, float),
     "retries": (int,),
     "workers": (int,),
+    "shared_cache": (bool,),
+    "worker_cache_dir": (str,),
 }
-_TYPE_NAMES = {list: "list", int: "whole number", float: "number", str: "string"}
+_TYPE_NAMES = {
+    list: "list",
+    int: "whole number",
+    float: "number",
+    str: "string",
+    bool: "boolean (true or false)",
+}
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,16 @@ class SweepSettings:
     gpus_per_task: float | None = None  # None: one GPU per task where there are GPUs, else none
     retries: int = 1
     workers: int | None = None  # local: processes at once (default: one per visible device, else 1)
+    # Ray: whether every node sees the driver's cache folder (None: only a local cluster started
+    # by the sweep does); False: states come back through Ray's object store (:func:`run_ray`)
+    shared_cache: bool | None = None
+    worker_cache_dir: str | None = None  # Ray, not shared: each node's own cache (ISOTUI_CACHE_DIR)
+
+    def shares_cache(self) -> bool:
+        """Whether Ray's workers use the driver's cache folder itself (see :func:`run_ray`)."""
+        if self.shared_cache is not None:
+            return self.shared_cache
+        return self.address in (None, "", "local")
 
 
 def read_sweep(path: Path, table: dict[str, Any] | None) -> SweepSettings:
@@ -70,7 +88,7 @@ def read_sweep(path: Path, table: dict[str, Any] | None) -> SweepSettings:
         if key not in SWEEP_KEYS:
             raise IsotuiError(f"{where} has no key {key!r} (known: {', '.join(SWEEP_KEYS)})")
         allowed = SWEEP_KEYS[key]
-        if isinstance(value, bool) or not isinstance(value, allowed):
+        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
             want = " or ".join(_TYPE_NAMES[t] for t in allowed)
             raise IsotuiError(f"{where} {key} must be a {want} (got {value!r})")
     checkpoints = table.get("checkpoints", [])
@@ -84,6 +102,8 @@ def read_sweep(path: Path, table: dict[str, Any] | None) -> SweepSettings:
         gpus_per_task=float(table["gpus_per_task"]) if "gpus_per_task" in table else None,
         retries=table.get("retries", 1),
         workers=table.get("workers"),
+        shared_cache=table.get("shared_cache"),
+        worker_cache_dir=table.get("worker_cache_dir"),
     )
     if settings.shards < 1:
         raise IsotuiError(f"{where} shards = {settings.shards}: a run needs at least 1 shard")
@@ -108,6 +128,16 @@ def read_sweep(path: Path, table: dict[str, Any] | None) -> SweepSettings:
         raise IsotuiError(f"{where} workers = {settings.workers} must be at least 1")
     if settings.executor == "local" and settings.address:
         raise IsotuiError(f'{where} address is for executor = "ray" (the executor here is local)')
+    for key in ("shared_cache", "worker_cache_dir"):
+        if settings.executor == "local" and key in table:
+            raise IsotuiError(
+                f'{where} {key} is for executor = "ray" (local tasks share this machine\'s cache)'
+            )
+    if settings.shared_cache and settings.worker_cache_dir:
+        raise IsotuiError(
+            f"{where} worker_cache_dir is for shared_cache = false (with a shared cache every "
+            "task writes the driver's cache folder)"
+        )
     if settings.executor == "ray" and settings.workers is not None:
         raise IsotuiError(f'{where} workers is for executor = "local"; Ray runs as many as the cluster can')
     return settings
@@ -149,6 +179,10 @@ class Task:
     model: str
     index: int
     count: int
+    # what a task on a machine without the driver's cache measures (its RunSpec) and the run's
+    # key there (:func:`plan` fills them; the task's identity is the three fields above)
+    spec: Any = field(default=None, compare=False, repr=False)
+    key: str = field(default="", compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -273,6 +307,26 @@ def ray_task(argv: list[str]) -> str:
     if code not in (0, EXIT_BAD_INPUT):
         raise TaskCrashed(text)
     return "" if code == 0 else text
+
+
+def ray_state_task(spec: Any, index: int, count: int, plan: dict[str, Any] | None) -> tuple[str, Any]:
+    """A Ray task on a machine that does not see the driver's cache (``shared_cache = false``):
+    the shard (or whole run) measured in the worker's process with this node's own cache
+    (``ISOTUI_CACHE_DIR``, set by the sweep's ``runtime_env`` from ``worker_cache_dir``), and
+    ``("ok", (run key, the bytes of its cache entry))`` returned through Ray's object store;
+    ``("refused", sentence)`` for bad input (not retried). An internal error raises
+    :class:`TaskCrashed` (retried, as a worker that dies is)."""
+    from isotui.experiments.shards import measure_for_driver
+    from isotui.paths import cache_dir
+
+    try:
+        return "ok", measure_for_driver(spec, index, count, plan, cache_dir())
+    except IsotuiError as exc:
+        return "refused", str(exc)
+    except Exception as exc:
+        raise TaskCrashed(
+            f"internal error in {spec.model}: {type(exc).__name__}: {exc}".splitlines()[0]
+        ) from None
 
 
 Report = Callable[[TaskResult], None]
@@ -434,45 +488,98 @@ def run_ray(
     done: Report,
     say: Say,
     should_stop: Callable[[], bool] = never,
+    cache_root: Path | None = None,
 ) -> list[TaskResult]:
     """Ray tasks (``num_gpus=gpus_per_task``, ``max_retries=retries`` on a crash) on the cluster at
-    ``address``, or on a local one started here (and shut down after)."""
+    ``address``, or on a local one started here (and shut down after).
+
+    Where every node sees the driver's cache folder (:meth:`SweepSettings.shares_cache`), each
+    task is ``isotui run --shard`` there (:func:`ray_task`): the shards meet in that folder and
+    the last one merges. Where not (``shared_cache = false``; the default with an ``address``),
+    each task measures with its node's own cache and returns its entry's bytes through Ray's
+    object store (:func:`ray_state_task`), which the driver keeps in ``cache_root``: a run's
+    first shard runs before the others, and the plan it fixed is sent with each of them; the
+    driver merges (the sweep's last step, :func:`merged_result`). The code goes with the tasks
+    (``runtime_env`` ``py_modules``); each node needs isotui's dependencies installed, and the
+    models and data at the same paths (or hub ids in its own Hugging Face cache)."""
     ray = import_ray()
     quiet_ray_notices()
+    shared = settings.shares_cache() or cache_root is None
     started = not ray.is_initialized()
     if started:
         if not settings.address:  # a local cluster's workers start from this process's environment
             os.environ["PYTHONPATH"] = task_env()["PYTHONPATH"]
+        # the code goes with the tasks to a cluster's nodes (a local cluster's have PYTHONPATH)
+        code = {"py_modules": [_package_dir()]} if settings.address or not shared else None
         try:
             ray.init(
                 address=settings.address or None,
                 include_dashboard=False,
                 log_to_driver=False,  # a task's failure is said once, by the sweep
                 logging_level="WARNING",
+                runtime_env=code,
             )
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise IsotuiError(f"cannot connect to the Ray cluster at {settings.address}: {exc}") from None
     try:
-        remote = ray.remote(ray_task).options(
-            num_cpus=1,
-            num_gpus=ray_gpus_per_task(settings.gpus_per_task, ray.cluster_resources()),
-            max_retries=settings.retries,
-            retry_exceptions=[TaskCrashed],
-        )
-        pending = {remote.remote(argv): task for task, argv in jobs}
+        options: dict[str, Any] = {
+            "num_cpus": 1,
+            "num_gpus": ray_gpus_per_task(settings.gpus_per_task, ray.cluster_resources()),
+            "max_retries": settings.retries,
+            "retry_exceptions": [TaskCrashed],
+        }
+        if shared:
+            remote = ray.remote(ray_task).options(**options)
+        else:
+            remote = ray.remote(ray_state_task).options(**options, runtime_env=worker_runtime_env(settings))
+
+        def submit(task: Task, argv: list[str], plan: dict[str, Any] | None) -> Any:
+            if shared:
+                return remote.remote(argv)
+            return remote.remote(task.spec, task.index, task.count, plan)
+
+        pending: dict[Any, Task] = {}
+        # not shared: a run's first task -> the run's other tasks, sent once it has fixed the plan
+        waiting: dict[Task, list[tuple[Task, list[str]]]] = {}
+        for group in _by_run(jobs):
+            first = group[0][0]
+            plan = None
+            if not shared and first.count > 1 and cache_root is not None:
+                recorded = recorded_plan_of(cache_root, first)
+                plan = recorded.to_json() if recorded is not None else None
+                if recorded is None:  # its first shard fixes it, then the rest follow
+                    pending[submit(first, group[0][1], None)] = first
+                    waiting[first] = group[1:]
+                    continue
+            for task, argv in group:
+                pending[submit(task, argv, plan)] = task
         results: list[TaskResult] = []
+
+        def finish(result: TaskResult) -> None:
+            done(result)
+            results.append(result)
+
         try:
             while pending:
                 if should_stop():  # nothing more starts, and the running ones are killed
                     _cancel_ray(ray, pending, results, done)
+                    for task, _argv in (j for rest in waiting.values() for j in rest):
+                        finish(TaskResult(task, False, NOT_STARTED, cancelled=True, started=False))
+                    waiting.clear()
                     break
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=STOP_POLL_S)
                 if not ready:
                     continue
                 task = pending.pop(ready[0])
+                plan = None
                 try:
-                    text = ray.get(ready[0])
-                    result = TaskResult(task, not text, text)
+                    value = ray.get(ready[0])
+                    if shared:
+                        result = TaskResult(task, not value, value)
+                    else:
+                        assert cache_root is not None
+                        result, plan = _keep(task, value, cache_root)
+                    del value  # a state's bytes are not held while the next one comes
                 except ray.exceptions.RayTaskError as exc:
                     cause = exc.cause if isinstance(getattr(exc, "cause", None), TaskCrashed) else None
                     text = cause.text if cause else str(exc).strip().splitlines()[-1]
@@ -483,8 +590,19 @@ def run_ray(
                     result = TaskResult(
                         task, False, f"{type(exc).__name__}: {exc}".splitlines()[0], crashed=True
                     )
-                done(result)
-                results.append(result)
+                finish(result)
+                for later, argv in waiting.pop(task, []):
+                    if result.ok:
+                        pending[submit(later, argv, plan)] = later
+                    else:  # the run's plan was not fixed: its other shards cannot follow one
+                        finish(
+                            TaskResult(
+                                later,
+                                False,
+                                f"not run: {task.name}, which fixes the run's plan, failed",
+                                crashed=result.crashed,
+                            )
+                        )
         except BaseException:  # an interrupt: the cluster's tasks of this sweep end too
             _cancel_ray(ray, pending, [], lambda _r: None)
             raise
@@ -492,6 +610,63 @@ def run_ray(
     finally:
         if started:
             ray.shutdown()
+
+
+def _package_dir() -> str:
+    """This isotui's package folder: Ray's ``py_modules`` uploads it for the job's workers."""
+    return str(Path(__file__).resolve().parent)
+
+
+def worker_runtime_env(settings: SweepSettings) -> dict[str, Any]:
+    """The task's ``runtime_env`` on a node without the driver's cache: the node's own cache
+    folder (``ISOTUI_CACHE_DIR`` = ``worker_cache_dir``; unset: what the node's environment
+    says, else its user's cache folder). (The code goes with the job's ``runtime_env``, set
+    where the sweep connects to the cluster: Ray uploads a folder only for a whole job.)"""
+    if not settings.worker_cache_dir:
+        return {}
+    return {"env_vars": {"ISOTUI_CACHE_DIR": settings.worker_cache_dir}}
+
+
+def _by_run(jobs: list[tuple[Task, list[str]]]) -> list[list[tuple[Task, list[str]]]]:
+    """The jobs grouped by run (model and shard count), in the sweep's order, each group by
+    shard index."""
+    groups: dict[tuple[str, int], list[tuple[Task, list[str]]]] = {}
+    for job in jobs:
+        groups.setdefault((job[0].model, job[0].count), []).append(job)
+    return [sorted(g, key=lambda j: j[0].index) for g in groups.values()]
+
+
+def recorded_plan_of(cache_root: Path, task: Task) -> Any:
+    """The plan a run's shards already follow in the driver's cache (a resumed sweep), or None."""
+    from isotui.experiments.shards import recorded_plan
+
+    return recorded_plan(cache_root, task.key, task.count)
+
+
+def _keep(task: Task, value: tuple[str, Any], cache_root: Path) -> tuple[TaskResult, dict[str, Any] | None]:
+    """What a :func:`ray_state_task` returned, kept in the driver's cache: the task's result, and
+    the run's plan for its later shards."""
+    from isotui.experiments.shards import keep_from_worker
+
+    status, body = value
+    if status != "ok":
+        return TaskResult(task, False, str(body)), None
+    key, data = body
+    if key != task.key:
+        return (
+            TaskResult(
+                task,
+                False,
+                f"its Ray worker measured another run (key {key[:12]}, here {task.key[:12]}): the "
+                "model or data differ on that node; every node needs them at the same paths",
+            ),
+            None,
+        )
+    try:
+        plan = keep_from_worker(cache_root, key, task.index, task.count, data)
+    except IsotuiError as exc:
+        return TaskResult(task, False, str(exc), crashed=True), None
+    return TaskResult(task, True), plan
 
 
 def ray_gpus_per_task(gpus_per_task: float | None, resources: dict[str, float]) -> float:
@@ -599,7 +774,9 @@ def plan(config: Path, settings: dict[str, Any], runs: list[str], shards: int, c
             continue
         have = partial.get((prepared.key, shards), set()) if shards > 1 else set()
         out.cached += len(have)
-        out.tasks += [Task(model, i, shards) for i in range(shards) if i not in have]
+        out.tasks += [
+            Task(model, i, shards, prepared.spec, prepared.key) for i in range(shards) if i not in have
+        ]
     return out
 
 
@@ -616,8 +793,9 @@ def execute(
     progress), ``say`` of each retry; every task's result."""
     cache_root.mkdir(parents=True, exist_ok=True)
     jobs = [(t, t.argv(config.resolve(), cache_root)) for t in tasks]
-    executor = run_ray if sweep.executor == "ray" else run_local
-    return executor(jobs, sweep, done, say, should_stop)
+    if sweep.executor == "ray":
+        return run_ray(jobs, sweep, done, say, should_stop, cache_root=cache_root)
+    return run_local(jobs, sweep, done, say, should_stop)
 
 
 @dataclass

@@ -286,6 +286,12 @@ def test_a_task_that_keeps_failing_is_said_and_the_others_finish(series, data, t
         ("retries = -1", "[sweep] retries = -1 must be 0 or more"),
         ('shards = "2"', "[sweep] shards must be a whole number"),
         ("checkpoints = []", "[sweep] checkpoints must be a non-empty list"),
+        ("shared_cache = false", '[sweep] shared_cache is for executor = "ray"'),
+        ('executor = "ray"\nshared_cache = "no"', "[sweep] shared_cache must be a boolean (true or false)"),
+        (
+            'executor = "ray"\nshared_cache = true\nworker_cache_dir = "/x"',
+            "worker_cache_dir is for shared_cache = false",
+        ),
     ],
 )
 def test_a_bad_sweep_table_is_one_sentence_naming_the_key(tmp_path, capsys, table, said):
@@ -317,16 +323,21 @@ def test_a_run_of_a_sweep_config_ignores_its_sweep_table(tmp_path):
 
 
 def test_docs_sweep_example_is_a_valid_sweep_config(tmp_path):
-    """The sweeps page's config example (its ``toml`` block) reads as a sweep config."""
+    """The sweeps page's config examples (its ``toml`` blocks) read as sweep configs: the first a
+    whole one, the one for Ray without a shared file system its ``[sweep]`` table."""
     from isotui.config import load_run_config
     from isotui.sweep import read_sweep
 
-    (block,) = re.findall(r"^```toml\n(.*?)^```", SWEEPS.read_text(encoding="utf-8"), re.S | re.M)
+    first, *more = re.findall(r"^```toml\n(.*?)^```", SWEEPS.read_text(encoding="utf-8"), re.S | re.M)
     config = tmp_path / "sweep.toml"
-    config.write_text(block, encoding="utf-8")
+    config.write_text(first, encoding="utf-8")
     settings = load_run_config(config)
     sweep = read_sweep(config, settings["sweep"])
     assert sweep.shards > 1 and sweep.checkpoints and settings["models"]
+    (driver,) = more
+    config.write_text(driver, encoding="utf-8")
+    sweep = read_sweep(config, load_run_config(config)["sweep"])
+    assert sweep.executor == "ray" and not sweep.shares_cache() and sweep.worker_cache_dir
 
 
 @pytest.mark.slow

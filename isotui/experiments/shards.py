@@ -423,8 +423,11 @@ def _run_shard(
     count: int,
     on_progress: ProgressCallback,
     should_stop: StopCheck,
+    settle: Callable[[MemoryPlan], MemoryPlan] | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Load the model, stream this shard's samples, and return the entry to cache."""
+    """Load the model, stream this shard's samples, and return the entry to cache. ``settle``:
+    how the shard comes to its run's plan (default: the plan file beside the states in
+    ``cache_root``, :func:`_settle_plan`)."""
     import dataclasses
 
     from isotui.experiments.layerwise import extract_options, load_prepared, loaded_facts, weights_size
@@ -443,7 +446,7 @@ def _run_shard(
         opts=dataclasses.replace(
             extract_options(spec),
             sample_ids=ids,
-            settle_plan=functools.partial(_settle_plan, cache_root, prepared.key, index, count),
+            settle_plan=settle or functools.partial(_settle_plan, cache_root, prepared.key, index, count),
         ),
         on_progress=on_progress,
         should_stop=should_stop,
@@ -566,3 +569,77 @@ def merge_cached(
 
 class _Gone(Exception):
     """A shard state vanished or was damaged while merging."""
+
+
+# --- shards measured on machines that do not share the driver's cache (a Ray sweep) ---------------------
+
+
+def measure_for_driver(
+    spec: RunSpec, index: int, count: int, plan: dict[str, Any] | None, cache_root: Path
+) -> tuple[str, bytes]:
+    """A sweep task on a machine that does not see the driver's cache: shard ``index`` of
+    ``count`` (the whole run when ``count`` is 1) measured here, and (the run's key, the bytes
+    of its cache entry) returned for the driver to keep (:func:`keep_from_worker`). ``plan``:
+    the run's plan (:meth:`MemoryPlan.to_json`), which this shard follows or refuses in one
+    sentence; None for the shard that fixes it (its state records it). ``cache_root``: this
+    machine's own cache (local weights' digests; a whole run is kept there too)."""
+    from isotui.experiments import layerwise
+    from isotui.extract.memory_plan import MemoryPlan
+
+    runs = ResultCache(cache_root)
+    if count == 1:
+        result = layerwise.measure(spec, runs)
+        try:
+            return result.key, runs.path_for(result.key).read_bytes()
+        except OSError:  # not kept here (a full disk): sent from memory
+            return result.key, runs.entry_bytes(result.to_json(), result.arrays)
+    prepared = layerwise.prepare(spec, runs)
+    check_shard_count(len(prepared.samples), count, f"shard {index}/{count}")
+    who = f"shard {index}/{count}"
+    fixed = MemoryPlan.from_json(plan) if plan is not None else None
+
+    def settle(own: MemoryPlan) -> MemoryPlan:
+        return own if fixed is None else fixed.follow(own, who, prepared.key)
+
+    payload, arrays = _run_shard(prepared, cache_root, index, count, no_progress, never_stop, settle)
+    return prepared.key, shard_cache(cache_root).entry_bytes(payload, arrays)
+
+
+def keep_from_worker(
+    cache_root: Path, run_key: str, index: int, count: int, data: bytes
+) -> dict[str, Any] | None:
+    """Keep in the driver's cache the entry a sweep task sent (:func:`measure_for_driver`): the
+    shard state (beside it, the run's plan, recorded from the first state that comes: the
+    plan the later shards are sent), or the whole run's result when ``count`` is 1. Returns
+    the run's plan (:meth:`MemoryPlan.to_json`; None for a whole run). One sentence (IsotuiError)
+    when the bytes are not a whole entry of this run: nothing of them is kept."""
+    from isotui.experiments import layerwise
+
+    whole = count == 1
+    cache = ResultCache(cache_root) if whole else shard_cache(cache_root)
+    name = run_key if whole else partial_key(run_key, index, count)
+    what = "the run" if whole else f"shard {index}/{count}"
+    try:
+        cache.put_bytes(name, data)
+    except CacheWriteError as exc:
+        raise IsotuiError(f"{exc}; {what} measured on a Ray worker is lost") from None
+    try:
+        if whole:
+            if layerwise.read(cache, run_key) is None:
+                raise KeyError("not written")
+            return None
+        found = cache.get_payload(name)
+        if found is None:
+            raise KeyError("not written")
+        mine = found[0]["shard"]
+        if (mine["run"], mine["index"], mine["count"]) != (run_key, index, count):
+            raise ValueError(f"it is shard {mine['index']}/{mine['count']} of run {str(mine['run'])[:12]}")
+        checked_state(*found)
+        plan: dict[str, Any] = found[0]["facts"]["memory_plan"]
+    except (CacheProblem, *DAMAGE) as exc:
+        cache.remove(name)
+        raise IsotuiError(f"the state of {what} sent by its Ray worker is damaged ({_why(exc)})") from None
+    with contextlib.suppress(OSError):  # the plan is in every state too (recorded_plan reads it)
+        claim_bytes(cache.runs, plan_name(run_key, count), json.dumps(plan, indent=1).encode())
+    recorded = recorded_plan(cache_root, run_key, count)
+    return recorded.to_json() if recorded is not None else plan

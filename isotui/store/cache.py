@@ -120,16 +120,34 @@ class ResultCache:
         """Write one entry atomically (temporary file in the same folder, then rename), with the
         umask's mode; :class:`CacheWriteError` if it cannot be written, nothing half-written left."""
         from safetensors import SafetensorError
-        from safetensors.numpy import save
 
         try:
-            arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
-            payload = json.loads(json.dumps(payload))  # as it will read back
-            header = {"schema": self.schema, "digest": _digest(arrays, payload), "result": payload}
-            data = save(arrays, metadata={_META_KEY: json.dumps(header)})
-            return write_bytes_atomic(self.runs, f"{key}.safetensors", data, stale=_TEMPS)
-        except (OSError, SafetensorError, MemoryError) as exc:
+            return self.put_bytes(key, self.entry_bytes(payload, arrays))
+        except (SafetensorError, MemoryError) as exc:
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            raise CacheWriteError(
+                f"could not write to the cache in {self.root} ({reason}); this result is not cached"
+            ) from None
+
+    def entry_bytes(self, payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
+        """The bytes of the entry :meth:`put_payload` writes (a sweep's Ray task sends them to
+        the driver through Ray's object store). Raises SafetensorError, MemoryError."""
+        from safetensors.numpy import save
+
+        arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+        payload = json.loads(json.dumps(payload))  # as it will read back
+        header = {"schema": self.schema, "digest": _digest(arrays, payload), "result": payload}
+        data: bytes = save(arrays, metadata={_META_KEY: json.dumps(header)})
+        return data
+
+    def put_bytes(self, key: str, data: bytes) -> Path:
+        """Write an entry's bytes (:meth:`entry_bytes`, or a file of another cache) atomically;
+        :class:`CacheWriteError` if it cannot be written. Read it back with :meth:`get_payload`
+        to know it is whole."""
+        try:
+            return write_bytes_atomic(self.runs, f"{key}.safetensors", data, stale=_TEMPS)
+        except OSError as exc:
+            reason = exc.strerror or str(exc) or type(exc).__name__
             raise CacheWriteError(
                 f"could not write to the cache in {self.root} ({reason}); this result is not cached"
             ) from None
