@@ -24,7 +24,7 @@ from isotui.cli import main
 from .conftest import _bpe_tokenizer, corpus
 
 WIDTH = 1024
-LAYERS = 5  # 6 states per shard: the per-layer transients are small beside a whole state
+LAYERS = 5  # 6 layer states per shard (embeddings and 5 blocks): per-layer transients stay small
 SHARDS = 4
 
 _MEASURE = r"""
