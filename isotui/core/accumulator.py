@@ -572,9 +572,13 @@ class LayerAccumulator:
         return _layer_state(self)
 
     @classmethod
-    def from_state(cls, state: Sums, device: torch.device | None = None) -> LayerAccumulator:
-        """An accumulator holding ``state`` (a copy), on ``device`` (default: the CPU)."""
-        return _layer_from_state(cls, state, device)
+    def from_state(
+        cls, state: Sums, device: torch.device | None = None, *, copy: bool = True
+    ) -> LayerAccumulator:
+        """An accumulator holding ``state`` (a copy), on ``device`` (default: the CPU). With
+        ``copy=False`` it holds the state's own tensors where they are already on ``device`` (to
+        check a state, or to merge it in, without a second copy of its sums)."""
+        return _layer_from_state(cls, state, device, copy=copy)
 
     def merge(self, other: LayerAccumulator) -> None:
         """Fold in another shard's accumulator (disjoint samples, same corpus-level choices): sums
@@ -609,6 +613,7 @@ _LAYER_SUMS = (
     "type_within",
     "type_within_n",
 )
+_TYPE_SUMS = ("type_u", "type_n", "type_within", "type_within_n")  # one row per token type
 _LAYER_COUNTS = ("n", "n_all", "pairs_within", "n_sentences")
 _LAYER_SHAPE = ("dim", "full_cov", "reservoir_size", "types")
 
@@ -679,25 +684,29 @@ def _layer_state(acc: LayerAccumulator) -> Sums:
 
 
 def _layer_from_state(
-    cls: type[LayerAccumulator], state: Sums, device: torch.device | None
+    cls: type[LayerAccumulator], state: Sums, device: torch.device | None, *, copy: bool = True
 ) -> LayerAccumulator:
     import torch
 
     device = torch.device("cpu") if device is None else device
-    acc = cls(
-        int(state["dim"]),
-        device,
-        full_cov=bool(state["full_cov"]),
-        reservoir=int(state["reservoir_size"]),
-        types=int(state["types"]),
-    )
+    # built without its d x d and per-type sums, which the state brings: zeros of their size
+    # would be allocated (and touched) only to be replaced
+    acc = cls(int(state["dim"]), device, full_cov=False, reservoir=int(state["reservoir_size"]))
+    acc.full_cov, acc.types = bool(state["full_cov"]), int(state["types"])
     for k in _LAYER_COUNTS:
         setattr(acc, k, int(state[k]))
     acc.weighted = bool(state["weighted"])
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
             _check_shape(acc, k, v)
-            setattr(acc, k, v.to(device).clone())
+            setattr(acc, k, v.to(device).clone() if copy else v.to(device))
+    f64 = torch.float64
+    if acc.full_cov and acc.gram is None:  # what the constructor would have held
+        acc.gram = torch.zeros((acc.dim, acc.dim), dtype=f64, device=device)
+    for k in _TYPE_SUMS:
+        if k not in state:
+            shape = (acc.types, acc.dim) if k == "type_u" else (acc.types,)
+            setattr(acc, k, torch.zeros(shape, dtype=f64, device=device))
     if (acc.res is None) != (acc.res_keys is None) or (
         acc.res is not None and acc.res_keys is not None and len(acc.res) != len(acc.res_keys)
     ):
@@ -716,6 +725,10 @@ def _check_shape(acc: LayerAccumulator, name: str, value: torch.Tensor) -> None:
         want = (None, acc.dim)
     elif name == "res_keys":
         want = (None,)  # as many as the reservoir's rows: checked once both are set
+    elif name == "gram" and acc.full_cov:
+        want = (acc.dim, acc.dim)
+    elif name in _TYPE_SUMS:
+        want = (acc.types, acc.dim) if name == "type_u" else (acc.types,)
     elif isinstance(fresh, type(value)):
         want = tuple(fresh.shape)
     else:
@@ -743,21 +756,28 @@ def _layer_merge(acc: LayerAccumulator, other: LayerAccumulator) -> None:
     torch.maximum(acc.x_max, other.x_max.to(dev), out=acc.x_max)
     if other.shift is not None:  # None: the other saw no vector, its shifted sums are zero
         o_s, o_s2 = other.sum_xs.to(dev), other.sum_xs2.to(dev)
-        o_g = other.gram.to(dev) if other.gram is not None else None  # full_cov, as acc
+        delta = None
         if acc.shift is None:
             acc.shift = other.shift.to(dev).clone()
         else:
-            o_s, o_s2, o_g = recentre(other.shift.to(dev), acc.shift, other.n_all, o_s, o_s2, o_g)
+            delta = other.shift.to(dev) - acc.shift
+            o_s, o_s2, _ = recentre(other.shift.to(dev), acc.shift, other.n_all, o_s, o_s2)
+        if acc.gram is not None and other.gram is not None:  # full_cov, as acc
+            # recentred in place (see recentre): no d x d temporary beside the running sum
+            acc.gram.add_(other.gram.to(dev))
+            if delta is not None:
+                s = other.sum_xs.to(dev)
+                acc.gram.addr_(s, delta).addr_(delta, s).addr_(delta, delta, alpha=other.n_all)
         acc.sum_xs.add_(o_s)
         acc.sum_xs2.add_(o_s2)
-        if acc.gram is not None and o_g is not None:
-            acc.gram.add_(o_g)
     if other.res is not None and other.res_keys is not None:
         res, keys = other.res.to(dev), other.res_keys.to(dev)
-        if acc.res is not None and acc.res_keys is not None:
+        adopted = acc.res is None or acc.res_keys is None  # then kept as the other's, if not cut
+        if acc.res is not None and acc.res_keys is not None:  # the union is new, as is any cut of it
             res, keys = torch.cat([acc.res, res]), torch.cat([acc.res_keys, keys])
         acc.res_keys, acc.res = keep_smallest(keys, res, acc.reservoir_size)
-        acc.res, acc.res_keys = acc.res.clone(), acc.res_keys.clone()
+        if adopted:
+            acc.res, acc.res_keys = acc.res.clone(), acc.res_keys.clone()
 
 
 def _centered_avg_cos(sample: npt.NDArray[np.float64], mean: npt.NDArray[np.float64]) -> float:

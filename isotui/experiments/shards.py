@@ -248,7 +248,7 @@ def checked_state(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> dic
     state = state_from_payload(payload, arrays)
     for layers in state["components"].values():
         for layer in layers:
-            LayerAccumulator.from_state(layer)
+            LayerAccumulator.from_state(layer, copy=False)  # checked, not copied
     seconds = [state.get(n, 0.0) for n in ("tokenise_s", "forward_s", "metrics_s")]
     seconds.append(payload["shard"]["loaded"]["load_s"])
     if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in seconds):

@@ -33,6 +33,7 @@ from isotui.extract.forward import (
     layers_stay,
     watch_layers,
 )
+from isotui.extract.heap import release_free_memory
 from isotui.extract.inputs import Fed
 from isotui.extract.loop import Batch, BatchLoop, Hooks, merge_facts
 from isotui.extract.memory_plan import (
@@ -775,6 +776,7 @@ def merge_extraction_states(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
         every.append({k: v for k, v in state.items() if k != "components"})
         accs = _fold_state(accs, state)
         del state  # the next state is read with only the running sum held
+        release_free_memory()  # and its pages given back, not kept in the heap
     if accs is None:
         raise ValueError("nothing to merge")
     facts = merge_facts(every, any_of=("saw_maps", "reservoir_capped"), max_of=("max_dim",))
@@ -799,7 +801,9 @@ def _fold_state(
         raise ValueError("cannot merge the states of runs with different components")
     for c, layer_states in state["components"].items():
         for acc, s in zip(accs[c], layer_states, strict=True):
-            acc.merge(LayerAccumulator.from_state(s))
+            acc.merge(LayerAccumulator.from_state(s, copy=False))  # merged in, not copied first
+            # the reservoir it replaced is a hole the next, larger, one does not fit: given back
+            release_free_memory()
     return accs
 
 

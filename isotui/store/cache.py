@@ -62,7 +62,7 @@ def _digest(arrays: dict[str, np.ndarray], result: dict[str, Any]) -> str:
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
         h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
-        h.update(a.tobytes())
+        h.update(a.data.cast("B"))  # its bytes, not a copy of them
     return h.hexdigest()
 
 
@@ -97,7 +97,8 @@ class ResultCache:
                     f"cache entry {path.name} has schema {data.get('schema')}, this isotui writes "
                     f"{self.schema}"
                 )
-            arrays = load_file(str(path))
+            # read into the arrays (not mapped, then copied: that held each entry twice)
+            arrays = load_file(str(path), backend="pread")
             if _digest(arrays, data["result"]) != data.get("digest"):
                 raise CacheProblem(f"cache entry {path.name} is damaged (checksum mismatch)")
             return data["result"], arrays
