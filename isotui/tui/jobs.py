@@ -186,7 +186,11 @@ class JobsTable(DataTable[str]):
 
     def redraw(self) -> None:
         """Jobs in flight first and in view; the user's pick stays picked while they look.
-        The same jobs in the same order (a progress report): only the changed cells are redrawn."""
+        The same jobs in the same order (a progress report): only the changed cells are redrawn.
+        Before the table is mounted (a job submitted as the app starts) the records are kept and
+        drawn once its columns are there."""
+        if not self.columns:
+            return
         ordered = self.ordered()
         whys = self._whys(ordered)
         if ordered and [str(r.job_id) for r in ordered] == [str(k.value) for k in self.rows]:
