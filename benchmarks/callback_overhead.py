@@ -5,7 +5,7 @@ tokens, batch 32, 400 steps, lr 1e-3, on the built-in corpus) without, then with
 its defaults (every 100 steps and at step 0, 256 samples of the built-in corpus), in one process,
 one thread. Prints both wall times, their ratio and the seconds of each probe.
 
-    python benchmarks/callback_overhead.py [--steps 400] [--every 100] [--threads 1]
+    python benchmarks/callback_overhead.py [--steps 400] [--every 100] [--threads 1] [--probed-first]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--every", type=int, default=DEFAULT_EVERY)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--probed-first", action="store_true", help="train with the callback first")
     args = parser.parse_args()
 
     import torch
@@ -75,8 +76,12 @@ def main() -> None:
         return time.perf_counter() - started
 
     with tempfile.TemporaryDirectory() as tmp:
-        bare = train(Path(tmp) / "bare", False)
-        probed = train(Path(tmp) / "probed", True)
+        if args.probed_first:  # the other order, to see the drift of a shared machine's load
+            probed = train(Path(tmp) / "probed", True)
+            bare = train(Path(tmp) / "bare", False)
+        else:
+            bare = train(Path(tmp) / "bare", False)
+            probed = train(Path(tmp) / "probed", True)
         record = json.loads((Path(tmp) / "probed" / "isotui" / "isotui_series.json").read_text())
     probes = [s["seconds"] for s in record["steps"]]
     print(f"steps {settings.steps}, every {args.every}, threads {args.threads}")

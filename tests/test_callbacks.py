@@ -168,7 +168,9 @@ def test_a_probe_keeps_the_mode_and_the_random_states(trained, monkeypatch):
     model.train()
     model.bert.encoder.layer[0].eval()  # a mixed state comes back as it was
     before = [(n, m.training) for n, m in model.named_modules()]
-    probe = Probe("builtin", every=1, max_samples=8)
+    probe = Probe("builtin", every=1, max_samples=8, threads=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
 
     def draws():
         return random.random(), np.random.rand(), torch.rand(3).tolist()
@@ -178,6 +180,8 @@ def test_a_probe_keeps_the_mode_and_the_random_states(trained, monkeypatch):
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
     scalars = probe.measure(model, 7, tokenizer=tok)
     assert draws() == expected
+    assert torch.get_num_threads() == 1  # the run set 2 for itself
+    torch.set_num_threads(threads)
     assert [(n, m.training) for n, m in model.named_modules()] == before
     assert set(scalars) >= {"isotui/avg_cos/layer_0", "isotui/isoscore/layer_2"}
 

@@ -2,11 +2,13 @@
 
 The measurement is ``isotui.run(model, data, tokenizer=..., cache=False)`` (the API's model-object
 path, :mod:`isotui.models.given`) on the model's base (:func:`body`), so a step's numbers are those
-of ``isotui.run`` on that step's saved checkpoint. Around it the model's train/eval flags (restored by that path) and the random
-number generators (Python's, numpy's global one, torch's CPU and every initialised CUDA device's:
-:func:`kept_rng`) come back as they were, so the training that follows is the one without the
-probe. ``cache=False``: the weights change every step, so no entry would ever answer again; the
-step's layer run is kept in the series folder instead (:func:`isotui.experiments.recorded.write_step`).
+of ``isotui.run`` on that step's saved checkpoint. Around it, the model's train/eval flags (that
+path restores them), the random number generators (Python's, numpy's global one, torch's CPU and
+every initialised CUDA device's: :func:`kept_rng`) and torch's thread count (a run sets it; the
+probe runs on the training's unless ``threads=`` says otherwise) come back as they were, so the
+training that follows is the one without the probe. ``cache=False``: the weights change every
+step, so no entry would ever answer again; the step's layer run is kept in the series folder
+instead (:func:`isotui.experiments.recorded.write_step`).
 """
 
 from __future__ import annotations
@@ -139,21 +141,30 @@ class Probe:
     ) -> dict[str, float]:
         """Probe ``model`` at ``step``: the scalars to log (``isotui/METRIC/layer_L``, the
         encoder's and decoder's ``isotui/METRIC/encoder_layer_L``...), the layer run written to
-        the series folder with ``facts`` beside it. Mode and random states as they were after."""
+        the series folder with ``facts`` beside it. Mode, random states and threads as they were."""
+        import torch
+
         from isotui.api import Result, run
 
         started = time.perf_counter()
+        threads = (
+            torch.get_num_threads()
+        )  # a run sets torch's threads for the process: the training's back after
+        options = {"threads": threads, **self.options}  # by default on the training's threads
         with kept_rng():
-            found = run(
-                body(model),
-                self.data,
-                tokenizer=tokenizer,
-                processor=processor,
-                max_samples=self.max_samples,
-                cache=False,
-                progress=False,
-                **self.options,
-            )
+            try:
+                found = run(
+                    body(model),
+                    self.data,
+                    tokenizer=tokenizer,
+                    processor=processor,
+                    max_samples=self.max_samples,
+                    cache=False,
+                    progress=False,
+                    **options,
+                )
+            finally:
+                torch.set_num_threads(threads)
         assert isinstance(found, Result)  # one model object: one Result
         result = found.result
         seconds = time.perf_counter() - started
