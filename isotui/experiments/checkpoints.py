@@ -103,17 +103,22 @@ def run_series(
     ends the series.
     """
     from isotui.experiments.layerwise import measure
+    from isotui.experiments.recorded import read_step
     from isotui.experiments.series import measure_checkpoints
     from isotui.extract.progress import never_stop
 
     kept, results = measure_checkpoints(
         checkpoints,
-        lambda ckpt, on_progress: measure(
-            base_spec.with_model(ckpt.model),
-            cache,
-            on_progress=on_progress,
-            on_notice=on_notice,
-            should_stop=should_stop or never_stop,
+        lambda ckpt, on_progress: (
+            read_step(ckpt)
+            if ckpt.recorded
+            else measure(
+                base_spec.with_model(ckpt.model),
+                cache,
+                on_progress=on_progress,
+                on_notice=on_notice,
+                should_stop=should_stop or never_stop,
+            )
         ),
         progress=progress,
         attempt=failures.attempt if failures is not None else None,
@@ -147,15 +152,23 @@ class CheckpointsRequest(SeriesRequest[CheckpointSeries]):
     def _parts(self) -> list[Any]:
         from isotui.experiments.layerwise import LayersRequest
 
-        return [LayersRequest(self.spec.with_model(c.model)) for c in self.checkpoints]
+        return [LayersRequest(self.spec.with_model(c.model)) for c in self.checkpoints if not c.recorded]
+
+    def keys(self, cache_root: Path | None) -> list[str]:
+        """Each checkpoint's layer-run key (a recorded step's: the one it was recorded under)."""
+        parts = iter(self._parts())
+        return [c.recorded or next(parts).keys(cache_root)[0] for c in self.checkpoints]
 
     def lookup(self, cache_root: Path | None, notice: Notice) -> CheckpointSeries | None:
-        """Answered at once only when every checkpoint's layer run is cached."""
-        if cache_root is None:
+        """Answered at once only when every checkpoint's layer run is cached or recorded."""
+        from isotui.experiments.recorded import read_step
+
+        if cache_root is None and not all(c.recorded for c in self.checkpoints):
             return None
         found = []
-        for part in self._parts():
-            hit = part.lookup(cache_root, notice)
+        parts = iter(self._parts())
+        for ckpt in self.checkpoints:
+            hit = read_step(ckpt) if ckpt.recorded else next(parts).lookup(cache_root, notice)
             if hit is None:
                 return None
             found.append(hit)

@@ -355,7 +355,10 @@ class DynamicsParams:
 
 
 def _dynamics_request(spec: Any, params: DynamicsParams) -> DynamicsRequest:
+    from isotui.experiments.recorded import refuse_recorded
+
     series, ckpts, base = unpack_series(spec)
+    refuse_recorded(list(ckpts), "qk-dynamics")
     return DynamicsRequest(series, ckpts, base, sample_size=params.sample)
 
 

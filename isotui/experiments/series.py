@@ -25,12 +25,15 @@ _STEP = re.compile(r"step[_-]?0*(\d+)(k?)", re.IGNORECASE)
 @dataclass(frozen=True)
 class Checkpoint:
     """One checkpoint: the model name isotui loads, a short label and its training step;
-    ``duplicate_of``: the label of the later step whose weights it serves (see revisions)."""
+    ``duplicate_of``: the label of the later step whose weights it serves (see revisions);
+    ``recorded``: for a step of a series recorded during training (:mod:`isotui.experiments.recorded`),
+    the key of its layer run in its folder ``model``."""
 
     model: str
     label: str
     step: int | None
     duplicate_of: str | None = None
+    recorded: str | None = None  # a recorded step's cache key: its layer run needs no weights
 
 
 def step_of(text: str) -> int | None:
@@ -64,7 +67,8 @@ def resolve_checkpoints(
     ``isotui sweep`` all call this), in the order given.
 
     Each item is a hub revision of ``model`` (``step1000`` -> ``MODEL@step1000``), a model id,
-    a checkpoint folder, a folder of checkpoint folders (expanded, ordered by step), or a selector
+    a checkpoint folder, a folder of checkpoint folders (expanded, ordered by step), a series
+    recorded during training (:mod:`isotui.experiments.recorded`: its steps), or a selector
     of ``model``'s branches (``all``, ``every:N``, ``stepA..stepB``: see
     :mod:`isotui.experiments.revisions`; with one, the series is ordered by step). Checkpoints
     serving another step's weights get ``duplicate_of`` (before anything is downloaded; said
@@ -72,6 +76,7 @@ def resolve_checkpoints(
     sentence names (a config file's key, say).
     """
     from isotui.experiments import revisions
+    from isotui.experiments.recorded import recorded_series
 
     given = [checkpoints] if isinstance(checkpoints, str) else list(checkpoints)
     items = [t for chunk in given for t in re.split(r"[,\s]+", chunk) if t]
@@ -93,6 +98,12 @@ def resolve_checkpoints(
                 f"{flag}: checkpoint folder {item} does not exist (in {path.parent.resolve()}); give "
                 "checkpoint folders, a folder of them (isotui train-tiny output) or hub revisions"
             )
+        recorded = recorded_series(path) if path.is_dir() else None
+        if recorded is not None:
+            if not recorded:
+                raise IsotuiError(f"the series recorded in {item} has no step yet")
+            out += recorded
+            continue
         if path.is_dir() and not (path / "config.json").is_file():
             found = series_folder(path)
             if not found:

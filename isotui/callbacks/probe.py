@@ -1,0 +1,187 @@
+"""One probe of a model in training: its layer metrics on a fixed probe set, at the steps due.
+
+The measurement is ``isotui.run(model, data, tokenizer=..., cache=False)`` (the API's model-object
+path, :mod:`isotui.models.given`) on the model's base (:func:`body`), so a step's numbers are those
+of ``isotui.run`` on that step's saved checkpoint. Around it, the model's train/eval flags (that
+path restores them), the random number generators (Python's, numpy's global one, torch's CPU and
+every initialised CUDA device's: :func:`kept_rng`) and torch's thread count (a run sets it; the
+probe runs on the training's unless ``threads=`` says otherwise) come back as they were, so the
+training that follows is the one without the probe. ``cache=False``: the weights change every
+step, so no entry would ever answer again; the step's layer run is kept in the series folder
+instead (:func:`isotui.experiments.recorded.write_step`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from isotui.errors import IsotuiError
+
+DEFAULT_EVERY = 100  # steps between probes: measured overhead on train-tiny's model in the docs
+DEFAULT_SAMPLES = 256  # probe-set samples: a few hundred, as the reservoir metrics need
+DEFAULT_METRICS = ("avg_cos", "drift_norm", "isoscore", "eff_rank")  # the scalars logged per layer
+
+
+@contextmanager
+def kept_rng() -> Iterator[None]:
+    """Inside, anything may draw random numbers; after, Python's ``random``, numpy's global
+    generator, torch's CPU generator and each initialised CUDA device's are as they were."""
+    import numpy as np
+    import torch
+
+    py, np_state, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def body(model: Any) -> Any:
+    """What isotui measures of a model in training: a transformers model's base model (the
+    ``BertModel`` inside ``BertForMaskedLM``: what ``isotui run`` loads from its checkpoint, by
+    ``AutoModel``), without the head, whose vocabulary projection over every position would
+    cost more than the layers (85% of a probe of train-tiny's BERT); any other model as it is."""
+    import torch
+
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, torch.nn.Module) and base is not model else model
+
+
+def _metric_names() -> tuple[str, ...]:
+    from isotui.results import LayerRow
+
+    return tuple(f.name for f in fields(LayerRow) if f.type in ("float", float))
+
+
+def _whole(value: Any, keyword: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise IsotuiError(f"{keyword}= must be a whole number of at least {minimum} (got {value!r})")
+    return value
+
+
+class Probe:
+    """What to measure and when: ``data`` (a data spec as ``isotui run --data`` takes), at most
+    ``max_samples`` of it, every ``every`` steps (0: only at ``at``) and at the steps ``at``;
+    the layer metrics ``metrics`` logged per layer; the series written to ``out`` (None: none);
+    ``options``: any other keyword of :func:`isotui.run` (``max_length``, ``batch_size``,
+    ``reservoir``, ``seed``, ``special_tokens``...), checked at the first probe."""
+
+    def __init__(
+        self,
+        data: str = "builtin",
+        *,
+        every: int = DEFAULT_EVERY,
+        at: Iterable[int] = (),
+        max_samples: int = DEFAULT_SAMPLES,
+        metrics: Iterable[str] = DEFAULT_METRICS,
+        out: str | Path | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(data, str) or not data:
+            raise IsotuiError(
+                f"data= must be a data spec as isotui run --data takes, e.g. 'builtin' (got {data!r})"
+            )
+        self.data = data
+        self.every = _whole(every, "every", 0)
+        self.at = frozenset(_whole(s, "at", 0) for s in ([at] if isinstance(at, int) else at))
+        if self.every == 0 and not self.at:
+            raise IsotuiError("every=0 probes only at the steps of at=, and at= is empty: give either")
+        self.max_samples = _whole(max_samples, "max_samples", 1)
+        known = _metric_names()
+        self.metrics = tuple([metrics] if isinstance(metrics, str) else metrics)
+        for m in self.metrics:
+            if m not in known:
+                raise IsotuiError(
+                    f"metrics= has {m!r}, which is no layer metric; give some of {', '.join(known)}"
+                )
+        for key in ("cache", "cache_dir", "progress", "tokenizer", "processor", "name", "config"):
+            if key in options:
+                raise IsotuiError(f"{key}= is the probe's own to set, not a run option of the probe")
+        self.options = options
+        self.out = Path(out).expanduser() if out is not None else None
+        self.record: dict[str, Any] | None = None
+        self.done: set[int] = set()
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is probed (each step once)."""
+        if step in self.done:
+            return False
+        return step in self.at or (self.every > 0 and step % self.every == 0)
+
+    def start(self, out: str | Path | None = None) -> None:
+        """Before the first probe: the series folder (``out`` unless given at construction), made
+        or refused in one sentence (:func:`isotui.experiments.recorded.prepare_out`)."""
+        from isotui.experiments.recorded import new_record, prepare_out
+
+        if self.out is None and out is not None:
+            self.out = Path(out).expanduser()
+        if self.out is not None and self.record is None:
+            prepare_out(self.out)
+            self.record = new_record(
+                {"data": self.data, "max_samples": self.max_samples, "every": self.every, **self.options}
+                | {"at": sorted(self.at)}
+            )
+
+    def measure(
+        self, model: Any, step: int, *, tokenizer: Any = None, processor: Any = None, **facts: Any
+    ) -> dict[str, float]:
+        """Probe ``model`` at ``step``: the scalars to log (``isotui/METRIC/layer_L``, the
+        encoder's and decoder's ``isotui/METRIC/encoder_layer_L``...), the layer run written to
+        the series folder with ``facts`` beside it. Mode, random states and threads as they were."""
+        import torch
+
+        from isotui.api import Result, run
+
+        started = time.perf_counter()
+        threads = (
+            torch.get_num_threads()
+        )  # a run sets torch's threads for the process: the training's back after
+        options = {"threads": threads, **self.options}  # by default on the training's threads
+        with kept_rng():
+            try:
+                found = run(
+                    body(model),
+                    self.data,
+                    tokenizer=tokenizer,
+                    processor=processor,
+                    max_samples=self.max_samples,
+                    cache=False,
+                    progress=False,
+                    **options,
+                )
+            finally:
+                torch.set_num_threads(threads)
+        assert isinstance(found, Result)  # one model object: one Result
+        result = found.result
+        seconds = time.perf_counter() - started
+        self.done.add(step)
+        if self.out is not None and self.record is not None:
+            from isotui.experiments.recorded import write_step
+
+            write_step(self.out, self.record, step, result, seconds=round(seconds, 3), **facts)
+        return self.scalars(result)
+
+    def scalars(self, result: Any) -> dict[str, float]:
+        """``isotui/METRIC/layer_L`` for each metric and layer (NaN left out: loggers refuse it)."""
+        out: dict[str, float] = {}
+        for row in result.rows:
+            where = f"layer_{row.layer}" if row.component == "model" else f"{row.component}_layer_{row.layer}"
+            for metric in self.metrics:
+                value = float(getattr(row, metric))
+                if math.isfinite(value):
+                    out[f"isotui/{metric}/{where}"] = value
+        return out

@@ -1,0 +1,125 @@
+"""A series recorded during training (:mod:`isotui.callbacks`): a layer run per probed step,
+read back as a checkpoint series whose checkpoints need no weights.
+
+Folder::
+
+    DIR/isotui_series.json        what was probed (data, options), and per step its cache key
+    DIR/step_000010/runs/KEY.safetensors   that step's layer run: a result cache entry, the
+    DIR/step_000020/runs/...               same file a run of the step's checkpoint caches
+
+``--checkpoints DIR`` (``isotui experiment checkpoints``, ``isotui figure machina2024-heatmap``,
+the app's series box) reads each step's layer run from its folder instead of loading weights
+(:func:`recorded_series`, :func:`read_step`). ``isotui.load(KEY, cache_dir=DIR/step_000010)``
+opens one. The JSON is rewritten atomically after every step, so an interrupted training leaves
+the steps written so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from isotui.errors import IsotuiError
+
+if TYPE_CHECKING:
+    from isotui.experiments.series import Checkpoint
+    from isotui.results import ModelResult
+
+SERIES_FILE = "isotui_series.json"
+COMMAND = "isotui-callback"
+FORMAT = 1
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def read_record(out: Path) -> dict[str, Any] | None:
+    """The ``isotui_series.json`` of a recorded series in ``out``, None if there is none."""
+    try:
+        payload = json.loads((Path(out) / SERIES_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(payload, dict) or payload.get("command") != COMMAND:
+        return None
+    return payload
+
+
+def new_record(probe: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of a series about to be recorded: what is probed, no step yet."""
+    return {"command": COMMAND, "format": FORMAT, "probe": probe, "steps": []}
+
+
+def prepare_out(out: Path) -> None:
+    """A new or empty folder, or an earlier recorded series (its steps are replaced as they come);
+    anything else refused in one sentence (nothing of the user's is written over)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise IsotuiError(f"out={str(out)!r} is a file; give a new or empty folder for the series")
+    if out.is_dir() and any(out.iterdir()) and read_record(out) is None:
+        raise IsotuiError(
+            f"out={str(out)!r} is not empty and holds no recorded series ({SERIES_FILE}); give a new or "
+            "empty folder"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def write_step(out: Path, record: dict[str, Any], step: int, result: ModelResult, **facts: Any) -> Path:
+    """Store ``result`` (the layer run at ``step``) as a cache entry in ``out/step_NNNNNN`` and
+    list it in the record (rewritten atomically); ``facts`` (seconds, loss...) go beside it."""
+    from isotui.store.cache import ResultCache
+
+    folder = Path(out) / step_dir_name(step)
+    ResultCache(folder).put_payload(result.key, result.to_json(), result.arrays)
+    entry = {"step": step, "path": folder.name, "key": result.key, **facts}
+    record["steps"] = [s for s in record["steps"] if s["step"] != step] + [entry]
+    record["steps"].sort(key=lambda s: s["step"])
+    tmp = Path(out) / f".{SERIES_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, Path(out) / SERIES_FILE)
+    return folder
+
+
+def recorded_series(path: Path) -> list[Checkpoint] | None:
+    """The steps of the recorded series in ``path`` as checkpoints (each with its key in
+    ``recorded``), None when ``path`` holds none."""
+    from isotui.experiments.series import Checkpoint
+
+    record = read_record(path)
+    if record is None:
+        return None
+    return [
+        Checkpoint(str(Path(path) / s["path"]), s["path"], int(s["step"]), recorded=str(s["key"]))
+        for s in record["steps"]
+    ]
+
+
+def read_step(checkpoint: Checkpoint) -> ModelResult:
+    """The layer run recorded for ``checkpoint`` (from :func:`recorded_series`)."""
+    from isotui.experiments.layerwise import read
+    from isotui.store.cache import CacheProblem, ResultCache
+
+    assert checkpoint.recorded is not None
+    try:
+        found = read(ResultCache(Path(checkpoint.model)), checkpoint.recorded)
+    except CacheProblem as problem:
+        raise IsotuiError(f"{problem} (recorded step {checkpoint.label})") from None
+    if found is None:
+        raise IsotuiError(
+            f"the recorded step {checkpoint.label} has no layer run in {checkpoint.model} (removed?)"
+        )
+    found.from_cache = True
+    return found
+
+
+def refuse_recorded(checkpoints: list[Any], experiment: str) -> None:
+    """One sentence when a series recorded during training is given to an experiment that needs
+    the checkpoints' weights."""
+    if any(getattr(c, "recorded", None) for c in checkpoints):
+        raise IsotuiError(
+            f"{experiment} needs each checkpoint's weights; a series recorded during training holds "
+            "layer runs only (use it with the checkpoints experiment, or give the trainer's saved "
+            "checkpoints)"
+        )

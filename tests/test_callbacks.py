@@ -1,0 +1,245 @@
+"""isotui.callbacks: the transformers Trainer's callback measures the model in training.
+
+A tiny BERT (train-tiny's model on small sizes, dropout on, so its train/eval mode and the random
+numbers matter) trains 6 steps with the Trainer, saving at steps 3 and 6, once without and once
+with the callback probing every 3 steps: the losses are the same, the numbers at a step are
+``isotui.run`` on the checkpoint the Trainer saved at that step, and the recorded series opens as
+a checkpoint series (API, CLI, figure).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import isotui
+from isotui.errors import IsotuiError
+from isotui.results import LayerRow
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, EVERY, SAMPLES = 6, 3, 48
+FLOATS = [f.name for f in fields(LayerRow) if f.type in ("float", float)]
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from isotui.models.naming import bundled_minilm_dir
+
+    tok = AutoTokenizer.from_pretrained(str(bundled_minilm_dir()))
+    tok.model_max_length = 32
+    return tok
+
+
+def _train(out: Path, probe: bool, tok) -> tuple[list[dict], object]:
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    from isotui.callbacks import IsotuiCallback
+    from isotui.data.sources import load_samples, parse_data
+    from isotui.experiments.train_tiny import Settings, build_model, pack_rows
+
+    settings = Settings("bert", STEPS, (), 32, 2, 2, 32, 8, 1e-3, 0.1, 0)
+    ids = tok(load_samples(parse_data("builtin"))[:400], add_special_tokens=False)["input_ids"]
+    rows = pack_rows(ids, 32, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id)
+    torch.manual_seed(0)
+    model = build_model(settings, tok)
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=8, save_strategy="steps",
+        save_steps=EVERY, logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=[{"input_ids": r} for r in rows],
+        data_collator=DataCollatorForLanguageModeling(tok),  # masks with torch's global generator
+        processing_class=tok,
+    )
+    if probe:
+        IsotuiCallback("builtin", every=EVERY, max_samples=SAMPLES).attach(trainer)
+    trainer.train()
+    return trainer.state.log_history, model
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("callbacks")
+    tok = _tokenizer()
+    bare, _ = _train(root / "bare", False, tok)
+    probed, model = _train(root / "probed", True, tok)
+    return {"bare": bare, "probed": probed, "out": root / "probed", "model": model, "tok": tok}
+
+
+def _losses(history: list[dict]) -> list[tuple[int, float]]:
+    return [(h["step"], h["loss"]) for h in history if "loss" in h]
+
+
+def test_training_with_the_callback_is_the_training_without_it(trained):
+    bare, probed = _losses(trained["bare"]), _losses(trained["probed"])
+    assert [s for s, _ in bare] == list(range(1, STEPS + 1))
+    assert probed == bare  # bit for bit: dropout's mode and the collator's masking untouched
+
+
+def _recorded(out: Path) -> dict[int, object]:
+    from isotui.experiments.recorded import read_step, recorded_series
+
+    return {c.step: read_step(c) for c in recorded_series(out / "isotui")}
+
+
+def _same(a, b, tol: float) -> list[str]:
+    bad = []
+    assert [(r.component, r.layer) for r in a.rows] == [(r.component, r.layer) for r in b.rows]
+    for ra, rb in zip(a.rows, b.rows, strict=True):
+        for name in FLOATS:
+            x, y = getattr(ra, name), getattr(rb, name)
+            if not (math.isnan(x) and math.isnan(y)) and not abs(x - y) <= tol:
+                bad.append(f"layer {ra.layer} {name}: {x!r} != {y!r}")
+    return bad
+
+
+@pytest.mark.parametrize("step", [EVERY, 2 * EVERY])
+def test_numbers_at_a_step_are_the_run_on_that_steps_checkpoint(trained, step):
+    recorded = _recorded(trained["out"])
+    assert sorted(recorded) == [0, EVERY, 2 * EVERY]
+    checkpoint = trained["out"] / f"checkpoint-{step}"
+    posthoc = isotui.run(str(checkpoint), "builtin", max_samples=SAMPLES, cache=False, progress=False).result
+    assert posthoc.meta["n_samples"] == recorded[step].meta["n_samples"] == SAMPLES
+    assert _same(recorded[step], posthoc, 1e-9) == []
+    assert _same(recorded[0], posthoc, 1e-9) != []  # the steps differ: the comparison can tell
+
+
+def test_scalars_go_through_the_trainers_log(trained):
+    recorded = _recorded(trained["out"])
+    logged = {h["step"]: h for h in trained["probed"] if any(k.startswith("isotui/") for k in h)}
+    assert sorted(logged) == [0, EVERY, 2 * EVERY]
+    for step, result in recorded.items():
+        for row in result.rows:
+            assert logged[step][f"isotui/avg_cos/layer_{row.layer}"] == row.avg_cos
+            assert logged[step][f"isotui/eff_rank/layer_{row.layer}"] == row.eff_rank
+    assert not any(k.startswith("isotui/") for h in trained["bare"] for k in h)
+
+
+def test_the_recorded_series_opens_as_a_checkpoint_series(trained, tmp_path, monkeypatch):
+    from isotui.cli import main
+
+    monkeypatch.setenv("ISOTUI_CACHE_DIR", str(tmp_path / "cache"))
+    series = trained["out"] / "isotui"
+    recorded = _recorded(trained["out"])
+    found = isotui.experiment("checkpoints", checkpoints=[str(series)], progress=False).result
+    assert found.steps() == [0, EVERY, 2 * EVERY]
+    labels, grid = found.grid("avg_cos")
+    for j, step in enumerate(found.steps()):
+        assert list(grid[:, j]) == [r.avg_cos for r in recorded[step].rows]
+    assert main(["experiment", "checkpoints", "-c", str(series), "--csv", str(tmp_path / "s.csv")]) == 0
+    csv_text = (tmp_path / "s.csv").read_text()
+    assert csv_text.count("step_000003") == len(labels)
+    figure = tmp_path / "heat.png"
+    assert main(["figure", "machina2024-heatmap", "-c", str(series), "--out", str(figure)]) == 0
+    assert figure.stat().st_size > 0
+    with pytest.raises(IsotuiError, match="qk-dynamics needs each checkpoint's weights"):
+        isotui.experiment("qk-dynamics", checkpoints=[str(series)], progress=False)
+
+
+def test_a_probe_keeps_the_mode_and_the_random_states(trained, monkeypatch):
+    """A forward that draws random numbers (isotui's own does not: its reservoir has its own
+    seeded generator) changes none of the training's."""
+    import isotui.api
+    from isotui.callbacks import Probe
+
+    real_run = isotui.api.run
+
+    def drawing_run(*args, **kwargs):
+        random.random(), np.random.rand(), torch.rand(1)
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(isotui.api, "run", drawing_run)
+    model, tok = trained["model"], trained["tok"]
+    model.train()
+    model.bert.encoder.layer[0].eval()  # a mixed state comes back as it was
+    before = [(n, m.training) for n, m in model.named_modules()]
+    probe = Probe("builtin", every=1, max_samples=8, threads=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def draws():
+        return random.random(), np.random.rand(), torch.rand(3).tolist()
+
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    expected = draws()
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    scalars = probe.measure(model, 7, tokenizer=tok)
+    assert draws() == expected
+    assert torch.get_num_threads() == 1  # the run set 2 for itself
+    torch.set_num_threads(threads)
+    assert [(n, m.training) for n, m in model.named_modules()] == before
+    assert set(scalars) >= {"isotui/avg_cos/layer_0", "isotui/isoscore/layer_2"}
+
+
+def test_kept_rng_restores_what_was_drawn_inside():
+    from isotui.callbacks import kept_rng
+
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    with kept_rng():
+        inside = (torch.rand(2).tolist(), np.random.rand(), random.random())
+    assert (torch.rand(2).tolist(), np.random.rand(), random.random()) == inside
+
+
+def test_bad_settings_are_one_sentence(tmp_path):
+    from isotui.callbacks import IsotuiCallback, Probe
+    from isotui.experiments.recorded import prepare_out
+
+    with pytest.raises(IsotuiError, match=r"every= must be a whole number of at least 0 \(got -1\)"):
+        Probe(every=-1)
+    with pytest.raises(IsotuiError, match="metrics= has 'avg_coss', which is no layer metric"):
+        Probe(metrics=["avg_coss"])
+    with pytest.raises(IsotuiError, match="every=0 probes only at the steps of at="):
+        Probe(every=0)
+    with pytest.raises(IsotuiError, match="cache= is the probe's own to set"):
+        Probe(cache=True)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(IsotuiError, match="is not empty and holds no recorded series"):
+        prepare_out(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    callback = IsotuiCallback(every=10)
+    with pytest.raises(IsotuiError, match=r"attach\(trainer\)"):
+        callback.on_train_begin(None, None, None)
+
+
+def _page_python(page: Path) -> str:
+    (code,) = re.findall(r"^```python\n(.*?)^```", page.read_text(encoding="utf-8"), re.S | re.M)
+    return code
+
+
+def test_the_docs_example_runs(tmp_path):
+    """docs/callbacks.md: its Python example, then the commands of its console block, as written."""
+    import os
+
+    page = ROOT / "docs" / "callbacks.md"
+    env = {**os.environ, "ISOTUI_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", _page_python(page)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "isotui/avg_cos/layer_1" in proc.stdout
+    text = page.read_text(encoding="utf-8")
+    (console,) = re.findall(r"^```console\n(.*?)^```", text, re.S | re.M)
+    commands = [shlex.split(line[2:]) for line in console.splitlines() if line.startswith("$ ")]
+    assert commands
+    for argv in commands:
+        assert argv[0] == "isotui"
+        ran = subprocess.run(
+            [sys.executable, "-m", "isotui", *argv[1:]], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert ran.returncode == 0, f"{shlex.join(argv)}\n{ran.stderr[-2000:]}"
