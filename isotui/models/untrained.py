@@ -154,6 +154,9 @@ def _shadowed_init(model: Any, draws: SeededDraws, name: str) -> Iterator[None]:
                         if key not in unset:
                             table[key] = first
                     unset = shadows.unset()
+                if unset:  # drawn by the model's constructor alone (older transformers' init skips it)
+                    _constructor_draws(shadows, unset)
+                    unset = shadows.unset()
                 if unset:
                     raise IsotuiError(
                         f"could not build untrained model {name!r}: transformers' init of "
@@ -171,6 +174,21 @@ def _shadowed_init(model: Any, draws: SeededDraws, name: str) -> Iterator[None]:
     finally:
         for owner in owners:
             owner.__dict__.pop("_init_weights", None)
+
+
+# Parameters a model draws in its constructor, which some transformers versions' ``_init_weights``
+# leave to that draw (wav2vec2's ``masked_spec_embed``, ``uniform_()`` on [0, 1), before 5.17):
+# drawn as the constructor draws them, from the build's seeded draws.
+CONSTRUCTOR_UNIFORM = ("masked_spec_embed",)
+
+
+def _constructor_draws(shadows: Any, unset: list[str]) -> None:
+    import torch
+
+    for table, key, _device_tensor in shadows.saved:
+        if key in unset and key in CONSTRUCTOR_UNIFORM:
+            with torch.no_grad():
+                table[key].uniform_()
 
 
 def _is_parametrization(module: Any) -> bool:
