@@ -25,6 +25,9 @@ import isotui
 from isotui.errors import IsotuiError
 from isotui.results import LayerRow
 
+# a long run (`make test-fast` leaves it out)
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -20,6 +20,9 @@ from isotui.spec import make_spec
 
 from .conftest import corpus
 
+# a long run (`make test-fast` leaves it out)
+pytestmark = pytest.mark.slow
+
 PLENTY = 64 << 30
 # samples: more tokens than any reservoir asked below; for BERT's tokenizer 1,348 token types
 # in two samples or more (the run follows 1,000, as the dry run plans)

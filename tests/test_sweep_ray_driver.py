@@ -26,6 +26,9 @@ from isotui.cli import main
 from .conftest import corpus
 from .reference import hidden_vectors
 
+# a long run (`make test-fast` leaves it out)
+pytestmark = pytest.mark.slow
+
 N = 11  # samples: the three shards differ in size
 MAX_LENGTH = 16
 SHARDS = 3
