@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -20,6 +22,7 @@ def _cpu_name() -> str:
     return "cpu: " + (platform.processor() or platform.machine())
 
 
+@pytest.mark.slow
 def test_smoke_rows_name_the_device_and_hold_their_own_arithmetic(tmp_path):
     out = tmp_path / "rows.jsonl"
     argv = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--device", "cpu"]
