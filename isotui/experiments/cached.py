@@ -38,6 +38,19 @@ def _ignore(_text: str) -> None:
     """Default: drop notices."""
 
 
+def relabel_rows(spec: Any) -> Callable[[Any], None]:
+    """A cached result (with ``model``, ``meta`` and ``rows``) relabelled for ``spec``, the ask
+    that found it: its model's name as asked, its data as described, marked from the cache."""
+
+    def relabel(result: Any) -> None:
+        result.model, result.from_cache = spec.model, True
+        result.meta["data"] = spec.data.describe()
+        for row in result.rows:
+            row.model = spec.model
+
+    return relabel
+
+
 def key_hash(fields: Mapping[str, Any]) -> str:
     """A cache key: the sha256 of ``fields`` as JSON with sorted keys, its first 32 hex digits
     (every key of the result cache, so existing caches keep answering)."""

@@ -99,30 +99,24 @@ def cached_gradients(
 ) -> GradientResult:
     """:func:`measure_gradients` through the result cache (folder ``gradients``; ``cache`` from
     :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
-    from isotui.experiments.cached import cached_run, experiment_key
+    from isotui.experiments.cached import cached_run, experiment_key, relabel_rows
     from isotui.experiments.layerwise import prepare
 
     if spec.given is None:  # a model object: its head is checked where it is loaded
         _refuse_bundled(spec.model)
     prepared = prepare(spec, cache)
-
-    def relabel(result: GradientResult) -> None:
-        result.model, result.from_cache = spec.model, True
-        result.meta["data"] = spec.data.describe()
-        for row in result.rows:
-            row.model = spec.model
-
-    return cached_run(
+    result: GradientResult = cached_run(
         cache,
         [experiment_key(k, FOLDER, SCHEMA, {"top_k": top_k}) for k in prepared.keys],
         decode=gradients_from_payload,
-        relabel=relabel,
+        relabel=relabel_rows(spec),
         compute=lambda: measure_gradients(
             spec, top_k=top_k, on_progress=on_progress, should_stop=should_stop, prepared=prepared
         ),
         encode=lambda result: ({k: v for k, v in asdict(result).items() if k != "from_cache"}, {}),
         notice=on_notice,
     )
+    return result
 
 
 @dataclass(frozen=True)

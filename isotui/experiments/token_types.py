@@ -237,28 +237,22 @@ def cached_types(
     on_notice: Notice | None = None,
 ) -> TokenTypesResult:
     """:func:`measure_types` through the result cache (folder ``token-types``)."""
-    from isotui.experiments.cached import cached_run, experiment_key
+    from isotui.experiments.cached import cached_run, experiment_key, relabel_rows
     from isotui.experiments.layerwise import prepare
 
     prepared = prepare(spec, cache)
-
-    def relabel(result: TokenTypesResult) -> None:
-        result.model, result.from_cache = spec.model, True
-        result.meta["data"] = spec.data.describe()
-        for row in result.rows:
-            row.model = spec.model
-
-    return cached_run(
+    result: TokenTypesResult = cached_run(
         cache,
         [experiment_key(k, FOLDER, SCHEMA, {"top": top}) for k in prepared.keys],
         decode=decode,
-        relabel=relabel,
+        relabel=relabel_rows(spec),
         compute=lambda: measure_types(
             spec, top=top, on_progress=on_progress, should_stop=should_stop, prepared=prepared
         ),
         encode=lambda r: ({"model": r.model, "rows": [asdict(x) for x in r.rows], "meta": r.meta}, {}),
         notice=on_notice,
     )
+    return result
 
 
 def decode(payload: dict[str, Any], _arrays: Any) -> TokenTypesResult:
