@@ -3,7 +3,12 @@ and 8 GPUs of 80 GB: configs written from the models' published dimensions (no w
 by accelerate's ``infer_auto_device_map`` (``--device-map auto``), accumulator budgets what each
 GPU has left after its weights, the first batch's activations and the margin.
 
-    PYTHONPATH=$PWD python benchmarks/memory_plan.py
+``--times``: for the runs the issues ask about (Pythia-12B over its 154 checkpoints on 8 GPUs,
+Llama-3-70B on 2 and 4), the plan's time per phase (:mod:`isotui.extract.phase_time`: absent
+GPUs at an H100's nominal rates), memory per device and disk, for ``--samples`` samples of 512
+tokens.
+
+    PYTHONPATH=$PWD python benchmarks/memory_plan.py [--times] [--samples 1000]
 """
 
 from __future__ import annotations
@@ -61,7 +66,75 @@ def gb(n: int) -> str:
     return f"{n / 1e9:6.1f}"
 
 
+def plan_of(folder: Path, gpus: int, samples: int | None = None):
+    """The plan ``isotui run --dry-run`` prints for the model in ``folder`` on ``gpus`` GPUs of
+    80 GB (with its time per phase when ``samples`` is given)."""
+    from isotui.experiments.layerwise import LayersRequest
+    from isotui.experiments.plans import layers
+    from isotui.spec import RunSpec
+
+    spec = RunSpec(
+        model=str(folder),
+        data="builtin",
+        device_map="auto",
+        max_memory=tuple((i, 80 * 10**9) for i in range(gpus)),
+        reservoir=4096,
+        max_length=512,
+        max_samples=samples,
+    )
+    return layers(LayersRequest(spec))
+
+
+def times(samples: int) -> None:
+    from isotui.extract.phase_time import duration
+
+    runs = [("pythia-12b", 8, 154), ("pythia-12b", 1, 154), ("llama-3-70b", 2, 1), ("llama-3-70b", 4, 1)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, gpus, checkpoints in runs:
+            folder = Path(tmp) / name
+            folder.mkdir(exist_ok=True)
+            (folder / "config.json").write_text(json.dumps(configs()[name]), encoding="utf-8")
+            plan = plan_of(folder, gpus, samples)
+            phases = plan.phases
+            assert phases is not None
+            each = "; ".join(f"{k} {duration(v)}" for k, v in phases.seconds.items())
+            total = phases.total() * checkpoints
+            print(
+                f"\n{name} on {gpus} x 80 GB, {samples:,} samples of 512 tokens, {checkpoints} checkpoint(s)"
+            )
+            print(f"  time per checkpoint: {each}; in all {duration(phases.total())}")
+            if checkpoints > 1:
+                print(f"  {checkpoints} checkpoints one after another: {duration(total)}")
+            exact = sum(p.exact_cov for p in plan.layers)
+            res = sorted({p.reservoir for p in plan.layers})
+            print(f"  plan: {exact}/{len(plan.layers)} exact covariances, reservoirs {res}, {plan.batch}")
+            fold, final, per = plan.transients(), plan.finalisation(), plan.per_device()
+            for dev in sorted({*plan.weights, *per}):
+                print(
+                    f"  {dev:<7} weights {gb(plan.weights.get(dev, 0))} GB, sums {gb(per.get(dev, 0))} GB, "
+                    f"batch fold {gb(fold.get(dev, 0))} GB, finalising {gb(final.get(dev, 0))} GB"
+                )
+            weights = sum(plan.weights.values())
+            state = sum(per.values())
+            print(
+                f"  disk: the weights {gb(weights)} GB per checkpoint in the hub cache "
+                f"({gb(weights * checkpoints)} GB for {checkpoints}), {gb(plan.weights.get('disk', 0))} GB "
+                f"offloaded, a shard state {gb(state)} GB per shard"
+            )
+            for line in plan.rank_deficient():
+                print(f"  {line}")
+
+
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--times", action="store_true", help="the issues' runs: time, memory, disk")
+    parser.add_argument("--samples", type=int, default=1000)
+    args = parser.parse_args()
+    if args.times:
+        times(args.samples)
+        return
     print(
         f"{'model':<13} {'GPUs':>4} {'weights GB (per GPU max, disk)':>31} {'exact cov':>9} "
         f"{'cov GB':>7} {'reservoir':>9} {'accum GB (per GPU max)':>23}"

@@ -36,8 +36,9 @@ def _texts(tmp_path: Path, n: int) -> str:
 
 
 def _without(plan: dict, estimates: list[str]) -> dict:
-    """``plan`` less its source, its estimates list and the fields that list names."""
-    out = {k: v for k, v in plan.items() if k not in ("source", "estimates", "notes")}
+    """``plan`` less its source, its estimates list, the dry run's time per phase (a forecast
+    only the dry run makes) and the fields that list names."""
+    out = {k: v for k, v in plan.items() if k not in ("source", "estimates", "notes", "phases")}
     for path in estimates:
         head, _, tail = path.partition(".")
         if not tail:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from isotui.experiments.layerwise import LayersRequest
     from isotui.experiments.qk_dynamics import DynamicsRequest
     from isotui.extract.memory_plan import ExperimentPlan, MemoryPlan, Paper
+    from isotui.extract.phase_time import PhaseTimes
     from isotui.spec import RunSpec
 
 
@@ -40,7 +41,8 @@ def _paper(spec: RunSpec, head: str | None = None) -> Paper:
 
 
 def layers(request: LayersRequest | CheckpointsRequest) -> MemoryPlan:
-    """``isotui run`` (and each checkpoint of ``checkpoints``): every hidden state's sums."""
+    """``isotui run`` (and each checkpoint of ``checkpoints``): every hidden state's sums, and
+    the time per phase (an estimate)."""
     from isotui.extract.memory_plan import layers_plan
 
     if request.spec.modules:
@@ -48,7 +50,30 @@ def layers(request: LayersRequest | CheckpointsRequest) -> MemoryPlan:
             "--dry-run plans the hidden states from the model's config, and the modules --modules "
             "names are known only when the model runs (how many, how wide): drop --dry-run or --modules"
         )
-    return layers_plan(_paper(request.spec), request.spec.reservoir)
+    spec = request.spec
+    paper = _paper(spec)
+    plan = layers_plan(paper, spec.reservoir)
+    from isotui.experiments.checkpoints import CheckpointsRequest
+
+    repeat = len(request.checkpoints) if isinstance(request, CheckpointsRequest) else 1
+    plan.phases = _phase_times(paper, plan, spec, repeat)
+    plan.estimates.append("phases")
+    return plan
+
+
+# the tokens a time estimate is given for when --max-samples does not bound the corpus
+TOKENS_PER_ESTIMATE = 1_000_000
+
+
+def _phase_times(paper: Paper, plan: MemoryPlan, spec: RunSpec, repeat: int) -> PhaseTimes:
+    """The run's time per phase (:mod:`isotui.extract.phase_time`): for ``--max-samples`` samples
+    of the planned length, else per :data:`TOKENS_PER_ESTIMATE` tokens."""
+    from isotui.extract.phase_time import estimate, paper_work
+
+    tokens = spec.max_samples * paper.length if spec.max_samples else TOKENS_PER_ESTIMATE
+    times = estimate(paper_work(paper, plan, tokens), repeat=repeat)
+    times.bounded = bool(spec.max_samples)
+    return times
 
 
 def attention(request: AttentionRequest | DynamicsRequest) -> ExperimentPlan:

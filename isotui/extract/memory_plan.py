@@ -35,6 +35,7 @@ from isotui.extract.device import available_memory, resolve_dtype
 from isotui.extract.planning import TOKEN_BUDGET
 
 if TYPE_CHECKING:
+    from isotui.extract.phase_time import PhaseTimes
     from isotui.models.naming import ModelRef
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -539,6 +540,7 @@ class MemoryPlan:
     act_bytes: int = 4  # bytes per value of the model's hidden states
     # a dry run's fields that the run may find otherwise (JSON paths: "budget_bytes.cpu")
     estimates: list[str] = field(default_factory=list)
+    phases: PhaseTimes | None = None  # a dry run's time per phase (an estimate, decides nothing)
 
     def transients(self) -> dict[str, int]:
         """Per device, the most one batch's fold allocates there beside the sums (its widest
@@ -642,6 +644,8 @@ class MemoryPlan:
         work = self.workspace_line()
         if work:
             lines.append(work)
+        if self.phases is not None:
+            lines.append(self.phases.line())
         if self.estimates:
             lines.append(f"estimated (the run may find otherwise): {', '.join(self.estimates)}")
         return lines
@@ -724,6 +728,7 @@ class MemoryPlan:
             "transient_bytes": self.transients(),
             "finalisation_bytes": self.finalisation(),
             "estimates": list(self.estimates),
+            **({"phases": self.phases.to_json()} if self.phases is not None else {}),
             "layers": [
                 {
                     "name": p.name,
@@ -1004,6 +1009,7 @@ class Paper:
     held: dict[str, int] = field(default_factory=dict)  # per device: weights and the workspace
     tokens: int = 0  # the first batch's tokens the workspace is planned for
     estimates: list[str] = field(default_factory=list)  # the plan's fields the run may see otherwise
+    length: int = 0  # tokens per sample (--max-length, else the model's limit)
 
 
 def place_on_paper(
@@ -1112,6 +1118,7 @@ def place_on_paper(
         room.held,
         room.tokens,
         estimates,
+        length,
     )
 
 
