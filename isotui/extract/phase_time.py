@@ -157,7 +157,10 @@ class PhaseTimes:
 
     def line(self) -> str:
         phases = "; ".join(f"{name} {duration(s)}" for name, s in self.seconds.items())
-        how = ", ".join(f"{d}: {what}" for d, what in self.devices.items())
+        same: dict[str, list[str]] = {}  # the rates' words -> the devices timed by them
+        for device, what in self.devices.items():
+            same.setdefault(what, []).append(device)
+        how = "; ".join(f"{', '.join(devices)}: {what}" for what, devices in same.items())
         whole = duration(self.total())
         per = (
             f"up to {self.tokens:,} tokens"
