@@ -21,7 +21,7 @@ from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_
 
 if TYPE_CHECKING:
     from isotui.experiments.base import Experiment
-    from isotui.extract.memory_plan import MemoryPlan
+    from isotui.extract.memory_plan import ExperimentPlan, MemoryPlan
     from isotui.results import Outcome
     from isotui.spec import RunSpec
 
@@ -128,12 +128,30 @@ def plans(experiment: Experiment, requests: Sequence[Any]) -> list[tuple[str, st
         label = request.model
         what = "memory plan" if experiment.command == "run" else f"memory plan of {experiment.name}"
         heading = f"{request.model}: {what} (dry run, no weights read)"
+        plan = experiment.plan(request)
         if experiment.inputs == "series":
             n = len(request.checkpoints)
             label = request.series or request.model
             heading += f"; each of its {n} checkpoint{'s' * (n != 1)} in turn holds this"
-        entries.append((label, heading, experiment.plan(request)))
+            heading += _hub_disk(request.checkpoints, plan)
+        entries.append((label, heading, plan))
     return entries
+
+
+def _hub_disk(checkpoints: Sequence[Any], plan: MemoryPlan | ExperimentPlan) -> str:
+    """A series' disk: each hub revision it downloads stays in the hub cache (huggingface_hub
+    keeps every revision; ``hf cache rm`` frees them)."""
+    from isotui.extract.memory_plan import size_text
+    from isotui.models.naming import parse_model
+
+    hub = sum(1 for c in checkpoints if not c.recorded and parse_model(c.model).kind == "hub")
+    weights = sum(plan.weights.values())
+    if not hub or not weights:
+        return ""
+    return (
+        f"; the {hub} hub revision{'s' * (hub != 1)} stay in the hub cache once downloaded: "
+        f"{size_text(weights * hub)} of disk ({size_text(weights)} each; `hf cache rm` frees them)"
+    )
 
 
 def run(experiment: Experiment, requests: Sequence[Any], session: Session) -> Outcome:

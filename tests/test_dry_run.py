@@ -156,3 +156,21 @@ def test_a_model_it_cannot_plan_is_one_sentence(capsys):
     assert main(["experiment", "gradients", "-m", "random:t5:d_model=32", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "--dry-run plans text models whose config gives hidden_size" in err and "Traceback" not in err
+
+
+def test_a_hub_series_says_the_disk_its_revisions_keep(tmp_path):
+    """A series of hub revisions: each stays in the hub cache once downloaded (Pythia-12B's 154
+    checkpoints: 154 x its weights); local folders and recorded steps take no new disk."""
+    from isotui.experiments.series import Checkpoint
+    from isotui.extract.memory_plan import MemoryPlan
+    from isotui.service import _hub_disk
+
+    plan = MemoryPlan([], {}, weights={"cuda:0": 20 * 10**9, "disk": 3 * 10**9})
+    hub = [Checkpoint(f"EleutherAI/pythia-12b@step{s}", f"step{s}", s) for s in (1000, 2000, 3000)]
+    said = _hub_disk(hub, plan)
+    assert "the 3 hub revisions stay in the hub cache" in said
+    assert "69.0 GB of disk (23.0 GB each" in said  # 3 x (20 + 3) GB, computed by hand
+    (tmp_path / "checkpoint-10").mkdir()
+    local = [Checkpoint(str(tmp_path / "checkpoint-10"), "checkpoint-10", 10)]
+    recorded = [Checkpoint("EleutherAI/pythia-12b@step1", "step1", 1, recorded="KEY")]
+    assert _hub_disk(local + recorded, plan) == ""
