@@ -171,6 +171,7 @@ def test_a_hub_series_says_the_disk_its_revisions_keep(tmp_path):
     assert "the 3 hub revisions stay in the hub cache" in said
     assert "69.0 GB of disk (23.0 GB each" in said  # 3 x (20 + 3) GB, computed by hand
     (tmp_path / "checkpoint-10").mkdir()
+    (tmp_path / "checkpoint-10" / "config.json").write_text("{}", encoding="utf-8")
     local = [Checkpoint(str(tmp_path / "checkpoint-10"), "checkpoint-10", 10)]
     recorded = [Checkpoint("EleutherAI/pythia-12b@step1", "step1", 1, recorded="KEY")]
     assert _hub_disk(local + recorded, plan) == ""
