@@ -157,6 +157,13 @@ def test_lab_token_types_tab(tmp_path, tiny_models):
             await pilot.pause()
             assert f"{first.token!r} {first.share / first.freq_share:.1f}" in table.get_row_at(1)[1].plain
             assert table.cursor_row == 1  # the layer stays under the cursor
+            third = tab.groups[1].mean[2]
+            assert f"{third.token!r} " not in table.get_row_at(1)[1].plain  # two carriers in 80 columns
+            await pilot.resize_terminal(120, 36)
+            await pilot.pause()
+            await pilot.pause()
+            lifted = f"{third.token!r} {third.share / third.freq_share:.1f}"
+            assert lifted in table.get_row_at(1)[1].plain  # three from 110 on
             await pilot.press("e")
             await pilot.pause()
             (written,) = tmp_path.glob("isotui-*-token-types.csv")

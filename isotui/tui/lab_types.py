@@ -1,8 +1,9 @@
 """The lab's Token types tab: ``isotui experiment token-types`` on the selected model: per layer,
 the token types that carry its mean direction and its top rogue dimension (the layer table, one
-row per layer, its two largest carriers each), and the layer under the cursor in full (its top
-types of each direction: share, count, share of the tokens). ``m`` shows the carriers' shares as
-they are or divided by their share of the tokens (above 1: a type carries more than its count)."""
+row per layer, its two or three largest carriers each), and the layer under the cursor in full
+(its top types of each direction: share, count, share of the tokens). ``m`` shows the carriers'
+shares as they are or divided by their share of the tokens (above 1: a type carries more than its
+count)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from isotui.tui.lab_tab import fmt as _f
 if TYPE_CHECKING:
     from isotui.experiments.token_types import LayerTypes, TypeRow
 
-CARRIERS = 2  # types per direction in the layer table (the detail below lists them all)
+# types per direction in the layer table (the detail below lists them all): two in 80 columns,
+# three from WIDE columns on
+CARRIERS, WIDE = (2, 3), 110
 VIEWS = ("share", "share ÷ share of tokens")  # what the layer table's numbers are (m: the next)
 
 
@@ -37,10 +40,11 @@ def lift(row: TypeRow) -> float:
     return row.share / row.freq_share if row.freq_share else math.nan
 
 
-def carriers(rows: list[TypeRow], view: int) -> Text:
-    """A layer table cell: its largest carriers with their share (or lift), ``'the' .31  ',' .12``."""
+def carriers(rows: list[TypeRow], view: int, shown: int) -> Text:
+    """A layer table cell: its ``shown`` largest carriers with their share (or lift),
+    ``'the' 0.31  ',' 0.12``."""
     text = Text()
-    for row in rows[:CARRIERS]:
+    for row in rows[:shown]:
         if text:
             text.append("  ")
         text.append(repr(row.token), style="bold")
@@ -80,6 +84,7 @@ class TypesTab(LabTab):
         super().__init__(title, id=id)
         self.metric = 0  # which of VIEWS the layer table shows
         self.groups: list[LayerTypes] = []  # the shown result's rows, per layer
+        self.drawn_with = 0  # the carriers per direction the layer table was drawn with
 
     def compose(self) -> ComposeResult:
         yield Static(id="types-info")
@@ -135,15 +140,16 @@ class TypesTab(LabTab):
             "its part of the tokens"
         )
         many = len({layer.component for layer in self.groups}) > 1
+        shown = self.drawn_with = self.carriers_shown()
         for layer in self.groups:
             table.add_row(
                 Text((f"{layer.component} " if many else "") + str(layer.layer), justify="right"),
-                carriers(layer.mean, self.metric),
+                carriers(layer.mean, self.metric, shown),
                 Text("-" if layer.rogue_dim is None else str(layer.rogue_dim), justify="right"),
-                carriers(layer.rogue, self.metric),
+                carriers(layer.rogue, self.metric, shown),
             )
         table.border_title = (
-            f"per layer, the {CARRIERS} largest carriers' {VIEWS[self.metric]} (m: {VIEWS[1 - self.metric]})"
+            f"per layer, the {shown} largest carriers' {VIEWS[self.metric]} (m: {VIEWS[1 - self.metric]})"
         )
         if self.groups:
             table.move_cursor(row=min(row, len(self.groups) - 1))
@@ -171,6 +177,15 @@ class TypesTab(LabTab):
                     Text(str(row.count), justify="right"),
                     Text(_f(row.freq_share), justify="right"),
                 )
+
+    def carriers_shown(self) -> int:
+        """How many carriers per direction the layer table has room for (the terminal's width)."""
+        return CARRIERS[1] if self.app.size.width >= WIDE else CARRIERS[0]
+
+    def on_resize(self) -> None:
+        """Redrawn when the room for carriers changes (a terminal made wider or narrower)."""
+        if self.result() is not None and self.carriers_shown() != self.drawn_with:
+            self.show()
 
     @on(DataTable.RowHighlighted, "#types-layers")
     def _row(self, _event: DataTable.RowHighlighted) -> None:
