@@ -192,12 +192,13 @@ def run(
     ``tokenizer=`` for text, ``processor=`` for images or audio), a timm model, or a plain
     ``torch.nn.Module`` (see :mod:`isotui.models.given` for its call convention), measured on
     whatever device it sits, never copied, moved or cast, through the same extraction as a model
-    named (the same numbers on the same weights). It runs in eval mode and gets its train/eval
-    flags back afterwards. Its rows are named ``name=``, else the folder or id it was loaded from
-    (``config.name_or_path``), else its class. The cache keys it by a SHA-256 of its weights,
-    structure and tokenizer (a changed weight is a new key; ``cache=False`` skips the hash, about
-    2 s per GB on one CPU core). The keywords that say how to load a name (``device``, ``device_map``,
-    ``max_memory``, ``dtype``, ``trust_remote_code``, ``shard``) are refused with an object."""
+    named (the same numbers on the same weights). It runs in eval mode and gets its train/eval flags
+    back afterwards, and the process its torch thread count. Its rows are named ``name=``, else the
+    folder or id it was loaded from (``config.name_or_path``), else its class. The cache keys it by
+    a SHA-256 of its weights, structure and tokenizer (a changed weight is a new key;
+    ``cache=False`` skips the hash, about 2 s per GB on one CPU core). The keywords that say how to
+    load a name (``device``, ``device_map``, ``max_memory``, ``dtype``, ``trust_remote_code``,
+    ``shard``) are refused with an object."""
     from isotui import service
     from isotui.experiments.registry import LAYERS
 

@@ -226,3 +226,49 @@ def test_gradients_take_a_language_model_object(tmp_path, data):
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(IsotuiError, match="has no language-model head: give the AutoModelForMaskedLM"):
         isotui.experiment("gradients", model=AutoModel.from_pretrained(str(folder)), tokenizer=tok, data=data)
+
+
+def test_no_weight_is_hashed_without_a_cache(bert_folder, data, monkeypatch):
+    """``cache=False``: no fingerprint of the weights is made (the hashing of the state dict is
+    never called); with the cache, an object's weights are hashed once for its key."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from isotui.models import given
+
+    hashed: list[str] = []
+    real = given._hash_tensors
+
+    def counted(h, model, name):
+        hashed.append(name)
+        real(h, model, name)
+
+    monkeypatch.setattr(given, "_hash_tensors", counted)
+    model = AutoModel.from_pretrained(str(bert_folder))
+    tok = AutoTokenizer.from_pretrained(str(bert_folder))
+    isotui.run(model, data=data, tokenizer=tok, cache=False)
+    isotui.experiment("token-types", model=model, tokenizer=tok, data=data, top=2, cache=False)
+    assert hashed == []
+    isotui.run(model, data=data, tokenizer=tok)  # the cache keys it by its weights: one hash
+    assert hashed == [str(bert_folder)]
+
+
+def test_torch_threads_come_back_after_a_run_on_an_object(bert_folder, data):
+    """A run on an object sets torch's threads for itself (``threads=``) and gives the process
+    its own count back afterwards, as it gives the model its train/eval flags."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(str(bert_folder))
+    tok = AutoTokenizer.from_pretrained(str(bert_folder))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        seen: list[int] = []
+        model.register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+        isotui.run(model, data=data, tokenizer=tok, threads=1, cache=False)
+        assert seen and set(seen) == {1}  # the run's own count while it ran
+        assert torch.get_num_threads() == 2
+        isotui.experiment("token-types", model=model, tokenizer=tok, data=data, threads=1, cache=False)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

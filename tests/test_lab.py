@@ -12,6 +12,7 @@ from isotui.experiments.attention import summarize
 from isotui.tui.lab import LabScreen
 from isotui.tui.lab_dynamics import DynamicsTab
 from isotui.tui.lab_heads import HeadsTab
+from isotui.tui.lab_types import TypesTab
 
 from .test_tui import _app, _wait
 
@@ -91,6 +92,83 @@ def test_lab_heads_and_dynamics(tmp_path, tiny_models):
             await pilot.press("escape")
             await pilot.pause()
             assert not isinstance(app.screen, LabScreen)
+
+    asyncio.run(scenario())
+
+
+def test_lab_token_types_tab(tmp_path, tiny_models):
+    """Tab 5: token-types on the selected model through the app's backend; one row per layer, and
+    for the layer under the cursor (moved with the keys) each direction's carriers as numpy finds
+    them over the same tokens; m shows the carriers' shares over their share of the tokens."""
+    import csv
+
+    from .conftest import corpus
+    from .test_token_types import expected
+
+    folder = str(tiny_models["bert"])
+
+    async def scenario():
+        app = _app(tmp_path)  # its data: corpus(10), max length 64
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _wait(pilot, lambda: app.entries)
+            await pilot.pause()
+            app.selected = folder
+            await pilot.press("A")
+            await pilot.pause()
+            await pilot.press("5")
+            await pilot.pause()
+            lab = app.screen
+            assert lab.query_one("#lab-tabs", TabbedContent).active == "tab-types"
+            await pilot.press("r")
+            await _wait(pilot, lambda: folder in app.lab_results["token-types"])
+            table = lab.query_one("#types-layers", DataTable)
+            await _wait(pilot, lambda: table.row_count == 3)  # the embeddings and two blocks
+            assert table.has_focus and "token-types ready" in str(lab.query_one("#lab-status").render())
+            want = expected(folder, corpus(10), top=5, max_length=64)
+            tab = lab.query_one(TypesTab)
+            tok = app.lab_results["token-types"][folder]
+            for press, layer in (("down", 1), ("down", 2), ("up", 1)):
+                await pilot.press(press)
+                await pilot.pause()
+                assert table.cursor_row == layer
+                group = tab.groups[layer]
+                (k,) = {int(d.split(":")[1]) for lay, d in want if lay == layer and d != "mean"}
+                assert group.layer == layer and group.rogue_dim == k
+                for name, rows, direction in (
+                    ("mean", group.mean, "mean"),
+                    ("rogue", group.rogue, f"rogue:{k}"),
+                ):
+                    numpy_rows = want[layer, direction]
+                    assert [(r.token_id, r.count) for r in rows] == [(t, c) for t, c, _ in numpy_rows]
+                    np.testing.assert_allclose(
+                        [r.share for r in rows], [s for *_, s in numpy_rows], rtol=1e-5, atol=1e-6
+                    )
+                    detail = lab.query_one(f"#types-{name}", DataTable)
+                    assert f"layer {layer}" in str(detail.border_title)
+                    shown = [[str(c) for c in detail.get_row_at(i)] for i in range(detail.row_count)]
+                    assert shown == [
+                        [str(r.rank), repr(r.token), f"{r.share:.3f}", str(r.count), f"{r.freq_share:.3f}"]
+                        for r in rows
+                    ]
+                assert f"rogue dim {k}" in str(lab.query_one("#types-rogue", DataTable).border_title)
+            first = tab.groups[1].mean[0]
+            assert f"{first.token!r} {first.share:.2f}" in table.get_row_at(1)[1].plain
+            await pilot.press("m")  # shares over the types' shares of the tokens
+            await pilot.pause()
+            assert f"{first.token!r} {first.share / first.freq_share:.1f}" in table.get_row_at(1)[1].plain
+            assert table.cursor_row == 1  # the layer stays under the cursor
+            third = tab.groups[1].mean[2]
+            assert f"{third.token!r} " not in table.get_row_at(1)[1].plain  # two carriers in 80 columns
+            await pilot.resize_terminal(120, 36)
+            await pilot.pause()
+            await pilot.pause()
+            lifted = f"{third.token!r} {third.share / third.freq_share:.1f}"
+            assert lifted in table.get_row_at(1)[1].plain  # three from 110 on
+            await pilot.press("e")
+            await pilot.pause()
+            (written,) = tmp_path.glob("isotui-*-token-types.csv")
+            with open(written, newline="", encoding="utf-8") as f:
+                assert len(list(csv.DictReader(f))) == len(tok.rows) == sum(len(r) for r in want.values())
 
     asyncio.run(scenario())
 
@@ -291,7 +369,7 @@ def test_status_line_is_its_tabs_and_every_footer_fits_80_columns(tmp_path):
             await pilot.press("l")
             assert "log10" in str(line.render())  # the shown tab's own news
             footers = {}
-            for tab in ("tab-dynamics", "tab-drift", "tab-ckpt", "tab-heads"):
+            for tab in ("tab-dynamics", "tab-drift", "tab-ckpt", "tab-types", "tab-heads"):
                 lab.query_one("#lab-tabs", TabbedContent).active = tab  # (a box may hold the focus)
                 await pilot.pause()
                 await pilot.pause()

@@ -84,7 +84,7 @@ class DemoTab(LabTab):
     KIND = "demo-avg-cos"
     BOX = "#demo-input"
     TABLE = "#demo-table"
-    KEY, NAME, TITLE, SHORT = "5", "demo", "Demo", "Demo"
+    KEY, NAME, TITLE, SHORT = "6", "demo", "Demo", "Demo"
     TOOLTIP = "tab: the demo's average cosine"
     KEYS = (Binding("z", "flip", "Flip", id="lab_demo_flip", tooltip="Demo: flip the sign shown"),)
     WIDGET_KEYS = (("↑ ↓", "the demo's rows"),)
@@ -147,13 +147,15 @@ DEMO = Experiment(
 
 # --- tests ---------------------------------------------------------------------------------------
 
-# The lab's keys before they were composed from the registry (isotui/tui/lab.py at f366e1b).
+# The lab's keys before they were composed from the registry (isotui/tui/lab.py at f366e1b), with
+# the Token types tab (5) that token-types' registry entry brought since.
 LAB_KEYS_BEFORE = [
     ("escape", "lab_close"),
     ("1", "lab_heads"),
     ("2", "lab_dynamics"),
     ("3", "lab_drift"),
     ("4", "lab_ckpt"),
+    ("5", "lab_types"),
     ("r", "lab_run"),
     ("m", "lab_figure"),
     ("left_square_bracket", "lab_head_prev"),
@@ -168,6 +170,7 @@ TABS_BEFORE = [
     ("tab-dynamics", "2 Dynamics"),
     ("tab-drift", "3 Drift block"),
     ("tab-ckpt", "4 Checkpoints"),
+    ("tab-types", "5 Token types"),
 ]
 
 
@@ -213,6 +216,7 @@ def test_the_registered_lab_is_the_one_it_was(tmp_path):
             assert lab.query_one("#dyn-table", DataTable).has_focus
             assert _tabs(lab) == TABS_BEFORE
             assert app.lab_results["qk-dynamics"] is None and app.lab_results["attention"] == {}
+            assert app.lab_results["token-types"] == {}
             with pytest.raises(KeyError):
                 app.lab_results["demo-avg-cos"]
 
@@ -220,7 +224,7 @@ def test_the_registered_lab_is_the_one_it_was(tmp_path):
 
 
 def test_a_registered_experiment_brings_its_tab_keys_help_and_result(tmp_path, with_demo):
-    """The demo, added to the registry alone: its tab (key 5), its own key (z, offered on its tab
+    """The demo, added to the registry alone: its tab (key 6), its own key (z, offered on its tab
     only), its help lines, and its job run through the app's backend into its slot and its table."""
     from isotui.tui.help import HelpScreen
 
@@ -230,17 +234,17 @@ def test_a_registered_experiment_brings_its_tab_keys_help_and_result(tmp_path, w
             await pilot.press("A")
             await pilot.pause()
             lab = app.screen
-            assert _tabs(lab) == [*TABS_BEFORE, ("tab-demo", "5 Demo")]
+            assert _tabs(lab) == [*TABS_BEFORE, ("tab-demo", "6 Demo")]
             keys = [(b.key, b.id) for b in lab.keys]
             assert keys == [
-                *LAB_KEYS_BEFORE[:5],
-                ("5", "lab_demo"),
-                *LAB_KEYS_BEFORE[5:10],
+                *LAB_KEYS_BEFORE[:6],
+                ("6", "lab_demo"),
+                *LAB_KEYS_BEFORE[6:11],
                 ("z", "lab_demo_flip"),
-                *LAB_KEYS_BEFORE[10:],
+                *LAB_KEYS_BEFORE[11:],
             ]
             assert lab.check_action("flip", ()) is False  # the Heads tab is shown
-            await pilot.press("5")
+            await pilot.press("6")
             await pilot.pause()
             assert lab.query_one("#lab-tabs", TabbedContent).active == "tab-demo"
             box = lab.query_one("#demo-input", Input)
@@ -269,7 +273,7 @@ def test_a_registered_experiment_brings_its_tab_keys_help_and_result(tmp_path, w
             await pilot.pause()
             assert isinstance(app.screen, HelpScreen)
             rows = {row[1]: row for row in app.screen.rows() if row[1]}
-            assert rows["lab_demo"][0] == "5" and rows["lab_demo"][2] == "tab: the demo's average cosine"
+            assert rows["lab_demo"][0] == "6" and rows["lab_demo"][2] == "tab: the demo's average cosine"
             assert rows["lab_demo_flip"][0] == "z"
             arrows = next(what for key, ident, what in app.screen.rows() if key == "↑ ↓" and not ident)
             assert arrows.endswith("; Demo: the demo's rows")

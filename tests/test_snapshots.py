@@ -104,7 +104,7 @@ def test_main_screen_comparing_two_models(snap_compare, size):
     assert snap_compare(_app(), terminal_size=size, run_before=_with_results)
 
 
-LAB_TABS = ("1", "2", "3", "4")  # Heads, Dynamics, Drift block, Checkpoints
+LAB_TABS = ("1", "2", "3", "4", "5")  # Heads, Dynamics, Drift block, Checkpoints, Token types
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +121,7 @@ def lab_results(tmp_path_factory, tiny_models) -> dict:
     from isotui.experiments.drift_block import DriftBlockConfig
     from isotui.experiments.drift_block.experiment import DriftBlockRequest
     from isotui.experiments.qk_dynamics import DynamicsRequest, resolve_checkpoints
+    from isotui.experiments.token_types import TokenTypesRequest
     from isotui.spec import make_spec
 
     from .conftest import corpus
@@ -159,15 +160,19 @@ def lab_results(tmp_path_factory, tiny_models) -> dict:
     for r in heat.results:
         r.meta["data"] = "text:samples.txt"
     attention.meta["data"] = "text:samples.txt"
+    types = TokenTypesRequest(spec).compute(None, **run)
+    types.model, types.from_cache = "tiny-bert", True
+    types.meta["data"] = "text:samples.txt"
     return {
         "attention": {"tiny-bert": attention},
         "qk-dynamics": dynamics,
         "drift-block": drift,
         "checkpoints": heat,
+        "token-types": {"tiny-bert": types},
     }
 
 
-@pytest.mark.parametrize("tab", LAB_TABS, ids=("heads", "dynamics", "drift", "checkpoints"))
+@pytest.mark.parametrize("tab", LAB_TABS, ids=("heads", "dynamics", "drift", "checkpoints", "types"))
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_lab_tab(snap_compare, size, tab, lab_results):
     """Each lab tab with a result, legible at 80x24 and 120x36 (plots keep their height)."""

@@ -26,8 +26,11 @@ def data(tmp_path) -> str:
     return f"text:{path}"
 
 
-def expected(folder: str) -> dict[tuple[int, str], list[tuple[int, int, float]]]:
-    """(layer, direction) -> the top types' (token id, count, share), from numpy alone."""
+def expected(
+    folder: str, lines: list[str] = LINES, top: int = TOP, max_length: int = 128
+) -> dict[tuple[int, str], list[tuple[int, int, float]]]:
+    """(layer, direction) -> the ``top`` types' (token id, count, share) over ``lines``, from
+    numpy alone."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -36,9 +39,13 @@ def expected(folder: str) -> dict[tuple[int, str], list[tuple[int, int, float]]]
     per_layer: dict[int, list[np.ndarray]] = {}
     ids: list[np.ndarray] = []
     with torch.no_grad():
-        for line in LINES:
+        for line in lines:
             enc = tok(
-                line, return_tensors="pt", truncation=True, max_length=128, return_special_tokens_mask=True
+                line,
+                return_tensors="pt",
+                truncation=True,
+                max_length=max_length,
+                return_special_tokens_mask=True,
             )
             keep = enc.pop("special_tokens_mask")[0].numpy() == 0
             for i, h in enumerate(model(**enc, output_hidden_states=True).hidden_states):
@@ -58,7 +65,7 @@ def expected(folder: str) -> dict[tuple[int, str], list[tuple[int, int, float]]]
             for t, w in zip(types.tolist(), weights.tolist(), strict=True):
                 share[t] = share.get(t, 0.0) + w
             total = weights.sum()
-            ranked = sorted(share, key=lambda t: (-share[t] / total, t))[:TOP]
+            ranked = sorted(share, key=lambda t: (-share[t] / total, t))[:top]
             out[layer, direction] = [(t, int((types == t).sum()), share[t] / total) for t in ranked]
     return out
 

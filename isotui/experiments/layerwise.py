@@ -72,14 +72,18 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
     use (``--max-length 512`` on MiniLM is the default run), the dtype it will run in, never
     the device. Entries written before the max length was resolved hashed the requested one
     (None for a default run); that key is kept in ``legacy_keys`` and still read.
-    ``cache``: where local weights' content digests are remembered (None: hash them anew).
+    ``cache``: where local weights' content digests are remembered (None: hash them anew); a
+    model object's weights are hashed only with a cache (None: no cache, no hash).
     A streamed corpus (``--stream``) is read once here to hash it, so its key is the plain run's.
     """
     from isotui.models.limits import declared_default_length
 
     given = spec.given  # a model object (isotui.models.given): keyed by its weights, run where it is
     ref = None if given is not None else parse_model(spec.model)
-    model_fp = given.fingerprint() if ref is None else ref.fingerprint(cache.root if cache else None)
+    if ref is not None:
+        model_fp = ref.fingerprint(cache.root if cache else None)
+    else:  # an object: its weights hashed only for a cache to keep the result under
+        model_fp = given.fingerprint() if cache is not None else given.unhashed()
     samples = open_samples(spec.data, spec.max_samples, spec.max_length, stream=spec.stream)
     data_fp = fingerprint(samples, spec.data)
     declared = None if ref is None else ref.declared_dtype()
@@ -325,7 +329,7 @@ def _given_loaded(spec: RunSpec, head: str | None) -> tuple[LoadedModel, str]:
         )
     loaded = given.loaded()
     loaded.notes.insert(0, describe(given))
-    if threads_note := apply_threads(spec.threads):
+    if threads_note := apply_threads(spec.threads, interop=False):  # GivenModel.kept restores them
         loaded.notes.append(threads_note)
     return loaded, given.device
 

@@ -64,6 +64,31 @@ class TokenTypesResult:
     from_cache: bool = False
 
 
+@dataclass
+class LayerTypes:
+    """One layer's rows, by direction: the carriers of its mean direction and of its top rogue
+    dimension ``rogue_dim`` (each list largest share first)."""
+
+    component: str
+    layer: int
+    mean: list[TypeRow] = field(default_factory=list)
+    rogue_dim: int | None = None
+    rogue: list[TypeRow] = field(default_factory=list)
+
+
+def by_layer(rows: list[TypeRow]) -> list[LayerTypes]:
+    """A result's rows grouped per layer (in the rows' order: component, then layer)."""
+    layers: dict[tuple[str, int], LayerTypes] = {}
+    for row in rows:
+        group = layers.setdefault((row.component, row.layer), LayerTypes(row.component, row.layer))
+        if row.direction == "mean":
+            group.mean.append(row)
+        else:
+            group.rogue_dim = int(row.direction.removeprefix("rogue:"))
+            group.rogue.append(row)
+    return list(layers.values())
+
+
 def _positive(name: str) -> Any:
     def parse(value: Any) -> int:
         try:
@@ -315,4 +340,5 @@ EXPERIMENT: Experiment[Any, TokenTypesRequest, TokenTypesResult] = Experiment(
     params=TokenTypesParams,
     decode=decode,
     plan=_plan,  # one batch's hidden states and a few d-vectors per layer: within the layer run's
+    lab_tab="isotui.tui.lab_types:TypesTab",
 )

@@ -89,14 +89,16 @@ def choose_threads(requested: int | None) -> tuple[int, str | None]:
     return default_threads(usable_cores(), load_average())
 
 
-def apply_threads(requested: int | None) -> str | None:
-    """Set torch's intra-op threads (and its inter-op threads while torch still allows it) for
-    this run; the note for the table when the load made the choice, else None."""
+def apply_threads(requested: int | None, *, interop: bool = True) -> str | None:
+    """Set torch's intra-op threads (and, with ``interop``, its inter-op threads while torch
+    still allows it: once set they cannot be set back) for this run; the note for the table when
+    the load made the choice, else None."""
     import torch
 
     threads, note = choose_threads(requested)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    with contextlib.suppress(RuntimeError):  # allowed only before the first inter-op work
-        torch.set_num_interop_threads(threads)
+    if interop:
+        with contextlib.suppress(RuntimeError):  # allowed only before the first inter-op work
+            torch.set_num_interop_threads(threads)
     return note

@@ -30,8 +30,13 @@ notebook that asks twice gets the answer at once, and a changed weight, however 
 new key (a key never answers for other weights). The hash reads each tensor once, moving it to
 the CPU in slices of at most :data:`SLICE_BYTES` (never the whole model), at SHA-256's speed on
 one CPU core (0.57 GB/s measured on a loaded 2-core machine: about 2 s per GB of weights);
-pass ``cache=False`` to skip it (a training loop measuring weights that change every step).
+pass ``cache=False`` to skip it (a training loop measuring weights that change every step):
+then no weight is read for a key (:meth:`GivenModel.unhashed` names the run instead).
 What it does not see: forward hooks you registered on the model.
+
+Around a run (:meth:`GivenModel.kept`) the object and the process get back what the run may
+change: every module's train/eval flag and torch's intra-op thread count (a run sets it,
+``threads=``; its inter-op threads are left alone with an object: torch cannot set them back).
 """
 
 from __future__ import annotations
@@ -105,14 +110,26 @@ class GivenModel:
 
     @contextmanager
     def kept(self) -> Iterator[None]:
-        """Inside, the model may be put in eval mode; after, every module has its train/eval
-        flag back as it was (a training loop's model goes on training)."""
+        """Inside, the model may be put in eval mode and torch's threads set for the run; after,
+        every module has its train/eval flag back as it was (a training loop's model goes on
+        training) and torch its intra-op thread count."""
+        import torch
+
         modes = [(m, m.training) for m in self.model.modules()]
+        threads = torch.get_num_threads()
         try:
             yield
         finally:
             for module, training in modes:
                 module.training = training
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+    def unhashed(self) -> str:
+        """What names the object in the key of a run that caches nothing (``cache=False``):
+        its kind and identity in this process, no weight read (the key names no cache entry)."""
+        kind = f"{type(self.model).__module__}.{type(self.model).__qualname__}"
+        return f"object:unhashed:{self.family}:{kind}:{id(self.model):x}"
 
     def fingerprint(self) -> str:
         """``object:sha256:...`` of the weights, structure, config and tokenizer or processor

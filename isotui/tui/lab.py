@@ -9,9 +9,12 @@
   (Figs. 6-10).
 - Checkpoints: ``isotui experiment checkpoints``, any layer metric along a checkpoint series as a
   shaded layer x step heatmap (Machina & Mercer 2024).
+- Token types: ``isotui experiment token-types`` on the selected model, the token types carrying
+  each layer's mean direction and top rogue dimension.
 
 Each tab is a widget (:class:`~isotui.tui.lab_tab.LabTab`; Heads in ``lab_heads``, Dynamics in
-``lab_dynamics``, Drift block in ``lab_drift``, Checkpoints in ``lab_checkpoints``) that owns its
+``lab_dynamics``, Drift block in ``lab_drift``, Checkpoints in ``lab_checkpoints``, Token types in
+``lab_types``) that owns its
 state (the metric or figure shown, the head, the basis) and knows its experiment: run it, show its
 result, export its table. The lab knows none of them: the experiment registry names each tab
 (``Experiment.lab_tab``), and the lab composes its tabs, their keys and its help from what the
@@ -98,7 +101,7 @@ class LabScreen(Screen[None]):
     def __init__(self) -> None:
         super().__init__()
         self.tabs = lab_tabs()
-        # The tab keys 1-4 are written on the tabs themselves, so the footer keeps to this tab's keys.
+        # The tab keys (1-5) are written on the tabs themselves, so the footer keeps to this tab's keys.
         self.keys = lab_keys(self.tabs)
         # a screen's own bindings (focus, copy) first, then the lab's, as for a class's BINDINGS
         own = BindingsMap(self.keys).key_to_bindings
