@@ -8,7 +8,7 @@ heatmap and written as CSV (one row per checkpoint and layer, every metric).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -75,7 +75,7 @@ class CheckpointSeries:
                         "checkpoint": ckpt.label,
                         "step": step,
                         "duplicate_of": ckpt.duplicate_of or "",
-                        **asdict(row),
+                        **row.as_dict(),
                     }
                 )
         return out
