@@ -102,6 +102,22 @@ def test_the_pages_example_equals_numpy_over_every_vector(tiny_models, texts, tm
 
 
 @pytest.mark.slow
+def test_the_pages_python_blocks_run_as_written(tmp_path, monkeypatch, capsys):
+    """The page's second block (register, run MiniLM, print a column) after its first, as a reader
+    would paste them: it prints one finite share per layer and leaves nothing registered."""
+    from isotui.core.plugin import registered
+
+    monkeypatch.setenv("ISOTUI_CACHE_DIR", str(tmp_path / "cache"))
+    blocks = re.findall(r"^```python\n(.*?)^```", PAGE.read_text(encoding="utf-8"), re.S | re.M)
+    assert len(blocks) == 2
+    ns: dict = {}
+    for block in blocks:
+        exec(compile(block, str(PAGE), "exec"), ns)
+    shares = [float(v) for v in capsys.readouterr().out.strip().strip("[]").split(",")]
+    assert len(shares) == 7 and all(0 < v <= 1 for v in shares)  # MiniLM: embeddings + 6 blocks
+    assert "rogue_variance" not in registered()
+
+
 def test_an_installed_plug_in_merges_across_2_shards_like_one_pass(
     tiny_models, texts, tmp_path, monkeypatch, capsys
 ):
@@ -218,6 +234,7 @@ def test_a_bad_plug_in_is_one_sentence_naming_it_and_the_cache_survives(
     err = capsys.readouterr().err
     assert "'rogue_variance'" in err and said in err, err
     assert "Traceback" not in err and "internal error" not in err
+    assert len(err.strip().splitlines()) == 1  # one sentence
     monkeypatch.undo()
     from isotui.experiments.layerwise import read
     from isotui.store.cache import ResultCache
@@ -275,3 +292,95 @@ def test_plug_ins_measure_modules_and_model_objects(tiny_models, texts, tmp_path
         share, mean_rms = numpy_rogue(np.concatenate(seen[row["module"]]))
         assert row["top_var_share"] == pytest.approx(share, rel=1e-6)
         assert row["max_mean_rms"] == pytest.approx(mean_rms, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_the_app_shows_a_plug_in_in_its_table_and_its_plot_cycle(tmp_path, tiny_models, monkeypatch):
+    """An installed plug-in (the app's runs are processes of their own: an entry point, not
+    register_metric): the layer table gets its columns, and ``m`` cycles through them after the
+    built-in metrics (then back to avg_cos)."""
+    import asyncio
+
+    from textual.widgets import DataTable, Input
+
+    from isotui.results import LAYER_METRICS
+    from isotui.tui.app import IsotuiApp
+
+    install(tmp_path, monkeypatch, page_code(), "RogueVariance")
+    data = tmp_path / "samples.txt"
+    data.write_text("\n".join(corpus(6)) + "\n", encoding="utf-8")
+    app = IsotuiApp(
+        cache_root=tmp_path / "cache",
+        spec_defaults={"data": f"text:{data}", "max_samples": None, "max_length": 32},
+        export_dir=tmp_path,
+    )
+    model = str(tiny_models["bert"])
+
+    async def scenario():
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.press("slash")
+            app.query_one("#model-input", Input).value = model
+            await pilot.press("enter")
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 120
+            while model not in app.results:
+                assert loop.time() < end, "the run did not finish"
+                await pilot.pause(0.1)
+            assert "top_var_share" in app.results[model].rows[0].extra
+            table = app.query_one("#layers", DataTable)
+            while table.row_count == 0:  # the selected model's table, drawn
+                assert loop.time() < end, "the table was not drawn"
+                await pilot.pause(0.1)
+            keys = [str(c.value) for c in table.columns]
+            assert keys[-2:] == ["top_var_share", "max_mean_rms"], keys
+            seen = []
+            for _ in range(len(LAYER_METRICS) + 2):
+                await pilot.press("m")
+                seen.append(app.metric)
+            assert seen[-3:] == ["top_var_share", "max_mean_rms", "avg_cos"]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_the_command_line_finds_an_installed_plug_in_on_pythonpath(tiny_models, texts, tmp_path):
+    """``python -m isotui run`` in a process of its own, the package on PYTHONPATH as pip's
+    site-packages would be: the CSV has the columns; a clashing version exits 2 in one sentence."""
+    import os
+    import subprocess
+    import sys
+
+    _, data = texts
+    tree = Path(__file__).resolve().parents[1]
+
+    def run(site: Path, *extra: str) -> subprocess.CompletedProcess:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(site), str(tree)]),
+            "ISOTUI_CACHE_DIR": str(tmp_path / "c"),
+        }
+        argv = [sys.executable, "-m", "isotui", "run", "-m", str(tiny_models["bert"]), "--data", data]
+        return subprocess.run(
+            [*argv, "--max-length", str(MAX_LENGTH), "-q", *extra], env=env, capture_output=True, text=True
+        )
+
+    class Env:  # install() without pytest's monkeypatch: sys.path of this process stays as it was
+        @staticmethod
+        def syspath_prepend(_path: str) -> None:
+            pass
+
+    good = install(tmp_path / "good", Env, page_code(), "RogueVariance")
+    out = tmp_path / "out.csv"
+    done = run(good, "--csv", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = _csv(out)
+    assert list(rows[0])[-2:] == ["top_var_share", "max_mean_rms"]
+    assert all(0 < float(r["top_var_share"]) <= 1 for r in rows)
+    clash = page_code().replace('"max_mean_rms")', '"run_key")')
+    bad = install(tmp_path / "bad", Env, clash, "RogueVariance")
+    done = run(bad)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "isotui: error: metric plug-in 'rogue_variance' names a column 'run_key', which isotui's own "
+        "table already has: rename that column"
+    )
