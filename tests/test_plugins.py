@@ -384,3 +384,42 @@ def test_the_command_line_finds_an_installed_plug_in_on_pythonpath(tiny_models, 
         "isotui: error: metric plug-in 'rogue_variance' names a column 'run_key', which isotui's own "
         "table already has: rename that column"
     )
+
+
+def test_a_checkpoint_heatmap_of_a_plug_in_column(tiny_models, texts, tmp_path, monkeypatch):
+    """``isotui figure machina2024-heatmap --metric top_var_share``: the figure's CSV is the plug-in
+    column of every checkpoint, numpy over each checkpoint's vectors."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    lines, data = texts
+    root = tmp_path / "run"
+    tok = AutoTokenizer.from_pretrained(str(tiny_models["bert"]))
+    direction = torch.randn(32, generator=torch.Generator().manual_seed(5))
+    for i, step in enumerate((0, 100)):
+        model = AutoModel.from_pretrained(str(tiny_models["bert"]))
+        with torch.no_grad():
+            model.embeddings.word_embeddings.weight += 0.5 * i * direction
+        model.save_pretrained(root / f"step_{step}")
+        tok.save_pretrained(root / f"step_{step}")
+    install(tmp_path, monkeypatch, page_code(), "RogueVariance")
+    out = tmp_path / "heat.svg"
+    argv = ["figure", "machina2024-heatmap", "-c", str(root), "--data", data, "--max-length", str(MAX_LENGTH)]
+    argv += [
+        "--batch-size",
+        "1",
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--metric",
+        "top_var_share",
+        "--out",
+        str(out),
+    ]
+    assert main([*argv, "-q"]) == 0
+    rows = _csv(out.with_suffix(".csv"))
+    assert [r["step"] for r in rows] == ["0", "0", "0", "100", "100", "100"]
+    for step in (0, 100):
+        vectors, _ = hidden_vectors(root / f"step_{step}", lines, max_length=MAX_LENGTH)
+        got = [float(r["top_var_share"]) for r in rows if r["step"] == str(step)]
+        want = [numpy_rogue(np.asarray(x, dtype=np.float64))[0] for x in vectors]
+        assert got == pytest.approx(want, rel=1e-6)
