@@ -206,9 +206,13 @@ class LayerRow:
         """A row from :meth:`as_dict` (a cached entry's JSON): other keys are plug-in columns."""
         known = set(cls.columns())
         own = {k: v for k, v in data.items() if k in known}
-        extra = {k: (math.nan if v is None else float(v)) for k, v in data.items() if k not in known}
-        if isinstance(data.get("extra"), dict):  # written by asdict(): nested
-            extra = {k: (math.nan if v is None else float(v)) for k, v in data["extra"].items()}
+        nested = data.get("extra")  # asdict()'s form: nested
+        rest = nested if isinstance(nested, dict) else {k: v for k, v in data.items() if k not in known}
+        extra: dict[str, float] = {}
+        for k, v in rest.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise TypeError(f"a layer row has a field {k!r} that is neither isotui's nor a number")
+            extra[k] = math.nan if v is None else float(v)
         return cls(**own, extra=extra)
 
 

@@ -6,6 +6,7 @@ pass; in the cache key; and bad plug-ins refused in one sentence with the cache 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 import uuid
@@ -184,7 +185,14 @@ def test_the_cache_key_holds_the_plug_ins_in_force(tiny_models, texts, tmp_path,
     with_it = isotui.run(model, **kw)
     assert not with_it.results[0].from_cache and with_it.key != plain.key
     assert math.isfinite(with_it.rows[0]["top_var_share"])
-    assert isotui.run(model, **kw).results[0].from_cache  # with it, cached now
+    cached = isotui.run(model, **kw)  # with it, cached now: the JSON entry gives the columns back
+    assert cached.results[0].from_cache
+    assert [r["top_var_share"] for r in cached.rows] == [r["top_var_share"] for r in with_it.rows]
+    assert [r["max_mean_rms"] for r in cached.rows] == [r["max_mean_rms"] for r in with_it.rows]
+    out = tmp_path / "r.json"
+    cached.to_json(out)
+    (written,) = json.loads(out.read_text())["results"]
+    assert [r["top_var_share"] for r in written["rows"]] == [r["top_var_share"] for r in with_it.rows]
     monkeypatch.undo()  # uninstalled
     again = isotui.run(model, **kw)
     assert again.results[0].from_cache and again.key == plain.key and "top_var_share" not in again.rows[0]
@@ -423,3 +431,21 @@ def test_a_checkpoint_heatmap_of_a_plug_in_column(tiny_models, texts, tmp_path, 
         got = [float(r["top_var_share"]) for r in rows if r["step"] == str(step)]
         want = [numpy_rogue(np.asarray(x, dtype=np.float64))[0] for x in vectors]
         assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_a_training_probe_may_log_a_plug_in_column():
+    """``Probe(metrics=[...])`` (the training callbacks) takes a plug-in's column while it is in
+    force, and refuses it, in one sentence, once it is not."""
+    import isotui
+    from isotui.callbacks import Probe
+    from isotui.errors import IsotuiError
+
+    ns: dict = {}
+    exec(compile(page_code(), str(PAGE), "exec"), ns)
+    isotui.register_metric(ns["RogueVariance"]())
+    try:
+        assert Probe(metrics=["avg_cos", "top_var_share"]).metrics == ("avg_cos", "top_var_share")
+    finally:
+        isotui.unregister_metric("rogue_variance")
+    with pytest.raises(IsotuiError, match="metrics= has 'top_var_share', which is no layer metric"):
+        Probe(metrics=["top_var_share"])
