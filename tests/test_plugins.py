@@ -449,3 +449,47 @@ def test_a_training_probe_may_log_a_plug_in_column():
         isotui.unregister_metric("rogue_variance")
     with pytest.raises(IsotuiError, match="metrics= has 'top_var_share', which is no layer metric"):
         Probe(metrics=["top_var_share"])
+
+
+def test_out_of_memory_in_a_plug_in_backs_off_and_adds_nothing_twice(tiny_models, texts):
+    """A plug-in's batch() that runs out of memory on large batches: the error reaches the batch
+    loop as itself (not a plug-in error), the loop halves the batch, and the numbers still equal
+    numpy over every vector (no batch folded in twice or half); any other error is a sentence."""
+    import torch
+
+    import isotui
+    from isotui.core.plugin import Plugged, PluginError
+
+    lines, data = texts
+    ns: dict = {}
+    exec(compile(page_code(), str(PAGE), "exec"), ns)
+
+    class Hungry(ns["RogueVariance"]):
+        def batch(self, x):
+            if len(x) > 30:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test)")
+            return super().batch(x)
+
+    plugged = Plugged(Hungry(), 4, torch.device("cpu"))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        plugged.batch(torch.zeros((31, 4), dtype=torch.float64))
+    with pytest.raises(PluginError, match="'rogue_variance' failed in batch\\(\\) on a layer of dimension 4"):
+        plugged.batch(torch.zeros((2, 4), dtype=torch.int64))  # x.mean() of integers: RuntimeError
+    isotui.register_metric(Hungry())
+    try:
+        r = isotui.run(
+            str(tiny_models["bert"]),
+            data=data,
+            max_length=MAX_LENGTH,
+            batch_size=8,
+            progress=False,
+            cache=False,
+        )
+    finally:
+        isotui.unregister_metric("rogue_variance")
+    vectors, _ = hidden_vectors(tiny_models["bert"], lines, max_length=MAX_LENGTH)
+    for row, x in zip(r.rows, vectors, strict=True):
+        share, mean_rms = numpy_rogue(np.asarray(x, dtype=np.float64))
+        assert row["top_var_share"] == pytest.approx(share, rel=1e-6)
+        assert row["max_mean_rms"] == pytest.approx(mean_rms, rel=1e-6)
+        assert row["n_vectors"] == len(x)

@@ -113,11 +113,18 @@ class Plugged:
             return fn()
         except PluginError:
             raise
+        except (MemoryError, RuntimeError) as exc:
+            if "out of memory" in str(exc).lower() or isinstance(exc, MemoryError):
+                raise  # the device's memory, not the plug-in: the batch loop backs off and retries
+            raise self._failed(what, exc) from exc
         except Exception as exc:
-            raise PluginError(
-                f"metric plug-in {self.name!r} failed in {what}() on a layer of dimension {self.dim}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._failed(what, exc) from exc
+
+    def _failed(self, what: str, exc: Exception) -> PluginError:
+        return PluginError(
+            f"metric plug-in {self.name!r} failed in {what}() on a layer of dimension {self.dim}: "
+            f"{type(exc).__name__}: {exc}"
+        )
 
     def _shapes(self, what: str, state: object) -> dict[str, tuple[int, ...]]:
         import torch
