@@ -202,8 +202,8 @@ def registered() -> dict[str, StreamingMetric]:
 
 def set_discovered(metrics: Mapping[str, StreamingMetric]) -> None:
     """The metrics the entry points give now (:func:`isotui.plugins.in_force` refreshes them)."""
-    _discovered.clear()
-    _discovered.update(metrics)
+    global _discovered
+    _discovered = dict(metrics)  # replaced whole: a lookup in another thread sees one or the other
 
 
 def column_owner(column: str) -> StreamingMetric | None:
