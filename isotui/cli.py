@@ -387,12 +387,13 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
 
 def _wide_metric(args: argparse.Namespace) -> str:
     """The metric of the layer x model table (``--wide METRIC``), checked before any run."""
-    from isotui.results import LAYER_METRICS
+    from isotui.plugins import layer_metric_names
     from isotui.store.files import check_output
 
     metric = getattr(args, "wide", None) or "avg_cos"
-    if metric not in LAYER_METRICS:
-        raise IsotuiError(f"--wide {metric} is not a layer metric; choose one of {', '.join(LAYER_METRICS)}")
+    choices = layer_metric_names()  # with the plug-ins' columns
+    if metric not in choices:
+        raise IsotuiError(f"--wide {metric} is not a layer metric; choose one of {', '.join(choices)}")
     if getattr(args, "wide_csv", None):
         check_output(args.wide_csv, "--wide-csv")
     return metric

@@ -287,7 +287,7 @@ def draw_metric_by_layer(fig: Any, results: list[Any], options: Any) -> Drawing:
     names = short_names([r.model for r in results])
     for i, result in enumerate(results):
         xs = layer_positions(len(result.rows), depth)
-        values = [float(getattr(r, metric)) for r in result.rows]
+        values = [float(getattr(r, metric, math.nan)) for r in result.rows]  # NaN: a plug-in column it lacks
         for x, r, v in zip(xs, result.rows, values, strict=True):
             row = {"model": result.model, "component": r.component, "layer": r.layer, "x": x, metric: v}
             if metric in NULL_METRICS:

@@ -15,7 +15,16 @@ from rich.text import Text
 
 from isotui.core.correlation import MC_PERMUTATIONS
 from isotui.core.sampled import SE_DOF, SE_GROUPS, jackknife_t
-from isotui.results import METRIC, METRICS, SE_FIELDS, LayerRow, Metric, ModelResult, own_directions
+from isotui.results import (
+    METRIC,
+    METRICS,
+    SE_FIELDS,
+    LayerRow,
+    Metric,
+    ModelResult,
+    own_directions,
+    plugin_metrics,
+)
 from isotui.terminal import literal, markup, plain
 
 
@@ -208,6 +217,12 @@ COLUMNS: list[Column] = [
 ]
 
 
+def layer_columns(rows: list[LayerRow]) -> list[Column]:
+    """The per-layer table's columns for these rows: :data:`COLUMNS`, then the plug-in metrics'
+    columns the rows hold (isotui.core.plugin)."""
+    return COLUMNS + [Column(m.header, _metric_cell(m), m.min_width, m.name) for m in plugin_metrics(rows)]
+
+
 TIMING_PARTS = (
     ("load_s", "load"),
     ("tokenise_s", "tokenise"),
@@ -244,7 +259,8 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
         style="table.title",
     )
     table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
-    columns = [c for c in COLUMNS if c.min_width <= width]
+    every = layer_columns(result.rows)
+    columns = [c for c in every if c.min_width <= width]
     for c in columns:
         rogue = c.header.startswith("rogue")
         table.add_column(c.header, justify="left" if rogue else "right", no_wrap=rogue)
@@ -261,7 +277,7 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
         notes.append(mean_note)
     if se_note := interval_note(result.rows):
         notes.append(se_note)
-    if len(columns) < len(COLUMNS):
+    if len(columns) < len(every):
         notes.append("(narrow terminal: some columns hidden; --csv has them all)")
     if any(r.final_norm for r in result.rows):
         module = meta.get("final_norm_module") or "final norm"
@@ -311,7 +327,7 @@ def wide_table(results: list[ModelResult], metric: str = "avg_cos", width: int =
     cell = max(8, min(24, (width - 10) // max(1, len(models)) - 3))
     for model in models:
         table.add_column(plain(shorten(model, cell)), justify="right", overflow="fold")
-    digits = METRIC[metric].digits
+    digits = METRIC[metric].digits if metric in METRIC else 4  # a plug-in's column: 4 decimals
     for component, layer, *cells in rows:
         label = str(layer) if not many and component == "model" else f"{component} {layer}"
         table.add_row(label, *(_f(v, digits) if v is not None else "" for v in cells))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -95,6 +95,28 @@ METRICS: tuple[Metric, ...] = (
     ),
 )
 METRIC: dict[str, Metric] = {m.name: m for m in METRICS}
+
+
+def plugin_metrics(rows: list[LayerRow]) -> tuple[Metric, ...]:
+    """The plug-in columns the rows hold (isotui.core.plugin), declared as metrics: a table
+    column under their own name, a choice of ``--wide`` and of the app's plot cycle."""
+    from isotui.core.plugin import column_owner
+
+    names = list(dict.fromkeys(c for r in rows for c in r.extra))
+    out = []
+    for name in names:
+        owner = column_owner(name)
+        said = "" if owner is None else (getattr(owner, "descriptions", None) or {}).get(name, "")
+        by = f"metric plug-in {owner.name!r}" if owner is not None else "a metric plug-in"
+        out.append(Metric(name, said or f"{name}, from {by}", name, digits=4))
+    return tuple(out)
+
+
+def metrics_for(rows: list[LayerRow]) -> tuple[Metric, ...]:
+    """Every metric of these rows: the built-in ones (:data:`METRICS`), then their plug-in columns."""
+    return METRICS + plugin_metrics(rows)
+
+
 # The per-layer metrics a plot or a heatmap can show (LayerRow fields), in the app's cycle order.
 LAYER_METRICS = tuple(m.name for m in METRICS if m.plottable)
 # Standard errors of the reservoir metrics (0 when exact: n <= reservoir, or --exact).
@@ -152,6 +174,9 @@ class LayerRow:
     above_null_mean: bool = False
     # --modules: the module whose output the row measures (its name in model.named_modules())
     module: str = ""
+    # plug-in metrics' columns (isotui.core.plugin), column -> value: read as attributes too
+    # (``row.my_column``), written as columns after every built-in one (CSV, JSON)
+    extra: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = self.n_vectors - self.n_zero
@@ -160,9 +185,35 @@ class LayerRow:
             self.null_mean_p95 = null_mean_quantile(n, self.dim)
             self.above_null_mean = bool(self.avg_cos > self.null_mean_p95)
 
+    def __getattr__(self, name: str) -> float:
+        """A plug-in column by name, as a built-in metric is read (``getattr(row, metric)``)."""
+        extra = self.__dict__.get("extra")
+        if extra is not None and name in extra:
+            return float(extra[name])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @classmethod
     def columns(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        """The built-in columns, in order (plug-in columns follow them: :meth:`as_dict`)."""
+        return [f.name for f in fields(cls) if f.name != "extra"]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as one flat dict: the built-in columns, then the plug-in ones."""
+        return {**{c: getattr(self, c) for c in self.columns()}, **self.extra}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerRow:
+        """A row from :meth:`as_dict` (a cached entry's JSON): other keys are plug-in columns."""
+        known = set(cls.columns())
+        own = {k: v for k, v in data.items() if k in known}
+        nested = data.get("extra")  # asdict()'s form: nested
+        rest = nested if isinstance(nested, dict) else {k: v for k, v in data.items() if k not in known}
+        extra: dict[str, float] = {}
+        for k, v in rest.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise TypeError(f"a layer row has a field {k!r} that is neither isotui's nor a number")
+            extra[k] = math.nan if v is None else float(v)
+        return cls(**own, extra=extra)
 
 
 @dataclass
@@ -189,7 +240,7 @@ class ModelResult:
             "schema": SCHEMA_VERSION,
             "model": self.model,
             "key": self.key,
-            "rows": [asdict(r) for r in self.rows],
+            "rows": [r.as_dict() for r in self.rows],
             "drift": {c: d.to_dict() for c, d in self.drift.items()},
             "meta": self.meta,
             "intervals": intervals(self.rows),
@@ -197,7 +248,7 @@ class ModelResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], arrays: dict[str, np.ndarray]) -> ModelResult:
-        rows = [LayerRow(**r) for r in data["rows"]]
+        rows = [LayerRow.from_dict(r) for r in data["rows"]]
         return cls(
             model=data["model"],
             key=data["key"],

@@ -15,7 +15,10 @@ from isotui.results import LayerRow, ModelResult
 
 
 def _row(**over) -> LayerRow:
-    base = {f.name: 0.0 for f in dataclasses.fields(LayerRow) if f.default is dataclasses.MISSING}
+    required = [
+        f for f in dataclasses.fields(LayerRow) if f.default is f.default_factory is dataclasses.MISSING
+    ]
+    base = {f.name: 0.0 for f in required}
     base |= {"model": "m", "component": "model", "layer": 0, "n_vectors": 1000, "n_zero": 0, "dim": 64}
     base |= {"above_null": False, "final_norm": False, "rogue_dims": "", "spectrum_from": "all"}
     base |= {"top_rogue_dim": 0, "n_sample": 1000, "self_sim_types": 0}

@@ -104,7 +104,11 @@ def assert_stats_equal(a, b, what: str) -> None:
     """Every field of two stats dataclasses: ints and strings exactly, floats to 1e-12."""
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, (int, str, tuple)) and not isinstance(x, bool | float):
+        if isinstance(x, dict):  # plug-in metrics' columns (LayerStats.plugins, LayerRow.extra)
+            assert list(x) == list(y), f"{what} {f.name}"
+            for k in x:
+                assert_close(x[k], y[k], f"{what} {f.name}.{k}")
+        elif isinstance(x, (int, str, tuple)) and not isinstance(x, bool | float):
             assert x == y, f"{what} {f.name}"
         else:
             assert_close(x, y, f"{what} {f.name}")

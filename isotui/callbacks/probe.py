@@ -62,9 +62,12 @@ def body(model: Any) -> Any:
 
 
 def _metric_names() -> tuple[str, ...]:
+    """The float columns of a layer row: the built-in ones, then the plug-in metrics' in force."""
+    from isotui.plugins import in_force
     from isotui.results import LayerRow
 
-    return tuple(f.name for f in fields(LayerRow) if f.type in ("float", float))
+    own = tuple(f.name for f in fields(LayerRow) if f.type in ("float", float))
+    return own + tuple(c for m in in_force() for c in m.columns)
 
 
 def _whole(value: Any, keyword: str, minimum: int) -> int:

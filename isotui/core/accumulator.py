@@ -9,6 +9,7 @@ state behind and the batch can be retried.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
@@ -17,6 +18,7 @@ import numpy.typing as npt
 
 from isotui.core.exact_spectrum import ExactEigen, exact_eigen
 from isotui.core.isotropy import isoscore_star, sample_metrics
+from isotui.core.plugin import STATE_PREFIX, Plugged, PluginError, State, StreamingMetric, lookup
 from isotui.core.products import gram
 from isotui.core.spectrum import (
     Spectrum,
@@ -100,6 +102,8 @@ class LayerStats:
     iw_centered_se: float = math.nan
     avg_cos_abtt_se: float = math.nan
     avg_cos_std_se: float = math.nan
+    # plug-in metrics' columns (isotui.core.plugin), in the order of the metrics, then columns
+    plugins: dict[str, float] = field(default_factory=dict)
 
 
 def avg_cos_from_sums(sum_u: npt.NDArray[np.float64], n: int) -> float:
@@ -119,7 +123,14 @@ class LayerAccumulator:
     """
 
     def __init__(
-        self, dim: int, device: torch.device, *, full_cov: bool, reservoir: int, types: int = 0
+        self,
+        dim: int,
+        device: torch.device,
+        *,
+        full_cov: bool,
+        reservoir: int,
+        types: int = 0,
+        metrics: Sequence[StreamingMetric] = (),
     ) -> None:
         import torch
 
@@ -166,6 +177,9 @@ class LayerAccumulator:
         self.gram = torch.zeros((dim, dim), dtype=f64, device=device) if full_cov else None
         self.res: torch.Tensor | None = None
         self.res_keys: torch.Tensor | None = None
+        # plug-in metrics (isotui.core.plugin): each one's checked calls and its running state
+        self.plugins: dict[str, Plugged] = {m.name: Plugged(m, dim, device) for m in metrics}
+        self.plugin_states: dict[str, State] = {n: p.empty_state for n, p in self.plugins.items()}
 
     @property
     def n(self) -> int:
@@ -263,6 +277,8 @@ class LayerAccumulator:
                 "sum_w_all": w.sum(),
             }
         out["reservoir"] = self._merge_reservoir(x, keys)
+        if self.plugins:  # every kept vector, zero ones too, as the plug-in's own batch state
+            out["plugins"] = {n: p.batch(x64) for n, p in self.plugins.items()}
         return out
 
     def _sentences(
@@ -394,6 +410,9 @@ class LayerAccumulator:
         elif change[0] == "update" and self.res is not None and self.res_keys is not None:
             self.res.index_copy_(0, change[1], change[2])
             self.res_keys.index_copy_(0, change[1], change[3])
+        if "plugins" in p:  # each merged first, then all set: a failing merge leaves none half-added
+            merged = {n: self.plugins[n].merge(self.plugin_states[n], s) for n, s in p["plugins"].items()}
+            self.plugin_states.update(merged)
 
     def finalize(self, eigen: ExactEigen | None = None) -> LayerStats:
         """Turn the sums into metrics (see design.md for the exact definitions). ``eigen``: this
@@ -458,8 +477,16 @@ class LayerAccumulator:
             isoscore_star=isoscore_star(eig),
             constant_dims=tuple(int(k) for k in np.flatnonzero(self.constant_dims())),
             self_sim_types=self_sim_types,
+            plugins=self.plugin_values(),
             **extra,
         )
+
+    def plugin_values(self) -> dict[str, float]:
+        """Every plug-in metric's columns for this layer (column -> value)."""
+        out: dict[str, float] = {}
+        for name, plugged in self.plugins.items():
+            out |= plugged.finalize(self.plugin_states[name])
+        return out
 
     def _type_uniform(self) -> dict[str, float]:
         """avg_cos and drift with every token type weighted equally: pairs (i, j), i != j, weigh
@@ -680,6 +707,10 @@ def _layer_state(acc: LayerAccumulator) -> Sums:
     for k in (*_LAYER_SUMS, "sum_xs", "sum_xs2", "x_min", "x_max", "shift", "gram", "res", "res_keys"):
         if getattr(acc, k) is not None:
             state[k] = getattr(acc, k)
+    if acc.plugins:  # the names (a JSON string), then each one's tensors as plugin.<name>.<tensor>
+        state["plugins"] = ",".join(acc.plugins)
+        for name, tensors in acc.plugin_states.items():
+            state |= {f"{STATE_PREFIX}{name}.{k}": v for k, v in tensors.items()}
     return state
 
 
@@ -696,7 +727,10 @@ def _layer_from_state(
     for k in _LAYER_COUNTS:
         setattr(acc, k, int(state[k]))
     acc.weighted = bool(state["weighted"])
+    _plugins_from_state(acc, state, device, copy=copy)
     for k, v in state.items():
+        if k.startswith(STATE_PREFIX):
+            continue
         if isinstance(v, torch.Tensor):
             _check_shape(acc, k, v)
             setattr(acc, k, v.to(device).clone() if copy else v.to(device))
@@ -712,6 +746,26 @@ def _layer_from_state(
     ):
         raise ValueError("the layer state's reservoir and its keys do not match")
     return acc
+
+
+def _plugins_from_state(acc: LayerAccumulator, state: Sums, device: torch.device, *, copy: bool) -> None:
+    """The plug-in metrics a layer state holds (see :func:`_layer_state`), each found among the
+    metrics in force by name and its tensors checked against its empty state's shapes (a state of
+    other shapes is damaged: ValueError)."""
+    names = [n for n in str(state.get("plugins") or "").split(",") if n]
+    for name in names:
+        plugged = Plugged(lookup(name), acc.dim, device)
+        prefix = f"{STATE_PREFIX}{name}."
+        tensors = {
+            k[len(prefix) :]: (v.to(device).clone() if copy else v.to(device))
+            for k, v in state.items()
+            if k.startswith(prefix)
+        }
+        try:
+            acc.plugin_states[name] = plugged.check("the stored state", tensors)
+        except PluginError as exc:
+            raise ValueError(str(exc)) from None
+        acc.plugins[name] = plugged
 
 
 def _check_shape(acc: LayerAccumulator, name: str, value: torch.Tensor) -> None:
@@ -746,7 +800,17 @@ def _layer_merge(acc: LayerAccumulator, other: LayerAccumulator) -> None:
     theirs = tuple(getattr(other, k) for k in _LAYER_SHAPE)
     if mine != theirs:
         raise ValueError(f"cannot merge accumulators of different shapes {mine} and {theirs}")
+    if list(acc.plugins) != list(other.plugins):
+        raise ValueError(
+            f"cannot merge accumulators of different plug-in metrics ({', '.join(acc.plugins) or 'none'} "
+            f"and {', '.join(other.plugins) or 'none'})"
+        )
     dev = acc.device
+    merged = {
+        n: p.merge(acc.plugin_states[n], {k: v.to(dev) for k, v in other.plugin_states[n].items()})
+        for n, p in acc.plugins.items()
+    }
+    acc.plugin_states.update(merged)
     for k in _LAYER_COUNTS:
         setattr(acc, k, getattr(acc, k) + getattr(other, k))
     acc.weighted = acc.weighted or other.weighted

@@ -8,7 +8,7 @@ heatmap and written as CSV (one row per checkpoint and layer, every metric).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -31,7 +31,26 @@ if TYPE_CHECKING:
     from isotui.store.cache import ResultCache
 
 HELP = "any layer metric along a checkpoint series, as a layer x step heatmap (Machina & Mercer 2024)"
-METRICS = tuple(m.name for m in LAYER_METRIC_DECLARATIONS)  # the plottable ones and the rogue share
+
+
+class LayerMetricChoices(tuple[str, ...]):
+    """The built-in layer metrics (what help lists); ``in`` also accepts a column of a plug-in
+    metric in force (isotui.plugins), so ``--metric top_var_share`` draws a plug-in's heatmap."""
+
+    def __contains__(self, name: object) -> bool:
+        if tuple.__contains__(self, name):
+            return True
+        from isotui.errors import IsotuiError
+        from isotui.plugins import in_force
+
+        try:
+            return any(name in m.columns for m in in_force())
+        except IsotuiError:  # a broken plug-in: said by the run itself, in one sentence
+            return False
+
+
+# the plottable ones and the rogue share, then any plug-in's column
+METRICS = LayerMetricChoices(m.name for m in LAYER_METRIC_DECLARATIONS)
 
 
 @dataclass
@@ -62,7 +81,7 @@ class CheckpointSeries:
             for row in result.rows:
                 label = _label(row)
                 if label in labels:
-                    out[labels.index(label), j] = getattr(row, metric)
+                    out[labels.index(label), j] = getattr(row, metric, math.nan)  # NaN: a plug-in's it lacks
         return labels, out
 
     def csv_rows(self) -> list[dict[str, Any]]:
@@ -75,7 +94,7 @@ class CheckpointSeries:
                         "checkpoint": ckpt.label,
                         "step": step,
                         "duplicate_of": ckpt.duplicate_of or "",
-                        **asdict(row),
+                        **row.as_dict(),
                     }
                 )
         return out

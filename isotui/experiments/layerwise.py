@@ -16,6 +16,7 @@ from isotui import __version__
 from isotui.core.accumulator import LayerStats
 from isotui.core.correlation import drift_correlation
 from isotui.core.null import null_cos_quantile
+from isotui.core.plugin import StreamingMetric
 from isotui.data.sources import fingerprint
 from isotui.data.stream import open_samples
 from isotui.errors import IsotuiError
@@ -50,6 +51,8 @@ class Prepared:
     device: str | None
     max_length: int | None = None  # resolved (text), None when only loading can tell
     legacy_keys: tuple[str, ...] = ()  # older keys of the same computation, still read
+    # the plug-in metrics in force (isotui.plugins), by name: their names and versions are in the key
+    metrics: tuple[StreamingMetric, ...] = ()
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -77,7 +80,9 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
     A streamed corpus (``--stream``) is read once here to hash it, so its key is the plain run's.
     """
     from isotui.models.limits import declared_default_length
+    from isotui.plugins import in_force
 
+    metrics = in_force()  # a plug-in that fails to load or clashes is refused before any work
     given = spec.given  # a model object (isotui.models.given): keyed by its weights, run where it is
     ref = None if given is not None else parse_model(spec.model)
     if ref is not None:
@@ -123,12 +128,13 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
         **({"tokenizer": spec.tokenizer} if spec.tokenizer else {}),  # only when given: old keys hold
         **({"exact": True} if spec.exact else {}),  # off: the keys of earlier runs stay valid
         **({"modules": list(spec.modules)} if spec.modules else {}),  # likewise
+        **({"metrics": [[m.name, m.version] for m in metrics]} if metrics else {}),  # plug-ins in force
     }
     key = run_key(key_fields)
     legacy: tuple[str, ...] = ()
     if default is not None and max_length == default:  # a default run hashed None before
         legacy = (run_key({**key_fields, "max_length": None}),)
-    return Prepared(spec, key, samples, model_fp, data_fp, dtype, device, max_length, legacy)
+    return Prepared(spec, key, samples, model_fp, data_fp, dtype, device, max_length, legacy, metrics)
 
 
 NoticeCallback = Callable[[str], None]
@@ -257,8 +263,9 @@ def weights_size(spec: RunSpec) -> str:
     return f"{size / 1e6:.1f} MB" if size else ""
 
 
-def extract_options(spec: RunSpec) -> ExtractOptions:
-    """The extraction options a run's spec asks for (every experiment that feeds batches)."""
+def extract_options(spec: RunSpec, metrics: tuple[StreamingMetric, ...] = ()) -> ExtractOptions:
+    """The extraction options a run's spec asks for (every experiment that feeds batches);
+    ``metrics``: the plug-in metrics the layers stream (the layer run's, :attr:`Prepared.metrics`)."""
     from isotui.extract.runner import ExtractOptions
 
     return ExtractOptions(
@@ -272,6 +279,7 @@ def extract_options(spec: RunSpec) -> ExtractOptions:
         exact=spec.exact,
         max_memory=spec.max_memory,
         modules=spec.modules,
+        metrics=metrics,
     )
 
 
@@ -376,7 +384,7 @@ def compute(
     started = time.perf_counter()
     loaded, device = load_prepared(prepared)
     load_s = time.perf_counter() - started
-    opts = extract_options(spec)
+    opts = extract_options(spec, prepared.metrics)
     opts.keep_sample = keep_sample
     ex = extract(
         loaded,
@@ -456,6 +464,7 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
         "reservoir": spec.reservoir,
         "exact": spec.exact,
         **({"modules": list(spec.modules)} if spec.modules else {}),  # in the key when given
+        **({"metrics": {m.name: m.version for m in prepared.metrics}} if prepared.metrics else {}),
         **({"tokenizer": spec.tokenizer} if spec.tokenizer else {}),  # in the key when given
         "threads": facts.get("threads"),  # how fast, not what: not in the key
         "final_norm_module": ex.final_norm_module,
@@ -549,6 +558,7 @@ def build_rows(
                 self_sim_types=s.self_sim_types,
                 **{f: getattr(s, f) for f in SE_FIELDS},
                 module=modules[i] if modules else "",
+                extra=dict(s.plugins),
             )
         )
     return rows
@@ -557,10 +567,11 @@ def build_rows(
 def _wide(metric: str) -> str:
     """``--wide METRIC``, checked: a layer metric (the ones a figure can plot)."""
     from isotui.errors import IsotuiError
-    from isotui.results import LAYER_METRICS
+    from isotui.plugins import layer_metric_names
 
-    if metric not in LAYER_METRICS:
-        raise IsotuiError(f"--wide {metric} is not a layer metric; choose one of {', '.join(LAYER_METRICS)}")
+    choices = layer_metric_names()  # with the plug-ins' columns
+    if metric not in choices:
+        raise IsotuiError(f"--wide {metric} is not a layer metric; choose one of {', '.join(choices)}")
     return metric
 
 

@@ -180,6 +180,7 @@ def _options(prepared: Prepared) -> dict[str, Any]:
         "map_units": spec.map_units,
         "tokenizer": spec.tokenizer,
         **({"modules": list(spec.modules)} if spec.modules else {}),
+        **({"metrics": {m.name: m.version for m in prepared.metrics}} if prepared.metrics else {}),
     }
 
 
@@ -444,7 +445,7 @@ def _run_shard(
         prepared.samples,
         device=device,
         opts=dataclasses.replace(
-            extract_options(spec),
+            extract_options(spec, prepared.metrics),
             sample_ids=ids,
             settle_plan=settle or functools.partial(_settle_plan, cache_root, prepared.key, index, count),
         ),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from isotui.core.plugin import StreamingMetric
 from isotui.errors import IsotuiError
 from isotui.extract.progress import Progress, ProgressCallback
 from isotui.models.limits import config_position_limit, default_length, tokenizer_limit
@@ -48,6 +49,8 @@ class ExtractOptions:
     token_budget: int | None = None
     # --modules: the module globs and named sites whose outputs are the rows (None: the layers)
     modules: tuple[str, ...] | None = None
+    # plug-in metrics in force (isotui.core.plugin): each layer's accumulator streams them too
+    metrics: tuple[StreamingMetric, ...] = ()
 
 
 def position_limit(loaded: LoadedModel) -> int | None:

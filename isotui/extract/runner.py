@@ -571,7 +571,14 @@ class LayerStream:
         layer_plans = iter(self.plan.layers)
         self.accs = {
             c: [
-                LayerAccumulator(d, dev, full_cov=p.exact_cov, reservoir=p.reservoir, types=p.types)
+                LayerAccumulator(
+                    d,
+                    dev,
+                    full_cov=p.exact_cov,
+                    reservoir=p.reservoir,
+                    types=p.types,
+                    metrics=self.opts.metrics,
+                )
                 for d, dev, p in zip(ds, where[c], layer_plans, strict=False)
             ]
             for c, ds in dims.items()

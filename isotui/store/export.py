@@ -33,27 +33,37 @@ def _layer_columns() -> tuple[list[str], list[str]]:
     return names[:first_later], names[first_later:]
 
 
+def plugin_columns(results: Iterable[ModelResult]) -> list[str]:
+    """The plug-in metrics' columns any of the results' rows hold, in the order first seen."""
+    return list(dict.fromkeys(c for r in results for row in r.rows for c in row.extra))
+
+
 def layer_csv_rows(results: Iterable[ModelResult]) -> list[dict]:
     """The rows of :func:`write_csv` as dicts, keys in column order: the layer metrics, the run's
-    settings, then the standard errors (added later, so earlier columns keep their places)."""
+    settings, the standard errors (added later, so earlier columns keep their places), then the
+    plug-in metrics' columns (empty for a row without them: a result measured before)."""
+    results = list(results)
     base, later = _layer_columns()
+    extra = plugin_columns(results)
     out = []
     for r in results:
         run = {c: r.meta.get(c, "") for c in RUN_COLUMNS[:-1]} | {"run_key": r.key}
         for row in r.rows:
-            d = asdict(row)
-            out.append({c: d[c] for c in base} | run | {c: d[c] for c in later})
+            d = row.as_dict()
+            tail = {c: d.get(c, "") for c in extra}
+            out.append({c: d[c] for c in base} | run | {c: d[c] for c in later} | tail)
     return out
 
 
 def write_csv(results: Iterable[ModelResult], path: Path) -> Path:
     """One row per model, component and layer; columns as :meth:`LayerRow.columns`, then
     :data:`RUN_COLUMNS` from the run's metadata, then the standard errors (added later)."""
+    results = list(results)
     rows = layer_csv_rows(results)
 
     def write(f) -> None:
         base, later = _layer_columns()
-        writer = csv.DictWriter(f, fieldnames=[*base, *RUN_COLUMNS, *later])
+        writer = csv.DictWriter(f, fieldnames=[*base, *RUN_COLUMNS, *later, *plugin_columns(results)])
         writer.writeheader()
         writer.writerows(rows)
 

@@ -14,7 +14,7 @@ from rich.text import Text
 from textual.color import Color
 from textual.widgets import DataTable
 
-from isotui.render import COLUMNS, Column, amount, null_note
+from isotui.render import COLUMNS, Column, amount, layer_columns, null_note
 from isotui.results import METRIC, ModelResult
 
 SHADE_MAX = 0.55  # the strongest blend towards the primary colour: text stays readable
@@ -44,10 +44,21 @@ class LayerTable(DataTable):
         self.sort_reverse = False
         self._theme = ""
         self._drawn = False  # redraw() has run since mount
+        self.shown_columns: list[Column] = list(COLUMNS)  # with the result's plug-in columns, if any
 
     def on_mount(self) -> None:
         for c in COLUMNS:  # the same columns as the headless table
             self.add_column(c.header, key=c.field)
+
+    def _set_columns(self, columns: list[Column]) -> None:
+        """The columns of the result shown: the built-in ones, then its plug-in metrics' columns
+        (isotui.core.plugin); rebuilt only when they change."""
+        if [c.field for c in columns] == [c.field for c in self.shown_columns]:
+            return
+        self.clear(columns=True)
+        for c in columns:
+            self.add_column(c.header, key=c.field)
+        self.shown_columns = columns
 
     def show(self, result: ModelResult | None) -> None:
         """Show ``result``; the same result under the same theme is already shown (moving through
@@ -78,7 +89,7 @@ class LayerTable(DataTable):
         self.redraw()
 
     def sort_cursor_column(self) -> None:
-        self.toggle_sort(COLUMNS[self.cursor_column].field)
+        self.toggle_sort(self.shown_columns[self.cursor_column].field)
 
     def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
         event.stop()
@@ -92,12 +103,14 @@ class LayerTable(DataTable):
         if result is None:
             self.border_subtitle = ""
             return
+        self._set_columns(layer_columns(result.rows))
+        columns = self.shown_columns
         rows = list(enumerate(result.rows))
         if self.sort_field is not None and self.sort_field != "layer":
             field = self.sort_field
 
             def key(item: tuple[int, object]) -> tuple[int, float]:
-                v = getattr(item[1], field)
+                v = getattr(item[1], field, math.nan)  # a plug-in column another result lacks
                 ok = isinstance(v, (int, float)) and math.isfinite(v)
                 return (0 if ok else 1, v if ok else 0.0)  # NaN last either way
 
@@ -108,14 +121,14 @@ class LayerTable(DataTable):
             rows.reverse()
         bounds = {
             c.field: column_range([getattr(r, c.field) for r in result.rows])
-            for c in COLUMNS
+            for c in columns
             if c.field not in UNSHADED
         }
         theme = self.app.current_theme
         low = Color.parse(theme.surface or theme.background or "#202020")
         high = Color.parse(theme.primary)
         for index, row in rows:
-            cells = [self._cell(c, row, bounds.get(c.field), low, high) for c in COLUMNS]
+            cells = [self._cell(c, row, bounds.get(c.field), low, high) for c in columns]
             self.add_row(*cells, key=str(index))
         self.move_cursor(row=min(cursor.row, self.row_count - 1), column=cursor.column, animate=False)
         notes = (

@@ -38,6 +38,13 @@ if TYPE_CHECKING:
 PLOT_METRICS = LAYER_METRICS  # the cycle of `m`: results.METRICS, declared once
 
 
+def plot_metrics(results: list[ModelResult]) -> tuple[str, ...]:
+    """The cycle of `m` for these results: :data:`PLOT_METRICS`, then the plug-in metrics'
+    columns their rows hold (isotui.core.plugin), in the order first seen."""
+    extra = (c for r in results for row in r.rows for c in row.extra)
+    return PLOT_METRICS + tuple(c for c in dict.fromkeys(extra) if c not in PLOT_METRICS)
+
+
 class MainScreen(Screen[None]):
     """The layer view (see the module docstring)."""
 
@@ -223,7 +230,9 @@ class MainScreen(Screen[None]):
 
     def cycle_metric(self) -> None:
         host = self.host
-        host.metric = PLOT_METRICS[(PLOT_METRICS.index(host.metric) + 1) % len(PLOT_METRICS)]
+        cycle = plot_metrics(self.compared())
+        at = cycle.index(host.metric) if host.metric in cycle else -1
+        host.metric = cycle[(at + 1) % len(cycle)]
         self.replot()
         host.save_session()
 

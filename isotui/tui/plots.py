@@ -187,7 +187,9 @@ def draw_metric_curves(
         rows = result.rows
         colour = colours[i % len(colours)]
         legend.append((result.model, colour))
-        plt.plot(x_values(rows, depth), [getattr(r, metric) for r in rows], color=colour, marker="braille")
+        # getattr with NaN: a plug-in column that only some compared models have
+        ys = [getattr(r, metric, math.nan) for r in rows]
+        plt.plot(x_values(rows, depth), ys, color=colour, marker="braille")
         edges = se_band(rows, metric)
         if edges is not None:  # a sampled metric: ±1 standard error, dotted
             for edge in edges:
