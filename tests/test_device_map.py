@@ -71,8 +71,8 @@ def _measured_under(spec, recorded: dict):
     plan = MemoryPlan.from_json(recorded)
     options = layerwise.extract_options
 
-    def following(spec_):
-        return replace(options(spec_), settle_plan=lambda own: plan.follow(own, "the plain run", "-"))
+    def following(spec_, *rest):
+        return replace(options(spec_, *rest), settle_plan=lambda own: plan.follow(own, "the plain run", "-"))
 
     layerwise.extract_options = following
     try:
