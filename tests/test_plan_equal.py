@@ -164,7 +164,8 @@ def _workspace_by_hand(folder: Path, m: int, k: int) -> int:
     per-sample sums with at most m samples: 8, norms) and its largest phase (1,000 tracked types:
     their sums and two m x d float64; or the filling reservoir: float32 vectors, their
     concatenation with k held ones and the k kept); finalising an exact layer: 56 d^2 bytes and
-    LAPACK's syevd workspace beyond its 2 d^2 doubles, and the reservoir twice in float64."""
+    LAPACK's syevd workspace beyond its 2 d^2 doubles beside the reservoir's float64 copy, then
+    its metrics: the two eigenvector matrices and four float64 copies of the reservoir."""
     config = json.loads((folder / "config.json").read_text())
     d = config.get("hidden_size") or config["n_embd"]
     states = (config.get("num_hidden_layers") or config["n_layer"]) + 1
@@ -178,5 +179,5 @@ def _workspace_by_hand(folder: Path, m: int, k: int) -> int:
         8 * 1001 * d + 16 * m * d + 40 * m,
         4 * m * d + 4 * (k + m) * d + 4 * k * d,
     )
-    final = 56 * d * d + 8 * (1 + 6 * d) + 2 * 8 * k * d
+    final = max(56 * d * d + 8 * (1 + 6 * d) + 8 * k * d, 2 * 8 * d * d + 4 * 8 * k * d)
     return max(forward + alive + phase, final)

@@ -547,7 +547,9 @@ class LayerAccumulator:
 
         if self.res is None or sample is None or len(sample) < 2 or self.dim > SAMPLE_METRICS_MAX_DIM:
             return {}
-        x = self.res.to(torch.float64)  # the sample, on the accumulator's device (GPU: fast eigh)
+        # the sample, on the accumulator's device (GPU: fast eigh); on the CPU the float64 host
+        # copy itself (the same values), not a second one
+        x = torch.from_numpy(sample) if self.res.device.type == "cpu" else self.res.to(torch.float64)
         directions = None if exact is None else (exact.vecs, exact.vecs_c)
         return sample_metrics(x, mean, self.dim_std(n_all), self._se_groups(n_all), directions)
 
@@ -577,7 +579,9 @@ class LayerAccumulator:
         groups = self._se_groups(n_all)
         if groups is None:
             return {}
-        centred = self.res.to(torch.float64) - torch.as_tensor(mean, device=self.res.device)
+        x = torch.from_numpy(sample) if self.res.device.type == "cpu" else self.res.to(torch.float64)
+        centred = x - torch.as_tensor(mean, device=self.res.device)
+        del x
         return {"avg_cos_centered_se": cos_jackknife_se(centred, groups)}
 
     def dim_std(self, n_all: int) -> npt.NDArray[np.float64]:

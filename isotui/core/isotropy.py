@@ -117,19 +117,25 @@ def sample_metrics(
     centred = x - _t(mean, x.device)
     if directions is not None:
         return _exact_direction_metrics(x, centred, std, groups, *directions)
+    # one n x d working copy at a time beside x and centred (the plan's finalisation workspace,
+    # isotui.extract.memory_plan.finalisation_workspace_bytes): each is freed before the next
+    z = _standardized(centred, std)
+    out = {"avg_cos_std": _mean_cos(z)}
+    if groups is not None:
+        from isotui.core.sampled import cos_jackknife_se
+
+        out["avg_cos_std_se"] = cos_jackknife_se(z, groups)
+    del z
     vecs, null = _principal(x)
     vecs_c, null_c = _principal(centred)
-    z = _standardized(centred, std)
-    out = {
+    out |= {
         "iw": _iw(x, vecs, null),
         "iw_centered": _iw(centred, vecs_c, null_c),
         "avg_cos_abtt": _abtt(centred, vecs_c),
-        "avg_cos_std": _mean_cos(z),
     }
     if groups is not None:
-        from isotui.core.sampled import cos_jackknife_se, eigen_jackknife_se
+        from isotui.core.sampled import eigen_jackknife_se
 
-        out["avg_cos_std_se"] = cos_jackknife_se(z, groups)
         out |= eigen_jackknife_se(x, centred, groups)
     return out
 
@@ -153,21 +159,30 @@ def _exact_direction_metrics(
     """:func:`sample_metrics` over the exact directions ``vecs`` (X^T X) and ``vecs_c`` (the
     covariance): no decomposition of the sample, and standard errors with the directions held
     (they are not estimated from the sample, so only Z's and the mean cosines' sampling is left)."""
-    proj, proj_c = x @ vecs, centred @ vecs_c
-    rows = _abtt_rows(centred, vecs_c)
-    z = _standardized(centred, std)
-    out = {"avg_cos_abtt": _mean_cos(rows), "avg_cos_std": _mean_cos(z)}
-    if groups is None:
-        out["iw"] = _iw_of_log_z(log_partition(proj))
-        out["iw_centered"] = _iw_of_log_z(log_partition(proj_c))
-        return out
-    from isotui.core.sampled import cos_jackknife_se, held_iw_jackknife
+    from isotui.core.sampled import held_iw_jackknife
 
-    out["iw"], out["iw_se"] = held_iw_jackknife(proj, groups)
-    out["iw_centered"], out["iw_centered_se"] = held_iw_jackknife(proj_c, groups)
-    out["avg_cos_std_se"] = cos_jackknife_se(z, groups)
-    out["avg_cos_abtt_se"] = cos_jackknife_se(rows, groups)
+    # one n x d working copy at a time beside x and centred (the plan's finalisation workspace,
+    # isotui.extract.memory_plan.finalisation_workspace_bytes): each is freed before the next
+    out: dict[str, float] = {}
+    for name, rows, directions in (("iw", x, vecs), ("iw_centered", centred, vecs_c)):
+        proj = rows @ directions
+        if groups is None:
+            out[name] = _iw_of_log_z(log_partition(proj))
+        else:
+            out[name], out[f"{name}_se"] = held_iw_jackknife(proj, groups)
+        del proj
+    _add_mean_cos(out, "avg_cos_abtt", _abtt_rows(centred, vecs_c), groups)
+    _add_mean_cos(out, "avg_cos_std", _standardized(centred, std), groups)
     return out
+
+
+def _add_mean_cos(out: dict[str, float], name: str, rows: torch.Tensor, groups: Groups | None) -> None:
+    """``out[name]``: the mean cosine of ``rows``, and with ``groups`` its jackknife SE."""
+    from isotui.core.sampled import cos_jackknife_se
+
+    out[name] = _mean_cos(rows)
+    if groups is not None:
+        out[f"{name}_se"] = cos_jackknife_se(rows, groups)
 
 
 def _iw_of_log_z(log_z: torch.Tensor) -> float:
@@ -185,7 +200,8 @@ def _mean_cos(v: torch.Tensor) -> float:
     n = int(keep.sum())
     if n < 2:
         return math.nan
-    s = (v[keep] / norms[keep, None]).sum(0)
+    # every row kept (the usual case): no masked copy of v first (the same values and sums)
+    s = (v / norms[:, None]).sum(0) if n == len(v) else (v[keep] / norms[keep, None]).sum(0)
     return float((s @ s - n) / (n * (n - 1)))
 
 

@@ -79,7 +79,7 @@ def cos_jackknife_se(v: torch.Tensor, parts: Groups) -> float:
 
     norms = torch.linalg.vector_norm(v, dim=1)
     keep = norms > 0
-    u = torch.where(keep[:, None], v / torch.where(keep, norms, 1.0)[:, None], 0.0)
+    u = (v / torch.where(keep, norms, 1.0)[:, None]).masked_fill_(~keep[:, None], 0.0)  # one n x d copy
     sums = torch.stack([u[idx].sum(0) for idx in parts]).cpu().numpy()
     counts = np.array([int(keep[idx].sum()) for idx in parts], dtype=np.float64)
     rest = sums.sum(0) - sums
@@ -116,16 +116,22 @@ def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: Groups) ->
     for g, idx in enumerate(parts):
         keep = torch.ones(n, dtype=torch.bool, device=x.device)
         keep[idx] = False
-        rest, rest_c = x[keep], centred[keep]
+        # the rest's rows one copy at a time (x's, then the centred ones): the same numbers
+        rest = x[keep]
         if by_sums:  # as _principal does with the rest's own x^T x: eigh, largest first
             vecs, null = torch.linalg.eigh(whole - grams[g][0])[1].flip(1), False
-            vecs_c, null_c = torch.linalg.eigh(whole_c - grams[g][1])[1].flip(1), False
         else:
             vecs, null = _principal(rest)
-            vecs_c, null_c = _principal(rest_c)
         theta["iw"].append(_iw(rest, vecs, null))
+        del rest
+        rest_c = centred[keep]
+        if by_sums:
+            vecs_c, null_c = torch.linalg.eigh(whole_c - grams[g][1])[1].flip(1), False
+        else:
+            vecs_c, null_c = _principal(rest_c)
         theta["iw_centered"].append(_iw(rest_c, vecs_c, null_c))
         theta["avg_cos_abtt"].append(_abtt(rest_c, vecs_c))
+        del rest_c
     return {se_name(m): _jackknife(np.asarray(v)) for m, v in theta.items()}
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from isotui.core.accumulator import LayerAccumulator, LayerStats
 from isotui.core.exact_spectrum import ExactEigen, exact_eigens
+from isotui.extract.heap import release_free_memory
 from isotui.extract.progress import Progress, ProgressCallback
 
 if TYPE_CHECKING:
@@ -154,6 +155,10 @@ def finalize_all(
             )
         )
 
+    # the batches' (or a merge's) freed heap given back before the first layer, and each layer's
+    # workspace after it: finalisation's peak is then one layer's workspace above the sums (the
+    # plan's), not that plus the heap glibc kept (isotui.extract.heap)
+    release_free_memory()
     k = 0
     while k < len(order):
         key = _batch_key(order[k][2])
@@ -188,6 +193,7 @@ def finalize_all(
                 stats = _on_host(acc)
                 on_cpu += 1
             out[component][i] = stats
+            release_free_memory()
             eta.layer_done()
         k = end
     if notes is not None and (on_cpu or any(size[key] < asked[key] for key in size if key in asked)):

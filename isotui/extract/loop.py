@@ -320,6 +320,9 @@ class BatchLoop:
                     finalize_left_s=left,
                 )
                 self.on_progress(last)
+            # the last batches' freed memory (fewer than TRIM_EVERY since the last trim) given
+            # back before finalisation starts
+            release_free_memory()
         finally:
             self.hooks.remove()
         return PassStats(done, units, time.perf_counter() - start, last)

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from isotui.core.sampled import SE_GROUPS
 from isotui.errors import IsotuiError
 from isotui.extract.device import available_memory, resolve_dtype
 from isotui.extract.planning import TOKEN_BUDGET
@@ -233,6 +234,17 @@ def fold_transient_bytes(
     return alive + max(phases)
 
 
+# float64 n x d copies of a reservoir of n vectors alive at once while its metrics are computed
+# (read off isotui/core/isotropy.py and isotui/core/sampled.py): the sample itself and its
+# centred rows throughout, then, where the directions are the sample's own, the delete-a-group
+# jackknife's rest (7/8 n), its projection, the projection's negation and logsumexp's shifted
+# copy (4 x 7/8, counted as 4); where the exact covariance's directions are held, one working
+# copy (a projection, the rows without the top components, the standardised rows) and the unit
+# rows made from it (2)
+SAMPLED_COPIES = 6
+HELD_COPIES = 4
+
+
 def finalisation_workspace_bytes(dim: int, *, exact: bool, sample: int) -> int:
     """What finalising one layer allocates beside its sums (the plan's finalisation workspace).
     ``exact`` (the d x d sums held): :func:`~isotui.core.exact_spectrum.moments` makes X^T X and
@@ -240,22 +252,36 @@ def finalisation_workspace_bytes(dim: int, *, exact: bool, sample: int) -> int:
     decompositions), then two float64 ``eigh``: each copies its input (8 d^2), returns its
     eigenvectors (8 d^2) and takes LAPACK's ``syevd`` workspace (1 + 6 d + 2 d^2 doubles); the
     first's eigenvectors stay while the second runs, so the peak is 16 + 8 + 8 + 8 + 16 = 56
-    bytes per d^2 (plus the workspace's 8 (1 + 6 d)). A sampled layer's reservoir of ``sample``
-    vectors is copied to float64 on the host and on the device (2 x 8 sample d), and its
-    covariance (d x d, or the sample x sample Gram matrix when d > sample) decomposed the same
-    way (input copy, eigenvalues only: 8 n^2 + 8 (1 + 6 n + 2 n^2)).
+    bytes per d^2 (plus the workspace's 8 (1 + 6 d)), beside the reservoir's float64 copy
+    (8 ``sample`` d). Then the reservoir's metrics over the two eigenvector matrices kept
+    (16 d^2): :data:`HELD_COPIES` float64 copies of the reservoir.
 
-    Finalisation runs one layer at a time today, so a device's workspace is its widest layer's.
-    isotui's device-side finalisation (``gpumath``) sizes its batches of layers with this
+    A sampled layer's reservoir (``sample`` vectors): its float64 copy and its covariance (d x d,
+    or the sample x sample Gram matrix when d > sample) decomposed (input copy, eigenvalues only:
+    8 n^2 + 8 (1 + 6 n + 2 n^2)), then the metrics over the sample's own directions, two n x n
+    or d x d eigenvector matrices, :data:`SAMPLED_COPIES` float64 copies of the reservoir and,
+    where d is below the jackknife's rest of the sample, its 2 (G + 1) d x d sums
+    (:func:`~isotui.core.sampled.eigen_jackknife_se`).
+    These are live bytes: on the CPU, finalisation gives freed heap back before and after each
+    layer (:func:`~isotui.extract.heap.release_free_memory`). On a GPU the reservoir's host
+    float64 copy (8 ``sample`` d) is on the host besides.
+
+    Finalisation runs one layer at a time on the CPU, so a device's workspace is its widest
+    layer's. isotui's device-side finalisation (``gpumath``) sizes its batches of layers with this
     function: ``k`` layers at once take ``k`` times it. cuSOLVER's ``syevd`` workspace on a GPU
     can be larger than LAPACK's (this is LAPACK's count)."""
     d = dim
-    syevd = 8 * (1 + 6 * d + 2 * d * d)
-    copies = 2 * 8 * sample * d
+    copy = 8 * sample * d
     if exact:
-        return max(4 * 8 * d * d, 16 * d * d + 8 * d * d + 8 * d * d + syevd + 8 * d * d) + copies
+        syevd = 8 * (1 + 6 * d + 2 * d * d)
+        decompose = max(4 * 8 * d * d, 16 * d * d + 8 * d * d + 8 * d * d + syevd + 8 * d * d) + copy
+        return max(decompose, 16 * d * d + HELD_COPIES * copy)
     n = min(d, sample) if sample else d
-    return copies + 8 * n * n + 8 * (1 + 6 * n + 2 * n * n)
+    decompose = copy + 8 * n * n + 8 * (1 + 6 * n + 2 * n * n)
+    # the jackknife's per-group d x d sums (x^T x and the centred one for each of the G groups,
+    # and their totals) where d leaves the rest more rows than dimensions
+    grams = 2 * (SE_GROUPS + 1) * 8 * d * d if d <= sample - -(-sample // SE_GROUPS) else 0
+    return max(decompose, 2 * 8 * n * n + grams + SAMPLED_COPIES * copy)
 
 
 def limited_budget(given: int, weights: int, activations: int) -> int:
