@@ -1,0 +1,209 @@
+"""isotui.callbacks.IsotuiLightningCallback: the model a LightningModule trains, measured in training.
+
+A tiny BERT (train-tiny's model on small sizes, dropout on, the collator masking with torch's
+global generator) inside a LightningModule trains 6 steps, once without and once with the
+callback probing every 3 steps, a test callback saving the model at steps 3 and 6: the losses
+are the same bit for bit, the numbers at a step are ``isotui.run`` on the model saved at that
+step, the scalars are in the CSVLogger's metrics.csv at the probe's steps, and the series opens
+as a checkpoint series.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import fields
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import isotui
+from isotui.errors import IsotuiError
+from isotui.results import LayerRow
+
+# a long run (`make test-fast` leaves it out)
+pytestmark = pytest.mark.slow
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+L = pytest.importorskip("lightning")
+
+STEPS, EVERY, SAMPLES = 6, 3, 48
+FLOATS = [f.name for f in fields(LayerRow) if f.type in ("float", float)]
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from isotui.models.naming import bundled_minilm_dir
+
+    tok = AutoTokenizer.from_pretrained(str(bundled_minilm_dir()))
+    tok.model_max_length = 32
+    return tok
+
+
+class TinyBert(L.LightningModule):
+    """train-tiny's BERT, its masked-LM loss; every training loss kept."""
+
+    def __init__(self, model, tokenizer) -> None:
+        super().__init__()
+        self.model, self.tokenizer, self.losses = model, tokenizer, []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.losses.append(loss.detach().item())
+        self.log("loss", loss)  # the trainer's own logging, beside the callback's
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+
+class SaveAt(L.Callback):
+    """Saves the model (transformers' format) after the optimizer step of the steps given."""
+
+    def __init__(self, root: Path, steps: tuple[int, ...]) -> None:
+        self.root, self.steps = root, steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (
+            trainer.global_step in self.steps
+            and not (self.root / f"checkpoint-{trainer.global_step}").exists()
+        ):
+            pl_module.model.save_pretrained(self.root / f"checkpoint-{trainer.global_step}")
+            pl_module.tokenizer.save_pretrained(self.root / f"checkpoint-{trainer.global_step}")
+
+
+def _fit(root: Path, probe: bool, tok) -> TinyBert:
+    from lightning.pytorch.loggers import CSVLogger
+    from transformers import DataCollatorForLanguageModeling
+
+    from isotui.callbacks import IsotuiLightningCallback
+    from isotui.data.sources import load_samples, parse_data
+    from isotui.experiments.train_tiny import Settings, build_model, pack_rows
+
+    settings = Settings("bert", STEPS, (), 32, 2, 2, 32, 8, 1e-3, 0.1, 0)
+    ids = tok(load_samples(parse_data("builtin"))[:400], add_special_tokens=False)["input_ids"]
+    rows = pack_rows(ids, 32, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id)
+    torch.manual_seed(0)
+    module = TinyBert(build_model(settings, tok), tok)
+    loader = torch.utils.data.DataLoader(
+        [{"input_ids": r} for r in rows], batch_size=8, collate_fn=DataCollatorForLanguageModeling(tok)
+    )
+    callbacks: list = [SaveAt(root, (EVERY, 2 * EVERY))]
+    if probe:
+        callbacks.append(IsotuiLightningCallback("builtin", every=EVERY, max_samples=SAMPLES))
+    trainer = L.Trainer(
+        max_steps=STEPS, accelerator="cpu", devices=1, default_root_dir=str(root),
+        logger=CSVLogger(str(root), name="csv"), log_every_n_steps=1, callbacks=callbacks,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    return module
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lightning")
+    tok = _tokenizer()
+    bare = _fit(root / "bare", False, tok)
+    probed = _fit(root / "probed", True, tok)
+    return {"bare": bare, "probed": probed, "out": root / "probed", "tok": tok}
+
+
+def test_training_with_the_callback_is_the_training_without_it(fitted):
+    assert len(fitted["bare"].losses) == STEPS
+    assert fitted["probed"].losses == fitted["bare"].losses  # bit for bit
+
+
+def _recorded(out: Path) -> dict[int, object]:
+    from isotui.experiments.recorded import read_step, recorded_series
+
+    return {c.step: read_step(c) for c in recorded_series(out / "isotui")}
+
+
+def _differences(a, b, tol: float) -> list[str]:
+    bad = []
+    assert [(r.component, r.layer) for r in a.rows] == [(r.component, r.layer) for r in b.rows]
+    for ra, rb in zip(a.rows, b.rows, strict=True):
+        for name in FLOATS:
+            x, y = getattr(ra, name), getattr(rb, name)
+            if not (math.isnan(x) and math.isnan(y)) and not abs(x - y) <= tol:
+                bad.append(f"layer {ra.layer} {name}: {x!r} != {y!r}")
+    return bad
+
+
+@pytest.mark.parametrize("step", [EVERY, 2 * EVERY])
+def test_numbers_at_a_step_are_the_run_on_the_model_saved_at_that_step(fitted, step):
+    recorded = _recorded(fitted["out"])
+    assert sorted(recorded) == [0, EVERY, 2 * EVERY]
+    saved = fitted["out"] / f"checkpoint-{step}"
+    posthoc = isotui.run(str(saved), "builtin", max_samples=SAMPLES, cache=False, progress=False).result
+    assert posthoc.meta["n_samples"] == recorded[step].meta["n_samples"] == SAMPLES
+    assert _differences(recorded[step], posthoc, 1e-9) == []
+    assert _differences(recorded[0], posthoc, 1e-9) != []  # the steps differ: the comparison can tell
+
+
+def test_scalars_are_in_the_csv_loggers_metrics(fitted):
+    recorded = _recorded(fitted["out"])
+    (metrics,) = (fitted["out"] / "csv").glob("version_*/metrics.csv")
+    with metrics.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("isotui/avg_cos/layer_1")]
+    assert [int(r["step"]) for r in rows] == [0, EVERY, 2 * EVERY]
+    for row in rows:
+        for layer in recorded[int(row["step"])].rows:
+            assert float(row[f"isotui/avg_cos/layer_{layer.layer}"]) == layer.avg_cos
+            assert float(row[f"isotui/eff_rank/layer_{layer.layer}"]) == layer.eff_rank
+    (bare,) = (fitted["out"].parent / "bare" / "csv").glob("version_*/metrics.csv")
+    assert "isotui/" not in bare.read_text()
+
+    def losses(path: Path) -> list[tuple[str, str]]:  # the module's own logging is unchanged
+        with path.open(newline="") as f:
+            return [(r["step"], r["loss"]) for r in csv.DictReader(f) if r.get("loss")]
+
+    assert [s for s, _ in losses(bare)] == [str(s) for s in range(STEPS)]  # the weights' step
+    assert losses(metrics) == losses(bare)
+
+
+def test_the_series_opens_as_a_checkpoint_series(fitted, tmp_path, monkeypatch):
+    from isotui.cli import main
+
+    monkeypatch.setenv("ISOTUI_CACHE_DIR", str(tmp_path / "cache"))
+    series = fitted["out"] / "isotui"
+    recorded = _recorded(fitted["out"])
+    found = isotui.experiment("checkpoints", checkpoints=[str(series)], progress=False).result
+    assert found.steps() == [0, EVERY, 2 * EVERY]
+    _, grid = found.grid("avg_cos")
+    for j, step in enumerate(found.steps()):
+        assert list(grid[:, j]) == [r.avg_cos for r in recorded[step].rows]
+    assert main(["experiment", "checkpoints", "-c", str(series), "--csv", str(tmp_path / "s.csv")]) == 0
+
+
+def test_only_rank_zero_probes(tmp_path):
+    from isotui.callbacks import IsotuiLightningCallback
+
+    logged = []
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(step))
+    callback = IsotuiLightningCallback(every=1, out=tmp_path / "series")
+    other = SimpleNamespace(
+        is_global_zero=False, global_step=0, default_root_dir=str(tmp_path), loggers=[logger]
+    )
+    callback.on_train_start(other, None)  # a module of None: reading it would fail
+    callback.on_train_batch_end(other, None, None, None, 0)
+    assert logged == [] and not (tmp_path / "series").exists()
+
+
+def test_bad_settings_are_one_sentence(fitted):
+    from isotui.callbacks import IsotuiLightningCallback
+
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, current_epoch=0, loggers=[])
+    module = SimpleNamespace(model=fitted["probed"].model)  # no tokenizer attribute
+    with pytest.raises(IsotuiError, match="give tokenizer= "):
+        IsotuiLightningCallback(every=1).on_train_batch_end(trainer, module, None, None, 0)
+    with pytest.raises(IsotuiError, match="model='net': the SimpleNamespace has no attribute 'net'"):
+        IsotuiLightningCallback(every=1, model="net", tokenizer=fitted["tok"]).on_train_batch_end(
+            trainer, module, None, None, 0
+        )
+    with pytest.raises(IsotuiError, match="model= is the LightningModule's attribute"):
+        IsotuiLightningCallback(model=3)
