@@ -21,6 +21,7 @@ import pytest
 import isotui
 from isotui.errors import IsotuiError
 from isotui.results import LayerRow
+from tests.reference import step_gradients_by_hand
 
 # a long run (`make test-fast` leaves it out)
 pytestmark = pytest.mark.slow
@@ -75,7 +76,20 @@ class SaveAt(L.Callback):
             pl_module.tokenizer.save_pretrained(self.root / f"checkpoint-{trainer.global_step}")
 
 
-def _fit(root: Path, probe: bool, tok) -> TinyBert:
+class Capture(L.Callback):
+    """Before the batch of a step: the weights, the batch and torch's generator (a recomputation)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.seen = step, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step + 1 == self.step:
+            weights = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
+            self.seen = {"weights": weights, "batch": {k: v.clone() for k, v in batch.items()}}
+            self.seen["rng"] = torch.get_rng_state()
+
+
+def _fit(root: Path, probe: bool, tok, accumulate: int = 1, steps: int = STEPS) -> TinyBert:
     from lightning.pytorch.loggers import CSVLogger
     from transformers import DataCollatorForLanguageModeling
 
@@ -91,15 +105,21 @@ def _fit(root: Path, probe: bool, tok) -> TinyBert:
     loader = torch.utils.data.DataLoader(
         [{"input_ids": r} for r in rows], batch_size=8, collate_fn=DataCollatorForLanguageModeling(tok)
     )
-    callbacks: list = [SaveAt(root, (EVERY, 2 * EVERY))]
+    callbacks: list = [SaveAt(root, (EVERY, 2 * EVERY)), Capture(EVERY)]
     if probe:
-        callbacks.append(IsotuiLightningCallback("builtin", every=EVERY, max_samples=SAMPLES))
+        callbacks.append(
+            IsotuiLightningCallback(
+                "builtin", every=EVERY, max_samples=SAMPLES, experiments=("layers", "gradients")
+            )
+        )
     trainer = L.Trainer(
-        max_steps=STEPS, accelerator="cpu", devices=1, default_root_dir=str(root),
+        max_steps=steps, accelerator="cpu", devices=1, default_root_dir=str(root),
         logger=CSVLogger(str(root), name="csv"), log_every_n_steps=1, callbacks=callbacks,
+        accumulate_grad_batches=accumulate,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module, loader)
+    module.captured = callbacks[1].seen
     return module
 
 
@@ -178,6 +198,63 @@ def test_the_series_opens_as_a_checkpoint_series(fitted, tmp_path, monkeypatch):
     for j, step in enumerate(found.steps()):
         assert list(grid[:, j]) == [r.avg_cos for r in recorded[step].rows]
     assert main(["experiment", "checkpoints", "-c", str(series), "--csv", str(tmp_path / "s.csv")]) == 0
+
+
+def _model(tok):
+    from isotui.experiments.train_tiny import Settings, build_model
+
+    return build_model(Settings("bert", STEPS, (), 32, 2, 2, 32, 8, 1e-3, 0.1, 0), tok)
+
+
+def test_gradients_from_the_steps_own_backward(fitted):
+    """At step 3 the callback's gradients are the step's own backward's: equal to autograd.grad of
+    the same loss on the same batch, measured with numpy; step 0 (before any step) on the probe set."""
+    from isotui.experiments.recorded import recorded_gradients
+
+    found = recorded_gradients(fitted["out"] / "isotui")
+    assert sorted(found) == [0, EVERY, 2 * EVERY]
+    assert [found[s].meta["source"] for s in sorted(found)] == ["probe-set", "own-backward", "own-backward"]
+    assert "no training step ran before it" in found[0].meta["why"]
+    expected, loss = step_gradients_by_hand(_model(fitted["tok"]), fitted["probed"].captured, fitted["tok"])
+    assert loss == fitted["probed"].losses[EVERY - 1]  # the recomputation is the step's forward
+    rows = found[EVERY].rows
+    assert len(rows) == len(expected) == 3
+    for row, want in zip(rows, expected, strict=True):
+        assert (row.n_vectors, row.n_zero) == (want["n_vectors"], want["n_zero"])
+        assert row.grad_avg_cos == pytest.approx(want["grad_avg_cos"], abs=1e-9)
+        assert row.grad_mean_norm == pytest.approx(want["grad_mean_norm"], rel=1e-9)
+        assert row.top_share == pytest.approx(want["top_share"], abs=1e-6)  # float32 products
+    assert rows[-1].n_zero > 0  # the last layer: only the masked positions have a gradient
+    (metrics,) = (fitted["out"] / "csv").glob("version_*/metrics.csv")
+    with metrics.open(newline="") as f:
+        logged = {r["step"]: r for r in csv.DictReader(f) if r.get("isotui/gradients_own_backward")}
+    assert {s: logged[s]["isotui/gradients_own_backward"] for s in logged} == {
+        "0": "0.0",
+        "3": "1.0",
+        "6": "1.0",
+    }
+    assert float(logged["3"]["isotui/grad_avg_cos/layer_1"]) == rows[1].grad_avg_cos
+
+
+def test_gradient_accumulation_falls_back_to_the_probe_set(tmp_path):
+    """Two batches per step: no own backward; the probe set's gradients, equal to the gradients
+    experiment on the model saved at that step."""
+    tok = _tokenizer()
+    module = _fit(tmp_path, True, tok, accumulate=2, steps=EVERY)
+    from isotui.experiments.recorded import recorded_gradients
+
+    found = recorded_gradients(tmp_path / "isotui")
+    assert sorted(found) == [0, EVERY]
+    assert found[EVERY].meta["source"] == "probe-set"
+    assert "gradient accumulation (accumulate_grad_batches=2)" in found[EVERY].meta["why"]
+    assert len(module.losses) == 2 * EVERY
+    posthoc = isotui.experiment(
+        "gradients", model=str(tmp_path / f"checkpoint-{EVERY}"), data="builtin", max_samples=SAMPLES,
+        cache=False, progress=False,
+    ).result  # fmt: skip
+    for got, want in zip(found[EVERY].rows, posthoc.rows, strict=True):
+        for name in ("grad_avg_cos", "grad_mean_norm", "top_share", "random_share", "act_avg_cos"):
+            assert getattr(got, name) == pytest.approx(getattr(want, name), abs=1e-9), name
 
 
 def test_only_rank_zero_probes(tmp_path):

@@ -54,14 +54,19 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
         max_samples: int = DEFAULT_SAMPLES,
         metrics: Iterable[str] = DEFAULT_METRICS,
         out: str | Path | None = None,
+        experiments: Iterable[str] = ("layers",),
+        top_k: int = 10,
         model: str | Callable[[Any], Any] | None = None,
         tokenizer: Any = None,
         processor: Any = None,
         **options: Any,
     ) -> None:
         self.probe = Probe(
-            data, every=every, at=at, max_samples=max_samples, metrics=metrics, out=out, **options
-        )
+            data, every=every, at=at, max_samples=max_samples, metrics=metrics, out=out,
+            experiments=experiments, top_k=top_k, **options,
+        )  # fmt: skip
+        self.own: Any = None  # the coming step's own-backward hooks, when it is probed with gradients
+        self.no_own = "no training step ran before it"
         if model is not None and not isinstance(model, str) and not callable(model):
             raise IsotuiError(
                 f"model= is the LightningModule's attribute to measure (a name) or a function of the "
@@ -98,17 +103,37 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
             self.probe.start(Path(trainer.default_root_dir) / "isotui")
         self._probe(trainer, pl_module)
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Before a batch whose step is probed with gradients: hook its own backward, if it is one."""
+        if not (trainer.is_global_zero and self.probe.gradients and self.probe.due(trainer.global_step + 1)):
+            return
+        if not pl_module.automatic_optimization:
+            self.no_own = "manual optimisation (the module's training_step steps its optimizers itself)"
+        elif trainer.accumulate_grad_batches > 1:
+            self.no_own = f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})"
+        else:
+            self.own = self.probe.step_gradients(self.measured(pl_module), self._processing(pl_module)[0])
+
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._probe(trainer, pl_module)
+        try:
+            self._probe(trainer, pl_module)
+        finally:
+            if self.own is not None:
+                self.own.disarm()
+            self.own, self.no_own = None, "no training step ran before it"
+
+    def _processing(self, pl_module: Any) -> tuple[Any, Any]:
+        tokenizer = self.tokenizer if self.tokenizer is not None else getattr(pl_module, "tokenizer", None)
+        processor = self.processor if self.processor is not None else getattr(pl_module, "processor", None)
+        return tokenizer, processor
 
     def _probe(self, trainer: Any, pl_module: Any) -> None:
         step = int(trainer.global_step)
         if not trainer.is_global_zero or not self.probe.due(step):
             return
-        tokenizer = self.tokenizer if self.tokenizer is not None else getattr(pl_module, "tokenizer", None)
-        processor = self.processor if self.processor is not None else getattr(pl_module, "processor", None)
+        tokenizer, processor = self._processing(pl_module)
         if tokenizer is None and processor is None:
             raise IsotuiError(
                 "IsotuiLightningCallback needs what turns the probe set into the model's inputs: give "
@@ -120,6 +145,8 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
             step,
             tokenizer=tokenizer,
             processor=processor,
+            own=self.own,
+            no_own=self.no_own,
             epoch=int(trainer.current_epoch),
         )
         for logger in trainer.loggers:
