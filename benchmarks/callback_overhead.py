@@ -10,7 +10,7 @@ both wall times, their ratio, the seconds of each probe and the 1-minute load be
 :class:`IsotuiLightningCallback`.
 
     python benchmarks/callback_overhead.py [--framework trainer|lightning] [--steps 400] [--every 100]
-        [--threads 1] [--probed-first]
+        [--threads 1] [--gradients] [--probed-first]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--every", type=int, default=DEFAULT_EVERY)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--gradients", action="store_true", help="probe the gradients too")
     parser.add_argument("--probed-first", action="store_true", help="train with the callback first")
     args = parser.parse_args()
 
@@ -45,6 +46,7 @@ def main() -> None:
     from isotui.models.naming import bundled_minilm_dir
 
     hf_logging.set_verbosity_error()
+    experiments = ("layers", "gradients") if args.gradients else ("layers",)
     torch.set_num_threads(args.threads)
     d = DEFAULTS
     settings = Settings(
@@ -87,7 +89,11 @@ def main() -> None:
             dataset, batch_size=settings.batch_size, shuffle=True,
             collate_fn=DataCollatorForLanguageModeling(tok, mlm_probability=0.15),
         )  # fmt: skip
-        callbacks = [IsotuiLightningCallback("builtin", every=args.every)] if with_callback else []
+        callbacks = (
+            [IsotuiLightningCallback("builtin", every=args.every, experiments=experiments)]
+            if with_callback
+            else []
+        )
         trainer = L.Trainer(
             max_steps=settings.steps, accelerator="cpu", devices=1, default_root_dir=str(out),
             logger=False, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
@@ -112,7 +118,7 @@ def main() -> None:
             model=model, args=targs, train_dataset=dataset, data_collator=collator, processing_class=tok
         )
         if with_callback:
-            IsotuiCallback("builtin", every=args.every).attach(trainer)
+            IsotuiCallback("builtin", every=args.every, experiments=experiments).attach(trainer)
         started = time.perf_counter()
         trainer.train()
         return time.perf_counter() - started
@@ -128,7 +134,10 @@ def main() -> None:
         record = json.loads((Path(tmp) / "probed" / "isotui" / "isotui_series.json").read_text())
     probes = [s["seconds"] for s in record["steps"]]
     load_after = os.getloadavg()[0]
-    print(f"{args.framework}: steps {settings.steps}, every {args.every}, threads {args.threads}")
+    print(
+        f"{args.framework}: steps {settings.steps}, every {args.every}, threads {args.threads}, "
+        f"experiments {', '.join(experiments)}"
+    )
     print(f"1-minute load: {load_before:.2f} before, {load_after:.2f} after")
     print(f"without the callback: {bare:.1f} s")
     each = ", ".join(f"{p:.2f}" for p in probes)

@@ -266,8 +266,10 @@ def test_bad_settings_are_one_sentence(tmp_path):
         callback.on_train_begin(None, None, None)
 
 
-def _page_python(page: Path) -> str:
-    (code,) = re.findall(r"^```python\n(.*?)^```", page.read_text(encoding="utf-8"), re.S | re.M)
+def _page_python(page: Path, uses: str = "IsotuiCallback(") -> str:
+    """The page's Python example that uses ``uses`` (the Trainer's; the Lightning one has its own)."""
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(encoding="utf-8"), re.S | re.M)
+    (code,) = [b for b in blocks if uses in b]
     return code
 
 

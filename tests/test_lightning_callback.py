@@ -284,3 +284,29 @@ def test_bad_settings_are_one_sentence(fitted):
         )
     with pytest.raises(IsotuiError, match="model= is the LightningModule's attribute"):
         IsotuiLightningCallback(model=3)
+
+
+def test_the_docs_example_runs(tmp_path):
+    """docs/callbacks.md's Lightning example, as written, then the command it names."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_callbacks import ROOT, _page_python
+
+    env = {**os.environ, "ISOTUI_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    code = _page_python(ROOT / "docs" / "callbacks.md", "IsotuiLightningCallback(")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split()[:2] for line in proc.stdout.splitlines()]
+    assert lines == [["0", "probe-set"], ["10", "own-backward"], ["20", "own-backward"]]
+    assert (
+        "isotui/avg_cos/layer_1"
+        in (tmp_path / "runs/lightning/lightning_logs/version_0/metrics.csv").read_text()
+    )
+    argv = ["experiment", "checkpoints", "-c", "runs/lightning/isotui"]
+    ran = subprocess.run(
+        [sys.executable, "-m", "isotui", *argv], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
