@@ -2,7 +2,8 @@
 train-tiny's loss (train-tiny's defaults: BERT, 4 layers, d=128, 4 heads, 64 tokens, batch 32,
 400 steps, lr 1e-3, on the built-in corpus) without, then with the callback at its defaults (every
 100 steps and at step 0, 256 samples of the built-in corpus), in one process, one thread. Prints
-both wall times, their ratio, the seconds of each probe and the 1-minute load before and after.
+both wall times and CPU times (this process's), their ratios, the seconds of each probe and the
+1-minute load before and after.
 
 ``--framework trainer`` (default): the transformers ``Trainer`` and :class:`IsotuiCallback`
 (AdamW, linear warmup schedule); ``--framework lightning``: a ``LightningModule`` on Lightning's
@@ -66,7 +67,7 @@ def main() -> None:
             inputs.setdefault("token_type_ids", torch.zeros_like(inputs["input_ids"]))
             return tiny_loss(model, "bert", inputs)
 
-    def train_lightning(out: Path, with_callback: bool) -> float:
+    def train_lightning(out: Path, with_callback: bool) -> tuple[float, float]:
         import lightning as L
 
         from isotui.callbacks import IsotuiLightningCallback
@@ -99,11 +100,11 @@ def main() -> None:
             logger=False, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False,
         )  # fmt: skip
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         trainer.fit(module, loader)
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.process_time() - cpu
 
-    def train(out: Path, with_callback: bool) -> float:
+    def train(out: Path, with_callback: bool) -> tuple[float, float]:
         if args.framework == "lightning":
             return train_lightning(out, with_callback)
         torch.manual_seed(settings.seed)
@@ -119,18 +120,18 @@ def main() -> None:
         )
         if with_callback:
             IsotuiCallback("builtin", every=args.every, experiments=experiments).attach(trainer)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         trainer.train()
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.process_time() - cpu
 
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         if args.probed_first:  # the other order, to see the drift of a shared machine's load
-            probed = train(Path(tmp) / "probed", True)
-            bare = train(Path(tmp) / "bare", False)
+            probed_times = train(Path(tmp) / "probed", True)
+            bare_times = train(Path(tmp) / "bare", False)
         else:
-            bare = train(Path(tmp) / "bare", False)
-            probed = train(Path(tmp) / "probed", True)
+            bare_times = train(Path(tmp) / "bare", False)
+            probed_times = train(Path(tmp) / "probed", True)
         record = json.loads((Path(tmp) / "probed" / "isotui" / "isotui_series.json").read_text())
     probes = [s["seconds"] for s in record["steps"]]
     load_after = os.getloadavg()[0]
@@ -139,11 +140,15 @@ def main() -> None:
         f"experiments {', '.join(experiments)}"
     )
     print(f"1-minute load: {load_before:.2f} before, {load_after:.2f} after")
-    print(f"without the callback: {bare:.1f} s")
+    (bare, bare_cpu), (probed, probed_cpu) = bare_times, probed_times
+    print(f"without the callback: {bare:.1f} s wall, {bare_cpu:.1f} s CPU")
     each = ", ".join(f"{p:.2f}" for p in probes)
-    print(f"with the callback:    {probed:.1f} s  ({len(probes)} probes: {each} s)")
+    print(
+        f"with the callback:    {probed:.1f} s wall, {probed_cpu:.1f} s CPU  ({len(probes)} probes: {each} s)"
+    )
     overhead, share = 100 * (probed / bare - 1), 100 * sum(probes) / bare
-    print(f"ratio {probed / bare:.3f}  (overhead {overhead:.1f}%, the probes' own seconds {share:.1f}%)")
+    print(f"ratio {probed / bare:.3f} wall (overhead {overhead:.1f}%, the probes' own seconds {share:.1f}%)")
+    print(f"ratio {probed_cpu / bare_cpu:.3f} CPU time (this process's: less sensitive to other jobs' load)")
 
 
 if __name__ == "__main__":
