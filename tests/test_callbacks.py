@@ -47,7 +47,7 @@ def _tokenizer():
     return tok
 
 
-def _train(out: Path, probe: bool, tok) -> tuple[list[dict], object]:
+def _train(out: Path, probe: bool, tok, accumulate: int = 1, steps: int = STEPS) -> tuple[list[dict], object]:
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     from isotui.callbacks import IsotuiCallback
@@ -60,8 +60,9 @@ def _train(out: Path, probe: bool, tok) -> tuple[list[dict], object]:
     torch.manual_seed(0)
     model = build_model(settings, tok)
     args = TrainingArguments(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=8, save_strategy="steps",
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, save_strategy="steps",
         save_steps=EVERY, logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+        gradient_accumulation_steps=accumulate,
     )  # fmt: skip
 
     class Capturing(Trainer):
@@ -195,6 +196,25 @@ def test_gradients_from_the_steps_own_backward(trained):
     logged = {h["step"]: h for h in trained["probed"] if "isotui/gradients_own_backward" in h}
     assert {s: h["isotui/gradients_own_backward"] for s, h in logged.items()} == {0: 0.0, 3: 1.0, 6: 1.0}
     assert logged[EVERY]["isotui/top_share/layer_1"] == found[EVERY].rows[1].top_share
+
+
+def test_gradient_accumulation_falls_back_to_the_probe_set(tmp_path):
+    """Two batches per step: no own backward; the probe set's gradients, equal to the gradients
+    experiment on the checkpoint the Trainer saved at that step."""
+    from isotui.experiments.recorded import recorded_gradients
+
+    _train(tmp_path, True, _tokenizer(), accumulate=2, steps=EVERY)
+    found = recorded_gradients(tmp_path / "isotui")
+    assert sorted(found) == [0, EVERY]
+    assert found[EVERY].meta["source"] == "probe-set"
+    assert "gradient accumulation (2 batches per step" in found[EVERY].meta["why"]
+    posthoc = isotui.experiment(
+        "gradients", model=str(tmp_path / f"checkpoint-{EVERY}"), data="builtin", max_samples=SAMPLES,
+        cache=False, progress=False,
+    ).result  # fmt: skip
+    for got, want in zip(found[EVERY].rows, posthoc.rows, strict=True):
+        for name in ("grad_avg_cos", "grad_mean_norm", "top_share", "random_share", "act_avg_cos"):
+            assert getattr(got, name) == pytest.approx(getattr(want, name), abs=1e-9), name
 
 
 def test_a_probe_keeps_the_mode_and_the_random_states(trained, monkeypatch):
