@@ -82,3 +82,42 @@ def reference_layer(x: np.ndarray, labels: np.ndarray) -> RefLayer:
         dim_contrib=contrib,
         n=n,
     )
+
+
+def step_gradients_by_hand(model, captured: dict, tok, top_k: int = 10) -> tuple[list[dict], float]:
+    """A training step's gradients w.r.t. the hidden states, recomputed for the callbacks' tests:
+    ``model`` (a masked LM) with the captured weights, the captured batch, torch's CPU generator
+    as it was before the step (the same dropout), ``torch.autograd.grad`` of the model's loss,
+    then numpy over all pairs of the kept tokens (attended, not CLS/SEP/PAD/UNK). Per layer the
+    gradients experiment's metrics; and the loss (to check the recomputation is the step's)."""
+    import torch
+
+    model.load_state_dict(captured["weights"])
+    model.train()
+    torch.set_rng_state(captured["rng"])
+    out = model(**captured["batch"], output_hidden_states=True)
+    grads = torch.autograd.grad(out.loss, out.hidden_states)
+    ids = captured["batch"]["input_ids"].numpy()
+    keep = ~np.isin(ids, [tok.cls_token_id, tok.sep_token_id, tok.pad_token_id, tok.unk_token_id])
+    if "attention_mask" in captured["batch"]:
+        keep &= captured["batch"]["attention_mask"].numpy().astype(bool)
+    rows = []
+    for h, g in zip(out.hidden_states, grads, strict=True):
+        x, gv = h.detach().numpy()[keep].astype(np.float64), g.numpy()[keep].astype(np.float64)
+        norms = np.linalg.norm(gv, axis=1)
+        u = gv[norms > 0] / norms[norms > 0, None]
+        cos = u @ u.T
+        n = len(u)
+        xc = x - x.mean(0)
+        _, vecs = np.linalg.eigh(xc.T @ xc / len(x))
+        top = vecs[:, ::-1][:, :top_k]
+        rows.append(
+            {
+                "n_vectors": len(x),
+                "n_zero": int((norms == 0).sum()),
+                "grad_avg_cos": (cos.sum() - np.trace(cos)) / (n * (n - 1)),
+                "grad_mean_norm": norms.mean(),
+                "top_share": float(((gv @ top) ** 2).sum() / (gv**2).sum()),
+            }
+        )
+    return rows, out.loss.detach().item()

@@ -24,6 +24,7 @@ import pytest
 import isotui
 from isotui.errors import IsotuiError
 from isotui.results import LayerRow
+from tests.reference import step_gradients_by_hand
 
 # a long run (`make test-fast` leaves it out)
 pytestmark = pytest.mark.slow
@@ -46,7 +47,7 @@ def _tokenizer():
     return tok
 
 
-def _train(out: Path, probe: bool, tok) -> tuple[list[dict], object]:
+def _train(out: Path, probe: bool, tok, accumulate: int = 1, steps: int = STEPS) -> tuple[list[dict], object]:
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     from isotui.callbacks import IsotuiCallback
@@ -59,10 +60,28 @@ def _train(out: Path, probe: bool, tok) -> tuple[list[dict], object]:
     torch.manual_seed(0)
     model = build_model(settings, tok)
     args = TrainingArguments(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=8, save_strategy="steps",
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, save_strategy="steps",
         save_steps=EVERY, logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+        gradient_accumulation_steps=accumulate,
     )  # fmt: skip
-    trainer = Trainer(
+
+    class Capturing(Trainer):
+        """Keeps the weights, the batch, torch's generator and the loss of step EVERY's forward."""
+
+        captured: dict | None = None
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            first = self.state.global_step + 1 == EVERY and self.captured is None
+            if first:
+                weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                batch = {k: v.clone() for k, v in inputs.items()}
+                self.captured = {"weights": weights, "batch": batch, "rng": torch.get_rng_state()}
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if first:
+                self.captured["loss"] = loss.detach().item()
+            return loss
+
+    trainer = Capturing(
         model=model,
         args=args,
         train_dataset=[{"input_ids": r} for r in rows],
@@ -70,8 +89,11 @@ def _train(out: Path, probe: bool, tok) -> tuple[list[dict], object]:
         processing_class=tok,
     )
     if probe:
-        IsotuiCallback("builtin", every=EVERY, max_samples=SAMPLES).attach(trainer)
+        IsotuiCallback(
+            "builtin", every=EVERY, max_samples=SAMPLES, experiments=("layers", "gradients")
+        ).attach(trainer)
     trainer.train()
+    model.captured = trainer.captured
     return trainer.state.log_history, model
 
 
@@ -154,6 +176,47 @@ def test_the_recorded_series_opens_as_a_checkpoint_series(trained, tmp_path, mon
         isotui.experiment("qk-dynamics", checkpoints=[str(series)], progress=False)
 
 
+def test_gradients_from_the_steps_own_backward(trained):
+    """At step 3 the gradients are the step's own backward's: autograd.grad of the same loss on
+    the same batch, measured with numpy; at step 0 (no step before it) the probe set's."""
+    from isotui.experiments.recorded import recorded_gradients
+    from isotui.experiments.train_tiny import Settings, build_model
+
+    found = recorded_gradients(trained["out"] / "isotui")
+    assert [found[s].meta["source"] for s in sorted(found)] == ["probe-set", "own-backward", "own-backward"]
+    captured = trained["model"].captured
+    fresh = build_model(Settings("bert", STEPS, (), 32, 2, 2, 32, 8, 1e-3, 0.1, 0), trained["tok"])
+    expected, loss = step_gradients_by_hand(fresh, captured, trained["tok"])
+    assert loss == captured["loss"]  # the recomputation is the step's forward
+    for row, want in zip(found[EVERY].rows, expected, strict=True):
+        assert (row.n_vectors, row.n_zero) == (want["n_vectors"], want["n_zero"])
+        assert row.grad_avg_cos == pytest.approx(want["grad_avg_cos"], abs=1e-9)
+        assert row.grad_mean_norm == pytest.approx(want["grad_mean_norm"], rel=1e-9)
+        assert row.top_share == pytest.approx(want["top_share"], abs=1e-6)  # float32 products
+    logged = {h["step"]: h for h in trained["probed"] if "isotui/gradients_own_backward" in h}
+    assert {s: h["isotui/gradients_own_backward"] for s, h in logged.items()} == {0: 0.0, 3: 1.0, 6: 1.0}
+    assert logged[EVERY]["isotui/top_share/layer_1"] == found[EVERY].rows[1].top_share
+
+
+def test_gradient_accumulation_falls_back_to_the_probe_set(tmp_path):
+    """Two batches per step: no own backward; the probe set's gradients, equal to the gradients
+    experiment on the checkpoint the Trainer saved at that step."""
+    from isotui.experiments.recorded import recorded_gradients
+
+    _train(tmp_path, True, _tokenizer(), accumulate=2, steps=EVERY)
+    found = recorded_gradients(tmp_path / "isotui")
+    assert sorted(found) == [0, EVERY]
+    assert found[EVERY].meta["source"] == "probe-set"
+    assert "gradient accumulation (2 batches per step" in found[EVERY].meta["why"]
+    posthoc = isotui.experiment(
+        "gradients", model=str(tmp_path / f"checkpoint-{EVERY}"), data="builtin", max_samples=SAMPLES,
+        cache=False, progress=False,
+    ).result  # fmt: skip
+    for got, want in zip(found[EVERY].rows, posthoc.rows, strict=True):
+        for name in ("grad_avg_cos", "grad_mean_norm", "top_share", "random_share", "act_avg_cos"):
+            assert getattr(got, name) == pytest.approx(getattr(want, name), abs=1e-9), name
+
+
 def test_a_probe_keeps_the_mode_and_the_random_states(trained, monkeypatch):
     """A forward that draws random numbers (isotui's own does not: its reservoir has its own
     seeded generator) changes none of the training's."""
@@ -208,6 +271,10 @@ def test_bad_settings_are_one_sentence(tmp_path):
         Probe(metrics=["avg_coss"])
     with pytest.raises(IsotuiError, match="every=0 probes only at the steps of at="):
         Probe(every=0)
+    with pytest.raises(IsotuiError, match=r"experiments= must be \('layers',\) or \('layers', 'gradients'\)"):
+        Probe(experiments=["gradients"])
+    with pytest.raises(IsotuiError, match=r"top_k= must be a whole number of at least 1 \(got 0\)"):
+        Probe(experiments=["layers", "gradients"], top_k=0)
     with pytest.raises(IsotuiError, match="cache= is the probe's own to set"):
         Probe(cache=True)
     (tmp_path / "notes.txt").write_text("mine")
@@ -219,8 +286,10 @@ def test_bad_settings_are_one_sentence(tmp_path):
         callback.on_train_begin(None, None, None)
 
 
-def _page_python(page: Path) -> str:
-    (code,) = re.findall(r"^```python\n(.*?)^```", page.read_text(encoding="utf-8"), re.S | re.M)
+def _page_python(page: Path, uses: str = "IsotuiCallback(") -> str:
+    """The page's Python example that uses ``uses`` (the Trainer's; the Lightning one has its own)."""
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(encoding="utf-8"), re.S | re.M)
+    (code,) = [b for b in blocks if uses in b]
     return code
 
 

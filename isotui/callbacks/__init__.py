@@ -9,7 +9,9 @@ line or the app.
   logs (``isotui/avg_cos/layer_3``), the series it writes (:mod:`isotui.experiments.recorded`),
   the model's train/eval flags and the random number generators kept as they were;
 - :class:`IsotuiCallback` (``isotui.callbacks.IsotuiCallback``, :mod:`isotui.callbacks.trainer`):
-  the transformers ``Trainer``'s ``TrainerCallback`` (transformers is imported on first use).
+  the transformers ``Trainer``'s ``TrainerCallback`` (transformers is imported on first use);
+- :class:`IsotuiLightningCallback` (:mod:`isotui.callbacks.lightning`): Lightning's ``Callback``
+  (lightning is imported on first use; ``pip install isotui[lightning]``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from typing import Any
 
 from isotui.callbacks.probe import DEFAULT_EVERY, DEFAULT_METRICS, DEFAULT_SAMPLES, Probe, kept_rng
 
-__all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "DEFAULT_SAMPLES", "IsotuiCallback", "Probe", "kept_rng"]
+__all__ = [
+    "DEFAULT_EVERY",
+    "DEFAULT_METRICS",
+    "DEFAULT_SAMPLES",
+    "IsotuiCallback",
+    "IsotuiLightningCallback",
+    "Probe",
+    "kept_rng",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,4 +36,8 @@ def __getattr__(name: str) -> Any:
         from isotui.callbacks.trainer import IsotuiCallback
 
         return IsotuiCallback
+    if name == "IsotuiLightningCallback":  # imports lightning: only when asked for
+        from isotui.callbacks.lightning import IsotuiLightningCallback
+
+        return IsotuiLightningCallback
     raise AttributeError(f"module 'isotui.callbacks' has no attribute {name!r}")

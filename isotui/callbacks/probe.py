@@ -27,6 +27,8 @@ from isotui.errors import IsotuiError
 DEFAULT_EVERY = 100  # steps between probes: measured overhead on train-tiny's model in the docs
 DEFAULT_SAMPLES = 256  # probe-set samples: a few hundred, as the reservoir metrics need
 DEFAULT_METRICS = ("avg_cos", "drift_norm", "isoscore", "eff_rank")  # the scalars logged per layer
+EXPERIMENTS = ("layers", "gradients")  # what a probe can measure; the layers always
+GRAD_METRICS = ("grad_avg_cos", "grad_mean_norm", "top_share")  # logged per layer with gradients
 
 
 @contextmanager
@@ -80,6 +82,9 @@ class Probe:
     """What to measure and when: ``data`` (a data spec as ``isotui run --data`` takes), at most
     ``max_samples`` of it, every ``every`` steps (0: only at ``at``) and at the steps ``at``;
     the layer metrics ``metrics`` logged per layer; the series written to ``out`` (None: none);
+    ``experiments``: ``("layers",)`` (default) or ``("layers", "gradients")``: the gradients
+    experiment's metrics too (``top_k`` principal directions), from the step's own backward when
+    the callback could hook it (:mod:`isotui.callbacks.own_backward`), else on the probe set;
     ``options``: any other keyword of :func:`isotui.run` (``max_length``, ``batch_size``,
     ``reservoir``, ``seed``, ``special_tokens``...), checked at the first probe."""
 
@@ -92,6 +97,8 @@ class Probe:
         max_samples: int = DEFAULT_SAMPLES,
         metrics: Iterable[str] = DEFAULT_METRICS,
         out: str | Path | None = None,
+        experiments: Iterable[str] = ("layers",),
+        top_k: int = 10,
         **options: Any,
     ) -> None:
         if not isinstance(data, str) or not data:
@@ -114,6 +121,14 @@ class Probe:
         for key in ("cache", "cache_dir", "progress", "tokenizer", "processor", "name", "config"):
             if key in options:
                 raise IsotuiError(f"{key}= is the probe's own to set, not a run option of the probe")
+        self.experiments = tuple([experiments] if isinstance(experiments, str) else experiments)
+        if "layers" not in self.experiments or not set(self.experiments) <= set(EXPERIMENTS):
+            raise IsotuiError(
+                f"experiments= must be ('layers',) or ('layers', 'gradients') (got {self.experiments!r}); "
+                "the series is the layer runs, gradients come beside them"
+            )
+        self.gradients = "gradients" in self.experiments
+        self.top_k = _whole(top_k, "top_k", 1)
         self.options = options
         self.out = Path(out).expanduser() if out is not None else None
         self.record: dict[str, Any] | None = None
@@ -136,19 +151,42 @@ class Probe:
             prepare_out(self.out)
             self.record = new_record(
                 {"data": self.data, "max_samples": self.max_samples, "every": self.every, **self.options}
-                | {"at": sorted(self.at)}
+                | {"at": sorted(self.at), "experiments": list(self.experiments)}
+                | ({"top_k": self.top_k} if self.gradients else {})
             )
 
+    def step_gradients(self, model: Any, tokenizer: Any) -> Any:
+        """Hooks for the coming step's own backward (:class:`~isotui.callbacks.own_backward.StepGradients`),
+        armed; None when gradients are not asked for."""
+        if not self.gradients:
+            return None
+        from isotui.callbacks.own_backward import StepGradients
+
+        return StepGradients(model, tokenizer, self.top_k, int(self.options.get("seed", 0))).arm()
+
     def measure(
-        self, model: Any, step: int, *, tokenizer: Any = None, processor: Any = None, **facts: Any
+        self,
+        model: Any,
+        step: int,
+        *,
+        tokenizer: Any = None,
+        processor: Any = None,
+        own: Any = None,
+        no_own: str = "no training step ran before it",
+        **facts: Any,
     ) -> dict[str, float]:
         """Probe ``model`` at ``step``: the scalars to log (``isotui/METRIC/layer_L``, the
         encoder's and decoder's ``isotui/METRIC/encoder_layer_L``...), the layer run written to
-        the series folder with ``facts`` beside it. Mode, random states and threads as they were."""
+        the series folder with ``facts`` beside it. With gradients: ``own`` (the step's
+        :class:`~isotui.callbacks.own_backward.StepGradients`, disarmed here) gives them, else
+        the gradients experiment runs on the probe set (``no_own`` or ``own``'s reason recorded).
+        Mode, random states and threads as they were."""
         import torch
 
         from isotui.api import Result, run
 
+        if own is not None:  # the step is over: the probe's own forwards are not its
+            own.disarm()
         started = time.perf_counter()
         threads = (
             torch.get_num_threads()
@@ -170,13 +208,73 @@ class Probe:
                 torch.set_num_threads(threads)
         assert isinstance(found, Result)  # one model object: one Result
         result = found.result
+        gradients, how = None, None
+        if self.gradients:
+            gradients, how = self._gradients(model, tokenizer, own, no_own, threads)
         seconds = time.perf_counter() - started
         self.done.add(step)
         if self.out is not None and self.record is not None:
             from isotui.experiments.recorded import write_step
 
-            write_step(self.out, self.record, step, result, seconds=round(seconds, 3), **facts)
-        return self.scalars(result)
+            write_step(
+                self.out,
+                self.record,
+                step,
+                result,
+                gradients=gradients,
+                how=how,
+                seconds=round(seconds, 3),
+                **facts,
+            )
+        scalars = self.scalars(result)
+        if gradients is not None and how is not None:
+            scalars |= self.grad_scalars(gradients, how["source"])
+        return scalars
+
+    def _gradients(
+        self, model: Any, tokenizer: Any, own: Any, no_own: str, threads: int
+    ) -> tuple[Any, dict[str, Any]]:
+        """The gradients at this step: the step's own backward's, or the probe set's (a language
+        model's loss: text, its tokenizer), and how."""
+        import torch
+
+        from isotui.api import Result, experiment
+        from isotui.callbacks.own_backward import SOURCE_OWN, SOURCE_PROBE
+
+        if own is not None:
+            found, problem = own.result()
+            if found is not None:
+                return found, {"source": SOURCE_OWN}
+            no_own = problem or no_own
+        with kept_rng():
+            try:  # the whole model: its head gives the loss
+                run = experiment(
+                    "gradients",
+                    model=model,
+                    data=self.data,
+                    tokenizer=tokenizer,
+                    max_samples=self.max_samples,
+                    top_k=self.top_k,
+                    cache=False,
+                    progress=False,
+                    **{"threads": threads, **self.options},
+                )
+            finally:
+                torch.set_num_threads(threads)
+        assert isinstance(run, Result)
+        return run.result, {"source": SOURCE_PROBE, "why": f"not from the step's own backward: {no_own}"}
+
+    def grad_scalars(self, gradients: Any, source: str) -> dict[str, float]:
+        """``isotui/grad_avg_cos/layer_L``... and ``isotui/gradients_own_backward`` (1 or 0)."""
+        from isotui.callbacks.own_backward import SOURCE_OWN
+
+        out: dict[str, float] = {"isotui/gradients_own_backward": float(source == SOURCE_OWN)}
+        for row in gradients.rows:
+            for metric in GRAD_METRICS:
+                value = float(getattr(row, metric))
+                if math.isfinite(value):
+                    out[f"isotui/{metric}/layer_{row.layer}"] = value
+        return out
 
     def scalars(self, result: Any) -> dict[str, float]:
         """``isotui/METRIC/layer_L`` for each metric and layer (NaN left out: loggers refuse it)."""

@@ -47,16 +47,21 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
         max_samples: int = DEFAULT_SAMPLES,
         metrics: Iterable[str] = DEFAULT_METRICS,
         out: str | Path | None = None,
+        experiments: Iterable[str] = ("layers",),
+        top_k: int = 10,
         tokenizer: Any = None,
         processor: Any = None,
         **options: Any,
     ) -> None:
         self.probe = Probe(
-            data, every=every, at=at, max_samples=max_samples, metrics=metrics, out=out, **options
-        )
+            data, every=every, at=at, max_samples=max_samples, metrics=metrics, out=out,
+            experiments=experiments, top_k=top_k, **options,
+        )  # fmt: skip
         self.tokenizer = tokenizer
         self.processor = processor
         self.trainer: Any = None
+        self.own: Any = None  # the coming step's own-backward hooks, when it is probed with gradients
+        self.no_own = "no training step ran before it"
 
     def attach(self, trainer: Any) -> IsotuiCallback:
         """Add this callback to ``trainer`` and log through it; returns the callback."""
@@ -78,21 +83,42 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
             self.probe.start(Path(args.output_dir) / "isotui")
         self._probe(state, kwargs)
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Before a step whose end is probed with gradients: hook its own backward, if it is one."""
+        if not (
+            state.is_world_process_zero and self.probe.gradients and self.probe.due(state.global_step + 1)
+        ):
+            return
+        if args.gradient_accumulation_steps > 1:
+            self.no_own = (
+                f"gradient accumulation ({args.gradient_accumulation_steps} batches per step, "
+                "gradient_accumulation_steps)"
+            )
+            return
+        self.own = self.probe.step_gradients(kwargs["model"], self._processing(kwargs)[0])
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._probe(state, kwargs, control)
+        try:
+            self._probe(state, kwargs, control)
+        finally:
+            if self.own is not None:
+                self.own.disarm()
+            self.own, self.no_own = None, "no training step ran before it"
+
+    def _processing(self, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if self.tokenizer is not None or self.processor is not None:
+            return self.tokenizer, self.processor
+        return _split_processing(kwargs.get("processing_class") or kwargs.get("tokenizer"))
 
     def _probe(self, state: Any, kwargs: dict[str, Any], control: Any = None) -> None:
         step = int(state.global_step)
         if not state.is_world_process_zero or not self.probe.due(step):
             return
-        tokenizer, processor = self.tokenizer, self.processor
-        if tokenizer is None and processor is None:
-            tokenizer, processor = _split_processing(
-                kwargs.get("processing_class") or kwargs.get("tokenizer")
-            )
+        tokenizer, processor = self._processing(kwargs)
         scalars = self.probe.measure(
-            kwargs["model"], step, tokenizer=tokenizer, processor=processor, epoch=state.epoch
-        )
+            kwargs["model"], step, tokenizer=tokenizer, processor=processor, own=self.own,
+            no_own=self.no_own, epoch=state.epoch,
+        )  # fmt: skip
         # the trainer's on_log clears should_log: kept, so the step's own loss is logged as without us
         should_log = getattr(control, "should_log", False)
         self.trainer.log(scalars)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 SERIES_FILE = "isotui_series.json"
 COMMAND = "isotui-callback"
 FORMAT = 1
+GRADIENTS_FILE = "gradients.json"  # a step's gradients experiment result, when probed with it
 
 
 def step_dir_name(step: int) -> str:
@@ -66,20 +67,56 @@ def prepare_out(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def write_step(out: Path, record: dict[str, Any], step: int, result: ModelResult, **facts: Any) -> Path:
+def write_step(
+    out: Path,
+    record: dict[str, Any],
+    step: int,
+    result: ModelResult,
+    *,
+    gradients: Any = None,
+    how: dict[str, Any] | None = None,
+    **facts: Any,
+) -> Path:
     """Store ``result`` (the layer run at ``step``) as a cache entry in ``out/step_NNNNNN`` and
-    list it in the record (rewritten atomically); ``facts`` (seconds, loss...) go beside it."""
+    list it in the record (rewritten atomically); ``facts`` (seconds, loss...) go beside it.
+    ``gradients`` (a :class:`~isotui.experiments.gradients.GradientResult`): its JSON in
+    ``step_NNNNNN/gradients.json``, listed with ``how`` (its source: ``own-backward`` or
+    ``probe-set`` and why)."""
+    from dataclasses import asdict
+
     from isotui.store.cache import ResultCache
 
     folder = Path(out) / step_dir_name(step)
     ResultCache(folder).put_payload(result.key, result.to_json(), result.arrays)
     entry = {"step": step, "path": folder.name, "key": result.key, **facts}
+    if gradients is not None:
+        payload = {k: v for k, v in asdict(gradients).items() if k != "from_cache"}
+        (folder / GRADIENTS_FILE).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+        entry["gradients"] = {"file": GRADIENTS_FILE, **(how or {})}
     record["steps"] = [s for s in record["steps"] if s["step"] != step] + [entry]
     record["steps"].sort(key=lambda s: s["step"])
     tmp = Path(out) / f".{SERIES_FILE}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, Path(out) / SERIES_FILE)
     return folder
+
+
+def recorded_gradients(path: Path) -> dict[int, Any]:
+    """The gradients recorded in the series in ``path``: step -> GradientResult (its
+    ``meta["source"]``: ``own-backward`` or ``probe-set``)."""
+    from isotui.experiments.gradients import gradients_from_payload
+
+    record = read_record(path) or {"steps": []}
+    found = {}
+    for s in record["steps"]:
+        if "gradients" in s:
+            payload = json.loads(
+                (Path(path) / s["path"] / s["gradients"]["file"]).read_text(encoding="utf-8")
+            )
+            result = gradients_from_payload(payload, {})
+            result.meta = {**result.meta, **{k: v for k, v in s["gradients"].items() if k != "file"}}
+            found[int(s["step"])] = result
+    return found
 
 
 def recorded_series(path: Path) -> list[Checkpoint] | None:

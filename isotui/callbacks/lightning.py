@@ -1,0 +1,153 @@
+"""Lightning's callback: layer metrics of the model a ``LightningModule`` trains, every N steps.
+
+::
+
+    import lightning as L
+    from isotui.callbacks import IsotuiLightningCallback
+
+    trainer = L.Trainer(max_steps=1000, callbacks=[IsotuiLightningCallback("builtin", tokenizer=tok)])
+    trainer.fit(module, loader)
+
+At the start of training (step 0, when ``every`` divides it or ``at`` names it) and at the end of
+every training batch whose optimizer step makes ``trainer.global_step`` due (after the update: the
+weights a checkpoint saved at that step holds; under gradient accumulation, the batch that
+completes the step), the model is probed (:class:`~isotui.callbacks.probe.Probe`) and its scalars
+go to every logger of the trainer (``trainer.loggers``: CSV, TensorBoard, W&B, ...) through
+``logger.log_metrics(scalars, step=global_step)``: at the probe's own step, not only at the
+trainer's ``log_every_n_steps``. The series is written to ``out`` (default
+``DEFAULT_ROOT_DIR/isotui``), which ``isotui experiment checkpoints -c`` reads as a checkpoint
+series.
+
+What is measured: ``model=`` picks it out of the ``LightningModule`` (an attribute name, or a
+function of the module); by default its ``model`` attribute when it has one (the usual
+``self.model = AutoModelForMaskedLM...``), else the module itself. ``tokenizer=`` /
+``processor=``: by default the module's ``tokenizer`` / ``processor`` attribute.
+
+Only the global rank zero probes (a DDP replica is whole); a model sharded across processes
+(FSDP, DeepSpeed ZeRO-3) is not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback
+
+from isotui.callbacks.probe import DEFAULT_EVERY, DEFAULT_METRICS, DEFAULT_SAMPLES, Probe
+from isotui.errors import IsotuiError
+
+
+class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's base is untyped here
+    """Probe the model in training on ``data`` every ``every`` steps and at the steps ``at``
+    (see :class:`~isotui.callbacks.probe.Probe` for the keywords); ``model=`` the module's part
+    to measure (attribute name or function), ``tokenizer=`` / ``processor=`` what turns the
+    probe set into its inputs."""
+
+    def __init__(
+        self,
+        data: str = "builtin",
+        *,
+        every: int = DEFAULT_EVERY,
+        at: Iterable[int] = (),
+        max_samples: int = DEFAULT_SAMPLES,
+        metrics: Iterable[str] = DEFAULT_METRICS,
+        out: str | Path | None = None,
+        experiments: Iterable[str] = ("layers",),
+        top_k: int = 10,
+        model: str | Callable[[Any], Any] | None = None,
+        tokenizer: Any = None,
+        processor: Any = None,
+        **options: Any,
+    ) -> None:
+        self.probe = Probe(
+            data, every=every, at=at, max_samples=max_samples, metrics=metrics, out=out,
+            experiments=experiments, top_k=top_k, **options,
+        )  # fmt: skip
+        self.own: Any = None  # the coming step's own-backward hooks, when it is probed with gradients
+        self.no_own = "no training step ran before it"
+        if model is not None and not isinstance(model, str) and not callable(model):
+            raise IsotuiError(
+                f"model= is the LightningModule's attribute to measure (a name) or a function of the "
+                f"module (got {type(model).__name__})"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.processor = processor
+
+    def measured(self, pl_module: Any) -> Any:
+        """The part of ``pl_module`` that is probed (see ``model=``)."""
+        import torch
+
+        if callable(self.model):
+            found = self.model(pl_module)
+        elif isinstance(self.model, str):
+            if not hasattr(pl_module, self.model):
+                raise IsotuiError(
+                    f"model={self.model!r}: the {type(pl_module).__name__} has no attribute {self.model!r}"
+                )
+            found = getattr(pl_module, self.model)
+        else:
+            inner = getattr(pl_module, "model", None)
+            found = inner if isinstance(inner, torch.nn.Module) else pl_module
+        if not isinstance(found, torch.nn.Module):
+            raise IsotuiError(
+                f"model= gives a {type(found).__name__}, not a torch module to measure; name the "
+                f"{type(pl_module).__name__}'s attribute that holds the model"
+            )
+        return found
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.is_global_zero:
+            self.probe.start(Path(trainer.default_root_dir) / "isotui")
+        self._probe(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Before a batch whose step is probed with gradients: hook its own backward, if it is one."""
+        if not (trainer.is_global_zero and self.probe.gradients and self.probe.due(trainer.global_step + 1)):
+            return
+        if not pl_module.automatic_optimization:
+            self.no_own = "manual optimisation (the module's training_step steps its optimizers itself)"
+        elif trainer.accumulate_grad_batches > 1:
+            self.no_own = f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})"
+        else:
+            self.own = self.probe.step_gradients(self.measured(pl_module), self._processing(pl_module)[0])
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        try:
+            self._probe(trainer, pl_module)
+        finally:
+            if self.own is not None:
+                self.own.disarm()
+            self.own, self.no_own = None, "no training step ran before it"
+
+    def _processing(self, pl_module: Any) -> tuple[Any, Any]:
+        tokenizer = self.tokenizer if self.tokenizer is not None else getattr(pl_module, "tokenizer", None)
+        processor = self.processor if self.processor is not None else getattr(pl_module, "processor", None)
+        return tokenizer, processor
+
+    def _probe(self, trainer: Any, pl_module: Any) -> None:
+        step = int(trainer.global_step)
+        if not trainer.is_global_zero or not self.probe.due(step):
+            return
+        tokenizer, processor = self._processing(pl_module)
+        if tokenizer is None and processor is None:
+            raise IsotuiError(
+                "IsotuiLightningCallback needs what turns the probe set into the model's inputs: give "
+                "tokenizer= (text) or processor= (images, audio), or set the LightningModule's "
+                "tokenizer attribute"
+            )
+        scalars = self.probe.measure(
+            self.measured(pl_module),
+            step,
+            tokenizer=tokenizer,
+            processor=processor,
+            own=self.own,
+            no_own=self.no_own,
+            epoch=int(trainer.current_epoch),
+        )
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step=step)
