@@ -278,12 +278,11 @@ def experiment(
     what = f"experiment {name!r}"
     inputs = {"models": ("model",), "series": ("model", "checkpoints", "skip_duplicates"), "config": ()}
     given = {k: options.pop(k) for k in inputs[exp.inputs] if k in options}
-    run_options, params = _split(exp, what, options)
     root = _cache_root(cache, cache_dir)
     model = given.get("model")
     if _is_object(model) and exp.inputs != "models":
         raise IsotuiError(f"{what} takes model names, not a model object")
-    if _is_object(model):
+    if _is_object(model):  # its tokenizer=, processor= and name= are the object's, not options
         tok, proc, label = (options.pop(k, None) for k in ("tokenizer", "processor", "name"))
         obj = _given(model, tok, proc, label, options)
         run_options, params = _split(exp, what, options)
@@ -291,6 +290,7 @@ def experiment(
         with obj.kept():
             outcome = _one(exp, requests, _cache_root(cache, cache_dir), progress)
         return _results(exp, [([obj.name], outcome)], params, True)
+    run_options, params = _split(exp, what, options)
     if exp.inputs == "models":
         model = given.get("model", "minilm")
         names = _model_names(model)

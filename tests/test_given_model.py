@@ -223,6 +223,9 @@ def test_gradients_take_a_language_model_object(tmp_path, data):
     by_name = isotui.experiment("gradients", model=str(folder), data=data, cache=False)
     obj = isotui.experiment("gradients", model=model, tokenizer=tok, data=data, cache=False)
     assert_same_rows(obj.rows, by_name.rows)
+    # processor= (None for a text model, as a training callback passes it) is the object's too
+    kept = isotui.experiment("gradients", model=model, tokenizer=tok, processor=None, data=data, cache=False)
+    assert_same_rows(kept.rows, by_name.rows)
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(IsotuiError, match="has no language-model head: give the AutoModelForMaskedLM"):
         isotui.experiment("gradients", model=AutoModel.from_pretrained(str(folder)), tokenizer=tok, data=data)
