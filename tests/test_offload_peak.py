@@ -19,11 +19,12 @@ It does not hold yet (strict xfail: it fails the day it passes, so the mark goes
 (load 3-4 on 2 cores): 58.2 MB against 24.2 planned before a loaded model stopped making a
 key/value cache and the drift correlation's exact Spearman table was cut; 39.8-41.7 MB after,
 32.1 MB with ``MALLOC_MMAP_THRESHOLD_=131072``. What is left, sampled (``RssAnon``/``RssFile``
-every 2 ms, the main thread's stack at each new peak): file-backed pages of the weight file about
-4 MB beyond the CPU weights accelerate keeps there (the weights themselves are the file's mapped
-pages), about 3 MB of anonymous memory that loading and tokenising leave, and glibc's heap, which
-keeps 6-9 MB of freed batch memory between its trims; the forward's and the fold's own live
-bytes stay within the planned workspace.
+every 2 ms, the main thread's stack at each new peak; /proc/self/smaps): about 4.6 MB of
+file-backed pages beyond the CPU weights accelerate keeps (those weights are the weight file's
+mapped pages): 1.6 MB more of the weight file, the rest library code that this run touches first
+(the warm-up offloads nothing to disk), about 3 MB of anonymous memory that loading and
+tokenising leave, and glibc's heap, which keeps 6-9 MB of freed batch memory between its
+trims; the forward's and the fold's own live bytes stay within the planned workspace.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _plan_of(found: object) -> dict | None:
     strict=True,
     reason="issue 24, open: 39.8-41.7 MB against 24.2 planned (58.2 before the key/value cache and "
     "the Spearman table were cut); what is left: glibc's heap keeping freed batch memory (32.1 MB "
-    "with MALLOC_MMAP_THRESHOLD_=131072), weight-file pages beyond the CPU weights (about 4 MB) "
+    "with MALLOC_MMAP_THRESHOLD_=131072), file pages beyond the CPU weights (about 4.6 MB) "
     "and what loading and tokenising leave (about 3 MB), none of them in the plan",
 )
 def test_an_offloaded_run_under_max_memory_peaks_within_its_plan(tiny_models, tmp_path):
