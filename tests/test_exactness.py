@@ -73,6 +73,27 @@ def test_bert_still_gets_its_token_types(tiny_models):
     assert not takes_token_types(gpt2, lambda name: True)
 
 
+def test_a_loaded_decoder_keeps_no_key_value_cache(tiny_models):
+    """Issue 24: a decoder's forward made each block's keys and values for generation (as many
+    values as the hidden states, counted in no memory plan; 3.1 MB a batch of 128 tokens for a
+    12-block d = 256 GPT-2); isotui never generates, so a loaded model makes none, and its
+    hidden states are the very ones it gives with the cache."""
+    import torch
+
+    from isotui.models.loading import load_model
+
+    gpt2 = load_model(
+        parse_model(str(tiny_models["gpt2"])), device="cpu", dtype="float32", seed=0, trust_remote_code=False
+    )
+    ids = torch.randint(0, 600, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        out = gpt2.model(input_ids=ids, output_hidden_states=True, return_dict=True)
+        cached = gpt2.model(input_ids=ids, output_hidden_states=True, return_dict=True, use_cache=True)
+    assert out.past_key_values is None
+    assert cached.past_key_values is not None
+    assert all(torch.equal(a, b) for a, b in zip(out.hidden_states, cached.hidden_states, strict=True))
+
+
 # -- 2. encoder-decoder numbers do not depend on the batch ----------------------------------------
 
 TINY_T5 = "random:t5:d_model=32,d_ff=64,num_layers=2,num_heads=4,d_kv=8"

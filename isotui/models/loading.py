@@ -183,12 +183,23 @@ def load_model(
             placement=placement,
         )
     loaded.name = ref.name
+    _no_key_value_cache(loaded.model)
     if loaded.modality == "text" and tokenizer is not None and ref.kind != "random":
         loaded.tokenizer, loaded.own_tokenizer = _given_tokenizer(tokenizer, trust_remote_code), False
         loaded.notes.append(f"fed the tokenizer {tokenizer} (--tokenizer), not the model's own")
     if loaded.modality == "text" and ref.kind != "random":  # untrained: any tokenizer is a stand-in
         check_tokenizer(loaded)
     return loaded
+
+
+def _no_key_value_cache(model: Any) -> None:
+    """A decoder's forward keeps each block's keys and values for generation unless told not to
+    (``use_cache``): 2 x layers x tokens x d values, as many as the hidden states themselves,
+    alive until the forward returns and counted nowhere in the memory plan. isotui never
+    generates, so a loaded model makes none (the hidden states are the same)."""
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
 
 
 @dataclass(frozen=True)
