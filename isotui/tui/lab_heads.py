@@ -12,8 +12,7 @@ from textual.containers import Horizontal
 from textual.widgets import DataTable, Static
 
 from isotui.render import shorten
-from isotui.tui.host import AppHost
-from isotui.tui.lab_tab import LabTab
+from isotui.tui.lab_tab import PerModelLabTab
 from isotui.tui.lab_tab import fmt as _f
 from isotui.tui.plots import FitPlot, draw_head_metric, draw_score_histogram
 
@@ -31,7 +30,7 @@ HEAD_METRICS = (
 )
 
 
-class HeadsTab(LabTab):
+class HeadsTab(PerModelLabTab):
     """Queries, keys and attention per layer and head of the selected model."""
 
     KIND = "attention"
@@ -55,23 +54,6 @@ class HeadsTab(LabTab):
         with Horizontal(classes="lab-charts"):
             yield FitPlot(id="heads-plot")
             yield FitPlot(id="hist-plot")
-
-    @classmethod
-    def no_result(cls) -> dict[str, Any]:
-        return {}  # per model
-
-    @classmethod
-    def keep(cls, host: AppHost, result: Any) -> None:
-        """Each model's attention is kept (the tab shows the selected model's); its model is selected."""
-        host.lab_results[cls.KIND][result.model] = result
-        host.selected = result.model
-
-    @classmethod
-    def ready(cls, result: Any) -> str:
-        return f"{cls.KIND} ready" + (" (from the cache)" if result.from_cache else "")
-
-    def result(self) -> Any:
-        return self.host.lab_results[self.KIND].get(self.host.selected or "")
 
     def show(self) -> None:
         from isotui.experiments.attention import summarize

@@ -151,3 +151,24 @@ class LabTab(TabPane):
         host.submit_request(make_request(series, tuple(checkpoints), spec))
         self.lab.status(f"queued {what} over {len(checkpoints)} checkpoints (jobs: main screen)")
         return True
+
+
+class PerModelLabTab(LabTab):
+    """A lab tab that keeps each model's result (the tab shows the selected model's) and selects
+    the model of a result that arrives: the heads and the token types."""
+
+    @classmethod
+    def no_result(cls) -> dict[str, Any]:
+        return {}  # per model
+
+    @classmethod
+    def keep(cls, host: AppHost, result: Any) -> None:
+        host.lab_results[cls.KIND][result.model] = result
+        host.selected = result.model
+
+    @classmethod
+    def ready(cls, result: Any) -> str:
+        return f"{cls.KIND} ready" + (" (from the cache)" if result.from_cache else "")
+
+    def result(self) -> Any:
+        return self.host.lab_results[self.KIND].get(self.host.selected or "")

@@ -17,8 +17,7 @@ from textual.containers import Horizontal
 from textual.widgets import DataTable, Static
 
 from isotui.render import shorten
-from isotui.tui.host import AppHost
-from isotui.tui.lab_tab import LabTab
+from isotui.tui.lab_tab import PerModelLabTab
 from isotui.tui.lab_tab import fmt as _f
 
 if TYPE_CHECKING:
@@ -53,7 +52,7 @@ def carriers(rows: list[TypeRow], view: int, shown: int) -> Text:
     return text
 
 
-class TypesTab(LabTab):
+class TypesTab(PerModelLabTab):
     """The token types carrying each layer's mean direction and top rogue dimension."""
 
     KIND = "token-types"
@@ -96,23 +95,6 @@ class TypesTab(LabTab):
                 detail: DataTable[Any] = DataTable(id=f"types-{name}", cursor_type="none", zebra_stripes=True)
                 detail.add_columns("#", "token", "share", "count", "of tokens")
                 yield detail
-
-    @classmethod
-    def no_result(cls) -> dict[str, Any]:
-        return {}  # per model
-
-    @classmethod
-    def keep(cls, host: AppHost, result: Any) -> None:
-        """Each model's token types are kept (the tab shows the selected model's); its model is selected."""
-        host.lab_results[cls.KIND][result.model] = result
-        host.selected = result.model
-
-    @classmethod
-    def ready(cls, result: Any) -> str:
-        return f"{cls.KIND} ready" + (" (from the cache)" if result.from_cache else "")
-
-    def result(self) -> Any:
-        return self.host.lab_results[self.KIND].get(self.host.selected or "")
 
     def show(self) -> None:
         from isotui.experiments.token_types import by_layer
