@@ -4,7 +4,7 @@ pre-softmax score histogram of the layer under the cursor (Godey et al. Figs. 7,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual import on
 from textual.app import ComposeResult
@@ -15,6 +15,9 @@ from isotui.render import shorten
 from isotui.tui.lab_tab import PerModelLabTab
 from isotui.tui.lab_tab import fmt as _f
 from isotui.tui.plots import FitPlot, draw_head_metric, draw_score_histogram
+
+if TYPE_CHECKING:
+    from isotui.spec import RunSpec
 
 # Q-mean, K-mean: the mean query and key of a head (the papers' Q̄, K̄; a combining macron is
 # drawn as its own cell by plotext and some terminals, so the app spells it out)
@@ -109,22 +112,10 @@ class HeadsTab(PerModelLabTab):
         if result is not None:
             self.plot(result, summarize(result))
 
-    def run(self) -> bool:
-        from isotui.errors import IsotuiError
+    def request(self, spec: RunSpec) -> Any:
         from isotui.experiments.attention import AttentionRequest
 
-        host = self.host
-        if not host.selected:
-            host.notify("select a model on the main screen first", severity="warning")
-            return False
-        try:
-            spec = host.spec_for(host.selected)
-        except IsotuiError as exc:
-            host.notify(str(exc), severity="error")
-            return False
-        host.submit_request(AttentionRequest(spec))
-        self.lab.status(f"queued attention of {host.selected} (jobs: main screen)")
-        return True
+        return AttentionRequest(spec)
 
     def cycle(self) -> None:
         self.metric = (self.metric + 1) % len(HEAD_METRICS)

@@ -22,6 +22,7 @@ from textual.widgets import DataTable, Input, TabPane
 from isotui.tui.host import AppHost
 
 if TYPE_CHECKING:
+    from isotui.spec import RunSpec
     from isotui.tui.figure_export import ScreenFigure
     from isotui.tui.lab import LabScreen
 
@@ -154,8 +155,29 @@ class LabTab(TabPane):
 
 
 class PerModelLabTab(LabTab):
-    """A lab tab that keeps each model's result (the tab shows the selected model's) and selects
-    the model of a result that arrives: the heads and the token types."""
+    """A lab tab that runs its experiment on the selected model (``r``), keeps each model's result
+    (the tab shows the selected model's) and selects the model of a result that arrives: the
+    heads and the token types."""
+
+    def request(self, spec: RunSpec) -> Any:
+        """The job ``r`` submits for the selected model's run settings ``spec``."""
+        raise NotImplementedError
+
+    def run(self) -> bool:
+        from isotui.errors import IsotuiError
+
+        host = self.host
+        if not host.selected:
+            host.notify("select a model on the main screen first", severity="warning")
+            return False
+        try:
+            spec = host.spec_for(host.selected)
+        except IsotuiError as exc:
+            host.notify(str(exc), severity="error")
+            return False
+        host.submit_request(self.request(spec))
+        self.lab.status(f"queued {self.KIND} of {host.selected} (jobs: main screen)")
+        return True
 
     @classmethod
     def no_result(cls) -> dict[str, Any]:
