@@ -164,6 +164,9 @@ def test_lab_token_types_tab(tmp_path, tiny_models):
             await pilot.pause()
             lifted = f"{third.token!r} {third.share / third.freq_share:.1f}"
             assert lifted in table.get_row_at(1)[1].plain  # three from 110 on
+            for i in (1, 3):  # and the columns widened to them (the redraw within the resize kept 80's)
+                widest = max(len(table.get_row_at(r)[i].plain) for r in range(table.row_count))
+                assert table.ordered_columns[i].content_width >= widest
             await pilot.press("e")
             await pilot.pause()
             (written,) = tmp_path.glob("isotui-*-token-types.csv")

@@ -22,6 +22,7 @@ from isotui.tui.lab_tab import fmt as _f
 
 if TYPE_CHECKING:
     from isotui.experiments.token_types import LayerTypes, TypeRow
+    from isotui.spec import RunSpec
 
 # types per direction in the layer table (the detail below lists them all): two in 80 columns,
 # three from WIDE columns on
@@ -167,28 +168,17 @@ class TypesTab(PerModelLabTab):
     def on_resize(self) -> None:
         """Redrawn when the room for carriers changes (a terminal made wider or narrower)."""
         if self.result() is not None and self.carriers_shown() != self.drawn_with:
-            self.show()
+            # after the resize is laid out: redrawn within it, the table kept its old column widths
+            self.call_after_refresh(self.show)
 
     @on(DataTable.RowHighlighted, "#types-layers")
     def _row(self, _event: DataTable.RowHighlighted) -> None:
         self.show_layer()
 
-    def run(self) -> bool:
-        from isotui.errors import IsotuiError
+    def request(self, spec: RunSpec) -> Any:
         from isotui.experiments.token_types import TokenTypesRequest
 
-        host = self.host
-        if not host.selected:
-            host.notify("select a model on the main screen first", severity="warning")
-            return False
-        try:
-            spec = host.spec_for(host.selected)
-        except IsotuiError as exc:
-            host.notify(str(exc), severity="error")
-            return False
-        host.submit_request(TokenTypesRequest(spec))
-        self.lab.status(f"queued token-types of {host.selected} (jobs: main screen)")
-        return True
+        return TokenTypesRequest(spec)
 
     def cycle(self) -> None:
         self.metric = 1 - self.metric
