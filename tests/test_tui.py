@@ -314,6 +314,26 @@ def test_models_pane_presets_filter_and_cached_runs(tmp_path, tiny_models):
     asyncio.run(scenario())
 
 
+def test_a_listing_that_arrives_while_the_app_closes_is_dropped(tmp_path):
+    """The models' worker can answer after the app began closing, when the pane is still attached
+    but its list is already removed (Textual removes children first): a CI run failed on
+    ``NoMatches('#models')`` in a Ray sweep's test. The answer is dropped, not raised."""
+    from isotui.tui.models_pane import ModelsPane
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", backend_factory=fake_backend([]))
+        async with app.run_test(size=(100, 30)) as pilot:
+            pane = app.query_one(ModelsPane)
+            models = app.query_one("#models", OptionList)
+            await _wait(pilot, lambda: models.option_count > 0)
+            await models.remove()
+            assert pane.is_attached
+            pane._listed(pane.entries)  # raised NoMatches before the fix
+            await pilot.pause()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.slow
 def test_options_screen_checks_values_and_sets_the_next_jobs(tmp_path):
     data = tmp_path / "d.txt"

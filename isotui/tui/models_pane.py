@@ -62,9 +62,12 @@ class ModelsPane(Vertical):
 
     def _listed(self, entries: list[Entry]) -> None:
         self.entries = entries
-        if not self.is_attached:  # a worker's answer that came after quitting
+        # A worker's answer that came after quitting: the pane, or while the app closes, its
+        # list (children go first) is already gone.
+        lists = self.query("#models").results(OptionList)
+        models = next(lists, None) if self.is_attached else None
+        if models is None:
             return
-        models = self.query_one("#models", OptionList)
         restoring = self._selected() if models.option_count == 0 else None  # the last session's
         if restoring is None:
             self.filter(keep_cursor=True)
