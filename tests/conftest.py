@@ -102,13 +102,13 @@ def corpus(n: int) -> list[str]:
     return [line for line in lines if line.strip()][:n]
 
 
-def _bpe_tokenizer(folder: Path):
+def _bpe_tokenizer(folder: Path, vocab_size: int = 600):
     """A real byte-level BPE tokenizer (GPT-2 style: no special tokens added), trained offline."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus(2000), vocab_size=600, special_tokens=["<|endoftext|>"])
+    bpe.train_from_iterator(corpus(2000), vocab_size=vocab_size, special_tokens=["<|endoftext|>"])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer,
         eos_token="<|endoftext|>",

@@ -24,9 +24,28 @@ from .conftest import corpus
 pytestmark = pytest.mark.slow
 
 PLENTY = 64 << 30
-# samples: more tokens than any reservoir asked below; for BERT's tokenizer 1,348 token types
-# in two samples or more (the run follows 1,000, as the dry run plans)
-N = {"bert": 1000, "gpt2": 100, "gpt_neox": 100}
+# samples: more tokens than any reservoir asked below; 1,000 samples hold 1,348 token types of
+# BERT's tokenizer in two samples or more, 1,631 of the wide GPT-2's (the run follows 1,000, as
+# the dry run plans)
+N = {"bert": 1000, "gpt2": 100, "gpt_neox": 100, "gpt2_wide": 1000}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory) -> dict[str, Path]:
+    """The tests' tiny models and a wider GPT-2 (d = 256, 12 blocks, 40.1 MB) whose tensors
+    (0.26-1 MB) are large enough for disk offload to save memory: offloading a tensor of 64 KiB
+    or less maps as much of the weight file as it saves (see ``offload_bytes``)."""
+    import torch
+    from transformers import GPT2Config, GPT2Model
+
+    from .conftest import _bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("wide")
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=2000, n_embd=256, n_layer=12, n_head=4, n_inner=1024, n_positions=128)
+    GPT2Model(config).save_pretrained(root / "gpt2_wide")
+    _bpe_tokenizer(root / "gpt2_wide", 2000)  # 1,631 token types in the 1,000 samples
+    return {**tiny_models, "gpt2_wide": root / "gpt2_wide"}
 
 
 def _texts(tmp_path: Path, n: int) -> str:
@@ -58,8 +77,8 @@ PAIRS = [
     ("gpt_neox", ["--batch-size", "4", "--reservoir", "64"], None, "whole"),
     ("bert", ["--device-map", "auto", "--reservoir", "200"], 600_000_000, "whole"),
     ("gpt2", ["--device-map", "auto", "--reservoir", "100"], 300_000_000, "whole"),
-    ("gpt_neox", ["--device-map", "sequential", "--batch-size", "2", "--reservoir", "400"], 130e3, "offload"),
-    ("bert", ["--device-map", "balanced", "--reservoir", "300"], 500e3, "cut"),
+    ("gpt2_wide", ["--device-map", "sequential", "--batch-size", "2", "--reservoir", "400"], 20e6, "offload"),
+    ("gpt2_wide", ["--device-map", "balanced", "--reservoir", "300"], 5e6, "cut"),
 ]
 
 
@@ -93,18 +112,16 @@ def _limit(folder: Path, flags: list[str], extra: float, *, floor: bool = False)
 
 
 @pytest.mark.parametrize(("name", "flags", "extra", "kind"), PAIRS, ids=[f"{n}-{k}" for n, *_, k in PAIRS])
-def test_the_dry_run_plan_is_the_runs_recorded_plan(
-    tiny_models, tmp_path, monkeypatch, name, flags, extra, kind
-):
+def test_the_dry_run_plan_is_the_runs_recorded_plan(models, tmp_path, monkeypatch, name, flags, extra, kind):
     from isotui.experiments.layerwise import measure
     from isotui.extract import device, memory_plan
 
     monkeypatch.setattr(memory_plan, "available_memory", lambda _d: PLENTY)
     monkeypatch.setattr(device, "available_memory", lambda _d: PLENTY)
     if extra is not None:
-        limit = _limit(tiny_models[name], flags, extra, floor=kind == "cut")
+        limit = _limit(models[name], flags, extra, floor=kind == "cut")
         flags = [*flags, "--max-memory", f"cpu={limit}"]
-    folder, data = str(tiny_models[name]), _texts(tmp_path, N[name])
+    folder, data = str(models[name]), _texts(tmp_path, N[name])
     common = ["--data", data, "--max-length", "64", *flags]
     out = tmp_path / "plan.json"
     assert main(["run", "-m", folder, *common, "--dry-run", "--json", str(out)]) == 0
@@ -124,7 +141,7 @@ def test_the_dry_run_plan_is_the_runs_recorded_plan(
     assert run["estimates"] == []  # the run's plan is what it followed
     assert "layers.vectors" in dry["estimates"]
     assert _without(dry, dry["estimates"]) == _without(run, dry["estimates"])
-    if name == "bert":  # a corpus with 1,000 token types in two samples or more: the dry run's
+    if N[name] == 1000:  # a corpus with 1,000 token types in two samples or more: the dry run's
         # estimates of the types and of the bytes that follow from them are the run's numbers
         assert run["types_asked"] == 1000
         exact = [e for e in dry["estimates"] if e.startswith("budget_bytes") or e == "layers.vectors"]
@@ -148,12 +165,21 @@ def test_the_dry_run_plan_is_the_runs_recorded_plan(
     # larger of a batch and finalisation, at their most) and the margin (10% of what is left,
     # at least 256 MiB)
     weights = dry["weights_bytes"].get("cpu", 0)
-    work = _workspace_by_hand(tiny_models[name], dry["batch_tokens"], dry["reservoir_asked"])
+    # what offloading adds (tests/test_offload_bytes.py checks it against the weight file)
+    work = _workspace_by_hand(models[name], dry["batch_tokens"], dry["reservoir_asked"])
+    work += run["offload_bytes"].get("cpu", 0)
+    assert (run["offload_bytes"] != {}) == (kind != "whole")
     room = limit - weights - work
     assert run["budget_bytes"]["cpu"] == max(0, room - max(256 << 20, room // 10))
     # and everything isotui places on the CPU stays within what was typed
     assert weights + run["accumulator_bytes"]["cpu"] + work <= limit
     assert work >= max(run["transient_bytes"]["cpu"], run["finalisation_bytes"]["cpu"])
+    # the plan's own peak on the CPU: the weights, offloading, the sums, the larger workspace
+    batch = run["forward_bytes"]["cpu"] + run["transient_bytes"]["cpu"]
+    assert run["peak_bytes"]["cpu"] == weights + run["offload_bytes"].get("cpu", 0) + run[
+        "accumulator_bytes"
+    ]["cpu"] + max(batch, run["finalisation_bytes"]["cpu"])
+    assert run["peak_bytes"]["cpu"] <= limit
 
 
 def _workspace_by_hand(folder: Path, m: int, k: int) -> int:

@@ -287,7 +287,7 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
     """(loaded model, device) for a prepared run: the device resolved, the run's dtype, seed and
     CPU threads (``--threads``: torch's, for the rest of the process);
     ``head`` goes to :func:`~isotui.models.loading.load_model` (``"lm"``: the language-model head)."""
-    from isotui.extract.heap import paused_gc
+    from isotui.extract.heap import HELD_NOTE, hold_heap_to_live_bytes, paused_gc
     from isotui.extract.threads import apply_threads
     from isotui.models.loading import load_model
 
@@ -297,7 +297,9 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
     with paused_gc():  # torch, transformers and the model: no collection while they are made
         device = "cpu" if spec.device_map else resolve_device(prepared.device or "auto")
         threads_note = apply_threads(spec.threads)  # every streaming experiment loads through here
-        handed = placement_memory(spec, prepared.dtype)
+        handed = placement_memory(spec, prepared.dtype, head)
+        # the CPU's bound holds resident memory too (the CLI asked already, before the imports)
+        held = "cpu" in dict(handed or ()) and hold_heap_to_live_bytes()
         loaded = load_model(
             parse_model(spec.model),
             device=device,
@@ -311,6 +313,8 @@ def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedMo
         )
     if threads_note:
         loaded.notes.append(threads_note)
+    if held:
+        loaded.notes.append(HELD_NOTE)
     if loaded.device_map is not None:  # inputs go where accelerate runs the model first
         from isotui.extract.memory_plan import device_summary, execution_device
 
@@ -342,7 +346,9 @@ def _given_loaded(spec: RunSpec, head: str | None) -> tuple[LoadedModel, str]:
     return loaded, given.device
 
 
-def placement_memory(spec: RunSpec, dtype: str) -> tuple[tuple[int | str, int], ...] | None:
+def placement_memory(
+    spec: RunSpec, dtype: str, head: str | None = None
+) -> tuple[tuple[int | str, int], ...] | None:
     """``--max-memory`` as accelerate gets it: less isotui's sums at the floor and the first
     batch's workspace on the devices that hold them (:func:`~isotui.extract.memory_plan.placement_memory`,
     as the dry run places the model), so weights, sums and workspace stay within what was typed."""
@@ -355,14 +361,29 @@ def placement_memory(spec: RunSpec, dtype: str) -> tuple[tuple[int | str, int], 
         config = model_config(parse_model(spec.model), spec.trust_remote_code)
     except IsotuiError:  # a timm model: no transformers config, placed under what was given
         return spec.max_memory
+    given = dict(spec.max_memory)
+    planned = isinstance(getattr(config, "num_hidden_layers", None), int) and not getattr(
+        config, "is_encoder_decoder", False
+    )
+    model, least = None, 0
+    if "cpu" in given and planned:  # placed on paper, as the dry run places it
+        model = memory_plan.meta_model(
+            config, spec.model, head=head, dtype=dtype, trust_remote_code=spec.trust_remote_code
+        )
+        gpus = [k for k in given if isinstance(k, int)]
+        least = memory_plan.cpu_least(model, memory_plan.device_name(gpus[0]) if gpus else "cpu")
     handed = memory_plan.placement_memory(
         config,
-        dict(spec.max_memory),
+        given,
         dtype=dtype,
         batch_size=spec.batch_size,
         max_length=spec.max_length,
         reservoir=spec.reservoir,
+        cpu_least=least,
     )
+    if handed and "cpu" in handed and model is not None:
+        # what offloading adds on the CPU comes out of the weights' share, not the sums'
+        _, handed = memory_plan.place_within(model, spec.device_map, handed)
     return tuple(handed.items()) if handed else None
 
 

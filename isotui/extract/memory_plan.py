@@ -193,10 +193,68 @@ def activation_bytes(
 
     if not states:
         return 0
-    forward = tokens * (dim * act_bytes * states + 3 * inter * act_bytes)
-    return forward + fold_transient_bytes(
+    return forward_bytes(tokens, dim, inter, act_bytes, states) + fold_transient_bytes(
         tokens, dim, act_bytes, samples=tokens, types=SELF_SIM_TYPES, exact=True, reservoir=reservoir
     )
+
+
+def forward_bytes(tokens: int, dim: int, inter: int, act_bytes: int, states: int) -> int:
+    """The forward's activations of a batch of ``tokens`` on a device where ``states`` hidden
+    states of width ``dim`` are made: those states (kept until the batch is folded) and the
+    widest transients, three of the MLP's ``inter``-wide ones; nothing where no state is made."""
+    return tokens * act_bytes * (dim * states + 3 * inter) if states else 0
+
+
+def mlp_width(config: Any, dim: int) -> int:
+    """The MLP's inner width a config gives (``intermediate_size``), else the usual 4 d."""
+    inter = getattr(config, "intermediate_size", None)
+    return inter if isinstance(inter, int) and inter > 0 else 4 * dim
+
+
+PAGE = 4096
+# Linux maps this much of a mapped file around each page read from it (``fault_around_bytes``,
+# 64 KiB by default): the loader's first read of a tensor it leaves on disk maps that much
+FAULT_AROUND = 64 << 10
+
+
+def offload_bytes(model: Any, placed: Mapping[str, Any] | None, main: str) -> dict[str, int]:
+    """What offloading adds on each device beside the weights placed there: accelerate brings an
+    offloaded module's own weights to the main device while it runs, one module at a time (the
+    largest such module's bytes there); a module on disk is read on the CPU first (the largest
+    one's bytes there too); and loading reads the first page of every tensor it leaves on disk
+    from the memory-mapped weight file, which maps the :data:`FAULT_AROUND` bytes around it into
+    the process for as long as the file stays mapped: counted as that and a page per tensor, and
+    never more than those tensors' own pages. Measured (``tests/test_offload_bytes.py``, and a bare
+    ``from_pretrained`` maps the same): a GPT-2 of d = 256 keeps 68 KiB of each 1 MB tensor on
+    disk mapped; one of d = 128, 4.4 of its 5.4 MB on disk (its tensors of 64-256 kB lie in a few
+    windows each). So offloading tensors not much larger than 64 KiB saves little resident
+    memory. These are clean file pages, the first the kernel takes back under pressure, but they
+    count in the resident size. Empty without offload."""
+    if not placed:
+        return {}
+    largest = {"cpu": 0, "disk": 0}
+    mapped = disk = 0
+    for name, module in model.named_modules():
+        own = [p for _, p in module.named_parameters(recurse=False)]
+        if not own:
+            continue
+        where = device_of(f"{name}.weight" if name else "weight", placed)
+        if where not in largest:
+            continue
+        sizes = [p.numel() * p.element_size() for p in own]
+        largest[where] = max(largest[where], sum(sizes))
+        if where == "disk":
+            mapped += len(sizes) * (FAULT_AROUND + PAGE)
+            disk += sum(sizes)
+    # and never more than the disk tensors' own pages (beyond them is the weights kept)
+    mapped = min(mapped, -(-disk // PAGE) * PAGE + FAULT_AROUND)
+    main = device_name(main)
+    out: dict[str, int] = {}
+    if main != "cpu" and max(largest.values()):
+        out[main] = max(largest.values())
+    if largest["disk"]:
+        out["cpu"] = out.get("cpu", 0) + largest["disk"] + mapped
+    return out
 
 
 def fold_transient_bytes(
@@ -332,17 +390,22 @@ def sums_budgets(
     length: int,
     main: str,
     reservoir: int,
+    offload: Mapping[str, int] | None = None,
 ) -> Budgets:
     """The room for sums on each device of ``have`` (its bytes: ``--max-memory``'s or its free
-    memory; None: unknown): what is left after its ``weights``, the workspace of the hidden
-    states ``where`` puts there (:func:`workspace_bytes`) at the first batch's tokens
-    (:func:`batch_tokens`), and the margin."""
+    memory; None: unknown): what is left after its ``weights``, what offloading adds there
+    (``offload``, :func:`offload_bytes`), the workspace of the hidden states ``where`` puts there
+    (:func:`workspace_bytes`) at the first batch's tokens (:func:`batch_tokens`), and the margin."""
 
     def activations(dev: str, n: int) -> int:
         return activation_bytes(n, dim, inter, act_bytes, list(where).count(dev), reservoir)
 
     tokens = batch_tokens(batch_size, length, main, have, weights, activations)
-    work = {d: workspace_bytes(tokens, dim, inter, act_bytes, list(where).count(d), reservoir) for d in have}
+    extra = dict(offload or {})
+    work = {
+        d: workspace_bytes(tokens, dim, inter, act_bytes, list(where).count(d), reservoir) + extra.get(d, 0)
+        for d in have
+    }
     return Budgets(
         {d: None if h is None else limited_budget(h, weights.get(d, 0), work[d]) for d, h in have.items()},
         tokens,
@@ -359,6 +422,7 @@ def placement_memory(
     batch_size: int | None,
     max_length: int | None,
     reservoir: int,
+    cpu_least: int = 0,
 ) -> dict[int | str, int] | None:
     """The ``max_memory`` handed to accelerate for ``--max-memory``: on each device that will
     hold isotui's sums (every GPU named, else the CPU), what the user gave less the sums (on the
@@ -369,8 +433,10 @@ def placement_memory(
     planned for every hidden state, several GPUs each for an even share and one more (the main
     GPU also runs blocks offloaded to the CPU or disk: where that leaves it short of the floor,
     the plan is refused after placement, :meth:`MemoryPlan.refuse_below_floor`). One
-    sentence (:class:`IsotuiError`) when a device cannot hold even that; models whose config
-    gives no ``hidden_size`` and ``num_hidden_layers`` keep ``max_memory`` as given."""
+    sentence (:class:`IsotuiError`) when a device cannot hold even that (on the CPU, saying
+    what it needs with the least the weights take there, ``cpu_least``: :func:`cpu_least`);
+    models whose config gives no ``hidden_size`` and ``num_hidden_layers`` keep ``max_memory``
+    as given."""
     from isotui.extract.runner import SELF_SIM_TYPES
     from isotui.models.limits import config_position_limit, default_length
 
@@ -387,7 +453,7 @@ def placement_memory(
     main = device_name(gpus[0]) if gpus else "cpu"
     floor = reservoir_floor(reservoir)
     length = max_length or default_length(config_position_limit(config), None)
-    inter = getattr(config, "intermediate_size", None) or 4 * dim
+    inter = mlp_width(config, dim)
     for key in homes:
         # its share of the hidden states (all of them on one device; the main GPU also makes
         # those of blocks offloaded to the CPU or disk: a plan short of its floor there is refused)
@@ -415,13 +481,14 @@ def placement_memory(
         if key == "cpu" and given >= room.workspace[dev] + room_for(whole):
             reserve = room.workspace[dev] + room_for(whole)
         if given < reserve:
+            least = reserve + (cpu_least if key == "cpu" else 0)
             left = max(0, given - room.workspace[dev])
             raise IsotuiError(
                 f"--max-memory leaves {_size(left)} on {dev} beside a batch of {room.tokens:,} tokens "
                 f"({_size(room.workspace[dev])} with finalisation) and before any weights, too little "
                 f"for even {floor} reservoir vectors per layer ({_size(need)} for its {states} layers) "
                 f"and the {_size(margin(room_for(need)))} kept free beside them; it needs at least "
-                f"--max-memory {key}={_size_up(reserve)} (more for weights to stay in memory), or a "
+                f"--max-memory {key}={_size_up(least)} (more for weights to stay in memory), or a "
                 "smaller --batch-size or --max-length"
             )
         out[key] = given - reserve
@@ -564,6 +631,8 @@ class MemoryPlan:
     types_asked: int = 0  # token types self-similarity would follow with room for all of them
     batch_tokens: int = 0  # the first batch's tokens the workspace is planned for (0: not planned)
     act_bytes: int = 4  # bytes per value of the model's hidden states
+    mlp_width: int = 0  # the MLP's inner width, for the forward's widest transients (:func:`mlp_width`)
+    offload: dict[str, int] = field(default_factory=dict)  # :func:`offload_bytes` per device
     # a dry run's fields that the run may find otherwise (JSON paths: "budget_bytes.cpu")
     estimates: list[str] = field(default_factory=list)
     phases: PhaseTimes | None = None  # a dry run's time per phase (an estimate, decides nothing)
@@ -586,6 +655,40 @@ class MemoryPlan:
             )
             out[p.device] = max(out.get(p.device, 0), fold)
         return out
+
+    def forward(self) -> dict[str, int]:
+        """Per device, the first batch's forward activations there (:func:`forward_bytes`: the
+        hidden states made there and the MLP's widest transients)."""
+        out: dict[str, int] = {}
+        if not self.batch_tokens:
+            return out
+        for device in dict.fromkeys(p.device for p in self.layers):
+            states = sum(p.dim for p in self.layers if p.device == device)
+            out[device] = forward_bytes(self.batch_tokens, states, self.mlp_width, self.act_bytes, 1)
+        return out
+
+    def batch_workspace(self) -> dict[str, int]:
+        """Per device, the most a batch allocates there beside the sums: its forward and the fold
+        of its widest layer (:meth:`forward`, :meth:`transients`)."""
+        fold, forward = self.transients(), self.forward()
+        return {d: forward.get(d, 0) + fold.get(d, 0) for d in {**forward, **fold}}
+
+    def peaks(self) -> dict[str, int]:
+        """Per device (``disk`` aside), the most the run holds there by this plan: the weights,
+        what offloading adds (:func:`offload_bytes`), the sums, and the larger of a batch's
+        workspace and finalisation's (they never overlap). Empty when no batch is planned."""
+        batch, final, sums = self.batch_workspace(), self.finalisation(), self.per_device()
+        if not batch:
+            return {}
+        devices = dict.fromkeys([*self.weights, *self.offload, *sums])
+        return {
+            d: self.weights.get(d, 0)
+            + self.offload.get(d, 0)
+            + sums.get(d, 0)
+            + max(batch.get(d, 0), final.get(d, 0))
+            for d in devices
+            if d != "disk"
+        }
 
     def finalisation(self) -> dict[str, int]:
         """Per device, finalising its widest layer (:func:`finalisation_workspace_bytes`; one
@@ -678,14 +781,24 @@ class MemoryPlan:
 
     def workspace_line(self) -> str:
         """The workspace beside the sums per device, in words (empty when not planned)."""
-        fold, final = self.transients(), self.finalisation()
+        fold, final, forward = self.transients(), self.finalisation(), self.forward()
         if not fold:
             return ""
-        return (
+        line = (
             f"workspace beside the sums (a batch of {self.batch_tokens:,} tokens, then finalisation, "
             "one layer at a time): "
-            + ", ".join(f"{d} {_size(fold.get(d, 0))} folding, {_size(final[d])} finalising" for d in final)
+            + ", ".join(
+                f"{d} {_size(forward.get(d, 0))} forward, {_size(fold.get(d, 0))} folding, "
+                f"{_size(final[d])} finalising"
+                for d in final
+            )
         )
+        if self.offload:
+            line += "; offloaded modules' weights brought in one at a time and the weight file's pages " + (
+                ", ".join(f"{d} {_size(b)}" for d, b in self.offload.items())
+            )
+        peaks = self.peaks()
+        return line + "; at most " + ", ".join(f"{d} {_size(b)}" for d, b in peaks.items()) + " in all"
 
     def caps(self) -> list[str]:
         """What the budgets cut below what was asked, and why (self-similarity's token types),
@@ -728,13 +841,21 @@ class MemoryPlan:
                 f"{p.name:<18} {p.device:<8} {p.dim:>6} {'exact' if p.exact_cov else 'sampled':>10} "
                 f"{p.reservoir:>9,} {_size(p.bytes):>10}"
             )
-        fold, final, per = self.transients(), self.finalisation(), self.per_device()
-        if fold:
-            rows += ["", f"{'device':<18} {'weights':>10} {'sums':>10} {'batch fold':>10} {'finalising':>10}"]
-            for device, sums in per.items():
+        batch, final, per = self.batch_workspace(), self.finalisation(), self.per_device()
+        peaks = self.peaks()
+        if batch:
+            rows += [
+                "",
+                f"{'device':<18} {'weights':>10} {'offload':>10} {'sums':>10} {'batch':>10} "
+                f"{'finalising':>10} {'at most':>10}",
+            ]
+            for device in dict.fromkeys([*per, *peaks]):
+                sums = per.get(device, 0)
                 rows.append(
-                    f"{device:<18} {_size(self.weights.get(device, 0)):>10} {_size(sums):>10} "
-                    f"{_size(fold.get(device, 0)):>10} {_size(final.get(device, 0)):>10}"
+                    f"{device:<18} {_size(self.weights.get(device, 0)):>10} "
+                    f"{_size(self.offload.get(device, 0)):>10} {_size(sums):>10} "
+                    f"{_size(batch.get(device, 0)):>10} {_size(final.get(device, 0)):>10} "
+                    f"{_size(peaks.get(device, 0)):>10}"
                 )
         return rows
 
@@ -751,8 +872,12 @@ class MemoryPlan:
             "reservoir_asked": self.reservoir_asked,
             "batch_tokens": self.batch_tokens,
             "act_bytes": self.act_bytes,
+            "mlp_width": self.mlp_width,
+            "forward_bytes": self.forward(),
             "transient_bytes": self.transients(),
             "finalisation_bytes": self.finalisation(),
+            "offload_bytes": dict(self.offload),
+            "peak_bytes": self.peaks(),
             "estimates": list(self.estimates),
             **({"phases": self.phases.to_json()} if self.phases is not None else {}),
             "layers": [
@@ -828,6 +953,8 @@ class MemoryPlan:
             types_asked=int(doc.get("types_asked", 0)),
             batch_tokens=int(doc.get("batch_tokens", 0)),
             act_bytes=int(doc.get("act_bytes", 4)),
+            mlp_width=int(doc.get("mlp_width", 0)),
+            offload={str(k): int(v) for k, v in dict(doc.get("offload_bytes", {})).items()},
         )
 
     def follow(self, own: MemoryPlan, who: str, run_key: str) -> MemoryPlan:
@@ -855,6 +982,8 @@ class MemoryPlan:
             types_asked=self.types_asked,
             batch_tokens=own.batch_tokens,
             act_bytes=own.act_bytes,
+            mlp_width=own.mlp_width,
+            offload=own.offload,
         )
         for device, need in kept.per_device().items():
             left = own.budgets.get(device)
@@ -1001,8 +1130,19 @@ def infer_device_map(
     balances it); used for dry runs and untrained models (which are built, not loaded)."""
     from transformers.integrations.accelerate import _get_device_map
 
-    with quiet_accelerate():
-        return dict(_get_device_map(model, device_map, dict(max_memory) if max_memory else None, None))
+    from isotui.models.loading import tied_weights_bug
+
+    try:
+        with quiet_accelerate():
+            return dict(_get_device_map(model, device_map, dict(max_memory) if max_memory else None, None))
+    except IndexError as exc:
+        if not tied_weights_bug(exc):
+            raise
+        raise IsotuiError(
+            f"--device-map {device_map} could not place the model within --max-memory: transformers' "
+            "device-map planner fails on its tied weights at this budget (a known bug, "
+            "huggingface/transformers#35824); give --max-memory more or less"
+        ) from None
 
 
 def _block_names(model: Any, count: int) -> list[str]:
@@ -1036,6 +1176,7 @@ class Paper:
     tokens: int = 0  # the first batch's tokens the workspace is planned for
     estimates: list[str] = field(default_factory=list)  # the plan's fields the run may see otherwise
     length: int = 0  # tokens per sample (--max-length, else the model's limit)
+    offload: dict[str, int] = field(default_factory=dict)  # :func:`offload_bytes` per device
 
 
 def place_on_paper(
@@ -1057,11 +1198,9 @@ def place_on_paper(
     batch's activations and the margin. Text transformers models whose config names
     ``hidden_size`` and ``num_hidden_layers``."""
     import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoModel
 
     from isotui.models.limits import config_position_limit, default_length
-    from isotui.models.loading import lm_class, model_config
+    from isotui.models.loading import model_config
 
     config = model_config(ref, trust_remote_code)
     dim, n_blocks = getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None)
@@ -1076,19 +1215,18 @@ def place_on_paper(
     declared = getattr(config, "dtype", None)
     declared = str(declared).removeprefix("torch.") if declared is not None else None
     run_dtype = resolve_dtype(dtype, kind, declared)
-    with init_empty_weights():
-        if head == "lm":
-            model = lm_class(config, ref.name)(config)
-        else:
-            model = AutoModel.from_config(
-                config, trust_remote_code=trust_remote_code, dtype=getattr(torch, run_dtype)
-            )
-    model.to(getattr(torch, run_dtype))
+    model = meta_model(config, ref.name, head=head, dtype=run_dtype, trust_remote_code=trust_remote_code)
     if device_map:
         handed = placement_memory(
-            config, memory, dtype=run_dtype, batch_size=batch_size, max_length=max_length, reservoir=reservoir
+            config,
+            memory,
+            dtype=run_dtype,
+            batch_size=batch_size,
+            max_length=max_length,
+            reservoir=reservoir,
+            cpu_least=cpu_least(model, device_name(gpus[0]) if gpus else "cpu"),
         )
-        placed = infer_device_map(model, device_map, handed)
+        placed, _ = place_within(model, device_map, handed)
         main = execution_device(placed)
         source = "--max-memory" if memory else "this machine's devices"
     else:
@@ -1096,6 +1234,7 @@ def place_on_paper(
         source = "the device's whole memory" if memory is None else "--max-memory"
     main = device_name(main)
     weights = weights_per_device(model, placed, main)
+    offload = offload_bytes(model, placed if device_map else None, main)
     where = hidden_state_devices(model, placed, main, n_blocks)
     length = max_length or default_length(config_position_limit(config), None)
     have: dict[str, int | None] = {}
@@ -1108,12 +1247,13 @@ def place_on_paper(
         weights,
         where,
         dim=dim,
-        inter=getattr(config, "intermediate_size", None) or 4 * dim,
+        inter=mlp_width(config, dim),
         act_bytes=DTYPE_BYTES[run_dtype],
         batch_size=batch_size,
         length=length,
         main=main,
         reservoir=reservoir,
+        offload=offload,
     )
     # what the dry run cannot know and the run will: budgets of devices that --max-memory does
     # not bound are this machine's free memory now, before any weight is read (the run measures
@@ -1126,8 +1266,8 @@ def place_on_paper(
     if max_length is None or (
         room.tokens < batch_tokens(batch_size, length, main, {}) and "budget_bytes." + main in estimates
     ):  # the tokenizer may cap the length; free memory halved the batch (the run halves on OOM)
-        estimates += ["batch", "batch_tokens"]
-    estimates.append("transient_bytes")  # with the types
+        estimates += ["batch", "batch_tokens", "forward_bytes"]
+    estimates += ["transient_bytes", "peak_bytes"]  # with the types
     return Paper(
         config,
         model,
@@ -1145,7 +1285,56 @@ def place_on_paper(
         room.tokens,
         estimates,
         length,
+        offload,
     )
+
+
+def meta_model(config: Any, name: str, *, head: str | None, dtype: str, trust_remote_code: bool) -> Any:
+    """The model of ``config`` on the meta device (no weights), as the run loads it (``head="lm"``:
+    with its language-model head) in ``dtype``: what placements are made for before loading."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModel
+
+    from isotui.models.loading import lm_class
+
+    with init_empty_weights():
+        if head == "lm":
+            model = lm_class(config, name)(config)
+        else:
+            model = AutoModel.from_config(
+                config, trust_remote_code=trust_remote_code, dtype=getattr(torch, dtype)
+            )
+    return model.to(getattr(torch, dtype))
+
+
+def cpu_least(model: Any, main: str) -> int:
+    """The least CPU memory a model's weights take under a CPU ``--max-memory``: all of them in
+    memory, or all on disk and what offloading then adds (:func:`offload_bytes`), the smaller."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return min(total, offload_bytes(model, {"": "disk"}, main).get("cpu", 0))
+
+
+def place_within(
+    model: Any, device_map: str, handed: Mapping[int | str, int] | None
+) -> tuple[dict[str, Any], dict[int | str, int] | None]:
+    """(accelerate's placement of ``model``, the ``max_memory`` it was made under): ``handed``,
+    less on the CPU what offloading that placement adds there (:func:`offload_bytes`), so that
+    it comes out of the weights' share and not out of isotui's sums (placed again with the CPU's
+    share cut, until the cut covers what the placement offloads; a few rounds at most, as each
+    cut sends more to disk)."""
+    placed = infer_device_map(model, device_map, handed)
+    if not handed or "cpu" not in handed:
+        return placed, dict(handed) if handed else None
+    out, taken = dict(handed), 0
+    for _ in range(4):
+        extra = offload_bytes(model, placed, execution_device(placed)).get("cpu", 0)
+        if extra <= taken:
+            break
+        taken = extra
+        out["cpu"] = max(0, handed["cpu"] - taken)
+        placed = infer_device_map(model, device_map, out)
+    return placed, out
 
 
 def hidden_state_devices(model: Any, placed: Mapping[str, Any], main: str, n_blocks: int) -> list[str]:
@@ -1204,6 +1393,8 @@ def layers_plan(paper: Paper, reservoir: int) -> MemoryPlan:
         types_asked=SELF_SIM_TYPES,
         batch_tokens=paper.tokens,
         act_bytes=DTYPE_BYTES[paper.dtype],
+        mlp_width=mlp_width(paper.config, dim),
+        offload=paper.offload,
         estimates=list(paper.estimates),
     )
     what = "--max-memory" if paper.max_memory else "the free memory"

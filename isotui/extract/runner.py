@@ -46,6 +46,8 @@ from isotui.extract.memory_plan import (
     fit_types,
     hidden_state_devices,
     measured_budget,
+    mlp_width,
+    offload_bytes,
     plan_layers,
     reservoir_floor,
     size_text,
@@ -635,6 +637,7 @@ def _memory_plan(
     measured = {d: measured_budget(d) for d in sorted(devices)}
     budgets = {d: room.budgets[d] if room is not None and d in bound else measured[d] for d in measured}
     weights = weights_per_device(loaded.model, loaded.device_map, loop.device)
+    offload = offload_bytes(loaded.model, loaded.device_map, loop.device)
     asked = types
     tracks = [
         (dim, str(dev), c != "decoder")
@@ -663,6 +666,8 @@ def _memory_plan(
         types_asked=asked,
         batch_tokens=tokens if max_length else 0,
         act_bytes=act_bytes,
+        mlp_width=mlp_width(getattr(loaded.model, "config", None), max(max(ds) for ds in dims.values())),
+        offload=offload,
     )
     plan.refuse_below_floor(None, {}, "the free memory")  # measured: --max-memory bounds the weights
     for device in sorted(bound):  # the plan --max-memory allows: may this machine hold it?
@@ -696,6 +701,7 @@ def _room(loaded: LoadedModel, main: str, opts: ExtractOptions, length: int | No
         return None
     where = hidden_state_devices(loaded.model, loaded.device_map or {"": main}, main, n_blocks)
     weights = weights_per_device(loaded.model, loaded.device_map, main)
+    offload = offload_bytes(loaded.model, loaded.device_map, main)
     given = dict(opts.max_memory or ())
     have: dict[str, int | None] = {}
     for dev in dict.fromkeys([*where, "cpu"]):
@@ -706,12 +712,13 @@ def _room(loaded: LoadedModel, main: str, opts: ExtractOptions, length: int | No
         weights,
         where,
         dim=dim,
-        inter=getattr(config, "intermediate_size", None) or 4 * dim,
+        inter=mlp_width(config, dim),
         act_bytes=_value_bytes(loaded.model),
         batch_size=opts.batch_size,
         length=length,
         main=main,
         reservoir=opts.reservoir,
+        offload=offload,
     )
 
 

@@ -375,7 +375,7 @@ def _load(
     except IsotuiError:
         raise
     except Exception as exc:
-        if placement is not None and _tied_weights_bug(exc):
+        if placement is not None and tied_weights_bug(exc):
             raise IsotuiError(
                 f"--device-map {placement.device_map} could not place model {ref.name!r} within "
                 "--max-memory: transformers' device-map planner fails on its tied weights at this "
@@ -401,7 +401,7 @@ def _load(
     return loaded
 
 
-def _tied_weights_bug(exc: BaseException) -> bool:
+def tied_weights_bug(exc: BaseException) -> bool:
     """Whether ``exc`` is the IndexError transformers' and accelerate's
     ``get_module_size_with_ties`` raise for some budgets when a model ties weights."""
     import traceback
