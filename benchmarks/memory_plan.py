@@ -108,11 +108,14 @@ def times(samples: int) -> None:
             exact = sum(p.exact_cov for p in plan.layers)
             res = sorted({p.reservoir for p in plan.layers})
             print(f"  plan: {exact}/{len(plan.layers)} exact covariances, reservoirs {res}, {plan.batch}")
-            fold, final, per = plan.transients(), plan.finalisation(), plan.per_device()
-            for dev in sorted({*plan.weights, *per}):
+            batch, final, per = plan.batch_workspace(), plan.finalisation(), plan.per_device()
+            peaks = plan.peaks()
+            for dev in sorted({*plan.weights, *per, *plan.offload}):
                 print(
-                    f"  {dev:<7} weights {gb(plan.weights.get(dev, 0))} GB, sums {gb(per.get(dev, 0))} GB, "
-                    f"batch fold {gb(fold.get(dev, 0))} GB, finalising {gb(final.get(dev, 0))} GB"
+                    f"  {dev:<7} weights {gb(plan.weights.get(dev, 0))} GB, "
+                    f"offloading {gb(plan.offload.get(dev, 0))} GB, sums {gb(per.get(dev, 0))} GB, "
+                    f"a batch {gb(batch.get(dev, 0))} GB, finalising {gb(final.get(dev, 0))} GB"
+                    + (f"; at most {gb(peaks[dev])} GB" if dev in peaks else "")
                 )
             weights = sum(plan.weights.values())
             state = sum(per.values())
