@@ -365,25 +365,30 @@ def placement_memory(
     planned = isinstance(getattr(config, "num_hidden_layers", None), int) and not getattr(
         config, "is_encoder_decoder", False
     )
-    model, least = None, 0
-    if "cpu" in given and planned:  # placed on paper, as the dry run places it
+    if "cpu" in given and planned:  # placed on paper as the dry run places it: what offloading
+        # adds on the CPU comes out of the weights' share, not the sums'
         model = memory_plan.meta_model(
             config, spec.model, head=head, dtype=dtype, trust_remote_code=spec.trust_remote_code
         )
-        gpus = [k for k in given if isinstance(k, int)]
-        least = memory_plan.cpu_least(model, memory_plan.device_name(gpus[0]) if gpus else "cpu")
-    handed = memory_plan.placement_memory(
-        config,
-        given,
-        dtype=dtype,
-        batch_size=spec.batch_size,
-        max_length=spec.max_length,
-        reservoir=spec.reservoir,
-        cpu_least=least,
-    )
-    if handed and "cpu" in handed and model is not None:
-        # what offloading adds on the CPU comes out of the weights' share, not the sums'
-        _, handed = memory_plan.place_within(model, spec.device_map, handed)
+        _, handed = memory_plan.place_under(
+            model,
+            config,
+            given,
+            spec.device_map,
+            dtype=dtype,
+            batch_size=spec.batch_size,
+            max_length=spec.max_length,
+            reservoir=spec.reservoir,
+        )
+    else:
+        handed = memory_plan.placement_memory(
+            config,
+            given,
+            dtype=dtype,
+            batch_size=spec.batch_size,
+            max_length=spec.max_length,
+            reservoir=spec.reservoir,
+        )
     return tuple(handed.items()) if handed else None
 
 

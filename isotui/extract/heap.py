@@ -20,14 +20,15 @@ from functools import lru_cache
 TRIM_EVERY = 8  # batches
 
 
-@lru_cache(maxsize=1)
-def _malloc_trim() -> Callable[[int], int] | None:
+@lru_cache(maxsize=2)
+def _glibc(function: str) -> Callable[..., int] | None:
+    """glibc's ``function`` (``malloc_trim``, ``mallopt``); None off Linux or glibc (e.g. musl)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to do
+        return getattr(libc, function)
+    except (OSError, AttributeError):
         return None
 
 
@@ -41,17 +42,6 @@ HELD_NOTE = (
 )
 
 
-@lru_cache(maxsize=1)
-def _mallopt() -> Callable[[int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.mallopt
-    except (OSError, AttributeError):
-        return None
-
-
 def hold_heap_to_live_bytes() -> bool:
     """Make glibc give every freed block of :data:`MMAP_THRESHOLD` or more back to the system at
     once, for the rest of the process (False where the C library cannot).
@@ -60,11 +50,11 @@ def hold_heap_to_live_bytes() -> bool:
     batch's tensors come from the heap, and the heap keeps what they freed until a trim: an
     offloaded GPT-2 under ``--max-memory cpu=300MB`` held 7-9 MB of freed batch memory beside
     its plan of 24 MB. Fixing the threshold at glibc's starting value returns each block when it
-    is freed, and the heap's free top is given back above the same size, so resident memory follows
-    live bytes; what it costs is a page fault for each page
-    of each new large block. A run under a CPU ``--max-memory`` asks for it (the same as
+    is freed, and the heap's free top is given back above the same size, so resident memory
+    follows live bytes; what it costs is a page fault for each page of each new large block. A
+    run under a CPU ``--max-memory`` asks for it (the same as
     ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment)."""
-    set_option = _mallopt()
+    set_option = _glibc("mallopt")
     if set_option is None or USER_SETTING in os.environ:  # the user's own choice stands
         return False
     # the trim threshold too: glibc doubles it with each raise of the mmap threshold, and a heap
@@ -74,7 +64,7 @@ def hold_heap_to_live_bytes() -> bool:
 
 def release_free_memory() -> bool:
     """Return free heap pages to the OS; False where the C library cannot."""
-    trim = _malloc_trim()
+    trim = _glibc("malloc_trim")
     if trim is None:
         return False
     trim(0)

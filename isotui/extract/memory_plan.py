@@ -1217,16 +1217,16 @@ def place_on_paper(
     run_dtype = resolve_dtype(dtype, kind, declared)
     model = meta_model(config, ref.name, head=head, dtype=run_dtype, trust_remote_code=trust_remote_code)
     if device_map:
-        handed = placement_memory(
+        placed, _ = place_under(
+            model,
             config,
             memory,
+            device_map,
             dtype=run_dtype,
             batch_size=batch_size,
             max_length=max_length,
             reservoir=reservoir,
-            cpu_least=cpu_least(model, device_name(gpus[0]) if gpus else "cpu"),
         )
-        placed, _ = place_within(model, device_map, handed)
         main = execution_device(placed)
         source = "--max-memory" if memory else "this machine's devices"
     else:
@@ -1308,10 +1308,40 @@ def meta_model(config: Any, name: str, *, head: str | None, dtype: str, trust_re
     return model.to(getattr(torch, dtype))
 
 
-def cpu_least(model: Any, main: str) -> int:
+def place_under(
+    model: Any,
+    config: Any,
+    max_memory: Mapping[int | str, int] | None,
+    device_map: str,
+    *,
+    dtype: str,
+    batch_size: int | None,
+    max_length: int | None,
+    reservoir: int,
+) -> tuple[dict[str, Any], dict[int | str, int] | None]:
+    """(accelerate's placement of ``model``, the ``max_memory`` it was made under) for
+    ``--max-memory``: what isotui keeps out of each device (:func:`placement_memory`, refused
+    with the least the weights take on the CPU, :func:`cpu_least`), then what offloading adds
+    taken out of the CPU's share (:func:`place_within`). The dry run and the run place so."""
+    handed = placement_memory(
+        config,
+        max_memory,
+        dtype=dtype,
+        batch_size=batch_size,
+        max_length=max_length,
+        reservoir=reservoir,
+        cpu_least=cpu_least(model, max_memory),
+    )
+    return place_within(model, device_map, handed)
+
+
+def cpu_least(model: Any, max_memory: Mapping[int | str, int] | None) -> int:
     """The least CPU memory a model's weights take under a CPU ``--max-memory``: all of them in
-    memory, or all on disk and what offloading then adds (:func:`offload_bytes`), the smaller."""
+    memory, or all on disk and what offloading then adds (:func:`offload_bytes`; run from the
+    first GPU it names, else the CPU), the smaller."""
+    gpus = [k for k in max_memory or {} if isinstance(k, int)]
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    main = device_name(gpus[0]) if gpus else "cpu"
     return min(total, offload_bytes(model, {"": "disk"}, main).get("cpu", 0))
 
 
