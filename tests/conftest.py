@@ -84,6 +84,17 @@ def _cpu_unless_gpu(request, monkeypatch, _cuda_present):
 
 
 @pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    """torch's intra-op threads fixed at one, in this process (``choose_threads`` reads the
+    variable at every run) and in the CLI's subprocesses. By default a run takes its share of the
+    cores from the load average of the moment, and a 2-core CI machine running two workers swings
+    between 1 and 2 threads; the thread count changes the order of float32 sums in the forward,
+    so two runs a test compares to 1e-12 could differ by 7e-11 (CI of stop 34,
+    ``test_shards``). The default itself is ``test_threads``'s, which unsets this."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     """No network, and a private result cache and config folder for every test."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
