@@ -26,6 +26,14 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["HF_HOME"] = folder
     os.environ["HF_DATASETS_CACHE"] = os.path.join(folder, "datasets")
     os.environ["HF_MODULES_CACHE"] = os.path.join(folder, "modules")
+    # torch's intra-op threads fixed at one, here (``choose_threads`` reads the variable at every
+    # run, and module-scoped fixtures run before any function-scoped one) and in the CLI's
+    # subprocesses. By default a run takes its share of the cores from the load average of the
+    # moment, and a 2-core CI machine running two workers swings between 1 and 2 threads; the
+    # thread count changes the order of float32 sums in the forward, so two runs a test compares
+    # to 1e-12 differed by 4.5e-11 (CI of stop 34, ``test_shards``). The default itself is
+    # ``test_threads``'s, which unsets this.
+    os.environ["OMP_NUM_THREADS"] = "1"
     # A background job of a shell without job control (`make test &` in a script, nohup) starts
     # with SIGINT ignored, and every process a test starts inherits that: the tests that press ^C
     # on a child then wait for an end that never comes. Their ^C is the point: take it back.
@@ -81,17 +89,6 @@ def _cpu_unless_gpu(request, monkeypatch, _cuda_present):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch):
-    """torch's intra-op threads fixed at one, in this process (``choose_threads`` reads the
-    variable at every run) and in the CLI's subprocesses. By default a run takes its share of the
-    cores from the load average of the moment, and a 2-core CI machine running two workers swings
-    between 1 and 2 threads; the thread count changes the order of float32 sums in the forward,
-    so two runs a test compares to 1e-12 could differ by 7e-11 (CI of stop 34,
-    ``test_shards``). The default itself is ``test_threads``'s, which unsets this."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

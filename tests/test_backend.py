@@ -196,7 +196,7 @@ def pid_compute(prepared, *, on_progress, should_stop):
 
 
 def _pid_of(events, job_id: int) -> int:
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # stops a hang only: the worker starts at nice +10
     while time.monotonic() < deadline:
         progress = [e for e in events.of(job_id) if isinstance(e, JobProgress)]
         if progress:

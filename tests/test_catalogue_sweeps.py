@@ -100,7 +100,7 @@ def test_a_ray_address_that_does_not_answer_is_one_sentence_at_once(tmp_path):
     loopback: refused at once (the subprocess's timeout bounds a regression)."""
     pytest.importorskip("ray")
     _sweep_config(tmp_path, f'["{TINY}"]', 'executor = "ray"\naddress = "127.0.0.1:1"')
-    proc = isotui("sweep", str(tmp_path / "sweep.toml"), "-q", cwd=tmp_path, timeout=180)
+    proc = isotui("sweep", str(tmp_path / "sweep.toml"), "-q", cwd=tmp_path, timeout=600)
     assert proc.returncode == 2, proc.stderr
     err = " ".join(one_sentence(proc.stderr).split())
     assert 'address = "127.0.0.1:1": cannot connect to a Ray cluster there' in err, err

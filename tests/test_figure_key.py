@@ -38,7 +38,7 @@ async def _saved(pilot, folder, what, notes=()):
     """Press F and wait for the three files of ``what`` (``notes``: said when it times out)."""
     await pilot.press("F")
     done = lambda: bool(list(folder.glob(f"isotui-*-figure-{what}.csv")))  # noqa: E731
-    await _wait(pilot, done, timeout=120, why=lambda: str(list(notes)[-2:]))
+    await _wait(pilot, done, why=lambda: str(list(notes)[-2:]))
     await pilot.pause()
     return [sorted(folder.glob(f"isotui-*-figure-{what}.{s}"))[-1] for s in ("pdf", "png", "csv")]
 
@@ -86,7 +86,7 @@ def test_served_app_sends_the_three_files_to_the_browser(tmp_path, monkeypatch):
         async with app.run_test(size=(120, 36)) as pilot:
             app.add_result(fixture_result("minilm", 7, 384, 0.22))
             await pilot.press("F")
-            await _wait(pilot, lambda: len(delivered.files) == 3, timeout=120)
+            await _wait(pilot, lambda: len(delivered.files) == 3)
             await pilot.pause()
         return notes, delivered
 

@@ -58,7 +58,7 @@ def test_lab_heads_and_dynamics(tmp_path, tiny_models):
             box.focus()
             box.value = str(series)
             await pilot.press("enter")
-            await _wait(pilot, lambda: app.lab_results["qk-dynamics"] is not None, timeout=180)
+            await _wait(pilot, lambda: app.lab_results["qk-dynamics"] is not None)
             dyn = app.screen.query_one("#dyn-table", DataTable)
             assert dyn.row_count == 2 and dyn.get_row_at(1)[:2] == ["step_5", "5"]
             await pilot.press("b")  # basis q only
@@ -75,7 +75,7 @@ def test_lab_heads_and_dynamics(tmp_path, tiny_models):
             assert ckpt.has_focus, app.focused
             ckpt.value = str(series)
             await pilot.press("enter")
-            await _wait(pilot, lambda: app.lab_results["checkpoints"] is not None, timeout=180)
+            await _wait(pilot, lambda: app.lab_results["checkpoints"] is not None)
             heat = app.screen.query_one("#ckpt-table", DataTable)
             series_result = app.lab_results["checkpoints"]
             assert heat.row_count == 3 and [str(c.label) for c in heat.columns.values()] == [
@@ -195,7 +195,7 @@ def test_lab_drift_block_tab(tmp_path):
             box.value = settings
             box.focus()
             await pilot.press("enter")
-            await _wait(pilot, lambda: app.lab_results["drift-block"] is not None, timeout=120)
+            await _wait(pilot, lambda: app.lab_results["drift-block"] is not None)
             result = app.lab_results["drift-block"]
             table = app.screen.query_one("#drift-table", DataTable)
             assert table.row_count == 5

@@ -579,7 +579,7 @@ def test_a_preset_without_its_data_says_what_to_get(tmp_path):
             capture_output=True,
             text=True,
             env=env,
-            timeout=120,
+            timeout=600,
         )
         assert proc.returncode == 2 and what in proc.stderr, proc.stderr
         assert "could not be loaded" in proc.stderr

@@ -352,7 +352,7 @@ def test_the_apps_checkpoints_tab_takes_a_selector_and_marks_the_duplicate(cache
             box = app.screen.query_one("#ckpt-input", Input)
             box.value = "all"
             await pilot.press("enter")
-            await _wait(pilot, lambda: app.lab_results["checkpoints"] is not None, timeout=180)
+            await _wait(pilot, lambda: app.lab_results["checkpoints"] is not None)
             heat = app.screen.query_one("#ckpt-table", DataTable)
             assert [str(c.label) for c in heat.columns.values()] == ["layer", "0", "10*", "20"]
             assert "step10 = step20" in str(app.screen.query_one("#ckpt-info").render())

@@ -365,7 +365,7 @@ def test_a_sweep_resumes_from_the_shards_already_cached(tiny_models, data, tmp_p
 ROW_NUMBERS = ("n_vectors", "avg_cos", "drift_norm", "mean_norm", "avg_cos_centered", "isoscore", "eff_rank")
 
 
-async def _wait(pilot, predicate, timeout: float = 240.0) -> None:
+async def _wait(pilot, predicate, timeout: float = 600.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while not predicate():

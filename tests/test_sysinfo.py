@@ -153,11 +153,17 @@ def test_app_header_counts_the_apps_own_process_as_isotui(tmp_path, monkeypatch)
     from isotui.tui.app import IsotuiApp
 
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(own_pid=os.getpid()))
+    # the fake's samples are timed when it is made; a loaded machine may take longer than NVML's
+    # window to start the app and probe, and the newest sample in any window is still the 64%
+    monkeypatch.setattr(sysinfo, "UTIL_WINDOW_S", 3600.0)
 
     async def scenario() -> str:
         app = IsotuiApp(cache_root=tmp_path / "cache", export_dir=tmp_path)
         async with app.run_test(size=(200, 30)) as pilot:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 600  # stops a hang only
             while not app.device_line:  # the probe runs on a worker thread
+                assert loop.time() < end, "the device line never came"
                 await pilot.pause(0.05)
             return app.sub_title
 

@@ -26,7 +26,9 @@ from isotui.tui.options import OptionsScreen
 from .conftest import corpus
 
 
-async def _wait(pilot, predicate, timeout=120.0, why=lambda: ""):
+async def _wait(pilot, predicate, timeout=600.0, why=lambda: ""):
+    """Until ``predicate`` holds; the limit only stops a hang (the app's jobs run at nice +10, and
+    on a loaded 2-core machine a few seconds of CPU can take minutes)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while not predicate():
