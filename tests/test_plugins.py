@@ -314,6 +314,8 @@ def test_the_app_shows_a_plug_in_in_its_table_and_its_plot_cycle(tmp_path, tiny_
     from isotui.results import LAYER_METRICS
     from isotui.tui.app import IsotuiApp
 
+    from .test_tui import _wait
+
     install(tmp_path, monkeypatch, page_code(), "RogueVariance")
     data = tmp_path / "samples.txt"
     data.write_text("\n".join(corpus(6)) + "\n", encoding="utf-8")
@@ -329,16 +331,10 @@ def test_the_app_shows_a_plug_in_in_its_table_and_its_plot_cycle(tmp_path, tiny_
             await pilot.press("slash")
             app.query_one("#model-input", Input).value = model
             await pilot.press("enter")
-            loop = asyncio.get_running_loop()
-            end = loop.time() + 600  # stops a hang only: the job runs at nice +10
-            while model not in app.results:
-                assert loop.time() < end, "the run did not finish"
-                await pilot.pause(0.1)
+            await _wait(pilot, lambda: model in app.results, why=lambda: "the run did not finish")
             assert "top_var_share" in app.results[model].rows[0].extra
             table = app.query_one("#layers", DataTable)
-            while table.row_count == 0:  # the selected model's table, drawn
-                assert loop.time() < end, "the table was not drawn"
-                await pilot.pause(0.1)
+            await _wait(pilot, lambda: table.row_count > 0)  # the selected model's table, drawn
             keys = [str(c.value) for c in table.columns]
             assert keys[-2:] == ["top_var_share", "max_mean_rms"], keys
             seen = []

@@ -41,8 +41,10 @@ def texts(tmp_path):
     return lines, f"text:{path}"
 
 
-def _run(model, data, cache, *extra) -> int:
-    argv = ["run", "-m", str(model), "--data", data, "--max-length", str(MAX_LENGTH), "--batch-size", "1"]
+def _run(model, data, cache, *extra, batch_size: int | None = 1) -> int:
+    """``isotui run`` in this process; ``batch_size`` None: the default batches."""
+    argv = ["run", "-m", str(model), "--data", data, "--max-length", str(MAX_LENGTH)]
+    argv += ["--batch-size", str(batch_size)] if batch_size is not None else []
     return main([*argv, "--reservoir", "40", "--cache-dir", str(cache), "-q", *extra])
 
 
@@ -235,12 +237,10 @@ def test_shards_at_other_thread_counts_merge_to_float32_rounding(tiny_models, te
     _, data = texts
     model = tiny_models["gpt2"]
     one_csv, merged_csv = tmp_path / "one.csv", tmp_path / "merged.csv"
-    argv = ["run", "-m", str(model), "--data", data, "--max-length", str(MAX_LENGTH)]
-    argv += ["--reservoir", "40", "-q"]
-    assert main([*argv, "--cache-dir", str(tmp_path / "one"), "--threads", "1", "--csv", str(one_csv)]) == 0
-    shared = ["--cache-dir", str(tmp_path / "shared"), "--csv", str(merged_csv)]
+    assert _run(model, data, tmp_path / "one", "--threads", "1", "--csv", str(one_csv), batch_size=None) == 0
     for shard, threads in (("0/2", "2"), ("1/2", "1")):  # two machines
-        assert main([*argv, *shared, "--shard", shard, "--threads", threads]) == 0
+        extra = ("--shard", shard, "--threads", threads, "--csv", str(merged_csv))
+        assert _run(model, data, tmp_path / "shared", *extra, batch_size=None) == 0
     _, merged = _entry(tmp_path / "shared")
     assert "merged from 2 shards" in merged.meta["notes"]
     _assert_rows_equal(_rows(one_csv), _rows(merged_csv), rel=1e-5)

@@ -28,6 +28,7 @@ from isotui.cli import main
 
 from .conftest import corpus
 from .reference import hidden_vectors
+from .test_tui import _wait
 
 N = 9  # samples: odd, so the two shards differ in size
 MAX_LENGTH = 16
@@ -363,14 +364,6 @@ def test_a_sweep_resumes_from_the_shards_already_cached(tiny_models, data, tmp_p
 # --- the app: a sweep is one job over its tasks ---------------------------------------------------------
 
 ROW_NUMBERS = ("n_vectors", "avg_cos", "drift_norm", "mean_norm", "avg_cos_centered", "isoscore", "eff_rank")
-
-
-async def _wait(pilot, predicate, timeout: float = 600.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < end, "timed out"
-        await pilot.pause(0.1)
 
 
 def _sweep_row(app) -> list[str]:

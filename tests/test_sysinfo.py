@@ -14,6 +14,8 @@ import pytest
 
 from isotui.tui import sysinfo
 
+from .test_tui import _wait
+
 real = pytest.importorskip("pynvml")  # nvidia-ml-py: its structures and error classes
 GIB = 2**30
 MIB = 2**20
@@ -160,11 +162,7 @@ def test_app_header_counts_the_apps_own_process_as_isotui(tmp_path, monkeypatch)
     async def scenario() -> str:
         app = IsotuiApp(cache_root=tmp_path / "cache", export_dir=tmp_path)
         async with app.run_test(size=(200, 30)) as pilot:
-            loop = asyncio.get_running_loop()
-            end = loop.time() + 600  # stops a hang only
-            while not app.device_line:  # the probe runs on a worker thread
-                assert loop.time() < end, "the device line never came"
-                await pilot.pause(0.05)
+            await _wait(pilot, lambda: app.device_line)  # the probe runs on a worker thread
             return app.sub_title
 
     assert f"isotui {3489660928 / GIB:.1f} GiB 64%, 1 other" in asyncio.run(scenario())
