@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import isotui
 from isotui.paths import builtin_corpus_path
 
 _HF_HOME = pytest.StashKey[str]()  # this test process's Hugging Face folder
@@ -103,6 +104,16 @@ def _isolated(monkeypatch, tmp_path):
     yield
     if gc.get_freeze_count():  # an app froze the test process's objects (isotui.tui.app.settle_memory)
         gc.unfreeze()
+
+
+PACKAGE_DIR = os.path.dirname(os.path.realpath(isotui.__file__)) + os.sep  # the isotui imported
+
+
+def in_package(path: str) -> bool:
+    """Whether a frame's file is isotui's own code: under the package's own folder, not any path
+    that merely contains "isotui/" (a clone in a folder named isotui has its .venv, and so
+    transformers' code, under ``isotui/``: issue 35's sync test charged transformers' reads to it)."""
+    return os.path.realpath(path).startswith(PACKAGE_DIR)
 
 
 def corpus(n: int) -> list[str]:

@@ -16,7 +16,7 @@ import pytest
 
 from isotui.spec import make_spec
 
-from .conftest import corpus
+from .conftest import corpus, in_package
 from .test_gradients import lm_models as lm_models  # a fixture, used by name
 from .test_sampled import _all_vectors
 
@@ -35,7 +35,7 @@ def _own_code() -> str | None:
         if "/torch/" in path or "/contextlib.py" in path:
             frame = frame.f_back
             continue
-        if f"{Path('isotui')}/" in path and "/tests/" not in path and "/autograd" not in path:
+        if in_package(path) and "/autograd" not in path:
             return f"{Path(path).parent.name}/{Path(path).name}:{frame.f_code.co_name}"
         return None
     return None

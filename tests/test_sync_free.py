@@ -16,7 +16,7 @@ import pytest
 from isotui.experiments.layerwise import measure
 from isotui.spec import make_spec
 
-from .conftest import corpus
+from .conftest import corpus, in_package
 from .test_gradients import lm_models as lm_models  # a fixture, used by name
 
 TINY_GPT2 = "random:gpt2:n_layer=2,n_embd=64,n_head=4"
@@ -72,7 +72,7 @@ def _caller(call: str) -> tuple[str, str] | None:
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if f"{Path('isotui')}/" in path and "/tests/" not in path:
+        if in_package(path):
             name = f"{Path(path).parent.name}/{Path(path).name}"
             func = frame.f_code.co_name
             if name in _STEP_FILES:
@@ -619,7 +619,7 @@ def _own_frame() -> str | None:
         if "/torch/" in path or "/contextlib.py" in path or "/weakref" in path:
             frame = frame.f_back
             continue
-        if f"{Path('isotui')}/" in path and "/tests/" not in path:
+        if in_package(path):
             return f"{Path(path).parent.name}/{Path(path).name}:{frame.f_code.co_name}"
         return None
     return None
