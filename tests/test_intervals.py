@@ -13,6 +13,8 @@ from scipy import stats
 from isotui.core.null import null_mean_quantile, null_mean_sd
 from isotui.results import LayerRow, ModelResult
 
+from .conftest import same
+
 
 def _row(**over) -> LayerRow:
     required = [
@@ -76,7 +78,7 @@ def test_json_intervals_are_t_with_seven_degrees_of_freedom():
     assert second["avg_cos_abtt"] == pytest.approx([0.1 - t * 0.02, 0.1 + t * 0.02])
     # the reservoir's own directions (d x d not held): bias as large as the SE, said per layer
     assert got["biased"] == [{"component": "model", "layer": 1}]
-    assert ModelResult.from_json(ModelResult("m", "k", rows, {}, {}).to_json(), {}).rows == rows
+    assert same(ModelResult.from_json(ModelResult("m", "k", rows, {}, {}).to_json(), {}).rows, rows)
 
 
 def test_a_cached_floored_monte_carlo_p_is_recomputed_on_load():
