@@ -121,6 +121,11 @@ class ModelRef:
                 from isotui.models.untrained import INIT_SCHEME
 
                 h.update(INIT_SCHEME.encode())
+            # torch's CPU generator and its init functions make the draws (torch 2.11's
+            # trunc_normal_ works in the tensor's dtype, later ones in float32): a cache shared
+            # across torch versions keeps each version's weights apart. The local label (+cu130,
+            # +cpu) is left out: the draws are taken on the CPU whatever the build.
+            h.update(metadata.version("torch").split("+")[0].encode())
             if self.random_source_kind == "hub":
                 h.update(hub.resolve_commit(self.source, self.revision).encode())
         folder = self.local_dir() if self.kind != "random" or self.random_source_kind == "dir" else None
