@@ -7,6 +7,12 @@ STAMP := $(VENV)/.installed-test
 # `make test-oldest`: the oldest versions pyproject.toml declares, pinned in ci/oldest.txt.
 OLDEST ?= .venv-oldest
 OLDEST_STAMP := $(OLDEST)/.installed-oldest
+# `make test-newest`: the newest versions pip resolves today on the newest Python the ranges allow,
+# with any pip constraint of the machine lifted (PIP_CONSTRAINT=/dev/null: an empty value leaves a
+# pip.conf constraint in force), as a user's `pip install -U` would.
+NEWEST_PYTHON ?= python3.13
+NEWEST ?= .venv-newest
+NEWEST_STAMP := $(NEWEST)/.installed-newest
 # CPU-only machine: `make run TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU
 # torch wheel first (PyPI's default torch on Linux is the CUDA build, several GB).
 TORCH_INDEX ?=
@@ -16,7 +22,7 @@ TORCH_INDEX ?=
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist loadfile
 
-.PHONY: run test test-fast test-oldest docs lint format bench clean
+.PHONY: run test test-fast test-oldest test-newest docs lint format bench clean
 # The docs site (mkdocs.yml): built strictly, offline; `make test` builds it into a temporary folder.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
@@ -40,6 +46,12 @@ $(OLDEST_STAMP): ci/oldest.txt pyproject.toml
 	$(OLDEST)/bin/pip install --no-deps -e .
 	touch $(OLDEST_STAMP)
 
+$(NEWEST_STAMP): pyproject.toml
+	@command -v $(NEWEST_PYTHON) >/dev/null || { echo "make test-newest: $(NEWEST_PYTHON) not found (NEWEST_PYTHON=...)"; exit 2; }
+	$(NEWEST_PYTHON) -m venv $(NEWEST)
+	PIP_CONSTRAINT=/dev/null $(NEWEST)/bin/pip install -q -U -e '.[test]'
+	touch $(NEWEST_STAMP)
+
 run: $(RUN_STAMP)
 	$(BIN)/isotui run sample_configs/minilm_builtin.toml --csv results/minilm_builtin.csv
 
@@ -61,6 +73,11 @@ test-fast: $(STAMP)
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST)/bin/python -m pytest -q $(XDIST) --ignore=tests/test_snapshots.py --ignore=tests/test_typecheck.py
 
+# The inner loop on the newest versions and Python (CI's third job): what `make test-fast` runs.
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST)/bin/python -m pip list --format=freeze | grep -iE '^(torch|transformers|numpy|scipy|textual|accelerate)=='
+	$(NEWEST)/bin/python -m pytest -q $(XDIST) -m "not slow"
+
 docs: $(STAMP)
 	$(MKDOCS) --site-dir site
 
@@ -79,4 +96,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/attention.py
 
 clean:
-	rm -rf $(VENV) $(OLDEST) results site
+	rm -rf $(VENV) $(OLDEST) $(NEWEST) results site

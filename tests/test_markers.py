@@ -55,7 +55,17 @@ def test_a_gpu_test_is_skipped_only_where_torch_sees_no_gpu(monkeypatch, cuda):
 def test_make_test_and_the_oldest_set_run_under_xdist_and_test_fast_leaves_out_slow(tmp_path):
     def plan(*args: str) -> list[str]:
         proc = subprocess.run(
-            ["make", "-n", "-C", str(ROOT), *args, f"VENV={tmp_path / 'venv'}", f"OLDEST={tmp_path / 'old'}"],
+            [
+                "make",
+                "-n",
+                "-C",
+                str(ROOT),
+                *args,
+                f"VENV={tmp_path / 'venv'}",
+                f"OLDEST={tmp_path / 'old'}",
+                f"NEWEST={tmp_path / 'new'}",
+                "NEWEST_PYTHON=python3",  # make -n still checks the interpreter exists
+            ],
             capture_output=True,
             text=True,
             timeout=60,
@@ -63,10 +73,10 @@ def test_make_test_and_the_oldest_set_run_under_xdist_and_test_fast_leaves_out_s
         assert proc.returncode == 0, proc.stderr
         return [line for line in proc.stdout.splitlines() if "-m pytest" in line]
 
-    for target in ("test", "test-oldest", "test-fast"):
+    for target in ("test", "test-oldest", "test-fast", "test-newest"):
         (line,) = plan(target)
         assert " -n 2 --dist loadfile" in line, line
-        assert ('-m "not slow"' in line) == (target == "test-fast"), line
+        assert ('-m "not slow"' in line) == (target in ("test-fast", "test-newest")), line
     (line,) = plan("test", "WORKERS=auto")
     assert " -n auto " in line
 
