@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from isotui.errors import IsotuiError
 from isotui.results import SCHEMA_VERSION
 from isotui.store.files import temp_pattern, write_bytes_atomic
 
@@ -51,9 +52,11 @@ class CacheProblem(Exception):
     """An entry exists but cannot be used; the message says why, in one sentence."""
 
 
-class CacheWriteError(Exception):
+class CacheWriteError(IsotuiError):
     """The cache could not be written (a full disk, a read-only folder...); the result is fine
-    and is kept: the message says so in one sentence."""
+    and is kept: the message says so in one sentence. An :class:`IsotuiError`: where nothing
+    catches it by name (the cached runs keep the result, a shard says it is lost), it reaches
+    the user as that sentence, not as an internal error."""
 
 
 def _digest(arrays: dict[str, np.ndarray], result: dict[str, Any]) -> str:
