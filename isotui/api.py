@@ -207,12 +207,9 @@ def run(
         options |= {"special_tokens": special_tokens, "batch_size": batch_size, "device": device}
         options |= {"device_map": device_map, "max_memory": max_memory, "dtype": dtype, "seed": seed}
         options |= {"reservoir": reservoir, "map_units": map_units, "trust_remote_code": trust_remote_code}
-        given = _given(model, tokenizer, processor, name, {**options, "shard": shard, **more})
-        run_options, params = _split(LAYERS, "isotui.run", {**options, **more})
-        path = service.config_path(config)
-        settings = service.run_settings(path, {"models": [given.name], "cache_dir": cache_dir, **run_options})
-        _refuse_loading(settings)
-        requests = service.layer_requests(settings, path, params, given=given)
+        given, requests, params, settings = _object_layers(
+            model, tokenizer, processor, name, config, cache_dir, {**options, **more}, shard
+        )
         root = _cache_root(cache, settings.get("cache_dir"))
         with given.kept():
             outcome = _one(LAYERS, requests, root, progress)
@@ -283,10 +280,7 @@ def experiment(
     if _is_object(model) and exp.inputs != "models":
         raise IsotuiError(f"{what} takes model names, not a model object")
     if _is_object(model):  # its tokenizer=, processor= and name= are the object's, not options
-        tok, proc, label = (options.pop(k, None) for k in ("tokenizer", "processor", "name"))
-        obj = _given(model, tok, proc, label, options)
-        run_options, params = _split(exp, what, options)
-        requests = service.make_requests(exp, params, models=[obj.name], options=run_options, given=obj)
+        obj, requests, params = _object_requests(exp, model, options)
         with obj.kept():
             outcome = _one(exp, requests, _cache_root(cache, cache_dir), progress)
         return _results(exp, [([obj.name], outcome)], params, True)
@@ -314,6 +308,65 @@ def experiment(
     else:
         requests, names = service.make_requests(exp, params), []
     return _results(exp, [(names, _one(exp, requests, root, progress))], params, True)
+
+
+def check_object(
+    name: str,
+    model: Any,
+    data: str | None = None,
+    *,
+    tokenizer: Any = None,
+    processor: Any = None,
+    **options: Any,
+) -> None:
+    """What ``run(model, data, tokenizer=..., processor=..., **options)`` (``name`` "layers") or
+    ``experiment(name, model=model, data=data, ...)`` checks of a model object before it measures
+    (its keywords, the data spec, the object's tokenizer or processor): the same sentences
+    (:class:`IsotuiError`), with nothing measured, loaded or written. The training callbacks
+    check their probe with it before the first training step."""
+    from isotui.experiments.registry import EXPERIMENTS
+
+    if name == "layers":
+        _object_layers(model, tokenizer, processor, None, None, None, {"data": data, **options}, None)
+        return
+    if name not in EXPERIMENTS or EXPERIMENTS[name].inputs != "models":
+        raise IsotuiError(f"no experiment {name!r} over a model object")
+    given = {"data": data, "tokenizer": tokenizer, "processor": processor, **options}
+    _object_requests(EXPERIMENTS[name], model, given)
+
+
+def _object_layers(
+    model: Any,
+    tokenizer: Any,
+    processor: Any,
+    name: Any,
+    config: str | Path | None,
+    cache_dir: str | Path | None,
+    options: dict[str, Any],
+    shard: Any,
+) -> tuple[Any, list[Any], Any, dict[str, Any]]:
+    """A model object's layer run: (the object, its requests, the parameters, the settings), every
+    keyword checked, nothing run (:func:`run`, :func:`check_object`)."""
+    from isotui import service
+    from isotui.experiments.registry import LAYERS
+
+    given = _given(model, tokenizer, processor, name, {**options, "shard": shard})
+    run_options, params = _split(LAYERS, "isotui.run", options)
+    path = service.config_path(config)
+    settings = service.run_settings(path, {"models": [given.name], "cache_dir": cache_dir, **run_options})
+    _refuse_loading(settings)
+    return given, service.layer_requests(settings, path, params, given=given), params, settings
+
+
+def _object_requests(exp: Experiment, model: Any, options: dict[str, Any]) -> tuple[Any, list[Any], Any]:
+    """A model object's requests of ``exp`` (its ``tokenizer``, ``processor`` and ``name`` taken
+    out of ``options``): (the object, the requests, the parameters), nothing run."""
+    from isotui import service
+
+    tok, proc, label = (options.pop(k, None) for k in ("tokenizer", "processor", "name"))
+    obj = _given(model, tok, proc, label, options)
+    run_options, params = _split(exp, f"experiment {exp.name!r}", options)
+    return obj, service.make_requests(exp, params, models=[obj.name], options=run_options, given=obj), params
 
 
 def load(key: str, cache_dir: str | Path | None = None) -> Result:

@@ -271,17 +271,19 @@ def test_only_rank_zero_probes(tmp_path):
     assert logged == [] and not (tmp_path / "series").exists()
 
 
-def test_bad_settings_are_one_sentence(fitted):
+def test_bad_settings_are_one_sentence(fitted, tmp_path):
+    """Refused when training starts, before its first step (a probe after it never ends the
+    training: tests/test_catalogue_training.py)."""
     from isotui.callbacks import IsotuiLightningCallback
 
-    trainer = SimpleNamespace(is_global_zero=True, global_step=0, current_epoch=0, loggers=[])
+    trainer = SimpleNamespace(
+        is_global_zero=True, global_step=0, current_epoch=0, loggers=[], default_root_dir=str(tmp_path)
+    )
     module = SimpleNamespace(model=fitted["probed"].model)  # no tokenizer attribute
     with pytest.raises(IsotuiError, match="give tokenizer= "):
-        IsotuiLightningCallback(every=1).on_train_batch_end(trainer, module, None, None, 0)
+        IsotuiLightningCallback(every=1).on_train_start(trainer, module)
     with pytest.raises(IsotuiError, match="model='net': the SimpleNamespace has no attribute 'net'"):
-        IsotuiLightningCallback(every=1, model="net", tokenizer=fitted["tok"]).on_train_batch_end(
-            trainer, module, None, None, 0
-        )
+        IsotuiLightningCallback(every=1, model="net", tokenizer=fitted["tok"]).on_train_start(trainer, module)
     with pytest.raises(IsotuiError, match="model= is the LightningModule's attribute"):
         IsotuiLightningCallback(model=3)
 

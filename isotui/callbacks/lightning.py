@@ -25,6 +25,13 @@ function of the module); by default its ``model`` attribute when it has one (the
 
 Only the global rank zero probes (a DDP replica is whole); a model sharded across processes
 (FSDP, DeepSpeed ZeRO-3) is not supported.
+
+A probe never ends the training: ``out=``, ``model=``, the tokenizer or processor and the probe's
+settings are checked when training starts, and a failure of the probe at that start refuses it
+in one sentence; a later probe that fails (a full disk, a plug-in metric raising, non-finite
+hidden states, out of memory) is said once, with ``rank_zero_warn(..., category=RuntimeWarning)``
+as Lightning's own callbacks say a problem that does not stop the fit (EarlyStopping's missing
+metric under ``strict=False``), and skipped: the training goes on as without the callback.
 """
 
 from __future__ import annotations
@@ -99,9 +106,11 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
         return found
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.is_global_zero:
+        if trainer.is_global_zero:  # before the first step: refused in one sentence
             self.probe.start(Path(trainer.default_root_dir) / "isotui")
-        self._probe(trainer, pl_module)
+            tokenizer, processor = self._inputs(pl_module)
+            self.probe.check(self.measured(pl_module), tokenizer=tokenizer, processor=processor)
+        self._probe(trainer, pl_module, before_training=True)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Before a batch whose step is probed with gradients: hook its own backward, if it is one."""
@@ -112,7 +121,10 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
         elif trainer.accumulate_grad_batches > 1:
             self.no_own = f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})"
         else:
-            self.own = self.probe.step_gradients(self.measured(pl_module), self._processing(pl_module)[0])
+            try:
+                self.own = self.probe.step_gradients(self.measured(pl_module), self._processing(pl_module)[0])
+            except Exception as exc:  # the probe set's gradients instead: the step is never harmed
+                self.no_own = f"its hooks could not be set ({type(exc).__name__}: {exc})"
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -129,10 +141,8 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
         processor = self.processor if self.processor is not None else getattr(pl_module, "processor", None)
         return tokenizer, processor
 
-    def _probe(self, trainer: Any, pl_module: Any) -> None:
-        step = int(trainer.global_step)
-        if not trainer.is_global_zero or not self.probe.due(step):
-            return
+    def _inputs(self, pl_module: Any) -> tuple[Any, Any]:
+        """(tokenizer, processor), or one sentence when there is neither."""
         tokenizer, processor = self._processing(pl_module)
         if tokenizer is None and processor is None:
             raise IsotuiError(
@@ -140,14 +150,35 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
                 "tokenizer= (text) or processor= (images, audio), or set the LightningModule's "
                 "tokenizer attribute"
             )
-        scalars = self.probe.measure(
-            self.measured(pl_module),
-            step,
-            tokenizer=tokenizer,
-            processor=processor,
-            own=self.own,
-            no_own=self.no_own,
-            epoch=int(trainer.current_epoch),
-        )
+        return tokenizer, processor
+
+    def _probe(self, trainer: Any, pl_module: Any, before_training: bool = False) -> None:
+        step = int(trainer.global_step)
+        if not trainer.is_global_zero or not self.probe.due(step):
+            return
+
+        def measure() -> dict[str, float]:
+            tokenizer, processor = self._inputs(pl_module)
+            return self.probe.measure(
+                self.measured(pl_module),
+                step,
+                tokenizer=tokenizer,
+                processor=processor,
+                own=self.own,
+                no_own=self.no_own,
+                epoch=int(trainer.current_epoch),
+            )
+
+        # the module's weights (the measured model's among them) looked at if the probe fails
+        scalars = self.probe.attempt(step, measure, _warn, model=pl_module, before_training=before_training)
+        if scalars is None:  # failed, said, skipped
+            return
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=step)
+
+
+def _warn(message: str) -> None:
+    """A failed probe, said as Lightning's callbacks say a problem that does not stop the fit."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    rank_zero_warn(message, category=RuntimeWarning)

@@ -46,10 +46,12 @@ class StepGradients:
         self.problem: str | None = None
 
     def arm(self) -> StepGradients:
-        self.handles = [
-            self.base.register_forward_pre_hook(self._before, with_kwargs=True),
-            self.base.register_forward_hook(self._after),
-        ]
+        try:  # one at a time: a failure leaves no hook behind
+            self.handles.append(self.base.register_forward_pre_hook(self._before, with_kwargs=True))
+            self.handles.append(self.base.register_forward_hook(self._after))
+        except BaseException:
+            self.disarm()
+            raise
         return self
 
     def disarm(self) -> None:
@@ -64,6 +66,12 @@ class StepGradients:
         return args, {**kwargs, "output_hidden_states": True}
 
     def _after(self, module: Any, args: Any, output: Any) -> None:
+        try:  # inside the training's forward: a failure here is the probe's, never the step's
+            self._keep(module, output)
+        except Exception as exc:
+            self.problem = f"its hooks failed on the step's forward ({type(exc).__name__}: {exc})"
+
+    def _keep(self, module: Any, output: Any) -> None:
         import torch
 
         hidden = getattr(output, "hidden_states", None)

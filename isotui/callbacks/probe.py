@@ -9,14 +9,22 @@ probe runs on the training's unless ``threads=`` says otherwise) come back as th
 training that follows is the one without the probe. ``cache=False``: the weights change every
 step, so no entry would ever answer again; the step's layer run is kept in the series folder
 instead (:func:`isotui.experiments.recorded.write_step`).
+
+A probe never ends the training: its configuration is checked before the first training step
+(:meth:`Probe.start`, :meth:`Probe.check`, and the probe at the start of training, whose failure
+refuses the training in one sentence); a probe after a training step that fails (a full disk, a
+plug-in metric raising, non-finite hidden states, out of memory...) is said once through the
+trainer's logger and skipped (:meth:`Probe.attempt`), with the random number generators, the
+threads and the train/eval flags back as they were, so the training goes on as without the probe.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
@@ -133,6 +141,8 @@ class Probe:
         self.out = Path(out).expanduser() if out is not None else None
         self.record: dict[str, Any] | None = None
         self.done: set[int] = set()
+        self.skipped: dict[int, str] = {}  # step -> why its probe failed (the training went on)
+        self._said: set[str] = set()  # the failures said so far, each once
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is probed (each step once)."""
@@ -154,6 +164,58 @@ class Probe:
                 | {"at": sorted(self.at), "experiments": list(self.experiments)}
                 | ({"top_k": self.top_k} if self.gradients else {})
             )
+
+    def check(self, model: Any, *, tokenizer: Any = None, processor: Any = None) -> None:
+        """Before the first training step: what a probe of ``model`` would be refused for (its run
+        options, the data spec, the tokenizer or processor; with gradients, the gradients
+        experiment's), in one sentence (:func:`isotui.api.check_object`), nothing measured."""
+        from isotui.api import check_object
+
+        options = {"max_samples": self.max_samples, **self.options}
+        check_object("layers", body(model), self.data, tokenizer=tokenizer, processor=processor, **options)
+        if self.gradients:
+            check_object(
+                "gradients", model, self.data, tokenizer=tokenizer, top_k=self.top_k, **options
+            )  # fmt: skip
+
+    def attempt(
+        self,
+        step: int,
+        work: Callable[[], Any],
+        say: Callable[[str], None],
+        *,
+        model: Any = None,
+        before_training: bool = False,
+    ) -> Any:
+        """``work()`` (a probe at ``step``, or arming one), its value; if it fails: before the
+        training's first step (``before_training``), the failure refuses the training as one
+        sentence (an :class:`IsotuiError`); after it, the failure is said through ``say`` (once
+        for each reason: a full disk is not said at every later step), the step is listed in
+        :attr:`skipped` and None returned, so the training goes on. ``model``: looked at for
+        non-finite weights when a probe fails (a diverging training, said so)."""
+        try:
+            return work()
+        except Exception as exc:  # a probe never ends the training
+            if before_training and isinstance(exc, IsotuiError):
+                raise
+            reason = _reason(exc)
+        _release_memory()  # what the failed probe held (an out-of-memory's traceback's tensors)
+        if model is not None and _diverged(model):
+            reason += "; the model's weights hold NaN or inf (is the training diverging?)"
+        if before_training:
+            raise IsotuiError(f"the probe at step {step}, before training, failed: {reason}")
+        from isotui.experiments.recorded import step_dir_name
+
+        self.done.add(step)
+        self.skipped[step] = reason
+        same = reason.replace(step_dir_name(step), "step_*")  # a step's folder named: the same failure
+        if same not in self._said:
+            self._said.add(same)
+            say(
+                f"isotui: the probe at step {step} failed and is skipped, the training goes on as without "
+                f"it ({reason}); a later probe failing the same way is skipped without a word"
+            )
+        return None
 
     def step_gradients(self, model: Any, tokenizer: Any) -> Any:
         """Hooks for the coming step's own backward (:class:`~isotui.callbacks.own_backward.StepGradients`),
@@ -180,7 +242,7 @@ class Probe:
         the series folder with ``facts`` beside it. With gradients: ``own`` (the step's
         :class:`~isotui.callbacks.own_backward.StepGradients`, disarmed here) gives them, else
         the gradients experiment runs on the probe set (``no_own`` or ``own``'s reason recorded).
-        Mode, random states and threads as they were."""
+        Mode, random states and threads as they were, whether it succeeds or fails."""
         import torch
 
         from isotui.api import Result, run
@@ -188,11 +250,10 @@ class Probe:
         if own is not None:  # the step is over: the probe's own forwards are not its
             own.disarm()
         started = time.perf_counter()
-        threads = (
-            torch.get_num_threads()
-        )  # a run sets torch's threads for the process: the training's back after
+        threads = torch.get_num_threads()  # a run sets torch's threads for the process
         options = {"threads": threads, **self.options}  # by default on the training's threads
-        with kept_rng():
+        modes = [(m, m.training) for m in model.modules()]  # the run keeps them too; a failure here too
+        with kept_rng():  # whatever happens inside, failures included
             try:
                 found = run(
                     body(model),
@@ -204,28 +265,31 @@ class Probe:
                     progress=False,
                     **options,
                 )
+                assert isinstance(found, Result)  # one model object: one Result
+                result = found.result
+                _refuse_non_finite(result)
+                gradients, how = None, None
+                if self.gradients:
+                    gradients, how = self._gradients(model, tokenizer, own, no_own, threads)
+                seconds = time.perf_counter() - started
+                self.done.add(step)
+                if self.out is not None and self.record is not None:
+                    from isotui.experiments.recorded import write_step
+
+                    write_step(
+                        self.out,
+                        self.record,
+                        step,
+                        result,
+                        gradients=gradients,
+                        how=how,
+                        seconds=round(seconds, 3),
+                        **facts,
+                    )
             finally:
                 torch.set_num_threads(threads)
-        assert isinstance(found, Result)  # one model object: one Result
-        result = found.result
-        gradients, how = None, None
-        if self.gradients:
-            gradients, how = self._gradients(model, tokenizer, own, no_own, threads)
-        seconds = time.perf_counter() - started
-        self.done.add(step)
-        if self.out is not None and self.record is not None:
-            from isotui.experiments.recorded import write_step
-
-            write_step(
-                self.out,
-                self.record,
-                step,
-                result,
-                gradients=gradients,
-                how=how,
-                seconds=round(seconds, 3),
-                **facts,
-            )
+                for module, training in modes:
+                    module.training = training
         scalars = self.scalars(result)
         if gradients is not None and how is not None:
             scalars |= self.grad_scalars(gradients, how["source"])
@@ -246,7 +310,7 @@ class Probe:
             if found is not None:
                 return found, {"source": SOURCE_OWN}
             no_own = problem or no_own
-        with kept_rng():
+        with kept_rng():  # (inside measure's too: this one keeps _gradients whole on its own)
             try:  # the whole model: its head gives the loss
                 run = experiment(
                     "gradients",
@@ -286,3 +350,49 @@ class Probe:
                 if math.isfinite(value):
                     out[f"isotui/{metric}/{where}"] = value
         return out
+
+
+def _refuse_non_finite(result: Any) -> None:
+    """A layer whose vectors are not all finite (NaN or inf: a diverging model) is no measurement:
+    one sentence, so the probe is skipped rather than a series of NaN written."""
+    bad = [
+        f"{row.component} layer {row.layer}" if row.component != "model" else f"layer {row.layer}"
+        for row in result.rows
+        if row.n_vectors > 0 and not math.isfinite(row.mean_norm)
+    ]
+    if bad:
+        raise IsotuiError(
+            f"the hidden states of {', '.join(bad[:3])}{' and others' if len(bad) > 3 else ''} are not "
+            "finite (NaN or inf)"
+        )
+
+
+def _reason(exc: BaseException) -> str:
+    """A failure in words: an IsotuiError's sentence, else its type and the first line of its message
+    (an out-of-memory's runs on for lines)."""
+    if isinstance(exc, IsotuiError):
+        return str(exc)
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _release_memory() -> None:
+    """After a failed probe: its objects freed now (a traceback's frames keep tensors alive in
+    reference cycles), and the accelerator's cached blocks given back for the training's steps."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _diverged(model: Any) -> bool:
+    """Whether any floating-point weight of ``model`` is NaN or inf (False if that cannot be told)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            return any(not bool(torch.isfinite(p).all()) for p in model.parameters() if p.is_floating_point())
+    except Exception:  # a question asked after a failure: never a second one
+        return False

@@ -18,6 +18,13 @@ and ``isotui figure machina2024-heatmap -c`` read as a checkpoint series.
 
 Only the world's process zero probes (the model as it holds it: under DDP a whole replica); a
 model sharded across processes (FSDP, DeepSpeed ZeRO-3) is not supported.
+
+A probe never ends the training: ``out=`` and the probe's settings are checked when training
+starts, and a failure of the probe at that start refuses it in one sentence; a later probe that
+fails (a full disk, a plug-in metric raising, non-finite hidden states, out of memory) is said
+once, as a warning of the logger of transformers' own callbacks (``transformers.trainer_callback``,
+which follows ``TrainingArguments.log_level`` and ``TRANSFORMERS_VERBOSITY``), and skipped: the
+training goes on as without the callback.
 """
 
 from __future__ import annotations
@@ -27,9 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
+from transformers.utils import logging
 
 from isotui.callbacks.probe import DEFAULT_EVERY, DEFAULT_METRICS, DEFAULT_SAMPLES, Probe
 from isotui.errors import IsotuiError
+
+# the logger of transformers' own callbacks (EarlyStoppingCallback's warnings): the trainer's
+# handler and verbosity, not a logger of isotui's that nothing shows
+logger = logging.get_logger("transformers.trainer_callback")
 
 
 class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' class is unannotated
@@ -79,9 +91,11 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
                 "IsotuiCallback logs through its trainer: add it with IsotuiCallback(...).attach(trainer), "
                 "not Trainer(callbacks=[...])"
             )
-        if state.is_world_process_zero:
+        if state.is_world_process_zero:  # before the first step: refused in one sentence
             self.probe.start(Path(args.output_dir) / "isotui")
-        self._probe(state, kwargs)
+            tokenizer, processor = self._processing(kwargs)
+            self.probe.check(kwargs["model"], tokenizer=tokenizer, processor=processor)
+        self._probe(state, kwargs, before_training=True)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Before a step whose end is probed with gradients: hook its own backward, if it is one."""
@@ -95,7 +109,10 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
                 "gradient_accumulation_steps)"
             )
             return
-        self.own = self.probe.step_gradients(kwargs["model"], self._processing(kwargs)[0])
+        try:
+            self.own = self.probe.step_gradients(kwargs["model"], self._processing(kwargs)[0])
+        except Exception as exc:  # the probe set's gradients instead: the step is never harmed
+            self.no_own = f"its hooks could not be set ({type(exc).__name__}: {exc})"
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         try:
@@ -110,15 +127,26 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
             return self.tokenizer, self.processor
         return _split_processing(kwargs.get("processing_class") or kwargs.get("tokenizer"))
 
-    def _probe(self, state: Any, kwargs: dict[str, Any], control: Any = None) -> None:
+    def _probe(
+        self, state: Any, kwargs: dict[str, Any], control: Any = None, before_training: bool = False
+    ) -> None:
         step = int(state.global_step)
         if not state.is_world_process_zero or not self.probe.due(step):
             return
         tokenizer, processor = self._processing(kwargs)
-        scalars = self.probe.measure(
-            kwargs["model"], step, tokenizer=tokenizer, processor=processor, own=self.own,
-            no_own=self.no_own, epoch=state.epoch,
+        model = kwargs["model"]
+        scalars = self.probe.attempt(
+            step,
+            lambda: self.probe.measure(
+                model, step, tokenizer=tokenizer, processor=processor, own=self.own,
+                no_own=self.no_own, epoch=state.epoch,
+            ),
+            logger.warning,
+            model=model,
+            before_training=before_training,
         )  # fmt: skip
+        if scalars is None:  # failed, said, skipped
+            return
         # the trainer's on_log clears should_log: kept, so the step's own loss is logged as without us
         should_log = getattr(control, "should_log", False)
         self.trainer.log(scalars)

@@ -55,16 +55,28 @@ def new_record(probe: dict[str, Any]) -> dict[str, Any]:
 
 def prepare_out(out: Path) -> None:
     """A new or empty folder, or an earlier recorded series (its steps are replaced as they come);
-    anything else refused in one sentence (nothing of the user's is written over)."""
+    anything else refused in one sentence (nothing of the user's is written over). A missing
+    folder is made, with its missing parents (as the trainers make their output folders); one
+    that cannot be made or written (read-only, under a file, no permission) is refused in one
+    sentence naming ``out=``, before the first training step rather than at a probe."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise IsotuiError(f"out={str(out)!r} is a file; give a new or empty folder for the series")
-    if out.is_dir() and any(out.iterdir()) and read_record(out) is None:
+    try:
+        if out.is_dir() and any(out.iterdir()) and read_record(out) is None:
+            raise IsotuiError(
+                f"out={str(out)!r} is not empty and holds no recorded series ({SERIES_FILE}); give a new "
+                "or empty folder"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        trial = out / f".{SERIES_FILE}.write-check-{os.getpid()}"
+        trial.write_bytes(b"")  # a read-only mount refuses this, even to root
+        trial.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
         raise IsotuiError(
-            f"out={str(out)!r} is not empty and holds no recorded series ({SERIES_FILE}); give a new or "
-            "empty folder"
-        )
-    out.mkdir(parents=True, exist_ok=True)
+            f"out={str(out)!r} cannot be written ({reason}); give a folder the series can be written to"
+        ) from None
 
 
 def write_step(
