@@ -169,9 +169,13 @@ def partial_key(run_key: str, index: int, count: int) -> str:
 
 
 def _options(prepared: Prepared) -> dict[str, Any]:
-    """The resolved run options a shard's numbers depend on (what its run key hashes, readable)."""
+    """The resolved run options a shard's numbers depend on (what its run key hashes, readable;
+    ``schema``: the layer metrics' schema, an isotui version's)."""
+    from isotui.results import SCHEMA_VERSION
+
     spec = prepared.spec
     return {
+        "schema": SCHEMA_VERSION,
         "max_length": prepared.max_length,
         "special_tokens": spec.special_tokens,
         "dtype": prepared.dtype,
@@ -184,9 +188,38 @@ def _options(prepared: Prepared) -> dict[str, Any]:
     }
 
 
+_NOT_FLAGS = {"schema": "the layer metrics' schema", "metrics": "the plug-in metrics"}
+
+
+def _said(value: Any) -> str:
+    """An option's value as the command line gives it."""
+    if value is None:
+        return "not given"
+    if isinstance(value, dict):  # plug-in metrics: name and version
+        return ", ".join(f"{k} v{v}" for k, v in value.items()) or "none"
+    if isinstance(value, list | tuple):
+        return ",".join(map(str, value)) or "none"
+    return str(value)
+
+
+def option_differences(here: dict[str, Any], theirs: dict[str, Any], where: str) -> list[str]:
+    """Each run option that differs, in the command line's terms: ``--max-length 32 here, 64
+    in the cached shards`` (an option the other side did not record: ``not given``; the schema
+    only when both recorded it, as states cached before it was recorded did not)."""
+    said = []
+    for name in dict.fromkeys([*here, *theirs]):
+        if name == "schema" and (name not in here or name not in theirs):
+            continue
+        mine, other = here.get(name), theirs.get(name)
+        if mine != other:
+            flag = _NOT_FLAGS.get(name, "--" + name.replace("_", "-"))
+            said.append(f"{flag} {_said(mine)} here, {_said(other)} {where}")
+    return said
+
+
 def _group(prepared: Prepared) -> str:
-    """Model and data, without the run options: shards of one group with other options are a
-    split that cannot merge."""
+    """Model and data, without the run options: shards of one group with other options are
+    another run's (said when this shard is the one they lack, never refused)."""
     both = f"{prepared.model_fingerprint}\n{prepared.data_fingerprint}"
     return hashlib.sha256(both.encode()).hexdigest()[:16]
 
@@ -318,9 +351,15 @@ def partial_runs(root: Path) -> list[PartialRun]:
     return runs
 
 
-def _check_split(prepared: Prepared, root: Path, index: int, count: int) -> None:
-    """Before a shard runs: one sentence if it cannot merge with the shards already cached, split
-    another number of ways (same run) or with other run options (same model and data)."""
+def _check_split(prepared: Prepared, root: Path, index: int, count: int, on_notice: Notice = _quiet) -> None:
+    """Before a shard runs: one sentence if it cannot merge with its run's shards already cached,
+    split another number of ways or written by an isotui of another shard schema (whose states
+    this one can neither read nor replace without losing them).
+
+    Shards of another run (the same model and data with other run options: another key) are
+    never refused, whatever order the tasks of two runs start in: they are that run's, under its
+    own key. When this shard is the one they lack, that is said (not refused): it may be a shard
+    given other options by mistake."""
     runs = partial_runs(root)
     mine = [r for r in runs if r.key == prepared.key]
     other_k = [r for r in mine if r.count != count]
@@ -331,20 +370,47 @@ def _check_split(prepared: Prepared, root: Path, index: int, count: int) -> None
             f"the cache holds shards of this run split {r.count} ways ({held}), not {count}: run "
             f"--shard I/{r.count}, or remove them with `isotui cache rm {r.key[:12]}`"
         )
+    _check_schemas(prepared.key, root, index, count)
     have = {index, *(i for r in mine for i in r.have)}
     options = _options(prepared)
     for r in runs:
         if r.key == prepared.key or r.group != _group(prepared) or r.count != count:
             continue
         if have.isdisjoint(r.have) and have | set(r.have) == set(range(count)):
-            theirs = dict(r.options)
-            differ = [f"{k} {theirs.get(k)!r}, here {v!r}" for k, v in options.items() if theirs.get(k) != v]
+            differ = option_differences(options, dict(r.options), "in the cached shards")
             held = ", ".join(f"{i}/{count}" for i in r.have)
-            raise IsotuiError(
-                f"shards {held} of this model and data ran with other run options "
-                f"({'; '.join(differ) or 'another schema'}), so they cannot merge with shard "
-                f"{index}/{count}: run every shard with the same options"
+            on_notice(
+                f"shards {held} of this model and data are cached from a run with other options "
+                f"({'; '.join(differ) or 'options this isotui did not record: another version'}), "
+                f"so shard {index}/{count} does not complete them: it is a shard of its own run; "
+                "to complete theirs, run it again with their options"
             )
+            return
+
+
+def _check_schemas(run_key: str, root: Path, index: int, count: int) -> None:
+    """One sentence if a cached shard of this run was written by an isotui of another shard
+    schema: this isotui cannot merge it, and running that shard again would replace another
+    version's work; nothing is run, nothing removed."""
+    cache = shard_cache(root)
+    for i in range(count):
+        try:
+            schema = ResultCache._header(cache.path_for(partial_key(run_key, i, count))).get("schema")
+        except Exception:  # absent, or damaged: the merge says it and runs that shard again
+            continue
+        if schema == SCHEMA:
+            continue
+        age = "a newer" if isinstance(schema, int) and schema > SCHEMA else "another"
+        why = (
+            "and this isotui can neither merge it nor measure it again without replacing that isotui's work"
+            if i == index
+            else f"so shard {index}/{count} can never merge with it here"
+        )
+        raise IsotuiError(
+            f"shard {i}/{count} of this run is in the cache from {age} isotui (shard schema {schema}; "
+            f"this isotui writes {SCHEMA}), {why}: run every shard with one isotui, or remove the "
+            f"run's shards with `isotui cache rm {run_key[:12]}` and run them all again"
+        )
 
 
 # --- running a shard, merging shards -------------------------------------------------------------------
@@ -385,10 +451,14 @@ def measure_shard(
                 for i in r.have:
                     remove_shard(cache_root, partial_key(r.key, i, r.count))
         return hit
-    _check_split(prepared, cache_root, index, count)
+    _check_split(prepared, cache_root, index, count, on_notice)
     cache = shard_cache(cache_root)
     key = partial_key(prepared.key, index, count)
+    heard: list[str] = []  # the merge's notices: said, or the sentence of the refusal below
     for _attempt in range(2):
+        for text in heard:  # the first attempt's, before this shard is measured again
+            on_notice(text)
+        heard = []
         try:
             cached = cache.get_payload(key) is not None
         except CacheProblem as problem:
@@ -402,7 +472,7 @@ def measure_shard(
                 cache.put_payload(key, payload, arrays)
             except CacheWriteError as exc:
                 raise IsotuiError(f"{exc}; a shard is kept only in the cache, so it is lost") from None
-        merged = merge_cached(prepared, cache_root, on_notice=on_notice, on_progress=on_progress)
+        merged = merge_cached(prepared, cache_root, on_notice=heard.append, on_progress=on_progress)
         if merged is not None or not cached or cache.path_for(key).is_file():
             break
         # this shard's own cached entry was damaged (the merge dropped it): measured again, once
@@ -410,6 +480,13 @@ def measure_shard(
         have = next(
             (r.have for r in partial_runs(cache_root) if r.key == prepared.key and r.count == count), ()
         )
+        if heard and len(have) == count:  # all K cached, the merge said why not: a failure
+            for text in heard[:-1]:
+                on_notice(text)
+            raise IsotuiError(heard[-1])  # what to do about it, never a wait for a merge
+    for text in heard:
+        on_notice(text)
+    if merged is None:
         on_notice(
             f"shard {index}/{count} of {spec.model} is in the cache ({len(have)} of {count} shards: "
             f"{', '.join(map(str, have))}); the last shard to finish merges them"
