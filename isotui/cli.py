@@ -393,7 +393,8 @@ def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=Non
     for key in ("csv", "json"):  # say it before a long run, not after
         if s.get(key):
             check_output(s[key], f"--{key}")
-    check_distinct([("--csv", s.get("csv")), ("--json", s.get("json")), ("--wide-csv", args.wide_csv)])
+    outputs = [("--csv", s.get("csv")), ("--json", s.get("json")), ("--wide-csv", args.wide_csv)]
+    check_distinct([*outputs, ("--save-sample", getattr(args, "save_sample", None))])  # as typed
     args.csv, args.json = s.get("csv"), s.get("json")  # the config file may name them
     _wide_metric(args)  # --wide-csv said before any model runs
     args.cache_dir = s.get("cache_dir")  # the config file may name it

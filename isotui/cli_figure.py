@@ -200,14 +200,13 @@ def _render(figure: Any, results: list[Any], args: argparse.Namespace, fmt: str)
 
 
 def _write(out: Any, data: bytes, drawing: Any, args: argparse.Namespace) -> None:
-    """The figure, its CSV and its JSON, each written whole or not at all."""
+    """The figure, its CSV and its JSON (which records the SHA-256 of both sidecars: a redraw
+    replaces them only while they are what isotui wrote), each made in memory first, then each
+    written whole or not at all."""
     from isotui import __version__
-    from isotui.paper_figures import WIDTHS
-    from isotui.store.export import write_dicts_csv, write_payload_json
+    from isotui.paper_figures import WIDTHS, sidecar_bytes
     from isotui.store.files import write_output_bytes
 
-    write_output_bytes(out, data, "--out")  # a symlink's target replaced, a FIFO written through
-    write_dicts_csv(drawing.rows, out.with_suffix(".csv"))
     argv = getattr(args, "argv", None)
     payload = {
         "figure": args.name,
@@ -221,4 +220,7 @@ def _write(out: Any, data: bytes, drawing: Any, args: argparse.Namespace) -> Non
         "style": args.style,
         "runs": drawing.runs,
     }
-    write_payload_json(payload, out.with_suffix(".json"))
+    csv_data, json_data = sidecar_bytes(drawing.rows, payload)
+    write_output_bytes(out, data, "--out")  # a symlink's target replaced, a FIFO written through
+    write_output_bytes(out.with_suffix(".csv"), csv_data)
+    write_output_bytes(out.with_suffix(".json"), json_data)  # last: the record of the other two

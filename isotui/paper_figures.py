@@ -688,33 +688,109 @@ def check_out(path: str) -> Path:
     return out
 
 
+SIDECAR_DIGESTS = "sha256"  # the JSON's record of the bytes isotui wrote: {"csv": hex, "json": hex}
+
+
+def sidecar_bytes(rows: list[dict[str, Any]], payload: dict[str, Any]) -> tuple[bytes, bytes]:
+    """PATH.csv and PATH.json as written: the plotted rows, and the payload with the SHA-256 of
+    the CSV and of the JSON itself (with that one digest written as ``""``), so that a redraw can
+    tell the files isotui wrote from the same files changed since (:func:`check_sidecars`)."""
+    import csv
+    import hashlib
+    import json
+
+    from isotui.store.export import _clean
+
+    if not rows:
+        raise IsotuiError("the figure plots no numbers: nothing to write beside it")
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    csv_data = text.getvalue().encode("utf-8")
+    record = _clean({**payload, SIDECAR_DIGESTS: {"csv": hashlib.sha256(csv_data).hexdigest(), "json": ""}})
+    unsigned = json.dumps(record, indent=2).encode("utf-8")
+    record[SIDECAR_DIGESTS]["json"] = hashlib.sha256(unsigned).hexdigest()
+    return csv_data, json.dumps(record, indent=2).encode("utf-8")
+
+
+def _changed_since_written(path: Path, recorded: Any, json_bytes: bytes | None = None) -> bool:
+    """Whether ``path`` (a regular file) is not byte-identical to what an earlier figure wrote
+    there, as its JSON recorded (``recorded``: the hex digest; the JSON's own is taken over its
+    bytes with that digest as ``""``). No digest recorded (a JSON of an isotui before digests):
+    not changed, as such files were treated before."""
+    import hashlib
+
+    if not isinstance(recorded, str) or not recorded:
+        return False
+    try:
+        data = path.read_bytes() if json_bytes is None else json_bytes
+    except OSError:
+        return True  # unreadable: not known to be isotui's
+    if json_bytes is not None:
+        quoted = f'"{recorded}"'.encode()
+        if data.count(quoted) != 1:
+            return True
+        data = data.replace(quoted, b'""')
+    return hashlib.sha256(data).hexdigest() != recorded
+
+
 def check_sidecars(out: Path, force: bool = False) -> None:
-    """PATH.csv and PATH.json go beside the figure: refuse, before any run, to replace a regular
-    file there that is not an earlier ``isotui figure``'s (its JSON names a figure and this CSV:
-    a redraw, in any format), unless ``force`` (``--force``). A FIFO or a device there is written
-    through, as exports are."""
+    """PATH.csv and PATH.json go beside the figure: before any run (so before anything is
+    written), refuse in one sentence a sidecar that cannot be written (a folder, a socket...), a
+    sidecar that is the figure itself (a symlink), and, unless ``force`` (``--force``), replacing
+    a regular file there that is not exactly what an earlier ``isotui figure`` wrote: a file of
+    the user's (no figure's JSON names it), or an earlier figure's CSV or JSON changed since (a
+    line appended: its bytes differ from the SHA-256 that figure's JSON recorded). A FIFO or a
+    device there is written through, as exports are."""
     import json
     import os
     import stat
 
+    from isotui.store.files import OutputRefused, check_distinct, check_output
+
+    csv_path, json_path = out.with_suffix(".csv"), out.with_suffix(".json")
+    beside = f"--out {out} writes its numbers beside it to {csv_path.name} and {json_path.name}, and"
+    for path in (csv_path, json_path):
+        try:
+            check_output(path)
+        except OutputRefused as exc:
+            raise IsotuiError(
+                f"{beside} {path} cannot be written ({exc.reason}): move it or choose another --out"
+            ) from None
+    sidecars: list[tuple[str, str | os.PathLike[str] | None]] = [
+        ("--out", out),
+        ("the CSV beside it", csv_path),
+        ("the JSON beside it", json_path),
+    ]
+    check_distinct(sidecars, advice="move that link, or choose another --out")
     if force:
         return
-    csv_path, json_path = out.with_suffix(".csv"), out.with_suffix(".json")
     try:
-        earlier = json.loads(json_path.read_text(encoding="utf-8"))
+        json_bytes = json_path.read_bytes()
+        earlier = json.loads(json_bytes)
         ours = isinstance(earlier, dict) and "figure" in earlier and earlier.get("csv") == csv_path.name
     except (OSError, ValueError):
-        ours = False
+        json_bytes, earlier, ours = b"", None, False
+    digests = earlier.get(SIDECAR_DIGESTS) if ours and isinstance(earlier, dict) else None
+    digests = digests if isinstance(digests, dict) else {}
     for path in (csv_path, json_path):
         try:
             regular = stat.S_ISREG(os.stat(path).st_mode)
         except OSError:
             continue  # not there (or a dangling link): nothing to lose
-        if regular and not ours:
+        if not regular:
+            continue
+        if not ours:
             raise IsotuiError(
-                f"--out {out} writes its numbers beside it to {csv_path.name} and {json_path.name}, and "
-                f"{path} is a file of yours, not an earlier figure's: move it, choose another --out, or "
-                "give --force to replace it"
+                f"{beside} {path} is a file of yours, not an earlier figure's: move it, choose another "
+                "--out, or give --force to replace it"
+            )
+        is_json = path == json_path
+        if _changed_since_written(path, digests.get(path.suffix[1:]), json_bytes if is_json else None):
+            raise IsotuiError(
+                f"{beside} {path} was changed after an earlier figure wrote it (it is not the file "
+                "isotui wrote there): move it, choose another --out, or give --force to replace it"
             )
 
 

@@ -86,30 +86,46 @@ def clean_stale_temps(folder: Path, pattern: re.Pattern[str], max_age: float = S
     return removed
 
 
+class OutputRefused(IsotuiError):
+    """A path an output cannot be written to, in one sentence; ``reason`` alone ("it is a
+    directory, not a file") for a caller that words the sentence itself (a figure's sidecar)."""
+
+    def __init__(self, where: str, reason: str, advice: str) -> None:
+        super().__init__(f"cannot write {where}: {reason}; {advice}")
+        self.reason = reason
+
+
 def check_output(path: str | os.PathLike[str], flag: str = "") -> None:
     """Refuse, in one sentence, an output path that :func:`write_output` would refuse, so that
     it is said before a long run. ``flag`` names the option (``--csv``) in the sentence."""
     _plan(path, flag)
 
 
-def check_distinct(outputs: list[tuple[str, str | os.PathLike[str] | None]]) -> None:
-    """Refuse two output flags (``[("--csv", path), ("--json", path)]``) naming one file: the
-    second would replace the first. Streams, devices and FIFOs may be named twice (written
+def check_distinct(
+    outputs: list[tuple[str, str | os.PathLike[str] | None]], advice: str = "give each its own file"
+) -> None:
+    """Refuse two output flags (``[("--csv", path), ("--json", path)]``) naming one file: one
+    would replace the other. One file is one resolved path (``F``, ``./F``, a symlink to
+    it) or, where it exists, one file on disk (:func:`os.path.samefile`: a case-insensitive
+    file system's ``f`` and ``F``). Streams, devices and FIFOs may be named twice (written
     through, one after the other)."""
-    seen: dict[str, str] = {}
+    seen: dict[object, str] = {}
     for flag, path in outputs:
         if not path:
             continue
         how, target, _ = _plan(path, flag)
         if how != "replace" or isinstance(target, int):
             continue
-        key = os.fspath(target)
-        if key in seen:
+        keys: list[object] = [os.fspath(target)]
+        with contextlib.suppress(OSError):  # not there yet: its resolved path says it
+            st = os.stat(target)
+            keys.append((st.st_dev, st.st_ino))
+        first = next((seen[k] for k in keys if k in seen), None)
+        if first is not None:
             raise IsotuiError(
-                f"{seen[key]} and {flag} both name {os.fspath(path)}: the second would replace the "
-                "first; give each its own file"
+                f"{first} and {flag} both name {os.fspath(path)}: one would replace the other; {advice}"
             )
-        seen[key] = flag
+        seen.update(dict.fromkeys(keys, flag))
 
 
 def _plan(path: str | os.PathLike[str], flag: str) -> tuple[str, Path | int, int | None]:
@@ -128,13 +144,13 @@ def _plan(path: str | os.PathLike[str], flag: str) -> tuple[str, Path | int, int
     except FileNotFoundError:
         st = None
     except OSError as exc:
-        raise IsotuiError(f"cannot write {where}: {exc.strerror or exc}; choose another path") from None
+        raise OutputRefused(where, str(exc.strerror or exc), "choose another path") from None
     if st is not None:
         if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
             return "through", p, None
         for test, kind in _KINDS:
             if test(st.st_mode):
-                raise IsotuiError(f"cannot write {where}: it is {kind}, not a file; give a file name")
+                raise OutputRefused(where, f"it is {kind}, not a file", "give a file name")
     target = Path(os.path.realpath(p))  # a symlink's target is replaced, the link stays
     return "replace", target, None if st is None else stat.S_IMODE(st.st_mode)
 
