@@ -49,13 +49,19 @@ def main(args: argparse.Namespace, err: Any) -> int:
     while the tasks run: none starts after it, the running ones are terminated, exit 130."""
     from isotui.cli import _cmd_run, _settings, print_error
     from isotui.paths import cache_dir
+    from isotui.store.files import check_distinct, check_output
 
     config = args.config
     settings_file, sweep, runs = read_config(
         config, [k for k in ("cache_dir", "csv", "json") if getattr(args, k)]
     )
     cache_root = cache_dir(args.cache_dir or settings_file.get("cache_dir"))
-    todo = plan(config, _settings(run_args(args, runs)), runs, sweep.shards, cache_root)
+    settings = _settings(run_args(args, runs))
+    for key in ("csv", "json"):  # the final run writes them: say it before the tasks, not after
+        if settings.get(key):
+            check_output(settings[key], f"--{key}")
+    check_distinct([("--csv", settings.get("csv")), ("--json", settings.get("json"))])
+    todo = plan(config, settings, runs, sweep.shards, cache_root)
     for model, text in todo.failed_early:
         print_error(err, f"{model}: {text}")
     total = todo.total

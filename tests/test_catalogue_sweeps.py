@@ -95,6 +95,16 @@ def test_a_sweep_that_cannot_run_says_so_before_any_task(case, tmp_path):
     assert not any(word in err for word in case.absent), err
 
 
+def test_a_sweeps_outputs_naming_one_file_are_refused_before_any_task(tmp_path):
+    """Was: every task ran, then the final table refused --json naming the config's csv file."""
+    _sweep_config(tmp_path, f'["{TINY}"]', "shards = 2")
+    proc = isotui("sweep", str(tmp_path / "sweep.toml"), "--json", "./out.csv", "-q", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    err = " ".join(one_sentence(proc.stderr).split())
+    assert "--csv and --json both name ./out.csv: one would replace the other" in err, err
+    assert _no_task_ran(tmp_path)
+
+
 def test_a_ray_address_that_does_not_answer_is_one_sentence_at_once(tmp_path):
     """Was: Ray's connection warnings for minutes, never a sentence. Port 1 on this machine's own
     loopback: refused at once (the subprocess's timeout bounds a regression)."""
