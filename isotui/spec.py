@@ -130,6 +130,14 @@ def _tokenizer(value: object, _base: Path | None = None) -> str | None:
     (a config file has made its own relative folders absolute already)."""
     if value is None:
         return None
+    if not isinstance(value, str | Path):  # the API's tokenizer= (the flag and the TOML are text)
+        kind = type(value).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise IsotuiError(
+            f"tokenizer= with a model name takes the name of a tokenizer (a hub id, minilm, or a "
+            f"folder), not {article} {kind}; a tokenizer object goes with a model object, "
+            "isotui.run(model, tokenizer=tok)"
+        )
     text = str(value).strip()
     if not text:
         raise IsotuiError("tokenizer must name a tokenizer: a hub id, minilm, or a folder")

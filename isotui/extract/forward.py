@@ -142,7 +142,48 @@ def _module_states(loaded: LoadedModel, inputs: dict[str, Any]) -> tuple[Any, ..
             f"model {loaded.name!r} ({type(loaded.model).__name__}) returned a sequence holding "
             "something other than tensors; its hidden states must be tensors, layer 0 first"
         )
+    for i, h in enumerate(hidden):
+        problem = vectors_problem(h, inputs)
+        if problem is not None:
+            raise IsotuiError(
+                f"model {loaded.name!r} ({type(loaded.model).__name__}): its hidden state {i} {problem}; "
+                "a plain module returns its hidden states, layer 0 first, one floating-point vector "
+                "per input token"
+            )
     return tuple(hidden)
+
+
+def vectors_problem(h: Any, inputs: dict[str, Any]) -> str | None:
+    """What keeps ``h`` (a hidden state a plain module returned, or a ``--modules`` site's
+    tensor) from being the batch's vectors, said as the end of a sentence; None when nothing does.
+    It must be floating-point (token ids handed back, ``input_ids``, are not vectors), have the
+    batch's samples on its first axis and, for text, a (batch, position, d) tensor's positions
+    must be the input's tokens one for one: a tensor of other positions (a prompt-tuned model's
+    virtual tokens before the text, a pooled or cut sequence) cannot be matched to its tokens
+    (padding, special tokens, token types), so its numbers would be wrong."""
+    shape = tuple(int(n) for n in h.shape)
+    if not h.is_floating_point():
+        dtype = str(h.dtype).removeprefix("torch.")
+        return (
+            f"is {'an' if dtype.startswith(('i', 'u')) else 'a'} {dtype} tensor of shape {shape}: "
+            "hidden states are floating-point vectors, not token ids or counts"
+        )
+    first = next(iter(inputs.values()), None)
+    batch = int(first.shape[0]) if first is not None and first.ndim else None
+    if batch is not None and (h.ndim < 2 or shape[0] != batch):
+        return (
+            f"has shape {shape} for a batch of {batch} samples: its first axis must be the batch, "
+            "(batch, position, d), (batch, d) or (batch, C, H, W)"
+        )
+    ids = inputs.get("input_ids")
+    if ids is not None and h.ndim == 3 and shape[1] != ids.shape[1]:
+        return (
+            f"has shape {shape} for input_ids of shape {tuple(int(n) for n in ids.shape)}: its "
+            f"{shape[1]} positions are not the input's {int(ids.shape[1])} tokens, so isotui cannot "
+            "tell which vector is which token (a prompt-tuned model adds virtual tokens: measure its "
+            "base model)"
+        )
+    return None
 
 
 def _timm_blocks(model: Any, pixels: Any) -> tuple[Any, ...]:

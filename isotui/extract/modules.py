@@ -136,10 +136,14 @@ def read_value(site: Site, args: tuple[Any, ...]) -> Any:
     return args[1]
 
 
-def site_tensor(site: Site, value: Any, batch: int) -> Any:
-    """``value`` (the first element of a tuple or model output) as a (batch, position, d) tensor;
-    anything else is refused in one sentence naming the module."""
+def site_tensor(site: Site, value: Any, inputs: dict[str, Any]) -> Any:
+    """``value`` (the first element of a tuple or model output) as a (batch, position, d) tensor
+    of the batch's ``inputs``: floating-point, the batch's samples, for text the input's
+    positions (:func:`~isotui.extract.forward.vectors_problem`); anything else is refused in one
+    sentence naming the module."""
     import torch
+
+    from isotui.extract.forward import vectors_problem
 
     tensor = value
     if not isinstance(value, torch.Tensor):
@@ -147,13 +151,17 @@ def site_tensor(site: Site, value: Any, batch: int) -> Any:
             value = value.to_tuple()
         tensor = value[0] if isinstance(value, tuple | list) and value else value
     is_tensor = isinstance(tensor, torch.Tensor)
-    if is_tensor and tensor.ndim == 3 and tensor.shape[0] == batch and tensor.is_floating_point():
-        return tensor
+    if is_tensor and tensor.ndim == 3:
+        problem = vectors_problem(tensor, inputs)
+        if problem is None:
+            return tensor
+        raise IsotuiError(f"--modules: module {site.label}'s tensor {problem}; leave it out of the globs")
     said = (
         f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
         if is_tensor
         else f"a {type(tensor).__name__}"
     )
+    batch = len(next(iter(inputs.values())))
     raise IsotuiError(
         f"--modules: module {site.label} gives {said}, not a (batch, position, d) float tensor for "
         f"a batch of {batch}; leave it out of the globs"

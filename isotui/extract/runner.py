@@ -368,7 +368,6 @@ class LayerStream:
             self.module_sites = resolve(self.model, self.loaded.model_type, tuple(self.opts.modules or ()))
         sites = self.module_sites
         first = self.accs is None
-        size = len(batch.idx)
         calls = [0] * len(sites)
         got: dict[int, Any] = {}  # first batch: site -> its tensor, in the order they ran
 
@@ -377,7 +376,7 @@ class LayerStream:
                 calls[k] += 1
                 if calls[k] > 1:
                     return
-                tensor = site_tensor(sites[k], read_value(sites[k], args), size)
+                tensor = site_tensor(sites[k], read_value(sites[k], args), batch.inputs)
                 if first:  # kept to the end of the pass: a copy, whatever the model does in place
                     got[k] = tensor.clone()
                 else:

@@ -80,6 +80,9 @@ class GivenModel:
             from isotui.extract.memory_plan import execution_device
 
             return execution_device(placed)
+        offloaded = _execution_device(self.model)
+        if offloaded is not None:
+            return offloaded
         first = next((p for p in self.model.parameters()), None)
         return str(first.device) if first is not None else "cpu"
 
@@ -151,6 +154,19 @@ class GivenModel:
     @property
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def _execution_device(model: Any) -> str | None:
+    """Where accelerate's ``cpu_offload`` / ``disk_offload`` runs a model whose weights wait on
+    the meta device (its modules' hooks load them at each forward): the first hook's execution
+    device; None for a model without such hooks."""
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", (hook,)):
+            device = getattr(h, "execution_device", None)
+            if device is not None:  # accelerate names a GPU by its index
+                return f"cuda:{device}" if isinstance(device, int) else str(device)
+    return None
 
 
 def _hash_tensors(h: Any, model: Any, name: str) -> None:
@@ -243,6 +259,8 @@ def given_model(
         from isotui.models.loading import _given_tokenizer
 
         tokenizer = _given_tokenizer(str(tokenizer), False)
+    _check_parts(tokenizer, processor)
+    refuse_meta(model, label)
     family, modality, notes = _kind(model, label, tokenizer, processor)
     if modality == "text" and tokenizer is None:
         raise IsotuiError(
@@ -258,6 +276,50 @@ def given_model(
         processor, note = _default_processor(model, family)
         notes.append(note)
     return GivenModel(model, label, family, modality, tokenizer, processor, notes)
+
+
+def _check_parts(tokenizer: Any, processor: Any) -> None:
+    """One sentence for a ``tokenizer=`` that is not a Hugging Face tokenizer (nor the name or
+    folder of one, loaded before this) and a ``processor=`` that cannot be called."""
+    from transformers import PreTrainedTokenizerBase
+
+    if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise IsotuiError(
+            f"tokenizer= takes a Hugging Face tokenizer (e.g. AutoTokenizer.from_pretrained(...)) or "
+            f"the hub id or folder of one, not {_shown(tokenizer)}"
+        )
+    if processor is not None and not callable(processor):
+        raise IsotuiError(
+            "processor= takes a callable from one image (or clip) to the model's input: a "
+            f"transformers processor or a torchvision transform, not {_shown(processor)}"
+        )
+
+
+def _shown(value: Any) -> str:
+    """``an int (123)``: a value's type and a short repr, for a sentence."""
+    kind = type(value).__name__
+    text = repr(value)
+    text = text if len(text) <= 40 else text[:39] + "…"
+    return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind} ({text})"
+
+
+def refuse_meta(model: Any, label: str) -> None:
+    """One sentence, with or without the cache, for a model whose weights sit on the meta device
+    with nothing to bring them (built under ``init_empty_weights`` or ``torch.device("meta")``
+    and never loaded): it has no numbers to run. A model offloaded by accelerate keeps weights on
+    the meta device too, with hooks on its modules that load them at each forward: it runs."""
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+        return
+    tensors = model.state_dict(keep_vars=True)
+    on_meta = [k for k, t in tensors.items() if t.device.type == "meta"]
+    if not on_meta:
+        return
+    total = len(tensors)
+    raise IsotuiError(
+        f"model {label!r} ({type(model).__name__}) has {len(on_meta):,} of its {total:,} weights on the "
+        f"meta device (e.g. {on_meta[0]}), which holds no values, so there is nothing to run: load its "
+        "weights first (from_pretrained, or model.to_empty(device=...) then load_state_dict)"
+    )
 
 
 def _kind(model: Any, label: str, tokenizer: Any, processor: Any) -> tuple[str, str, list[str]]:
