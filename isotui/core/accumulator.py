@@ -143,6 +143,9 @@ class LayerAccumulator:
         # would wait for the device): see the properties below
         self._n = torch.zeros((), dtype=torch.int64, device=device)  # vectors with a direction
         self.n_all = 0
+        # NaN and inf: values, and the vectors holding any (their layer's metrics are NaN: finalize)
+        self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        self._nonfinite_vectors = torch.zeros((), dtype=torch.int64, device=device)
         self._pairs_within = torch.zeros((), dtype=torch.int64, device=device)  # sum_s n_s (n_s - 1)
         self.sum_u = torch.zeros(dim, dtype=f64, device=device)
         self.sum_u2 = torch.zeros(dim, dtype=f64, device=device)
@@ -191,6 +194,24 @@ class LayerAccumulator:
         self._n.fill_(value)
 
     @property
+    def nonfinite(self) -> int:
+        """Values that are NaN or inf among the vectors folded in (read on the host: a sync)."""
+        return int(self._nonfinite)
+
+    @nonfinite.setter
+    def nonfinite(self, value: int) -> None:
+        self._nonfinite.fill_(value)
+
+    @property
+    def nonfinite_vectors(self) -> int:
+        """Vectors holding a NaN or an inf (read on the host: a sync)."""
+        return int(self._nonfinite_vectors)
+
+    @nonfinite_vectors.setter
+    def nonfinite_vectors(self, value: int) -> None:
+        self._nonfinite_vectors.fill_(value)
+
+    @property
     def pairs_within(self) -> int:
         """Ordered pairs of distinct vectors from the same sample: sum over samples of n_s (n_s - 1)."""
         return int(self._pairs_within)
@@ -231,7 +252,11 @@ class LayerAccumulator:
         x64 = xd.to(torch.float64)
         sample_ids, keys = sample_ids.to(self.device), keys.to(self.device)
         norms = torch.linalg.vector_norm(x64, dim=1)
-        nonzero = norms > 0
+        # NaN and inf values, and the vectors holding them: counted on the device (never read while
+        # batches stream); such a vector has no direction, and its layer's metrics are NaN
+        bad = torch.isfinite(xd).logical_not_()
+        bad_rows = bad.any(1)
+        nonzero = (norms > 0) & bad_rows.logical_not()
         u = x64 / torch.where(nonzero, norms, 1.0)[:, None]  # a zero vector's row stays 0
         ids = sample_ids
         if n_samples is None:  # callers that do not know B: one read of the largest id
@@ -243,6 +268,8 @@ class LayerAccumulator:
         out = {
             "n": nonzero.sum(),
             "n_all": len(norms),
+            "nonfinite": bad.sum(),
+            "nonfinite_vectors": bad_rows.sum(),
             "pairs_within": (counts * (counts - 1)).sum(),
             "sum_u": u.sum(0),
             "sum_u2": (u * u).sum(0),
@@ -384,6 +411,8 @@ class LayerAccumulator:
 
         self._n.add_(p["n"])
         self.n_all += p["n_all"]
+        self._nonfinite.add_(p["nonfinite"])
+        self._nonfinite_vectors.add_(p["nonfinite_vectors"])
         self._pairs_within.add_(p["pairs_within"])
         for name in ("sum_u", "sum_u2", "sum_x", "sum_norm", "within"):
             getattr(self, name).add_(p[name])
@@ -417,7 +446,10 @@ class LayerAccumulator:
     def finalize(self, eigen: ExactEigen | None = None) -> LayerStats:
         """Turn the sums into metrics (see design.md for the exact definitions). ``eigen``: this
         layer's :meth:`exact_eigen`, when the caller decomposed it already (batched with other
-        layers: isotui/extract/finalise.py)."""
+        layers: isotui/extract/finalise.py). A layer that held a NaN or an inf has NaN metrics
+        (:meth:`_nonfinite_stats`)."""
+        if self.nonfinite:
+            return self._nonfinite_stats()
         n, n_all, d = self.n, self.n_all, self.dim
         sum_u = self.sum_u.cpu().numpy()
         sum_u2 = self.sum_u2.cpu().numpy()
@@ -481,6 +513,33 @@ class LayerAccumulator:
             **extra,
         )
 
+    def _nonfinite_stats(self) -> LayerStats:
+        """The metrics of a layer whose vectors held NaN or inf values: NaN, every one of them
+        (the plug-ins' columns too), since every sum and every eigenvalue would be NaN or inf;
+        the counts are kept (``n_zero``: the finite zero vectors). Its row stays in the table
+        and its run's notes say where and how many (isotui/extract/runner.py)."""
+        d = self.dim
+        nan = np.full(d, np.nan)
+        return LayerStats(
+            dim=d,
+            n_vectors=self.n_all,
+            n_zero=self.n_all - self.n - self.nonfinite_vectors,
+            avg_cos=math.nan,
+            avg_cos_xctx=math.nan,
+            drift_norm=math.nan,
+            mean_norm=math.nan,
+            avg_cos_centered=math.nan,
+            n_sample=0 if self.res is None else len(self.res),
+            isoscore=math.nan,
+            eff_rank=math.nan,
+            top_pc_share=math.nan,
+            spectrum_from="none",
+            dim_contrib=nan,
+            eigenvalues=nan.copy(),
+            mean=nan.copy(),
+            plugins={c: math.nan for p in self.plugins.values() for c in p.metric.columns},
+        )
+
     def plugin_values(self) -> dict[str, float]:
         """Every plug-in metric's columns for this layer (column -> value)."""
         out: dict[str, float] = {}
@@ -529,7 +588,7 @@ class LayerAccumulator:
     def exact_eigen_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
         """(gram, shift, sum_xs, n) for :func:`~isotui.core.exact_spectrum.exact_eigen`; None when
         the d x d sums are not held (or n < 2)."""
-        if self.gram is None or self.shift is None or self.n_all < 2:
+        if self.gram is None or self.shift is None or self.n_all < 2 or self.nonfinite:
             return None
         return self.gram, self.shift, self.sum_xs, self.n_all
 
@@ -645,7 +704,8 @@ _LAYER_SUMS = (
     "type_within_n",
 )
 _TYPE_SUMS = ("type_u", "type_n", "type_within", "type_within_n")  # one row per token type
-_LAYER_COUNTS = ("n", "n_all", "pairs_within", "n_sentences")
+_LAYER_COUNTS = ("n", "n_all", "pairs_within", "n_sentences", "nonfinite", "nonfinite_vectors")
+_LATER_COUNTS = ("nonfinite", "nonfinite_vectors")  # 0 in a state saved before they were counted
 _LAYER_SHAPE = ("dim", "full_cov", "reservoir_size", "types")
 
 
@@ -729,7 +789,7 @@ def _layer_from_state(
     acc = cls(int(state["dim"]), device, full_cov=False, reservoir=int(state["reservoir_size"]))
     acc.full_cov, acc.types = bool(state["full_cov"]), int(state["types"])
     for k in _LAYER_COUNTS:
-        setattr(acc, k, int(state[k]))
+        setattr(acc, k, int(state.get(k, 0) if k in _LATER_COUNTS else state[k]))
     acc.weighted = bool(state["weighted"])
     _plugins_from_state(acc, state, device, copy=copy)
     for k, v in state.items():

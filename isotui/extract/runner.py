@@ -422,7 +422,7 @@ class LayerStream:
     ) -> dict[str, tuple[list[Any], Any]] | None:
         """The blocks (and final norm) to fold each layer in the hook of, per component, when
         the first batch's hooked tensors are the very hidden states the model returned (every
-        block ran once, each tensor ``torch.equal`` on the same device); None otherwise (the
+        block ran once, each tensor equal on the same device, NaN to NaN); None otherwise (the
         run keeps ``output_hidden_states``, and its notes say why)."""
         import torch
 
@@ -450,7 +450,7 @@ class LayerStream:
                 and isinstance(got[i][0], torch.Tensor)
                 and got[i][0].device == h.device
                 and got[i][0].shape == h.shape
-                and torch.equal(got[i][0], h)
+                and same_values(got[i][0], h)
                 for i, h in enumerate(hidden)
             )
             if not same:
@@ -590,11 +590,21 @@ class LayerStream:
             for name, out in hook_out.items():
                 normed = out[0] if isinstance(out, tuple) else out
                 same = isinstance(normed, torch.Tensor) and normed.shape == last.shape
-                if same and torch.equal(normed, last):
+                if same and same_values(normed, last):
                     self.final_norm[component] = True
                     self.final_norm_names.append(name)
                     self.final_norm_by[component] = name
                     break
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """``torch.equal``, NaN equal to NaN where both have it: the first batch's checks (the hooks
+    give the very hidden states, the final norm made the last) hold for a layer of NaN too."""
+    import torch
+
+    if torch.equal(a, b):
+        return True
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
 
 
 def _keeper(seen: dict[int, list[Any]]) -> Any:
@@ -930,6 +940,7 @@ def _finish(
     components = finalize_all(accs, on_progress, at or Progress(0, 0, 0, 0.0), estimate, notes=notes)
     finalize_s = time.perf_counter() - begin
     all_stats = [s for stats in components.values() for s in stats]
+    notes.extend(nonfinite_notes(accs, facts.get("modules")))
     notes.extend(_sample_notes(facts, all_stats))
     notes.extend(_rank_notes(all_stats))
     notes.extend(constant_notes(components))
@@ -1002,6 +1013,35 @@ def _exact_notes(second: dict[str, list[ExactPass]]) -> list[str]:
             "memory left on their device: see the memory plan note)"
         )
     return notes
+
+
+def nonfinite_notes(accs: dict[str, list[LayerAccumulator]], modules: list[str] | None = None) -> list[str]:
+    """One sentence naming each layer (``modules``: each row's module, ``--modules``) whose
+    vectors held NaN or inf values, with how many and in how many vectors: those layers' metrics
+    are NaN (:meth:`LayerAccumulator.finalize`), their rows kept so every layer keeps its number;
+    the other layers are measured as usual."""
+    parts = []
+    for component, layer_accs in accs.items():
+        for i, acc in enumerate(layer_accs):
+            bad = acc.nonfinite
+            if not bad:
+                continue
+            if modules:
+                where = f"module {modules[i]}"
+            else:
+                where = f"layer {i}" if component == "model" else f"{component} layer {i}"
+            parts.append(
+                f"{where} held {bad:,} NaN or inf value{'s' if bad != 1 else ''} in "
+                f"{acc.nonfinite_vectors:,} of its {acc.n_all:,} vectors"
+            )
+    if not parts:
+        return []
+    which = "its" if len(parts) == 1 else "their"
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return [
+        f"{listed}: {which} metrics are NaN (a sum over a NaN or an inf has no value), the other "
+        "layers are measured as usual"
+    ]
 
 
 def constant_notes(components: dict[str, list[LayerStats]]) -> list[str]:
