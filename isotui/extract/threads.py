@@ -80,12 +80,23 @@ def default_threads(cores: int, load: float | None) -> tuple[int, str | None]:
 
 def choose_threads(requested: int | None) -> tuple[int, str | None]:
     """The threads a run uses: ``requested`` (``--threads``) when given, else OMP_NUM_THREADS when
-    the environment sets it, else :func:`default_threads` of this process's cores and the load."""
+    the environment sets it, else :func:`default_threads` of this process's cores and the load.
+    OMP_NUM_THREADS has the ceiling ``--threads`` has (:func:`max_threads`): a value above it is
+    capped there, with a note (the environment is not the user's typing, so it is not refused:
+    ``OMP_NUM_THREADS=100000`` started threads until the process table was full, then SIGSEGV)."""
     if requested is not None:
         return requested, None
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
-        return int(env), None
+        asked, limit = int(env), max_threads()
+        if asked <= limit:
+            return asked, None
+        cpus = limit // THREADS_PER_CPU
+        return limit, (
+            f"OMP_NUM_THREADS={asked:,} is more than this machine can use: torch uses {limit:,} "
+            f"threads ({THREADS_PER_CPU} per logical CPU, {cpus:,} CPU{'s' if cpus != 1 else ''}), "
+            "the ceiling of --threads"
+        )
     return default_threads(usable_cores(), load_average())
 
 
