@@ -44,9 +44,11 @@ def _load(ep: EntryPoint) -> StreamingMetric:
         obj = ep.load()
         if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "batch")):
             obj = obj()  # a class, or a function that makes the metric
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # sys.exit at import time too: the plug-in's failure, said
         raise PluginError(
-            f"metric plug-in {ep.name!r} ({_origin(ep)}) failed to load: {type(exc).__name__}: {exc}; "
+            f"metric plug-in {ep.name!r} ({_origin(ep)}) failed to load: {core.describe_exit(exc)}; "
             "fix or uninstall that package"
         ) from None
     metric = core.check_declaration(obj, _origin(ep))

@@ -123,7 +123,11 @@ def shorten(name: str, width: int) -> str:
 
 
 def _f(value: float, digits: int = 4) -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+    """``value`` to ``digits`` decimals; ``inf``/``-inf`` as such (a plug-in's infinity is a
+    value), ``-`` where there is none (NaN, None)."""
+    if value is None or math.isnan(value):
+        return "-"
+    return f"{value:.{digits}f}"
 
 
 def _p(value: float) -> str:

@@ -22,7 +22,6 @@ point group, set by :mod:`isotui.plugins`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar, runtime_checkable
 
@@ -67,6 +66,14 @@ class PluginError(IsotuiError):
     """A plug-in metric that broke its protocol: one sentence naming it."""
 
 
+def describe_exit(exc: BaseException) -> str:
+    """``ValueError: bad`` for a failure inside a plug-in; ``it called sys.exit(3)`` for a
+    :class:`SystemExit` (a plug-in's end of the process is its failure, not isotui's exit)."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r}), which isotui takes as the plug-in's failure"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _identifier(text: object) -> bool:
     return isinstance(text, str) and text.isidentifier() and text.isascii()
 
@@ -109,21 +116,25 @@ class Plugged:
         self.empty_state = empty
 
     def _call(self, what: str, fn: Callable[[], _T]) -> _T:
+        """``fn()``, its failure the plug-in's: any exception, and any BaseException short of
+        KeyboardInterrupt (``sys.exit`` in a plug-in would end isotui without a word and lose
+        the other models' results), becomes one sentence naming it; out of memory stays itself
+        (the batch loop backs off and retries)."""
         try:
             return fn()
-        except PluginError:
+        except (PluginError, KeyboardInterrupt):
             raise
         except (MemoryError, RuntimeError) as exc:
             if "out of memory" in str(exc).lower() or isinstance(exc, MemoryError):
                 raise  # the device's memory, not the plug-in: the batch loop backs off and retries
             raise self._failed(what, exc) from exc
-        except Exception as exc:
+        except BaseException as exc:
             raise self._failed(what, exc) from exc
 
-    def _failed(self, what: str, exc: Exception) -> PluginError:
+    def _failed(self, what: str, exc: BaseException) -> PluginError:
+        said = describe_exit(exc)
         return PluginError(
-            f"metric plug-in {self.name!r} failed in {what}() on a layer of dimension {self.dim}: "
-            f"{type(exc).__name__}: {exc}"
+            f"metric plug-in {self.name!r} failed in {what}() on a layer of dimension {self.dim}: {said}"
         )
 
     def _shapes(self, what: str, state: object) -> dict[str, tuple[int, ...]]:
@@ -175,7 +186,7 @@ class Plugged:
                 f"metric plug-in {self.name!r}: finalize() must return {len(columns)} numbers, one per "
                 f"column ({', '.join(columns)}), got {values!r}"
             )
-        return {c: (v if math.isfinite(v) else math.nan) for c, v in zip(columns, out, strict=True)}
+        return dict(zip(columns, out, strict=True))  # inf and -inf as they are, NaN where undefined
 
 
 # --- the metrics in force ------------------------------------------------------------------------

@@ -70,10 +70,16 @@ def write_csv(results: Iterable[ModelResult], path: Path) -> Path:
     return _atomic_write(path, write)
 
 
+# JSON has no NaN nor infinity. NaN is written as null; an infinity as 1e999 (a JSON number that
+# overflows to infinity in Python's json, JavaScript and most readers), never as null, which would
+# read back as NaN: a plug-in's inf stays inf. Placeholders while encoding (no text holds them).
+_INF = {1.0: "\u0000isotui:+inf\u0000", -1.0: "\u0000isotui:-inf\u0000"}
+
+
 def _clean(value):
-    """JSON has no NaN: write null instead, so every JSON reader accepts the file."""
+    """NaN as null, an infinity as a placeholder :func:`_dumps` writes as ``1e999``."""
     if isinstance(value, float) and not math.isfinite(value):
-        return None
+        return None if math.isnan(value) else _INF[math.copysign(1.0, value)]
     if isinstance(value, dict):
         return {k: _clean(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -81,10 +87,19 @@ def _clean(value):
     return value
 
 
+def _dumps(cleaned) -> str:
+    """A :func:`_clean` payload as JSON text, its infinities written as ``1e999``/``-1e999``."""
+    text = json.dumps(cleaned, indent=2)
+    for sign, placeholder in _INF.items():
+        text = text.replace(json.dumps(placeholder), "1e999" if sign > 0 else "-1e999")
+    return text
+
+
 def write_json(results: Iterable[ModelResult], path: Path) -> Path:
-    """All results with their metadata and drift correlations (NaN written as null)."""
+    """All results with their metadata and drift correlations (NaN written as null, an
+    infinity as 1e999)."""
     payload = {"results": [_clean(r.to_json()) for r in results]}
-    return _atomic_write(path, lambda f: json.dump(payload, f, indent=2))
+    return _atomic_write(path, lambda f: f.write(_dumps(payload)))
 
 
 def write_rows_csv(rows: Iterable, path: Path) -> Path:
@@ -106,5 +121,5 @@ def write_dicts_csv(rows: list[dict], path: Path) -> Path:
 
 
 def write_payload_json(payload: dict, path: Path) -> Path:
-    """Any JSON payload (NaN written as null)."""
-    return _atomic_write(path, lambda f: json.dump(_clean(payload), f, indent=2))
+    """Any JSON payload (NaN written as null, an infinity as 1e999)."""
+    return _atomic_write(path, lambda f: f.write(_dumps(_clean(payload))))
