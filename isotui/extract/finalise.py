@@ -40,10 +40,20 @@ MAX_BATCH = 64  # layers per batched eigh (out of memory halves it)
 
 
 def layer_cost(acc: LayerAccumulator) -> float:
-    """A layer's finalisation in CPU seconds by the calibrated model: its weight in the ETA."""
+    """A layer's finalisation in CPU seconds by the calibrated model: its weight in the ETA.
+
+    The model counts the work :meth:`LayerAccumulator.finalize` does: the eigenproblem is d x d
+    only where the layer holds the d x d sums and its reservoir does not hold every vector;
+    otherwise it is the reservoir's, at most k x k for k vectors held (a flattened conv map of
+    d = 200,000 is never decomposed as d x d: costing it d^3 said ``ETA 1418:20:43``, issue 38).
+    """
     fill = min(1.0, acc.n_all / max(1, acc.reservoir_size))
-    return (FINALIZE_BASE_S + FINALIZE_PER_DIM2_S * acc.dim**2) * max(fill, 0.05) + (
-        FINALIZE_PER_DIM3_S * acc.dim**3
+    held = min(acc.n_all, acc.reservoir_size)  # vectors in the reservoir
+    d = acc.dim
+    exact = acc.gram is not None and acc.n_all >= 2 and not acc.spectrum_from_sample()
+    size = d if exact else min(d, held)  # the side of the matrix decomposed
+    return (FINALIZE_BASE_S + FINALIZE_PER_DIM2_S * d * size) * max(fill, 0.05) + (
+        FINALIZE_PER_DIM3_S * size**3
     )
 
 
