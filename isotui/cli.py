@@ -183,6 +183,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = Parser):
     cache.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui)")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
     ls = cache_sub.add_parser("ls", help="list cached runs")
+    ls.add_argument(
+        "--wide", action="store_true", help="every column (created, size, each setting), however wide"
+    )
     path = cache_sub.add_parser("path", help="print the cache folder")
     rm = cache_sub.add_parser("rm", help="remove cached runs by key (or prefix)")
     rm.add_argument("keys", nargs="*")
@@ -468,7 +471,6 @@ def progress_printer(err, name: str, *, quiet: bool, verbose: bool = False):
 
 def _cmd_cache(args: argparse.Namespace, err) -> int:
     from isotui.paths import cache_dir
-    from isotui.render import Table
     from isotui.store.cache import ResultCache
     from isotui.terminal import plain
 
@@ -482,30 +484,22 @@ def _cmd_cache(args: argparse.Namespace, err) -> int:
         if not scan.entries:
             out.print(f"no cached runs in {cache.root}", markup=False)
         else:
+            from isotui.cache_listing import cache_table, run_params
+
             title = plain(f"cached runs in {cache.root}", style="table.title")
-            table = Table(title=title, title_justify="left")
-            params = [_run_params(e.path) for e in scan.entries]
-            # every setting in the key; a column only some runs set (tokenizer, map units) only then
-            shown = [c for c in RUN_KEY_COLUMNS if c[0] in ALWAYS_SHOWN or any(p.get(c[0]) for p in params)]
-            # a long name whole (its end may be what differs): as wide as it needs, up to a third
-            longest = max(len(e.model) for e in scan.entries)
-            table.add_column("key")
-            table.add_column("model", overflow="fold", min_width=min(longest, out.width // 3))
-            for col in ("data", "samples", *(header for _, header in shown)):
-                table.add_column(col, overflow="fold")
-            table.add_column("created")
-            table.add_column("size")
-            for e, p in zip(scan.entries, params, strict=True):
-                table.add_row(
-                    e.key[:12],
-                    plain(e.model),
-                    plain(e.data),
-                    str(e.n_samples),
-                    *(plain(p.get(k, "")) for k, _ in shown),
-                    e.created,
-                    f"{e.size_bytes / 1024:.0f} KiB",
-                )
-            out.print(table)
+            params = [run_params(e.path) for e in scan.entries]
+            wide = bool(getattr(args, "wide", False))
+            above, table, below, natural = cache_table(scan.entries, params, out.width, wide, title)
+            for line in above:
+                out.print(line, markup=False, highlight=False)
+            # --wide: every column whole, wider than the terminal if need be (less -S scrolls it)
+            width, out.width = out.width, max(out.width, natural) if wide else out.width
+            try:
+                out.print(table)
+            finally:
+                out.width = width
+            for line in below:
+                out.print(line, markup=False, highlight=False)
         _print_partial_runs(out, cache.root)
         skipped = scan.skipped + _print_experiment_entries(out, cache.root)
         if skipped:
@@ -597,46 +591,6 @@ def _print_partial_runs(out, root: Path) -> None:
             f"{r.size_bytes / 1024:.0f} KiB",
         )
     out.print(table)
-
-
-# ``cache ls``: the settings in a run's cache key besides model and data (experiments/layerwise.py
-# ``prepare``), as (meta field, column header); the last two are in the key only when set
-RUN_KEY_COLUMNS = (
-    ("max_length", "max len"),
-    ("dtype", "dtype"),
-    ("special_tokens", "special"),
-    ("seed", "seed"),
-    ("reservoir", "reservoir"),
-    ("exact", "exact"),
-    ("tokenizer", "tokenizer"),
-    ("map_units", "map units"),
-)
-ALWAYS_SHOWN = ("max_length", "dtype", "special_tokens", "seed", "reservoir", "exact")
-
-
-def _run_params(path: Path) -> dict[str, str]:
-    """The settings that tell two entries of one model and data apart (``cache ls``), from the
-    entry's header: every one in its key (:data:`RUN_KEY_COLUMNS`); ``-`` where the data makes
-    one meaningless (max length and special tokens of images and audio), ``""`` where an older
-    entry did not record it (its tokenizer)."""
-    from isotui.store.cache import ResultCache
-
-    try:
-        meta = ResultCache._header(path)["result"]["meta"]
-    except Exception:  # an unreadable entry is listed as such already
-        return {}
-    modality = meta.get("modality", "text")
-    reservoir = meta.get("reservoir")
-    return {
-        "max_length": str(meta.get("max_length") or "-") if modality == "text" else "-",
-        "dtype": str(meta.get("dtype", "")),
-        "special_tokens": str(meta.get("special_tokens", "")) if modality == "text" else "-",
-        "seed": str(meta.get("seed", "")),
-        "reservoir": f"{reservoir:,}" if isinstance(reservoir, int) else "",
-        "exact": "yes" if meta.get("exact") else "no",
-        "tokenizer": str(meta.get("tokenizer") or ""),
-        "map_units": str(meta.get("map_units") or "") if modality == "image" else "",
-    }
 
 
 def _cmd_show(args: argparse.Namespace, err) -> int:
