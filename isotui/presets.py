@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,12 +47,17 @@ def config_or_preset(config: Path) -> Path:
     are listed."""
     from isotui.suggest import did_you_mean
 
+    text = str(config)
+    if config.is_dir() and (config / "config.json").is_file():  # a model's folder, not a config
+        raise IsotuiError(f"{text} is a model's folder, not a config file: isotui run -m {text}")
     if config.exists():
         return config
-    found = find_preset(str(config))
+    found = find_preset(text)
     if found is not None:
         return found
-    text = str(config)
+    model = model_meant(text)
+    if model:
+        raise IsotuiError(f"no config file or preset named {text!r}; {model}: isotui run -m {text}")
     if "/" in text or text.endswith(".toml"):  # meant as a file
         raise IsotuiError(f"config file {config} does not exist")
     names = [p.stem for p in sorted(resource_dir("sample_configs").glob("*.toml"))]
@@ -60,6 +66,23 @@ def config_or_preset(config: Path) -> Path:
         f"no config file or preset named {text!r}; "
         + (f"{guess} (`isotui models` lists the presets)" if guess else "`isotui models` lists the presets")
     )
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?")
+
+
+def model_meant(text: str) -> str | None:
+    """What ``text``, given where a config is expected, names as a model isotui knows (a bundled
+    name, ``random:``/``timm:``, a Hugging Face-looking ``org/name``), in words; None otherwise."""
+    from isotui.models.naming import BUNDLED
+
+    if text.lower() in BUNDLED:
+        return f"{text!r} is a bundled model"
+    if text.startswith(("random:", "timm:")):
+        return f"{text!r} names a model"
+    if not text.endswith(".toml") and HUB_ID.fullmatch(text):
+        return f"{text!r} looks like a Hugging Face model id"
+    return None
 
 
 def find_preset(name: str) -> Path | None:
