@@ -217,7 +217,8 @@ def draw_pvalues(fig: Any, results: list[Any], _options: Any) -> Drawing:
     """Spearman (permutation) and Pearson p-values of drift norm vs avg_cos over layers, per model,
     on a log scale with the 0.05 line. Spearman's marker says how its p was found: filled where
     exact, hollow where a Monte Carlo estimate, a down-pointing triangle at the bound where no
-    Monte Carlo resample was as extreme (the true p lies below it)."""
+    Monte Carlo resample was as extreme (hollow) or where a proven bound stands in for an exact
+    count out of reach (filled): the true p lies below it."""
     ax = fig.add_subplot()
     rows: Rows = []
     names = short_names([r.model for r in results])
@@ -248,6 +249,7 @@ def draw_pvalues(fig: Any, results: list[Any], _options: Any) -> Drawing:
         "exact": ("Spearman", {"marker": "o", "color": colour}),
         "monte-carlo": ("Spearman (Monte Carlo)", {"marker": "o", **hollow}),
         "monte-carlo-bound": ("Spearman (upper bound)", {"marker": "v", **hollow}),
+        "bound": ("Spearman (proven bound)", {"marker": "v", "color": colour}),
     }
     for method, (label, style) in kinds.items():
         at = [i for i, m in enumerate(methods) if (m if m in kinds else "exact") == method]

@@ -131,7 +131,11 @@ def _f(value: float, digits: int = 4) -> str:
 
 
 def _p(value: float) -> str:
-    return "-" if not math.isfinite(value) else f"{value:.2g}"
+    """A p in two significant digits; one that underflowed to 0 (Pearson's t test, scipy's t
+    approximation at |rho| near 1) as ``<1e-300``: no p is said as 0."""
+    if not math.isfinite(value):
+        return "-"
+    return f"{value:.2g}" if value > 0 else "<1e-300"
 
 
 def _se(se: float) -> str:
@@ -143,12 +147,30 @@ def _se(se: float) -> str:
     return f"±{mantissa}e{int(exponent)}"
 
 
+def p_bound(value: float) -> str:
+    """An upper bound on a p in two significant digits, rounded up (``<3.1e-12``: rounding to
+    nearest could say less than was shown)."""
+    from decimal import ROUND_CEILING, Context, Decimal
+
+    if not math.isfinite(value) or value <= 0 or value >= 1:
+        return _p(value)
+    if value < 1e-300:  # subnormal: too few digits to print two
+        return "<1e-300"
+    # up to the 12th digit first (1e-5 is stored a hair above 1e-5; the bounds carry more margin)
+    near = Context(prec=12).plus(Decimal(value))
+    return f"<{float(Context(prec=2, rounding=ROUND_CEILING).plus(near)):.2g}"
+
+
 def _spearman_p(d) -> str:
     """The permutation p, how it was found, and scipy's t approximation beside it; a bound
-    (``p<6e-06``) where no Monte Carlo resample was as extreme."""
+    (``p<6e-06``) where no Monte Carlo resample was as extreme, or a proven bound (``p<3.1e-54
+    proven bound``) where the exact count is out of reach and the bound says more than a
+    simulation could."""
     p = _p(d.spearman_p)
     if d.spearman_p_method == "monte-carlo-bound":
         p = f"<{d.spearman_p:.1g} Monte Carlo, none of {MC_PERMUTATIONS:,} as extreme"
+    elif d.spearman_p_method == "bound":
+        p = f"{p_bound(d.spearman_p)} proven bound"
     elif d.spearman_p_method == "monte-carlo":
         p += f"±{d.spearman_p_se:.1g} Monte Carlo"
     elif d.spearman_p_method:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
-from isotui.core.correlation import MC_PERMUTATIONS, DriftCorrelation, drift_correlation
+from isotui.core.correlation import EDGEWORTH_FLOOR, MC_PERMUTATIONS, DriftCorrelation, drift_correlation
 from isotui.core.null import null_mean_quantile
 from isotui.core.sampled import SE_DOF, SE_GROUPS, jackknife_t
 from isotui.errors import Cancelled, IsotuiError
@@ -264,8 +264,12 @@ def _current(
 ) -> DriftCorrelation:
     """A drift correlation cached before issue 28, recomputed from its rows where it changed: a
     Monte Carlo p on its floor (no resample as extreme: now an exact tail or a bound) and an
-    encoder+decoder view that counted a shared layer twice. Anything else loads as stored."""
+    encoder+decoder view that counted a shared layer twice. An Edgeworth p cached before issue 37
+    below the floor it is now given to (0.0 where the series went negative) loads as NaN.
+    Anything else loads as stored (a cached ``monte-carlo-bound`` too: still a valid bound)."""
     if "spearman_p_edgeworth" in stored:
+        if d.spearman_p_edgeworth < EDGEWORTH_FLOOR:
+            return replace(d, spearman_p_edgeworth=math.nan)
         return d
     if "+" in component:
         _, fresh, _ = joined_drift(rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -274,16 +275,161 @@ def _count_near_identity(n, s):
     return go(0, 0)
 
 
+def _all_s(n):
+    """S = sum (i - pi(i))^2 of every permutation of range(n), by brute force."""
+    perms = np.array(list(itertools.permutations(range(n))), dtype=np.int64).reshape(-1, n)
+    return ((perms - np.arange(n)) ** 2).sum(axis=1)
+
+
 def test_spearman_tail_count_is_every_permutation_in_the_tail():
     from isotui.core.correlation import lower_tail_count
 
-    for n in range(1, 8):  # every permutation, every threshold
-        perms = list(itertools.permutations(range(n)))
-        for s in range(n * (n * n - 1) // 3 + 1):
-            want = sum(1 for p in perms if sum((i - k) ** 2 for i, k in enumerate(p)) <= s)
-            assert lower_tail_count(n, s) == want
+    for n in range(1, 10):  # every permutation; every threshold up to 7, the tails and a spread at 8-9
+        counts = np.cumsum(np.bincount(_all_s(n), minlength=n * (n * n - 1) // 3 + 1))
+        top = len(counts) - 1
+        thresholds = range(top + 1) if n <= 7 else [*range(0, 61), *range(61, top + 1, 17), top]
+        for s in thresholds:
+            assert lower_tail_count(n, s) == counts[s], (n, s)
     for n, s in ((16, 10), (20, 8), (24, 6)):  # beyond the whole distribution's reach
         assert lower_tail_count(n, s) == _count_near_identity(n, s)
+
+
+@functools.cache
+def _count_tail_memoised(n, s):
+    """Permutations pi of range(n) with sum (i - pi(i))^2 <= s as an exact integer, by a plain
+    memoised recursion over (position, the used values a later position could still take, S left):
+    another programme than the one under test (no masks, no pruning by the cost to finish, no
+    meeting in the middle, no floats)."""
+    w = math.isqrt(s)
+
+    @functools.cache
+    def go(i, used, left):
+        if i == n:
+            return 1
+        total = 0
+        for v in range(max(0, i - w), min(n, i + w + 1)):
+            cost = (i - v) ** 2
+            if v in used or cost > left:
+                continue
+            now = used | {v}
+            if i - w >= 0 and i - w not in now:  # no later position can reach value i - w
+                continue
+            total += go(i + 1, frozenset(u for u in now if u > i - w), left - cost)
+        return total
+
+    return go(0, frozenset(), s)
+
+
+def _with_s(n, pairs):
+    """cos values over n layers whose ranks are the identity with the given pairs swapped."""
+    cos = list(range(n))
+    for a, b in pairs:
+        cos[a], cos[b] = cos[b], cos[a]
+    return [0.1 * v for v in cos]
+
+
+# issue 37's deep models: S from disjoint swaps (a swap of i and i + d adds 2 d^2)
+DEEP = [  # and the p docs/metrics.md quotes
+    (18, [(0, 6), (8, 9), (11, 12)], 76, 2.7e-7),  # rho 0.922 (the audit's 2.7e-7)
+    (33, [(0, 5), (7, 9), (11, 12)], 60, 1.6e-24),  # rho 0.990
+    (40, [(0, 5), (7, 8)], 52, 1.3e-34),  # rho 0.995
+]
+
+
+@pytest.mark.parametrize(("n", "pairs", "s", "quoted"), DEEP)
+def test_spearman_exact_p_for_deep_models_is_a_memoised_count(n, pairs, s, quoted):
+    """Issue 37: these printed p<6e-06 (a Monte Carlo bound); counted, they are 1e-7 to 1e-34."""
+    from isotui.core.correlation import lower_tail_count
+
+    want = _count_tail_memoised(n, s)
+    assert lower_tail_count(n, s) == pytest.approx(want, rel=1e-13)
+    got = drift_correlation(list(range(n)), _with_s(n, pairs))
+    assert got.spearman_rho == pytest.approx(1 - 6 * s / (n**3 - n), rel=1e-12)
+    assert got.spearman_p_method == "exact" and got.spearman_p_se == 0.0
+    assert got.spearman_p == pytest.approx(2 * want / math.factorial(n), rel=1e-12)
+    assert f"{got.spearman_p:.2g}" == f"{quoted:.2g}"
+    assert math.isnan(got.spearman_p_edgeworth)  # far below where the series holds: not 0.0
+
+
+def test_spearman_tail_count_stops_early_over_its_budget():
+    from isotui.core.correlation import EXACT_TAIL_BUDGET, EXACT_TAIL_TABLE, tail_count
+
+    spent = []
+    assert tail_count(80, 900, EXACT_TAIL_BUDGET, EXACT_TAIL_TABLE, spent=spent) is None
+    assert spent[0] < EXACT_TAIL_BUDGET / 10  # the steps left are foreseen: stopped early
+    spent.clear()
+    assert tail_count(80, 900, EXACT_TAIL_BUDGET, spent=spent) is None  # the budget alone
+    assert spent[0] < EXACT_TAIL_BUDGET
+    assert tail_count(40, 52, EXACT_TAIL_BUDGET, EXACT_TAIL_TABLE) == _count_tail_memoised(40, 52)
+    assert tail_count(30, 1000) is None  # a window of 2 x 31 values is wider than an int64 mask
+
+
+def test_spearman_p_bound_is_above_every_exact_p():
+    """The proven bound (Chernoff, the permanent bounded block by block) against the exact p: every
+    value of rho over 7 ranks (with and without ties), the deep models above, rho = 1 (where it is
+    nearly exact); and never 0."""
+    from scipy.stats import rankdata
+
+    from isotui.core.correlation import lower_tail_count, spearman_p_bound
+
+    n = 7
+    perms = np.array(list(itertools.permutations(range(n))))
+    for x_ranks in (np.arange(1.0, n + 1), rankdata([1, 1, 2, 3, 3, 3, 4])):
+        a = x_ranks - x_ranks.mean()
+        t = (perms + 1.0 - (n + 1) / 2) @ a  # every pairing of the ranks 1..n with x's
+        values, first = np.unique(np.round(t, 9), return_index=True)
+        for v, at in zip(values, first, strict=True):
+            below, above = np.mean(t <= v + 1e-9), np.mean(t >= v - 1e-9)
+            p = min(1.0, 2 * min(below, above))  # scipy.stats.permutation_test's two-sided p
+            assert spearman_p_bound(x_ranks, perms[at] + 1.0) >= p * (1 - 1e-12), v
+    for n, pairs, s, _ in DEEP:
+        ranks = rankdata(_with_s(n, pairs))
+        exact = 2 * _count_tail_memoised(n, s) / math.factorial(n)
+        bound = spearman_p_bound(np.arange(1.0, n + 1), ranks)
+        assert exact <= bound < 1e-2
+    # loose where it is needed least (docs/metrics.md): 30 layers at S = 300, rho 0.933; the
+    # bound depends on S alone, so the identity with S widened by the tolerance stands for it
+    up = np.arange(1.0, 31)
+    exact = 2 * lower_tail_count(30, 300) / math.factorial(30)
+    assert f"{exact:.2g}" == "8.8e-13"
+    assert f"{spearman_p_bound(up, up, tolerance=150):.2g}" == "2.2e-06"
+    for n in (15, 30, 80):  # rho = 1: 2/n! exactly, the bound within 1e-8 of it (and reversed)
+        up = np.arange(1.0, n + 1)
+        want = 2 / math.factorial(n)
+        assert want <= spearman_p_bound(up, up) <= want * (1 + 1e-8)
+        assert want <= spearman_p_bound(up, up[::-1]) <= want * (1 + 1e-8)
+    assert spearman_p_bound(np.arange(1.0, 201), np.arange(1.0, 201)) > 0.0  # 2/200! < 1e-370
+
+
+def test_spearman_p_bound_where_neither_exact_nor_monte_carlo_resolves_it():
+    """80 layers at rho ~ 0.99: too wide to count, too rare for 10^6 resamples (which could only
+    say p < 6e-6); the proven bound says p < 1e-40. Chatterjee's (2007) inequality, the first
+    choice, bounds even rho = 1 over 80 layers by 0.2 (a in [0, 1] forces a = (i-j)^2/(n-1)^2)."""
+    rng = np.random.default_rng(0)
+    drift = np.arange(80.0)
+    cos = drift + 0.9 * np.sqrt(80) / 3 * rng.normal(size=80)
+    got = drift_correlation(list(drift), list(cos))
+    assert got.spearman_p_method == "bound" and got.spearman_p_floored
+    assert math.isnan(got.spearman_p_se)
+    assert 0.0 < got.spearman_p < 1e-40 and got.spearman_rho > 0.99
+    cos = drift + 8.0 * np.random.default_rng(2).normal(size=80)
+    got = drift_correlation(list(drift), list(cos))  # weaker: still a bound (docs/metrics.md)
+    assert f"{got.spearman_rho:.3f}" == "0.944" and got.spearman_p_method == "bound"
+    assert f"{got.spearman_p:.2g}" == "6.2e-09"
+    n = 80
+    expected_t = n * (n + 1) / (6 * (n - 1))  # E sum (i - pi(i))^2 / (n - 1)^2
+    assert 2 * math.exp(-(expected_t**2) / (4 * expected_t + 2 * expected_t)) > 0.2
+    # a correlation too weak for the bound and too strong for the simulation: its 95% bound
+    cos = drift + 12.0 * np.random.default_rng(0).normal(size=80)
+    weaker = drift_correlation(list(drift), list(cos))
+    assert 0.9 < weaker.spearman_rho < 0.93
+    assert weaker.spearman_p_method == "monte-carlo-bound"
+
+
+def test_spearman_p_never_says_0():
+    """Over 200 layers in order the exact p, 2/200!, is below the smallest double: a bound."""
+    got = drift_correlation(list(range(200)), [0.1 * k for k in range(200)])
+    assert got.spearman_p_method == "bound" and got.spearman_p == math.ulp(0.0)
 
 
 @pytest.mark.parametrize("n", [15, 24, 40])
@@ -306,10 +452,10 @@ def test_spearman_exact_tail_beyond_14_layers_counts_near_orders():
 
 
 def test_spearman_monte_carlo_bound_when_no_resample_is_as_extreme():
-    rng = np.random.default_rng(3)
-    drift = np.arange(24.0)
-    cos = drift + 3 * rng.normal(size=24)  # rho ~ 0.96: too far for the tail count, too rare for 1e6
-    got = drift_correlation(list(drift), list(cos))
+    rng = np.random.default_rng(0)
+    drift = np.arange(30.0)
+    cos = drift + 6 * rng.normal(size=30)  # rho ~ 0.87: too far to count, too rare for 1e6, too
+    got = drift_correlation(list(drift), list(cos))  # weak for the proven bound to beat 6e-6
     assert got.spearman_p_method == "monte-carlo-bound" and got.spearman_p_floored
     assert math.isnan(got.spearman_p_se)
     # 0 of N: the one-sided p's exact 95% (Clopper-Pearson) upper bound is 1 - 0.05^(1/N), doubled
@@ -321,7 +467,7 @@ def test_spearman_monte_carlo_bound_when_no_resample_is_as_extreme():
 
 
 def test_spearman_edgeworth_is_as89_as_r_computes_it():
-    from isotui.core.correlation import as89_upper, spearman_edgeworth_p
+    from isotui.core.correlation import as89_upper, lower_tail_count, spearman_edgeworth_p
 
     # R's pspearman documentation (package pspearman): P(S <= 36) at n = 10, exact 0.005265377
     # and by AS 89 0.005825634; the lower tail is the reversed ranks' upper tail, 330 - 36
@@ -342,9 +488,20 @@ def test_spearman_edgeworth_is_as89_as_r_computes_it():
     assert min(ratios["below"]) == 0.0  # and useless further out: the series goes negative (0)
     x = np.arange(14.0)
     y = x.copy()
-    y[[2, 3]] = y[[3, 2]]
-    assert spearman_edgeworth_p(x, y) == pytest.approx(2 * as89_upper(14, top - 2))
+    y[[0, 13]] = y[[13, 0]]  # S = 2 x 13^2 = 338: rho 0.26
+    assert spearman_edgeworth_p(x, y) == pytest.approx(2 * as89_upper(14, top - 338))
     assert math.isnan(spearman_edgeworth_p(np.r_[x[:-1], x[0]], y))  # ties: not defined
+    y = x.copy()
+    y[[2, 3]] = y[[3, 2]]  # S = 2: the series is clipped from below 0 to 0; given as NaN, not 0.0
+    assert 2 * as89_upper(14, top - 2) == 0.0 and math.isnan(spearman_edgeworth_p(x, y))
+    # at 16 layers (exact counts) the series drifts off below p = 1e-3, the floor it is given to
+    top = 16 * (16 * 16 - 1) // 3
+    exact = {s: 2 * lower_tail_count(16, s) / math.factorial(16) for s in (100, 110, 146, 164)}
+    edgeworth = {s: 2 * as89_upper(16, top - s) for s in exact}
+    assert exact[164] == pytest.approx(1.0e-3, rel=0.01) and edgeworth[164] / exact[164] > 0.99
+    assert exact[146] == pytest.approx(5.2e-4, rel=0.01) and 0.9 < edgeworth[146] / exact[146] < 0.95
+    assert exact[110] == pytest.approx(1.04e-4, rel=0.01) and edgeworth[110] / exact[110] < 0.4
+    assert exact[100] == pytest.approx(6.0e-5, rel=0.01) and edgeworth[100] == 0.0
 
 
 def test_spearman_s_distribution_stays_smaller_than_one_int64_table():
@@ -364,3 +521,82 @@ def test_spearman_s_distribution_stays_smaller_than_one_int64_table():
         tracemalloc.stop()
     assert int(counts.sum()) == math.factorial(n)
     assert peak < widest, f"s_distribution({n}) peaked at {peak / 1e6:.1f} MB, a table {widest / 1e6:.1f}"
+
+
+def test_the_table_says_a_bound_rounded_up_and_no_approximation_as_0():
+    from isotui.core.correlation import DriftCorrelation
+    from isotui.render import _spearman_p, p_bound, result_table
+    from isotui.results import ModelResult
+
+    # an upper bound printed in two digits is rounded up, never to nearest (checked on decimals)
+    for value, text in (
+        (3.14e-12, "<3.2e-12"),
+        (3.1e-12, "<3.1e-12"),
+        (2.99e-54, "<3e-54"),
+        (5e-324, "<1e-300"),
+    ):
+        assert p_bound(value) == text
+    proven = DriftCorrelation(80, 0.99, 3.14e-54, 0.99, 1e-60, 0.0, "bound", math.nan)
+    assert _spearman_p(proven) == "<3.2e-54 proven bound; t approx. <1e-300"
+    exact = DriftCorrelation(18, 0.92, 2.7e-7, 0.9, 1e-6, 1e-8, "exact", 0.0)
+    assert _spearman_p(exact) == "2.7e-07 exact; t approx. 1e-08"
+    perfect = drift_correlation(list(range(12)), [0.1 * k for k in range(12)])
+    assert perfect.pearson_p == 0.0 and perfect.spearman_p_t == 0.0  # both underflow
+    caption = str(result_table(ModelResult("m", "k", [], {"model": perfect}, {}), width=400).caption)
+    assert "(p=4.2e-09 exact; t approx. <1e-300), Pearson r=1.000 (p=<1e-300)" in caption
+
+
+def test_a_cached_edgeworth_p_of_0_loads_as_nan():
+    """Issue 37: a cache written before the Edgeworth floor holds 0.0 where the series went
+    negative; it loads as NaN (null in the JSON export), a value above the floor as stored."""
+    from isotui.results import ModelResult
+
+    old = drift_correlation(list(range(16)), [0.1 * k for k in range(16)]).to_dict()
+    data = ModelResult("m", "k", [], {}, {}).to_json()
+    got = ModelResult.from_json(data | {"drift": {"model": old | {"spearman_p_edgeworth": 0.0}}}, {})
+    assert math.isnan(got.drift["model"].spearman_p_edgeworth)
+    kept = ModelResult.from_json(data | {"drift": {"model": old | {"spearman_p_edgeworth": 0.2}}}, {})
+    assert kept.drift["model"].spearman_p_edgeworth == 0.2
+    assert kept.drift["model"].spearman_p == old["spearman_p"]
+
+
+def test_spearman_exact_reach_is_what_docs_say():
+    """docs/metrics.md's reach of the exact count (benchmarks/spearman_tail.py --reach finds it):
+    per layer count, the largest S counted within budget and tables, its rho and its p. The
+    budget is in cell updates, so this holds on any machine."""
+    from isotui.core.correlation import EXACT_TAIL_BUDGET, EXACT_TAIL_TABLE, tail_count
+
+    reach = {16: (333, 0.045), 20: (275, 5.7e-5), 24: (265, 4.1e-8), 30: (263, 1.8e-13)}
+    reach |= {40: (263, 5.3e-24), 60: (253, 8.7e-50), 80: (235, 2.1e-80)}
+    for n, (s, p) in reach.items():
+        count = tail_count(n, s, EXACT_TAIL_BUDGET, EXACT_TAIL_TABLE)
+        assert count is not None and tail_count(n, s + 1, EXACT_TAIL_BUDGET, EXACT_TAIL_TABLE) is None
+        assert f"{2 * count / math.factorial(n):.2g}" == f"{p:.2g}"
+    rho = {n: 1 - 6 * s / (n**3 - n) for n, (s, _) in reach.items()}
+    assert [round(rho[n], 3) for n in (16, 20, 24, 30, 40, 60, 80)] == [
+        0.51,
+        0.793,
+        0.885,
+        0.941,
+        0.975,
+        0.993,
+        0.997,
+    ]
+
+
+def test_spearman_tail_count_stays_within_its_tables():
+    """Like the whole distribution's table (issue 24), the tail count runs beside everything a
+    run holds: two tables of EXACT_TAIL_TABLE float64 cells at most, 41 MB at its peak at the
+    edge of its reach (docs/guide/options.md)."""
+    import tracemalloc
+
+    from isotui.core.correlation import EXACT_TAIL_BUDGET, EXACT_TAIL_TABLE, tail_count
+
+    tracemalloc.start()
+    try:
+        count = tail_count(30, 263, EXACT_TAIL_BUDGET, EXACT_TAIL_TABLE)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert count is not None
+    assert 2 * EXACT_TAIL_TABLE * 8 < peak < 42e6

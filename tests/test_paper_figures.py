@@ -332,22 +332,27 @@ def test_fig5_marks_monte_carlo_and_bounded_spearman_points():
     from isotui.core.correlation import DriftCorrelation, drift_correlation
     from isotui.paper_figures import draw_pvalues
 
-    deep = drift_correlation(
-        list(range(24)), list(np.arange(24) + 3 * np.random.default_rng(3).normal(size=24))
+    deep = drift_correlation(  # rho 0.87 over 30 layers: no count, no resample as extreme
+        list(range(30)), list(np.arange(30) + 6 * np.random.default_rng(0).normal(size=30))
     )
     assert deep.spearman_p_method == "monte-carlo-bound"
     shallow = drift_correlation([1.0, 2.0, 3.0, 4.0, 6.0], [0.1, 0.3, 0.2, 0.5, 0.4])
     mc = DriftCorrelation(40, 0.3, 0.06, 0.3, 0.05, 0.05, "monte-carlo", 2e-4)
+    proven = DriftCorrelation(80, 0.99, 3e-54, 0.99, 1e-60, 1e-70, "bound", math.nan)
     results = [
         SimpleNamespace(model=m, key=m, drift={"model": d})
-        for m, d in (("a", shallow), ("b", mc), ("c", deep))
+        for m, d in (("a", shallow), ("b", mc), ("c", deep), ("d", proven))
     ]
     drawing = draw_pvalues(Figure(), results, None)
-    assert [r["spearman_p_bound"] for r in drawing.rows] == [False, False, True]
+    assert [r["spearman_p_bound"] for r in drawing.rows] == [False, False, True, True]
     labels = {t.get_text() for t in drawing.figure.legends[0].get_texts()}
-    assert {"Spearman", "Spearman (Monte Carlo)", "Spearman (upper bound)"} <= labels
-    (bound,) = [c for c in drawing.figure.axes[0].collections if c.get_label() == "Spearman (upper bound)"]
+    want = {"Spearman", "Spearman (Monte Carlo)", "Spearman (upper bound)", "Spearman (proven bound)"}
+    assert want <= labels
+    collections = drawing.figure.axes[0].collections
+    (bound,) = [c for c in collections if c.get_label() == "Spearman (upper bound)"]
     assert bound.get_offsets()[0][1] == pytest.approx(deep.spearman_p)
+    (bound,) = [c for c in collections if c.get_label() == "Spearman (proven bound)"]
+    assert bound.get_offsets()[0][1] == pytest.approx(3e-54)
 
 
 def test_fig1_legend_keeps_random_settings_and_the_divider_is_labelled(data, tmp_path, monkeypatch):

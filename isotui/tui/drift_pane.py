@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable
 
-from isotui.render import shorten
+from isotui.render import p_bound, shorten
 from isotui.results import ModelResult
 from isotui.tui.plots import RGB, FitPlot, PlotLegend, draw_drift_curves
 
@@ -22,11 +22,13 @@ def _num(value: float, digits: int) -> str:
     return f"{value:.{digits}f}" if value == value else "-"
 
 
-def _pvalue(p: float) -> str:
-    """The p-value, marked significant (*) at 0.05."""
+def _pvalue(p: float, bound: bool = False) -> str:
+    """The p-value, marked significant (*) at 0.05; an upper bound as ``<3.1e-12`` (rounded up),
+    and an approximation that underflowed to 0 as ``<1e-300``, never 0."""
     if p != p:
         return "-"
-    return f"{p:.2g}" + (" *" if p < 0.05 else "")
+    text = p_bound(p) if bound else f"{p:.2g}" if p > 0 else "<1e-300"
+    return text + (" *" if p < 0.05 else "")
 
 
 class DriftPane(Vertical):
@@ -77,7 +79,7 @@ class DriftPane(Vertical):
                     shorten(label, 32),
                     str(d.n_layers),
                     _num(d.spearman_rho, 3),
-                    ("<" if d.spearman_p_floored else "") + _pvalue(d.spearman_p),  # a bound
+                    _pvalue(d.spearman_p, bound=d.spearman_p_floored),
                     _num(d.pearson_r, 3),
                     _pvalue(d.pearson_p),
                     _pvalue(d.spearman_p_t),  # scipy's t approximation, beside the permutation p
