@@ -249,11 +249,14 @@ class ModelResult:
     @classmethod
     def from_json(cls, data: dict[str, Any], arrays: dict[str, np.ndarray]) -> ModelResult:
         rows = [LayerRow.from_dict(r) for r in data["rows"]]
+        drift = {c: _current(c, DriftCorrelation(**d), d, rows) for c, d in data["drift"].items()}
+        if any(r.module for r in rows) and drift.keys() != drift_of(rows)[0].keys():
+            drift = drift_of(rows)[0]  # a --modules run cached before one rule: every row, all kinds
         return cls(
             model=data["model"],
             key=data["key"],
             rows=rows,
-            drift={c: _current(c, DriftCorrelation(**d), d, rows) for c, d in data["drift"].items()},
+            drift=drift,
             meta=data["meta"],
             arrays=arrays,
         )
@@ -282,32 +285,97 @@ def _current(
 
 
 def same_vectors(a: LayerRow, b: LayerRow) -> bool:
-    """Whether two layers of different stacks hold the same vectors (T5's encoder and decoder
-    layer 0 with special tokens left out: one shared embedding of the same tokens): the same
-    count and the same first and second moments, to float64 rounding."""
+    """Whether two rows hold the same vectors (T5's encoder and decoder layer 0 with special
+    tokens left out: one shared embedding of the same tokens; GPT-NeoX's two norms of a block,
+    which read one input): the same count and the same first and second moments, to float64
+    rounding."""
     keys = ("avg_cos", "drift_norm", "mean_norm", "isoscore", "eff_rank")
-    if a.component == b.component or a.n_vectors != b.n_vectors or a.dim != b.dim or a.n_vectors == 0:
+    if a.n_vectors != b.n_vectors or a.dim != b.dim or a.n_vectors == 0:
         return False
     return all(math.isclose(getattr(a, k), getattr(b, k), rel_tol=1e-12, abs_tol=1e-15) for k in keys)
+
+
+def module_kind(module: str) -> str:
+    """A module's name with its index segments as ``*`` (``gpt_neox.layers.3.mlp`` ->
+    ``gpt_neox.layers.*.mlp``): the rows of one kind are one site across the layers."""
+    return ".".join("*" if part.isdigit() else part for part in module.split("."))
+
+
+def _named(r: LayerRow) -> str:
+    return r.module or f"{r.component} layer {r.layer}"
+
+
+def distinct_points(rows: list[LayerRow]) -> tuple[list[LayerRow], list[LayerRow]]:
+    """(kept, left out): the one rule for duplicate rows in every correlation across layers: a
+    row holding the same vectors as an earlier kept row (:func:`same_vectors`) is left out, so no
+    point counts twice."""
+    kept: list[LayerRow] = []
+    dropped: list[LayerRow] = []
+    for r in rows:
+        (dropped if any(same_vectors(r, o) for o in kept) else kept).append(r)
+    return kept, dropped
+
+
+def _correlate(points: list[LayerRow]) -> DriftCorrelation:
+    return drift_correlation([r.drift_norm for r in points], [r.avg_cos for r in points])
+
+
+def _left_out(label: str, dropped: list[LayerRow]) -> str:
+    shown = ", ".join(_named(r) for r in dropped[:4]) + (
+        f" and {len(dropped) - 4} more" if len(dropped) > 4 else ""
+    )
+    return (
+        f"{label} drift correlation: {shown} left out, the same vectors as an earlier row, "
+        "so no point counts twice"
+    )
+
+
+def stack_drift(component: str, rows: list[LayerRow]) -> tuple[dict[str, DriftCorrelation], list[str]]:
+    """One stack's drift correlations across its layers (Godey et al. Fig. 5) and their notes.
+    Duplicate rows are left out (:func:`distinct_points`); rows of several module kinds
+    (``--modules`` matching attention and MLP outputs, both norms of a block) are correlated per
+    kind, keyed ``component:kind``: a correlation across interleaved kinds is not the papers'
+    across-layer one. A kind with fewer than 3 distinct rows (a final norm's one; a norm whose
+    every input repeats another norm's) has none: the notes say so."""
+    kept, dropped = distinct_points(rows)
+    notes = [_left_out(component, dropped)] if dropped else []
+    kinds = list(dict.fromkeys(module_kind(r.module) for r in rows))
+    if len(kinds) <= 1:
+        return {component: _correlate(kept)}, notes
+    groups = {k: [r for r in kept if module_kind(r.module) == k] for k in kinds}
+    out = {f"{component}:{k}": _correlate(g) for k, g in groups.items() if len(g) >= 3}
+    few = [k for k, g in groups.items() if len(g) < 3]
+    notes.append(
+        f"{component}: the rows are {len(kinds)} kinds of module, so the drift correlation is "
+        f"taken across the layers of each kind"
+        + (f"; none for {', '.join(few)} (fewer than 3 distinct rows)" if few else "")
+    )
+    return out, notes
+
+
+def drift_of(rows: list[LayerRow]) -> tuple[dict[str, DriftCorrelation], list[str]]:
+    """Every drift correlation of a run's rows and the notes that say what was left out: per
+    stack (:func:`stack_drift`), then, for an encoder-decoder, every stack's layers in order
+    (:func:`joined_drift`)."""
+    drift: dict[str, DriftCorrelation] = {}
+    notes: list[str] = []
+    components = list(dict.fromkeys(r.component for r in rows))
+    for component in components:
+        part, said = stack_drift(component, [r for r in rows if r.component == component])
+        drift.update(part)
+        notes += said
+    if len(components) > 1:
+        joined, drift[joined], note = joined_drift(rows)
+        notes += [note] if note else []
+    return drift, notes
 
 
 def joined_drift(rows: list[LayerRow]) -> tuple[str, DriftCorrelation, str]:
     """(key, correlation, note) over every stack's layers in order (Godey et al. Fig. 1's T5:
     encoder, then decoder), a layer holding the same vectors as an earlier one's taken once."""
-    components = list(dict.fromkeys(r.component for r in rows))
-    points: list[LayerRow] = []
-    dropped: list[LayerRow] = []
-    for r in rows:
-        (dropped if any(same_vectors(r, o) for o in points) else points).append(r)
-    joined = "+".join(components)
-    note = ""
-    if dropped:
-        left = ", ".join(f"{r.component} layer {r.layer}" for r in dropped)
-        note = (
-            f"{joined} drift correlation: {left} left out, the same vectors as an earlier layer "
-            "(the shared embedding of the same tokens), so no point counts twice"
-        )
-    return joined, drift_correlation([r.drift_norm for r in points], [r.avg_cos for r in points]), note
+    joined = "+".join(dict.fromkeys(r.component for r in rows))
+    points, dropped = distinct_points(rows)
+    return joined, _correlate(points), _left_out(joined, dropped) if dropped else ""
 
 
 def intervals(rows: list[LayerRow], level: float = 0.95) -> dict[str, Any]:

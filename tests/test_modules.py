@@ -182,3 +182,83 @@ def test_refusals_name_the_module(text, capsys):
     # the dry run plans from the config alone, which cannot say what the modules give
     assert main(["run", "-m", "minilm", "--data", text, "--modules", "attn_out", "--dry-run"]) == 2
     assert "drop --dry-run or --modules" in capsys.readouterr().err
+
+
+NEOX4 = "random:gpt_neox:hidden_size=32,num_hidden_layers=4,num_attention_heads=4,intermediate_size=64"
+GPT2_4 = "random:gpt2:n_layer=4,n_embd=32,n_head=4"
+
+
+def _permutation_p(x: list[float], y: list[float]) -> float:
+    """Two-sided permutation p of Spearman's rho over every pairing, by brute force."""
+    import itertools
+
+    from scipy import stats
+
+    rx, ry = stats.rankdata(x), stats.rankdata(y)
+    rho = stats.spearmanr(x, y).statistic
+    rhos = [stats.pearsonr(rx, [ry[i] for i in p]).statistic for p in itertools.permutations(range(len(x)))]
+    eps = 1e-12
+    less = sum(r <= rho + eps for r in rhos) / len(rhos)
+    more = sum(r >= rho - eps for r in rhos) / len(rhos)
+    return min(1.0, 2 * min(less, more))
+
+
+def test_norm_inputs_that_repeat_count_once_and_kinds_correlate_apart(text):
+    """Issue 37 item 4: GPT-NeoX's two norms of a block read one input (parallel residual), so
+    --modules norm_in has each block's input twice: those rows count once, and the correlation is
+    across the layers of one module kind, never across interleaved kinds."""
+    import torch
+    from scipy import stats
+    from transformers import GPTNeoXConfig, GPTNeoXModel
+
+    # independently of isotui: the two norms of a block are handed the same tensor
+    config = GPTNeoXConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64)
+    model = GPTNeoXModel(config).eval()
+    seen: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if name.endswith("layernorm"):
+            module.register_forward_pre_hook(lambda m, a, name=name: seen.__setitem__(name, a[0]))
+    model(input_ids=torch.tensor([[3, 7, 11, 19]]))
+    assert all(
+        torch.equal(seen[f"layers.{i}.input_layernorm"], seen[f"layers.{i}.post_attention_layernorm"])
+        for i in range(4)
+    )
+
+    result = isotui.run(NEOX4, text, modules=["norm_in"], cache=False, progress=False).result
+    kind = "layers.*.input_layernorm (input)"
+    assert list(result.drift) == [f"model:{kind}"]  # post_attention_layernorm: all repeats; final: 1 row
+    points = [r for r in result.rows if r.module.endswith("input_layernorm (input)")]
+    assert len(points) == 4
+    x, y = [r.drift_norm for r in points], [r.avg_cos for r in points]
+    d = result.drift[f"model:{kind}"]
+    assert d.n_layers == 4
+    assert d.spearman_rho == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-12)
+    assert d.spearman_p == pytest.approx(_permutation_p(x, y), rel=1e-12)
+    assert d.pearson_r == pytest.approx(stats.pearsonr(x, y).statistic, abs=1e-12)
+    notes = " ".join(result.meta["notes"])
+    assert "layers.0.post_attention_layernorm (input)" in notes and "left out" in notes
+    assert "fewer than 3 distinct rows" in notes
+
+
+def test_attention_and_mlp_outputs_correlate_per_kind(text):
+    """Rows of two module kinds (attn_out and mlp_out, interleaved as they run): one correlation
+    per kind, each scipy's over that kind's rows alone, and the header names the kind."""
+    from scipy import stats
+
+    from isotui.render import result_table
+
+    result = isotui.run(GPT2_4, text, modules=["attn_out", "mlp_out"], cache=False, progress=False).result
+    assert list(result.drift) == ["model:h.*.attn", "model:h.*.mlp"]
+    for kind in ("attn", "mlp"):
+        rows = [r for r in result.rows if r.module.endswith(f".{kind}")]
+        x, y = [r.drift_norm for r in rows], [r.avg_cos for r in rows]
+        d = result.drift[f"model:h.*.{kind}"]
+        assert d.n_layers == 4
+        assert d.spearman_rho == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-12)
+        assert d.pearson_r == pytest.approx(stats.pearsonr(x, y).statistic, abs=1e-12)
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(result_table(result))
+    shown = console.export_text()
+    assert "model:h.*.attn: drift vs avg_cos over 4 layers" in shown, shown

@@ -14,7 +14,6 @@ import numpy as np
 
 from isotui import __version__
 from isotui.core.accumulator import LayerStats
-from isotui.core.correlation import drift_correlation
 from isotui.core.null import null_cos_quantile
 from isotui.core.plugin import StreamingMetric
 from isotui.data.sources import fingerprint
@@ -28,7 +27,7 @@ from isotui.experiments.params import param
 from isotui.extract.device import needs_device_for_dtype, resolve_device, resolve_dtype
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
-from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult, joined_drift
+from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult, drift_of
 from isotui.spec import LAYER_METRICS, MODEL, RESERVOIR, SHARD, RunSpec
 from isotui.store.cache import ResultCache
 
@@ -453,13 +452,12 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
     ``facts`` (:func:`loaded_facts`)."""
     spec = prepared.spec
     rows: list[LayerRow] = []
-    drift = {}
     for component, layers in ex.components.items():
         part = build_rows(
             spec.model, component, layers, final_norm=ex.final_norm.get(component, False), modules=ex.modules
         )
-        drift[component] = drift_correlation([r.drift_norm for r in part], [r.avg_cos for r in part])
         rows.extend(part)
+    drift, drift_notes = drift_of(rows)
     notes: list[str] = []
     if ex.modules:
         asked = " ".join(f"--modules {g}" for g in spec.modules or ())
@@ -468,9 +466,7 @@ def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> M
             f"{ex.modules[0]} (layer 0) to {ex.modules[-1]} (layer {len(ex.modules) - 1}); the CSV's "
             "module column names each"
         )
-    if len(ex.components) > 1:  # the concatenated view (Godey et al. Fig. 1, T5): encoder, then decoder
-        joined, drift[joined], note = joined_drift(rows)
-        notes += [note] if note else []
+    notes += drift_notes  # duplicate rows left out, module kinds apart, the joined view (T5)
     meta = {
         "data": spec.data.describe(),
         "data_fingerprint": prepared.data_fingerprint,
