@@ -160,6 +160,7 @@ def final_norm_table(result: FinalNormResult) -> Any:
     """Before/after metrics, then the dimensions that carry avg_cos before the norm."""
     from rich.console import Group
 
+    from isotui.experiments.final_norm import gain_correlation, signed
     from isotui.render import Table
 
     metrics = Table(
@@ -197,19 +198,20 @@ def final_norm_table(result: FinalNormResult) -> Any:
         dims.add_column(h, justify="right")
     for r in sorted(result.dims, key=lambda r: -r.share_before)[:TOP]:
         dims.add_row(
-            str(r.dim),
-            _f(r.mean_before, 3),
-            _f(r.mean_after, 3),
-            _f(r.gain, 3),
-            _f(r.bias, 3),
-            _f(r.share_before, 3),
-            _f(r.share_after, 3),
+            str(r.dim),  # a small value keeps its sign: -0.0004, not -0.000
+            *(
+                signed(v, 3)
+                for v in (r.mean_before, r.mean_after, r.gain, r.bias, r.share_before, r.share_after)
+            ),
         )
-    dims.caption = (
-        f"Spearman(|x̄_k|, γ_k) = {_f(result.rho_mean_gain, 3)} (p={result.p_mean_gain:.2g}); "
-        f"Spearman(share_k, γ_k) = {_f(result.rho_share_gain, 3)} (p={result.p_share_gain:.2g})\n"
-        + result.verdict()
-    )
+    if math.isfinite(result.rho_mean_gain) or math.isfinite(result.rho_share_gain):
+        correlations = (
+            f"{gain_correlation(result.rho_mean_gain, result.p_mean_gain, 'Spearman(|x̄_k|, γ_k)', 3)}; "
+            f"{gain_correlation(result.rho_share_gain, result.p_share_gain, 'Spearman(share_k, γ_k)', 3)}"
+        )
+    else:  # an untrained norm: said once, in the verdict below
+        correlations = "Spearman(|x̄_k|, γ_k), Spearman(share_k, γ_k): none (every γ_k the same)"
+    dims.caption = correlations + "\n" + result.verdict()
     dims.caption_justify = "left"
     return Group(metrics, dims)
 
@@ -217,6 +219,7 @@ def final_norm_table(result: FinalNormResult) -> Any:
 def per_block_table(results: list[FinalNormResult]) -> Any:
     """One row per block output norm: what it does to avg_cos and IsoScore, and its top dims."""
 
+    from isotui.experiments.final_norm import signed
     from isotui.render import Table
 
     first = results[0]
@@ -251,9 +254,9 @@ def per_block_table(results: list[FinalNormResult]) -> Any:
             _f(r.before.isoscore),
             _f(r.after.isoscore),
             str(top.dim),
-            _f(top.share_before, 3),
-            _f(top.share_after, 3),
-            _f(top.gain, 4),
+            signed(top.share_before, 3),
+            signed(top.share_after, 3),
+            signed(top.gain, 4),
         )
     table.caption = (
         "layer L: the norm that ends block L (its output is hidden-state row L); top dim: the dimension "

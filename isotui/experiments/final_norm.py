@@ -67,6 +67,9 @@ class FinalNormResult:
     p_mean_gain: float
     rho_share_gain: float  # Spearman(share of avg_cos before, gamma_k)
     p_share_gain: float
+    # the standard error of the paired change avg_cos after - before (:func:`paired_change_se`);
+    # NaN where it was not estimated (a result cached before issue 37, a reservoir too small)
+    avg_cos_change_se: float = math.nan
     meta: dict[str, Any] = field(default_factory=dict)
     from_cache: bool = False
 
@@ -76,24 +79,25 @@ class FinalNormResult:
         top = sorted(self.dims, key=lambda r: -r.share_before)[:3]
         gains = np.array([r.gain for r in self.dims])
         dims = ", ".join(
-            f"{r.dim} (share {r.share_before:.2f}→{r.share_after:.2f}, gain {r.gain:.2f})" for r in top
+            f"{r.dim} (share {signed(r.share_before, 2)}→{signed(r.share_after, 2)}, "
+            f"gain {signed(r.gain, 2)})"
+            for r in top
         )
         med = float(np.median(np.abs(gains))) if len(gains) else math.nan
         iso = f"IsoScore {self.before.isoscore:.3f}→{self.after.isoscore:.3f}"
-        if unchanged(self.before, self.after):
-            change = f"leaves avg_cos unchanged at {b:.4f} (within noise; {iso})"
+        se = self.avg_cos_change_se
+        noise = f"{abs(a - b) / se:.1f} SE of the paired change" if se > 0 else "its noise not estimated"
+        if rounded_same(b, a):
+            change = f"leaves avg_cos unchanged at {b:.4f} (to float32 rounding; {iso})"
+        elif within_noise(b, a, se):
+            change = f"leaves avg_cos unchanged at {b:.4f} (within noise: {a - b:+.1e}, {noise}; {iso})"
         else:
             way, direction = ("lowers", "isotropy up") if a < b else ("raises", "isotropy down")
             digits = 4 if f"{a:.4f}" != f"{b:.4f}" else 8  # a real change that 4 decimals hide
-            change = f"{way} avg_cos from {b:.{digits}f} to {a:.{digits}f} ({direction}; {iso})"
+            change = f"{way} avg_cos from {b:.{digits}f} to {a:.{digits}f} ({direction}; {noise}; {iso})"
         return (
             f"{self.module} {change}; the dimensions carrying most of avg_cos before it: {dims}; "
-            f"median |gain| {med:.2f}; "
-            + (
-                f"Spearman(|x̄_k|, gain) = {self.rho_mean_gain:.2f} (p={self.p_mean_gain:.2g})"
-                if math.isfinite(self.rho_mean_gain)
-                else "every gain is the same (an untrained norm?): it scales no dimension more than another"
-            )
+            f"median |gain| {signed(med, 2)}; " + gain_correlation(self.rho_mean_gain, self.p_mean_gain)
         )
 
 
@@ -102,19 +106,89 @@ class FinalNormResult:
 ROUNDING = 1e-6
 
 
-def unchanged(before: LayerStats, after: LayerStats) -> bool:
-    """Whether the norm leaves avg_cos the same within noise: within float32 rounding (relative
-    :data:`ROUNDING`), or within the sampling sd of a mean cosine over these n vectors under
-    isotropy, sqrt(2 / (n (n - 1) d)) (:func:`isotui.core.null.null_mean_sd`), the finest change
-    a mean over n vectors resolves."""
-    from isotui.core.null import null_mean_sd
-
-    b, a = before.avg_cos, after.avg_cos
-    if not (math.isfinite(a) and math.isfinite(b)):
+def rounded_same(before: float, after: float) -> bool:
+    """Whether avg_cos before and after the norm are the same to float32 rounding (relative
+    :data:`ROUNDING`): a norm that only rescales each vector."""
+    if not (math.isfinite(after) and math.isfinite(before)):
         return False
-    n = min(before.n_vectors - before.n_zero, after.n_vectors - after.n_zero)
-    noise = null_mean_sd(n, max(before.dim, 2)) if n >= 2 else 0.0
-    return abs(a - b) <= max(ROUNDING * max(abs(a), abs(b)), noise)
+    return abs(after - before) <= ROUNDING * max(abs(after), abs(before))
+
+
+def within_noise(before: float, after: float, se: float) -> bool:
+    """Whether the change in avg_cos is within the noise of the change itself: inside the 95%
+    interval of the paired change, +-t x SE (t of the jackknife's degrees of freedom, 2.36), SE
+    from :func:`paired_change_se`. Not the sd of one mean: the norm maps each vector, so the two
+    means move together, and a systematic change smaller than either mean's own noise is real
+    (issue 37: 1.8e-3 at n = 100, d = 64, the null sd of one mean there). False where the SE is
+    unknown (NaN): nothing is then said to be within noise."""
+    from isotui.core.sampled import jackknife_t
+
+    if not (math.isfinite(after) and math.isfinite(before) and math.isfinite(se)):
+        return False
+    return abs(after - before) <= jackknife_t() * se
+
+
+def paired_change_se(acc_in: LayerAccumulator, acc_out: LayerAccumulator) -> float:
+    """Standard error of avg_cos(after) - avg_cos(before) over the same vectors, by the delete-a-
+    group jackknife on the paired reservoirs (the norm's input and output of the same tokens,
+    which carry the same keys: :func:`isotui.core.sampled.key_groups`' G groups in key order).
+    Each group left out moves both means at once, so what the two sides share cancels: the SE of
+    the change itself. From K reservoir vectors to all n it is scaled by sqrt(K / n) (a mean
+    cosine's leading term falls as 1/n; exact, unscaled, when the reservoir holds every vector).
+    NaN where the reservoirs are too small for G groups or do not hold the same tokens."""
+    import torch
+
+    from isotui.core.sampled import SE_GROUPS, _jackknife
+
+    sides = (acc_in, acc_out)
+    if any(acc.res is None or acc.res_keys is None for acc in sides):
+        return math.nan
+    keys = [acc.res_keys.cpu() for acc in sides]  # type: ignore[union-attr]
+    order = [torch.argsort(k) for k in keys]
+    if len(keys[0]) != len(keys[1]) or len(keys[0]) < 2 * SE_GROUPS:
+        return math.nan
+    if not torch.equal(keys[0][order[0]], keys[1][order[1]]):
+        return math.nan
+    theta = []
+    for acc, at in zip(sides, order, strict=True):
+        v = acc.res.cpu()[at].to(torch.float64)  # type: ignore[union-attr]
+        norms = torch.linalg.vector_norm(v, dim=1)
+        keep = norms > 0
+        u = (v / torch.where(keep, norms, 1.0)[:, None]).masked_fill_(~keep[:, None], 0.0)
+        parts = torch.tensor_split(torch.arange(len(v)), SE_GROUPS)
+        sums = torch.stack([u[idx].sum(0) for idx in parts]).numpy()
+        counts = np.array([int(keep[idx].sum()) for idx in parts], dtype=np.float64)
+        rest, n_rest = sums.sum(0) - sums, counts.sum() - counts
+        if np.any(n_rest < 2):
+            return math.nan
+        theta.append((np.einsum("gd,gd->g", rest, rest) - n_rest) / (n_rest * (n_rest - 1)))
+    se = _jackknife(theta[1] - theta[0])
+    k = len(keys[0])
+    n = max(acc_in.n_all, k)
+    return se * math.sqrt(k / n)
+
+
+def signed(value: float, digits: int) -> str:
+    """``value`` to ``digits`` decimals, unless that rounds a non-zero value to zero: then in one
+    significant digit, its sign kept (a gain of -0.003 as ``-0.003``, not ``-0.00``); 0 as 0."""
+    if math.isnan(value):
+        return "-"
+    if value == 0 or math.isinf(value):
+        return f"{0.0:.{digits}f}"
+    if round(value, digits) == 0:
+        return f"{value:.1g}"
+    return f"{value:.{digits}f}"
+
+
+def gain_correlation(rho: float, p: float, label: str = "Spearman(|x̄_k|, gain)", digits: int = 2) -> str:
+    """``Spearman(|x̄_k|, gain) = 0.42 (p=0.003)``, or why there is none: every gain equal (an
+    untrained norm) leaves no rank correlation, and no p (scipy's would be nan)."""
+    if math.isfinite(rho):
+        return f"{label} = {rho:.{digits}f} (p={p:.2g})"
+    return (
+        f"{label}: none, every gain is the same (an untrained norm?): it scales no dimension "
+        "more than another"
+    )
 
 
 def norm_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module, str]:
@@ -324,7 +398,8 @@ def finish_norms(state: dict[str, Any]) -> list[FinalNormResult]:
 def _finish_norms(accs: list[list[LayerAccumulator]], facts: dict[str, Any]) -> list[FinalNormResult]:
     out = []
     for site, (acc_in, acc_out) in zip(facts["sites"], accs, strict=True):
-        out.append(_result(facts, site, acc_in.finalize(), acc_out.finalize()))
+        change_se = paired_change_se(acc_in, acc_out)
+        out.append(_result(facts, site, acc_in.finalize(), acc_out.finalize(), change_se))
     return out
 
 
@@ -471,7 +546,11 @@ def _gain_bias(module: torch.nn.Module) -> dict[str, npt.NDArray[np.float64]]:
 
 
 def _result(
-    facts: dict[str, Any], site: dict[str, Any], before: LayerStats, after: LayerStats
+    facts: dict[str, Any],
+    site: dict[str, Any],
+    before: LayerStats,
+    after: LayerStats,
+    change_se: float = math.nan,
 ) -> FinalNormResult:
     from scipy.stats import spearmanr
 
@@ -509,6 +588,7 @@ def _result(
         p_mean_gain=float(r1.pvalue),
         rho_share_gain=float(r2.statistic),
         p_share_gain=float(r2.pvalue),
+        avg_cos_change_se=change_se,
         meta={
             "data": facts["data"],
             "n_samples": facts["n_samples"],
@@ -534,6 +614,7 @@ def json_payload(results: list[FinalNormResult]) -> dict[str, Any]:
                 "module": r.module,
                 "kind": r.kind,
                 "verdict": r.verdict(),
+                "avg_cos_change_se": r.avg_cos_change_se,  # the paired change's SE (NaN: unknown)
                 "before": {k: v for k, v in asdict(r.before).items() if not isinstance(v, np.ndarray)},
                 "after": {k: v for k, v in asdict(r.after).items() if not isinstance(v, np.ndarray)},
                 "dims": [asdict(d) for d in r.dims],

@@ -14,8 +14,8 @@ HELP = (
     "an untrained BERT block fed token embeddings plus a random bias of norm N, swept over N "
     "(Godey et al. 2024, Fig. 6-10): input/output anisotropy and norms and their fixed point N*, "
     "query/key alignment, score histograms, softmax sharpness. The default (BERT-base, 16 x 512 "
-    "tokens, 31 norms) takes about 3 minutes per seed on 2 idle CPU cores (7-9 minutes when they "
-    "are busy with other work); smaller --hidden/--seq-len/--norms are faster."
+    "tokens, 31 norms) is the slowest setting (its time per seed, measured, is in "
+    "docs/experiments/attention.md); smaller --hidden/--seq-len/--norms are faster."
 )
 
 
