@@ -262,3 +262,74 @@ def test_attention_and_mlp_outputs_correlate_per_kind(text):
     console.print(result_table(result))
     shown = console.export_text()
     assert "model:h.*.attn: drift vs avg_cos over 4 layers" in shown, shown
+
+
+def test_a_star_stays_within_one_dotted_name_and_two_cross_dots(text):
+    """Issue 38 item 4: `*` within a dotted name, `**` across (as .gitignore). The docs' MLP glob
+    matches the 6 MLP outputs alone (under fnmatch's rule it also took the 6 attention outputs),
+    and the run's notes say what changed and the spelling that gives the old set."""
+    import fnmatch
+
+    from transformers import AutoModel
+
+    from isotui.models.naming import bundled_minilm_dir
+
+    names = [n for n, _ in AutoModel.from_pretrained(str(bundled_minilm_dir())).named_modules()]
+    before = [n for n in names if fnmatch.fnmatchcase(n, "encoder.layer.*.output.dense")]
+    within = [
+        n
+        for n in names
+        if n.count(".") == 4 and n.startswith("encoder.layer.") and n.endswith(".output.dense")
+    ]
+    assert len(before) == 12 and len(within) == 6  # the attention's output.dense too, under fnmatch
+
+    got = isotui.run("minilm", text, modules=["encoder.layer.*.output.dense"], cache=False, progress=False)
+    assert [r["module"] for r in got.rows] == within
+    notes = " ".join(got.result.meta["notes"])
+    assert "where * crossing dots matched 12" in notes and "'encoder.layer.**.output.dense'" in notes
+    crossing = isotui.run(
+        "minilm", text, modules=["encoder.layer.**.output.dense"], cache=False, progress=False
+    )
+    assert [r["module"] for r in crossing.rows] == before
+    assert "crossing dots matched" not in " ".join(crossing.result.meta["notes"])
+
+
+def test_a_glob_that_now_matches_nothing_is_refused_with_the_crossing_spelling(text):
+    with pytest.raises(
+        IsotuiError, match=r"matched \d+ when \* crossed dots, as --modules 'encoder\*\*dense'"
+    ):
+        isotui.run("minilm", text, modules=["encoder*dense"], cache=False, progress=False)
+
+
+def test_a_patterns_key_says_the_glob_rule_and_a_names_key_does_not():
+    """Entries of a pattern computed under fnmatch's rule may hold other modules: its key holds
+    the rule; a module's plain name and the named sites keep the keys they had."""
+    import hashlib
+    import json
+
+    from isotui.experiments.layerwise import prepare
+    from isotui.results import SCHEMA_VERSION
+    from isotui.spec import make_spec
+
+    def key_without_rule(modules: list[str]) -> str:
+        prepared = prepare(make_spec("minilm", "builtin", max_samples=2, modules=tuple(modules)))
+        fields = {
+            "schema": SCHEMA_VERSION,
+            "model": prepared.model_fingerprint,
+            "data": prepared.data_fingerprint,
+            "max_length": prepared.max_length,
+            "special_tokens": "exclude",
+            "dtype": prepared.dtype,
+            "seed": 0,
+            "reservoir": 4096,
+            "modules": modules,
+        }
+        sha = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+        return sha if prepared.key == sha else prepared.key + " != " + sha
+
+    name = key_without_rule(["encoder.layer.0.output.dense"])
+    assert "!=" not in name
+    site = key_without_rule(["mlp_out"])
+    assert "!=" not in site
+    pattern = key_without_rule(["encoder.layer.*.output.dense"])
+    assert "!=" in pattern  # the rule is in its key

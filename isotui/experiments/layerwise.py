@@ -25,6 +25,7 @@ from isotui.experiments.cached import runs_cache
 from isotui.experiments.half_check import HALF_DTYPES
 from isotui.experiments.params import param
 from isotui.extract.device import needs_device_for_dtype, resolve_device, resolve_dtype
+from isotui.extract.modules import has_wildcard
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.models.naming import parse_model
 from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult, drift_of
@@ -127,6 +128,9 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
         **({"tokenizer": spec.tokenizer} if spec.tokenizer else {}),  # only when given: old keys hold
         **({"exact": True} if spec.exact else {}),  # off: the keys of earlier runs stay valid
         **({"modules": list(spec.modules)} if spec.modules else {}),  # likewise
+        # a pattern's matches follow the glob rule (issue 38: * within one dotted name): entries of
+        # patterns read under fnmatch's rule are not answered for them; names and sites keep keys
+        **({"glob_rule": "segment"} if any(has_wildcard(g) for g in spec.modules or ()) else {}),
         **({"metrics": [[m.name, m.version] for m in metrics]} if metrics else {}),  # plug-ins in force
     }
     key = run_key(key_fields)

@@ -1,6 +1,8 @@
 """Which modules a ``--modules`` run reads: globs over ``model.named_modules()`` and named sites.
 
-A glob (``fnmatch``, ``*`` crossing dots) names modules whose output is measured; a named site
+A glob names modules whose output is measured, by the rule users know from ``.gitignore``: ``*``
+and ``?`` stay within one dotted name, ``**`` crosses dots (:func:`glob_regex`; before issue 38 ``*``
+crossed dots, and a glob whose matches changed says so in the run's notes); a named site
 (``resid_post``, ``attn_out``, ``mlp_out``, ``norm_in``) names, for an architecture isotui knows,
 the modules (or the inputs of modules) that give that point of every block. Each read is a
 :class:`Site`; the run orders them by when they first run (extract/runner.py) and checks there
@@ -85,10 +87,52 @@ def _nearest(word: str, names: list[str]) -> str:
     return ", ".join(close) if close else "(the model has no named modules)"
 
 
-def resolve(model: Any, model_type: str, globs: tuple[str, ...]) -> list[Site]:
+WILDCARDS = frozenset("*?[")
+
+
+def has_wildcard(glob: str) -> bool:
+    """Whether ``glob`` is a pattern rather than one module's name (its cache key says the rule)."""
+    return glob not in SITE_NAMES and any(c in WILDCARDS for c in glob)
+
+
+def glob_regex(glob: str) -> re.Pattern[str]:
+    """``glob`` as a regular expression over module names: ``**`` any characters (dots too),
+    ``*`` any within one dotted name, ``?`` one character but a dot, ``[...]`` (``[!...]``) a
+    class; everything else literal."""
+    out, i = [], 0
+    while i < len(glob):
+        if glob.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif glob[i] == "*":
+            out.append("[^.]*")
+            i += 1
+        elif glob[i] == "?":
+            out.append("[^.]")
+            i += 1
+        elif glob[i] == "[" and (end := glob.find("]", i + 2)) != -1:
+            body = glob[i + 1 : end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(glob[i]))
+            i += 1
+    return re.compile("".join(out))
+
+
+def _crossing(glob: str) -> str:
+    """``glob`` with each lone ``*`` as ``**``: what it meant when ``*`` crossed dots."""
+    return re.sub(r"(?<!\*)\*(?!\*)", "**", glob)
+
+
+def resolve(
+    model: Any, model_type: str, globs: tuple[str, ...], notes: list[str] | None = None
+) -> list[Site]:
     """The sites ``globs`` name in ``model`` (named sites first looked up for ``model_type``),
     each once, in ``named_modules`` order; a glob matching nothing is refused naming the nearest
-    module names."""
+    module names. A glob whose matches differ from fnmatch's (``*`` crossing dots, the rule before
+    issue 38) is said in ``notes``, or, matching nothing now, refused with the spelling that
+    crosses dots."""
     modules = {n: m for n, m in model.named_modules() if n}
     names = list(modules)
     chosen: dict[tuple[str, str], Site] = {}
@@ -115,11 +159,25 @@ def resolve(model: Any, model_type: str, globs: tuple[str, ...]) -> list[Site]:
                     f"({', '.join(p for p, _ in table[glob])}); the nearest names: {_nearest(glob, names)}"
                 )
         else:
-            found = [(n, OUTPUT) for n in names if fnmatchcase(n, glob)]
+            rule = glob_regex(glob)
+            found = [(n, OUTPUT) for n in names if rule.fullmatch(n)]
+            before = [n for n in names if fnmatchcase(n, glob)]
+            if not found and before:
+                raise IsotuiError(
+                    f"--modules {glob!r} matches no module of {what}: * stays within one dotted name "
+                    f"(** crosses dots); it matched {len(before)} when * crossed dots, as "
+                    f"--modules {_crossing(glob)!r} does"
+                )
             if not found:
                 raise IsotuiError(
                     f"--modules {glob!r} matches no module of {what}; the nearest names: "
                     f"{_nearest(glob, names)}"
+                )
+            if notes is not None and [n for n, _ in found] != before:
+                notes.append(
+                    f"--modules {glob!r}: * now stays within one dotted name (** crosses dots): "
+                    f"{len(found)} modules, where * crossing dots matched {len(before)}; "
+                    f"--modules {_crossing(glob)!r} gives those {len(before)}"
                 )
         for name, read in found:
             chosen.setdefault((name, read), Site(name, modules[name], read))

@@ -365,7 +365,9 @@ class LayerStream:
                     f"--modules reads the modules of one stack of positions, and {type(self.model).__name__} "
                     "is an encoder-decoder model: measure it without --modules"
                 )
-            self.module_sites = resolve(self.model, self.loaded.model_type, tuple(self.opts.modules or ()))
+            self.module_sites = resolve(
+                self.model, self.loaded.model_type, tuple(self.opts.modules or ()), self.notes
+            )
         sites = self.module_sites
         first = self.accs is None
         calls = [0] * len(sites)
