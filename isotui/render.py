@@ -205,9 +205,16 @@ def _avg_cos(r: LayerRow) -> Text:
     return Text(_f(r.avg_cos) + ("*" if r.above_null else " "), style="bold" if r.above_null else "")
 
 
+MODULE_WIDTH = 40  # a --modules row's module name in the layer column (its start and end kept)
+
+
 def layer_label(r: LayerRow) -> str:
-    """``3``, ``12 (norm)`` when the model's final norm is in it, ``decoder 3`` for a 2nd stack."""
+    """``3``, ``12 (norm)`` when the model's final norm is in it, ``decoder 3`` for a 2nd stack,
+    ``3 h.1.attn`` for a ``--modules`` row (the module named where the eye looks, not only in
+    the CSV)."""
     layer = f"{r.layer}{' (norm)' if r.final_norm else ''}"
+    if r.module:
+        layer = f"{layer} {shorten(r.module, MODULE_WIDTH)}"
     return layer if r.component == "model" else f"{r.component} {layer}"
 
 

@@ -333,3 +333,18 @@ def test_a_patterns_key_says_the_glob_rule_and_a_names_key_does_not():
     assert "!=" not in site
     pattern = key_without_rule(["encoder.layer.*.output.dense"])
     assert "!=" in pattern  # the rule is in its key
+
+
+def test_module_rows_are_named_in_the_table(text):
+    """Issue 38 item 4: the terminal's table (and the app's, the same columns) names each
+    --modules row's module, not only the CSV."""
+    from rich.console import Console
+
+    from isotui.render import result_table
+
+    result = isotui.run("minilm", text, modules=["mlp_out"], cache=False, progress=False).result
+    console = Console(width=200, record=True)
+    console.print(result_table(result))
+    shown = console.export_text()
+    for i in range(6):
+        assert f"{i} encoder.layer.{i}.output.dense" in shown, shown
