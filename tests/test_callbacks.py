@@ -2,9 +2,12 @@
 
 A tiny BERT (train-tiny's model on small sizes, dropout on, so its train/eval mode and the random
 numbers matter) trains 6 steps with the Trainer, saving at steps 3 and 6, once without and once
-with the callback probing every 3 steps: the losses are the same, the numbers at a step are
-``isotui.run`` on the checkpoint the Trainer saved at that step, and the recorded series opens as
-a checkpoint series (API, CLI, figure).
+with the callback probing every 3 steps (given as ``Trainer(callbacks=[...])``): the losses are
+the same, the numbers at a step are ``isotui.run`` on the checkpoint the Trainer saved at that
+step, and the recorded series opens as a checkpoint series (API, CLI, figure). Shorter trainings
+at the callback's defaults: given in ``callbacks=[...]`` or attached, the scalars reach the log
+history and every reporter's ``on_log`` but not the console (unless ``console=True``), and the
+last step is probed (``max_steps``, or the step a callback stopped the training at).
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ def _train(out: Path, probe: bool, tok, accumulate: int = 1, steps: int = STEPS)
         gradient_accumulation_steps=accumulate,
     )  # fmt: skip
 
+    callbacks = []
+    if probe:  # the Hugging Face way: in the trainer's callbacks
+        callbacks.append(
+            IsotuiCallback("builtin", every=EVERY, max_samples=SAMPLES, experiments=("layers", "gradients"))
+        )
+
     class Capturing(Trainer):
         """Keeps the weights, the batch, torch's generator and the loss of step EVERY's forward."""
 
@@ -87,11 +96,8 @@ def _train(out: Path, probe: bool, tok, accumulate: int = 1, steps: int = STEPS)
         train_dataset=[{"input_ids": r} for r in rows],
         data_collator=DataCollatorForLanguageModeling(tok),  # masks with torch's global generator
         processing_class=tok,
+        callbacks=callbacks,
     )
-    if probe:
-        IsotuiCallback(
-            "builtin", every=EVERY, max_samples=SAMPLES, experiments=("layers", "gradients")
-        ).attach(trainer)
     trainer.train()
     model.captured = trainer.captured
     return trainer.state.log_history, model
@@ -269,8 +275,10 @@ def test_bad_settings_are_one_sentence(tmp_path):
         Probe(every=-1)
     with pytest.raises(IsotuiError, match="metrics= has 'avg_coss', which is no layer metric"):
         Probe(metrics=["avg_coss"])
-    with pytest.raises(IsotuiError, match="every=0 probes only at the steps of at="):
-        Probe(every=0)
+    with pytest.raises(IsotuiError, match="every=0 with at_end=False probes only at the steps of at="):
+        Probe(every=0, at_end=False)
+    with pytest.raises(IsotuiError, match=r"at_end= is True .* or False \(got 1\)"):
+        Probe(at_end=1)
     with pytest.raises(IsotuiError, match=r"experiments= must be \('layers',\) or \('layers', 'gradients'\)"):
         Probe(experiments=["gradients"])
     with pytest.raises(IsotuiError, match=r"top_k= must be a whole number of at least 1 \(got 0\)"):
@@ -281,9 +289,165 @@ def test_bad_settings_are_one_sentence(tmp_path):
     with pytest.raises(IsotuiError, match="is not empty and holds no recorded series"):
         prepare_out(tmp_path)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    with pytest.raises(IsotuiError, match=r"console= is False .* or True \(printed too\), not 'yes'"):
+        IsotuiCallback(console="yes")
     callback = IsotuiCallback(every=10)
-    with pytest.raises(IsotuiError, match=r"attach\(trainer\)"):
+    with pytest.raises(
+        IsotuiError, match=r"found no transformers Trainer calling it: give it to Trainer\(callbacks"
+    ):
         callback.on_train_begin(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _tokenizer()
+
+
+class _Reporter(transformers.TrainerCallback):
+    """What a reporter of ``report_to`` receives (TensorBoard's, W&B's, MLflow's are callbacks
+    whose ``on_log`` gets every ``trainer.log`` dict): the logs, by step."""
+
+    def __init__(self) -> None:
+        self.logs: list[tuple[int, dict]] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append((state.global_step, dict(logs)))
+
+
+class _StopAt(transformers.TrainerCallback):
+    """Stops the training at the end of ``step``, after the callbacks before it saw that step's end."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def _short(out: Path, tok, steps: int, callback, how: str = "callbacks", extra=(), disable_tqdm: bool = True):
+    """A short training of the tiny BERT, the callback given as ``how`` says; the trainer."""
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    from isotui.data.sources import load_samples, parse_data
+    from isotui.experiments.train_tiny import Settings, build_model, pack_rows
+
+    ids = tok(load_samples(parse_data("builtin"))[:200], add_special_tokens=False)["input_ids"]
+    rows = pack_rows(ids, 32, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id)
+    torch.manual_seed(0)
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, save_strategy="no",
+        logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=disable_tqdm,
+    )  # fmt: skip
+    given = [callback] if how in ("callbacks", "both") else []
+    trainer = Trainer(
+        model=build_model(Settings("bert", steps, (), 32, 2, 2, 32, 8, 1e-3, 0.1, 0), tok), args=args,
+        train_dataset=[{"input_ids": r} for r in rows], data_collator=DataCollatorForLanguageModeling(tok),
+        processing_class=tok, callbacks=[*given, *extra],
+    )  # fmt: skip
+    if how in ("attach", "both"):
+        assert callback.attach(trainer) is callback
+    trainer.train()
+    return trainer
+
+
+def _probed_steps(history: list[dict]) -> list[int]:
+    return [h["step"] for h in history if "isotui/avg_cos/layer_0" in h]
+
+
+@pytest.mark.parametrize("how", ["callbacks", "attach", "both"])
+def test_given_in_the_trainers_callbacks_or_attached(how, tok, tmp_path, capsys):
+    """``Trainer(callbacks=[IsotuiCallback()])`` finds its trainer when training starts, as
+    ``.attach(trainer)`` gives it (both: the callback is held once); at the defaults a 4-step
+    training is probed at step 0 and at its last step; the scalars go to the log history and to
+    every reporter, not to the console, where the trainer's own loss lines still go."""
+    from isotui.callbacks import IsotuiCallback
+    from isotui.experiments.recorded import recorded_series
+
+    callback, reporter = IsotuiCallback(max_samples=16), _Reporter()
+    trainer = _short(tmp_path, tok, 4, callback, how, extra=[reporter])
+    assert callback.trainer is trainer
+    assert [c for c in trainer.callback_handler.callbacks if c is callback] == [callback]
+    assert _probed_steps(trainer.state.log_history) == [0, 4]
+    assert [s for s, logs in reporter.logs if "isotui/avg_cos/layer_0" in logs] == [0, 4]
+    assert [c.step for c in recorded_series(tmp_path / "isotui")] == [0, 4]
+    printed = capsys.readouterr()
+    assert "'loss'" in printed.out  # the trainer's own logs are printed as ever (PrinterCallback)
+    assert "isotui/" not in printed.out + printed.err
+
+
+def test_one_trainer_per_callback(tok, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from isotui.callbacks import IsotuiCallback
+    from isotui.experiments.train_tiny import Settings, build_model
+
+    model = build_model(Settings("bert", 1, (), 32, 2, 2, 32, 8, 1e-3, 0.1, 0), tok)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    callback = IsotuiCallback()
+    first = Trainer(model=model, args=args, processing_class=tok, callbacks=[callback])
+    assert callback.attach(first) is callback  # given already: held once
+    assert [c for c in first.callback_handler.callbacks if c is callback] == [callback]
+    with pytest.raises(IsotuiError, match="belongs to another trainer already; make one per trainer"):
+        callback.attach(Trainer(model=model, args=args, processing_class=tok))
+
+
+@pytest.mark.parametrize(
+    ("disable_tqdm", "console"),
+    [(False, False), (False, True), (True, True)],
+    ids=["bar", "bar-console", "print-console"],
+)
+def test_the_console_shows_the_scalars_only_when_asked(disable_tqdm, console, tok, tmp_path, capsys):
+    """The progress bar's (``ProgressCallback``) and ``PrinterCallback``'s lines hold the probe's
+    scalars only with ``console=True``; the reporters get them either way."""
+    from isotui.callbacks import IsotuiCallback
+
+    reporter = _Reporter()
+    callback = IsotuiCallback(max_samples=16, console=console)
+    _short(tmp_path, tok, 2, callback, extra=[reporter], disable_tqdm=disable_tqdm)
+    printed = capsys.readouterr()
+    assert "'loss'" in printed.out
+    assert ("isotui/avg_cos/layer_0" in printed.out) is console
+    assert [s for s, logs in reporter.logs if "isotui/avg_cos/layer_0" in logs] == [0, 2]
+
+
+@pytest.mark.parametrize(
+    ("steps", "stop", "at_end", "probed", "sources"),
+    [
+        (3, None, True, [0, 3], {0: "probe-set", 3: "own-backward"}),
+        (6, 2, True, [0, 2], {0: "probe-set", 2: "probe-set"}),
+        (3, None, False, [0], {0: "probe-set"}),
+    ],
+    ids=["max-steps", "stopped-by-a-callback", "at-end-off"],
+)
+def test_the_last_step_is_probed_by_default(steps, stop, at_end, probed, sources, tok, tmp_path):
+    """At ``every=100`` a short training is probed at its last step: ``max_steps`` (its own
+    backward's gradients, hooked before that step) or the step a later callback stopped it at
+    (probed at the epoch's end, before the trainer loads a best checkpoint or its reporters close;
+    the probe set's gradients); ``at_end=False``: step 0 only."""
+    from isotui.callbacks import IsotuiCallback
+    from isotui.experiments.recorded import recorded_gradients
+
+    callback = IsotuiCallback(max_samples=16, at_end=at_end, experiments=("layers", "gradients"))
+    extra = [_StopAt(stop)] if stop is not None else []
+    trainer = _short(tmp_path, tok, steps, callback, extra=extra)
+    assert trainer.state.global_step == (stop or steps)
+    assert _probed_steps(trainer.state.log_history) == probed
+    found = recorded_gradients(tmp_path / "isotui")
+    assert {s: g.meta["source"] for s, g in found.items()} == sources
+    if stop is not None:
+        assert "probed at the end of training" in found[stop].meta["why"]
+
+
+def test_the_last_step_is_due_once():
+    from isotui.callbacks import Probe
+
+    probe = Probe(every=100)
+    assert probe.due(0) and not probe.due(20) and probe.due(20, last=True) and probe.due(200, last=True)
+    assert not Probe(every=100, at_end=False).due(20, last=True)
+    probe.done.add(20)
+    assert not probe.due(20, last=True)
+    assert Probe(every=0).due(7, last=True) and not Probe(every=0).due(0)
 
 
 def _page_python(page: Path, uses: str = "IsotuiCallback(") -> str:
@@ -304,7 +468,11 @@ def test_the_docs_example_runs(tmp_path):
         [sys.executable, "-c", _page_python(page)], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "isotui/avg_cos/layer_1" in proc.stdout
+    # the probe's scalars are not printed (the trainer's loss lines are); the example's last line is
+    # the value at the last step, probed at the defaults
+    *lines, last = proc.stdout.strip().splitlines()
+    assert last.startswith("120 isotui/avg_cos/layer_1 ")
+    assert not any("isotui/" in line for line in lines) and any("'loss'" in line for line in lines)
     text = page.read_text(encoding="utf-8")
     (console,) = re.findall(r"^```console\n(.*?)^```", text, re.S | re.M)
     commands = [shlex.split(line[2:]) for line in console.splitlines() if line.startswith("$ ")]

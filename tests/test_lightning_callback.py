@@ -257,6 +257,53 @@ def test_gradient_accumulation_falls_back_to_the_probe_set(tmp_path):
             assert getattr(got, name) == pytest.approx(getattr(want, name), abs=1e-9), name
 
 
+@pytest.mark.parametrize(
+    ("limits", "at_end", "probed", "sources"),
+    [
+        ({"max_steps": 4}, True, [0, 4], {0: "probe-set", 4: "own-backward"}),
+        ({"max_epochs": 1, "limit_train_batches": 3}, True, [0, 3], {0: "probe-set", 3: "probe-set"}),
+        ({"max_steps": 4}, False, [0], {0: "probe-set"}),
+    ],
+    ids=["max-steps", "max-epochs", "at-end-off"],
+)
+def test_the_last_step_is_probed_by_default(limits, at_end, probed, sources, tmp_path):
+    """At ``every=100`` a short fit is probed at its last step, as the Trainer's callback: the batch
+    reaching ``max_steps`` (its own backward's gradients), or at the end of a fit bounded otherwise
+    (``max_epochs``: ``on_train_end``, the probe set's gradients), the scalars in the CSV logger's
+    file at that step; ``at_end=False``: step 0 only."""
+    from lightning.pytorch.loggers import CSVLogger
+    from transformers import DataCollatorForLanguageModeling
+
+    from isotui.callbacks import IsotuiLightningCallback
+    from isotui.data.sources import load_samples, parse_data
+    from isotui.experiments.recorded import recorded_gradients
+    from isotui.experiments.train_tiny import pack_rows
+
+    tok = _tokenizer()
+    ids = tok(load_samples(parse_data("builtin"))[:200], add_special_tokens=False)["input_ids"]
+    rows = pack_rows(ids, 32, tok.cls_token_id, tok.sep_token_id, tok.pad_token_id)
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(
+        [{"input_ids": r} for r in rows], batch_size=8, collate_fn=DataCollatorForLanguageModeling(tok)
+    )
+    callback = IsotuiLightningCallback(max_samples=16, at_end=at_end, experiments=("layers", "gradients"))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, default_root_dir=str(tmp_path),
+        logger=CSVLogger(str(tmp_path), name="csv"), callbacks=[callback], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **limits,
+    )  # fmt: skip
+    trainer.fit(TinyBert(_model(tok), tok), loader)
+    assert trainer.global_step == (3 if "max_epochs" in limits else 4)
+    found = recorded_gradients(tmp_path / "isotui")
+    assert {s: g.meta["source"] for s, g in found.items()} == sources
+    if "max_epochs" in limits:
+        assert "probed at the end of training" in found[3].meta["why"]
+    (metrics,) = (tmp_path / "csv").glob("version_*/metrics.csv")
+    with metrics.open(newline="") as f:
+        logged = [int(r["step"]) for r in csv.DictReader(f) if r.get("isotui/avg_cos/layer_1")]
+    assert logged == probed
+
+
 def test_only_rank_zero_probes(tmp_path):
     from isotui.callbacks import IsotuiLightningCallback
 

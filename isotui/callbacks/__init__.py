@@ -18,9 +18,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from isotui.callbacks.probe import DEFAULT_EVERY, DEFAULT_METRICS, DEFAULT_SAMPLES, Probe, kept_rng
+from isotui.callbacks.probe import (
+    DEFAULT_AT_END,
+    DEFAULT_EVERY,
+    DEFAULT_METRICS,
+    DEFAULT_SAMPLES,
+    Probe,
+    kept_rng,
+)
 
 __all__ = [
+    "DEFAULT_AT_END",
     "DEFAULT_EVERY",
     "DEFAULT_METRICS",
     "DEFAULT_SAMPLES",

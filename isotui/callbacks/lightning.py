@@ -8,13 +8,15 @@
     trainer = L.Trainer(max_steps=1000, callbacks=[IsotuiLightningCallback("builtin", tokenizer=tok)])
     trainer.fit(module, loader)
 
-At the start of training (step 0, when ``every`` divides it or ``at`` names it) and at the end of
+At the start of training (step 0, when ``every`` divides it or ``at`` names it), at the end of
 every training batch whose optimizer step makes ``trainer.global_step`` due (after the update: the
 weights a checkpoint saved at that step holds; under gradient accumulation, the batch that
-completes the step), the model is probed (:class:`~isotui.callbacks.probe.Probe`) and its scalars
-go to every logger of the trainer (``trainer.loggers``: CSV, TensorBoard, W&B, ...) through
-``logger.log_metrics(scalars, step=global_step)``: at the probe's own step, not only at the
-trainer's ``log_every_n_steps``. The series is written to ``out`` (default
+completes the step) and at the training's last step (``at_end``, default: the batch that reaches
+``max_steps``, else when the training ends, ``on_train_end``: ``max_epochs``, early stopping,
+before the loggers are finalised), the model is probed (:class:`~isotui.callbacks.probe.Probe`)
+and its scalars go to every logger of the trainer (``trainer.loggers``: CSV, TensorBoard, W&B,
+...) through ``logger.log_metrics(scalars, step=global_step)``: at the probe's own step, not only
+at the trainer's ``log_every_n_steps``. The series is written to ``out`` (default
 ``DEFAULT_ROOT_DIR/isotui``), which ``isotui experiment checkpoints -c`` reads as a checkpoint
 series.
 
@@ -42,13 +44,14 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-from isotui.callbacks.probe import DEFAULT_EVERY, DEFAULT_METRICS, DEFAULT_SAMPLES, Probe
+from isotui.callbacks.probe import DEFAULT_AT_END, DEFAULT_EVERY, DEFAULT_METRICS, DEFAULT_SAMPLES, Probe
 from isotui.errors import IsotuiError
 
 
 class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's base is untyped here
     """Probe the model in training on ``data`` every ``every`` steps and at the steps ``at``
-    (see :class:`~isotui.callbacks.probe.Probe` for the keywords); ``model=`` the module's part
+    (see :class:`~isotui.callbacks.probe.Probe` for the keywords) and, with ``at_end``, at the
+    training's last step; ``model=`` the module's part
     to measure (attribute name or function), ``tokenizer=`` / ``processor=`` what turns the
     probe set into its inputs."""
 
@@ -63,6 +66,7 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
         out: str | Path | None = None,
         experiments: Iterable[str] = ("layers",),
         top_k: int = 10,
+        at_end: bool = DEFAULT_AT_END,
         model: str | Callable[[Any], Any] | None = None,
         tokenizer: Any = None,
         processor: Any = None,
@@ -70,7 +74,7 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
     ) -> None:
         self.probe = Probe(
             data, every=every, at=at, max_samples=max_samples, metrics=metrics, out=out,
-            experiments=experiments, top_k=top_k, **options,
+            experiments=experiments, top_k=top_k, at_end=at_end, **options,
         )  # fmt: skip
         self.own: Any = None  # the coming step's own-backward hooks, when it is probed with gradients
         self.no_own = "no training step ran before it"
@@ -114,7 +118,12 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Before a batch whose step is probed with gradients: hook its own backward, if it is one."""
-        if not (trainer.is_global_zero and self.probe.gradients and self.probe.due(trainer.global_step + 1)):
+        coming = trainer.global_step + 1
+        if not (
+            trainer.is_global_zero
+            and self.probe.gradients
+            and self.probe.due(coming, last=0 < trainer.max_steps <= coming)
+        ):
             return
         if not pl_module.automatic_optimization:
             self.no_own = "manual optimisation (the module's training_step steps its optimizers itself)"
@@ -136,6 +145,16 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
                 self.own.disarm()
             self.own, self.no_own = None, "no training step ran before it"
 
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The training's last step, when no batch's end reached ``max_steps`` (``max_epochs``,
+        early stopping, a time limit): probed now, with the weights it ended on, before the
+        loggers are finalised."""
+        self.no_own = "probed at the end of training, after its last step"
+        try:
+            self._probe(trainer, pl_module, last=True)
+        finally:
+            self.no_own = "no training step ran before it"
+
     def _processing(self, pl_module: Any) -> tuple[Any, Any]:
         tokenizer = self.tokenizer if self.tokenizer is not None else getattr(pl_module, "tokenizer", None)
         processor = self.processor if self.processor is not None else getattr(pl_module, "processor", None)
@@ -152,9 +171,17 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
             )
         return tokenizer, processor
 
-    def _probe(self, trainer: Any, pl_module: Any, before_training: bool = False) -> None:
+    def _probe(
+        self, trainer: Any, pl_module: Any, before_training: bool = False, last: bool | None = None
+    ) -> None:
+        """Probe the step if it is due; ``last``: whether it is the training's last step (None:
+        whether it reaches ``max_steps``)."""
         step = int(trainer.global_step)
-        if not trainer.is_global_zero or not self.probe.due(step):
+        if not trainer.is_global_zero:
+            return
+        if last is None:
+            last = 0 < trainer.max_steps <= step
+        if not self.probe.due(step, last=last):
             return
 
         def measure() -> dict[str, float]:

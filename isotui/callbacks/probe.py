@@ -33,6 +33,7 @@ from typing import Any
 from isotui.errors import IsotuiError
 
 DEFAULT_EVERY = 100  # steps between probes: measured overhead on train-tiny's model in the docs
+DEFAULT_AT_END = True  # a probe at the training's last step too, wherever every= falls
 DEFAULT_SAMPLES = 256  # probe-set samples: a few hundred, as the reservoir metrics need
 DEFAULT_METRICS = ("avg_cos", "drift_norm", "isoscore", "eff_rank")  # the scalars logged per layer
 EXPERIMENTS = ("layers", "gradients")  # what a probe can measure; the layers always
@@ -88,7 +89,9 @@ def _whole(value: Any, keyword: str, minimum: int) -> int:
 
 class Probe:
     """What to measure and when: ``data`` (a data spec as ``isotui run --data`` takes), at most
-    ``max_samples`` of it, every ``every`` steps (0: only at ``at``) and at the steps ``at``;
+    ``max_samples`` of it, every ``every`` steps (0: only at ``at``), at the steps ``at`` and,
+    with ``at_end`` (default), at the training's last step (the step it stops at: ``max_steps``
+    or the step a callback stopped it, early stopping's);
     the layer metrics ``metrics`` logged per layer; the series written to ``out`` (None: none);
     ``experiments``: ``("layers",)`` (default) or ``("layers", "gradients")``: the gradients
     experiment's metrics too (``top_k`` principal directions), from the step's own backward when
@@ -107,6 +110,7 @@ class Probe:
         out: str | Path | None = None,
         experiments: Iterable[str] = ("layers",),
         top_k: int = 10,
+        at_end: bool = DEFAULT_AT_END,
         **options: Any,
     ) -> None:
         if not isinstance(data, str) or not data:
@@ -116,8 +120,15 @@ class Probe:
         self.data = data
         self.every = _whole(every, "every", 0)
         self.at = frozenset(_whole(s, "at", 0) for s in ([at] if isinstance(at, int) else at))
-        if self.every == 0 and not self.at:
-            raise IsotuiError("every=0 probes only at the steps of at=, and at= is empty: give either")
+        if not isinstance(at_end, bool):
+            raise IsotuiError(
+                f"at_end= is True (a probe at the training's last step) or False (got {at_end!r})"
+            )
+        self.at_end = at_end
+        if self.every == 0 and not self.at and not self.at_end:
+            raise IsotuiError(
+                "every=0 with at_end=False probes only at the steps of at=, and at= is empty: give either"
+            )
         self.max_samples = _whole(max_samples, "max_samples", 1)
         known = _metric_names()
         self.metrics = tuple([metrics] if isinstance(metrics, str) else metrics)
@@ -144,11 +155,12 @@ class Probe:
         self.skipped: dict[int, str] = {}  # step -> why its probe failed (the training went on)
         self._said: set[str] = set()  # the failures said so far, each once
 
-    def due(self, step: int) -> bool:
-        """Whether ``step`` is probed (each step once)."""
+    def due(self, step: int, *, last: bool = False) -> bool:
+        """Whether ``step`` is probed (each step once); ``last``: it is the training's last step
+        (probed with ``at_end``)."""
         if step in self.done:
             return False
-        return step in self.at or (self.every > 0 and step % self.every == 0)
+        return step in self.at or (self.every > 0 and step % self.every == 0) or (last and self.at_end)
 
     def start(self, out: str | Path | None = None) -> None:
         """Before the first probe: the series folder (``out`` unless given at construction), made
@@ -161,7 +173,7 @@ class Probe:
             prepare_out(self.out)
             self.record = new_record(
                 {"data": self.data, "max_samples": self.max_samples, "every": self.every, **self.options}
-                | {"at": sorted(self.at), "experiments": list(self.experiments)}
+                | {"at": sorted(self.at), "at_end": self.at_end, "experiments": list(self.experiments)}
                 | ({"top_k": self.top_k} if self.gradients else {})
             )
 

@@ -4,15 +4,25 @@
 
     from isotui.callbacks import IsotuiCallback
 
-    trainer = Trainer(model=model, args=args, train_dataset=..., processing_class=tokenizer)
-    IsotuiCallback("builtin", every=100).attach(trainer)
+    trainer = Trainer(model=model, args=args, train_dataset=..., processing_class=tokenizer,
+                      callbacks=[IsotuiCallback("builtin", every=100)])
     trainer.train()
 
-At the start of training (step 0 is due when ``every`` divides it or ``at`` names it) and at the
-end of every step due, after the optimizer's update (the weights the Trainer's save at that step
-writes), the model is probed (:class:`~isotui.callbacks.probe.Probe`) and its scalars go through
-``trainer.log``: ``state.log_history`` and every reporter of ``report_to`` (TensorBoard, W&B,
-CSV-like loggers) receive ``isotui/avg_cos/layer_3`` and the others at that step. The series is
+(``IsotuiCallback(...).attach(trainer)`` adds it to a trainer made already.) The model and its
+tokenizer or processor are those the events give (``model=``, ``processing_class=``); the trainer
+the scalars are logged through is the one whose events call it (:func:`calling_trainer`: the
+events carry no trainer, so it is found, once per training, as the ``Trainer`` up the call stack
+whose callback handler holds this callback).
+
+At the start of training (step 0 is due when ``every`` divides it or ``at`` names it), at the end
+of every step due, after the optimizer's update (the weights the Trainer's save at that step
+writes), and at the training's last step (``at_end``, default: ``max_steps``, or the step a callback
+stopped it, early stopping's, before the best checkpoint is loaded back), the model is probed
+(:class:`~isotui.callbacks.probe.Probe`) and its scalars go through ``trainer.log``:
+``state.log_history`` and every reporter of ``report_to`` (TensorBoard, W&B, MLflow...) receive
+``isotui/avg_cos/layer_3`` and the others at that step. The console printers (transformers'
+``ProgressCallback``, ``PrinterCallback``, ``NotebookProgressCallback``) are left out of that call
+unless ``console=True``: a probe's dozens of scalars are not printed beside the loss. The series is
 written to ``out`` (default ``OUTPUT_DIR/isotui``), which ``isotui experiment checkpoints -c``
 and ``isotui figure machina2024-heatmap -c`` read as a checkpoint series.
 
@@ -36,19 +46,24 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from isotui.callbacks.probe import DEFAULT_EVERY, DEFAULT_METRICS, DEFAULT_SAMPLES, Probe
+from isotui.callbacks.probe import DEFAULT_AT_END, DEFAULT_EVERY, DEFAULT_METRICS, DEFAULT_SAMPLES, Probe
 from isotui.errors import IsotuiError
 
 # the logger of transformers' own callbacks (EarlyStoppingCallback's warnings): the trainer's
 # handler and verbosity, not a logger of isotui's that nothing shows
 logger = logging.get_logger("transformers.trainer_callback")
 
+# transformers' callbacks that print every log to the console (the progress bar's write, print, a
+# notebook's table): a probe's scalars skip them unless console=True
+PRINTERS = ("ProgressCallback", "PrinterCallback", "NotebookProgressCallback")
+
 
 class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' class is unannotated
     """Probe the model in training on ``data`` every ``every`` steps and at the steps ``at``
-    (see :class:`~isotui.callbacks.probe.Probe` for the keywords); ``tokenizer=`` or
-    ``processor=`` override the trainer's ``processing_class``. Add it with :meth:`attach`, which
-    gives it the trainer its scalars are logged through."""
+    (see :class:`~isotui.callbacks.probe.Probe` for the keywords) and, with ``at_end``, at the
+    training's last step; ``tokenizer=`` or ``processor=`` override the trainer's
+    ``processing_class``; ``console=True`` prints the scalars with the trainer's own logs. Give it
+    to ``Trainer(callbacks=[...])``, or add it to a trainer with :meth:`attach`."""
 
     def __init__(
         self,
@@ -61,14 +76,22 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
         out: str | Path | None = None,
         experiments: Iterable[str] = ("layers",),
         top_k: int = 10,
+        at_end: bool = DEFAULT_AT_END,
+        console: bool = False,
         tokenizer: Any = None,
         processor: Any = None,
         **options: Any,
     ) -> None:
         self.probe = Probe(
             data, every=every, at=at, max_samples=max_samples, metrics=metrics, out=out,
-            experiments=experiments, top_k=top_k, **options,
+            experiments=experiments, top_k=top_k, at_end=at_end, **options,
         )  # fmt: skip
+        if not isinstance(console, bool):
+            raise IsotuiError(
+                "console= is False (the scalars go to the trainer's loggers, not the console) or True "
+                f"(printed too), not {console!r}"
+            )
+        self.console = console
         self.tokenizer = tokenizer
         self.processor = processor
         self.trainer: Any = None
@@ -76,20 +99,26 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
         self.no_own = "no training step ran before it"
 
     def attach(self, trainer: Any) -> IsotuiCallback:
-        """Add this callback to ``trainer`` and log through it; returns the callback."""
-        if self.trainer is not None and self.trainer is not trainer:
-            raise IsotuiError(
-                "this IsotuiCallback is attached to another trainer already; make one per trainer"
-            )
-        self.trainer = trainer
-        trainer.add_callback(self)
+        """Add this callback to ``trainer`` (once: not again if its callbacks hold it already) and
+        log through it; returns the callback."""
+        self._belong(trainer)
+        if not any(c is self for c in trainer.callback_handler.callbacks):
+            trainer.add_callback(self)
         return self
 
+    def _belong(self, trainer: Any) -> None:
+        if self.trainer is not None and self.trainer is not trainer:
+            raise IsotuiError("this IsotuiCallback belongs to another trainer already; make one per trainer")
+        self.trainer = trainer
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer is None:
+        found = calling_trainer(self)
+        if found is not None:
+            self._belong(found)
+        elif self.trainer is None:
             raise IsotuiError(
-                "IsotuiCallback logs through its trainer: add it with IsotuiCallback(...).attach(trainer), "
-                "not Trainer(callbacks=[...])"
+                "IsotuiCallback found no transformers Trainer calling it: give it to "
+                "Trainer(callbacks=[...]) or add it with IsotuiCallback(...).attach(trainer)"
             )
         if state.is_world_process_zero:  # before the first step: refused in one sentence
             self.probe.start(Path(args.output_dir) / "isotui")
@@ -99,8 +128,11 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Before a step whose end is probed with gradients: hook its own backward, if it is one."""
+        coming = state.global_step + 1
         if not (
-            state.is_world_process_zero and self.probe.gradients and self.probe.due(state.global_step + 1)
+            state.is_world_process_zero
+            and self.probe.gradients
+            and self.probe.due(coming, last=0 < state.max_steps <= coming)
         ):
             return
         if args.gradient_accumulation_steps > 1:
@@ -115,12 +147,25 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
             self.no_own = f"its hooks could not be set ({type(exc).__name__}: {exc})"
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # the last step: max_steps, or a callback before this one stopped the training here
+        last = 0 < state.max_steps <= state.global_step or bool(control.should_training_stop)
         try:
-            self._probe(state, kwargs, control)
+            self._probe(state, kwargs, control, last=last)
         finally:
             if self.own is not None:
                 self.own.disarm()
             self.own, self.no_own = None, "no training step ran before it"
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The training stopped after its step's end (early stopping decides on the evaluation
+        that follows it; a callback after this one): its last step probed now, before the trainer
+        loads a best checkpoint back and before the reporters close at the end of training."""
+        if control.should_training_stop or 0 < state.max_steps <= state.global_step:
+            self.no_own = "probed at the end of training, after its last step"
+            try:
+                self._probe(state, kwargs, control, last=True)
+            finally:
+                self.no_own = "no training step ran before it"
 
     def _processing(self, kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if self.tokenizer is not None or self.processor is not None:
@@ -128,10 +173,15 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
         return _split_processing(kwargs.get("processing_class") or kwargs.get("tokenizer"))
 
     def _probe(
-        self, state: Any, kwargs: dict[str, Any], control: Any = None, before_training: bool = False
+        self,
+        state: Any,
+        kwargs: dict[str, Any],
+        control: Any = None,
+        before_training: bool = False,
+        last: bool = False,
     ) -> None:
         step = int(state.global_step)
-        if not state.is_world_process_zero or not self.probe.due(step):
+        if not state.is_world_process_zero or not self.probe.due(step, last=last):
             return
         tokenizer, processor = self._processing(kwargs)
         model = kwargs["model"]
@@ -149,9 +199,51 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
             return
         # the trainer's on_log clears should_log: kept, so the step's own loss is logged as without us
         should_log = getattr(control, "should_log", False)
-        self.trainer.log(scalars)
+        self._log(scalars)
         if control is not None:
             control.should_log = should_log
+
+    def _log(self, scalars: dict[str, float]) -> None:
+        """``trainer.log(scalars)``: the log history and every reporter; the console printers
+        left out of this one call unless ``console=True`` (the handler's list is swapped for a
+        copy without them and put back, so the event being dispatched is untouched)."""
+        handler = self.trainer.callback_handler
+        kept = handler.callbacks
+        if not self.console:
+            handler.callbacks = [c for c in kept if not prints(c)]
+        try:
+            self.trainer.log(scalars)
+        finally:
+            handler.callbacks = kept
+
+
+def prints(callback: Any) -> bool:
+    """Whether ``callback`` is one of transformers' console printers (or a subclass of one)."""
+    return any(
+        k.__name__ in PRINTERS and k.__module__.startswith("transformers.") for k in type(callback).__mro__
+    )
+
+
+def calling_trainer(callback: Any) -> Any:
+    """The transformers ``Trainer`` whose event calls ``callback`` now, None when none does: the
+    events give the model, its processing class, the optimizer and the dataloaders but not the
+    trainer, whose ``log`` reaches the reporters. The trainer's loop calls the event through its
+    ``callback_handler``, so the first ``self`` up the call stack that is a ``Trainer`` (a subclass:
+    TRL's, sentence-transformers') whose handler holds ``callback`` is it."""
+    import sys
+    from types import FrameType
+
+    from transformers import Trainer
+
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            held = getattr(getattr(owner, "callback_handler", None), "callbacks", ())
+            if any(c is callback for c in held):
+                return owner
+        frame = frame.f_back
+    return None
 
 
 def _split_processing(processing: Any) -> tuple[Any, Any]:
