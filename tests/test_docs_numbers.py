@@ -42,3 +42,40 @@ def test_final_norm_numbers_on_minilm_are_the_runs():
         f"dimension 223 carries {min(shares):.0%}-{max(shares):.0%} of avg_cos going into blocks 3-5"
     )
     assert said in page, said
+
+
+NAMES = {
+    "avg_cos_centered": "centred avg_cos",
+    "iw": "I(W)",
+    "iw_centered": "centred I(W)",
+    "avg_cos_abtt": "all-but-the-top",
+    "avg_cos_std": "standardised avg_cos",
+}
+
+
+@pytest.mark.slow
+def test_sampled_against_exact_numbers_are_the_benchmarks():
+    """docs/metrics.md: benchmarks/sampled_vs_exact.py's summary on MiniLM over the built-in corpus
+    (1,000 samples, reservoir 4,096): how many layer-metrics lie within 1.5 SE, the farthest, and
+    layer 0's all-but-the-top."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "sampled_vs_exact", ROOT / "benchmarks" / "sampled_vs_exact.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["sampled_vs_exact"] = bench  # a NamedTuple's module is looked up by name
+    spec.loader.exec_module(bench)
+    gaps, n_sample = bench.compare("minilm", 1000)
+    assert n_sample == 4096
+    far = max(gaps, key=lambda g: g.z)
+    abtt = next(g for g in gaps if g.layer == 0 and g.metric == "avg_cos_abtt")
+    within = sum(g.z <= 1.5 for g in gaps)
+    said = (
+        f"within 1.5 SE of the all-vectors ones for {within} of the {len(gaps)} layer-metrics, the "
+        f"farthest {far.z:.1f} SE (layer {far.layer}'s {NAMES[far.metric]}: {far.value:.3g} ± {far.se:.2g} "
+        f"against {far.exact:.3g} exact; layer 0's all-but-the-top: {abtt.value:.2g} ± {abtt.se:.5f} "
+        f"against {abtt.exact:.2g};"
+    )
+    assert said in _page("metrics.md"), said
