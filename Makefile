@@ -22,20 +22,30 @@ TORCH_INDEX ?=
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist loadfile
 
-.PHONY: run test test-fast test-oldest test-newest docs lint format bench clean
+.PHONY: run test test-fast test-oldest test-newest torch-note docs lint format bench clean
 # The docs site (mkdocs.yml): built strictly, offline; `make test` builds it into a temporary folder.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# Said before a first install on a machine without an NVIDIA GPU (no nvidia-smi) when TORCH_INDEX is
+# not set and the venv has no torch yet: PyPI's torch there is still the CUDA build (issue 38).
+CPU_TORCH_NOTE = if [ -z "$(TORCH_INDEX)" ] && ! command -v nvidia-smi >/dev/null 2>&1 \
+	&& ! $(BIN)/python -c "import torch" >/dev/null 2>&1; then \
+	echo "isotui: no NVIDIA GPU here (no nvidia-smi), yet PyPI's torch is the CUDA build (several GB);"; \
+	echo "isotui: for the CPU wheel, stop now (Ctrl-C) and run: make $(or $(MAKECMDGOALS),run) TORCH_INDEX=https://download.pytorch.org/whl/cpu"; fi
+
+torch-note: | $(BIN)/python
+	@$(CPU_TORCH_NOTE)
+
 # `make run` installs what running needs; `make test` adds the test extras (pytest, ruff...).
-$(RUN_STAMP): pyproject.toml | $(BIN)/python
+$(RUN_STAMP): pyproject.toml | $(BIN)/python torch-note
 	$(if $(TORCH_INDEX),$(BIN)/pip install torch --index-url $(TORCH_INDEX))
 	$(BIN)/pip install -e .
 	touch $(RUN_STAMP)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml | $(BIN)/python torch-note
 	$(if $(TORCH_INDEX),$(BIN)/pip install torch --index-url $(TORCH_INDEX))
 	$(BIN)/pip install -e '.[test]'
 	touch $(STAMP) $(RUN_STAMP)

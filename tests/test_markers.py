@@ -96,3 +96,33 @@ def test_a_child_of_a_test_takes_ctrl_c_even_when_the_suite_was_started_ignoring
     probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make on this machine")
+def test_a_first_install_without_a_gpu_says_how_to_take_the_cpu_torch(tmp_path):
+    """Issue 38 item 7: `make run` on a machine with no nvidia-smi and no TORCH_INDEX says, before
+    pip downloads PyPI's CUDA torch, how to take the CPU wheel; not with TORCH_INDEX, and not once
+    the venv has a torch (the machine's python here: it has one)."""
+    import venv
+
+    bare = tmp_path / "bare"
+    venv.create(bare, with_pip=False)  # no torch in it
+    path = os.pathsep.join(
+        p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "nvidia-smi").exists()
+    )
+
+    def note(*args: str) -> str:
+        proc = subprocess.run(
+            ["make", "-s", "-C", str(ROOT), "torch-note", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PATH": path},
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    said = note(f"VENV={bare}")
+    assert "no NVIDIA GPU here" in said and "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in said
+    assert note(f"VENV={bare}", "TORCH_INDEX=https://download.pytorch.org/whl/cpu") == ""
+    assert note(f"VENV={Path(sys.executable).parent.parent}") == ""
