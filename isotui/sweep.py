@@ -377,6 +377,14 @@ def run_local(
     through ``CUDA_VISIBLE_DEVICES``; a crash retried ``retries`` times."""
     groups = gpu_groups(local_devices(), settings.gpus_per_task)
     workers = settings.workers or len(groups)
+    on_gpus = groups[0] not in (None, "")
+    if on_gpus and workers > len(groups):  # never two running tasks on one GPU: the rest queue
+        say(
+            f"[sweep] workers = {workers}, but the visible GPUs make {len(groups)} group"
+            f"{'s' if len(groups) != 1 else ''} of {settings.gpus_per_task or 1:g}: {len(groups)} "
+            "tasks run at once, each on GPUs of its own, and the others wait"
+        )
+        workers = len(groups)
     free = list(range(workers))
     lock = threading.Lock()
 
@@ -384,7 +392,7 @@ def run_local(
         with lock:
             slot = free.pop(0)
         try:
-            group = groups[slot % len(groups)]
+            group = groups[slot] if on_gpus else groups[0]
             env = {"CUDA_VISIBLE_DEVICES": group} if group is not None else {}
             for attempt in range(settings.retries + 1):
                 if stop():

@@ -594,11 +594,15 @@ def test_local_tasks_get_their_own_gpus_while_they_run(monkeypatch, tmp_path):
         return 0, ""
 
     monkeypatch.setattr(sweep, "run_task", fake_task)
-    settings = sweep.SweepSettings(gpus_per_task=2)
     jobs = [(sweep.Task(f"m{i}", 0, 1), [str(i)]) for i in range(6)]
-    results = sweep.run_local(jobs, settings, lambda _r: None, lambda _t: None)
-    assert all(r.ok for r in results) and len(seen) == 6
-    assert set(seen) <= {"0,1", "2,3"} and not clash
+    for workers in (None, 4):  # 4 workers on 2 pairs (issue 36): two of them queue, never share
+        seen.clear()
+        said: list[str] = []
+        settings = sweep.SweepSettings(gpus_per_task=2, workers=workers)
+        results = sweep.run_local(jobs, settings, lambda _r: None, said.append)
+        assert all(r.ok for r in results) and len(seen) == 6
+        assert set(seen) <= {"0,1", "2,3"} and not clash
+        assert (workers is not None) == any("2 tasks run at once" in t for t in said), said
 
 
 def test_ray_tasks_take_a_gpu_each_where_the_cluster_has_them():
