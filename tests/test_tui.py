@@ -387,6 +387,12 @@ def test_help_screen_palette_and_screenshot(tmp_path, monkeypatch):
             assert isinstance(app.screen, HelpScreen)
             listed = {row[1]: row[0] for row in app.screen.rows() if row[1]}
             assert set(listed) == {b.id for b in IsotuiApp.BINDINGS}
+            # every short header of the layer table is explained (issue 38: erank, norm, xctx)
+            from isotui.render import COLUMNS
+
+            explained = dict(app.screen.columns)
+            assert {c.header for c in COLUMNS} <= set(explained)
+            assert "entropy" in explained["erank"] and "different samples" in explained["xctx"]
             assert listed["screenshot"] == "p" and listed["run"] == "r"
             await pilot.press("escape")
             assert not isinstance(app.screen, HelpScreen)

@@ -31,7 +31,7 @@ from textual.screen import Screen
 
 from isotui.backend import Backend, JobEvent, Post
 from isotui.paths import cache_dir, config_dir, resource_dir
-from isotui.results import ModelResult
+from isotui.results import METRICS, ModelResult
 from isotui.settings import load_settings
 from isotui.spec import RunSpec
 from isotui.store.cache import ResultCache
@@ -249,7 +249,14 @@ class IsotuiApp(App[None]):
 
     def action_help(self) -> None:
         sort_key = next(k for k, i, _ in self.key_bindings() if i == "sort")
-        self.push_screen(HelpScreen(self.key_bindings(), sort_key, title="isotui keys: models and layers"))
+        columns: tuple[tuple[str, str], ...] = (
+            ("layer", "the row: 0 is the embeddings; a --modules row names its module"),
+            ("n", "vectors kept (padding and, by default, special tokens left out)"),
+            *((m.header, m.definition) for m in METRICS if m.header),
+        )
+        self.push_screen(
+            HelpScreen(self.key_bindings(), sort_key, title="isotui keys: models and layers", columns=columns)
+        )
 
     def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
         """Every isotui action in the command palette (ctrl+p), beside Textual's own."""

@@ -52,13 +52,17 @@ class HelpScreen(ModalScreen[None]):
         *,
         title: str = "isotui keys",
         widget_keys: tuple[tuple[str, str], ...] = WIDGET_KEYS,
+        columns: tuple[tuple[str, str], ...] = (),
     ) -> None:
-        """``keys``: (key, action id, description) of the screen's bindings as bound now."""
+        """``keys``: (key, action id, description) of the screen's bindings as bound now;
+        ``columns``: (header, what it is) of the screen's table, whose short headers (``erank``,
+        ``xctx``) are explained nowhere else on screen."""
         super().__init__()
         self.keys = keys
         self.sort_key = sort_key
         self.title = title
         self.widget_keys = widget_keys
+        self.columns = columns
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(key, id, what) for every key of the screen, then its widgets' own keys."""
@@ -76,6 +80,19 @@ class HelpScreen(ModalScreen[None]):
         with VerticalScroll(id="help-box"):
             yield Static(Text(f"{self.title} (esc closes; remap them in the settings file's [keys] by id)"))
             yield Static(table, id="help-keys")
+            if self.columns:
+                legend = Table(box=None, header_style="bold", expand=True, pad_edge=False)
+                legend.add_column("column", no_wrap=True)
+                legend.add_column("what it shows", ratio=1)
+                for header, what in self.columns:
+                    legend.add_row(header, what)
+                yield Static(
+                    Text("\nthe layer table's columns (What is measured in the docs has each formula)")
+                )
+                yield Static(legend, id="help-columns")
+
+    def on_mount(self) -> None:
+        self.query_one("#help-box").focus()  # ↑ ↓ and page keys scroll what an 80x24 screen cuts
 
     def action_close(self) -> None:
         self.dismiss(None)
