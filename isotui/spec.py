@@ -362,8 +362,9 @@ class RunSpec:
     # the outputs of chosen modules instead of the hidden states (extract/modules.py)
     modules: tuple[str, ...] | None = _option(
         help="measure the output of every module whose name in model.named_modules() matches GLOB "
-        "(repeatable; * within one dotted name, ** across dots) or of a named site: resid_post (the default rows), attn_out, "
-        "mlp_out, norm_in; one row per module, in the order they run, named in the CSV's module column",
+        "(repeatable; * within one dotted name, ** across dots) or of a named site: resid_post (the "
+        "default rows), attn_out, mlp_out, norm_in; one row per module, in the order they run, named in "
+        "the CSV's module column",
         toml=(str, list),
         parse=_modules,
         repeat=True,
