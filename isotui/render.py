@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +121,56 @@ def shorten(name: str, width: int) -> str:
         return name
     head = (width - 1) // 2
     return name[:head] + "…" + name[-(width - 1 - head) :]
+
+
+NAME_PARTS = re.compile(r"[^:/,]*[:/,]|[^:/,]+")  # a model name's parts, each with the : / , after it
+
+
+def _shared(a: list[str], b: list[str]) -> int:
+    """How many leading parts ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def distinct_names(names: Sequence[str], width: int) -> list[str]:
+    """Names shown together (a legend, a table), each in at most ``width`` cells and no two the
+    same: one that fits is kept whole; a longer one is cut to what tells it apart from the others:
+    a hub id's last part when no other shown name ends so, else without the leading and trailing
+    parts (split after ``:``, ``/``, ``,``) it shares with another name, marked ``…``
+    (``random:gpt2:n_layer=2,n_head=2`` beside ``random:gpt2:n_layer=4,n_head=2`` reads
+    ``…n_layer=2…``), then :func:`shorten`; names that would still read the same are numbered."""
+    parts = [NAME_PARTS.findall(n) for n in names]
+    bases = [n.rstrip("/").rsplit("/", 1)[-1] for n in names]
+    out = []
+    for i, name in enumerate(names):
+        others = [j for j, other in enumerate(names) if other != name]
+        hub = "/" in name and not name.startswith(("random:", "/", ".", "~"))
+        if len(name) <= width:
+            out.append(name)
+            continue
+        if hub and bases[i] and all(bases[j] != bases[i] for j in others):
+            out.append(shorten(bases[i], width))
+            continue
+        mine = parts[i]
+        head = max((_shared(mine, parts[j]) for j in others), default=0)
+        tail = max((_shared(mine[::-1], parts[j][::-1]) for j in others), default=0)
+        head = min(head, len(mine) - 1)
+        tail = min(tail, len(mine) - 1 - head)
+        middle = "".join(mine[head : len(mine) - tail])
+        if tail:
+            middle = middle.rstrip(":/,")
+        out.append(shorten("…" * (head > 0) + middle + "…" * (tail > 0), width))
+    same = [
+        i
+        for i, name in enumerate(names)
+        if any(out[i] == out[j] and name != names[j] for j in range(len(names)))
+    ]
+    for i in same:
+        number = f" ({i + 1})"
+        out[i] = shorten(out[i], max(width - len(number), 1)) + number
+    return out
 
 
 def _f(value: float, digits: int = 4) -> str:

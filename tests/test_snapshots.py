@@ -104,6 +104,67 @@ def test_main_screen_comparing_two_models(snap_compare, size):
     assert snap_compare(_app(), terminal_size=size, run_before=_with_results)
 
 
+UNTRAINED = (
+    "random:gpt2:n_layer=4,n_embd=128,vocab_size=128",
+    "random:gpt2:n_layer=6,n_embd=128,vocab_size=128",
+)
+
+
+def add_jobs(app, finished: int = 3, running: int = 1) -> None:
+    """``finished`` done jobs and ``running`` ones at 40%, straight into the jobs pane (the events a
+    backend posts; nothing runs, no clock is read: a running job's ETA is its samples' rate)."""
+    from types import SimpleNamespace
+
+    from isotui.backend import JobFinished, JobProgress, JobQueued, JobStarted
+    from isotui.extract.progress import Progress
+    from isotui.tui.jobs import JobsTable
+
+    jobs = app.query_one("#jobs", JobsTable)
+    for i in range(finished + running):
+        spec = SimpleNamespace(
+            model=("minilm", *UNTRAINED, "bert-base-uncased")[i % 4], device="cpu", kind=None
+        )
+        jobs.apply(JobQueued(i + 1, spec))
+        jobs.apply(JobStarted(i + 1, spec, "cpu"))
+        if i < finished:
+            jobs.apply(JobFinished(i + 1, spec, SimpleNamespace(from_cache=False, meta={"device": "cpu"})))
+        else:
+            progress = Progress(800, 2000, 40_000, 20.0, memory_bytes=300 * 2**20, phase="running")
+            jobs.apply(JobProgress(i + 1, spec, progress))
+
+
+async def _with_jobs(pilot) -> None:
+    """Four compared models, two of them untrained ones whose names differ in one setting, and
+    three finished jobs and one running."""
+    await _settle(pilot)
+    app = pilot.app
+    for i, name in enumerate(("minilm", *UNTRAINED, "bert-base-uncased")):
+        app.add_result(fixture_result(name, 7 + 2 * i, 384, 0.15 * (i + 1)))
+    add_jobs(app)
+    await pilot.press("n")
+    await pilot.pause()
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_main_screen_with_jobs(snap_compare, size):
+    """At 80x24 the jobs pane is folded to its summary line (the table and plot keep their rows);
+    at 120x36 it lists the four jobs. The legend tells the two untrained models apart."""
+    assert snap_compare(_app(), terminal_size=size, run_before=_with_jobs)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_main_screen_with_jobs_unfolded(snap_compare, size):
+    """The jobs key unfolds the pane at 80x24 (the user's choice: the plot gives way) and folds it
+    at 120x36."""
+
+    async def unfold(pilot) -> None:
+        await _with_jobs(pilot)
+        await pilot.press("j")
+        await pilot.pause()
+
+    assert snap_compare(_app(), terminal_size=size, run_before=unfold)
+
+
 LAB_TABS = ("1", "2", "3", "4", "5")  # Heads, Dynamics, Drift block, Checkpoints, Token types
 
 

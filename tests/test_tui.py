@@ -17,7 +17,7 @@ from isotui.backend import Backend
 from isotui.errors import Cancelled, IsotuiError
 from isotui.experiments.layerwise import Prepared
 from isotui.extract.progress import Progress
-from isotui.render import shorten
+from isotui.render import distinct_names, shorten
 from isotui.tui.app import IsotuiApp
 from isotui.tui.help import HelpScreen
 from isotui.tui.jobs import JobsTable
@@ -842,7 +842,8 @@ def test_every_compared_curve_shows_with_its_legend_outside_the_plot(tmp_path):
             legend = app.query_one("#plot-legend")
             assert not plot.region.overlaps(legend.region)
             written = "\n".join(_canvas(legend))
-            assert all(shorten(m, 16) in written or shorten(m, 22) in written for m in models), written
+            shown = distinct_names(list(models), 16 if size[0] < 120 else 22)
+            assert all(name in written for name in shown), written
             beside = legend.region.x >= plot.region.right
             assert beside == (size[0] < 120)  # 80 columns: beside; 120: under it
             if size[0] >= 120:
@@ -850,6 +851,65 @@ def test_every_compared_curve_shows_with_its_legend_outside_the_plot(tmp_path):
                 assert not any(g in "\n".join(_canvas(drift)) for g in ("⅃", " L ")), _canvas(drift)
                 said = "\n".join(_canvas(app.query_one("#drift-legend")))
                 assert "drift (left)" in said and "avg_cos (right)" in said
+
+    for size in ((80, 24), (120, 36)):
+        asyncio.run(scenario(size))
+
+
+def test_names_shown_together_are_told_apart():
+    """Two untrained models read ``random:…size=128`` in the legend (issue 38): a name too long
+    for its place drops what it shares with the others shown, a hub id keeps its last part, a
+    name that fits stays whole, and names that would still read the same are numbered."""
+    a, b = (f"random:gpt2:n_layer={n},n_head=2,n_embd=128,vocab_size=128" for n in (2, 4))
+    assert distinct_names([a, b], 16) == ["…n_layer=2…", "…n_layer=4…"]
+    assert shorten(a, 16) == shorten(b, 16)  # what the legend showed before
+    names = distinct_names([a, b, "minilm", "EleutherAI/pythia-160m", "EleutherAI/pythia-70m"], 16)
+    assert names == ["…n_layer=2…", "…n_layer=4…", "minilm", "pythia-160m", "pythia-70m"]
+    assert distinct_names(["x" * 30 + "1", "x" * 30 + "2"], 10) == ["xxxx…xxxx1", "xxxx…xxxx2"]
+    same = distinct_names(["random:gpt2:a=1", "random:gpt2:a=2"], 4)
+    assert len(set(same)) == 2 and all(len(n) <= 8 for n in same)
+
+
+def test_at_80x24_jobs_fold_to_a_line_and_the_table_and_plot_keep_their_rows(tmp_path):
+    """Three finished jobs and a running one: at 80x24 the jobs pane is one line that counts them
+    (it took 6 rows, leaving the plot 2 data rows and the layer table 1); the plot keeps 5 data
+    rows and the table its 5 lines, as with no jobs. ``j`` unfolds it and folds it again; folded
+    it takes no focus. At 120x36 it lists them, and the plot and table keep their rows too."""
+    from .test_snapshots import UNTRAINED, add_jobs, fixture_result
+
+    def plot_rows(app) -> int:  # the plot's data rows: between its frame's top and bottom
+        lines = _canvas(app.query_one("#plot"))
+        top = next(i for i, line in enumerate(lines) if "┌" in line)
+        return next(i for i, line in enumerate(lines) if "└" in line) - top - 1
+
+    async def scenario(size):
+        app = IsotuiApp(cache_root=tmp_path / "cache", fresh=True, device_probe=lambda: "cpu")
+        async with app.run_test(size=size) as pilot:
+            for i, name in enumerate(("minilm", *UNTRAINED, "bert-base-uncased")):
+                app.add_result(fixture_result(name, 7 + 2 * i, 384, 0.15 * (i + 1)))
+            await pilot.pause()
+            alone = (plot_rows(app), app.query_one("#layers").size.height)
+            add_jobs(app, finished=3, running=1)
+            await pilot.pause()
+            jobs = app.query_one("#jobs", JobsTable)
+            layers = app.query_one("#layers")
+            assert plot_rows(app) >= 5 and layers.size.height >= 5
+            if size == (80, 24):
+                assert (plot_rows(app), layers.size.height) == alone
+                assert jobs.outer_size.height == 1 and not jobs.can_focus
+                assert str(jobs.border_title).startswith("jobs: 1 running, 3 done (j: show) · ")
+                assert "40%, ETA 0:30" in str(jobs.border_title)
+                await pilot.press("j")
+                await pilot.pause()
+                assert jobs.outer_size.height == 6 and jobs.can_focus  # the user's choice
+                assert "j: fold" in str(jobs.border_title)
+                await pilot.press("j")
+                await pilot.pause()
+                assert jobs.outer_size.height == 1 and (plot_rows(app), layers.size.height) == alone
+            else:
+                assert jobs.outer_size.height == 6 and jobs.row_count == 4
+                names = [jobs.get_row_at(i)[1] for i in range(4)]
+                assert len(set(names)) == 4, names  # the untrained models told apart here too
 
     for size in ((80, 24), (120, 36)):
         asyncio.run(scenario(size))

@@ -299,6 +299,9 @@ class IsotuiApp(App[None]):
     def action_cancel(self) -> None:
         self.launcher.cancel()
 
+    def action_toggle_jobs(self) -> None:
+        self.main_screen.toggle_jobs()
+
     def action_export(self) -> None:
         """The comparison set (or the shown model when the set is empty)."""
         chosen = [self.results[m] for m in self.comparison if m in self.results]

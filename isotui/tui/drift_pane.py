@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable
 
-from isotui.render import p_bound, shorten
+from isotui.render import distinct_names, p_bound
 from isotui.results import ModelResult
 from isotui.tui.plots import RGB, FitPlot, PlotLegend, draw_drift_curves
 
@@ -72,11 +72,11 @@ class DriftPane(Vertical):
     def _fill_table(self, compared: Sequence[ModelResult]) -> None:
         table = self.query_one("#drift", DataTable)
         table.clear()
-        for result in compared:
+        names = distinct_names([r.model for r in compared], 32)  # told apart, as in the legend
+        for name, result in zip(names, compared, strict=True):
             for component, d in result.drift.items():
-                label = result.model if component == "model" else f"{result.model} ({component})"
                 table.add_row(
-                    shorten(label, 32),
+                    name if component == "model" else f"{name} ({component})",
                     str(d.n_layers),
                     _num(d.spearman_rho, 3),
                     _pvalue(d.spearman_p, bound=d.spearman_p_floored),

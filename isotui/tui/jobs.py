@@ -3,6 +3,11 @@
 The pane keeps its own small record per job from the backend's events (the backend stays
 UI-free); finished jobs stay listed a while, newest first after the running ones, so the user
 sees what happened to a job that ended while they looked elsewhere.
+
+On a short terminal (under 30 rows, the screen's ``-short``) the pane is folded to its one title
+line, a summary (``jobs: 1 running, 3 done (j: show) · gpt2 45%, ETA 0:12``), so the layer
+table and the plot keep their rows however many jobs there are; the app's ``jobs`` key unfolds
+it (class ``-open``) and folds it again (``-shut``, also on a tall terminal).
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from isotui.backend import (
 )
 from isotui.extract.progress import Progress
 from isotui.extract.threads import load_average, usable_cores
-from isotui.render import shorten
+from isotui.render import distinct_names, shorten
 
 JOB_COLUMNS = ("job", "model", "state", "progress", "tok/s", "ETA", "device", "memory")
 KEEP_FINISHED = 3
+MODEL_WIDTH = 32  # the model column's cells
 BAR_WIDTH = 12
 # a job's state is the phase it is in, as its progress events say (extract/progress.PHASES):
 # no "running 0%" while the model loads, no 100% while the metrics are finalised
@@ -77,6 +83,30 @@ def duration(seconds: float | None) -> str:
     return f"{seconds // 60}:{seconds % 60:02d}"
 
 
+def summary(records: list[JobRecord]) -> str:
+    """``1 running, 1 queued, 3 done``: the jobs counted by state (a running job's phases are
+    "running"); '' for none."""
+    counts: dict[str, int] = {}
+    for rec in records:
+        word = "running" if rec.state in (*PREPARING, *COMPUTING) else rec.state
+        counts[word] = counts.get(word, 0) + 1
+    order = ("running", "cancelling", "queued", "done", "cached", "failed", "cancelled")
+    return ", ".join(f"{counts[w]} {w}" for w in order if counts.get(w))
+
+
+def running_note(records: list[JobRecord]) -> str:
+    """``gpt2 45%, ETA 0:12``: the oldest running job's model and progress (its phase while it
+    prepares or finalises); '' when none runs."""
+    rec = next((r for r in records if r.state in (*PREPARING, *COMPUTING)), None)
+    if rec is None:
+        return ""
+    p = rec.progress
+    if p is not None and rec.state in ("running", "second pass") and p.samples_total > 0:
+        done = min(max(p.samples_done / p.samples_total, 0.0), 1.0)
+        return f"{shorten(rec.model, 24)} {done * 100:.0f}%, ETA {duration(p.eta_s)}"
+    return f"{shorten(rec.model, 24)} {rec.state}"
+
+
 def memory_text(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB" if n else "-"
 
@@ -103,8 +133,9 @@ class JobRecord:
         started = self.state in ("queued", *PREPARING, "running")
         return started and waiting and self.counts == "samples" and now - self.since >= SLOW_START_S
 
-    def cells(self, why: str = "") -> tuple[str, ...]:
-        """The row; ``why``: what the progress cell says instead of a bar at 0% (a busy CPU)."""
+    def cells(self, why: str = "", name: str | None = None) -> tuple[str, ...]:
+        """The row; ``why``: what the progress cell says instead of a bar at 0% (a busy CPU);
+        ``name``: the model as the pane shows it (told apart from the other rows' models)."""
         p = self.progress
         bar = speed = eta = ""
         if why:
@@ -120,15 +151,38 @@ class JobRecord:
             if self.counts == "tasks":  # a sweep: its bar counts tasks (each a process: no tokens here)
                 bar, speed = f"{bar} {p.samples_done}/{p.samples_total} tasks", ""
         memory = memory_text(p.memory_bytes) if p is not None else "-"
-        return (str(self.job_id), shorten(self.model, 32), self.state, bar, speed, eta, self.device, memory)
+        name = shorten(self.model, MODEL_WIDTH) if name is None else name
+        return (str(self.job_id), name, self.state, bar, speed, eta, self.device, memory)
 
 
 class JobsTable(DataTable[str]):
-    """Focus it (tab or click) to pick a job; the app's cancel key then cancels that one."""
+    """Focus it (tab or click) to pick a job; the app's cancel key then cancels that one.
+    Folded (see the module docstring) it is its title line alone, and takes no focus."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)
         self.records: dict[int, JobRecord] = {}
+        self.fold_key = "j"  # the app's key that folds and unfolds it, as bound (said in the title)
+
+    @property
+    def folded(self) -> bool:
+        """Shown as its title line alone: folded by the user, or on a short screen unless unfolded."""
+        if self.has_class("-shut"):
+            return True
+        return not self.has_class("-open") and self.is_mounted and self.screen.has_class("-short")
+
+    def toggle_fold(self) -> None:
+        """The app's ``jobs`` key: unfold a folded pane, fold an open one."""
+        unfold = self.folded
+        self.set_class(unfold, "-open")
+        self.set_class(not unfold, "-shut")
+        if not unfold and self.has_focus:
+            self.screen.focus_next()
+        self._titles()
+
+    def on_resize(self) -> None:
+        """Folded or unfolded by the screen's size (a short screen folds it): the title follows."""
+        self._titles()
 
     def on_mount(self) -> None:
         for label in JOB_COLUMNS:
@@ -193,9 +247,16 @@ class JobsTable(DataTable[str]):
             return
         ordered = self.ordered()
         whys = self._whys(ordered)
+        names = dict(
+            zip(
+                (r.job_id for r in ordered),
+                distinct_names([r.model for r in ordered], MODEL_WIDTH),
+                strict=True,
+            )
+        )
         if ordered and [str(r.job_id) for r in ordered] == [str(k.value) for k in self.rows]:
             for rec in ordered:
-                cells = rec.cells(whys.get(rec.job_id, ""))
+                cells = rec.cells(whys.get(rec.job_id, ""), names[rec.job_id])
                 for column, (old, new) in zip(
                     JOB_COLUMNS, zip(self.get_row(str(rec.job_id)), cells, strict=True), strict=True
                 ):
@@ -206,7 +267,7 @@ class JobsTable(DataTable[str]):
         chosen = self.chosen_job() if self.has_focus else None
         self.clear()
         for rec in ordered:
-            self.add_row(*rec.cells(whys.get(rec.job_id, "")), key=str(rec.job_id))
+            self.add_row(*rec.cells(whys.get(rec.job_id, ""), names[rec.job_id]), key=str(rec.job_id))
         if chosen is not None and str(chosen) in {str(k.value) for k in self.rows}:
             self.move_cursor(row=self.get_row_index(str(chosen)), animate=False)
         else:
@@ -233,8 +294,20 @@ class JobsTable(DataTable[str]):
             self.redraw()
 
     def _titles(self) -> None:
-        active = sum(r.active for r in self.records.values())
-        self.border_title = f"jobs ({active} in flight)" if active else "jobs: none running (r runs one)"
+        records = list(self.records.values())
+        active = sum(r.active for r in records)
+        folded = self.folded and bool(records)
+        self.can_focus = not folded
+        if folded:
+            note = running_note(records)
+            title = f"jobs: {summary(records)} ({self.fold_key}: show)"
+            self.border_title = f"{title} · {note}" if note else title
+        elif active:
+            self.border_title = f"jobs ({active} in flight)"
+        else:
+            self.border_title = "jobs: none running (r runs one)"
+        if records and not folded and self.has_class("-open"):
+            self.border_title = self.border_title.replace(")", f"; {self.fold_key}: fold)")
 
     def chosen_job(self) -> int | None:
         """The job under the cursor, if any."""

@@ -56,6 +56,14 @@ APP_KEYS: list[Binding] = [
         id="cancel",
         tooltip="cancel the job picked in the jobs pane, else the newest",
     ),
+    Binding(
+        "j",
+        "toggle_jobs",
+        "Jobs",
+        id="jobs",
+        show=False,
+        tooltip="unfold or fold the jobs pane (under 30 rows it is folded to a one-line summary)",
+    ),
     Binding("t", "cycle_theme", "Theme", id="theme", show=False, tooltip="next theme"),
     Binding("question_mark,f1", "help", "Help", id="help", tooltip="every key"),
     Binding("q", "quit", "Quit", id="quit", show=False, tooltip="quit (running jobs are cancelled)"),
@@ -63,5 +71,15 @@ APP_KEYS: list[Binding] = [
 
 # app keys that belong to the main screen: hidden and inert in the attention lab
 MAIN_ONLY_ACTIONS = frozenset(
-    {"focus_input", "toggle_compare", "toggle_depth", "sort", "lab", "export_table", "run", "cycle_metric"}
+    {
+        "focus_input",
+        "toggle_compare",
+        "toggle_depth",
+        "sort",
+        "lab",
+        "export_table",
+        "run",
+        "cycle_metric",
+        "toggle_jobs",
+    }
 )

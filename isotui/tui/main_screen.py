@@ -77,6 +77,8 @@ class MainScreen(Screen[None]):
     def on_mount(self) -> None:
         """The list scanned, the table and plots drawn (in the theme the app set before its screen
         mounted), and the last session's comparison reopened."""
+        jobs = self.query_one("#jobs", JobsTable)
+        jobs.fold_key = next((k for k, i, _ in self.host.key_bindings() if i == "jobs"), jobs.fold_key)
         self.refresh_models()
         self.show_table()
         self.replot()
@@ -242,6 +244,10 @@ class MainScreen(Screen[None]):
         self.replot()
         self.show_drift()
         host.save_session()
+
+    def toggle_jobs(self) -> None:
+        """Unfold the jobs pane (folded to its summary line on a short screen), or fold it."""
+        self.query_one("#jobs", JobsTable).toggle_fold()
 
     def sort(self) -> None:
         self.query_one("#layers", LayerTable).sort_cursor_column()

@@ -17,7 +17,7 @@ from textual.geometry import Size
 from textual.widget import Widget
 from textual_plotext import PlotextPlot
 
-from isotui.render import shorten
+from isotui.render import distinct_names, shorten
 from isotui.results import NULL_METRICS, SE_FIELDS, ModelResult
 
 
@@ -73,7 +73,8 @@ class PlotLegend(Widget):
     """A plot's legend outside its canvas: plotext draws its own over the curves' top-left
     corner, one row per curve, which at 80x24 covered the whole plot (issue 29). Entries go
     left to right and wrap at the widget's width: beside the plot (its width the longest entry)
-    that is one per row, under it a line or two."""
+    that is one per row, under it a line or two. Names too long for it are cut to what tells them
+    apart (:func:`isotui.render.distinct_names`): two untrained models never read the same."""
 
     DEFAULT_CSS = "PlotLegend { height: auto; } PlotLegend.-empty { display: none; }"
 
@@ -100,8 +101,10 @@ class PlotLegend(Widget):
         out: list[Text] = []
         line = Text()
         beside = self.beside
-        for label, (r, g, b) in self.entries:
-            name = shorten(label, LEGEND_NAME_BESIDE if beside else LEGEND_NAME)
+        names = distinct_names(
+            [label for label, _ in self.entries], LEGEND_NAME_BESIDE if beside else LEGEND_NAME
+        )
+        for name, (_, (r, g, b)) in zip(names, self.entries, strict=True):
             entry = Text.assemble((SWATCH, f"rgb({r},{g},{b})"), name)
             if line.cell_len and (beside or line.cell_len + 2 + entry.cell_len > width):
                 out.append(line)
