@@ -95,16 +95,17 @@ def summary(records: list[JobRecord]) -> str:
 
 
 def running_note(records: list[JobRecord]) -> str:
-    """``gpt2 45%, ETA 0:12``: the oldest running job's model and progress (its phase while it
-    prepares or finalises); '' when none runs."""
-    rec = next((r for r in records if r.state in (*PREPARING, *COMPUTING)), None)
-    if rec is None:
+    """``gpt2 45%, ETA 0:12``: the oldest running job's model (told apart from the others listed)
+    and progress (its phase while it prepares or finalises); '' when none runs."""
+    at = next((i for i, r in enumerate(records) if r.state in (*PREPARING, *COMPUTING)), None)
+    if at is None:
         return ""
+    rec, name = records[at], distinct_names([r.model for r in records], 24)[at]
     p = rec.progress
     if p is not None and rec.state in ("running", "second pass") and p.samples_total > 0:
         done = min(max(p.samples_done / p.samples_total, 0.0), 1.0)
-        return f"{shorten(rec.model, 24)} {done * 100:.0f}%, ETA {duration(p.eta_s)}"
-    return f"{shorten(rec.model, 24)} {rec.state}"
+        return f"{name} {done * 100:.0f}%, ETA {duration(p.eta_s)}"
+    return f"{name} {rec.state}"
 
 
 def memory_text(n: int) -> str:
