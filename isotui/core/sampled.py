@@ -64,7 +64,7 @@ def key_groups(keys: torch.Tensor, groups: int = SE_GROUPS) -> Groups | None:
     return torch.tensor_split(torch.argsort(keys), groups)
 
 
-def _jackknife(theta: npt.NDArray[np.float64]) -> float:
+def jackknife_se(theta: npt.NDArray[np.float64]) -> float:
     """The delete-a-group jackknife SE from the G leave-one-group-out values."""
     g = len(theta)
     if not np.all(np.isfinite(theta)):
@@ -86,7 +86,7 @@ def cos_jackknife_se(v: torch.Tensor, parts: Groups) -> float:
     n_rest = counts.sum() - counts
     if np.any(n_rest < 2):
         return math.nan
-    return _jackknife((np.einsum("gd,gd->g", rest, rest) - n_rest) / (n_rest * (n_rest - 1)))
+    return jackknife_se((np.einsum("gd,gd->g", rest, rest) - n_rest) / (n_rest * (n_rest - 1)))
 
 
 def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: Groups) -> dict[str, float]:
@@ -132,7 +132,7 @@ def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: Groups) ->
         theta["iw_centered"].append(_iw(rest_c, vecs_c, null_c))
         theta["avg_cos_abtt"].append(_abtt(rest_c, vecs_c))
         del rest_c
-    return {se_name(m): _jackknife(np.asarray(v)) for m, v in theta.items()}
+    return {se_name(m): jackknife_se(np.asarray(v)) for m, v in theta.items()}
 
 
 def held_iw_jackknife(proj: torch.Tensor, parts: Groups) -> tuple[float, float]:
@@ -149,7 +149,7 @@ def held_iw_jackknife(proj: torch.Tensor, parts: Groups) -> tuple[float, float]:
         _iw_of_log_z(torch.logsumexp(torch.cat([per_group[:g], per_group[g + 1 :]]), dim=0))
         for g in range(len(parts))
     ]
-    return _iw_of_log_z(torch.logsumexp(per_group, dim=0)), _jackknife(np.asarray(theta))
+    return _iw_of_log_z(torch.logsumexp(per_group, dim=0)), jackknife_se(np.asarray(theta))
 
 
 class ExactPass:

@@ -138,7 +138,7 @@ def paired_change_se(acc_in: LayerAccumulator, acc_out: LayerAccumulator) -> flo
     NaN where the reservoirs are too small for G groups or do not hold the same tokens."""
     import torch
 
-    from isotui.core.sampled import SE_GROUPS, _jackknife
+    from isotui.core.sampled import SE_GROUPS, jackknife_se
 
     sides = (acc_in, acc_out)
     if any(acc.res is None or acc.res_keys is None for acc in sides):
@@ -162,7 +162,7 @@ def paired_change_se(acc_in: LayerAccumulator, acc_out: LayerAccumulator) -> flo
         if np.any(n_rest < 2):
             return math.nan
         theta.append((np.einsum("gd,gd->g", rest, rest) - n_rest) / (n_rest * (n_rest - 1)))
-    se = _jackknife(theta[1] - theta[0])
+    se = jackknife_se(theta[1] - theta[0])
     k = len(keys[0])
     n = max(acc_in.n_all, k)
     return se * math.sqrt(k / n)
