@@ -125,11 +125,16 @@ class Said(logging.Handler):
 
 @pytest.fixture
 def said():
+    """What the callback says through transformers' logger, at transformers' default verbosity
+    (warnings) whatever an earlier test in this process set (``set_verbosity_error``)."""
     handler = Said()
     logger = logging.getLogger("transformers.trainer_callback")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
     logger.addHandler(handler)
     yield handler.lines
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 @pytest.fixture
