@@ -194,9 +194,15 @@ def test_docs_table_column_is_the_scripts_claims(conv, res):
 
 @pytest.mark.slow
 def test_isoscore_star_agrees_with_the_package_as_the_docs_say(res):
-    """The package's IsoScore* is off by its float32 sqrt(d): 2-3e-8, not "1e-8" (docs/metrics.md)."""
+    """The package's IsoScore* is off by its float32 steps (sqrt(d) and the constants made from it):
+    a value in [0, 1] through a handful of float32 roundings of condition about 1, so at most
+    10 units of float32 roundoff (2^-24), and not float64-exact. The size within that bound varies
+    with the numpy and torch builds (2.7e-8 and 4.4e-8 seen), so the docs say the bound."""
+    u32 = 2.0**-24
     gaps = [
         abs(lay["plain"]["isoscore_star_pkg"] - lay["plain"]["isoscore_star_f64"]) for lay in res["layers"]
     ]
-    assert 2e-8 < min(gaps) <= max(gaps) < 3e-8
-    assert "`IsoScore_star` given that C₀ to about 2.7e-8" in METRICS.read_text(encoding="utf-8")
+    assert 0 < max(gaps) <= 10 * u32
+    assert "`IsoScore_star` given that C₀ to float32 rounding (at most 10 × 2⁻²⁴ = 6e-7" in " ".join(
+        METRICS.read_text(encoding="utf-8").split()
+    )
