@@ -10,7 +10,10 @@ OLDEST_STAMP := $(OLDEST)/.installed-oldest
 # `make test-newest`: the newest versions pip resolves today on the newest Python the ranges allow,
 # with any pip constraint of the machine lifted (PIP_CONSTRAINT=/dev/null: an empty value leaves a
 # pip.conf constraint in force), as a user's `pip install -U` would.
-NEWEST_PYTHON ?= python3.13
+# The first Python 3.13 that runs: on PATH, else pyenv's (its shim is on PATH without running
+# unless 3.13 is among pyenv's chosen versions).
+NEWEST_PYTHON ?= $(firstword $(shell for p in python3.13 $$HOME/.pyenv/versions/3.13*/bin/python3.13; do \
+	"$$p" -c "" >/dev/null 2>&1 && echo "$$p"; done))
 NEWEST ?= .venv-newest
 NEWEST_STAMP := $(NEWEST)/.installed-newest
 # CPU-only machine: `make run TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU
@@ -57,7 +60,7 @@ $(OLDEST_STAMP): ci/oldest.txt pyproject.toml
 	touch $(OLDEST_STAMP)
 
 $(NEWEST_STAMP): pyproject.toml
-	@command -v $(NEWEST_PYTHON) >/dev/null || { echo "make test-newest: $(NEWEST_PYTHON) not found (NEWEST_PYTHON=...)"; exit 2; }
+	@"$(NEWEST_PYTHON)" -c "" >/dev/null 2>&1 || { echo "make test-newest: no Python 3.13 found (give NEWEST_PYTHON=...)"; exit 2; }
 	$(NEWEST_PYTHON) -m venv $(NEWEST)
 	PIP_CONSTRAINT=/dev/null $(NEWEST)/bin/pip install -q -U -e '.[test]'
 	touch $(NEWEST_STAMP)
