@@ -41,22 +41,30 @@ def test_an_experiments_key_is_the_one_written_before(folder, schema, params, wr
         assert schema == SCHEMA and cache_key(LAYER_KEY, params["sample"]) == written_before
 
 
-def test_the_layer_runs_key_hashes_its_resolved_fields():
-    from isotui.experiments.layerwise import prepare
+def layer_fields(prepared, seed: int, **extra) -> dict:
+    """A default layer run's key fields, written out apart from isotui (``extra``: the optional
+    ones a run adds, such as ``modules``)."""
     from isotui.results import SCHEMA_VERSION
-    from isotui.spec import make_spec
 
-    prepared = prepare(make_spec("minilm", "builtin", max_samples=2, seed=3))
-    fields = {
+    return {
         "schema": SCHEMA_VERSION,
         "model": prepared.model_fingerprint,
         "data": prepared.data_fingerprint,
         "max_length": prepared.max_length,
         "special_tokens": "exclude",
         "dtype": prepared.dtype,
-        "seed": 3,
+        "seed": seed,
         "reservoir": 4096,
+        **extra,
     }
+
+
+def test_the_layer_runs_key_hashes_its_resolved_fields():
+    from isotui.experiments.layerwise import prepare
+    from isotui.spec import make_spec
+
+    prepared = prepare(make_spec("minilm", "builtin", max_samples=2, seed=3))
+    fields = layer_fields(prepared, 3)
     assert prepared.max_length is not None  # MiniLM declares its length: the legacy key hashed None
     assert prepared.keys == (_sha(fields), _sha({**fields, "max_length": None}))
 

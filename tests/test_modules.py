@@ -304,27 +304,14 @@ def test_a_glob_that_now_matches_nothing_is_refused_with_the_crossing_spelling(t
 def test_a_patterns_key_says_the_glob_rule_and_a_names_key_does_not():
     """Entries of a pattern computed under fnmatch's rule may hold other modules: its key holds
     the rule; a module's plain name and the named sites keep the keys they had."""
-    import hashlib
-    import json
-
     from isotui.experiments.layerwise import prepare
-    from isotui.results import SCHEMA_VERSION
     from isotui.spec import make_spec
+
+    from .test_keys_unchanged import _sha, layer_fields
 
     def key_without_rule(modules: list[str]) -> str:
         prepared = prepare(make_spec("minilm", "builtin", max_samples=2, modules=tuple(modules)))
-        fields = {
-            "schema": SCHEMA_VERSION,
-            "model": prepared.model_fingerprint,
-            "data": prepared.data_fingerprint,
-            "max_length": prepared.max_length,
-            "special_tokens": "exclude",
-            "dtype": prepared.dtype,
-            "seed": 0,
-            "reservoir": 4096,
-            "modules": modules,
-        }
-        sha = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+        sha = _sha(layer_fields(prepared, 0, modules=modules))
         return sha if prepared.key == sha else prepared.key + " != " + sha
 
     name = key_without_rule(["encoder.layer.0.output.dense"])
