@@ -99,28 +99,17 @@ def _entry(key: str, model: str) -> SimpleNamespace:
 
 @pytest.mark.parametrize("width", [80, 100])
 def test_a_plugin_run_has_its_plugins_in_view(width):
-    params = [
-        {
-            "modules": "blocks",
-            "metrics": "",
-            "max_length": "512",
-            "dtype": "float32",
-            "special_tokens": "exclude",
-            "seed": "0",
-            "reservoir": "4,096",
-            "exact": "no",
-        },
-        {
-            "modules": "blocks",
-            "metrics": "lid 1.0",
-            "max_length": "512",
-            "dtype": "float32",
-            "special_tokens": "exclude",
-            "seed": "0",
-            "reservoir": "4,096",
-            "exact": "no",
-        },
-    ]
+    plain = {
+        "modules": "blocks",
+        "metrics": "",
+        "max_length": "512",
+        "dtype": "float32",
+        "special_tokens": "exclude",
+        "seed": "0",
+        "reservoir": "4,096",
+        "exact": "no",
+    }
+    params = [plain, {**plain, "metrics": "lid 1.0"}]
     entries = [_entry("a" * 64, MODEL), _entry("b" * 64, MODEL)]
     above, table, _below, _ = cache_listing.cache_table(entries, params, width, False, "cached runs")
     buffer = io.StringIO()
