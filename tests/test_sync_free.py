@@ -97,8 +97,13 @@ def syncs(monkeypatch):
     """A Counter of host reads from per-batch device code, counted only while ``armed[0]``."""
     import torch
 
+    from isotui.core import accumulator
+
     counts: Counter[str] = Counter()
     armed = [False]
+    # the CPU finds NaN and inf from the row norms and reads the rows holding them (free there);
+    # an accelerator's scan of every value is the path whose reads count
+    monkeypatch.setattr(accumulator, "DEVICE_SCAN_ON_CPU", True)
 
     def wrap(owner, name, check=None):
         original = getattr(owner, name)
@@ -676,9 +681,10 @@ def test_no_pageable_copy_nor_read_of_a_device_tensor_per_batch(
     host tensor a batch needs goes to the device pinned and non-blocking, and nothing made on the
     device is read back, anywhere in isotui's per-batch code (the loop, the stream, the
     accumulators, the experiments' steps), after the first batch."""
-    from isotui.core import attention
+    from isotui.core import accumulator, attention
 
     monkeypatch.setattr(attention, "CPU_PATHS", False)  # the GPU's path of the probe
+    monkeypatch.setattr(accumulator, "DEVICE_SCAN_ON_CPU", True)  # and of the NaN/inf count
     tracer, seen = where
     data = _text(tmp_path)
     if experiment.startswith("layers"):
@@ -705,3 +711,30 @@ def test_no_pageable_copy_nor_read_of_a_device_tensor_per_batch(
         assert run_dynamics(None, series, base, None, sample_size=16) is not None
     assert seen[0] >= 4
     assert dict(tracer.counts) == {}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_nonfinite_from_row_norms_counts_as_a_scan_of_every_value(monkeypatch, dtype):
+    """The CPU's NaN/inf count (from the float64 row norms, then only the rows holding one)
+    equals numpy's scan of every value, and the accelerators' path, for values at the ends of
+    each dtype's range: a float32 row of 3e38s is finite, its norm too (issue 40)."""
+    import numpy as np
+    import torch
+
+    from isotui.core import accumulator
+
+    dt = getattr(torch, dtype)
+    big = torch.finfo(dt).max
+    x = torch.randn(50, 24, dtype=torch.float64).to(dt)
+    x[3] = big  # finite at the top of the range: not counted
+    x[7, 2], x[7, 5], x[9, 0], x[11, :] = math.nan, math.inf, -math.inf, math.nan
+    x[20] = 0  # a zero row: no direction, not a bad one
+    expect_values = int(np.count_nonzero(~np.isfinite(x.to(torch.float64).numpy())))
+    expect_rows = int(np.count_nonzero(~np.isfinite(x.to(torch.float64).numpy()).all(1)))
+    assert (expect_values, expect_rows) == (27, 3)
+    norms = torch.linalg.vector_norm(x.to(torch.float64), dim=1)
+    for traced in (False, True):
+        monkeypatch.setattr(accumulator, "DEVICE_SCAN_ON_CPU", traced)
+        values, rows = accumulator._nonfinite(x, norms)
+        assert (int(values), int(rows.sum())) == (expect_values, expect_rows)
+        assert rows.nonzero().flatten().tolist() == [7, 9, 11]

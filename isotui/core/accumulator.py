@@ -65,6 +65,25 @@ def sample_keys(seed: int, sample_index: torch.Tensor, position: torch.Tensor) -
     return (x >> 9).to(torch.float64) / float(1 << 53)
 
 
+# the accelerators' scan of every value on the CPU too (tests: their sync-free path, traced here)
+DEVICE_SCAN_ON_CPU = False
+
+
+def _nonfinite(xd: torch.Tensor, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values that are NaN or inf, rows holding any) of a batch ``xd`` and its rows' float64
+    norms. On the CPU a row's norm is finite exactly when its values are (a float32 or narrower
+    value squared is below 1.2e77, far from float64's range; NaN and inf carry through), so only
+    the rows that hold one are scanned; elsewhere, and for float64 values (whose squares can
+    overflow), every value is checked on the device, nothing read on the host."""
+    import torch
+
+    if xd.device.type == "cpu" and xd.dtype != torch.float64 and not DEVICE_SCAN_ON_CPU:
+        bad_rows = torch.isfinite(norms).logical_not_()
+        return torch.isfinite(xd[bad_rows]).logical_not_().sum(), bad_rows
+    bad = torch.isfinite(xd).logical_not_()
+    return bad.sum(), bad.any(1)
+
+
 @dataclass
 class LayerStats:
     """Final per-layer metrics (plain Python / numpy), ready for tables and the cache."""
@@ -242,22 +261,29 @@ class LayerAccumulator:
         when the units are tokens, ``weights`` (m, float64) are their type-uniform weights and
         ``type_index`` (m, int64) their tracked type (-1: not tracked) for self-similarity.
 
-        Nothing here reads a device value on the host when ``n_samples`` (B) is given: zero
-        vectors are masked (their unit vector is 0 and their weight counts for nothing), never
-        dropped, so every size is known from the shapes (issue 15: a GPU never waits)."""
+        Nothing here reads a device value on the host when ``n_samples`` (B) is given and ``x`` is
+        on an accelerator: zero vectors are masked (their unit vector is 0 and their weight counts
+        for nothing), never dropped, so every size is known from the shapes (issue 15: a GPU
+        never waits). On the CPU, where a read costs nothing, NaN and inf are found from the row
+        norms and counted only in the rows that hold them (issue 40: the per-batch cost).
+
+        The per-batch cost is passes over m x d float64 arrays (issue 40): the sums weighted per
+        row (plain, unit, type-uniform) are one product with the rows' weights, and the batch's
+        own float64 copy is shifted and squared in place once nothing else reads it."""
         import torch
 
         # MPS has no float64: there the accumulators live on the CPU (see LayerAccumulator).
         xd = x.to(self.device)
         x64 = xd.to(torch.float64)
+        own = x64.data_ptr() != xd.data_ptr() and not self.plugins  # free to overwrite in place
         sample_ids, keys = sample_ids.to(self.device), keys.to(self.device)
         norms = torch.linalg.vector_norm(x64, dim=1)
-        # NaN and inf values, and the vectors holding them: counted on the device (never read while
-        # batches stream); such a vector has no direction, and its layer's metrics are NaN
-        bad = torch.isfinite(xd).logical_not_()
-        bad_rows = bad.any(1)
+        nonfinite, bad_rows = _nonfinite(xd, norms)
         nonzero = (norms > 0) & bad_rows.logical_not()
-        u = x64 / torch.where(nonzero, norms, 1.0)[:, None]  # a zero vector's row stays 0
+        # a zero vector's unit row is 0; a row holding NaN or inf keeps its values (the layer's
+        # metrics are NaN: finalize)
+        scale = torch.where(nonzero, norms, 1.0).reciprocal_()
+        u = x64 * scale[:, None]
         ids = sample_ids
         if n_samples is None:  # callers that do not know B: one read of the largest id
             n_samples = int(sample_ids.max()) + 1 if len(sample_ids) else 0
@@ -265,47 +291,53 @@ class LayerAccumulator:
         per_sample.index_add_(0, ids, u)
         counts = torch.zeros(n_samples, dtype=torch.int64, device=self.device)
         counts.index_add_(0, ids, nonzero.to(torch.int64))
+        # per-row weights of the sums over rows, as one (k x m) @ (m x d) product
+        rows = [torch.ones_like(norms), scale]
+        if weights is not None:
+            w = weights.to(self.device).to(torch.float64)
+            wn = torch.where(nonzero, w, 0.0)
+            rows += [w, wn * scale]
+        sums = torch.stack(rows) @ x64
         out = {
             "n": nonzero.sum(),
             "n_all": len(norms),
-            "nonfinite": bad.sum(),
+            "nonfinite": nonfinite,
             "nonfinite_vectors": bad_rows.sum(),
             "pairs_within": (counts * (counts - 1)).sum(),
-            "sum_u": u.sum(0),
-            "sum_u2": (u * u).sum(0),
-            "sum_x": x64.sum(0),
+            "sum_u": sums[1],
+            "sum_x": sums[0],
             "sum_norm": norms.sum(),
             "within": (per_sample * per_sample).sum(),
         }
+        if len(x64):  # in the model's dtype, whose values float64 holds exactly: 1/6 the time
+            out["x_min"], out["x_max"] = xd.amin(0).to(torch.float64), xd.amax(0).to(torch.float64)
+        if weights is not None:
+            out |= self._sentences(x64, ids, per_sample, counts.to(torch.float64))
+            if type_index is not None and self.types:
+                out |= self._type_sums(u, ids, type_index.to(self.device), nonzero)
+            out |= {
+                "sum_wu": sums[3],
+                "sum_wx": sums[2],
+                "sum_w": wn.sum(),
+                "sum_w2": (wn * wn).sum(),
+                "sum_w_all": w.sum(),
+            }
+        out["sum_u2"] = u.square_().sum(0)  # u's last use
+        del u
+        out["reservoir"] = self._merge_reservoir(x, keys)
+        if self.plugins:  # every kept vector, zero ones too, as the plug-in's own batch state
+            out["plugins"] = {n: p.batch(x64) for n, p in self.plugins.items()}
         shift = self._shift_for(x64)
         out["shift"] = shift
         out["sum_xs"] = out["sum_x"] - len(x64) * shift
-        xs64 = x64 - shift
-        out["sum_xs2"] = (xs64 * xs64).sum(0)
-        if len(x64):  # in the model's dtype, whose values float64 holds exactly: 1/6 the time
-            out["x_min"], out["x_max"] = xd.amin(0).to(torch.float64), xd.amax(0).to(torch.float64)
+        xs64 = x64.sub_(shift) if own else x64 - shift
         if self.full_cov:
             # float32 at full precision, whatever the user's TF32/bf16 setting: shifting first keeps
             # the spectrum metrics within ~1e-8 of float64 (tests/test_products.py), which float64
             # accumulation across batches then preserves; a float64 d x d product costs 2x on a
             # CPU and up to 64x on a GPU
             out["gram"] = gram(xs64)
-        if weights is not None:
-            out |= self._sentences(x64, ids, per_sample, counts.to(torch.float64))
-            if type_index is not None and self.types:
-                out |= self._type_sums(u, ids, type_index.to(self.device), nonzero)
-            w = weights.to(self.device).to(torch.float64)
-            wn = torch.where(nonzero, w, 0.0)
-            out |= {  # weighted sums as matrix-vector products: no m x d temporaries
-                "sum_wu": wn @ u,
-                "sum_wx": w @ x64,
-                "sum_w": wn.sum(),
-                "sum_w2": (wn * wn).sum(),
-                "sum_w_all": w.sum(),
-            }
-        out["reservoir"] = self._merge_reservoir(x, keys)
-        if self.plugins:  # every kept vector, zero ones too, as the plug-in's own batch state
-            out["plugins"] = {n: p.batch(x64) for n, p in self.plugins.items()}
+        out["sum_xs2"] = (xs64.square_() if own else xs64 * xs64).sum(0)
         return out
 
     def _sentences(
@@ -345,7 +377,11 @@ class LayerAccumulator:
         per = torch.zeros((m, self.dim), dtype=f64, device=self.device).index_add_(0, group, u)
         per_n = torch.zeros(m, dtype=f64, device=self.device).index_add_(0, group, tracked.to(f64))
         owner = torch.full((m,), k, dtype=torch.int64, device=self.device).scatter_(0, group, t)
-        within = torch.zeros(k + 1, dtype=f64, device=self.device).index_add_(0, owner, (per * per).sum(1))
+        within = torch.zeros(k + 1, dtype=f64, device=self.device).index_add_(
+            0,
+            owner,
+            torch.einsum("ij,ij->i", per, per),  # no m x d temporary
+        )
         within_n = torch.zeros(k + 1, dtype=f64, device=self.device).index_add_(0, owner, per_n * per_n)
         return {
             "type_u": type_u[:k],

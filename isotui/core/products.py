@@ -266,8 +266,9 @@ def gram(xs: torch.Tensor, scheme: Scheme | None = None) -> torch.Tensor:
     if FLOAT64_PRODUCTS or scheme.name == "float64":
         x64 = xs.to(torch.float64)
         return x64.T @ x64
-    if scheme.fmt is None:
-        return mm32(xs.T, xs)
+    if scheme.fmt is None:  # one float32 copy serves both operands (mm32 would make two)
+        x32 = xs.to(torch.float32)
+        return mm32(x32.T, x32)
     parts = split(xs, scheme.fmt, scheme.slices)
     d = xs.shape[1]
     out = torch.zeros((d, d), dtype=torch.float64, device=xs.device)
