@@ -5,8 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from isotui.models.hub import cached_models, hub_cache_dir
-from isotui.models.naming import BUNDLED
-from isotui.paths import resource_dir
+from isotui.paths import BUNDLED, resource_dir
 from isotui.presets import presets
 from isotui.render import Table
 

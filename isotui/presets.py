@@ -74,7 +74,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?")
 def model_meant(text: str) -> str | None:
     """What ``text``, given where a config is expected, names as a model isotui knows (a bundled
     name, ``random:``/``timm:``, a Hugging Face-looking ``org/name``), in words; None otherwise."""
-    from isotui.models.naming import BUNDLED
+    from isotui.paths import BUNDLED
 
     if text.lower() in BUNDLED:
         return f"{text!r} is a bundled model"

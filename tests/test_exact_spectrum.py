@@ -143,7 +143,7 @@ def test_exact_pass_uses_the_same_decomposition():
     """--exact's second pass takes its directions from the same function as finalisation."""
     import torch
 
-    from isotui.core.sampled import ExactPass
+    from isotui.core.exact_pass import ExactPass
 
     x = _cloud(2000, 16, 4.0, seed=3)
     acc = _accumulate(x, RESERVOIR)

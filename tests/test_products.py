@@ -188,7 +188,7 @@ def _measure(x: np.ndarray, batch: int = 250):
     import torch
 
     from isotui.core.accumulator import LayerAccumulator, sample_keys
-    from isotui.core.sampled import ExactPass
+    from isotui.core.exact_pass import ExactPass
 
     acc = LayerAccumulator(x.shape[1], torch.device("cpu"), full_cov=True, reservoir=64)
     batches = [torch.from_numpy(x[i : i + batch]) for i in range(0, len(x), batch)]

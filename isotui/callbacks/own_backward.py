@@ -1,7 +1,7 @@
 """The gradients experiment's metrics from a training step's own backward: no extra backward.
 
 When a probe with gradients is due at the end of a step, :class:`StepGradients` is armed before
-the step: on the model's base (:func:`~isotui.callbacks.probe.body`) a forward pre-hook asks for
+the step: on the model's base (:func:`body`) a forward pre-hook asks for
 its hidden states (``output_hidden_states=True``: the same computation, its per-layer outputs
 returned too) and keeps the batch's ``input_ids`` and ``attention_mask``; a forward hook keeps each
 hidden state (detached) and registers a tensor hook on it that keeps its gradient when the
@@ -29,12 +29,21 @@ SOURCE_OWN = "own-backward"  # the series' record and the logged isotui/gradient
 SOURCE_PROBE = "probe-set"
 
 
+def body(model: Any) -> Any:
+    """What isotui measures of a model in training: a transformers model's base model (the
+    ``BertModel`` inside ``BertForMaskedLM``: what ``isotui run`` loads from its checkpoint, by
+    ``AutoModel``), without the head, whose vocabulary projection over every position would
+    cost more than the layers (85% of a probe of train-tiny's BERT); any other model as it is."""
+    import torch
+
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, torch.nn.Module) and base is not model else model
+
+
 class StepGradients:
     """Hooks on ``model``'s base for one training step; :meth:`result` after its backward."""
 
     def __init__(self, model: Any, tokenizer: Any, top_k: int, seed: int) -> None:
-        from isotui.callbacks.probe import body
-
         self.base = body(model)
         self.name = type(model).__name__
         self.tokenizer, self.top_k, self.seed = tokenizer, top_k, seed

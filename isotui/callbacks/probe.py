@@ -30,6 +30,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from isotui.callbacks.own_backward import body
 from isotui.errors import IsotuiError
 
 DEFAULT_EVERY = 100  # steps between probes: measured overhead on train-tiny's model in the docs
@@ -59,17 +60,6 @@ def kept_rng() -> Iterator[None]:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
-
-
-def body(model: Any) -> Any:
-    """What isotui measures of a model in training: a transformers model's base model (the
-    ``BertModel`` inside ``BertForMaskedLM``: what ``isotui run`` loads from its checkpoint, by
-    ``AutoModel``), without the head, whose vocabulary projection over every position would
-    cost more than the layers (85% of a probe of train-tiny's BERT); any other model as it is."""
-    import torch
-
-    base = getattr(model, "base_model", None)
-    return base if isinstance(base, torch.nn.Module) and base is not model else model
 
 
 def _metric_names() -> tuple[str, ...]:

@@ -17,9 +17,10 @@ import numpy as np
 import numpy.typing as npt
 
 from isotui.core.exact_spectrum import ExactEigen, exact_eigen
-from isotui.core.isotropy import isoscore_star, sample_metrics
+from isotui.core.isotropy import isoscore_star
 from isotui.core.plugin import STATE_PREFIX, Plugged, PluginError, State, StreamingMetric, lookup
 from isotui.core.products import gram
+from isotui.core.sampled import SAMPLED, Groups, cos_jackknife_se, key_groups, sample_metrics, se_name
 from isotui.core.spectrum import (
     Spectrum,
     eigenvalues,
@@ -30,7 +31,6 @@ from isotui.core.spectrum import (
 if TYPE_CHECKING:
     import torch
 
-    from isotui.core.sampled import Groups
 
 # a batch's reservoir change (see LayerAccumulator._merge_reservoir)
 ReservoirChange: TypeAlias = """(
@@ -651,8 +651,6 @@ class LayerAccumulator:
     def _se_groups(self, n_all: int) -> Groups | None:
         """The reservoir's disjoint groups for standard errors; None when it holds every vector
         (the metrics are exact: see :meth:`_sample_errors`)."""
-        from isotui.core.sampled import key_groups
-
         if self.res is None or self.res_keys is None or len(self.res) >= n_all:
             return None
         return key_groups(self.res_keys)
@@ -663,8 +661,6 @@ class LayerAccumulator:
         """avg_cos_centered's standard error from disjoint sub-samples, and 0 for every reservoir
         metric when the reservoir holds every vector (exact); see :mod:`isotui.core.sampled`."""
         import torch
-
-        from isotui.core.sampled import SAMPLED, cos_jackknife_se, se_name
 
         if self.res is None or sample is None or len(sample) < 2:
             return {}

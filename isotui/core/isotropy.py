@@ -29,8 +29,6 @@ from isotui.core.spectrum import isoscore_from_eigenvalues
 if TYPE_CHECKING:
     import torch
 
-    from isotui.core.sampled import Groups
-
 # rows of vectors (or a vector) as numpy or torch: ``_t`` makes either a float64 tensor
 Vectors: TypeAlias = "npt.ArrayLike | torch.Tensor"
 
@@ -96,93 +94,6 @@ def partition_isotropy(x: Vectors, *, centered: bool = False) -> float:
     if centered:
         x = x - x.mean(0)
     return _iw(x, *_principal(x))
-
-
-def sample_metrics(
-    x: Vectors,
-    mean: Vectors,
-    std: Vectors,
-    groups: Groups | None = None,
-    directions: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> dict[str, float]:
-    """I(W), centred I(W), all-but-the-top and standardised avg_cos of the rows of ``x`` given the
-    exact ``mean`` and per-dimension ``std``; the centred eigendecomposition serves both the
-    centred I(W) and all-but-the-top. ``directions``: the eigenvectors (columns, largest first) of
-    the exact X^T X and covariance over every vector (:mod:`isotui.core.exact_spectrum`), which
-    then replace the sample's own. With ``groups`` (disjoint row indices), also their jackknife
-    standard errors (``*_se``, see :mod:`isotui.core.sampled`)."""
-    x = _t(x)
-    if len(x) < 2:
-        return {}
-    centred = x - _t(mean, x.device)
-    if directions is not None:
-        return _exact_direction_metrics(x, centred, std, groups, *directions)
-    # one n x d working copy at a time beside x and centred (the plan's finalisation workspace,
-    # isotui.extract.memory_plan.finalisation_workspace_bytes): each is freed before the next
-    z = _standardized(centred, std)
-    out = {"avg_cos_std": _mean_cos(z)}
-    if groups is not None:
-        from isotui.core.sampled import cos_jackknife_se
-
-        out["avg_cos_std_se"] = cos_jackknife_se(z, groups)
-    del z
-    vecs, null = _principal(x)
-    vecs_c, null_c = _principal(centred)
-    out |= {
-        "iw": _iw(x, vecs, null),
-        "iw_centered": _iw(centred, vecs_c, null_c),
-        "avg_cos_abtt": _abtt(centred, vecs_c),
-    }
-    if groups is not None:
-        from isotui.core.sampled import eigen_jackknife_se
-
-        out |= eigen_jackknife_se(x, centred, groups)
-    return out
-
-
-def _standardized(centred: torch.Tensor, std: Vectors) -> torch.Tensor:
-    """The centred rows z-scored, constant dimensions (std 0) dropped: the same numbers as
-    :func:`standardized_avg_cos` makes from the rows, made once for the metric and its SE."""
-    std_t = _t(std, centred.device)
-    live = std_t > 0
-    return centred[:, live] / std_t[live]
-
-
-def _exact_direction_metrics(
-    x: torch.Tensor,
-    centred: torch.Tensor,
-    std: Vectors,
-    groups: Groups | None,
-    vecs: torch.Tensor,
-    vecs_c: torch.Tensor,
-) -> dict[str, float]:
-    """:func:`sample_metrics` over the exact directions ``vecs`` (X^T X) and ``vecs_c`` (the
-    covariance): no decomposition of the sample, and standard errors with the directions held
-    (they are not estimated from the sample, so only Z's and the mean cosines' sampling is left)."""
-    from isotui.core.sampled import held_iw_jackknife
-
-    # one n x d working copy at a time beside x and centred (the plan's finalisation workspace,
-    # isotui.extract.memory_plan.finalisation_workspace_bytes): each is freed before the next
-    out: dict[str, float] = {}
-    for name, rows, directions in (("iw", x, vecs), ("iw_centered", centred, vecs_c)):
-        proj = rows @ directions
-        if groups is None:
-            out[name] = _iw_of_log_z(log_partition(proj))
-        else:
-            out[name], out[f"{name}_se"] = held_iw_jackknife(proj, groups)
-        del proj
-    _add_mean_cos(out, "avg_cos_abtt", _abtt_rows(centred, vecs_c), groups)
-    _add_mean_cos(out, "avg_cos_std", _standardized(centred, std), groups)
-    return out
-
-
-def _add_mean_cos(out: dict[str, float], name: str, rows: torch.Tensor, groups: Groups | None) -> None:
-    """``out[name]``: the mean cosine of ``rows``, and with ``groups`` its jackknife SE."""
-    from isotui.core.sampled import cos_jackknife_se
-
-    out[name] = _mean_cos(rows)
-    if groups is not None:
-        out[f"{name}_se"] = cos_jackknife_se(rows, groups)
 
 
 def _iw_of_log_z(log_z: torch.Tensor) -> float:

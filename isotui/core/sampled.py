@@ -17,28 +17,35 @@ computes them on the reservoir sample. Two ways to know how far that is from eve
   1 / K^2, not 1 / K (batch means: sqrt(8) = 2.8x too high; the jackknife at most ~1.5x), and
   I(W) on K / G vectors is far from I(W) on K. They measure sampling noise, not a small sample's
   bias, and are 0 when the reservoir holds every vector.
-- :class:`ExactPass` (``--exact``): a second pass over the data with the first pass's mean,
-  per-dimension std and the eigenvectors of the exact second moment and covariance, summing over
-  every vector: unit-vector sums for the three mean cosines, a running logsumexp per direction
-  (both signs) for I(W). Where a layer's d x d covariance was not held (very wide layers), I(W)
-  and all-but-the-top stay the sample's.
+- :class:`~isotui.core.exact_pass.ExactPass` (``--exact``): a second pass over the data with
+  the first pass's mean, per-dimension std and the eigenvectors of the exact second moment and
+  covariance, summing over every vector: unit-vector sums for the three mean cosines, a running
+  logsumexp per direction (both signs) for I(W). Where a layer's d x d covariance was not held
+  (very wide layers), I(W) and all-but-the-top stay the sample's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
-from isotui.core.isotropy import abtt_components
+from isotui.core.isotropy import (
+    Vectors,
+    _abtt,
+    _abtt_rows,
+    _iw,
+    _iw_of_log_z,
+    _mean_cos,
+    _principal,
+    _t,
+    log_partition,
+)
 
 if TYPE_CHECKING:
     import torch
-
-    from isotui.core.accumulator import LayerAccumulator, LayerStats
 
 # disjoint groups of reservoir row indices (index tensors), from :func:`key_groups`
 Groups: TypeAlias = "tuple[torch.Tensor, ...]"
@@ -103,8 +110,6 @@ def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: Groups) ->
     to 1e-9 of that)."""
     import torch
 
-    from isotui.core.isotropy import _abtt, _iw, _principal
-
     n, d = x.shape
     if d > EIGEN_JACKKNIFE_MAX_DIM:
         return {se_name(m): math.nan for m in EIGEN_METRICS}
@@ -142,107 +147,12 @@ def held_iw_jackknife(proj: torch.Tensor, parts: Groups) -> tuple[float, float]:
     the groups' (O(K d) after the projection, no eigh)."""
     import torch
 
-    from isotui.core.isotropy import _iw_of_log_z, log_partition
-
     per_group = torch.stack([log_partition(proj[idx]) for idx in parts])  # G x 2d
     theta = [
         _iw_of_log_z(torch.logsumexp(torch.cat([per_group[:g], per_group[g + 1 :]]), dim=0))
         for g in range(len(parts))
     ]
     return _iw_of_log_z(torch.logsumexp(per_group, dim=0)), jackknife_se(np.asarray(theta))
-
-
-class ExactPass:
-    """One layer's second pass: every vector, the first pass's mean, std and eigenvectors.
-
-    Same two-phase interface as :class:`~isotui.core.accumulator.LayerAccumulator` (``partial``
-    allocates, ``commit`` adds), so a batch that runs out of memory can be retried."""
-
-    def __init__(self, acc: LayerAccumulator) -> None:
-        import torch
-
-        from isotui.core.products import split_right
-
-        f64, dev = torch.float64, acc.device
-        self.device = dev
-        n = acc.n_all
-        self.mean = acc.sum_x / n
-        std = torch.as_tensor(acc.dim_std(n), dtype=f64, device=dev)
-        self.live = torch.nonzero(std > 0).squeeze(1)  # indices, read once here: no mask per batch
-        self.std = std[self.live]
-        # full_cov holds the gram matrix; n >= 2 means a batch has set the shift
-        exact = acc.exact_eigen()
-        self.eigen = exact is not None
-        if exact is not None:
-            self.vecs, self.vecs_c = exact.vecs, exact.vecs_c  # largest first
-            self.top = self.vecs_c[:, : abtt_components(acc.dim)]
-            # the products with the centred vectors are float32 (see isotui.core.products), I(W)'s
-            # split three ways (one float32 product moved it by 5e-6); x . w = (x - mean) . w +
-            # mean . w, the second in float64 once per layer
-            self.both = split_right(torch.cat([self.vecs, self.vecs_c], 1))
-            self.offset = self.vecs.T @ self.mean
-            self.log_z = torch.full((2 * acc.dim,), -math.inf, dtype=f64, device=dev)
-            self.log_zc = torch.full((2 * acc.dim,), -math.inf, dtype=f64, device=dev)
-        self.sums = {m: torch.zeros(acc.dim, dtype=f64, device=dev) for m in ("centered", "abtt")}
-        self.sums["std"] = torch.zeros(len(self.live), dtype=f64, device=dev)
-        # counts stay on the device until :meth:`values` (reading one would wait for it)
-        self.counts = {m: torch.zeros((), dtype=torch.int64, device=dev) for m in self.sums}
-
-    def partial(self, x: torch.Tensor, *_ignored: object) -> dict[str, Any]:
-        """Sums of one batch's vectors ``x`` (m x d); nothing is read on the host (zero rows are
-        masked, not dropped), and the d x d products are float32 (see isotui.core.products)."""
-        import torch
-
-        from isotui.core.products import mm32, mm_split
-
-        x64 = x.to(self.device).to(torch.float64)
-        v = x64 - self.mean
-        parts = {"centered": v, "std": v.index_select(1, self.live) / self.std}
-        out: dict[str, Any] = {}
-        if self.eigen:
-            d = self.top.shape[0]
-            # m x d x k, k = d / 100, in float32: within 1e-9 of float64 on avg_cos_abtt
-            parts["abtt"] = v - mm32(mm32(v, self.top), self.top.T)
-            both = mm_split(v, self.both)  # logsumexp in float64: I(W) is a ratio of exps
-            proj, proj_c = both[:, :d], both[:, d:]
-            out["log_z"] = torch.cat([torch.logsumexp(proj, 0), torch.logsumexp(-proj, 0)])
-            out["log_z"] += torch.cat([self.offset, -self.offset])
-            out["log_zc"] = torch.cat([torch.logsumexp(proj_c, 0), torch.logsumexp(-proj_c, 0)])
-        for name, rows in parts.items():
-            norms = torch.linalg.vector_norm(rows, dim=1)
-            keep = norms > 0
-            out[name] = ((rows / torch.where(keep, norms, 1.0)[:, None]).sum(0), keep.sum())
-        return out
-
-    def commit(self, p: dict[str, Any]) -> None:
-        import torch
-
-        for name in self.sums:
-            if name in p:
-                self.sums[name].add_(p[name][0])
-                self.counts[name].add_(p[name][1])
-        if "log_z" in p and len(p["log_z"]):
-            torch.logaddexp(self.log_z, p["log_z"], out=self.log_z)
-            torch.logaddexp(self.log_zc, p["log_zc"], out=self.log_zc)
-
-    def values(self) -> dict[str, float]:
-        """The exact metrics (and their standard errors, 0)."""
-        from isotui.core.accumulator import avg_cos_from_sums
-
-        def mean_cos(name: str) -> float:
-            return avg_cos_from_sums(self.sums[name].cpu().numpy(), int(self.counts[name]))
-
-        out = {"avg_cos_centered": mean_cos("centered"), "avg_cos_std": mean_cos("std")}
-        if self.eigen:
-            out["avg_cos_abtt"] = mean_cos("abtt")
-            out["iw"] = float(np.exp(float(self.log_z.min() - self.log_z.max())))
-            out["iw_centered"] = float(np.exp(float(self.log_zc.min() - self.log_zc.max())))
-        return out | {se_name(m): 0.0 for m in out}
-
-    def apply(self, stats: LayerStats) -> LayerStats:
-        """``stats`` with the sampled metrics replaced by the exact ones."""
-        # mypy checks a **dict against every field; the keys are SAMPLED and their SEs (floats)
-        return dataclasses.replace(stats, **self.values())  # type: ignore[arg-type]
 
 
 # the jackknife's degrees of freedom: G groups give G - 1 (a 95% interval is t(0.975, 7) x SE)
@@ -255,3 +165,82 @@ def jackknife_t(level: float = 0.95, dof: int = SE_DOF) -> float:
     from scipy.special import stdtrit
 
     return float(stdtrit(dof, 0.5 + level / 2))
+
+
+def sample_metrics(
+    x: Vectors,
+    mean: Vectors,
+    std: Vectors,
+    groups: Groups | None = None,
+    directions: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """I(W), centred I(W), all-but-the-top and standardised avg_cos of the rows of ``x`` given the
+    exact ``mean`` and per-dimension ``std``; the centred eigendecomposition serves both the
+    centred I(W) and all-but-the-top. ``directions``: the eigenvectors (columns, largest first) of
+    the exact X^T X and covariance over every vector (:mod:`isotui.core.exact_spectrum`), which
+    then replace the sample's own. With ``groups`` (disjoint row indices), also their jackknife
+    standard errors (``*_se``, above)."""
+    x = _t(x)
+    if len(x) < 2:
+        return {}
+    centred = x - _t(mean, x.device)
+    if directions is not None:
+        return _exact_direction_metrics(x, centred, std, groups, *directions)
+    # one n x d working copy at a time beside x and centred (the plan's finalisation workspace,
+    # isotui.extract.memory_plan.finalisation_workspace_bytes): each is freed before the next
+    z = _standardized(centred, std)
+    out = {"avg_cos_std": _mean_cos(z)}
+    if groups is not None:
+        out["avg_cos_std_se"] = cos_jackknife_se(z, groups)
+    del z
+    vecs, null = _principal(x)
+    vecs_c, null_c = _principal(centred)
+    out |= {
+        "iw": _iw(x, vecs, null),
+        "iw_centered": _iw(centred, vecs_c, null_c),
+        "avg_cos_abtt": _abtt(centred, vecs_c),
+    }
+    if groups is not None:
+        out |= eigen_jackknife_se(x, centred, groups)
+    return out
+
+
+def _standardized(centred: torch.Tensor, std: Vectors) -> torch.Tensor:
+    """The centred rows z-scored, constant dimensions (std 0) dropped: the same numbers as
+    :func:`standardized_avg_cos` makes from the rows, made once for the metric and its SE."""
+    std_t = _t(std, centred.device)
+    live = std_t > 0
+    return centred[:, live] / std_t[live]
+
+
+def _exact_direction_metrics(
+    x: torch.Tensor,
+    centred: torch.Tensor,
+    std: Vectors,
+    groups: Groups | None,
+    vecs: torch.Tensor,
+    vecs_c: torch.Tensor,
+) -> dict[str, float]:
+    """:func:`sample_metrics` over the exact directions ``vecs`` (X^T X) and ``vecs_c`` (the
+    covariance): no decomposition of the sample, and standard errors with the directions held
+    (they are not estimated from the sample, so only Z's and the mean cosines' sampling is left)."""
+    # one n x d working copy at a time beside x and centred (the plan's finalisation workspace,
+    # isotui.extract.memory_plan.finalisation_workspace_bytes): each is freed before the next
+    out: dict[str, float] = {}
+    for name, rows, directions in (("iw", x, vecs), ("iw_centered", centred, vecs_c)):
+        proj = rows @ directions
+        if groups is None:
+            out[name] = _iw_of_log_z(log_partition(proj))
+        else:
+            out[name], out[f"{name}_se"] = held_iw_jackknife(proj, groups)
+        del proj
+    _add_mean_cos(out, "avg_cos_abtt", _abtt_rows(centred, vecs_c), groups)
+    _add_mean_cos(out, "avg_cos_std", _standardized(centred, std), groups)
+    return out
+
+
+def _add_mean_cos(out: dict[str, float], name: str, rows: torch.Tensor, groups: Groups | None) -> None:
+    """``out[name]``: the mean cosine of ``rows``, and with ``groups`` its jackknife SE."""
+    out[name] = _mean_cos(rows)
+    if groups is not None:
+        out[f"{name}_se"] = cos_jackknife_se(rows, groups)

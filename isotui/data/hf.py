@@ -22,7 +22,7 @@ import io
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, overload
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, overload
 
 import numpy as np
 
@@ -32,7 +32,18 @@ from isotui.errors import IsotuiError
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
 
-    from isotui.data.sources import DataSpec
+
+class DataSpec(Protocol):
+    """What this module reads of a parsed ``--data hf:...`` value (isotui.data.sources.DataSpec,
+    which calls into this module: a protocol here, so the two do not import each other)."""
+
+    name: str
+    config: str | None
+    split: str
+    field: str
+
+    def describe(self) -> str: ...
+
 
 KINDS = ("text", "image", "audio")
 NOUN = {"text": "text", "image": "images", "audio": "audio"}

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
-from isotui.core.sampled import EIGEN_JACKKNIFE_MAX_DIM, SE_GROUPS, ExactPass
+from isotui.core.exact_pass import ExactPass
+from isotui.core.sampled import EIGEN_JACKKNIFE_MAX_DIM, SE_GROUPS
 from isotui.errors import IsotuiError
 from isotui.extract.device import available_memory, memory_in_use, to_device
 from isotui.extract.finalise import finalize_all, finalize_estimate_s

@@ -102,8 +102,7 @@ def spelling_guess(name: str) -> str:
     """For a model name found nowhere: ``did you mean minilm?`` when a bundled model, a preset
     (``isotui run PRESET``) or a model of the local Hugging Face cache is spelled nearly so
     (``""`` if none is)."""
-    from isotui.models.naming import BUNDLED
-    from isotui.paths import resource_dir
+    from isotui.paths import BUNDLED, resource_dir
     from isotui.suggest import nearest
 
     try:

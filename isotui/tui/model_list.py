@@ -16,7 +16,7 @@ from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
 from isotui.models.hub import cached_models
-from isotui.models.naming import BUNDLED
+from isotui.paths import BUNDLED
 from isotui.presets import presets
 from isotui.render import shorten
 from isotui.store.cache import ResultCache

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import re
 
-from isotui.tui.options import CHOICES, TEXT_FIELDS
+from isotui.spec import RUN_OPTIONS
 
-# CLI flag (without --) -> the options dialog's label
-OPTION_LABELS = {key.replace("_", "-"): label for key, label, *_ in (*TEXT_FIELDS, *CHOICES)}
+# CLI flag (without --) -> the options dialog's label: its text fields and menus (the dialog,
+# isotui/tui/options.py, shows the same options and calls this module)
+_FIELDS = [o for o in RUN_OPTIONS if o.label and not o.menu and not o.switch]
+OPTION_LABELS = {
+    o.name.replace("_", "-"): o.label for o in (*_FIELDS, *(o for o in RUN_OPTIONS if o.label and o.menu))
+}
 _OPTION = re.compile(r"(?<![\w-])(?:--)?(" + "|".join(map(re.escape, OPTION_LABELS)) + r")(?![\w-])")
 _FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*)(?:[ =]((?:-?[\d.'\"][^\s,;)]*)))?")
 
