@@ -37,12 +37,16 @@ class DataSpec(Protocol):
     """What this module reads of a parsed ``--data hf:...`` value (isotui.data.sources.DataSpec,
     which calls into this module: a protocol here, so the two do not import each other)."""
 
-    name: str
-    config: str | None
-    split: str
-    field: str
-
+    @property
+    def name(self) -> str: ...
+    @property
+    def config(self) -> str | None: ...
+    @property
+    def split(self) -> str: ...
+    @property
+    def field(self) -> str: ...
     def describe(self) -> str: ...
+    def __hash__(self) -> int: ...  # a frozen dataclass: the key of the cached column kinds
 
 
 KINDS = ("text", "image", "audio")
