@@ -82,7 +82,7 @@ def print_plans(entries: list[tuple[str, str, Any]], json_target: str | None) ->
     import json
     from pathlib import Path
 
-    from isotui.cli import stdout_console
+    from isotui.cli_common import stdout_console
 
     out = stdout_console()
     if json_target:
@@ -157,8 +157,8 @@ def params_from_args(experiment: Experiment, args: argparse.Namespace) -> Any:
 
 
 def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
-    """The run options experiment ``command`` takes (see :func:`isotui.cli.add_run_flags`)."""
-    from isotui.cli import add_run_flags as run_flags
+    """The run options experiment ``command`` takes (see :func:`isotui.cli_common.add_run_flags`)."""
+    from isotui.cli_common import add_run_flags as run_flags
 
     run_flags(p, command)
 
@@ -190,7 +190,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def report(outcome: Outcome, args: argparse.Namespace, err: Any) -> int:
     """Write a command's --csv and --json (when it measured anything); its exit code."""
-    from isotui.cli import exit_code
+    from isotui.cli_common import exit_code
 
     write_outputs(outcome, args, err)
     return exit_code(outcome, err)
@@ -220,7 +220,7 @@ def command_main(
     def main(args: argparse.Namespace, err: Any) -> int:
         from rich.text import Text
 
-        from isotui.cli import print_error, stdout_console
+        from isotui.cli_common import print_error, stdout_console
         from isotui.errors import Cancelled
         from isotui.views import view_for
 
@@ -257,8 +257,8 @@ def command_main(
 
 
 def progress_printer(err: Any, name: str, *, quiet: bool, verbose: bool = False) -> Any:
-    """The headless progress bar (see :func:`isotui.cli.progress_printer`)."""
-    from isotui.cli import progress_printer as printer
+    """The headless progress bar (see :func:`isotui.cli_common.progress_printer`)."""
+    from isotui.cli_common import progress_printer as printer
 
     return printer(err, name, quiet=quiet, verbose=verbose)
 

@@ -19,7 +19,7 @@ HELP = "draw a paper's figure (PDF, SVG or PNG) from cached or computed results;
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The figure's flags: which figure, where, how wide; the models or series and the run flags."""
-    from isotui.cli import add_run_flags
+    from isotui.cli_common import add_run_flags
     from isotui.cli_experiments import add_duplicates_flag, add_param_flags
     from isotui.core.trajectory import BASES
     from isotui.experiments.checkpoints import METRICS
@@ -128,7 +128,7 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
 
 def main(args: argparse.Namespace, err: Any) -> int:
     """List the figures, or draw one: check the inputs, collect the results, write the three files."""
-    from isotui.cli import exit_code, print_error, stdout_console
+    from isotui.cli_common import exit_code, print_error, stdout_console
     from isotui.errors import IsotuiError
     from isotui.paper_figures import HEIGHTS, WIDTHS, check_out, check_pixels, check_sidecars, find
 

@@ -6,16 +6,15 @@ printed through its view, exported through its ``rows`` and ``payload`` as the e
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from isotui.errors import IsotuiError
 
 
-def _defaults(command: list[str]) -> argparse.Namespace:
+def _defaults(build_parser: Callable[[], argparse.ArgumentParser], command: list[str]) -> argparse.Namespace:
     """The options of ``isotui COMMAND...`` with nothing given (what the view reads)."""
-    from isotui.cli import build_parser
-
     parser = build_parser()
     for word in command:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -23,12 +22,15 @@ def _defaults(command: list[str]) -> argparse.Namespace:
     return parser.parse_args([])
 
 
-def show_experiment_entry(args: argparse.Namespace, err: Any, root: Path) -> int | None:
+def show_experiment_entry(
+    args: argparse.Namespace, err: Any, root: Path, build_parser: Callable[[], argparse.ArgumentParser]
+) -> int | None:
     """Print the one experiment result whose key starts with ``args.key`` (and write its
-    ``--csv``/``--json``); None when no experiment's folder holds such a key."""
+    ``--csv``/``--json``); None when no experiment's folder holds such a key. ``build_parser``:
+    the command line's (:func:`isotui.cli.build_parser`), for the options a view reads."""
     from rich.text import Text
 
-    from isotui.cli import stdout_console
+    from isotui.cli_common import stdout_console
     from isotui.experiments.base import flatten
     from isotui.experiments.cached import read
     from isotui.experiments.registry import cached_entries
@@ -65,7 +67,7 @@ def show_experiment_entry(args: argparse.Namespace, err: Any, root: Path) -> int
             r.from_cache = True
     out = stdout_console()
     view = view_for(exp)
-    for table in view.tables(result, _defaults(["experiment", exp.name]), out.width):
+    for table in view.tables(result, _defaults(build_parser, ["experiment", exp.name]), out.width):
         out.print(table, highlight=None if view.highlight else False)
         if view.blank_line and not isinstance(table, Text):  # as the experiment printed it
             out.print()

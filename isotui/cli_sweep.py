@@ -47,7 +47,8 @@ def run_args(args: argparse.Namespace, models: list[str]) -> argparse.Namespace:
 def main(args: argparse.Namespace, err: Any) -> int:
     """Plan, run the tasks (a bar over tasks), then the one ``isotui run`` over the runs. ^C
     while the tasks run: none starts after it, the running ones are terminated, exit 130."""
-    from isotui.cli import _cmd_run, _settings, print_error
+    from isotui.cli import _cmd_run, _settings
+    from isotui.cli_common import print_error
     from isotui.paths import cache_dir
     from isotui.store.files import check_distinct, check_output
 
@@ -179,7 +180,7 @@ def _run_tasks(
     and whether ^C stopped the sweep."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from isotui.cli import print_error
+    from isotui.cli_common import print_error
     from isotui.terminal import literal
 
     columns = (  # task names as typed: no markup or emoji codes read in them

@@ -11,7 +11,8 @@ import shutil
 import pytest
 from rich.console import Console
 
-from isotui.cli import main, progress_printer
+from isotui.cli import main
+from isotui.cli_common import progress_printer
 
 from .conftest import corpus
 
