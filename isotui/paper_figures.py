@@ -14,41 +14,38 @@ from __future__ import annotations
 
 import io
 import math
-import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from isotui import paper_figures_dynamics, paper_figures_probes
 from isotui.errors import IsotuiError
+from isotui.figure_style import (
+    MARKERS,
+    NULL_COLOUR,
+    OKABE_ITO,
+    SIGNIFICANCE,
+    Drawing,
+    Rows,
+    _layer_runs,
+    _legend,
+    drift_key,
+    layer_positions,
+    short_names,
+)
 
 WIDTHS = {"single": 3.3, "double": 6.9}  # inches: one column, the full page of a two-column paper
 HEIGHTS = {"single": 2.4, "double": 2.6}  # grown by a long legend's extra rows (JSON: height_in)
 FORMATS = (".pdf", ".svg", ".png")
-OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
-NULL_COLOUR = "#777777"
 DEFAULT_DIMS = (8, 32, 128, 768)
-SIGNIFICANCE = 0.05
-LEGEND_ROW = 0.16  # inches: one row of 8 pt legend entries
 # A PNG's pixels are drawn into one RGBA buffer (4 bytes each) before they are encoded: 2**28
 # pixels (16,384 x 16,384, 1 GiB) is far beyond print (a 6.9 in figure at 1,200 dpi is 8,280
 # pixels wide) and still drawn in seconds; --dpi 100000 asked for 79 billion (an internal
 # MemoryError, issue 30).
 MAX_PIXELS = 2**28
-
-Rows = list[dict[str, Any]]
-
-
-@dataclass
-class Drawing:
-    """A drawn figure: the matplotlib Figure, the plotted numbers (CSV rows) and the runs it came from."""
-
-    figure: Any
-    rows: Rows
-    runs: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -92,58 +89,7 @@ def rc_params(dpi: int) -> dict[str, Any]:
     }
 
 
-def short_name(model: str) -> str:
-    """A model's name as a legend shows it: the last part of a hub id or a folder path;
-    ``random:TYPE[:k=v,...]`` whole, its settings being what tells two untrained models apart."""
-    if model.startswith("random:"):
-        return wrap_settings(model.rstrip("/"))
-    return model.rstrip("/").split("/")[-1] or model
-
-
-def wrap_settings(name: str, width: int = 34) -> str:
-    """``random:t5:num_layers=3,d_model=64,...`` on lines of at most ``width`` characters,
-    broken after a comma (a legend entry wider than the figure was cut at its edges)."""
-    lines = [""]
-    for part in re.findall(r"[^,]+,?", name):
-        if lines[-1] and len(lines[-1]) + len(part) > width:
-            lines.append("")
-        lines[-1] += part
-    return "\n".join(lines)
-
-
-def short_names(models: list[str]) -> list[str]:
-    """Each model's :func:`short_name`, numbered where two would read the same."""
-    names = [short_name(m) for m in models]
-    return [f"{n} ({i + 1})" if names.count(n) > 1 else n for i, n in enumerate(names)]
-
-
-LONG_LABEL = 24  # characters: a legend with a longer entry goes below the axes, one per row
-
-
-def _legend(fig: Any, ax: Any, n: int) -> None:
-    """A legend that keeps off the data: inside (best corner) for up to 3 short entries, else
-    below the axes, outside, in as many columns as the width takes (one for long entries)."""
-    labels = ax.get_legend_handles_labels()[1]
-    long = any(len(line) > LONG_LABEL for label in labels for line in label.splitlines())
-    if n <= 3 and not long:
-        ax.legend(loc="best", handlelength=1.6)
-    else:
-        ncols = 1 if long else min(n, 2 if fig.get_figwidth() < 5 else 5)
-        fig.legend(loc="outside lower center", ncols=ncols, handlelength=1.6, columnspacing=1.2)
-        lines = sum(label.count("\n") + 1 for label in labels) if long else n
-        rows = math.ceil(lines / ncols)
-        if rows > 2:  # the axes keep their height: the figure grows by the legend's extra rows
-            fig.set_figheight(fig.get_figheight() + LEGEND_ROW * (rows - 2))
-
-
 # --- Godey et al. 2024, Fig. 1-4: layer-wise avg_cos per model ----------------------------------
-
-
-def layer_positions(n: int, depth: bool) -> list[float]:
-    """x of a model's rows, concatenated over its components: the index, or i / (n - 1) (--depth)."""
-    if not depth:
-        return [float(i) for i in range(n)]
-    return [i / (n - 1) if n > 1 else 0.0 for i in range(n)]
 
 
 def draw_layers(fig: Any, results: list[Any], options: Any) -> Drawing:
@@ -200,17 +146,7 @@ def draw_layers(fig: Any, results: list[Any], options: Any) -> Drawing:
     return Drawing(fig, rows, _layer_runs(results))
 
 
-def _layer_runs(results: list[Any]) -> list[dict[str, Any]]:
-    return [{"model": r.model, "key": r.key} for r in results]
-
-
 # --- Godey et al. 2024, Fig. 5 and 16: drift vs avg_cos p-values per model -----------------------
-
-
-def drift_key(result: Any) -> str:
-    """The drift correlation a model's figure uses: over all its layers (encoder+decoder
-    concatenated for an encoder-decoder, as the paper's T5)."""
-    return max(result.drift, key=lambda k: k.count("+"))
 
 
 def draw_pvalues(fig: Any, results: list[Any], _options: Any) -> Drawing:
@@ -498,27 +434,15 @@ def draw_curves(fig: Any, results: list[Any], options: Any) -> Drawing:
 
 
 def _probe(name: str) -> Callable[[Any, list[Any], Any], Drawing]:
-    """A draw function of :mod:`isotui.paper_figures_probes`, loaded when drawn (it imports this module)."""
-
-    def draw(fig: Any, results: list[Any], options: Any) -> Drawing:
-        from isotui import paper_figures_probes
-
-        drawing: Drawing = getattr(paper_figures_probes, name)(fig, results, options)
-        return drawing
-
-    return draw
+    """A draw function of :mod:`isotui.paper_figures_probes`."""
+    drawing: Callable[[Any, list[Any], Any], Drawing] = getattr(paper_figures_probes, name)
+    return drawing
 
 
 def _dynamics(maker: str, arg: str) -> Callable[[Any, list[Any], Any], Drawing]:
-    """A drawing of :mod:`isotui.paper_figures_dynamics` (which imports this module: loaded when drawn)."""
-
-    def draw(fig: Any, results: list[Any], options: Any) -> Drawing:
-        from isotui import paper_figures_dynamics
-
-        drawer: Callable[[Any, list[Any], Any], Drawing] = getattr(paper_figures_dynamics, maker)(arg)
-        return drawer(fig, results, options)
-
-    return draw
+    """A drawing of :mod:`isotui.paper_figures_dynamics`."""
+    drawer: Callable[[Any, list[Any], Any], Drawing] = getattr(paper_figures_dynamics, maker)(arg)
+    return drawer
 
 
 def _dynamics_figures() -> list[PaperFigure]:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from isotui.errors import IsotuiError
-from isotui.paper_figures import MARKERS, NULL_COLOUR, OKABE_ITO, Drawing, Rows, short_names
+from isotui.figure_style import MARKERS, NULL_COLOUR, OKABE_ITO, Drawing, Rows, short_names
 
 BASIS_NAMES = {"qk": "queries and keys", "q": "queries only", "k": "keys only"}
 Q_COLOUR, K_COLOUR = OKABE_ITO[0], OKABE_ITO[3]
@@ -276,7 +276,7 @@ def layer_curves_drawer(attr: str) -> Callable[[Any, list[Any], Any], Drawing]:
 def draw_metric_by_layer(fig: Any, results: list[Any], options: Any) -> Drawing:
     """The app's main plot: ``options.metric`` by layer (or ``options.depth``) per compared model,
     the isotropic null's p95 for the cosine metrics (one line per hidden size)."""
-    from isotui.paper_figures import _legend, layer_positions
+    from isotui.figure_style import _legend, layer_positions
     from isotui.results import NULL_METRICS
 
     metric = getattr(options, "metric", "avg_cos")

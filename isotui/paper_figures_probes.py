@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from isotui.errors import IsotuiError
-from isotui.paper_figures import (
+from isotui.figure_style import (
     NULL_COLOUR,
     OKABE_ITO,
     SIGNIFICANCE,

@@ -39,3 +39,13 @@ class AppHost(Protocol):
     def key_bindings(self, bindings: list[Binding] | None = None) -> list[tuple[str, str, str]]: ...
 
     def notify(self, message: str, *, markup: bool = False, **kwargs: Any) -> None: ...
+
+
+class LabHost(Protocol):
+    """What the lab screen offers its tabs (isotui/tui/lab.py, which imports them)."""
+
+    log_counts: bool  # the score histograms' counts on a log10 scale
+
+    def status(self, text: str, kind: str | None = None) -> None: ...
+
+    def app_colours(self) -> list[RGB]: ...

@@ -278,7 +278,7 @@ class DriftTab(LabTab):
             return "no plot to save yet: run the drift block (r)"
         shown = getattr(self.lab, "drift_figure", 0)
         norms = result.norms.tolist()
-        row = min(max(self.lab.query_one("#drift-table", DataTable).cursor_row, 0), len(norms) - 1)
+        row = min(max(self.query_one("#drift-table", DataTable).cursor_row, 0), len(norms) - 1)
         draw, options = DRIFT_FIGURES[shown], {}
         if shown in (1, 3):
             options["at_norm"] = repr(float(norms[row]))

@@ -19,12 +19,11 @@ from textual import on
 from textual.binding import Binding
 from textual.widgets import DataTable, Input, TabPane
 
-from isotui.tui.host import AppHost
+from isotui.tui.host import AppHost, LabHost
 
 if TYPE_CHECKING:
     from isotui.spec import RunSpec
     from isotui.tui.figure_export import ScreenFigure
-    from isotui.tui.lab import LabScreen
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
@@ -89,8 +88,8 @@ class LabTab(TabPane):
         return cast(AppHost, self.app)
 
     @property
-    def lab(self) -> LabScreen:
-        return cast("LabScreen", self.screen)
+    def lab(self) -> LabHost:
+        return cast("LabHost", self.screen)
 
     def result(self) -> Any:
         return self.host.lab_results.get(self.KIND)
