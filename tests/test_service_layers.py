@@ -62,3 +62,43 @@ def test_a_computed_run_loads_no_front_end_rich_or_textual(tiny_models, tmp_path
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "LOADED []" in proc.stdout and "SHOWN True True" in proc.stdout
+
+
+# issue 40: the import cycles left, each around one module, and their sizes when it was filed
+# down to these three (the experiments and the service; the engine and model loading; the app and
+# the helpers it hands itself to): the measurement layer takes the first two apart; none may grow,
+# and a cycle elsewhere is new
+KNOWN_CYCLES = {"isotui.experiments.layerwise": 17, "isotui.extract.runner": 12, "isotui.tui.app": 6}
+
+
+def _cycles(graph) -> list[set[str]]:
+    """The groups of modules that import each other (type-checking imports too: a cycle in the
+    types is one in the design), from grimp's transitive closures."""
+    groups: list[set[str]] = []
+    for module in sorted(graph.modules):
+        if any(module in g for g in groups):
+            continue
+        group = set(graph.find_upstream_modules(module)) & set(graph.find_downstream_modules(module))
+        if group:
+            groups.append(group | {module})
+    return groups
+
+
+def _graph():
+    grimp = pytest.importorskip("grimp")
+    return grimp.build_graph("isotui", cache_dir=None)
+
+
+def test_no_import_cycle_but_the_known_ones_and_none_larger():
+    groups = _cycles(_graph())
+    for group in groups:
+        anchor = next((a for a in KNOWN_CYCLES if a in group), None)
+        assert anchor is not None, f"a new import cycle: {sorted(group)}"
+        assert len(group) <= KNOWN_CYCLES[anchor], f"the cycle around {anchor} grew: {sorted(group)}"
+
+
+def test_the_cycle_check_sees_a_cycle_when_there_is_one():
+    graph = _graph()
+    assert not any("isotui.core.spectrum" in g for g in _cycles(graph))
+    graph.add_import(importer="isotui.core.spectrum", imported="isotui.core.isotropy")  # isotropy imports it
+    assert {"isotui.core.spectrum", "isotui.core.isotropy"} in _cycles(graph)
