@@ -71,11 +71,12 @@ def plan_of(folder: Path, gpus: int, samples: int | None = None):
     80 GB (with its time per phase when ``samples`` is given)."""
     from isotui.experiments.layerwise import LayersRequest
     from isotui.experiments.plans import layers
+    from isotui.data.sources import parse_data
     from isotui.spec import RunSpec
 
     spec = RunSpec(
         model=str(folder),
-        data="builtin",
+        data=parse_data("builtin"),
         device_map="auto",
         max_memory=tuple((i, 80 * 10**9) for i in range(gpus)),
         reservoir=4096,

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from isotui.cli import main
+from isotui.extract.memory_plan import CORPUS_GUESSES
 from isotui.spec import make_spec
 
 from .conftest import corpus
@@ -139,13 +140,12 @@ def test_the_dry_run_plan_is_the_runs_recorded_plan(models, tmp_path, monkeypatc
     )
     run = measure(spec, None).meta["memory_plan"]
     assert run["estimates"] == []  # the run's plan is what it followed
-    assert "layers.vectors" in dry["estimates"]
+    # issue 36: the dry run reads and counts the corpus as the run does (types, vectors): none
+    # of those fields is a guess any more, and each equals the run's
+    assert not set(CORPUS_GUESSES) & set(dry["estimates"])
     assert _without(dry, dry["estimates"]) == _without(run, dry["estimates"])
-    if N[name] == 1000:  # a corpus with 1,000 token types in two samples or more: the dry run's
-        # estimates of the types and of the bytes that follow from them are the run's numbers
+    if N[name] == 1000:  # more token types in two samples or more than the run follows
         assert run["types_asked"] == 1000
-        exact = [e for e in dry["estimates"] if e.startswith("budget_bytes") or e == "layers.vectors"]
-        assert _without(dry, exact) == _without(run, exact)
     assert all(p["reservoir"] <= p["vectors"] for p in run["layers"])  # the reservoirs fill
     asked = int(options.get("--reservoir", 4096))
     whole = all(p["exact_cov"] and p["reservoir"] == asked for p in run["layers"])
@@ -207,3 +207,108 @@ def _workspace_by_hand(folder: Path, m: int, k: int) -> int:
     )
     final = max(56 * d * d + 8 * (1 + 6 * d) + 8 * k * d, 2 * 8 * d * d + 4 * 8 * k * d)
     return max(forward + alive + phase, final)
+
+
+def _short_sentences(path: Path, n: int) -> str:
+    """``n`` short sentences over a 20-word vocabulary (few token types: far under the 1,000 the
+    dry run guessed before it counted)."""
+    import random
+
+    rng = random.Random(0)
+    words = [
+        "the",
+        "a",
+        "model",
+        "layer",
+        "vector",
+        "space",
+        "token",
+        "attention",
+        "head",
+        "mean",
+        "drift",
+        "rogue",
+        "dimension",
+    ]
+    words += ["isotropy", "cosine", "similarity", "sentence", "corpus", "train", "test"]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(n)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return f"text:{path}"
+
+
+def test_a_small_corpus_plans_as_it_runs(tmp_path, monkeypatch):
+    """Issue 36's pair: MiniLM on 120 of 300 short sentences under --max-memory cpu=400MB. The dry
+    run planned 1,000 token types (the corpus follows 20-odd), so 0 of 7 exact covariances and
+    200-vector reservoirs, where the run kept 7 of 7 and 500; counted, the two plans are one."""
+    from isotui.experiments.layerwise import measure
+    from isotui.extract import device, memory_plan
+
+    monkeypatch.setattr(memory_plan, "available_memory", lambda _d: PLENTY)
+    monkeypatch.setattr(device, "available_memory", lambda _d: PLENTY)
+    data = _short_sentences(tmp_path / "short.txt", 300)
+    flags = ["--data", data, "--max-samples", "120", "--max-length", "64", "--device-map", "auto"]
+    flags += ["--max-memory", "cpu=400MB", "--reservoir", "500"]
+    out = tmp_path / "plan.json"
+    assert main(["run", "-m", "minilm", *flags, "--dry-run", "--json", str(out)]) == 0
+    dry = json.loads(out.read_text())["minilm"]
+    spec = make_spec(
+        "minilm",
+        data,
+        max_samples=120,
+        max_length=64,
+        device="auto",
+        reservoir=500,
+        device_map="auto",
+        max_memory="cpu=400MB",
+    )
+    run = measure(spec, None).meta["memory_plan"]
+    assert dry["estimates"] == ["phases"]  # nothing but the time is a guess
+    assert _without(dry, []) == _without(run, [])
+    assert all(p["exact_cov"] and p["reservoir"] == 500 for p in run["layers"])
+    assert 0 < run["types_asked"] < 1000
+
+
+def test_the_corpus_is_counted_as_the_run_counts_it(tmp_path):
+    """corpus_counts by hand: the ids of kept tokens (special ones out unless included) that
+    occur in two samples or more, and every token of every sample."""
+    import numpy as np
+
+    from isotui.extract.runner import corpus_counts
+    from isotui.extract.tokens import tokenize
+    from isotui.models.loading import text_tokenizer
+    from isotui.models.naming import parse_model
+
+    tok = text_tokenizer(parse_model("minilm"), tokenizer=None, trust=False)
+    texts = ["the cat sat", "the dog sat down", "a bird", "cat cat cat"]
+    tokens = tokenize(tok, texts, 16, with_types=False)
+    for include in (False, True):
+        per_sample = []
+        for text in texts:
+            enc = tok(text, truncation=True, max_length=16, return_special_tokens_mask=True)
+            keep = [
+                i
+                for i, s in zip(enc["input_ids"], enc["special_tokens_mask"], strict=True)
+                if include or not s
+            ]
+            per_sample.append(set(keep))
+        seen = np.bincount([i for ids in per_sample for i in ids])
+        total = sum(len(tok(t, truncation=True, max_length=16)["input_ids"]) for t in texts)
+        assert corpus_counts(tokens, include_special=include) == (int((seen >= 2).sum()), total)
+    # "the", "sat" and "cat" (twice in one sample counts once), and with specials [CLS] and [SEP]
+    assert corpus_counts(tokens, include_special=False)[0] == 3
+    assert corpus_counts(tokens, include_special=True)[0] == 5
+
+
+def test_an_untrained_model_wholly_on_disk_is_refused_alike_by_the_dry_run_and_the_run(capsys):
+    """Issue 36's second pair: an untrained model is built in memory, then dispatched, and
+    accelerate cannot run one whose every part is on disk (a checkpoint it can). The dry run
+    planned it; the run refused it. Both now refuse it, in one sentence, before any work."""
+    model = "random:gpt_neox:hidden_size=256,num_hidden_layers=4,num_attention_heads=4,intermediate_size=1024"
+    flags = ["-m", model, "--max-samples", "8", "--device-map", "sequential", "--batch-size", "4"]
+    flags += ["--max-memory", "cpu=391MB", "--no-cache"]
+    said = []
+    for extra in (["--dry-run"], []):
+        assert main(["run", *flags, *extra]) == 2
+        said.append([line for line in capsys.readouterr().err.splitlines() if "error" in line])
+    assert said[0] == said[1] and len(said[0]) == 1
+    assert "leaves no room in memory for any part of model" in said[0][0]

@@ -382,6 +382,7 @@ def placement_memory(
             batch_size=spec.batch_size,
             max_length=spec.max_length,
             reservoir=spec.reservoir,
+            built=parse_model(spec.model).kind == "random",
         )
     else:
         handed = memory_plan.placement_memory(

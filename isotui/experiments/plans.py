@@ -52,27 +52,67 @@ def layers(request: LayersRequest | CheckpointsRequest) -> MemoryPlan:
         )
     spec = request.spec
     paper = _paper(spec)
-    plan = layers_plan(paper, spec.reservoir)
+    counted = _counted(spec, paper.length)
+    plan = layers_plan(paper, spec.reservoir, counted)
     from isotui.experiments.checkpoints import CheckpointsRequest
 
     repeat = len(request.checkpoints) if isinstance(request, CheckpointsRequest) else 1
-    plan.phases = _phase_times(paper, plan, spec, repeat)
+    plan.phases = _phase_times(paper, plan, spec, repeat, None if counted is None else counted[1])
     plan.estimates.append("phases")
     return plan
+
+
+# --data schemes whose whole corpus a dry run reads and tokenises (local files: cheap to count)
+COUNTED_SCHEMES = ("builtin", "text", "jsonl")
+
+
+def _counted(spec: RunSpec, length: int) -> tuple[int, int | None] | None:
+    """The corpus as the run will count it, for the plan (:func:`isotui.extract.runner.corpus_counts`):
+    (token types self-similarity follows, the most vectors a layer sees). Images and audio track
+    no types; a local text corpus is read and tokenised at the planned ``length`` (what the run
+    feeds); a streamed or hub corpus, or a tokenizer that does not load without the model, stays
+    an estimate (None)."""
+    from isotui.data.sources import MEDIA
+
+    if spec.data.scheme in MEDIA or spec.data.scheme == "synthetic":
+        return 0, None
+    if spec.given is not None or spec.stream or spec.data.scheme not in COUNTED_SCHEMES:
+        return None
+    from isotui.data.stream import auto_stream, load_samples
+    from isotui.extract.runner import corpus_counts
+    from isotui.extract.tokens import tokenize
+    from isotui.models.loading import text_tokenizer
+    from isotui.models.naming import parse_model
+
+    if auto_stream(spec.data):  # a corpus large enough to stream: the run counts it window by window
+        return None
+    tokenizer = text_tokenizer(
+        parse_model(spec.model), tokenizer=spec.tokenizer, trust=spec.trust_remote_code
+    )
+    if tokenizer is None:
+        return None
+    samples = load_samples(spec.data, spec.max_samples, spec.max_length)
+    tokens = tokenize(tokenizer, samples, length, with_types=False)
+    if not len(tokens.ids) or tokens.special.all():  # a folder with no vocabulary (a config
+        return None  # alone): the run refuses it without --tokenizer; the plan stays a guess
+    return corpus_counts(tokens, include_special=spec.special_tokens == "include")
 
 
 # the tokens a time estimate is given for when --max-samples does not bound the corpus
 TOKENS_PER_ESTIMATE = 1_000_000
 
 
-def _phase_times(paper: Paper, plan: MemoryPlan, spec: RunSpec, repeat: int) -> PhaseTimes:
-    """The run's time per phase (:mod:`isotui.extract.phase_time`): for ``--max-samples`` samples
-    of the planned length, else per :data:`TOKENS_PER_ESTIMATE` tokens."""
+def _phase_times(
+    paper: Paper, plan: MemoryPlan, spec: RunSpec, repeat: int, counted: int | None = None
+) -> PhaseTimes:
+    """The run's time per phase (:mod:`isotui.extract.phase_time`): for the corpus's ``counted``
+    tokens, else ``--max-samples`` samples of the planned length, else per
+    :data:`TOKENS_PER_ESTIMATE` tokens."""
     from isotui.extract.phase_time import estimate, paper_work
 
-    tokens = spec.max_samples * paper.length if spec.max_samples else TOKENS_PER_ESTIMATE
+    tokens = counted or (spec.max_samples * paper.length if spec.max_samples else TOKENS_PER_ESTIMATE)
     times = estimate(paper_work(paper, plan, tokens), repeat=repeat)
-    times.bounded = bool(spec.max_samples)
+    times.bounded = bool(counted or spec.max_samples)
     return times
 
 

@@ -1155,6 +1155,10 @@ def _block_names(model: Any, count: int) -> list[str]:
     return []
 
 
+# what a dry run guesses until the corpus is counted (:func:`layers_plan`'s ``counted``)
+CORPUS_GUESSES = ("layers.vectors", "types_asked", "layers.types", "layers.bytes", "accumulator_bytes")
+
+
 @dataclass
 class Paper:
     """A model placed on paper (the meta device, no weights): what every experiment's dry run
@@ -1226,7 +1230,10 @@ def place_on_paper(
             batch_size=batch_size,
             max_length=max_length,
             reservoir=reservoir,
+            built=ref.kind == "random",
         )
+        if ref.kind == "random":  # built, then dispatched: as the run refuses it (issue 36)
+            refuse_all_on_disk(placed, ref.name)
         main = execution_device(placed)
         source = "--max-memory" if memory else "this machine's devices"
     else:
@@ -1262,7 +1269,7 @@ def place_on_paper(
     # the 1,000 planned, and their sums' bytes with them); without --max-length, the tokenizer's
     # limit on the length
     estimates = [f"budget_bytes.{dev}" for dev in have if (memory or {}).get(device_key(dev)) is None]
-    estimates += ["layers.vectors", "types_asked", "layers.types", "layers.bytes", "accumulator_bytes"]
+    estimates += list(CORPUS_GUESSES)
     if max_length is None or (
         room.tokens < batch_tokens(batch_size, length, main, {}) and "budget_bytes." + main in estimates
     ):  # the tokenizer may cap the length; free memory halved the batch (the run halves on OOM)
@@ -1308,6 +1315,16 @@ def meta_model(config: Any, name: str, *, head: str | None, dtype: str, trust_re
     return model.to(getattr(torch, dtype))
 
 
+def refuse_all_on_disk(placed: Mapping[str, Any], name: str) -> None:
+    """An untrained model is built in memory and then dispatched by the map: accelerate cannot
+    run one whose every part is on disk (a checkpoint it can, reading its weight files), so the
+    run and its dry run refuse it in the same sentence."""
+    if set(map(str, placed.values())) == {"disk"}:
+        raise IsotuiError(
+            f"--max-memory leaves no room in memory for any part of model {name!r}; give its devices more"
+        )
+
+
 def place_under(
     model: Any,
     config: Any,
@@ -1318,11 +1335,13 @@ def place_under(
     batch_size: int | None,
     max_length: int | None,
     reservoir: int,
+    built: bool = False,
 ) -> tuple[dict[str, Any], dict[int | str, int] | None]:
     """(accelerate's placement of ``model``, the ``max_memory`` it was made under) for
     ``--max-memory``: what isotui keeps out of each device (:func:`placement_memory`, refused
     with the least the weights take on the CPU, :func:`cpu_least`), then what offloading adds
-    taken out of the CPU's share (:func:`place_within`). The dry run and the run place so."""
+    taken out of the CPU's share (:func:`place_within`). The dry run and the run place so.
+    ``built``: an untrained model (built in memory, then dispatched: see :func:`cpu_least`)."""
     handed = placement_memory(
         config,
         max_memory,
@@ -1330,17 +1349,25 @@ def place_under(
         batch_size=batch_size,
         max_length=max_length,
         reservoir=reservoir,
-        cpu_least=cpu_least(model, max_memory),
+        cpu_least=cpu_least(model, max_memory, built=built),
     )
     return place_within(model, device_map, handed)
 
 
-def cpu_least(model: Any, max_memory: Mapping[int | str, int] | None) -> int:
+def cpu_least(model: Any, max_memory: Mapping[int | str, int] | None, *, built: bool = False) -> int:
     """The least CPU memory a model's weights take under a CPU ``--max-memory``: all of them in
     memory, or all on disk and what offloading then adds (:func:`offload_bytes`; run from the
-    first GPU it names, else the CPU), the smaller."""
+    first GPU it names, else the CPU), the smaller. A ``built`` (untrained) model cannot be
+    wholly on disk (:func:`refuse_all_on_disk`): its least is every weight in memory, so the
+    size a refusal states is one that runs (issue 36)."""
     gpus = [k for k in max_memory or {} if isinstance(k, int)]
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if built:  # all in memory, and the room accelerate keeps beside them for its largest layer
+        from accelerate.utils import compute_module_sizes, get_max_layer_size
+
+        sizes = compute_module_sizes(model)
+        no_split = list(getattr(model, "_no_split_modules", None) or [])
+        return total + get_max_layer_size(list(model.named_children()), sizes, no_split)[0]
     main = device_name(gpus[0]) if gpus else "cpu"
     return min(total, offload_bytes(model, {"": "disk"}, main).get("cpu", 0))
 
@@ -1403,15 +1430,26 @@ def dry_run(
     return layers_plan(paper, reservoir)
 
 
-def layers_plan(paper: Paper, reservoir: int) -> MemoryPlan:
-    """A layers run's plan for a model placed on paper: every hidden state's sums."""
+def layers_plan(paper: Paper, reservoir: int, counted: tuple[int, int | None] | None = None) -> MemoryPlan:
+    """A layers run's plan for a model placed on paper: every hidden state's sums. ``counted``:
+    the corpus's (token types self-similarity follows, most vectors a layer sees; None where not
+    known), as the run counts them (:func:`isotui.extract.runner.corpus_counts`); without it the
+    plan asks for the most types and no bound on the vectors, and says both are estimates."""
     from isotui.extract.runner import SELF_SIM_TYPES
 
     dim, where = paper.dim, paper.where
     budgets = {d: paper.budgets[d] for d in dict.fromkeys(where)}
-    types = fit_types([(dim, d, True) for d in where], budgets, SELF_SIM_TYPES, reservoir_floor(reservoir))
+    asked, vectors = counted if counted is not None else (SELF_SIM_TYPES, None)
+    types = fit_types([(dim, d, True) for d in where], budgets, asked, reservoir_floor(reservoir))
     names = [f"layer {i}" for i in range(len(where))]
-    layers = plan_layers([(n, dim, d, types) for n, d in zip(names, where, strict=True)], budgets, reservoir)
+    named = [(n, dim, d, types) for n, d in zip(names, where, strict=True)]
+    layers = plan_layers(named, budgets, reservoir, [vectors] * len(where))
+    estimates = list(paper.estimates)
+    if counted is not None:
+        guessed = {"types_asked", "layers.types"} | (set(CORPUS_GUESSES) if vectors is not None else set())
+        if "batch_tokens" not in estimates:  # the length the corpus was cut to is the run's
+            guessed |= {"transient_bytes", "peak_bytes"}
+        estimates = [e for e in estimates if e not in guessed]
     plan = MemoryPlan(
         layers,
         budgets,
@@ -1420,12 +1458,12 @@ def layers_plan(paper: Paper, reservoir: int) -> MemoryPlan:
         batch=paper.batch,
         source=paper.source,
         on_paper=True,
-        types_asked=SELF_SIM_TYPES,
+        types_asked=asked,
         batch_tokens=paper.tokens,
         act_bytes=DTYPE_BYTES[paper.dtype],
         mlp_width=mlp_width(paper.config, dim),
         offload=paper.offload,
-        estimates=list(paper.estimates),
+        estimates=estimates,
     )
     what = "--max-memory" if paper.max_memory else "the free memory"
     plan.refuse_below_floor(paper.max_memory, paper.held, what)

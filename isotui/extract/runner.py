@@ -61,6 +61,7 @@ from isotui.extract.planning import position_limit as position_limit  # importab
 from isotui.extract.planning import resolve_max_length as resolve_max_length
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.extract.tensor_cores import ensure_scheme
+from isotui.extract.tokens import Tokens
 from isotui.models.loading import LoadedModel, final_norm_modules
 
 SELF_SIM_TYPES = 1000  # token types followed for self-similarity (the most frequent ones)
@@ -115,6 +116,17 @@ def _frequent_types(counts: np.ndarray, contexts: np.ndarray) -> np.ndarray:
     slots = np.full(len(counts), -1, dtype=np.int64)
     slots[order] = np.arange(len(order))
     return slots
+
+
+def corpus_counts(tokens: Tokens, *, include_special: bool) -> tuple[int, int]:
+    """(token types self-similarity follows, the most vectors a layer sees) of a whole tokenised
+    corpus, as a layers run counts them (:meth:`LayerStream._type_weights` and
+    :meth:`LayerStream._vector_bound`): what a dry run plans with instead of a guess (issue 36)."""
+    ids = tokens.ids.astype(np.int64)
+    kept = np.ones(len(ids), bool) if include_special else ~tokens.special
+    counts, contexts = _type_counts(ids, kept, tokens.offsets)
+    tracked = int((_frequent_types(counts, contexts) >= 0).sum())
+    return min(SELF_SIM_TYPES, tracked), int(tokens.offsets[-1])
 
 
 def _add(total: np.ndarray | None, part: np.ndarray) -> np.ndarray:

@@ -217,16 +217,12 @@ class Placement:
         """An already built (untrained) model placed by the map from_pretrained would make."""
         from accelerate import dispatch_model
 
-        from isotui.extract.memory_plan import infer_device_map
+        from isotui.extract.memory_plan import infer_device_map, refuse_all_on_disk
 
         folder = offload_dir(model)
         try:
             placed = infer_device_map(model, self.device_map, self.max_memory)
-            if set(map(str, placed.values())) == {"disk"}:
-                raise IsotuiError(
-                    f"--max-memory leaves no room in memory for any part of model {name!r}; give its "
-                    "devices more"
-                )
+            refuse_all_on_disk(placed, name)
             model = dispatch_model(model, device_map=placed, offload_dir=folder)
         except IsotuiError:
             raise
@@ -427,6 +423,30 @@ def _names_own_code(where: Any, kwargs: dict[str, Any]) -> bool:
 TOKENIZER_MIN_SHARE = 0.5  # a tokenizer covering less of the embedding table is not the model's
 UNKNOWN_MAX_SHARE = 0.5  # more unknown tokens than this on the first samples: a foreign tokenizer
 UNKNOWN_CHECK_SAMPLES = 64
+
+
+def text_tokenizer(ref: ModelRef, *, tokenizer: str | None, trust: bool) -> Any | None:
+    """The tokenizer :func:`load` feeds a text model of ``ref``, without its weights: what a dry
+    run counts the corpus's tokens with (``--tokenizer``'s; an untrained model's own or the
+    stand-in; else the checkpoint's). None where it cannot be had without loading the model
+    (a timm model takes no text; a checkpoint whose tokenizer will not load: the run says why)."""
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    if ref.kind == "timm" or (ref.kind == "random" and ref.random_source_kind == "timm"):
+        return None
+    if tokenizer is not None:
+        return _given_tokenizer(tokenizer, trust)
+    if ref.kind == "random":
+        return _random_tokenizer(ref, _random_config(ref, trust), trust, [])[0]
+    folder = ref.local_dir()
+    kwargs: dict[str, Any] = {"trust_remote_code": trust}
+    if folder is None and ref.revision:
+        kwargs["revision"] = ref.revision
+    try:
+        return AutoTokenizer.from_pretrained(str(folder) if folder is not None else ref.source, **kwargs)
+    except Exception:
+        return None
 
 
 def _given_tokenizer(name: str, trust: bool) -> Any:
