@@ -526,3 +526,26 @@ def test_gradient_shares_within_1e6_of_float64_by_each_scheme(scheme, cpu_scheme
     }
     errors = {key: abs(getattr(got, key) - v) / abs(v) for key, v in want.items()}
     assert max(errors.values()) < 1e-6, errors
+
+
+@pytest.mark.parametrize(("m", "d"), [(500, 128), (777, 130), (64, 1000)])
+def test_the_cpus_blocked_gram_is_the_float32_product_within_its_rounding(m, d):
+    """Issue 40: on the CPU the gram is formed from the upper triangle's column blocks. Each entry
+    is a float32 dot product of the float32-rounded rows, so it lies within the standard bound
+    gamma_m |x|^T |x| (gamma_m = m u / (1 - m u), u = 2^-24) of the exact float64 product of the
+    same float32 values; the result is exactly symmetric."""
+    import numpy as np
+    import torch
+
+    from isotui.core.products import GRAM_BLOCKS, gram
+
+    assert d >= GRAM_BLOCKS * 16  # the blocked path
+    rng = np.random.default_rng(d)
+    x = torch.from_numpy(rng.normal(size=(m, d)) * rng.uniform(0.1, 10, size=d))
+    g = gram(x).numpy()
+    x32 = x.to(torch.float32).to(torch.float64).numpy()
+    exact = x32.T @ x32
+    u = 2.0**-24
+    gamma = m * u / (1 - m * u)
+    assert np.all(np.abs(g - exact) <= gamma * (np.abs(x32).T @ np.abs(x32)))
+    assert np.array_equal(g, g.T)

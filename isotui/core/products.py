@@ -24,6 +24,7 @@ product of two slices exact in float32, accumulated in float32 (tests/test_produ
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -257,6 +258,28 @@ def mm_scheme(a: torch.Tensor, b: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     return out
 
 
+# the CPU's float32 gram by column blocks: only the upper triangle's products, mirrored (one CPU
+# core: 4.7-5.1 ms against 8.3-8.6 ms for the whole product at 3,600 x 384; issue 40)
+GRAM_BLOCKS = 8
+
+
+def _upper_gram(x32: torch.Tensor) -> torch.Tensor:
+    """``x32^T x32`` (float64) from the products of each column block with the blocks from it on:
+    every entry is the same float32 dot product as the whole product's, a little more than half
+    the multiplications, and the result exactly symmetric."""
+    import torch
+
+    d = x32.shape[1]
+    edges = [d * i // GRAM_BLOCKS for i in range(GRAM_BLOCKS + 1)]
+    out = torch.empty((d, d), dtype=torch.float64)
+    with full_float32():
+        for lo, hi in itertools.pairwise(edges):
+            p = (x32[:, lo:hi].T @ x32[:, lo:]).to(torch.float64)
+            out[lo:hi, lo:] = p
+            out[lo:, lo:hi] = p.T
+    return out
+
+
 def gram(xs: torch.Tensor, scheme: Scheme | None = None) -> torch.Tensor:
     """``xs^T xs`` (d x d, float64) of shifted rows, by ``scheme`` (default: the table's for
     ``xs``'s device): a slice pair and its transpose are one product."""
@@ -268,6 +291,8 @@ def gram(xs: torch.Tensor, scheme: Scheme | None = None) -> torch.Tensor:
         return x64.T @ x64
     if scheme.fmt is None:  # one float32 copy serves both operands (mm32 would make two)
         x32 = xs.to(torch.float32)
+        if xs.device.type == "cpu" and xs.shape[1] >= GRAM_BLOCKS * 16:
+            return _upper_gram(x32)
         return mm32(x32.T, x32)
     parts = split(xs, scheme.fmt, scheme.slices)
     d = xs.shape[1]
