@@ -101,9 +101,9 @@ def syncs(monkeypatch):
 
     counts: Counter[str] = Counter()
     armed = [False]
-    # the CPU finds NaN and inf from the row norms and reads the rows holding them (free there);
-    # an accelerator's scan of every value is the path whose reads count
-    monkeypatch.setattr(accumulator, "DEVICE_SCAN_ON_CPU", True)
+    # the CPU reads counts on the host (free there: NaN/inf rows, the reservoir's entering
+    # vectors); an accelerator's sync-free paths are the ones whose reads count
+    monkeypatch.setattr(accumulator, "SYNC_FREE_ON_CPU", True)
 
     def wrap(owner, name, check=None):
         original = getattr(owner, name)
@@ -158,15 +158,17 @@ def test_no_host_sync_after_the_first_batch(tmp_path, monkeypatch, syncs, reserv
     assert dict(counts) == {}
 
 
-def test_sync_free_reservoir_and_counts_match_numpy():
-    """The fixed-size reservoir writes keep exactly the K smallest keys of every vector seen (and
-    their vectors), when some, more than K or none enter; the device counts equal numpy's, with
-    zero vectors and an empty sample."""
+def _reservoir_run(monkeypatch, traced: bool):
+    """A reservoir of 25 over 8 batches (one larger than it, one where none enters), and what
+    numpy says it must hold: (accumulator, every vector, every key, vectors with a direction,
+    same-sample pairs). ``traced``: the accelerators' sync-free writes, else the CPU's."""
     import numpy as np
     import torch
 
+    from isotui.core import accumulator
     from isotui.core.accumulator import LayerAccumulator, sample_keys
 
+    monkeypatch.setattr(accumulator, "SYNC_FREE_ON_CPU", traced)
     rng = np.random.default_rng(3)
     d, k, b = 8, 25, 4
     acc = LayerAccumulator(d, torch.device("cpu"), full_cov=False, reservoir=k)
@@ -185,13 +187,28 @@ def test_sync_free_reservoir_and_counts_match_numpy():
         n, pairs = n + int(live.sum()), pairs + int((per * (per - 1)).sum())
         xs.append(x)
         all_keys.append(keys.numpy())
-    x_all, keys_all = np.concatenate(xs), np.concatenate(all_keys)
-    smallest = np.argsort(keys_all)[:k]
-    assert acc.res is not None and acc.res_keys is not None
-    order = np.argsort(acc.res_keys.numpy())
-    np.testing.assert_array_equal(acc.res_keys.numpy()[order], keys_all[smallest])
-    np.testing.assert_array_equal(acc.res.numpy()[order], x_all[smallest])
-    assert (acc.n, acc.n_all, acc.pairs_within) == (n, len(x_all), pairs)
+    return acc, np.concatenate(xs), np.concatenate(all_keys), n, pairs
+
+
+def test_sync_free_reservoir_and_counts_match_numpy(monkeypatch):
+    """The fixed-size reservoir writes keep exactly the K smallest keys of every vector seen (and
+    their vectors), when some, more than K or none enter; the device counts equal numpy's, with
+    zero vectors and an empty sample. The CPU's writes (only the entering vectors, issue 40) leave
+    every slot as the accelerators' writes do."""
+    import numpy as np
+
+    slots = []
+    for traced in (True, False):
+        acc, x_all, keys_all, n, pairs = _reservoir_run(monkeypatch, traced)
+        smallest = np.argsort(keys_all)[: acc.reservoir_size]
+        assert acc.res is not None and acc.res_keys is not None
+        order = np.argsort(acc.res_keys.numpy())
+        np.testing.assert_array_equal(acc.res_keys.numpy()[order], keys_all[smallest])
+        np.testing.assert_array_equal(acc.res.numpy()[order], x_all[smallest])
+        assert (acc.n, acc.n_all, acc.pairs_within) == (n, len(x_all), pairs)
+        slots.append((acc.res.numpy(), acc.res_keys.numpy()))
+    np.testing.assert_array_equal(slots[0][0], slots[1][0])
+    np.testing.assert_array_equal(slots[0][1], slots[1][1])
 
 
 def _arm_loop_steps(monkeypatch, armed: list[bool]) -> list[int]:
@@ -684,7 +701,7 @@ def test_no_pageable_copy_nor_read_of_a_device_tensor_per_batch(
     from isotui.core import accumulator, attention
 
     monkeypatch.setattr(attention, "CPU_PATHS", False)  # the GPU's path of the probe
-    monkeypatch.setattr(accumulator, "DEVICE_SCAN_ON_CPU", True)  # and of the NaN/inf count
+    monkeypatch.setattr(accumulator, "SYNC_FREE_ON_CPU", True)  # and of the NaN/inf count and the reservoir
     tracer, seen = where
     data = _text(tmp_path)
     if experiment.startswith("layers"):
@@ -734,7 +751,7 @@ def test_nonfinite_from_row_norms_counts_as_a_scan_of_every_value(monkeypatch, d
     assert (expect_values, expect_rows) == (27, 3)
     norms = torch.linalg.vector_norm(x.to(torch.float64), dim=1)
     for traced in (False, True):
-        monkeypatch.setattr(accumulator, "DEVICE_SCAN_ON_CPU", traced)
+        monkeypatch.setattr(accumulator, "SYNC_FREE_ON_CPU", traced)
         values, rows = accumulator._nonfinite(x, norms)
         assert (int(values), int(rows.sum())) == (expect_values, expect_rows)
         assert rows.nonzero().flatten().tolist() == [7, 9, 11]

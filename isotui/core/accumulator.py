@@ -65,8 +65,9 @@ def sample_keys(seed: int, sample_index: torch.Tensor, position: torch.Tensor) -
     return (x >> 9).to(torch.float64) / float(1 << 53)
 
 
-# the accelerators' scan of every value on the CPU too (tests: their sync-free path, traced here)
-DEVICE_SCAN_ON_CPU = False
+# the accelerators' sync-free paths on the CPU too (tests trace them here): the CPU reads a count
+# on the host for free, and uses it to touch only the rows that matter (NaN/inf, the reservoir)
+SYNC_FREE_ON_CPU = False
 
 
 def _nonfinite(xd: torch.Tensor, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +78,7 @@ def _nonfinite(xd: torch.Tensor, norms: torch.Tensor) -> tuple[torch.Tensor, tor
     overflow), every value is checked on the device, nothing read on the host."""
     import torch
 
-    if xd.device.type == "cpu" and xd.dtype != torch.float64 and not DEVICE_SCAN_ON_CPU:
+    if xd.device.type == "cpu" and xd.dtype != torch.float64 and not SYNC_FREE_ON_CPU:
         bad_rows = torch.isfinite(norms).logical_not_()
         return torch.isfinite(xd[bad_rows]).logical_not_().sum(), bad_rows
     bad = torch.isfinite(xd).logical_not_()
@@ -406,7 +407,8 @@ class LayerAccumulator:
         While filling, returns the new (vectors, keys); once full, a fixed number of slot writes
         (slots, vectors, keys), min(K, m): evicted slots in ascending order get the entering
         vectors in batch order and the other writes repeat the first, so that no count is read on
-        the host and a batch copies at most m vectors, never the whole reservoir.
+        the host and a batch copies at most m vectors, never the whole reservoir. On the CPU, where
+        a count costs nothing to read, just the entering vectors' writes (the same reservoir).
         """
         import torch
 
@@ -425,6 +427,10 @@ class LayerAccumulator:
         keep = torch.topk(torch.cat([self.res_keys, keys]), k, largest=False).indices
         kept = torch.zeros(k + m, dtype=torch.bool, device=self.device)
         kept[keep] = True
+        if self.device.type == "cpu" and not SYNC_FREE_ON_CPU:  # the same writes, only those that enter
+            slots = torch.nonzero(~kept[:k]).squeeze(1)  # evicted, ascending
+            units = torch.nonzero(kept[k:]).squeeze(1)  # entering, in batch order
+            return ("update", slots, x32[units], keys[units]) if len(units) else ("none",)
         writes = min(k, m)  # entering = evicted <= both
         # stable sorts put the evicted slots (ascending) and the entering units (in batch order)
         # first; the first e of each pair up, e = how many enter (never read)
