@@ -69,9 +69,9 @@ def gb(n: int) -> str:
 def plan_of(folder: Path, gpus: int, samples: int | None = None):
     """The plan ``isotui run --dry-run`` prints for the model in ``folder`` on ``gpus`` GPUs of
     80 GB (with its time per phase when ``samples`` is given)."""
+    from isotui.data.sources import parse_data
     from isotui.experiments.layerwise import LayersRequest
     from isotui.experiments.plans import layers
-    from isotui.data.sources import parse_data
     from isotui.spec import RunSpec
 
     spec = RunSpec(
