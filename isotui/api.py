@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from isotui.errors import IsotuiError
 
 if TYPE_CHECKING:
+    from tqdm import tqdm as Tqdm
+
     from isotui.experiments.base import Experiment
     from isotui.extract.progress import Progress, ProgressCallback
     from isotui.results import Outcome
@@ -437,31 +439,55 @@ def _has_tqdm() -> bool:
         return False
 
 
+# What tqdm's bar shows, by what the job counts: words alone while it resolves, loads and tokenises
+# (no "0/600 ?sample/s" before a sample runs), then the bar with the job's own status words (one
+# rate and one ETA, the CLI's and the app's, not tqdm's second pair counted from the start). The
+# words go into the format itself (tqdm's ``{postfix}`` starts with a comma).
+WORDS = "{desc}: "
+COUNTED = "{desc}: {percentage:3.0f}%|{bar}| "
+UNCOUNTED = ("resolving", "loading", "tokenising", "writing")  # phases that count nothing yet
+
+
 @contextmanager
 def tqdm_bar(name: str) -> Iterator[ProgressCallback]:
     """A job's progress as a tqdm bar (``tqdm.auto``: the notebook's widget where it can, else
-    a bar on stderr): samples while running, layers while finalising, the status words beside it."""
+    a bar on stderr), opened at the job's first news: the status words while it prepares, then
+    a bar of samples while running and of layers while finalising, each with its own words."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=None, desc=name, unit="sample", leave=False, dynamic_ncols=True, file=sys.stderr)
+    bar: Tqdm | None = None
 
     def on_progress(ev: Progress) -> None:
+        nonlocal bar
         if ev.message:
-            bar.write(f"{name}: {ev.message}", file=sys.stderr)
+            (bar or tqdm).write(f"{name}: {ev.message}", file=sys.stderr)
             return
         finalising = ev.phase == "finalising"
-        total = (ev.layers_total if finalising else ev.samples_total) or None
-        if total != bar.total:
+        total = ev.layers_total if finalising else ev.samples_total
+        counted = total > 0 and ev.phase not in UNCOUNTED
+        words = ev.status().replace("{", "{{").replace("}", "}}")
+        shown = (COUNTED if counted else WORDS) + words
+        if bar is None:
+            bar = tqdm(
+                total=total or None,
+                desc=name,
+                leave=False,
+                dynamic_ncols=True,
+                file=sys.stderr,
+                bar_format=shown,
+            )
+        bar.bar_format = shown  # the format first: a new total redraws at once
+        bar.unit = "layer" if finalising else "sample"
+        if counted and total != bar.total:
             bar.reset(total=total)
-            bar.unit = "layer" if finalising else "sample"
-        bar.n = ev.layers_done if finalising else ev.samples_done
-        bar.set_postfix_str(ev.status(), refresh=False)
+        bar.n = (ev.layers_done if finalising else ev.samples_done) if counted else 0
         bar.refresh()
 
     try:
         yield on_progress
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
 
 
 def _bar(progress: bool | None) -> Callable[[str], AbstractContextManager[ProgressCallback]]:

@@ -84,3 +84,23 @@ def test_a_notebook_gets_tqdms_bar(job, monkeypatch):
     assert len(asked) == 1
     assert "6/6" in drawn and "sample" in drawn  # tqdm's counter and unit
     assert job(tty=False, progress=False) == ("", [])
+
+
+def test_the_bar_says_what_the_job_does_from_its_first_line_to_its_last(job):
+    """No counter before a sample runs (it drew ``0it [00:00, ?it/s]`` and ``0/6 ?sample/s``
+    while loading), one set of words per line (tqdm's own rate and ETA beside isotui's, counted
+    from the start, disagreed), and the layer bar never carries the samples' words (issue 38)."""
+    pytest.importorskip("tqdm")
+    drawn, _ = job(tty=True)
+    lines = [line.strip() for line in drawn.replace("\n", "\r").split("\r") if line.strip()]
+    assert lines, drawn
+    assert not any(word in drawn for word in ("it/s", "0it", "?sample", "?layer", "| ,")), drawn
+    first_count = next(i for i, line in enumerate(lines) if "%|" in line)
+    assert first_count > 0 and all("%|" not in line for line in lines[:first_count])
+    assert "resolving" in lines[0] or "loading" in lines[0]
+    counted = lines[first_count:]
+    samples = [line for line in counted if "samples" in line]
+    layers = [line for line in counted if "computing metrics" in line]
+    assert samples and layers and any("100%" in line and "6/6 samples" in line for line in samples)
+    assert all("samples" not in line and "tok/s" not in line for line in layers)
+    assert all(line.count("ETA") <= 1 for line in lines)

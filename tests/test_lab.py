@@ -353,6 +353,41 @@ def test_lab_focus_stays_on_error_help_is_the_labs_and_main_keys_are_inert(tmp_p
     asyncio.run(scenario())
 
 
+def test_tab_keys_pass_an_empty_settings_box_and_are_text_once_typed(tmp_path):
+    """Browsing the tabs by their keys: a tab with nothing run puts the cursor in its settings box,
+    and the next tab's key, pressed there, shows that tab (it was typed into the box, issue 38).
+    Once something is typed, digits are text; a value that starts with a tab's digit is typed after
+    a space; a digit no tab takes is typed."""
+
+    async def scenario():
+        app = _app(tmp_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("A", "2")
+            await pilot.pause()
+            tabs = app.screen.query_one("#lab-tabs", TabbedContent)
+            box = app.screen.query_one("#dyn-input", Input)
+            assert tabs.active == "tab-dynamics" and box.has_focus and box.value == ""
+            await pilot.press("3")
+            await pilot.pause()
+            await pilot.pause()
+            drift_box = app.screen.query_one("#drift-input", Input)
+            assert tabs.active == "tab-drift" and box.value == "" and drift_box.has_focus
+            await pilot.press("2")
+            await pilot.pause()
+            await pilot.pause()
+            assert tabs.active == "tab-dynamics" and box.has_focus
+            await pilot.press("s", "t", "e", "p", "3")  # typed: a setting's digits
+            assert tabs.active == "tab-dynamics" and box.value == "step3"
+            box.value = ""
+            await pilot.press("space", "1", "0")  # a leading digit, after a space
+            assert tabs.active == "tab-dynamics" and box.value == " 10"
+            box.value = ""
+            await pilot.press("9")  # no tab's key
+            assert tabs.active == "tab-dynamics" and box.value == "9"
+
+    asyncio.run(scenario())
+
+
 def test_status_line_is_its_tabs_and_every_footer_fits_80_columns(tmp_path):
     """Another tab's status ("qk-dynamics ready") no longer stays on Heads; each tab's footer
     shows all its keys within 80 columns (the Dynamics one was cut at ``F PDF x C``, issue 29)."""

@@ -177,6 +177,7 @@ class JobsTable(DataTable[str]):
         unfold = self.folded
         self.set_class(unfold, "-open")
         self.set_class(not unfold, "-shut")
+        self.screen.set_class(unfold, "-jobs-open")  # the layer table gives way as the plot does
         if not unfold and self.has_focus:
             self.screen.focus_next()
         self._titles()

@@ -183,7 +183,12 @@ class LabScreen(Screen[None]):
         host = self.host
         shared = [b for b in host.BINDINGS if b.id in self.APP_KEYS]
         keys = host.key_bindings(self.keys) + host.key_bindings(shared)
-        widget_keys = (*widget_key_rows(self.tabs), *LAB_WIDGET_KEYS)
+        tab_keys = ", ".join(tab.KEY for tab in self.tabs)
+        empty_box = (
+            tab_keys,
+            "in an empty settings box: show that tab; once typed, digits are text (a space first types one)",
+        )
+        widget_keys = (*widget_key_rows(self.tabs), *LAB_WIDGET_KEYS, empty_box)
         self.app.push_screen(HelpScreen(keys, title="attention lab keys", widget_keys=widget_keys))
 
     def action_log_counts(self) -> None:

@@ -13,12 +13,12 @@ from textual.color import Color
 from textual.widgets import DataTable, Input, Static
 
 from isotui.render import DUPLICATE_MARK, duplicates_caption, shorten
-from isotui.tui.lab_tab import LabTab
+from isotui.tui.lab_tab import LabTab, SettingsBox
 from isotui.tui.layer_table import SHADE_MAX, shade_fraction
 
 
 def compose_checkpoints() -> ComposeResult:
-    yield Input(
+    yield SettingsBox(
         placeholder="checkpoints: step0 step1000 (revisions of the selected model), model ids, or "
         "folders; enter runs each as a layer run",
         id="ckpt-input",

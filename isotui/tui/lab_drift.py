@@ -18,7 +18,7 @@ from textual.containers import Horizontal
 from textual.widgets import DataTable, Input, Static
 from textual_plotext import PlotextPlot
 
-from isotui.tui.lab_tab import LabTab
+from isotui.tui.lab_tab import LabTab, SettingsBox
 from isotui.tui.plots import FitPlot, clear, sized
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ COLUMNS = (
 
 
 def compose_drift() -> ComposeResult:
-    yield Input(
+    yield SettingsBox(
         placeholder="settings (BERT-base default): hidden=768 heads=12 intermediate=3072 init_std=0.02 "
         "batch=16 seq_len=512 norms=0:30:31 seeds=0; enter runs",
         id="drift-input",

@@ -13,7 +13,7 @@ from textual.containers import Horizontal
 from textual.widgets import DataTable, Input
 
 from isotui.render import DUPLICATE_MARK, shorten
-from isotui.tui.lab_tab import LabTab
+from isotui.tui.lab_tab import LabTab, SettingsBox
 from isotui.tui.lab_tab import fmt as _f
 from isotui.tui.plots import FitPlot, clear, sized
 
@@ -65,7 +65,7 @@ class DynamicsTab(LabTab):
         self.basis = 0  # the trajectory's SVD basis, one of BASES
 
     def compose(self) -> ComposeResult:
-        yield Input(
+        yield SettingsBox(
             placeholder="checkpoints: step1000 step2000 (revisions of the selected model), "
             "model ids, or folders; enter runs",
             id="dyn-input",

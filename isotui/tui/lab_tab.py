@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from textual import on
+from textual import events, on
 from textual.binding import Binding
 from textual.widgets import DataTable, Input, TabPane
 
@@ -28,6 +28,26 @@ if TYPE_CHECKING:
 
 def fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+class SettingsBox(Input):
+    """A tab's settings box. While it is empty, a digit that shows a tab does that (the box takes
+    the cursor when a tab with nothing run is shown, so browsing the tabs by their keys would
+    otherwise type into it); once anything is typed, digits are text. A value that starts with
+    such a digit is typed after a space (the boxes split on spaces)."""
+
+    def check_consume_key(self, key: str, character: str | None) -> bool:
+        """An empty box leaves the digits to the screen's keys (the tab keys among them)."""
+        if not self.value and character is not None and character.isdigit():
+            return False
+        return super().check_consume_key(key, character)
+
+    async def _on_key(self, event: events.Key) -> None:
+        character = event.character or ""
+        if not self.value and character.isdigit() and character in self.screen.active_bindings:
+            event.prevent_default()  # not typed: the key goes on to the lab's tab keys
+            return
+        await super()._on_key(event)
 
 
 class LabTab(TabPane):
