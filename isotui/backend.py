@@ -32,15 +32,17 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 from isotui.errors import Cancelled, IsotuiError
-from isotui.experiments import layerwise
 from isotui.extract.device import resolve_device
 from isotui.extract.progress import Progress
 from isotui.results import ModelResult
 from isotui.spec import RunSpec
 from isotui.store.cache import ResultCache
+
+if TYPE_CHECKING:  # the layers experiment (numpy, the accumulators) loads with the first job, not the app
+    from isotui.experiments import layerwise
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ def as_request(
     is the layers experiment's request (``prepare``/``compute``: tests' fakes); an experiment's
     request is itself."""
     if isinstance(spec, RunSpec):  # the one place a submitted RunSpec becomes its request
+        from isotui.experiments import layerwise
+
         return layerwise.LayersRequest(spec, compute_fn=compute, prepare_fn=prepare)
     return cast(Request, spec)
 

@@ -20,7 +20,7 @@ from typing import Any
 from isotui.data.sources import DataSpec, parse_data
 from isotui.errors import IsotuiError
 from isotui.extract.device import DTYPE_ALIASES, DTYPES, validate_device
-from isotui.extract.memory_plan import DEVICE_MAPS, parse_max_memory
+from isotui.extract.memory_values import DEVICE_MAPS, parse_max_memory
 from isotui.extract.threads import check_threads
 
 MAP_UNITS = ("auto", "image", "position")

@@ -239,7 +239,7 @@ def test_bad_values_are_one_sentence_naming_the_flag(tiny_models, capsys):
 
 
 def test_max_memory_forms():
-    from isotui.extract.memory_plan import parse_max_memory
+    from isotui.extract.memory_values import parse_max_memory
 
     assert parse_max_memory("0=70GiB,1=70GiB,cpu=200GiB") == (
         (0, 70 * GiB),

@@ -115,7 +115,7 @@ def _limit(folder: Path, flags: list[str], extra: float, *, floor: bool = False)
 @pytest.mark.parametrize(("name", "flags", "extra", "kind"), PAIRS, ids=[f"{n}-{k}" for n, *_, k in PAIRS])
 def test_the_dry_run_plan_is_the_runs_recorded_plan(models, tmp_path, monkeypatch, name, flags, extra, kind):
     from isotui.experiments.layerwise import measure
-    from isotui.extract import device, memory_plan
+    from isotui.extract import device, memory_plan, memory_values
 
     monkeypatch.setattr(memory_plan, "available_memory", lambda _d: PLENTY)
     monkeypatch.setattr(device, "available_memory", lambda _d: PLENTY)
@@ -159,7 +159,7 @@ def test_the_dry_run_plan_is_the_runs_recorded_plan(models, tmp_path, monkeypatc
         assert "budget_bytes.cpu" in dry["estimates"]
         return
     assert "budget_bytes.cpu" not in dry["estimates"]  # --max-memory sets it: compared above
-    limit = memory_plan.parse_size(given.split("=")[1])
+    limit = memory_values.parse_size(given.split("=")[1])
     assert limit is not None
     # by hand: the typed limit less the weights accelerate kept in memory, the workspace (the
     # larger of a batch and finalisation, at their most) and the margin (10% of what is left,

@@ -316,6 +316,61 @@ def test_models_pane_presets_filter_and_cached_runs(tmp_path, tiny_models):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
+def test_the_hf_cache_is_listed_second_and_a_model_of_it_still_restored(tmp_path, tiny_models, monkeypatch):
+    """The models list shows at once what needs no scan (bundled, presets, cached runs) and then
+    the Hugging Face cache, whose scan imports huggingface_hub's HTTP client (~0.2 s of the first
+    frame). The last session's model, a model of the HF cache found only in the second listing,
+    still gets the cursor; a cursor the user moved before the second listing stays there."""
+    import os
+    from pathlib import Path
+
+    import isotui
+    from isotui.settings import settings_path
+    from isotui.tui import models_pane
+    from isotui.tui.session import Session, save_session, session_path
+
+    name = "someorg/tiny-bert"
+    repo = Path(os.environ["HF_HUB_CACHE"]) / "models--someorg--tiny-bert"
+    (repo / "snapshots" / ("a" * 40)).mkdir(parents=True)
+    for f in tiny_models["bert"].iterdir():
+        (repo / "snapshots" / ("a" * 40) / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "samples.txt"
+    data.write_text("\n".join(corpus(4)) + "\n", encoding="utf-8")
+    key = isotui.run(name, f"text:{data}", max_samples=4, cache_dir=tmp_path / "cache", progress=False).key
+    listings: list[list[str]] = []
+    real = models_pane.gather_entries
+
+    def spy(cache, hub=True):
+        entries = real(cache, hub=hub)
+        listings.append([e.option_id for e in entries])
+        return entries
+
+    monkeypatch.setattr(models_pane, "gather_entries", spy)
+
+    async def scenario(move: bool) -> str:
+        save_session(session_path(settings_path()), Session(comparison=[(name, key)], selected=name))
+        listings.clear()
+        app = IsotuiApp(cache_root=tmp_path / "cache", device_probe=lambda: "cpu")
+        async with app.run_test(size=(120, 36)) as pilot:
+            models = app.query_one("#models", OptionList)
+            await _wait(pilot, lambda: models.option_count > 0)
+            if move:
+                ids = [models.get_option_at_index(i).id for i in range(models.option_count)]
+                models.highlighted = ids.index("model:random:gpt2")
+            await _wait(pilot, lambda: len(listings) == 2 and models.option_count > len(listings[0]) + 1)
+            await pilot.pause()
+            return models.get_option_at_index(models.highlighted).id
+
+    assert asyncio.run(scenario(move=False)) == f"model:{name}"
+    assert f"model:{name}" not in listings[0] and f"model:{name}" in listings[1]
+    assert listings[0] == [i for i in listings[1] if i != f"model:{name}"]
+    assert asyncio.run(scenario(move=True)) == "model:random:gpt2"  # the user's cursor stays
+
+
 def test_a_listing_that_arrives_while_the_app_closes_is_dropped(tmp_path):
     """The models' worker can answer after the app began closing, when the pane is still attached
     but its list is already removed (Textual removes children first): a CI run failed on

@@ -24,7 +24,6 @@ is the larger of a batch (the forward's activations and one layer's fold,
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
     from isotui.extract.phase_time import PhaseTimes
     from isotui.models.naming import ModelRef
 
-DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 MARGIN_SHARE = 0.10  # of a device's free memory, kept for transients (the batch's float64 copy)
 MARGIN_MIN = 256 << 20  # and never less than this
 VECTOR_SUMS = 10  # d-long float64 running vectors per layer (sums, shifts, min, max)
@@ -48,61 +46,7 @@ RESERVOIR_MIN = 2
 # from 8 disjoint groups of the reservoir, and 2 vectors a group is the least that has a spread
 RESERVOIR_FLOOR = 16
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-MAX_MEMORY_FORM = "DEVICE=SIZE pairs such as 0=70GiB,1=70GiB,cpu=200GiB (devices: GPU numbers, cpu, disk)"
-
-
 # --- the options' values ----------------------------------------------------------------------
-
-
-def parse_size(text: str) -> int | None:
-    """``70GiB``, ``500MB``, ``1.5GB``, ``2048`` (bytes) -> bytes; None if it is no size."""
-    m = _SIZE.match(text)
-    if not m or m.group(2).lower() not in _UNITS:
-        return None
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def parse_max_memory(value: Any) -> tuple[tuple[int | str, int], ...] | None:
-    """``0=70GiB,1=70GiB,cpu=200GiB`` (or a dict from a config table or the Python API) ->
-    ((0, bytes), (1, bytes), ("cpu", bytes)), as accelerate's ``max_memory`` keys them."""
-    if value is None:
-        return None
-    if isinstance(value, Mapping):
-        pairs = [(str(k), str(v)) for k, v in value.items()]
-    elif isinstance(value, tuple | list) and all(isinstance(p, tuple | list) and len(p) == 2 for p in value):
-        pairs = [(str(k), str(v)) for k, v in value]
-    else:
-        pairs = [part.partition("=")[::2] for part in str(value).split(",") if part.strip()]
-    out: dict[int | str, int] = {}
-    for key, size in pairs:
-        key = key.strip().lower().removeprefix("cuda:")
-        if not (key.isdigit() or key in ("cpu", "disk", "mps")):
-            raise IsotuiError(f"max-memory must be {MAX_MEMORY_FORM}: {key or '(nothing)'!r} is no device")
-        amount = parse_size(size)
-        if amount is None or amount <= 0:
-            raise IsotuiError(f"max-memory must be {MAX_MEMORY_FORM}: {size.strip()!r} is no size for {key}")
-        device = int(key) if key.isdigit() else key
-        if device in out:  # cpu=1GiB,cpu=2GiB: which one was meant?
-            raise IsotuiError(
-                f"max-memory names {key} twice ({out[device]:,} and {amount:,} bytes); give each device once"
-            )
-        out[device] = amount
-    if not out:
-        raise IsotuiError(f"max-memory must be {MAX_MEMORY_FORM} (got nothing)")
-    return tuple(out.items())
 
 
 def check_devices(max_memory: Sequence[tuple[int | str, int]] | None) -> None:

@@ -128,11 +128,11 @@ class CachedModel:
 def cached_repos() -> list[Any]:
     """Every model repository of the local Hugging Face cache (``CachedRepoInfo``, by id) that
     huggingface_hub's ``scan_cache_dir`` reads as whole; one it calls corrupted is left out."""
+    root = hub_cache_dir()
+    if not root.is_dir():  # (before the import: huggingface_hub's scanner brings its HTTP client)
+        return []
     from huggingface_hub import scan_cache_dir
 
-    root = hub_cache_dir()
-    if not root.is_dir():
-        return []
     info = scan_cache_dir(root)
     return sorted((r for r in info.repos if r.repo_type == "model"), key=lambda r: r.repo_id)
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from isotui.errors import IsotuiError
-from isotui.experiments import layerwise
 from isotui.spec import SPEC_OPTIONS
 from isotui.store.cache import CacheProblem
 from isotui.tui.main_screen import PLOT_METRICS
@@ -71,6 +70,8 @@ class LastSession:
             self.app.run_worker(lambda: self._read(session), thread=True, exclusive=True, group="session")
 
     def _read(self, session: Session) -> None:
+        from isotui.experiments import layerwise  # (after the first frame, on a worker thread)
+
         app = self.app
         found: list[ModelResult] = []
         gone: list[str] = []

@@ -19,7 +19,6 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, OptionList
 
 from isotui.errors import IsotuiError
-from isotui.experiments import layerwise
 from isotui.models.naming import check_name
 from isotui.results import LAYER_METRICS, ModelResult
 from isotui.store.cache import CacheProblem
@@ -196,6 +195,8 @@ class MainScreen(Screen[None]):
 
     def open_cached(self, key: str) -> None:
         """Show a cached result at once (a file read: no model, no torch)."""
+        from isotui.experiments import layerwise  # (not needed for the first frame)
+
         host = self.host
         try:
             result = layerwise.read(host.cache, key)

@@ -30,8 +30,10 @@ class Entry:
     search: str  # what the filter box matches against
 
 
-def gather_entries(cache: ResultCache) -> list[Entry]:
-    """Everything the list offers, in display order (reads files only: no torch)."""
+def gather_entries(cache: ResultCache, hub: bool = True) -> list[Entry]:
+    """Everything the list offers, in display order (reads files only: no torch); ``hub=False``
+    leaves out the Hugging Face cache, whose scan (and its import) the first frame need not wait
+    for."""
     out = [Entry("bundled", f"model:{n}", n, f"{n} {what}") for n, what in BUNDLED.items()]
     out.append(Entry("bundled", "model:random:gpt2", "random:gpt2", "random:gpt2 untrained random init"))
     for p in presets():
@@ -45,7 +47,7 @@ def gather_entries(cache: ResultCache) -> list[Entry]:
             )
         )
     seen = {e.option_id for e in out}
-    for m in cached_models():
+    for m in cached_models() if hub else ():
         if f"model:{m.repo_id}" not in seen:
             out.append(Entry("Hugging Face cache", f"model:{m.repo_id}", m.repo_id, m.repo_id))
     for e in cache.entries():

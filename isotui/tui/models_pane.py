@@ -49,6 +49,7 @@ class ModelsPane(Vertical):
         self._restore = restore
         self._marks = marks
         self.entries: list[Entry] = []
+        self._unlisted: str | None = None  # the last session's model, not in the list shown yet
 
     def compose(self) -> ComposeResult:
         yield ModelFilter(placeholder="filter, or type a model + enter", id="model-input")
@@ -56,9 +57,10 @@ class ModelsPane(Vertical):
 
     @work(thread=True, exclusive=True, group="models")
     def refresh_entries(self) -> None:
-        """Re-read presets, the HF cache and cached runs, then show them, keeping the filter."""
-        entries = gather_entries(self.cache)
-        self.app.call_from_thread(self._listed, entries)
+        """Re-read presets, the HF cache and cached runs, then show them, keeping the filter: all
+        but the HF cache first, then with it (its scan is the slow part)."""
+        self.app.call_from_thread(self._listed, gather_entries(self.cache, hub=False))
+        self.app.call_from_thread(self._listed, gather_entries(self.cache))
 
     def _listed(self, entries: list[Entry]) -> None:
         self.entries = entries
@@ -70,12 +72,19 @@ class ModelsPane(Vertical):
             return
         restoring = self._selected() if models.option_count == 0 else None  # the last session's
         if restoring is None:
+            untouched = models.highlighted == first_enabled(models)
             self.filter(keep_cursor=True)
+            unlisted, self._unlisted = self._unlisted, None
+            if unlisted is not None and untouched:  # a model of the HF cache: listed second
+                with models.prevent(OptionList.OptionHighlighted), contextlib.suppress(OptionDoesNotExist):
+                    models.highlighted = models.get_option_index(f"model:{unlisted}")
             return
         with models.prevent(OptionList.OptionHighlighted):  # the list's first entry is not picked
             self.filter()
-            with contextlib.suppress(OptionDoesNotExist):
+            try:
                 models.highlighted = models.get_option_index(f"model:{restoring}")
+            except OptionDoesNotExist:
+                self._unlisted = restoring
         self._restore(restoring)
 
     def filter(self, keep_cursor: bool = False) -> None:
@@ -84,12 +93,19 @@ class ModelsPane(Vertical):
         models = self.query_one("#models", OptionList)
         index = models.highlighted
         current = models.get_option_at_index(index).id if keep_cursor and index is not None else None
-        models.clear_options()
-        models.add_options(build_options(self.entries, query, self._marks()))
-        models.highlighted = first_enabled(models)
-        if current is not None:  # the cursor stays where the user left it
-            with contextlib.suppress(OptionDoesNotExist):
-                models.highlighted = models.get_option_index(current)
+        # the cursor stays where the user left it, and a list read again picks nothing on its way
+        # (it went through the first entry, which picked that model)
+        with models.prevent(OptionList.OptionHighlighted):
+            models.clear_options()
+            models.add_options(build_options(self.entries, query, self._marks()))
+            kept = None
+            if current is not None:
+                with contextlib.suppress(OptionDoesNotExist):
+                    kept = models.get_option_index(current)
+            if kept is not None:
+                models.highlighted = kept
+        if kept is None:
+            models.highlighted = first_enabled(models)
 
     def show_marks(self) -> None:
         """Mark the compared models, once anything is listed (a restored comparison can come back
