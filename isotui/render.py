@@ -140,7 +140,8 @@ def distinct_names(names: Sequence[str], width: int) -> list[str]:
     a hub id's last part when no other shown name ends so, else without the leading and trailing
     parts (split after ``:``, ``/``, ``,``) it shares with another name, marked ``…``
     (``random:gpt2:n_layer=2,n_head=2`` beside ``random:gpt2:n_layer=4,n_head=2`` reads
-    ``…n_layer=2…``), then :func:`shorten`; names that would still read the same are numbered."""
+    ``…n_layer=2…``), then whole parts from the end while it is too long, then :func:`shorten`;
+    names that would still read the same are numbered."""
     parts = [NAME_PARTS.findall(n) for n in names]
     bases = [n.rstrip("/").rsplit("/", 1)[-1] for n in names]
     out = []
@@ -158,10 +159,12 @@ def distinct_names(names: Sequence[str], width: int) -> list[str]:
         tail = max((_shared(mine[::-1], parts[j][::-1]) for j in others), default=0)
         head = min(head, len(mine) - 1)
         tail = min(tail, len(mine) - 1 - head)
-        middle = "".join(mine[head : len(mine) - tail])
-        if tail:
-            middle = middle.rstrip(":/,")
-        out.append(shorten("…" * (head > 0) + middle + "…" * (tail > 0), width))
+        kept = mine[head : len(mine) - tail]
+        cut = "…" * (head > 0) + "".join(kept).rstrip(":/," if tail else "") + "…" * (tail > 0)
+        while len(cut) > width and len(kept) > 1:  # whole parts, never n_layer=12 read as n_layer=1
+            kept, tail = kept[:-1], 1
+            cut = "…" * (head > 0) + "".join(kept).rstrip(":/,") + "…"
+        out.append(shorten(cut, width))
     same = [
         i
         for i, name in enumerate(names)

@@ -923,6 +923,10 @@ def test_names_shown_together_are_told_apart():
     assert distinct_names(["x" * 30 + "1", "x" * 30 + "2"], 10) == ["xxxx…xxxx1", "xxxx…xxxx2"]
     same = distinct_names(["random:gpt2:a=1", "random:gpt2:a=2"], 4)
     assert len(set(same)) == 2 and all(len(n) <= 8 for n in same)
+    # too long once the shared parts are gone: whole parts are dropped from the end, so a value
+    # is never cut (``…n_layer=1…84,n_head=6`` read as one layer)
+    c, d = "random:gpt2:n_layer=4,n_embd=64,n_head=4", "random:gpt2:n_layer=12,n_embd=384,n_head=6"
+    assert distinct_names([c, d], 22) == ["…n_layer=4,n_embd=64…", "…n_layer=12…"]
 
 
 def test_at_80x24_jobs_fold_to_a_line_and_the_table_and_plot_keep_their_rows(tmp_path):
@@ -971,6 +975,41 @@ def test_at_80x24_jobs_fold_to_a_line_and_the_table_and_plot_keep_their_rows(tmp
 
     for size in ((80, 24), (120, 36)):
         asyncio.run(scenario(size))
+
+
+def test_the_folded_jobs_line_keeps_the_progress_of_a_long_name_on_screen(tmp_path):
+    """At 80 columns the folded line cut ``…n_layer=12…384,n_head=6 40%, E…``: the running job's
+    name gives way, its progress and ETA stay whole."""
+    from types import SimpleNamespace
+
+    from isotui.backend import JobFinished, JobProgress, JobQueued, JobStarted
+
+    models = (
+        "minilm",
+        "random:gpt2:n_layer=4,n_embd=64,n_head=4",
+        "random:gpt2:n_layer=12,n_embd=384,n_head=6",
+    )
+
+    async def scenario():
+        app = IsotuiApp(cache_root=tmp_path / "cache", fresh=True, device_probe=lambda: "cpu")
+        async with app.run_test(size=(80, 24)) as pilot:
+            jobs = app.query_one("#jobs", JobsTable)
+            for i, model in enumerate(models, 1):
+                spec = SimpleNamespace(model=model, device="cpu", kind=None)
+                jobs.apply(JobQueued(i, spec))
+                jobs.apply(JobStarted(i, spec, "cpu"))
+                if i < len(models):
+                    jobs.apply(
+                        JobFinished(i, spec, SimpleNamespace(from_cache=False, meta={"device": "cpu"}))
+                    )
+                else:
+                    jobs.apply(JobProgress(i, spec, Progress(800, 2000, 40_000, 20.0, phase="running")))
+            await pilot.pause()
+            title = str(jobs.border_title)
+            assert title.endswith("40%, ETA 0:30") and "n_layer=12" in title, title
+            assert len(title) <= jobs.size.width - 2, title
+
+    asyncio.run(scenario())
 
 
 def test_list_entries_wrap_between_name_parts_never_mid_word(tmp_path):

@@ -94,13 +94,14 @@ def summary(records: list[JobRecord]) -> str:
     return ", ".join(f"{counts[w]} {w}" for w in order if counts.get(w))
 
 
-def running_note(records: list[JobRecord]) -> str:
-    """``gpt2 45%, ETA 0:12``: the oldest running job's model (told apart from the others listed)
-    and progress (its phase while it prepares or finalises); '' when none runs."""
+def running_note(records: list[JobRecord], name_width: int = 24) -> str:
+    """``gpt2 45%, ETA 0:12``: the oldest running job's model (told apart from the others listed,
+    in at most ``name_width`` cells) and progress (its phase while it prepares or finalises); ''
+    when none runs."""
     at = next((i for i, r in enumerate(records) if r.state in (*PREPARING, *COMPUTING)), None)
     if at is None:
         return ""
-    rec, name = records[at], distinct_names([r.model for r in records], 24)[at]
+    rec, name = records[at], distinct_names([r.model for r in records], name_width)[at]
     p = rec.progress
     if p is not None and rec.state in ("running", "second pass") and p.samples_total > 0:
         done = min(max(p.samples_done / p.samples_total, 0.0), 1.0)
@@ -301,8 +302,11 @@ class JobsTable(DataTable[str]):
         folded = self.folded and bool(records)
         self.can_focus = not folded
         if folded:
-            note = running_note(records)
             title = f"jobs: {summary(records)} ({self.fold_key}: show)"
+            # the name gives way so that the progress and ETA fit the line (" · ", "100%, ETA
+            # 0:00:00" and the rule's ends)
+            room = self.size.width - len(title) - len(" ·  100%, ETA 0:00:00") - 4
+            note = running_note(records, min(24, max(8, room)))
             self.border_title = f"{title} · {note}" if note else title
         elif active:
             self.border_title = f"jobs ({active} in flight)"
