@@ -1,11 +1,15 @@
-"""How far a half-precision run's numbers are from float32's: the same first samples run in the
-run's half dtype and in float32, the largest relative change per metric over the layers.
+"""How far a half-precision run's numbers are from float32's: the run's samples (or its first
+:data:`CHECK_MAX`) run in float32 too, and per metric the largest change over the layers, relative
+and in units of the run's own standard error where the metric has one.
 
 isotui's own sums are float64 whatever the model's dtype (every metric equals float64 on the
 same half-precision states to ~1e-14); what moves the numbers is the model's forward in bf16 or
-fp16 (issue 28's audit, MiniLM in bf16: avg_cos 0.3%, avg_cos_centered 3.7%, I(W) 1.8%). A
-half-precision layer run measures it on :data:`CHECK_SAMPLES` samples and says it in its notes and
-JSON (``half_check``).
+fp16. A subset is a poor guide for the centred metrics: on MiniLM (120 samples, bf16) the first 32
+samples said 8.4% for centred I(W) where the run moved 1.3%, and 0.7% for all-but-the-top where it
+moved 5.9% (issue 37). So a run of up to :data:`CHECK_MAX` samples is checked on all of them, with
+the run itself as the half side (one float32 pass more); a longer one on its first
+:data:`CHECK_MAX`, and the note says that this is a subset. Half precision also makes the numbers
+depend on the batch (its size and padding change the half-precision forward); float32's do not.
 """
 
 from __future__ import annotations
@@ -21,16 +25,22 @@ if TYPE_CHECKING:
     from isotui.spec import RunSpec
 
 HALF_DTYPES = ("bfloat16", "float16")
-CHECK_SAMPLES = 32
+CHECK_MAX = 128  # samples checked: all of a run up to this many, else its first this many
 SHOWN = 4  # metrics named in the note (the JSON has them all)
+NEAR_ZERO = 1e-3  # a value this small changes by an absolute amount, not a relative one
+
+
+def checked_metrics() -> tuple[str, ...]:
+    """Every metric of the layer table: the plotted ones and the top rogue dimension's share."""
+    from isotui.results import LAYER_METRICS
+
+    return (*LAYER_METRICS, "top_rogue_share")
 
 
 def max_changes(half: ModelResult, full: ModelResult) -> dict[str, float]:
     """Per metric, the largest |half - float32| / |float32| over the layers both have."""
-    from isotui.results import LAYER_METRICS
-
     out: dict[str, float] = {}
-    for name in LAYER_METRICS:
+    for name in checked_metrics():
         worst = -1.0
         for a, b in zip(half.rows, full.rows, strict=True):
             x, y = getattr(a, name), getattr(b, name)
@@ -39,6 +49,42 @@ def max_changes(half: ModelResult, full: ModelResult) -> dict[str, float]:
             worst = max(worst, abs(x - y) / max(abs(y), 1e-12))
         if worst >= 0:
             out[name] = worst
+    return out
+
+
+def se_changes(half: ModelResult, full: ModelResult) -> dict[str, float]:
+    """Per metric with a standard error, the largest |half - float32| over the layers in units of
+    the half run's own SE (its sampling noise: a change under 1 SE is within it); layers whose SE
+    is 0 (every vector kept) are left out."""
+    from isotui.results import METRIC
+
+    out: dict[str, float] = {}
+    for name in checked_metrics():
+        se = METRIC[name].se if name in METRIC else None
+        if not se:
+            continue
+        ratios = [
+            abs(getattr(a, name) - getattr(b, name)) / getattr(a, se)
+            for a, b in zip(half.rows, full.rows, strict=True)
+            if all(math.isfinite(v) for v in (getattr(a, name), getattr(b, name), getattr(a, se)))
+            and getattr(a, se) > 0
+        ]
+        if ratios:
+            out[name] = max(ratios)
+    return out
+
+
+def abs_changes(half: ModelResult, full: ModelResult) -> dict[str, float]:
+    """Per metric, the largest |half - float32| over the layers."""
+    out: dict[str, float] = {}
+    for name in checked_metrics():
+        gaps = [
+            abs(getattr(a, name) - getattr(b, name))
+            for a, b in zip(half.rows, full.rows, strict=True)
+            if math.isfinite(getattr(a, name)) and math.isfinite(getattr(b, name))
+        ]
+        if gaps:
+            out[name] = max(gaps)
     return out
 
 
@@ -60,21 +106,29 @@ def too_large(spec: RunSpec, weights: int, device: str | None) -> str:
 
 
 def half_check(
-    spec: RunSpec, dtype: str, n_samples: int, weights: int = 0, device: str | None = None
+    spec: RunSpec,
+    dtype: str,
+    n_samples: int,
+    weights: int = 0,
+    device: str | None = None,
+    run: ModelResult | None = None,
 ) -> dict[str, Any]:
-    """Run the first samples in ``dtype`` and in float32 (no cache) and compare, when the float32
-    copy fits (:func:`too_large`; ``weights``: the half model's bytes). A float32 run that does
-    not fit (out of memory, or any refusal) is reported, never fatal."""
+    """Run the samples in float32 (no cache) and compare with ``run``, the half-precision run
+    itself, when it has at most :data:`CHECK_MAX` samples; else run the first ones in ``dtype``
+    and in float32. Only when the float32 copy fits (:func:`too_large`; ``weights``: the half
+    model's bytes). A float32 run that does not fit (out of memory, or any refusal) is reported,
+    never fatal."""
     from isotui.experiments.layerwise import compute, prepare
 
-    k = min(CHECK_SAMPLES, n_samples)
+    k = min(CHECK_MAX, n_samples)
     small = replace(spec, max_samples=k, exact=False, shard=None)
-    check: dict[str, Any] = {"dtype": dtype, "samples": k}
+    check: dict[str, Any] = {"dtype": dtype, "samples": k, "of_samples": n_samples}
     if why := too_large(spec, weights, device):
         check["skipped"] = why
         return check
     try:
-        half = compute(prepare(replace(small, dtype=dtype)))
+        whole = run is not None and k == n_samples and not spec.exact
+        half = run if whole and run is not None else compute(prepare(replace(small, dtype=dtype)))
         full = compute(prepare(replace(small, dtype="float32")))
     except (KeyboardInterrupt, Cancelled):
         raise
@@ -82,22 +136,54 @@ def half_check(
         check["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         return check
     check["max_rel_change"] = max_changes(half, full)
+    check["max_abs_change"] = abs_changes(half, full)
+    check["max_se_change"] = se_changes(half, full)
+    near_zero = [m for m in check["max_abs_change"] if all(abs(getattr(r, m)) < NEAR_ZERO for r in full.rows)]
+    check["near_zero"] = near_zero
     return check
+
+
+def _change(check: dict[str, Any], name: str) -> str:
+    """One metric's change in its own terms: relative (absolute for a value near 0), and in units
+    of the run's standard error where it has one."""
+    if name in check.get("near_zero", ()):
+        amount = f"{check['max_abs_change'][name]:.1g} absolute"
+    else:
+        amount = f"{check['max_rel_change'][name]:.2%}"
+    se = check.get("max_se_change", {}).get(name)
+    return f"{name} {amount}" + (f" ({se:.1f} SE)" if se is not None else "")
+
+
+def _rank(check: dict[str, Any], name: str) -> float:
+    """Where a metric's change ranks: its relative change; a metric near 0, whose relative change
+    means nothing, by its change in SE units, 1 SE ranking with a 1% change."""
+    if name in check.get("near_zero", ()):
+        return float(check.get("max_se_change", {}).get(name, 0.0)) * 0.01
+    return float(check["max_rel_change"][name])
 
 
 def note(check: dict[str, Any]) -> str:
     """The check in one sentence, with what a paper should use."""
     dtype, k = check["dtype"], check["samples"]
+    n = check.get("of_samples", k)
     if "skipped" in check:
         return (
             f"{dtype}: the float32 comparison on {k} samples did not run ({check['skipped']}); half "
             "precision moves the numbers by up to a few percent (docs: Run options): for a paper use "
             "--dtype float32"
         )
-    changes = sorted(check["max_rel_change"].items(), key=lambda kv: -kv[1])
-    shown = ", ".join(f"{name} {value:.2%}" for name, value in changes[:SHOWN])
+    if "max_abs_change" in check:
+        names = sorted(check["max_rel_change"], key=lambda m: -_rank(check, m))
+        shown = ", ".join(_change(check, name) for name in names[:SHOWN])
+    else:  # a cached entry from before the changes were said in SE units
+        changes = sorted(check["max_rel_change"].items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{name} {value:.2%}" for name, value in changes[:SHOWN])
+    where = f"on all {k} samples"
+    if k < n:
+        where = f"on the first {k} of {n} samples (a subset: the run's change can differ several-fold)"
     return (
-        f"{dtype} forward: on the first {k} samples float32 differs by up to {shown} (largest first; "
-        "half_check in the JSON has every metric); isotui's sums are float64 either way, the change "
-        "is the model's forward: for a paper use --dtype float32"
+        f"{dtype} forward: {where} float32 differs by up to {shown} (largest first; half_check in "
+        "the JSON has every metric); half precision also makes the numbers depend on the batch "
+        "size and padding; isotui's sums are float64 either way, the change is the model's "
+        "forward: for a paper use --dtype float32"
     )

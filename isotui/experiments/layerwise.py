@@ -221,7 +221,7 @@ def measure(
         )
         weights = sum(((result.meta.get("memory_plan") or {}).get("weights_bytes") or {}).values())
         device = result.meta.get("device") or prepared.device
-        check = half_check(spec, prepared.dtype, len(prepared.samples), weights, device)
+        check = half_check(spec, prepared.dtype, len(prepared.samples), weights, device, run=result)
         result.meta["half_check"] = check
         result.meta["notes"].append(note(check))
     elif prepared.dtype in HALF_DTYPES and spec.given is not None:
