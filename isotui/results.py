@@ -23,7 +23,8 @@ from isotui.errors import Cancelled, IsotuiError
 #    metrics; Spearman's permutation p beside the t approximation
 # 5: I(W), centred I(W) and all-but-the-top over the exact covariance's directions where the d x d
 #    sums are held (not the reservoir's own), their standard errors with those directions held
-SCHEMA_VERSION = 5
+# 6: those I(W) standard errors widened by a row bootstrap's measure of the min/max selection bias
+SCHEMA_VERSION = 6
 
 ROGUE_TOP = 3
 

@@ -105,6 +105,15 @@ def test_the_sample_own_directions_differ():
     assert sampled.avg_cos_std == pytest.approx(exact.avg_cos_std, rel=1e-12)  # no directions
 
 
+def _iw_weighted(rows, vecs, counts):
+    """I(W) of a resample: each row counted ``counts`` times, in float64 numpy."""
+    proj = rows @ vecs
+    both = np.concatenate([proj, -proj], axis=1)
+    top = both.max(0)
+    log_z = np.log(counts @ np.exp(both - top)) + top
+    return np.exp(log_z.min() - log_z.max())
+
+
 def _jackknife(theta):
     g = len(theta)
     return np.sqrt((g - 1) / g * ((np.asarray(theta) - np.mean(theta)) ** 2).sum())
@@ -114,7 +123,7 @@ def test_standard_errors_hold_the_exact_directions():
     """The SEs of I(W), centred I(W) and all-but-the-top: each group left out in turn, the
     directions the exact ones (not re-estimated), by the plain formula in numpy."""
     from isotui.core.isotropy import abtt_components
-    from isotui.core.sampled import key_groups
+    from isotui.core.sampled import bootstrap_counts, jackknife_t, key_groups
 
     x = _cloud(3000, 24, 4.0, seed=7)
     acc = _accumulate(x, 256)
@@ -134,8 +143,15 @@ def test_standard_errors_hold_the_exact_directions():
         theta["iw"].append(_iw(rest, vecs))
         theta["iw_centered"].append(_iw(v, vecs_c))
         theta["avg_cos_abtt"].append(_mean_cos(v - v @ top @ top.T))
+    counts = bootstrap_counts(len(res)).numpy().astype(np.float64)  # the resamples' draws
+    rows = {"iw": (res, vecs), "iw_centered": (res - mean, vecs_c)}
     for name, values in theta.items():
         want = _jackknife(values)
+        if name in rows:  # I(W)'s min/max selection: widened by a row bootstrap's bias and spread
+            boot = np.array([_iw_weighted(*rows[name], c) for c in counts])
+            value = _iw(*rows[name])
+            want = abs(boot.mean() - value) / jackknife_t() + max(want, boot.std(ddof=1))
+            assert getattr(stats, f"{name}_se") >= _jackknife(values) > 0
         assert want > 0 and getattr(stats, f"{name}_se") == pytest.approx(want, rel=1e-4), name
 
 

@@ -26,6 +26,7 @@ computes them on the reservoir sample. Two ways to know how far that is from eve
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -141,10 +142,11 @@ def eigen_jackknife_se(x: torch.Tensor, centred: torch.Tensor, parts: Groups) ->
 
 
 def held_iw_jackknife(proj: torch.Tensor, parts: Groups) -> tuple[float, float]:
-    """I(W) of the rows and its jackknife SE over directions held fixed (the exact covariance's,
-    not the sample's), from ``proj`` = rows @ directions (``parts`` cover every row): each
-    group's log Z per direction and sign once; the whole's and each rest's as the logsumexp of
-    the groups' (O(K d) after the projection, no eigh)."""
+    """I(W) of the rows and its SE over directions held fixed (the exact covariance's, not the
+    sample's), from ``proj`` = rows @ directions (``parts`` cover every row): the jackknife from
+    each group's log Z per direction and sign once, the whole's and each rest's as the logsumexp
+    of the groups' (O(K d) after the projection, no eigh), widened by the bootstrap's measure of
+    the min/max selection bias (:func:`selection_widened_se`)."""
     import torch
 
     per_group = torch.stack([log_partition(proj[idx]) for idx in parts])  # G x 2d
@@ -152,13 +154,72 @@ def held_iw_jackknife(proj: torch.Tensor, parts: Groups) -> tuple[float, float]:
         _iw_of_log_z(torch.logsumexp(torch.cat([per_group[:g], per_group[g + 1 :]]), dim=0))
         for g in range(len(parts))
     ]
-    return _iw_of_log_z(torch.logsumexp(per_group, dim=0)), jackknife_se(np.asarray(theta))
+    value = _iw_of_log_z(torch.logsumexp(per_group, dim=0))
+    return value, selection_widened_se(value, jackknife_se(np.asarray(theta)), iw_bootstrap(proj))
+
+
+# I(W) = min_c Z(c) / max_c Z(c) over 2d directions: from a sample, the smallest and largest of 2d
+# noisy estimates, biased low where directions are near-tied (a nearly isotropic layer) in a way
+# the jackknife, made for smooth statistics, does not see: at K = 256 its 95% intervals covered
+# centred I(W) 76-87% of the time in simulations (issue 37: 90.5% on MiniLM). A row bootstrap
+# sees the selection: BOOTSTRAP resamples of the reservoir, drawn with a fixed seed (the same
+# reservoir gives the same SE).
+BOOTSTRAP = 100
+BOOTSTRAP_SEED = 0
+
+
+def bootstrap_counts(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """BOOTSTRAP x ``k`` float32: how often each of ``k`` rows is drawn in each resample (one
+    resample's draws at a time: 4 B k bytes in all, the plan's count)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(BOOTSTRAP_SEED)
+    counts = torch.empty(BOOTSTRAP, k, dtype=torch.float32, device=device)
+    for b in range(BOOTSTRAP):
+        draws = torch.randint(0, k, (k,), generator=gen, device=device)
+        counts[b] = torch.bincount(draws, minlength=k)
+    return counts
+
+
+def iw_bootstrap(proj: torch.Tensor) -> npt.NDArray[np.float64]:
+    """I(W) of each bootstrap resample of the rows of ``proj`` (= rows @ directions): Z per
+    direction and sign as the resample's counts times exp(projection - its largest), (B x K) @
+    (K x block) float32 products over column blocks of a quarter of the directions (each term in
+    (0, 1]; float32 is ample for a bias), so its working copies stay within a third of ``proj``."""
+    import torch
+
+    counts = bootstrap_counts(len(proj), proj.device)
+    block = max(1, -(-proj.shape[1] // 4))
+    log_z = []
+    for sign in (1.0, -1.0):
+        for start in range(0, proj.shape[1], block):
+            part = proj[:, start : start + block] * sign
+            top = part.max(dim=0).values
+            z = counts @ torch.exp(part - top).to(torch.float32)
+            del part
+            log_z.append(torch.log(z.to(top.dtype)) + top)
+    both = torch.cat(log_z, dim=1)  # B x 2d
+    return torch.exp(both.min(dim=1).values - both.max(dim=1).values).cpu().numpy().astype(np.float64)
+
+
+def selection_widened_se(value: float, se: float, boot: npt.NDArray[np.float64]) -> float:
+    """An SE whose interval value ± t·SE (t of the jackknife's 7 dof) holds the bias-corrected
+    interval too: SE + |bias| / t with the bootstrap's bias (mean of the resamples minus the
+    value) and the larger of the jackknife's and the bootstrap's spread. In simulations at K =
+    256 (tests/test_sampled.py) this covers 93-100% where the jackknife alone covered 76-93%;
+    a partition function set by a few extreme vectors (heavy tails) is still beyond any sample
+    (use --exact)."""
+    if not (math.isfinite(value) and math.isfinite(se)) or not np.all(np.isfinite(boot)):
+        return se
+    bias = float(boot.mean()) - value
+    return abs(bias) / jackknife_t() + max(se, float(boot.std(ddof=1)))
 
 
 # the jackknife's degrees of freedom: G groups give G - 1 (a 95% interval is t(0.975, 7) x SE)
 SE_DOF = SE_GROUPS - 1
 
 
+@functools.cache
 def jackknife_t(level: float = 0.95, dof: int = SE_DOF) -> float:
     """Student's t quantile for a two-sided ``level`` interval with the jackknife's ``dof``:
     2.3646 for 95% and 7 degrees of freedom."""

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from isotui.core.sampled import SE_GROUPS
+from isotui.core.sampled import BOOTSTRAP, SE_GROUPS
 from isotui.errors import IsotuiError
 from isotui.extract.device import available_memory, resolve_dtype
 from isotui.extract.planning import TOKEN_BUDGET
@@ -256,7 +256,8 @@ def finalisation_workspace_bytes(dim: int, *, exact: bool, sample: int) -> int:
     first's eigenvectors stay while the second runs, so the peak is 16 + 8 + 8 + 8 + 16 = 56
     bytes per d^2 (plus the workspace's 8 (1 + 6 d)), beside the reservoir's float64 copy
     (8 ``sample`` d). Then the reservoir's metrics over the two eigenvector matrices kept
-    (16 d^2): :data:`HELD_COPIES` float64 copies of the reservoir.
+    (16 d^2): :data:`HELD_COPIES` float64 copies of the reservoir, and I(W)'s bootstrap (its
+    counts, 4 B ``sample``, and its B x 2d sums; :func:`~isotui.core.sampled.iw_bootstrap`).
 
     A sampled layer's reservoir (``sample`` vectors): its float64 copy and its covariance (d x d,
     or the sample x sample Gram matrix when d > sample) decomposed (input copy, eigenvalues only:
@@ -277,7 +278,9 @@ def finalisation_workspace_bytes(dim: int, *, exact: bool, sample: int) -> int:
     if exact:
         syevd = 8 * (1 + 6 * d + 2 * d * d)
         decompose = max(4 * 8 * d * d, 16 * d * d + 8 * d * d + 8 * d * d + syevd + 8 * d * d) + copy
-        return max(decompose, 16 * d * d + HELD_COPIES * copy)
+        # I(W)'s bootstrap beside the held copies: its counts and its (B x 2d) sums
+        boot = 4 * BOOTSTRAP * sample + 24 * BOOTSTRAP * d
+        return max(decompose, 16 * d * d + HELD_COPIES * copy + boot)
     n = min(d, sample) if sample else d
     decompose = copy + 8 * n * n + 8 * (1 + 6 * n + 2 * n * n)
     # the jackknife's per-group d x d sums (x^T x and the centred one for each of the G groups,
