@@ -143,7 +143,9 @@ def test_standard_errors_hold_the_exact_directions():
         theta["iw"].append(_iw(rest, vecs))
         theta["iw_centered"].append(_iw(v, vecs_c))
         theta["avg_cos_abtt"].append(_mean_cos(v - v @ top @ top.T))
-    counts = bootstrap_counts(len(res)).numpy().astype(np.float64)  # the resamples' draws
+    drawn = bootstrap_counts(len(res)).numpy().astype(np.float64)  # the resamples' draws, dealt
+    counts = np.empty_like(drawn)  # to the rows in the reservoir's key order
+    counts[:, np.concatenate(parts)] = drawn
     rows = {"iw": (res, vecs), "iw_centered": (res - mean, vecs_c)}
     for name, values in theta.items():
         want = _jackknife(values)

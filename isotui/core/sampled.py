@@ -155,7 +155,8 @@ def held_iw_jackknife(proj: torch.Tensor, parts: Groups) -> tuple[float, float]:
         for g in range(len(parts))
     ]
     value = _iw_of_log_z(torch.logsumexp(per_group, dim=0))
-    return value, selection_widened_se(value, jackknife_se(np.asarray(theta)), iw_bootstrap(proj))
+    boot = iw_bootstrap(proj, torch.cat(parts))
+    return value, selection_widened_se(value, jackknife_se(np.asarray(theta)), boot)
 
 
 # I(W) = min_c Z(c) / max_c Z(c) over 2d directions: from a sample, the smallest and largest of 2d
@@ -181,19 +182,25 @@ def bootstrap_counts(k: int, device: torch.device | str = "cpu") -> torch.Tensor
     return counts
 
 
-def iw_bootstrap(proj: torch.Tensor) -> npt.NDArray[np.float64]:
+def iw_bootstrap(proj: torch.Tensor, order: torch.Tensor | None = None) -> npt.NDArray[np.float64]:
     """I(W) of each bootstrap resample of the rows of ``proj`` (= rows @ directions): Z per
     direction and sign as the resample's counts times exp(projection - its largest), (B x K) @
     (K x block) float32 products over column blocks of a quarter of the directions (each term in
-    (0, 1]; float32 is ample for a bias), so its working copies stay within a third of ``proj``."""
+    (0, 1]; float32 is ample for a bias), so its working copies stay within a third of ``proj``.
+    ``order``: the rows in the order the draws are dealt to (the reservoir's key order, so that a
+    merged or streamed reservoir, whose rows come in another order, gives the same numbers)."""
     import torch
 
     counts = bootstrap_counts(len(proj), proj.device)
+    rows = None if order is None else order.to(proj.device)
     block = max(1, -(-proj.shape[1] // 4))
     log_z = []
     for sign in (1.0, -1.0):
         for start in range(0, proj.shape[1], block):
-            part = proj[:, start : start + block] * sign
+            # the rows in key order: the same products summed in the same order, whatever order a
+            # merged or streamed reservoir holds them in
+            columns = proj[:, start : start + block]
+            part = (columns if rows is None else columns.index_select(0, rows)) * sign
             top = part.max(dim=0).values
             z = counts @ torch.exp(part - top).to(torch.float32)
             del part
