@@ -37,54 +37,28 @@ def checked_metrics() -> tuple[str, ...]:
     return (*LAYER_METRICS, "top_rogue_share")
 
 
-def max_changes(half: ModelResult, full: ModelResult) -> dict[str, float]:
-    """Per metric, the largest |half - float32| / |float32| over the layers both have."""
-    out: dict[str, float] = {}
+def changes(half: ModelResult, full: ModelResult) -> dict[str, dict[str, float]]:
+    """Per metric, the largest change over the layers both have: ``max_rel_change`` |half -
+    float32| / |float32|, ``max_abs_change`` |half - float32|, and for a metric with a standard
+    error ``max_se_change`` |half - float32| in units of the half run's own SE (its sampling noise:
+    under 1 SE is within it; layers whose SE is 0, every vector kept, left out)."""
+    from isotui.results import METRIC
+
+    out: dict[str, dict[str, float]] = {"max_rel_change": {}, "max_abs_change": {}, "max_se_change": {}}
     for name in checked_metrics():
-        worst = -1.0
+        se = METRIC[name].se if name in METRIC else None
         for a, b in zip(half.rows, full.rows, strict=True):
             x, y = getattr(a, name), getattr(b, name)
             if x is None or y is None or not (math.isfinite(x) and math.isfinite(y)):
                 continue
-            worst = max(worst, abs(x - y) / max(abs(y), 1e-12))
-        if worst >= 0:
-            out[name] = worst
-    return out
-
-
-def se_changes(half: ModelResult, full: ModelResult) -> dict[str, float]:
-    """Per metric with a standard error, the largest |half - float32| over the layers in units of
-    the half run's own SE (its sampling noise: a change under 1 SE is within it); layers whose SE
-    is 0 (every vector kept) are left out."""
-    from isotui.results import METRIC
-
-    out: dict[str, float] = {}
-    for name in checked_metrics():
-        se = METRIC[name].se if name in METRIC else None
-        if not se:
-            continue
-        ratios = [
-            abs(getattr(a, name) - getattr(b, name)) / getattr(a, se)
-            for a, b in zip(half.rows, full.rows, strict=True)
-            if all(math.isfinite(v) for v in (getattr(a, name), getattr(b, name), getattr(a, se)))
-            and getattr(a, se) > 0
-        ]
-        if ratios:
-            out[name] = max(ratios)
-    return out
-
-
-def abs_changes(half: ModelResult, full: ModelResult) -> dict[str, float]:
-    """Per metric, the largest |half - float32| over the layers."""
-    out: dict[str, float] = {}
-    for name in checked_metrics():
-        gaps = [
-            abs(getattr(a, name) - getattr(b, name))
-            for a, b in zip(half.rows, full.rows, strict=True)
-            if math.isfinite(getattr(a, name)) and math.isfinite(getattr(b, name))
-        ]
-        if gaps:
-            out[name] = max(gaps)
+            seen = {
+                "max_rel_change": abs(x - y) / max(abs(y), 1e-12),
+                "max_abs_change": abs(x - y),
+            }
+            if se and math.isfinite(getattr(a, se)) and getattr(a, se) > 0:
+                seen["max_se_change"] = abs(x - y) / getattr(a, se)
+            for kind, value in seen.items():
+                out[kind][name] = max(out[kind].get(name, 0.0), value)
     return out
 
 
@@ -127,17 +101,15 @@ def half_check(
         check["skipped"] = why
         return check
     try:
-        whole = run is not None and k == n_samples and not spec.exact
-        half = run if whole and run is not None else compute(prepare(replace(small, dtype=dtype)))
+        whole = k == n_samples and not spec.exact
+        half = run if run is not None and whole else compute(prepare(replace(small, dtype=dtype)))
         full = compute(prepare(replace(small, dtype="float32")))
     except (KeyboardInterrupt, Cancelled):
         raise
     except (IsotuiError, RuntimeError, MemoryError) as exc:  # torch's out-of-memory is a RuntimeError
         check["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         return check
-    check["max_rel_change"] = max_changes(half, full)
-    check["max_abs_change"] = abs_changes(half, full)
-    check["max_se_change"] = se_changes(half, full)
+    check |= changes(half, full)
     near_zero = [m for m in check["max_abs_change"] if all(abs(getattr(r, m)) < NEAR_ZERO for r in full.rows)]
     check["near_zero"] = near_zero
     return check
