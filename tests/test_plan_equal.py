@@ -20,6 +20,7 @@ from isotui.extract.memory_plan import CORPUS_GUESSES
 from isotui.spec import make_spec
 
 from .conftest import corpus
+from .test_offload_peak import _plan_of
 
 # a long run (`make test-fast` leaves it out)
 pytestmark = pytest.mark.slow
@@ -262,8 +263,9 @@ def test_a_small_corpus_plans_as_it_runs(tmp_path, monkeypatch):
         max_memory="cpu=400MB",
     )
     run = measure(spec, None).meta["memory_plan"]
-    assert dry["estimates"] == ["phases"]  # nothing but the time is a guess
-    assert _without(dry, []) == _without(run, [])
+    # nothing but the time is a guess, and the fixed cost each process measures of itself
+    assert dry["estimates"] == ["resident_before_bytes", "phases"]
+    assert _without(dry, ["resident_before_bytes"]) == _without(run, ["resident_before_bytes"])
     assert all(p["exact_cov"] and p["reservoir"] == 500 for p in run["layers"])
     assert 0 < run["types_asked"] < 1000
 
@@ -312,3 +314,55 @@ def test_an_untrained_model_wholly_on_disk_is_refused_alike_by_the_dry_run_and_t
         said.append([line for line in capsys.readouterr().err.splitlines() if "error" in line])
     assert said[0] == said[1] and len(said[0]) == 1
     assert "leaves no room in memory for any part of model" in said[0][0]
+
+
+_IMPORTS_ONLY = (
+    "import re, torch, transformers.modeling_utils, accelerate\n"
+    "text = open('/proc/self/status').read()\n"
+    "print(int(re.search(r'VmRSS:\\s+(\\d+) kB', text).group(1)) * 1024)\n"
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+def test_the_plan_states_the_fixed_cost_of_the_process_beside_the_budget(tmp_path):
+    """Issue 36: the ~0.9 GB a process holds before any work (Python, torch, transformers) was
+    outside every limit and unsaid. The dry run states it beside the plan, with the CPU's total;
+    the run records its own in its JSON. Both near a fresh process that only imports the three
+    libraries' model code (isotui's own modules add little beside them), each in a fresh process."""
+    import subprocess
+    import sys
+
+    base = int(
+        subprocess.run(
+            [sys.executable, "-c", _IMPORTS_ONLY], capture_output=True, text=True, check=True, timeout=300
+        ).stdout
+    )
+    out, env = tmp_path / "plan.json", {**__import__("os").environ, "ISOTUI_CACHE_DIR": str(tmp_path)}
+    flags = ["-m", "minilm", "--max-samples", "20", "--max-length", "16", "--max-memory", "cpu=2GB"]
+    said = subprocess.run(
+        [sys.executable, "-m", "isotui", "run", *flags, "--dry-run", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert said.returncode == 0, said.stderr[-2000:]
+    dry = next(iter(json.loads(out.read_text()).values()))
+    line = next(n for n in dry["notes"] if n.startswith("beside the plan: this process holds"))
+    assert "outside the plan and --max-memory" in line and "on cpu at most" in line
+    assert "resident_before_bytes" in dry["estimates"]  # the run's process measures its own
+    ran = subprocess.run(
+        [sys.executable, "-m", "isotui", "run", *flags, "--no-cache", "-q", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    run = _plan_of(json.loads(out.read_text()))
+    assert run is not None
+    for plan in (dry, run):
+        assert 0.9 * base <= plan["resident_before_bytes"] <= base + 200 * 10**6, (plan, base)
+    total = dry["resident_before_bytes"] + dry["peak_bytes"]["cpu"]
+    words = f"{total / 1e9:.1f} GB" if total >= 10**9 else f"{total / 1e6:.1f} MB"
+    assert f"on cpu at most {words} resident in all" in line, line

@@ -39,8 +39,8 @@ def _budget(monkeypatch, size: int | None) -> None:
     """This "machine's" free memory after the margin, for the run's plan (None: the real one)."""
     from isotui.extract import memory_plan, runner
 
-    budget = memory_plan.measured_budget if size is None else lambda d: size
-    monkeypatch.setattr(runner, "measured_budget", budget)
+    budget = memory_plan.measured_memory if size is None else lambda d: (None, size)
+    monkeypatch.setattr(runner, "measured_memory", budget)
 
 
 def _plan_file(cache, count: int = 2):
@@ -176,3 +176,97 @@ def test_cache_rm_of_the_last_shard_removes_the_plan(tiny_models, texts, tmp_pat
     assert _plan_file(shared) is not None
     assert main(["cache", "rm", "--all", "--cache-dir", str(shared)]) == 0
     assert _plan_file(shared) is None
+
+
+@pytest.mark.parametrize("budget", [TIGHT, 2 * TIGHT, 4 * TIGHT, 8 * TIGHT])
+def test_a_first_shard_plans_as_the_one_pass_run_on_its_machine(
+    tiny_models, texts, tmp_path, monkeypatch, budget
+):
+    """Issue 36: a first shard bounded its layers' vectors by its own slice's tokens, so on a
+    small corpus it planned larger reservoirs (or exact covariances) than a one-pass run on the
+    same machine would. Its recorded plan is now that run's plan, layer by layer."""
+    from .test_offload_peak import _plan_of
+
+    _, data = texts
+    model = tiny_models["bert"]
+    _budget(monkeypatch, budget)
+    flags = ("--reservoir", "256")  # more than a shard's slice holds, less than the corpus
+    assert _run(model, data, tmp_path / "one", *flags, "--json", str(tmp_path / "one.json")) == 0
+    one = _plan_of(json.loads((tmp_path / "one.json").read_text()))
+    assert _run(model, data, tmp_path / "shared", *flags, "--shard", "0/2") == 0
+    shard = json.loads(_plan_file(tmp_path / "shared").read_text())
+    fields = ("exact_cov", "reservoir", "types", "vectors", "bytes")
+    assert [[p[f] for f in fields] for p in shard["layers"]] == [
+        [p[f] for f in fields] for p in one["layers"]
+    ]
+    assert min(p["vectors"] for p in one["layers"]) > 256  # the corpus fills the reservoirs asked
+
+
+def _merge_free_more(err: str) -> tuple[int, int]:
+    """(bytes to free, bytes free) from a merge refusal's words."""
+    import re
+
+    scale = {"GB": 10**9, "MB": 10**6, "kB": 10**3, "B": 1}
+    m = re.search(r"the CPU has (\S+) (GB|MB|kB|B) free here: free (\S+) (GB|MB|kB|B) more", err)
+    assert m, err
+    return round(float(m.group(3)) * scale[m.group(4)]), round(float(m.group(1)) * scale[m.group(2)])
+
+
+def test_the_merge_plans_its_own_memory_on_the_machine_that_merges(
+    tiny_models, texts, tmp_path, monkeypatch, capsys
+):
+    """Issue 36: the final merge was not checked against the memory of the machine doing it. It
+    is refused in one sentence before any state is read when the CPU there cannot hold it,
+    nothing is lost (both states and the plan stay cached), the stated amount merges, and 1%
+    less of the free memory it asks for is refused."""
+    from isotui.experiments.shards import partial_runs
+    from isotui.extract import memory_plan
+
+    _, data = texts
+    model, shared = tiny_models["gpt2"], tmp_path / "shared"
+    _budget(monkeypatch, 10**9)  # the shards' own plans: plenty of room
+    assert _run(model, data, shared, "--shard", "0/2") == 0
+    capsys.readouterr()
+    monkeypatch.setattr(memory_plan, "available_memory", lambda _d: 4_000)  # the merging machine
+    assert _run(model, data, shared, "--shard", "1/2") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("isotui: error: merging the 2 shards of this run") and len(err.splitlines()) == 1
+    (partial,) = partial_runs(shared)
+    assert partial.have == (0, 1) and _plan_file(shared) is not None  # nothing lost
+    more, free = _merge_free_more(err)
+    assert free == 4_000 and more > 256 << 20  # its sums, twice, and the margin kept free
+    monkeypatch.setattr(memory_plan, "available_memory", lambda _d: free + int(more * 0.99))
+    assert _run(model, data, shared) == 2  # a plain run merges the cached shards: still short
+    capsys.readouterr()
+    monkeypatch.setattr(memory_plan, "available_memory", lambda _d: free + more)
+    assert _run(model, data, shared) == 0
+    assert "merged from 2 shards" in capsys.readouterr().out
+    assert partial_runs(shared) == [] and _plan_file(shared) is None
+
+
+def test_a_shard_short_of_the_recorded_plan_is_told_the_memory_that_runs_it(
+    tiny_models, texts, tmp_path, monkeypatch, capsys
+):
+    """Issue 36: a shard that cannot follow its run's plan said the sums' bytes less a budget
+    already short of its margin. It now says the free memory that holds them beside the margin:
+    that much more runs the shard, 1% less than that is refused."""
+    import re
+
+    from isotui.extract import memory_plan
+
+    _, data = texts
+    model, shared = tiny_models["gpt2"], tmp_path / "shared"
+    assert _run(model, data, shared, "--shard", "0/3") == 0
+    capsys.readouterr()
+    short = memory_plan.MARGIN_MIN + TIGHT  # room for the floor, not for the recorded plan
+    monkeypatch.setattr(memory_plan, "available_memory", lambda _d: short)
+    assert _run(model, data, shared, "--shard", "1/3") == 2
+    err = capsys.readouterr().err.strip()
+    assert "shard 1/3 follows the plan its run was started with" in err and len(err.splitlines()) == 1
+    m = re.search(r"run it where cpu has (\S+) (MB|kB) more free", err)
+    assert m, err
+    more = round(float(m.group(1)) * {"MB": 10**6, "kB": 10**3}[m.group(2)])
+    for free, code in ((short + int(more * 0.99), 2), (short + more, 0)):  # 1% less of it is short
+        monkeypatch.setattr(memory_plan, "available_memory", lambda _d, f=free: f)
+        assert _run(model, data, shared, "--shard", "1/3") == code, free
+        capsys.readouterr()

@@ -577,6 +577,11 @@ def merge_cached(
             )
         return None
     count = complete[0].count
+    plan = recorded_plan(cache_root, prepared.key, count)
+    if plan is not None:  # the merge's own memory, on the machine that merges, before any read
+        from isotui.extract.memory_plan import available_memory
+
+        plan.refuse_merge(count, available_memory("cpu"))
     cache = shard_cache(cache_root)
     runs = ResultCache(cache_root)
     on_progress(Progress(0, 0, 0, 0.0, message=f"merging the {count} shards of this run"))
@@ -620,7 +625,7 @@ def merge_cached(
         if damaged:
             return None
         merged.update(timings)
-        ex = finish_extraction(merged)
+        ex = finish_extraction(merged, own=True)  # one copy of the sums, not two (merge_bytes)
         ex.notes.append(f"merged from {count} shards")
         facts = {**loaded[0], "load_s": sum(f["load_s"] for f in loaded)}
         result = layerwise.build_result(prepared, ex, facts)

@@ -107,6 +107,16 @@ def memory_in_use(device: str) -> int:
     return process_rss()
 
 
+def fixed_cost() -> int:
+    """What this process holds resident before any model is loaded: Python, torch and
+    transformers' model code (imported here if not yet: loading imports them anyway), the same
+    point in a dry run and a run. Outside every plan and ``--max-memory``; stated beside them."""
+    import torch  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+
+    return process_rss()
+
+
 def process_rss() -> int:
     """Resident memory of this process (Linux: current, elsewhere: peak), in bytes."""
     import os

@@ -118,11 +118,16 @@ def margin(free: int) -> int:
     return max(MARGIN_MIN, int(free * MARGIN_SHARE))
 
 
-def measured_budget(device: str) -> int | None:
-    """Bytes accumulators may take on ``device`` now: its free memory less :func:`margin`
-    (None where free memory cannot be told, e.g. MPS)."""
+def measured_memory(device: str) -> tuple[int | None, int | None]:
+    """``device``'s free bytes now and what of them accumulators may take (less :func:`margin`);
+    None where free memory cannot be told, e.g. MPS."""
     free = available_memory(device)
-    return None if free is None else max(0, free - margin(free))
+    return free, None if free is None else max(0, free - margin(free))
+
+
+def measured_budget(device: str) -> int | None:
+    """Bytes accumulators may take on ``device`` now (:func:`measured_memory`)."""
+    return measured_memory(device)[1]
 
 
 def activation_bytes(
@@ -344,11 +349,18 @@ def sums_budgets(
     (``offload``, :func:`offload_bytes`), the workspace of the hidden states ``where`` puts there
     (:func:`workspace_bytes`) at the first batch's tokens (:func:`batch_tokens`), and the margin."""
 
+    extra = dict(offload or {})
+    floor = reservoir_floor(reservoir)
+
     def activations(dev: str, n: int) -> int:
         return activation_bytes(n, dim, inter, act_bytes, list(where).count(dev), reservoir)
 
-    tokens = batch_tokens(batch_size, length, main, have, weights, activations)
-    extra = dict(offload or {})
+    def beside(dev: str, n: int) -> int:  # the workspace, and the sums' floor with its margin
+        states = list(where).count(dev)
+        sums = room_for(states * (fixed_bytes(dim, 0) + reservoir_bytes(dim, floor))) if states else 0
+        return workspace_bytes(n, dim, inter, act_bytes, states, reservoir) + extra.get(dev, 0) + sums
+
+    tokens = batch_tokens(batch_size, length, main, have, weights, activations, beside)
     work = {
         d: workspace_bytes(tokens, dim, inter, act_bytes, list(where).count(d), reservoir) + extra.get(d, 0)
         for d in have
@@ -401,6 +413,7 @@ def placement_memory(
     floor = reservoir_floor(reservoir)
     length = max_length or default_length(config_position_limit(config), None)
     inter = mlp_width(config, dim)
+    short: list[str] = []
     for key in homes:
         # its share of the hidden states (all of them on one device; the main GPU also makes
         # those of blocks offloaded to the CPU or disk: a plan short of its floor there is refused)
@@ -409,7 +422,7 @@ def placement_memory(
         given, dev = out[key], device_name(key)
         room = sums_budgets(
             {dev: given},
-            {},
+            {dev: cpu_least} if key == "cpu" else {},  # the weights that must stay there
             [dev] * states,
             dim=dim,
             inter=inter,
@@ -430,15 +443,24 @@ def placement_memory(
         if given < reserve:
             least = reserve + (cpu_least if key == "cpu" else 0)
             left = max(0, given - room.workspace[dev])
-            raise IsotuiError(
-                f"--max-memory leaves {_size(left)} on {dev} beside a batch of {room.tokens:,} tokens "
-                f"({_size(room.workspace[dev])} with finalisation) and before any weights, too little "
-                f"for even {floor} reservoir vectors per layer ({_size(need)} for its {states} layers) "
-                f"and the {_size(margin(room_for(need)))} kept free beside them; it needs at least "
-                f"--max-memory {key}={_size_up(least)} (more for weights to stay in memory), or a "
-                "smaller --batch-size or --max-length"
-            )
+            if not short:
+                short.append(
+                    f"--max-memory leaves {_size(left)} on {dev} beside a batch of {room.tokens:,} tokens "
+                    f"({_size(room.workspace[dev])} with finalisation) and before any weights, too little "
+                    f"for even {floor} reservoir vectors per layer ({_size(need)} for its {states} layers) "
+                    f"and the {_size(margin(room_for(need)))} kept free beside them; it needs at least "
+                    f"--max-memory {key}={_size_up(least)} ({_size_up(least - given)} more)"
+                )
+            else:  # every device short is named, each with its own least (issue 36)
+                short.append(
+                    f"at least --max-memory {key}={_size_up(least)} ({_size_up(least - given)} more)"
+                )
         out[key] = given - reserve
+    if short:
+        raise IsotuiError(
+            " and ".join(short)
+            + " (more for weights to stay in memory), or a smaller --batch-size or --max-length"
+        )
     return out
 
 
@@ -454,22 +476,26 @@ def batch_tokens(
     have: Mapping[str, int | None],
     weights: Mapping[str, int] | None = None,
     activations: Callable[[str, int], int] | None = None,
+    beside: Callable[[str, int], int] | None = None,
 ) -> int:
     """The first batch's tokens the budgets are made for: ``--batch-size`` samples of ``length``,
     or the device's token budget, halved (as the run's out-of-memory back-off would) while its
-    activations take more than a quarter of what the weights leave on a device in ``have``."""
+    activations take more than a quarter of what the weights leave on a device in ``have``, or
+    while what the weights leave is less than ``beside(device, tokens)`` (the batch's workspace
+    and the sums at their floor: a batch that leaves the floor no room is halved before the
+    plan is refused, so that more memory never refuses a plan that less memory allows)."""
     if batch_size:
         return batch_size * length
     tokens = TOKEN_BUDGET.get(main.split(":")[0], TOKEN_BUDGET["cpu"])
     weights = weights or {}
-    while (
-        activations is not None
-        and tokens > length
-        and any(
-            h is not None and 0 < activations(d, tokens) > (h - weights.get(d, 0)) // 4
-            for d, h in have.items()
-        )
-    ):
+
+    def short(d: str, h: int, n: int) -> bool:
+        left = h - weights.get(d, 0)
+        if activations is not None and 0 < activations(d, n) > left // 4:
+            return True
+        return beside is not None and beside(d, n) > left
+
+    while tokens > length and any(h is not None and short(d, h, tokens) for d, h in have.items()):
         tokens //= 2
     return tokens
 
@@ -583,6 +609,11 @@ class MemoryPlan:
     # a dry run's fields that the run may find otherwise (JSON paths: "budget_bytes.cpu")
     estimates: list[str] = field(default_factory=list)
     phases: PhaseTimes | None = None  # a dry run's time per phase (an estimate, decides nothing)
+    # what this process held resident before the model was loaded (Python, torch, transformers):
+    # outside the plan and --max-memory, stated beside them (issue 36); None: not measured
+    resident: int | None = None
+    # a run's free bytes per device its budget was measured from (not recorded: this process's)
+    free: dict[str, int | None] = field(default_factory=dict)
 
     def transients(self) -> dict[str, int]:
         """Per device, the most one batch's fold allocates there beside the sums (its widest
@@ -722,9 +753,24 @@ class MemoryPlan:
             lines.append(work)
         if self.phases is not None:
             lines.append(self.phases.line())
+        resident = self.resident_line()
+        if resident:
+            lines.append(resident)
         if self.estimates:
             lines.append(f"estimated (the run may find otherwise): {', '.join(self.estimates)}")
         return lines
+
+    def resident_line(self) -> str:
+        """The process's fixed cost beside the plan, in words: a dry run's only (a run's own goes
+        to its JSON, so that the notes of one computation are the same in every process)."""
+        if self.resident is None or not self.on_paper:
+            return ""
+        cpu = self.peaks().get("cpu")
+        total = f"; on cpu at most {_size(self.resident + cpu)} resident in all" if cpu is not None else ""
+        return (
+            f"beside the plan: this process holds {_size(self.resident)} resident before any model is "
+            "loaded (Python, torch, transformers, their libraries), outside the plan and --max-memory" + total
+        )
 
     def workspace_line(self) -> str:
         """The workspace beside the sums per device, in words (empty when not planned)."""
@@ -827,6 +873,7 @@ class MemoryPlan:
             "peak_bytes": self.peaks(),
             "estimates": list(self.estimates),
             **({"phases": self.phases.to_json()} if self.phases is not None else {}),
+            **({"resident_before_bytes": self.resident} if self.resident is not None else {}),
             "layers": [
                 {
                     "name": p.name,
@@ -843,33 +890,78 @@ class MemoryPlan:
         }
 
     def refuse_below_floor(
-        self, max_memory: Mapping[int | str, int] | None, held: Mapping[str, int], what: str
+        self,
+        max_memory: Mapping[int | str, int] | None,
+        held: Mapping[str, int],
+        what: str,
+        free: Mapping[str, int | None] | None = None,
     ) -> None:
         """One sentence (:class:`IsotuiError`) when a device's budget leaves some layer a
-        reservoir below :func:`reservoir_floor`, saying what would fit: the smallest
-        ``--max-memory`` for that device when it was given one (``held``: what the weights and
-        the first batch take there), else the memory to free."""
+        reservoir below :func:`reservoir_floor`, naming for every such device the real amount
+        missing (issue 36): the smallest ``--max-memory`` for a device given one, else the memory
+        to free there, each the least at which this plan is not refused. ``held``: what the
+        weights and the first batch take on each device beside the sums (none in a run, whose
+        free memory is measured with its weights loaded); ``free``: each device's free memory
+        (None or missing: the budget itself, margin and all)."""
         floor = reservoir_floor(self.reservoir_asked)
+        short: list[tuple[str, int, int, int]] = []  # device, its budget, the floor's sums, layers
+        fixes: list[str] = []
         for device in dict.fromkeys(p.device for p in self.layers):
             mine = [p for p in self.layers if p.device == device]
             if min(p.reservoir for p in mine) >= floor:
                 continue
             left = self.budgets.get(device) or 0
             need = sum(fixed_bytes(p.dim, 0) + reservoir_bytes(p.dim, floor) for p in mine)
+            short.append((device, left, need, len(mine)))
+            smallest = held.get(device, 0) + room_for(need)  # the sums' floor with their margin
             given = (max_memory or {}).get(device_key(device))
-            if given is not None:  # what --max-memory must give for `need` to be left after the margin
-                smallest = held.get(device, 0) + max(need + MARGIN_MIN, int(need / (1 - MARGIN_SHARE)) + 1)
-                fix = f"it needs at least --max-memory {device_key(device)}={_size(smallest)}"
-            else:
-                fix = (
-                    f"free {_size(need - left)} more on {device}, spread the model over more devices "
-                    "(--device-map auto), or give its layers another device"
-                )
-            raise IsotuiError(
-                f"{what} leaves {_size(left)} on {device} for isotui's sums beside the weights and a "
-                f"batch, too little for even {floor} reservoir vectors per layer ({_size(need)} "
-                f"for its {len(mine)} layers); {fix}"
+            if given is not None:
+                fix = f"give at least --max-memory {device_key(device)}={_size_up(smallest)}"
+                fixes.append(fix + f" ({_size_up(smallest - given)} more)" if smallest > given else fix)
+                continue
+            have = (free or {}).get(device)
+            if have is None:  # only the budget is known: what it lacks, and the margin it keeps
+                have = left + margin(left)
+            beside = f" with {_size(held[device])} of weights and a batch" if held.get(device) else ""
+            fixes.append(
+                f"free {_size_up(smallest - have)} more on {device} ({_size_up(smallest)} in all{beside}; "
+                f"{_size(have)} free now)"
             )
+        if not short:
+            return
+        device, left, need, count = short[0]
+        more = "".join(f", {_size(b)} on {d} ({_size(n)} for its {c})" for d, b, n, c in short[1:])
+        others = any(device_key(d) not in (max_memory or {}) for d, *_ in short)
+        ways = ", or spread the model over more devices (--device-map auto)" if others else ""
+        raise IsotuiError(
+            f"{what} leaves {_size(left)} on {device} for isotui's sums beside the weights and a "
+            f"batch{more}, too little for even {floor} reservoir vectors per layer ({_size(need)} "
+            f"for its {count} layers); {' and '.join(fixes)}{ways}"
+        )
+
+    def merge_bytes(self) -> int:
+        """The CPU's peak where the shards of a run with this plan merge (every device's sums
+        come to the CPU there): the running sum and the shard state read beside it, then the
+        merged state and the accumulators finalisation rebuilds from it (each the plan's sums),
+        beside one layer's finalisation workspace."""
+        sums = sum(self.per_device().values())
+        return 2 * sums + max(self.finalisation().values(), default=0)
+
+    def refuse_merge(self, count: int, free: int | None) -> None:
+        """One sentence (:class:`IsotuiError`) when this machine's ``free`` CPU memory cannot
+        merge the ``count`` shards of a run with this plan (:meth:`merge_bytes` and the margin),
+        saying how much more it needs; the shards stay cached, so the same command merges them
+        where there is room (issue 36)."""
+        need = room_for(self.merge_bytes())
+        if free is None or need <= free:
+            return
+        raise IsotuiError(
+            f"merging the {count} shards of this run holds two copies of its sums on the CPU and "
+            f"then finalises one layer ({_size(self.merge_bytes())}, with what is kept free "
+            f"{_size_up(need)}), and the CPU has {_size(free)} free here: free {_size_up(need - free)} "
+            "more, or run the same command on a machine with more memory (the shards stay cached "
+            "until they merge)"
+        )
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> MemoryPlan:
@@ -933,32 +1025,37 @@ class MemoryPlan:
             offload=own.offload,
         )
         for device, need in kept.per_device().items():
-            left = own.budgets.get(device)
+            left, have = own.budgets.get(device), own.free.get(device)
             if left is not None and need > left:
                 exact = sum(p.exact_cov for p in layers)
+                # the free memory that holds it beside the margin, where it was measured
+                more = room_for(need) - have if have is not None else need - left
                 raise IsotuiError(
                     f"{who} follows the plan its run was started with ({exact} of {len(layers)} exact "
                     f"covariances, reservoirs of {max(p.reservoir for p in layers):,} vectors, "
                     f"{max(p.types for p in layers):,} token types): its sums need {_size(need)} on "
                     f"{device}, which has {_size(left)} left here; run it where {device} has "
-                    f"{_size(need - left)} more free (or a larger --max-memory), or remove the run's "
+                    f"{_size_up(more)} more free (or a larger --max-memory), or remove the run's "
                     f"shards (`isotui cache rm {run_key[:12]}`) and start again with a smaller --reservoir"
                 )
         return kept
 
 
-def size_text(n: int | None) -> str:
-    """Bytes in the table's words: ``1.5 GB``, ``12.0 kB``, ``?`` when unknown."""
-    return _size(n)
+def size_text(n: int | None, *, up: bool = False) -> str:
+    """Bytes in the table's words: ``1.5 GB``, ``12.0 kB``, ``?`` when unknown; ``up``: rounded
+    up (a size to give or to free that is never short of ``n``)."""
+    return _size_up(n) if up and n is not None else _size(n)
 
 
 def _size_up(n: int) -> str:
-    """Bytes in the table's words rounded up (a size to give that is never short of ``n``)."""
+    """Bytes in the table's words rounded up (a size to give that is never short of ``n``), to
+    within 1% of it (3 digits), so that 1% less than a size stated is short of ``n``."""
     import math
 
     for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
         if n >= scale:
-            return f"{math.ceil(n / scale * 10) / 10:.1f} {unit}"
+            places = 2 if n < 10 * scale else 1
+            return f"{math.ceil(n / scale * 10**places) / 10**places:.{places}f} {unit}"
     return f"{n} B"
 
 
@@ -1128,6 +1225,8 @@ class Paper:
     estimates: list[str] = field(default_factory=list)  # the plan's fields the run may see otherwise
     length: int = 0  # tokens per sample (--max-length, else the model's limit)
     offload: dict[str, int] = field(default_factory=dict)  # :func:`offload_bytes` per device
+    have: dict[str, int | None] = field(default_factory=dict)  # --max-memory's or free bytes per device
+    resident: int | None = None  # this process's resident bytes before any model (MemoryPlan.resident)
 
 
 def place_on_paper(
@@ -1150,10 +1249,12 @@ def place_on_paper(
     ``hidden_size`` and ``num_hidden_layers``."""
     import torch
 
+    from isotui.extract.device import fixed_cost
     from isotui.models.limits import config_position_limit, default_length
     from isotui.models.loading import model_config
 
     config = model_config(ref, trust_remote_code)
+    resident = fixed_cost()  # as the run measures it, before its model
     dim, n_blocks = getattr(config, "hidden_size", None), getattr(config, "num_hidden_layers", None)
     if not isinstance(dim, int) or not isinstance(n_blocks, int) or config.is_encoder_decoder:
         raise IsotuiError(
@@ -1222,6 +1323,7 @@ def place_on_paper(
     ):  # the tokenizer may cap the length; free memory halved the batch (the run halves on OOM)
         estimates += ["batch", "batch_tokens", "forward_bytes"]
     estimates += ["transient_bytes", "peak_bytes"]  # with the types
+    estimates += ["resident_before_bytes"]  # the run's process measures its own
     return Paper(
         config,
         model,
@@ -1240,6 +1342,8 @@ def place_on_paper(
         estimates,
         length,
         offload,
+        have,
+        resident,
     )
 
 
@@ -1405,6 +1509,7 @@ def layers_plan(paper: Paper, reservoir: int, counted: tuple[int, int | None] | 
         batch=paper.batch,
         source=paper.source,
         on_paper=True,
+        resident=paper.resident,
         types_asked=asked,
         batch_tokens=paper.tokens,
         act_bytes=DTYPE_BYTES[paper.dtype],
@@ -1413,7 +1518,7 @@ def layers_plan(paper: Paper, reservoir: int, counted: tuple[int, int | None] | 
         estimates=estimates,
     )
     what = "--max-memory" if paper.max_memory else "the free memory"
-    plan.refuse_below_floor(paper.max_memory, paper.held, what)
+    plan.refuse_below_floor(paper.max_memory, paper.held, what, paper.have)
     return plan
 
 

@@ -169,6 +169,12 @@ class BatchPlan:
         """The longest input of a batch, in input units."""
         return int(self.lengths[np.asarray(idx, dtype=np.int64)].max())
 
+    def run_lengths(self) -> np.ndarray | None:
+        """The input lengths of the whole run, every shard's samples with this one's: what the
+        memory plan bounds a layer's vectors by, so that a shard plans as the one-pass run
+        (issue 36); None where not known before the pass (a streamed corpus)."""
+        return self.lengths
+
     def shrink(self, size: int, width: int) -> None:
         """Later batches hold at most ``size`` samples of ``width`` units (a back-off)."""
         if self.batch_size:

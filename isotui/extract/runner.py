@@ -46,11 +46,12 @@ from isotui.extract.memory_plan import (
     device_key,
     fit_types,
     hidden_state_devices,
-    measured_budget,
+    measured_memory,
     mlp_width,
     offload_bytes,
     plan_layers,
     reservoir_floor,
+    room_for,
     size_text,
     sums_budgets,
     weights_per_device,
@@ -535,16 +536,16 @@ class LayerStream:
         flattened map one per image, a map's positions H x W per image, a ViT's tokens per
         image, text at most its tokens; None where it cannot be told (a streamed corpus, audio)."""
         plan = self.loop.plan
-        chosen = getattr(plan, "chosen", None)
-        if chosen is None:
+        lengths = plan.run_lengths()
+        if lengths is None:
             return None
-        n = len(chosen)
+        n = len(lengths)
         if h.ndim == 4:
             return n if self.map_units == "image" else n * int(h.shape[2]) * int(h.shape[3])
         if h.ndim == 2:
             return n
         if self.loaded.modality == "text":
-            return int(plan.lengths[chosen].sum())
+            return int(lengths.sum())
         if self.loaded.modality == "image":
             return n * int(h.shape[1])
         return None
@@ -658,7 +659,8 @@ def _memory_plan(
     devices = {str(d) for ds in where.values() for d in ds}
     given = dict(loop.opts.max_memory or ())
     bound = {d for d in devices if room is not None and device_key(d) in given}
-    measured = {d: measured_budget(d) for d in sorted(devices)}
+    memory = {d: measured_memory(d) for d in sorted(devices)}
+    free, measured = {d: m[0] for d, m in memory.items()}, {d: m[1] for d, m in memory.items()}
     budgets = {d: room.budgets[d] if room is not None and d in bound else measured[d] for d in measured}
     weights = weights_per_device(loaded.model, loaded.device_map, loop.device)
     offload = offload_bytes(loaded.model, loaded.device_map, loop.device)
@@ -692,16 +694,19 @@ def _memory_plan(
         act_bytes=act_bytes,
         mlp_width=mlp_width(getattr(loaded.model, "config", None), max(max(ds) for ds in dims.values())),
         offload=offload,
+        resident=loaded.resident_before,
     )
-    plan.refuse_below_floor(None, {}, "the free memory")  # measured: --max-memory bounds the weights
+    # measured with the weights loaded: what they take is out of the free memory already
+    plan.free = {d: f for d, f in free.items() if d not in bound}
+    plan.refuse_below_floor(None, {}, "the free memory", plan.free)
     for device in sorted(bound):  # the plan --max-memory allows: may this machine hold it?
-        need, free = plan.per_device().get(device, 0), measured[device]
-        if free is not None and need > free:
+        need, left, have = plan.per_device().get(device, 0), measured[device], free[device]
+        if left is not None and have is not None and need > left:
             raise IsotuiError(
                 f"--max-memory {device_key(device)}={size_text(given[device_key(device)])} plans "
-                f"{size_text(need)} of isotui's sums on {device}, but {device} has {size_text(free)} "
-                f"left here after the weights and the first batch: free {size_text(need - free)} there, "
-                "or give it less with --max-memory"
+                f"{size_text(need)} of isotui's sums on {device}, but {device} has {size_text(left)} "
+                f"left here after the weights, the first batch and the margin kept free: free "
+                f"{size_text(room_for(need) - have, up=True)} more there, or give it less with --max-memory"
             )
     return plan
 
@@ -845,9 +850,13 @@ def _fold_state(
     return accs
 
 
-def finish_extraction(state: dict[str, Any]) -> Extraction:
-    """The per-layer metrics of a (possibly merged) :func:`extract_state`."""
-    accs = {c: [LayerAccumulator.from_state(s) for s in states] for c, states in state["components"].items()}
+def finish_extraction(state: dict[str, Any], *, own: bool = False) -> Extraction:
+    """The per-layer metrics of a (possibly merged) :func:`extract_state`. ``own``: the state is
+    this call's to use up (a merge's): its tensors are finalised in place, not copied first."""
+    accs = {
+        c: [LayerAccumulator.from_state(s, copy=not own) for s in states]
+        for c, states in state["components"].items()
+    }
     facts = {k: v for k, v in state.items() if k != "components"}
     return _finish(accs, facts)
 

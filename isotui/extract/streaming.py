@@ -136,6 +136,10 @@ class StreamPlan(BatchPlan):
     def width(self, idx: Sequence[int]) -> int:
         return super().width(self.feeder.local(idx))
 
+    def run_lengths(self) -> np.ndarray | None:
+        """Not known before the pass: the window read so far is not the run."""
+        return None
+
 
 def stream_plan(
     loaded: LoadedModel,

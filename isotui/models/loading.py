@@ -54,6 +54,7 @@ class LoadedModel:
     own_tokenizer: bool = True  # False: a stand-in (untrained models fed MiniLM's tokenizer, --tokenizer)
     name: str = ""  # as the user named the model, for messages
     device_map: dict[str, Any] | None = None  # --device-map: module -> device (accelerate's placement)
+    resident_before: int | None = None  # this process's resident bytes just before loading it
 
     @property
     def model_type(self) -> str:
@@ -165,6 +166,9 @@ def load_model(
     """
     from contextlib import AbstractContextManager, nullcontext
 
+    from isotui.extract.device import fixed_cost
+
+    before = fixed_cost()  # stated beside the plan (issue 36)
     placement, quiet = None, cast(AbstractContextManager[None], nullcontext())
     if device_map is not None:
         from isotui.extract.memory_plan import check_devices, quiet_accelerate
@@ -182,7 +186,7 @@ def load_model(
             tokenizer=tokenizer,
             placement=placement,
         )
-    loaded.name = ref.name
+    loaded.name, loaded.resident_before = ref.name, before
     _no_key_value_cache(loaded.model)
     if loaded.modality == "text" and tokenizer is not None and ref.kind != "random":
         loaded.tokenizer, loaded.own_tokenizer = _given_tokenizer(tokenizer, trust_remote_code), False
