@@ -233,3 +233,21 @@ def test_hf_without_streaming_reads_the_memory_mapped_split(tmp_path, monkeypatc
     streamed = StreamedSamples(spec, None, None)
     assert list(streamed) == lines and len(streamed) == 3000  # more than one chunk of 1024
     assert fingerprint(streamed, spec) == fingerprint(lines, spec)
+
+
+def test_a_streamed_plan_bounds_no_layer_by_its_first_window(tiny_models, texts, small_window, tmp_path):
+    """Issue 36: the plan bounded each layer's vectors by the batch plan's samples, which for a
+    stream is its first window only (8 of 37 samples): the layers were planned as if their
+    reservoirs held a fifth of what the run fills. A stream's vectors are not known before the
+    pass; the plan says so (None), as its docstring promised."""
+    from .test_offload_peak import _plan_of
+
+    _, data = texts
+    out = tmp_path / "run.json"
+    assert (
+        _run(tiny_models["gpt2"], data, tmp_path / "c", "--stream", "--reservoir", "4096", "--json", str(out))
+        == 0
+    )
+    plan = _plan_of(json.loads(out.read_text()))
+    assert plan is not None and all(p["vectors"] is None for p in plan["layers"])
+    assert all(p["reservoir"] == 4096 for p in plan["layers"])  # planned at the size asked
