@@ -43,6 +43,7 @@ from isotui.store.cache import ResultCache
 
 if TYPE_CHECKING:  # the layers experiment (numpy, the accumulators) loads with the first job, not the app
     from isotui.experiments import layerwise
+    from isotui.experiments.base import Context
 
 
 @dataclass(frozen=True)
@@ -112,14 +113,7 @@ class Request(Protocol):
 
     def lookup(self, cache_root: Path | None, notice: Callable[[str], None]) -> Any: ...
 
-    def compute(
-        self,
-        cache_root: Path | None,
-        *,
-        on_progress: Callable[[Progress], None],
-        should_stop: Callable[[], bool],
-        notice: Callable[[str], None],
-    ) -> Any: ...
+    def compute(self, context: Context) -> Any: ...
 
 
 def as_request(

@@ -225,13 +225,10 @@ def compute(request: Any, session: Session) -> Any:
     """Compute one request (loading its model) and store its result: the app's second step, on
     the device lane the backend chose (its progress from ``session.bar``, named after the
     request; cancellation and notices from the session)."""
+    from isotui.experiments.base import Context
+
     with session.bar(request.model) as on_progress:
-        return request.compute(
-            session.cache_root,
-            on_progress=on_progress,
-            should_stop=session.should_stop,
-            notice=session.notice,
-        )
+        return request.compute(Context(session.cache_root, on_progress, session.should_stop, session.notice))
 
 
 def finish(experiment: Experiment, outcome: Outcome) -> None:

@@ -27,10 +27,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isotui.errors import IsotuiError
 from isotui.spec import MAX_SHARDS
+
+if TYPE_CHECKING:
+    from isotui.experiments.base import Context
 
 EXECUTORS = ("local", "ray")
 MAX_TASKS = MAX_SHARDS  # runs x shards: each task is a process
@@ -845,17 +848,13 @@ class SweepRequest:
     def lookup(self, cache_root: Path | None, notice: Callable[[str], None]) -> Any:
         return None  # the planning in compute asks the cache, run by run and shard by shard
 
-    def compute(
-        self,
-        cache_root: Path | None,
-        *,
-        on_progress: Callable[[Any], None],
-        should_stop: Callable[[], bool],
-        notice: Callable[[str], None],
-    ) -> SweepResult:
+    def compute(self, context: Context) -> SweepResult:
         from isotui.errors import Cancelled
         from isotui.extract.progress import Progress
         from isotui.paths import cache_dir
+
+        cache_root, on_progress = context.cache_root, context.on_progress
+        should_stop, notice = context.should_stop, context.notice
 
         settings, sweep, runs = read_config(self.config, ["cache_dir"] if cache_root else [])
         root = cache_root or cache_dir(settings.get("cache_dir"))

@@ -59,6 +59,7 @@ def test_an_entry_that_does_not_decode_is_said_and_recomputed(tmp_path):
 def test_a_final_norm_request_is_looked_up_after_its_compute(tmp_path, tiny_models):
     """The app's two steps through the same path: nothing cached, computed (and stored), then
     answered by the lookup with the same numbers."""
+    from isotui.experiments.base import Context
     from isotui.experiments.final_norm import FinalNormRequest
     from isotui.spec import make_spec
 
@@ -69,7 +70,7 @@ def test_a_final_norm_request_is_looked_up_after_its_compute(tmp_path, tiny_mode
     request = FinalNormRequest(make_spec(str(tiny_models["bert"]), f"text:{data}"))
     root = tmp_path / "c"
     assert request.lookup(root, print) is None
-    (computed,) = request.compute(root, on_progress=lambda _p: None, should_stop=lambda: False, notice=print)
+    (computed,) = request.compute(Context(root, notice=print))
     (hit,) = request.lookup(root, print)
     assert hit.from_cache and not computed.from_cache
     assert [d.share_after for d in hit.dims] == [d.share_after for d in computed.dims]

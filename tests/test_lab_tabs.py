@@ -22,7 +22,7 @@ from textual.widgets import DataTable, Input, TabbedContent
 
 from isotui.backend import Backend
 from isotui.experiments import registry
-from isotui.experiments.base import Experiment
+from isotui.experiments.base import Context, Experiment
 from isotui.experiments.params import param
 from isotui.tui.app import IsotuiApp
 from isotui.tui.lab import LabScreen
@@ -72,7 +72,7 @@ class DemoRequest:
     def lookup(self, cache_root: Path | None, notice: Any) -> Any:
         return None
 
-    def compute(self, cache_root: Path | None, *, on_progress: Any, should_stop: Any, notice: Any) -> Any:
+    def compute(self, context: Context) -> Any:
         from isotui.core.accumulator import avg_cos_from_sums
 
         x = demo_vectors(self.n, self.dim, self.seed)

@@ -113,6 +113,7 @@ def test_the_layer_run_is_a_request_like_the_others(tmp_path, tiny_models, data)
     """The backend can run a layer job as it runs every other: lookup, compute (which stores),
     the same numbers as ``layerwise.measure`` and the same cache entry ``isotui run`` reads."""
     from isotui.experiments import layerwise
+    from isotui.experiments.base import Context
     from isotui.experiments.layerwise import LayersRequest, request_for
     from isotui.spec import make_spec
     from isotui.store.cache import ResultCache
@@ -122,7 +123,7 @@ def test_the_layer_run_is_a_request_like_the_others(tmp_path, tiny_models, data)
     assert request == LayersRequest(spec) and request.kind == "layers" and request.model == spec.model
     root = tmp_path / "c"
     assert request.lookup(root, print) is None
-    computed = request.compute(root, on_progress=lambda _p: None, should_stop=lambda: False, notice=print)
+    computed = request.compute(Context(root, notice=print))
     expected = layerwise.measure(spec, None)
     assert [r.avg_cos for r in computed.rows] == [r.avg_cos for r in expected.rows]
     assert request.keys(root)[0] == computed.key
@@ -151,6 +152,7 @@ def test_a_layers_request_resolves_once_and_takes_a_front_ends_steps(tmp_path):
     """The backend's fakes (prepare, compute) run through the request; lookup then compute
     resolve the spec once, as the backend's own layer branch did."""
     from isotui.errors import IsotuiError
+    from isotui.experiments.base import Context
     from isotui.experiments.layerwise import LayersRequest, Prepared
     from isotui.spec import make_spec
 
@@ -168,7 +170,7 @@ def test_a_layers_request_resolves_once_and_takes_a_front_ends_steps(tmp_path):
     assert request == LayersRequest(spec) and hash(request) == hash(LayersRequest(spec))
     assert request.lookup(tmp_path, print) is None
     with pytest.raises(IsotuiError, match="fake compute of ffff"):
-        request.compute(tmp_path, on_progress=print, should_stop=lambda: False, notice=print)
+        request.compute(Context(tmp_path, on_progress=print, notice=print))
     assert prepared == [spec]
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from isotui.core.correlation import drift_correlation
+from isotui.experiments.base import Context
 from isotui.results import LayerRow, ModelResult
 from isotui.tui.app import IsotuiApp
 
@@ -201,12 +202,12 @@ def lab_results(tmp_path_factory, tiny_models) -> dict:
         model.save_pretrained(series / f"step_{step}")
         AutoTokenizer.from_pretrained(str(tiny_models["bert"])).save_pretrained(series / f"step_{step}")
     spec = make_spec(str(tiny_models["bert"]), f"text:{data}", max_samples=8, max_length=32)
-    run = {"on_progress": lambda _p: None, "should_stop": lambda: False, "notice": lambda _t: None}
-    attention = AttentionRequest(spec).compute(None, **run)
+    run = Context(None)
+    attention = AttentionRequest(spec).compute(run)
     attention.model, attention.from_cache = "tiny-bert", True
     checkpoints = tuple(resolve_checkpoints(None, [str(series)]))
-    dynamics = DynamicsRequest("tiny-bert", checkpoints, spec).compute(None, **run)
-    heat = CheckpointsRequest("tiny-bert", checkpoints, spec).compute(None, **run)
+    dynamics = DynamicsRequest("tiny-bert", checkpoints, spec).compute(run)
+    heat = CheckpointsRequest("tiny-bert", checkpoints, spec).compute(run)
     config = DriftBlockConfig(
         hidden=32,
         heads=4,
@@ -216,12 +217,12 @@ def lab_results(tmp_path_factory, tiny_models) -> dict:
         seq_len=16,
         norms=(0.0, 5.0, 10.0, 20.0, 40.0),
     )
-    drift = DriftBlockRequest(config).compute(None, **run)
+    drift = DriftBlockRequest(config).compute(run)
     drift = dataclasses.replace(drift, from_cache=tuple(True for _ in drift.from_cache))
     for r in heat.results:
         r.meta["data"] = "text:samples.txt"
     attention.meta["data"] = "text:samples.txt"
-    types = TokenTypesRequest(spec).compute(None, **run)
+    types = TokenTypesRequest(spec).compute(run)
     types.model, types.from_cache = "tiny-bert", True
     types.meta["data"] = "text:samples.txt"
     return {

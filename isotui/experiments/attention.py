@@ -297,17 +297,12 @@ class AttentionRequest:
         cache = attention_cache(cache_root) if cache_root else None
         return find_attention(self.spec, cache, self.sample_size, notice)[2]
 
-    def compute(
-        self,
-        cache_root: Path | None,
-        *,
-        on_progress: ProgressCallback,
-        should_stop: StopCheck,
-        notice: Notice,
-    ) -> AttentionResult:
-        cache = attention_cache(cache_root) if cache_root else None
+    def compute(self, context: Context) -> AttentionResult:
+        cache = attention_cache(context.cache_root) if context.cache_root else None
         prepared, key, _ = find_attention(self.spec, None, self.sample_size)
-        return compute_attention(prepared, key, self.sample_size, cache, on_progress, should_stop, notice)
+        return compute_attention(
+            prepared, key, self.sample_size, cache, context.on_progress, context.should_stop, context.notice
+        )
 
     def measure(self, context: Context) -> AttentionResult:
         return measure_attention(

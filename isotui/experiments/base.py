@@ -111,14 +111,7 @@ class Request(Protocol[R_co]):
         """The cached result when there is one, else computed and stored (one resolution)."""
         ...
 
-    def compute(
-        self,
-        cache_root: Path | None,
-        *,
-        on_progress: ProgressCallback,
-        should_stop: StopCheck,
-        notice: Notice,
-    ) -> R_co:
+    def compute(self, context: Context) -> R_co:
         """Compute (loading the model) and store the result; raises IsotuiError in one sentence."""
         ...
 
@@ -171,12 +164,7 @@ class Experiment(Generic[P, Q, T]):
 
     def compute(self, request: Request[R], context: Context) -> R:
         """Compute ``request`` (and store its result when ``context`` has a cache)."""
-        return request.compute(
-            context.cache_root,
-            on_progress=context.on_progress,
-            should_stop=context.should_stop,
-            notice=context.notice,
-        )
+        return request.compute(context)
 
     def run(self, request: Request[R], context: Context) -> R:
         """The cached result when there is one, else computed and stored, in one pass (the

@@ -23,7 +23,6 @@ import numpy as np
 import numpy.typing as npt
 
 from isotui.experiments.base import Context, R
-from isotui.extract.progress import ProgressCallback, StopCheck
 
 if TYPE_CHECKING:
     from isotui.spec import RunSpec
@@ -199,19 +198,9 @@ class CachedRequest(Generic[R]):
             return None
         return self._measure(cache, Context(cache_root, notice=notice))
 
-    def compute(
-        self,
-        cache_root: Path | None,
-        *,
-        on_progress: ProgressCallback,
-        should_stop: StopCheck,
-        notice: Notice,
-    ) -> R:
+    def compute(self, context: Context) -> R:
         folder, schema, _ = self._folder()
-        return self._measure(
-            folder_cache(cache_root, folder, schema),
-            Context(cache_root, on_progress=on_progress, should_stop=should_stop, notice=notice),
-        )
+        return self._measure(folder_cache(context.cache_root, folder, schema), context)
 
     def measure(self, context: Context) -> R:
         folder, schema, _ = self._folder()

@@ -692,19 +692,17 @@ class LayersRequest:
         cache = runs_cache(cache_root)
         return lookup(self._prepare(cache), cache, notice)
 
-    def compute(
-        self,
-        cache_root: Path | None,
-        *,
-        on_progress: ProgressCallback,
-        should_stop: StopCheck,
-        notice: Notice,
-    ) -> ModelResult | None:
+    def compute(self, context: Context) -> ModelResult | None:
         from isotui.experiments.shards import measure_shard, merge_cached
 
+        cache_root, notice = context.cache_root, context.notice
         if self.spec.shard is not None and self.compute_fn is None:
             return measure_shard(
-                self.spec, cache_root, on_progress=on_progress, should_stop=should_stop, on_notice=notice
+                self.spec,
+                cache_root,
+                on_progress=context.on_progress,
+                should_stop=context.should_stop,
+                on_notice=notice,
             )
         cache = runs_cache(cache_root)
         prepared = self._prepare(cache)
@@ -712,7 +710,7 @@ class LayersRequest:
         if merged is not None:
             return merged
         compute_fn = self.compute_fn or compute
-        result = compute_fn(prepared, on_progress=on_progress, should_stop=should_stop)
+        result = compute_fn(prepared, on_progress=context.on_progress, should_stop=context.should_stop)
         store(result, cache, notice)
         return result
 
@@ -731,12 +729,7 @@ class LayersRequest:
             found = self.lookup(context.cache_root, context.notice)
             if found is not None:
                 return found
-            return self.compute(
-                context.cache_root,
-                on_progress=context.on_progress,
-                should_stop=context.should_stop,
-                notice=context.notice,
-            )
+            return self.compute(context)
         result = measure(
             self.spec,
             runs_cache(context.cache_root),

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Generic
 
 from isotui.errors import IsotuiError
-from isotui.experiments.base import Attempt, Context, Notice, PartProgress, R
-from isotui.extract.progress import Progress, ProgressCallback, StopCheck, no_progress
+from isotui.experiments.base import Attempt, Context, PartProgress, R
+from isotui.extract.progress import Progress, ProgressCallback, no_progress
 from isotui.spec import RunSpec
 
 _STEP = re.compile(r"step[_-]?0*(\d+)(k?)", re.IGNORECASE)
@@ -243,15 +243,8 @@ class SeriesRequest(Generic[R]):
     def keys(self, cache_root: Path | None) -> list[str]:
         return [k for part in self._parts() for k in part.keys(cache_root)[:1]]
 
-    def compute(
-        self,
-        cache_root: Path | None,
-        *,
-        on_progress: ProgressCallback,
-        should_stop: StopCheck,
-        notice: Notice,
-    ) -> R | None:
-        return self.measure(Context(cache_root, on_progress, should_stop, notice))
+    def compute(self, context: Context) -> R | None:
+        return self.measure(context)
 
     def measure(self, context: Context) -> R | None:
         raise NotImplementedError

@@ -18,7 +18,6 @@ from isotui.experiments.drift_block.params import HELP, DriftBlockParams, config
 from isotui.experiments.drift_block.result import DriftBlockResult, SeedRun
 from isotui.experiments.drift_block.store import _lookup, drift_cache
 from isotui.experiments.drift_block.sweep import _assemble, run_drift_block
-from isotui.extract.progress import ProgressCallback, StopCheck
 
 
 def make_request(_spec: Any, params: DriftBlockParams) -> DriftBlockRequest:
@@ -92,15 +91,8 @@ class DriftBlockRequest:
             return None
         return _assemble(self.config, kept, notes, None)
 
-    def compute(
-        self,
-        cache_root: Path | None,
-        *,
-        on_progress: ProgressCallback,
-        should_stop: StopCheck,
-        notice: Notice,
-    ) -> DriftBlockResult:
-        return self.measure(Context(cache_root, on_progress, should_stop, notice))
+    def compute(self, context: Context) -> DriftBlockResult:
+        return self.measure(context)
 
     def measure(self, context: Context) -> DriftBlockResult:
         cache = drift_cache(context.cache_root) if context.cache_root else None
