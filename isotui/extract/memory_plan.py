@@ -23,20 +23,29 @@ is the larger of a batch (the forward's activations and one layer's fold,
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from isotui.core.sampled import BOOTSTRAP, SE_GROUPS
 from isotui.errors import IsotuiError
 from isotui.extract.device import available_memory, resolve_dtype
-from isotui.extract.planning import TOKEN_BUDGET
+from isotui.extract.memory_values import SELF_SIM_TYPES, TOKEN_BUDGET
+from isotui.extract.memory_values import check_devices as check_devices  # importable from here too
+from isotui.models.placement import infer_device_map, refuse_all_on_disk
 
 if TYPE_CHECKING:
-    from isotui.extract.phase_time import PhaseTimes
     from isotui.models.naming import ModelRef
+
+
+class PhaseLine(Protocol):
+    """A dry run's time per phase as the plan shows it (:class:`isotui.extract.phase_time.PhaseTimes`,
+    which reads the plan: the plan names only what it shows of it)."""
+
+    def line(self) -> str: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
 
 MARGIN_SHARE = 0.10  # of a device's free memory, kept for transients (the batch's float64 copy)
 MARGIN_MIN = 256 << 20  # and never less than this
@@ -47,22 +56,6 @@ RESERVOIR_MIN = 2
 RESERVOIR_FLOOR = 16
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # --- the options' values ----------------------------------------------------------------------
-
-
-def check_devices(max_memory: Sequence[tuple[int | str, int]] | None) -> None:
-    """Refuse ``--max-memory`` for a GPU this machine does not have (a real run; a dry run plans
-    for the devices it names)."""
-    import torch
-
-    if not max_memory:
-        return
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    for key, _ in max_memory:
-        if isinstance(key, int) and key >= count:
-            have = f"GPUs 0 to {count - 1}" if count else "no CUDA GPU"
-            raise IsotuiError(f"--max-memory gives memory to GPU {key}, but this machine has {have}")
-        if key == "mps" and not torch.backends.mps.is_available():
-            raise IsotuiError("--max-memory gives memory to mps, which this machine does not have")
 
 
 def device_name(where: Any) -> str:
@@ -138,8 +131,6 @@ def activation_bytes(
     one layer into its sums (:func:`fold_transient_bytes`, as tracked types and exact covariance
     at their most, a reservoir of ``reservoir`` vectors filling); nothing where no state is made.
     The dry run and the run budget the same bytes."""
-    from isotui.extract.runner import SELF_SIM_TYPES
-
     if not states:
         return 0
     return forward_bytes(tokens, dim, inter, act_bytes, states) + fold_transient_bytes(
@@ -396,7 +387,6 @@ def placement_memory(
     what it needs with the least the weights take there, ``cpu_least``: :func:`cpu_least`);
     models whose config gives no ``hidden_size`` and ``num_hidden_layers`` keep ``max_memory``
     as given."""
-    from isotui.extract.runner import SELF_SIM_TYPES
     from isotui.models.limits import config_position_limit, default_length
 
     if not max_memory:
@@ -608,7 +598,7 @@ class MemoryPlan:
     offload: dict[str, int] = field(default_factory=dict)  # :func:`offload_bytes` per device
     # a dry run's fields that the run may find otherwise (JSON paths: "budget_bytes.cpu")
     estimates: list[str] = field(default_factory=list)
-    phases: PhaseTimes | None = None  # a dry run's time per phase (an estimate, decides nothing)
+    phases: PhaseLine | None = None  # a dry run's time per phase (an estimate, decides nothing)
     # what this process held resident before the model was loaded (Python, torch, transformers):
     # outside the plan and --max-memory, stated beside them (issue 36); None: not measured
     resident: int | None = None
@@ -1151,44 +1141,6 @@ def batch_line(batch_size: int | None, device: str, max_length: int | None, toke
 # --- a dry run: the plan from the config alone -------------------------------------------------
 
 
-@contextmanager
-def quiet_accelerate() -> Iterator[None]:
-    """accelerate warns for every GPU a dry run names that this machine lacks (it plans on
-    paper) and that offloaded parameters sit on the meta device (the notes say where they are)."""
-    logs = [logging.getLogger(name) for name in ("accelerate.utils.modeling", "accelerate.big_modeling")]
-    before = [log.level for log in logs]
-    for log in logs:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for log, level in zip(logs, before, strict=True):
-            log.setLevel(level)
-
-
-def infer_device_map(
-    model: Any, device_map: str, max_memory: Mapping[int | str, int] | None
-) -> dict[str, Any]:
-    """The device map transformers' ``from_pretrained(device_map=..., max_memory=...)`` would
-    make for ``model`` (accelerate's ``infer_auto_device_map``, balanced as transformers
-    balances it); used for dry runs and untrained models (which are built, not loaded)."""
-    from transformers.integrations.accelerate import _get_device_map
-
-    from isotui.models.loading import tied_weights_bug
-
-    try:
-        with quiet_accelerate():
-            return dict(_get_device_map(model, device_map, dict(max_memory) if max_memory else None, None))
-    except IndexError as exc:
-        if not tied_weights_bug(exc):
-            raise
-        raise IsotuiError(
-            f"--device-map {device_map} could not place the model within --max-memory: transformers' "
-            "device-map planner fails on its tied weights at this budget (a known bug, "
-            "huggingface/transformers#35824); give --max-memory more or less"
-        ) from None
-
-
 def _block_names(model: Any, count: int) -> list[str]:
     """The names of the model's ``count`` blocks (the ModuleList that holds them)."""
     import torch
@@ -1366,16 +1318,6 @@ def meta_model(config: Any, name: str, *, head: str | None, dtype: str, trust_re
     return model.to(getattr(torch, dtype))
 
 
-def refuse_all_on_disk(placed: Mapping[str, Any], name: str) -> None:
-    """An untrained model is built in memory and then dispatched by the map: accelerate cannot
-    run one whose every part is on disk (a checkpoint it can, reading its weight files), so the
-    run and its dry run refuse it in the same sentence."""
-    if set(map(str, placed.values())) == {"disk"}:
-        raise IsotuiError(
-            f"--max-memory leaves no room in memory for any part of model {name!r}; give its devices more"
-        )
-
-
 def place_under(
     model: Any,
     config: Any,
@@ -1486,8 +1428,6 @@ def layers_plan(paper: Paper, reservoir: int, counted: tuple[int, int | None] | 
     the corpus's (token types self-similarity follows, most vectors a layer sees; None where not
     known), as the run counts them (:func:`isotui.extract.runner.corpus_counts`); without it the
     plan asks for the most types and no bound on the vectors, and says both are estimates."""
-    from isotui.extract.runner import SELF_SIM_TYPES
-
     dim, where = paper.dim, paper.where
     budgets = {d: paper.budgets[d] for d in dict.fromkeys(where)}
     asked, vectors = counted if counted is not None else (SELF_SIM_TYPES, None)

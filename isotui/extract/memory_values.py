@@ -1,10 +1,12 @@
-"""The memory options' values: ``--device-map``'s choices and ``--max-memory``'s sizes, parsed
-where the options are read (the app's settings too), without the planner and its imports."""
+"""The memory options' values: ``--device-map``'s choices, ``--max-memory``'s sizes (parsed,
+and checked against this machine's GPUs) and the plan's fixed inputs (the token budget of a
+batch, the token types self-similarity follows): read where the options are read (the app's
+settings too) and by the planner alike, without the planner and its imports."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from isotui.errors import IsotuiError
@@ -62,3 +64,23 @@ def parse_max_memory(value: Any) -> tuple[tuple[int | str, int], ...] | None:
     if not out:
         raise IsotuiError(f"max-memory must be {MAX_MEMORY_FORM} (got nothing)")
     return tuple(out.items())
+
+
+TOKEN_BUDGET = {"cpu": 4096, "mps": 8192, "cuda": 32768}  # padded input units per batch (auto)
+SELF_SIM_TYPES = 1000  # token types followed for self-similarity (the most frequent ones)
+
+
+def check_devices(max_memory: Sequence[tuple[int | str, int]] | None) -> None:
+    """Refuse ``--max-memory`` for a GPU this machine does not have (a real run; a dry run plans
+    for the devices it names)."""
+    import torch
+
+    if not max_memory:
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for key, _ in max_memory:
+        if isinstance(key, int) and key >= count:
+            have = f"GPUs 0 to {count - 1}" if count else "no CUDA GPU"
+            raise IsotuiError(f"--max-memory gives memory to GPU {key}, but this machine has {have}")
+        if key == "mps" and not torch.backends.mps.is_available():
+            raise IsotuiError("--max-memory gives memory to mps, which this machine does not have")

@@ -16,14 +16,13 @@ import numpy as np
 
 from isotui.core.plugin import StreamingMetric
 from isotui.errors import IsotuiError
+from isotui.extract.memory_values import TOKEN_BUDGET as TOKEN_BUDGET  # importable from here too
 from isotui.extract.progress import Progress, ProgressCallback
 from isotui.models.limits import config_position_limit, default_length, tokenizer_limit
 from isotui.models.loading import LoadedModel
 
 if TYPE_CHECKING:
     from isotui.extract.memory_plan import MemoryPlan
-
-TOKEN_BUDGET = {"cpu": 4096, "mps": 8192, "cuda": 32768}  # padded input units per batch (auto)
 
 
 @dataclass

@@ -56,6 +56,7 @@ from isotui.extract.memory_plan import (
     sums_budgets,
     weights_per_device,
 )
+from isotui.extract.memory_values import SELF_SIM_TYPES as SELF_SIM_TYPES  # importable from here too
 from isotui.extract.modules import Site
 from isotui.extract.planning import ExtractOptions, effective_max_length, selected_ids
 from isotui.extract.planning import position_limit as position_limit  # importable from here too
@@ -65,7 +66,6 @@ from isotui.extract.tensor_cores import ensure_scheme
 from isotui.extract.tokens import Tokens
 from isotui.models.loading import LoadedModel, final_norm_modules
 
-SELF_SIM_TYPES = 1000  # token types followed for self-similarity (the most frequent ones)
 TOKEN_MAP_TYPES = ("segformer",)  # transformers whose stages are token grids, not conv maps
 
 

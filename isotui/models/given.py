@@ -366,7 +366,7 @@ def _default_processor(model: Any, family: str) -> tuple[Any, str]:
         return timm.data.create_transform(**data_cfg), "the transform of timm's data config for this model"
     if family == "module":
         raise IsotuiError("a plain torch.nn.Module reading images needs processor=")  # _kind made it text
-    from isotui.extract.inputs import default_processor
+    from isotui.models.processors import default_processor
 
     proc, note = default_processor(model)
     return proc, f"{note} (give processor= for the model's own)"

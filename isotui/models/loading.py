@@ -12,6 +12,8 @@ from typing import Any, cast
 
 from isotui.errors import IsotuiError
 from isotui.models.naming import ModelRef, bundled_minilm_dir
+from isotui.models.placement import quiet_accelerate as quiet_accelerate  # importable from here too
+from isotui.models.placement import tied_weights_bug as tied_weights_bug
 
 # Modules that some architectures apply to the last hidden state before returning it.
 FINAL_NORM_NAMES = (
@@ -171,7 +173,7 @@ def load_model(
     before = fixed_cost()  # stated beside the plan (issue 36)
     placement, quiet = None, cast(AbstractContextManager[None], nullcontext())
     if device_map is not None:
-        from isotui.extract.memory_plan import check_devices, quiet_accelerate
+        from isotui.extract.memory_values import check_devices
 
         check_devices(max_memory)
         placement, quiet = Placement(device_map, dict(max_memory) if max_memory else None), quiet_accelerate()
@@ -221,7 +223,7 @@ class Placement:
         """An already built (untrained) model placed by the map from_pretrained would make."""
         from accelerate import dispatch_model
 
-        from isotui.extract.memory_plan import infer_device_map, refuse_all_on_disk
+        from isotui.models.placement import infer_device_map, refuse_all_on_disk
 
         folder = offload_dir(model)
         try:
@@ -401,15 +403,6 @@ def _load(
     return loaded
 
 
-def tied_weights_bug(exc: BaseException) -> bool:
-    """Whether ``exc`` is the IndexError transformers' and accelerate's
-    ``get_module_size_with_ties`` raise for some budgets when a model ties weights."""
-    import traceback
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    return isinstance(exc, IndexError) and any(f.name == "get_module_size_with_ties" for f in frames)
-
-
 def _names_own_code(where: Any, kwargs: dict[str, Any]) -> bool:
     """Whether the checkpoint's config.json asks for code of its own (``auto_map``) or names a
     ``model_type`` this transformers does not know: only then is --trust-remote-code the advice."""
@@ -545,7 +538,7 @@ def _attach_processor(loaded: LoadedModel, where: Any, kwargs: dict[str, Any]) -
             return
         except Exception:
             pass
-    from isotui.extract.inputs import default_processor
+    from isotui.models.processors import default_processor
 
     loaded.processor, note = default_processor(loaded.model)
     loaded.notes.append(note)
