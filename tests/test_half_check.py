@@ -112,7 +112,10 @@ def test_what_the_check_says_is_the_runs_change(tmp_path, monkeypatch, reservoir
     (said,) = [n for n in half.meta["notes"] if n.startswith("bfloat16 forward")]
     assert "on all 120 samples" in said and (" SE)" in said) == (reservoir == 256)
     monkeypatch.setattr(hc, "CHECK_MAX", 32)
-    subset = hc.half_check(make_spec("minilm", f"text:{data}", **options), "bfloat16", 120, run=half)
+    from isotui.experiments.layerwise import compute, prepare
+
+    spec = make_spec("minilm", f"text:{data}", **options)
+    subset = hc.half_check(lambda s: compute(prepare(s)), spec, "bfloat16", 120, run=half)
     assert (subset["samples"], subset["of_samples"]) == (32, 120)
     assert "on the first 32 of 120 samples (a subset" in hc.note(subset)
 
@@ -134,7 +137,9 @@ def test_the_float32_copy_is_not_loaded_where_it_cannot_fit(monkeypatch):
     assert hc.too_large(spec, 10 * 10**9, "cpu") == ""  # 20 GB of float32 in 100 GB free
     said = hc.too_large(spec, 140 * 10**9, "cuda:0")
     assert "float32 weights (280.0 GB) would not fit in the 100.0 GB cuda:0 has free" in said
-    check = hc.half_check(spec, "bfloat16", 500, 140 * 10**9, "cuda:0")
+    check = hc.half_check(
+        lambda _s: pytest.fail("never measured"), spec, "bfloat16", 500, 140 * 10**9, "cuda:0"
+    )
     assert check["skipped"] == said and "max_rel_change" not in check
     split = make_spec("minilm", "builtin", device_map="auto")
     assert "--device-map" in hc.too_large(split, 1, "cpu")

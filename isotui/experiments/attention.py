@@ -322,9 +322,9 @@ def _compute(
 
     import torch
 
-    from isotui import __version__
     from isotui.experiments.layerwise import extract_options, load_prepared
     from isotui.extract.attention import extract_attention
+    from isotui.version import __version__
 
     spec = prepared.spec
     loaded, device = load_prepared(prepared)

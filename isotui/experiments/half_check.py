@@ -15,6 +15,7 @@ depend on the batch (its size and padding change the half-precision forward); fl
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,7 @@ def too_large(spec: RunSpec, weights: int, device: str | None) -> str:
 
 
 def half_check(
+    measure: Callable[[RunSpec], ModelResult],
     spec: RunSpec,
     dtype: str,
     n_samples: int,
@@ -91,9 +93,8 @@ def half_check(
     itself, when it has at most :data:`CHECK_MAX` samples; else run the first ones in ``dtype``
     and in float32. Only when the float32 copy fits (:func:`too_large`; ``weights``: the half
     model's bytes). A float32 run that does not fit (out of memory, or any refusal) is reported,
-    never fatal."""
-    from isotui.experiments.layerwise import compute, prepare
-
+    never fatal. ``measure``: the layer run of a spec, uncached (the layer run hands itself in:
+    this check is one of its steps, below it)."""
     k = min(CHECK_MAX, n_samples)
     small = replace(spec, max_samples=k, exact=False, shard=None)
     check: dict[str, Any] = {"dtype": dtype, "samples": k, "of_samples": n_samples}
@@ -102,8 +103,8 @@ def half_check(
         return check
     try:
         whole = k == n_samples and not spec.exact
-        half = run if run is not None and whole else compute(prepare(replace(small, dtype=dtype)))
-        full = compute(prepare(replace(small, dtype="float32")))
+        half = run if run is not None and whole else measure(replace(small, dtype=dtype))
+        full = measure(replace(small, dtype="float32"))
     except (KeyboardInterrupt, Cancelled):
         raise
     except (IsotuiError, RuntimeError, MemoryError) as exc:  # torch's out-of-memory is a RuntimeError

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from isotui import __version__
 from isotui.core.accumulator import LayerStats
 from isotui.core.null import null_cos_quantile
 from isotui.core.plugin import StreamingMetric
@@ -31,6 +30,7 @@ from isotui.models.naming import parse_model
 from isotui.results import ROGUE_TOP, SCHEMA_VERSION, SE_FIELDS, LayerRow, ModelResult, drift_of
 from isotui.spec import LAYER_METRICS, MODEL, RESERVOIR, SHARD, RunSpec
 from isotui.store.cache import ResultCache
+from isotui.version import __version__
 
 if TYPE_CHECKING:
     from isotui.extract.planning import ExtractOptions
@@ -221,7 +221,15 @@ def measure(
         )
         weights = sum(((result.meta.get("memory_plan") or {}).get("weights_bytes") or {}).values())
         device = result.meta.get("device") or prepared.device
-        check = half_check(spec, prepared.dtype, len(prepared.samples), weights, device, run=result)
+        check = half_check(
+            lambda s: compute(prepare(s)),
+            spec,
+            prepared.dtype,
+            len(prepared.samples),
+            weights,
+            device,
+            run=result,
+        )
         result.meta["half_check"] = check
         result.meta["notes"].append(note(check))
     elif prepared.dtype in HALF_DTYPES and spec.given is not None:

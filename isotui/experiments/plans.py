@@ -6,20 +6,45 @@ one ``--dry-run`` path prints them. Import-light: torch and transformers load wh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from isotui.errors import IsotuiError
 
 if TYPE_CHECKING:
-    from isotui.experiments.attention import AttentionRequest
-    from isotui.experiments.checkpoints import CheckpointsRequest
-    from isotui.experiments.final_norm import FinalNormRequest
-    from isotui.experiments.gradients import GradientsRequest
-    from isotui.experiments.layerwise import LayersRequest
-    from isotui.experiments.qk_dynamics import DynamicsRequest
     from isotui.extract.memory_plan import ExperimentPlan, MemoryPlan, Paper
     from isotui.extract.phase_time import PhaseTimes
     from isotui.spec import RunSpec
+
+
+# What a plan reads of a request: each experiment's request has these fields (the plans know no
+# experiment, so that every experiment may import them, and none of them another experiment)
+class Planned(Protocol):
+    @property
+    def spec(self) -> RunSpec: ...
+
+
+@runtime_checkable
+class PlannedSeries(Planned, Protocol):
+    """A series (``checkpoints``): planned from its first checkpoint, timed for all of them."""
+
+    @property
+    def checkpoints(self) -> Sequence[object]: ...
+
+
+class PlannedProbe(Planned, Protocol):
+    """The attention probe's request (``attention``, and each checkpoint of ``qk-dynamics``)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def sample_size(self) -> int: ...
+
+
+class PlannedFinalNorm(Planned, Protocol):
+    @property
+    def every_layer(self) -> bool: ...
 
 
 def _paper(spec: RunSpec, head: str | None = None) -> Paper:
@@ -40,7 +65,7 @@ def _paper(spec: RunSpec, head: str | None = None) -> Paper:
     )
 
 
-def layers(request: LayersRequest | CheckpointsRequest) -> MemoryPlan:
+def layers(request: Planned) -> MemoryPlan:
     """``isotui run`` (and each checkpoint of ``checkpoints``): every hidden state's sums, and
     the time per phase (an estimate)."""
     from isotui.extract.memory_plan import layers_plan
@@ -54,9 +79,7 @@ def layers(request: LayersRequest | CheckpointsRequest) -> MemoryPlan:
     paper = _paper(spec)
     counted = _counted(spec, paper.length)
     plan = layers_plan(paper, spec.reservoir, counted)
-    from isotui.experiments.checkpoints import CheckpointsRequest
-
-    repeat = len(request.checkpoints) if isinstance(request, CheckpointsRequest) else 1
+    repeat = len(request.checkpoints) if isinstance(request, PlannedSeries) else 1
     plan.phases = _phase_times(paper, plan, spec, repeat, None if counted is None else counted[1])
     plan.estimates.append("phases")
     return plan
@@ -116,21 +139,21 @@ def _phase_times(
     return times
 
 
-def attention(request: AttentionRequest | DynamicsRequest) -> ExperimentPlan:
+def attention(request: PlannedProbe) -> ExperimentPlan:
     """The attention probe (and each checkpoint of ``qk-dynamics``, with its subsample)."""
     from isotui.extract.memory_plan import attention_plan
 
     return attention_plan(_paper(request.spec), sample_size=request.sample_size, experiment=request.kind)
 
 
-def final_norm(request: FinalNormRequest) -> ExperimentPlan:
+def final_norm(request: PlannedFinalNorm) -> ExperimentPlan:
     from isotui.extract.memory_plan import final_norm_plan
 
     spec = request.spec
     return final_norm_plan(_paper(spec), every_layer=request.every_layer, reservoir=spec.reservoir)
 
 
-def gradients(request: GradientsRequest) -> ExperimentPlan:
+def gradients(request: Planned) -> ExperimentPlan:
     from isotui.extract.memory_plan import gradients_plan
 
     return gradients_plan(_paper(request.spec, head="lm"), model=request.spec.model)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from isotui.errors import IsotuiError
 
 if TYPE_CHECKING:
-    from isotui.experiments.series import Checkpoint
+    from isotui.experiments.checkpoint import Checkpoint
     from isotui.results import ModelResult
 
 SERIES_FILE = "isotui_series.json"
@@ -134,7 +134,7 @@ def recorded_gradients(path: Path) -> dict[int, Any]:
 def recorded_series(path: Path) -> list[Checkpoint] | None:
     """The steps of the recorded series in ``path`` as checkpoints (each with its key in
     ``recorded``), None when ``path`` holds none."""
-    from isotui.experiments.series import Checkpoint
+    from isotui.experiments.checkpoint import Checkpoint
 
     record = read_record(path)
     if record is None:

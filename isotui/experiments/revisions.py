@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from isotui.errors import IsotuiError
-from isotui.experiments.series import Checkpoint, series_folder, step_of
+from isotui.experiments.checkpoint import Checkpoint, series_folder, step_of
 
 if TYPE_CHECKING:
     from isotui.models.branches import Weights

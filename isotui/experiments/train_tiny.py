@@ -431,7 +431,7 @@ def _versions() -> dict[str, str]:
 
     import torch
 
-    from isotui import __version__
+    from isotui.version import __version__
 
     return {
         "isotui": __version__,
