@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 import numpy as np
 import numpy.typing as npt
 
+from isotui.core.counters import DeviceCount
 from isotui.core.exact_spectrum import ExactEigen, exact_eigen
 from isotui.core.isotropy import isoscore_star
 from isotui.core.plugin import STATE_PREFIX, Plugged, PluginError, State, StreamingMetric, lookup
@@ -204,50 +205,14 @@ class LayerAccumulator:
         self.plugins: dict[str, Plugged] = {m.name: Plugged(m, dim, device) for m in metrics}
         self.plugin_states: dict[str, State] = {n: p.empty_state for n, p in self.plugins.items()}
 
-    @property
-    def n(self) -> int:
-        """Vectors with a direction (non-zero); read on the host (a device sync), once at the end."""
-        return int(self._n)
-
-    @n.setter
-    def n(self, value: int) -> None:
-        self._n.fill_(value)
-
-    @property
-    def nonfinite(self) -> int:
-        """Values that are NaN or inf among the vectors folded in (read on the host: a sync)."""
-        return int(self._nonfinite)
-
-    @nonfinite.setter
-    def nonfinite(self, value: int) -> None:
-        self._nonfinite.fill_(value)
-
-    @property
-    def nonfinite_vectors(self) -> int:
-        """Vectors holding a NaN or an inf (read on the host: a sync)."""
-        return int(self._nonfinite_vectors)
-
-    @nonfinite_vectors.setter
-    def nonfinite_vectors(self, value: int) -> None:
-        self._nonfinite_vectors.fill_(value)
-
-    @property
-    def pairs_within(self) -> int:
-        """Ordered pairs of distinct vectors from the same sample: sum over samples of n_s (n_s - 1)."""
-        return int(self._pairs_within)
-
-    @pairs_within.setter
-    def pairs_within(self, value: int) -> None:
-        self._pairs_within.fill_(value)
-
-    @property
-    def n_sentences(self) -> int:
-        """Samples with an intra-sentence similarity (a vector and a non-zero mean)."""
-        return int(self._n_sentences)
-
-    @n_sentences.setter
-    def n_sentences(self, value: int) -> None:
-        self._n_sentences.fill_(value)
+    # counts on the device (each read on the host is a sync: once, at the end)
+    n = DeviceCount("Vectors with a direction (non-zero).")
+    nonfinite = DeviceCount("Values that are NaN or inf among the vectors folded in.")
+    nonfinite_vectors = DeviceCount("Vectors holding a NaN or an inf.")
+    pairs_within = DeviceCount(
+        "Ordered pairs of distinct vectors of one sample: sum over samples of n_s (n_s - 1)."
+    )
+    n_sentences = DeviceCount("Samples with an intra-sentence similarity (a vector and a non-zero mean).")
 
     def partial(
         self,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from isotui.core.accumulator import avg_cos_from_sums, recentre
+from isotui.core.counters import DeviceCount
 
 if TYPE_CHECKING:
     import torch
@@ -86,23 +87,8 @@ class GradAccumulator:
         self.sum_xs = torch.zeros(dim, dtype=f64, device=device)
         self.x2 = torch.zeros((dim, dim), dtype=f64, device=device)
 
-    @property
-    def n_grad(self) -> int:
-        """Non-zero gradients (a device read: once, at the end)."""
-        return int(self._n_grad)
-
-    @n_grad.setter
-    def n_grad(self, value: int) -> None:
-        self._n_grad.fill_(value)
-
-    @property
-    def n_act(self) -> int:
-        """Non-zero activations (a device read: once, at the end)."""
-        return int(self._n_act)
-
-    @n_act.setter
-    def n_act(self, value: int) -> None:
-        self._n_act.fill_(value)
+    n_grad = DeviceCount("Non-zero gradients (a device read: once, at the end).")
+    n_act = DeviceCount("Non-zero activations (a device read: once, at the end).")
 
     def add(self, x: torch.Tensor, g: torch.Tensor) -> None:
         """Fold in m tokens: activations ``x`` and their gradients ``g`` (both m x d). Nothing is
