@@ -348,7 +348,7 @@ def sums_budgets(
 
     def beside(dev: str, n: int) -> int:  # the workspace, and the sums' floor with its margin
         states = list(where).count(dev)
-        sums = room_for(states * (fixed_bytes(dim, 0) + reservoir_bytes(dim, floor))) if states else 0
+        sums = room_for(states * floor_bytes(dim, floor)) if states else 0
         return workspace_bytes(n, dim, inter, act_bytes, states, reservoir) + extra.get(dev, 0) + sums
 
     tokens = batch_tokens(batch_size, length, main, have, weights, activations, beside)
@@ -408,7 +408,7 @@ def placement_memory(
         # its share of the hidden states (all of them on one device; the main GPU also makes
         # those of blocks offloaded to the CPU or disk: a plan short of its floor there is refused)
         states = n_blocks + 1 if len(homes) == 1 else -(-(n_blocks + 1) // len(homes)) + 1
-        need = states * (fixed_bytes(dim, 0) + reservoir_bytes(dim, floor))
+        need = states * floor_bytes(dim, floor)
         given, dev = out[key], device_name(key)
         room = sums_budgets(
             {dev: given},
@@ -517,6 +517,12 @@ def reservoir_bytes(dim: int, size: int) -> int:
     return size * (4 * dim + 8)
 
 
+def floor_bytes(dim: int, vectors: int) -> int:
+    """A layer kept at the least a plan gives it: its fixed sums without token types, and a
+    reservoir of ``vectors`` (the floor, :func:`reservoir_floor`)."""
+    return fixed_bytes(dim, 0) + reservoir_bytes(dim, vectors)
+
+
 def gradient_bytes(dim: int) -> int:
     """A layer's gradient sums (:class:`~isotui.core.gradients.GradAccumulator`): g g^T and the
     shifted x x^T (two d x d float64) and six float64 d-vectors."""
@@ -550,7 +556,7 @@ def fit_types(
         per_type = sum(8 * dim + 24 for dim, tracks in mine if tracks)
         if left is None or not per_type:
             continue
-        room = left - sum(fixed_bytes(dim, 0) + reservoir_bytes(dim, keep_vectors) for dim, _t in mine)
+        room = left - sum(floor_bytes(dim, keep_vectors) for dim, _t in mine)
         covariances = sum(cov_bytes(dim) for dim, _t in mine) + partial_bytes(max(dim for dim, _t in mine))
         fit = min(fit, max(max(0, room - covariances) // per_type, min(floor, max(0, room) // per_type)))
     return max(0, fit)
@@ -901,7 +907,7 @@ class MemoryPlan:
             if min(p.reservoir for p in mine) >= floor:
                 continue
             left = self.budgets.get(device) or 0
-            need = sum(fixed_bytes(p.dim, 0) + reservoir_bytes(p.dim, floor) for p in mine)
+            need = sum(floor_bytes(p.dim, floor) for p in mine)
             short.append((device, left, need, len(mine)))
             smallest = held.get(device, 0) + room_for(need)  # the sums' floor with their margin
             given = (max_memory or {}).get(device_key(device))
