@@ -270,3 +270,24 @@ def test_a_shard_short_of_the_recorded_plan_is_told_the_memory_that_runs_it(
         monkeypatch.setattr(memory_plan, "available_memory", lambda _d, f=free: f)
         assert _run(model, data, shared, "--shard", "1/3") == code, free
         capsys.readouterr()
+
+
+def test_a_damaged_plan_file_does_not_stop_the_merge(tiny_models, texts, tmp_path, monkeypatch, capsys):
+    """The merge checks its memory against the recorded plan when it can read it; the states
+    merge without it (as before the check), so a damaged plan file costs no shard's work."""
+    from isotui.experiments.shards import partial_runs
+    from isotui.extract import memory_plan
+
+    _, data = texts
+    model, shared = tiny_models["gpt2"], tmp_path / "shared"
+    _budget(monkeypatch, 10**9)  # the shards' own plans: plenty of room
+    assert _run(model, data, shared, "--shard", "0/2") == 0
+    monkeypatch.setattr(memory_plan, "available_memory", lambda _d: 4_000)  # the merge is refused
+    assert _run(model, data, shared, "--shard", "1/2") == 2
+    (partial,) = partial_runs(shared)
+    assert partial.have == (0, 1)
+    _plan_file(shared).write_text("{not json")
+    capsys.readouterr()
+    assert _run(model, data, shared) == 0  # a plain run merges the cached shards
+    assert "merged from 2 shards" in capsys.readouterr().out
+    assert partial_runs(shared) == [] and _plan_file(shared) is None

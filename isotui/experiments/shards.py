@@ -577,8 +577,11 @@ def merge_cached(
             )
         return None
     count = complete[0].count
-    plan = recorded_plan(cache_root, prepared.key, count)
-    if plan is not None:  # the merge's own memory, on the machine that merges, before any read
+    try:  # the merge's own memory, on the machine that merges, before any read
+        plan = recorded_plan(cache_root, prepared.key, count)
+    except IsotuiError:  # a damaged plan file: the states merge without it (and it goes with them)
+        plan = None
+    if plan is not None:
         from isotui.extract.memory_plan import available_memory
 
         plan.refuse_merge(count, available_memory("cpu"))
