@@ -42,7 +42,7 @@ from isotui.spec import RunSpec
 from isotui.store.cache import ResultCache
 
 if TYPE_CHECKING:  # the layers experiment (numpy, the accumulators) loads with the first job, not the app
-    from isotui.experiments import layerwise
+    from isotui.experiments import layer_pass
     from isotui.experiments.base import Context
 
 
@@ -118,7 +118,7 @@ class Request(Protocol):
 
 def as_request(
     spec: Any,
-    prepare: Callable[[RunSpec], layerwise.Prepared] | None,
+    prepare: Callable[[RunSpec], layer_pass.Prepared] | None,
     compute: Callable[..., ModelResult] | None,
 ) -> Request:
     """What the backend runs for ``spec``: the app submits a layer-wise run as its RunSpec, which
@@ -424,7 +424,7 @@ class Backend:
         post: Post,
         *,
         compute: Callable[..., ModelResult] | None = None,
-        prepare: Callable[[RunSpec], layerwise.Prepared] | None = None,
+        prepare: Callable[[RunSpec], layer_pass.Prepared] | None = None,
         processes: bool | None = None,
     ) -> None:
         self.cache = cache

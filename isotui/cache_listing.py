@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# the settings in a run's cache key besides model and data (experiments/layerwise.py ``prepare``),
+# the settings in a run's cache key besides model and data (experiments/layer_pass.py ``prepare``),
 # as (meta field, column header); the ones not in ALWAYS_SHOWN are columns only where a run set them
 RUN_KEY_COLUMNS = (
     ("modules", "sites"),

@@ -491,7 +491,7 @@ def _print_partial_runs(out, root: Path) -> None:
 
 def _cmd_show(args: argparse.Namespace, err) -> int:
     """Print a cached run's table; ``--csv``/``--json`` export it as ``isotui run`` would."""
-    from isotui.experiments.layerwise import read
+    from isotui.experiments.layer_pass import read
     from isotui.paths import cache_dir
     from isotui.render import result_table
     from isotui.store.cache import CacheProblem, ResultCache

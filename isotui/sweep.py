@@ -319,7 +319,7 @@ def ray_state_task(spec: Any, index: int, count: int, plan: dict[str, Any] | Non
     ``("ok", (run key, the bytes of its cache entry))`` returned through Ray's object store;
     ``("refused", sentence)`` for bad input (not retried). An internal error raises
     :class:`TaskCrashed` (retried, as a worker that dies is)."""
-    from isotui.experiments.shards import measure_for_driver
+    from isotui.experiments.layerwise import measure_for_driver
     from isotui.paths import cache_dir
 
     try:
@@ -755,8 +755,8 @@ def base_spec(config: Path, settings: dict[str, Any], model: str) -> Any:
 
 def plan(config: Path, settings: dict[str, Any], runs: list[str], shards: int, cache_root: Path) -> Plan:
     """Which (run, shard) tasks the cache does not answer yet. Each run's key comes from
-    :func:`isotui.experiments.layerwise.prepare` (cheap: names, data, no model load)."""
-    from isotui.experiments import layerwise
+    :func:`isotui.experiments.layer_pass.prepare` (cheap: names, data, no model load)."""
+    from isotui.experiments import layer_pass
     from isotui.experiments.shards import check_shard_count, partial_runs
     from isotui.store.cache import ResultCache
 
@@ -772,7 +772,7 @@ def plan(config: Path, settings: dict[str, Any], runs: list[str], shards: int, c
     out = Plan(runs, [], 0, shards)
     for model in runs:
         try:
-            prepared = layerwise.prepare(base.with_model(model), cache)
+            prepared = layer_pass.prepare(base.with_model(model), cache)
         except IsotuiError as exc:
             out.failed_early.append((model, str(exc)))
             continue
@@ -780,7 +780,7 @@ def plan(config: Path, settings: dict[str, Any], runs: list[str], shards: int, c
             check_shard_count(
                 len(prepared.samples), shards, f"config file {config}: [sweep] shards = {shards}"
             )
-        if layerwise.lookup(prepared, cache) is not None:
+        if layer_pass.lookup(prepared, cache) is not None:
             out.cached += shards
             continue
         have = partial.get((prepared.key, shards), set()) if shards > 1 else set()
@@ -896,13 +896,13 @@ def merged_result(
 ) -> Any:
     """The run's result once all its tasks are done: cached (the last shard merged) or merged
     now from its cached shards; None (said) if the cache has neither."""
-    from isotui.experiments import layerwise
+    from isotui.experiments import layer_pass
     from isotui.experiments.shards import merge_cached
     from isotui.store.cache import ResultCache
 
     cache = ResultCache(cache_root)
-    prepared = layerwise.prepare(base_spec(config, settings, model), cache)
-    found = layerwise.lookup(prepared, cache, notice) or merge_cached(prepared, cache_root, on_notice=notice)
+    prepared = layer_pass.prepare(base_spec(config, settings, model), cache)
+    found = layer_pass.lookup(prepared, cache, notice) or merge_cached(prepared, cache_root, on_notice=notice)
     if found is None:
         notice(f"{Path(model).name}: its tasks ended but the cache holds no result of it")
     return found

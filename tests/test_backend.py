@@ -20,7 +20,7 @@ from isotui.backend import (
     JobStarted,
 )
 from isotui.errors import Cancelled, IsotuiError
-from isotui.experiments import layerwise
+from isotui.experiments import layer_pass
 from isotui.extract.progress import Progress
 from isotui.spec import make_spec
 from isotui.store.cache import ResultCache
@@ -98,7 +98,7 @@ def _gated_compute(gate: threading.Event, started: list):
             if should_stop():
                 raise Cancelled()
         on_progress(Progress(1, 1, 10, 0.1))
-        return layerwise.compute(prepared)
+        return layer_pass.compute(prepared)
 
     return compute
 
@@ -178,7 +178,7 @@ def test_backend_import_does_not_import_torch():
 
 
 def fake_prepare(spec):
-    return layerwise.Prepared(spec, f"fake-{spec.model}", [], "fp", "dfp", "float32", "cpu")
+    return layer_pass.Prepared(spec, f"fake-{spec.model}", [], "fp", "dfp", "float32", "cpu")
 
 
 def slow_compute(prepared, *, on_progress, should_stop):

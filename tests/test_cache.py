@@ -10,8 +10,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from isotui.experiments import layerwise
-from isotui.experiments.layerwise import measure, prepare
+from isotui.experiments import layer_pass, layerwise
+from isotui.experiments.layer_pass import prepare
+from isotui.experiments.layerwise import measure
 from isotui.spec import make_spec
 from isotui.store.cache import ResultCache
 
@@ -113,8 +114,8 @@ def test_concurrent_writers_leave_one_complete_entry(tmp_path, tiny_models, data
     def writer():
         try:
             for _ in range(10):
-                layerwise.store(result, cache)
-                got = layerwise.read(cache, result.key)
+                layer_pass.store(result, cache)
+                got = layer_pass.read(cache, result.key)
                 assert got is not None and got.rows[0].avg_cos == result.rows[0].avg_cos
         except Exception as exc:
             errors.append(exc)
@@ -126,4 +127,4 @@ def test_concurrent_writers_leave_one_complete_entry(tmp_path, tiny_models, data
         t.join()
     assert not errors
     assert [p.name for p in cache.runs.iterdir()] == [f"{result.key}.safetensors"]
-    assert layerwise.read(cache, result.key).rows[-1].isoscore == result.rows[-1].isoscore
+    assert layer_pass.read(cache, result.key).rows[-1].isoscore == result.rows[-1].isoscore

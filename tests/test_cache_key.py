@@ -10,7 +10,7 @@ import pytest
 
 from isotui.backend import Backend, JobFinished
 from isotui.cli import main
-from isotui.experiments import layerwise
+from isotui.experiments import layer_pass
 from isotui.models.limits import declared_default_length
 from isotui.models.naming import parse_model
 from isotui.results import SCHEMA_VERSION
@@ -35,20 +35,20 @@ RANDOM_BERT = "random:bert:num_hidden_layers=2,hidden_size=32,num_attention_head
 def test_declared_default_length_is_what_extraction_uses(name, tiny_models, data):
     """The length read from the files (no weights) equals the one the loaded model resolves."""
     model = str(tiny_models[name]) if name in tiny_models else name
-    prepared = layerwise.prepare(make_spec(model, f"text:{data}", max_samples=3))
+    prepared = layer_pass.prepare(make_spec(model, f"text:{data}", max_samples=3))
     assert prepared.max_length == declared_default_length(parse_model(model))
-    result = layerwise.compute(prepared)
+    result = layer_pass.compute(prepared)
     assert result.meta["max_length"] == prepared.max_length
 
 
 def test_explicit_length_equal_to_the_default_is_the_same_key(tiny_models, data):
     model = str(tiny_models["bert"])  # 128 positions
-    default = layerwise.prepare(make_spec(model, f"text:{data}"))
-    explicit = layerwise.prepare(make_spec(model, f"text:{data}", max_length=128))
-    shorter = layerwise.prepare(make_spec(model, f"text:{data}", max_length=64))
+    default = layer_pass.prepare(make_spec(model, f"text:{data}"))
+    explicit = layer_pass.prepare(make_spec(model, f"text:{data}", max_length=128))
+    shorter = layer_pass.prepare(make_spec(model, f"text:{data}", max_length=64))
     assert default.key == explicit.key
     assert shorter.key != default.key
-    too_long = layerwise.prepare(make_spec(model, f"text:{data}", max_length=4096))
+    too_long = layer_pass.prepare(make_spec(model, f"text:{data}", max_length=4096))
     assert too_long.key not in (default.key, shorter.key)  # refused when the model loads
 
 
@@ -92,7 +92,7 @@ def test_entry_written_under_the_old_key_is_still_read(tiny_models, data, tmp_pa
     """Before this change a default run hashed max_length None: such entries stay readable,
     for a default run and for an explicit request of the same length."""
     model = str(tiny_models["bert"])
-    prepared = layerwise.prepare(make_spec(model, f"text:{data}"))
+    prepared = layer_pass.prepare(make_spec(model, f"text:{data}"))
     old_fields = {  # the key as isotui <= schema 3 built it for a default run
         "schema": SCHEMA_VERSION,
         "model": prepared.model_fingerprint,
@@ -105,11 +105,15 @@ def test_entry_written_under_the_old_key_is_still_read(tiny_models, data, tmp_pa
     }
     old_key = hashlib.sha256(json.dumps(old_fields, sort_keys=True).encode()).hexdigest()[:32]
     assert old_key != prepared.key
-    result = layerwise.compute(prepared)
+    result = layer_pass.compute(prepared)
     cache = ResultCache(tmp_path / "old")
     cache.put_payload(old_key, result.to_json(), result.arrays)
     for length in (None, 128):
-        hit = layerwise.lookup(layerwise.prepare(make_spec(model, f"text:{data}", max_length=length)), cache)
+        hit = layer_pass.lookup(
+            layer_pass.prepare(make_spec(model, f"text:{data}", max_length=length)), cache
+        )
         assert hit is not None and hit.from_cache
         assert hit.rows[0].avg_cos == result.rows[0].avg_cos
-    assert layerwise.lookup(layerwise.prepare(make_spec(model, f"text:{data}", max_length=64)), cache) is None
+    assert (
+        layer_pass.lookup(layer_pass.prepare(make_spec(model, f"text:{data}", max_length=64)), cache) is None
+    )

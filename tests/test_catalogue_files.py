@@ -886,7 +886,7 @@ def test_sigint_during_a_cli_run_leaves_no_partial_entry(tmp_path):
     # (``dataclasses``) is recorded by CPython 3.11 as unhandled even though isotui catches it.
     # Either way: no traceback, and no partial entry below.
     assert proc.returncode in (0, 130, -signal.SIGINT) and "Traceback" not in err
-    from isotui.experiments.layerwise import read
+    from isotui.experiments.layer_pass import read
     from isotui.store.cache import ResultCache
 
     cache = ResultCache(tmp_path)

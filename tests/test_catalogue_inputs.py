@@ -280,7 +280,7 @@ def test_untrained_model_with_a_large_vocabulary_keeps_its_stand_in_tokenizer(tm
 
 
 def test_tokenizer_flag_is_a_stand_in_and_part_of_the_key_only_when_given(tokenizer_folders, tiny_models):
-    from isotui.experiments.layerwise import load_prepared, prepare
+    from isotui.experiments.layer_pass import load_prepared, prepare
     from isotui.extract.inputs import takes_token_types
     from isotui.spec import make_spec
 

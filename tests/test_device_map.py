@@ -55,7 +55,8 @@ def _wide_neox(tmp_path: Path) -> Path:
 
 
 def test_disk_offload_gives_the_numbers_of_a_plain_load(tmp_path):
-    from isotui.experiments.layerwise import load_prepared, measure, prepare
+    from isotui.experiments.layer_pass import load_prepared, prepare
+    from isotui.experiments.layerwise import measure
 
     folder, data = _wide_neox(tmp_path), f"text:{_texts(tmp_path)}"
     # --max-memory bounds isotui's sums too (issue 24): 9 MB for weights beyond what isotui
@@ -89,20 +90,20 @@ def _measured_under(spec, recorded: dict):
     run follows its first shard's plan)."""
     from dataclasses import replace
 
-    from isotui.experiments import layerwise
+    from isotui.experiments import layer_pass, layerwise
     from isotui.extract.memory_plan import MemoryPlan
 
     plan = MemoryPlan.from_json(recorded)
-    options = layerwise.extract_options
+    options = layer_pass.extract_options
 
     def following(spec_, *rest):
         return replace(options(spec_, *rest), settle_plan=lambda own: plan.follow(own, "the plain run", "-"))
 
-    layerwise.extract_options = following
+    layer_pass.extract_options = following
     try:
         return layerwise.measure(spec, None)
     finally:
-        layerwise.extract_options = options
+        layer_pass.extract_options = options
 
 
 def _config(tmp_path: Path, name: str, config: dict) -> Path:

@@ -23,7 +23,7 @@ def _no_model_loading(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("loaded a model for a cached result")
 
-    monkeypatch.setattr("isotui.experiments.layerwise.load_prepared", refuse)
+    monkeypatch.setattr("isotui.experiments.layer_pass.load_prepared", refuse)
 
 
 @pytest.mark.parametrize("every_layer", [False, True])

@@ -112,7 +112,7 @@ def test_what_the_check_says_is_the_runs_change(tmp_path, monkeypatch, reservoir
     (said,) = [n for n in half.meta["notes"] if n.startswith("bfloat16 forward")]
     assert "on all 120 samples" in said and (" SE)" in said) == (reservoir == 256)
     monkeypatch.setattr(hc, "CHECK_MAX", 32)
-    from isotui.experiments.layerwise import compute, prepare
+    from isotui.experiments.layer_pass import compute, prepare
 
     spec = make_spec("minilm", f"text:{data}", **options)
     subset = hc.half_check(lambda s: compute(prepare(s)), spec, "bfloat16", 120, run=half)

@@ -60,7 +60,7 @@ def layer_fields(prepared, seed: int, **extra) -> dict:
 
 
 def test_the_layer_runs_key_hashes_its_resolved_fields():
-    from isotui.experiments.layerwise import prepare
+    from isotui.experiments.layer_pass import prepare
     from isotui.spec import make_spec
 
     prepared = prepare(make_spec("minilm", "builtin", max_samples=2, seed=3))

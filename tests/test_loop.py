@@ -144,7 +144,7 @@ def test_attention_probe_undoes_a_batch_the_model_did_not_finish(tiny_models, te
     import torch
 
     from isotui.core.attention import AttentionAccumulator
-    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
     from isotui.extract.attention import extract_attention_state
 
     _, data = text_file

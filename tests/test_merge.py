@@ -179,7 +179,7 @@ def test_recentre_matches_sums_around_the_new_shift():
 
 
 def _layer_states(model: str, data: str, parts, **spec_kwargs):
-    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
     from isotui.extract.runner import extract_state
 
     spec = make_spec(model, data, max_length=24, batch_size=1, reservoir=40, **spec_kwargs)
@@ -309,7 +309,7 @@ def test_gradient_shards_merge_to_one_pass(lm_folders, data, float64_products, n
 def test_attention_shards_merge_to_one_pass(tiny_models, data, float64_products, name):
     import torch
 
-    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
     from isotui.extract.attention import extract_attention_state, finish_attention, merge_attention_states
 
     spec = make_spec(str(tiny_models[name]), data, max_length=24, batch_size=1)

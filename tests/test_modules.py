@@ -304,7 +304,7 @@ def test_a_glob_that_now_matches_nothing_is_refused_with_the_crossing_spelling(t
 def test_a_patterns_key_says_the_glob_rule_and_a_names_key_does_not():
     """Entries of a pattern computed under fnmatch's rule may hold other modules: its key holds
     the rule; a module's plain name and the named sites keep the keys they had."""
-    from isotui.experiments.layerwise import prepare
+    from isotui.experiments.layer_pass import prepare
     from isotui.spec import make_spec
 
     from .test_keys_unchanged import _sha, layer_fields

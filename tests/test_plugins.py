@@ -244,7 +244,7 @@ def test_a_bad_plug_in_is_one_sentence_naming_it_and_the_cache_survives(
     assert "Traceback" not in err and "internal error" not in err
     assert len(err.strip().splitlines()) == 1  # one sentence
     monkeypatch.undo()
-    from isotui.experiments.layerwise import read
+    from isotui.experiments.layer_pass import read
     from isotui.store.cache import ResultCache
 
     (entry,) = ResultCache(cache).entries()  # the earlier entry, alone and whole

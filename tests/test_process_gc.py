@@ -14,21 +14,21 @@ def test_model_load_pauses_the_collector_and_restores_it(tiny_models, monkeypatc
     """Importing torch/transformers and building a model triggered ~1,100 collections (7 full)
     of a million long-lived objects; while a model loads, the collector is off, and afterwards
     it is as it was, also when the load fails."""
-    from isotui.experiments import layerwise
+    from isotui.experiments import layer_pass
     from isotui.spec import make_spec
 
-    real = layerwise.parse_model  # called inside the load (after prepare)
+    real = layer_pass.parse_model  # called inside the load (after prepare)
     seen: list[bool] = []
 
     def watching(*args, **kwargs):
         seen.append(gc.isenabled())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(layerwise, "parse_model", watching)
-    prepared = layerwise.prepare(make_spec(str(tiny_models["bert"]), max_samples=5))
+    monkeypatch.setattr(layer_pass, "parse_model", watching)
+    prepared = layer_pass.prepare(make_spec(str(tiny_models["bert"]), max_samples=5))
     seen.clear()
     assert gc.isenabled()
-    loaded, _ = layerwise.load_prepared(prepared)
+    loaded, _ = layer_pass.load_prepared(prepared)
     assert loaded.model is not None
     assert seen == [False]
     assert gc.isenabled()
@@ -36,14 +36,14 @@ def test_model_load_pauses_the_collector_and_restores_it(tiny_models, monkeypatc
     def failing(*args, **kwargs):
         raise RuntimeError("no weights")
 
-    monkeypatch.setattr(layerwise, "parse_model", failing)
+    monkeypatch.setattr(layer_pass, "parse_model", failing)
     with pytest.raises(RuntimeError):
-        layerwise.load_prepared(prepared)
+        layer_pass.load_prepared(prepared)
     assert gc.isenabled()
     gc.disable()  # a caller that turned it off keeps it off
     try:
-        monkeypatch.setattr(layerwise, "parse_model", watching)
-        layerwise.load_prepared(prepared)
+        monkeypatch.setattr(layer_pass, "parse_model", watching)
+        layer_pass.load_prepared(prepared)
         assert not gc.isenabled()
     finally:
         gc.enable()

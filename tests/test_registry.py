@@ -153,7 +153,8 @@ def test_a_layers_request_resolves_once_and_takes_a_front_ends_steps(tmp_path):
     resolve the spec once, as the backend's own layer branch did."""
     from isotui.errors import IsotuiError
     from isotui.experiments.base import Context
-    from isotui.experiments.layerwise import LayersRequest, Prepared
+    from isotui.experiments.layer_pass import Prepared
+    from isotui.experiments.layerwise import LayersRequest
     from isotui.spec import make_spec
 
     spec = make_spec("minilm", "builtin", max_samples=2)

@@ -50,7 +50,8 @@ SAMPLED = ("avg_cos_centered", "iw", "iw_centered", "avg_cos_abtt", "avg_cos_std
 
 @pytest.mark.parametrize("arch", ["bert", "gpt2"])
 def test_exact_pass_equals_every_vector(tiny_models, arch):
-    from isotui.experiments.layerwise import measure, prepare
+    from isotui.experiments.layer_pass import prepare
+    from isotui.experiments.layerwise import measure
     from isotui.spec import make_spec
 
     from .conftest import corpus

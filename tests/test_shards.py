@@ -54,7 +54,7 @@ def _rows(path) -> list[dict[str, str]]:
 
 
 def _entry(cache):
-    from isotui.experiments.layerwise import read
+    from isotui.experiments.layer_pass import read
     from isotui.store.cache import ResultCache
 
     runs = ResultCache(cache)
@@ -165,7 +165,7 @@ def test_a_stored_state_reads_back_exactly(tiny_models, texts):
     too), every count and fact the same."""
     import torch
 
-    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
     from isotui.experiments.shards import state_from_payload, state_payload
     from isotui.extract.runner import extract_state
     from isotui.spec import make_spec

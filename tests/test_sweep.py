@@ -528,13 +528,13 @@ def test_cancelling_an_app_sweep_stops_its_tasks_and_adds_nothing(series, data, 
 
 def _cached(model: Path, data: Path, root: Path) -> bool:
     """Whether the cache at ``root`` holds the plain run of ``model`` on the test's settings."""
-    from isotui.experiments import layerwise
+    from isotui.experiments import layer_pass
     from isotui.spec import make_spec
     from isotui.store.cache import ResultCache
 
     cache = ResultCache(root)
     spec = make_spec(str(model), data=f"text:{data}", max_length=MAX_LENGTH, reservoir=20)
-    return layerwise.lookup(layerwise.prepare(spec, cache), cache) is not None
+    return layer_pass.lookup(layer_pass.prepare(spec, cache), cache) is not None
 
 
 @pytest.mark.slow

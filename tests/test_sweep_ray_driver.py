@@ -107,7 +107,7 @@ def test_ray_workers_without_the_drivers_cache_send_states_and_the_driver_merges
     processes inherit this test's environment, so without the task's ``runtime_env`` the
     workers would use the test's ``ISOTUI_CACHE_DIR``."""
     pytest.importorskip("ray")
-    from isotui.experiments.layerwise import read
+    from isotui.experiments.layer_pass import read
     from isotui.experiments.shards import FOLDER, partial_runs
     from isotui.store.cache import ResultCache
 
@@ -164,13 +164,8 @@ def test_the_driver_keeps_only_a_whole_state_of_the_shard_it_asked_for(tiny_mode
     """What a worker sends is checked before the driver keeps it: a damaged state, or the state
     of another shard, is one sentence and nothing is kept; a whole one is kept with its plan."""
     from isotui.errors import IsotuiError
-    from isotui.experiments.shards import (
-        FOLDER,
-        keep_from_worker,
-        measure_for_driver,
-        partial_key,
-        plan_name,
-    )
+    from isotui.experiments.layerwise import measure_for_driver
+    from isotui.experiments.shards import FOLDER, keep_from_worker, partial_key, plan_name
     from isotui.spec import make_spec
 
     data = tmp_path / "texts.txt"
@@ -196,7 +191,7 @@ def test_the_driver_keeps_only_a_whole_state_of_the_shard_it_asked_for(tiny_mode
     key1, sent1 = measure_for_driver(spec, 1, 2, plan, tmp_path / "worker")
     assert key1 == key and keep_from_worker(driver, key, 1, 2, sent1) == plan
     # a whole run (shards = 1): the worker's result entry, kept under the run's key
-    from isotui.experiments.layerwise import read
+    from isotui.experiments.layer_pass import read
     from isotui.store.cache import ResultCache
 
     whole_key, whole = measure_for_driver(spec, 0, 1, None, tmp_path / "worker")

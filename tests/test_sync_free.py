@@ -394,7 +394,7 @@ def test_the_gpus_subsample_is_the_cpus_and_numpys(tmp_path, monkeypatch):
     import numpy as np
 
     from isotui.core import attention
-    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
     from isotui.extract import attention as probe
 
     size = 24

@@ -69,7 +69,7 @@ def test_usable_cores_is_the_affinity_mask():
 def test_threads_is_not_part_of_the_cache_key(tiny_models, data):
     """The thread count changes only the order of float sums inside a product, never which vectors
     are measured: one computation, one key, whatever --threads says."""
-    from isotui.experiments.layerwise import prepare
+    from isotui.experiments.layer_pass import prepare
 
     model = str(tiny_models["bert"])
     keys = {prepare(make_spec(model, f"text:{data}", threads=t)).key for t in (None, 1, 3, "7")}

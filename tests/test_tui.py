@@ -15,7 +15,7 @@ from textual.widgets import DataTable, Input, OptionList, Select
 
 from isotui.backend import Backend
 from isotui.errors import Cancelled, IsotuiError
-from isotui.experiments.layerwise import Prepared
+from isotui.experiments.layer_pass import Prepared
 from isotui.extract.progress import Progress
 from isotui.render import distinct_names, shorten
 from isotui.tui.app import IsotuiApp

@@ -23,7 +23,7 @@ from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_
 
 if TYPE_CHECKING:
     from isotui.experiments.cached import Notice
-    from isotui.experiments.layerwise import Prepared
+    from isotui.experiments.layer_pass import Prepared
     from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
 
@@ -241,7 +241,7 @@ def find_attention(
 ) -> tuple[Prepared, str, AttentionResult | None]:
     """(prepared run, cache key, cached result or None): the quick part, no model loaded."""
     from isotui.experiments.cached import lookup
-    from isotui.experiments.layerwise import prepare
+    from isotui.experiments.layer_pass import prepare
 
     prepared = prepare(spec, cache)
     key = cache_key(prepared.key, sample_size)
@@ -322,7 +322,7 @@ def _compute(
 
     import torch
 
-    from isotui.experiments.layerwise import extract_options, load_prepared
+    from isotui.experiments.layer_pass import extract_options, load_prepared
     from isotui.extract.attention import extract_attention
     from isotui.version import __version__
 

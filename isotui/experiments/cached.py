@@ -15,17 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from isotui.experiments.base import Context, R
-
 if TYPE_CHECKING:
-    from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
 
 Notice = Callable[[str], None]
@@ -157,51 +153,3 @@ def cached_run(
     result = compute()
     keep(cache, keys[0], *encode(result), notice)
     return result
-
-
-@dataclass(frozen=True)
-class CachedRequest(Generic[R]):
-    """A job of an experiment cached in a folder of its own, keyed by the layer run's key plus its
-    parameters (:mod:`isotui.experiments.cached`): final-norm, gradients."""
-
-    spec: RunSpec
-
-    @property
-    def model(self) -> str:
-        return self.spec.model
-
-    @property
-    def device(self) -> str:
-        return self.spec.device
-
-    def _measure(self, cache: ResultCache | None, context: Context) -> R:
-        raise NotImplementedError
-
-    def _folder(self) -> tuple[str, int, dict[str, Any]]:
-        raise NotImplementedError
-
-    def keys(self, cache_root: Path | None) -> list[str]:
-        from isotui.experiments.layerwise import prepare
-
-        folder, schema, params = self._folder()
-        return [
-            experiment_key(k, folder, schema, params) for k in prepare(self.spec, runs_cache(cache_root)).keys
-        ]
-
-    def lookup(self, cache_root: Path | None, notice: Notice) -> R | None:
-        """Answered when the cache holds the result (the same reading as :meth:`measure`)."""
-        if cache_root is None:
-            return None
-        folder, schema, _ = self._folder()
-        cache = folder_cache(cache_root, folder, schema)
-        if lookup(cache, self.keys(cache_root), lambda payload, _arrays: payload, notice) is None:
-            return None
-        return self._measure(cache, Context(cache_root, notice=notice))
-
-    def compute(self, context: Context) -> R:
-        folder, schema, _ = self._folder()
-        return self._measure(folder_cache(context.cache_root, folder, schema), context)
-
-    def measure(self, context: Context) -> R:
-        folder, schema, _ = self._folder()
-        return self._measure(folder_cache(context.cache_root, folder, schema), context)

@@ -20,7 +20,7 @@ import numpy.typing as npt
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
 from isotui.experiments.base import Context, Experiment
-from isotui.experiments.cached import CachedRequest
+from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.params import param
 from isotui.spec import MODEL, RESERVOIR
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from isotui.core.accumulator import LayerAccumulator, LayerStats
     from isotui.experiments.cached import Notice
-    from isotui.experiments.layerwise import Prepared
+    from isotui.experiments.layer_pass import Prepared
     from isotui.extract.progress import ProgressCallback, StopCheck
     from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
@@ -251,7 +251,7 @@ def cached_norms(
     """:func:`measure_norms` through the result cache (folder ``final-norm``; ``cache`` from
     :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
     from isotui.experiments.cached import cached_run, experiment_key
-    from isotui.experiments.layerwise import prepare
+    from isotui.experiments.layer_pass import prepare
 
     prepared = prepare(spec, cache)
 
@@ -418,7 +418,7 @@ def _stream_norms(
     import torch
 
     from isotui.core.accumulator import LayerAccumulator, sample_keys
-    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
     from isotui.extract.device import to_device
     from isotui.extract.loop import Batch, BatchLoop
     from isotui.extract.memory_plan import cov_bytes, measured_budget, partial_bytes

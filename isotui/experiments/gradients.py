@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
 from isotui.experiments.base import Context, Experiment
-from isotui.experiments.cached import CachedRequest
+from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.params import param
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from isotui.core.gradients import GradAccumulator
     from isotui.experiments.cached import Notice
-    from isotui.experiments.layerwise import Prepared
+    from isotui.experiments.layer_pass import Prepared
     from isotui.extract.progress import ProgressCallback, StopCheck
     from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
@@ -100,7 +100,7 @@ def cached_gradients(
     """:func:`measure_gradients` through the result cache (folder ``gradients``; ``cache`` from
     :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
     from isotui.experiments.cached import cached_run, experiment_key, relabel_rows
-    from isotui.experiments.layerwise import prepare
+    from isotui.experiments.layer_pass import prepare
 
     if spec.given is None:  # a model object: its head is checked where it is loaded
         _refuse_bundled(spec.model)
@@ -250,7 +250,7 @@ def _stream_gradients(
     import torch
     from transformers import AutoModelForMaskedLM
 
-    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
     from isotui.extract.device import to_device
     from isotui.extract.loop import Batch, BatchLoop, is_oom
     from isotui.extract.runner import resolve_max_length

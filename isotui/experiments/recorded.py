@@ -147,7 +147,7 @@ def recorded_series(path: Path) -> list[Checkpoint] | None:
 
 def read_step(checkpoint: Checkpoint) -> ModelResult:
     """The layer run recorded for ``checkpoint`` (from :func:`recorded_series`)."""
-    from isotui.experiments.layerwise import read
+    from isotui.experiments.layer_pass import read
     from isotui.store.cache import CacheProblem, ResultCache
 
     assert checkpoint.recorded is not None

@@ -43,7 +43,7 @@ from isotui.store.cache import CacheProblem, CacheWriteError, ResultCache
 from isotui.store.files import claim_bytes
 
 if TYPE_CHECKING:
-    from isotui.experiments.layerwise import Prepared
+    from isotui.experiments.layer_pass import Prepared
     from isotui.extract.memory_plan import MemoryPlan
     from isotui.results import ModelResult
     from isotui.spec import RunSpec
@@ -426,7 +426,7 @@ def measure_shard(
 ) -> ModelResult | None:
     """Run shard ``spec.shard`` and keep its partial state; the merged result when it was the
     last of the K (or the whole run is cached already), else None (said in a notice)."""
-    from isotui.experiments import layerwise
+    from isotui.experiments import layer_pass
 
     assert spec.shard is not None
     index, count = spec.shard
@@ -441,9 +441,9 @@ def measure_shard(
         Progress(0, 0, 0, 0.0, stage="prepare", phase="resolving", detail="model, data and cache key")
     )
     runs = ResultCache(cache_root)
-    prepared = layerwise.prepare(spec, runs)
+    prepared = layer_pass.prepare(spec, runs)
     check_shard_count(len(prepared.samples), count, f"shard {index}/{count}")
-    hit = layerwise.lookup(prepared, runs, on_notice)
+    hit = layer_pass.lookup(prepared, runs, on_notice)
     if hit is not None:
         on_notice(f"the whole run of {spec.model} is cached already (key {prepared.key[:12]}): shard not run")
         for r in partial_runs(cache_root):  # shards of a run cached whole are no longer needed
@@ -508,7 +508,7 @@ def _run_shard(
     ``cache_root``, :func:`_settle_plan`)."""
     import dataclasses
 
-    from isotui.experiments.layerwise import extract_options, load_prepared, loaded_facts, weights_size
+    from isotui.experiments.layer_pass import extract_options, load_prepared, loaded_facts, weights_size
     from isotui.extract.runner import extract_state
 
     spec = prepared.spec
@@ -561,7 +561,7 @@ def merge_cached(
 ) -> ModelResult | None:
     """The run merged from its K cached shards, stored under the run's key as a one-process run
     (the shards then removed); None when no K of them are all cached."""
-    from isotui.experiments import layerwise
+    from isotui.experiments import layer_pass
     from isotui.extract.runner import finish_extraction, merge_extraction_states
 
     if cache_root is None:
@@ -631,9 +631,9 @@ def merge_cached(
         ex = finish_extraction(merged, own=True)  # one copy of the sums, not two (merge_bytes)
         ex.notes.append(f"merged from {count} shards")
         facts = {**loaded[0], "load_s": sum(f["load_s"] for f in loaded)}
-        result = layerwise.build_result(prepared, ex, facts)
+        result = layer_pass.build_result(prepared, ex, facts)
     except _Gone:
-        hit = layerwise.lookup(prepared, runs, on_notice)
+        hit = layer_pass.lookup(prepared, runs, on_notice)
         if hit is None and said:
             on_notice(said[0])
         return hit
@@ -645,7 +645,7 @@ def merge_cached(
             f"`isotui cache rm {prepared.key[:12]}` and run them again"
         )
         return None
-    layerwise.store(result, runs, on_notice)
+    layer_pass.store(result, runs, on_notice)
     if runs.path_for(prepared.key).is_file():  # kept: the shards and their plan are no longer needed
         for i in range(count):
             cache.remove(partial_key(prepared.key, i, count))
@@ -660,26 +660,20 @@ class _Gone(Exception):
 # --- shards measured on machines that do not share the driver's cache (a Ray sweep) ---------------------
 
 
-def measure_for_driver(
+def measure_shard_for_driver(
     spec: RunSpec, index: int, count: int, plan: dict[str, Any] | None, cache_root: Path
 ) -> tuple[str, bytes]:
-    """A sweep task on a machine that does not see the driver's cache: shard ``index`` of
-    ``count`` (the whole run when ``count`` is 1) measured here, and (the run's key, the bytes
-    of its cache entry) returned for the driver to keep (:func:`keep_from_worker`). ``plan``:
-    the run's plan (:meth:`MemoryPlan.to_json`), which this shard follows or refuses in one
-    sentence; None for the shard that fixes it (its state records it). ``cache_root``: this
-    machine's own cache (local weights' digests; a whole run is kept there too)."""
-    from isotui.experiments import layerwise
+    """A sweep task's shard ``index`` of ``count`` (at least 2) on a machine that does not see
+    the driver's cache (:func:`~isotui.experiments.layerwise.measure_for_driver`): measured here,
+    and (the run's key, the bytes of its state's cache entry) returned for the driver to keep
+    (:func:`keep_from_worker`). ``plan``: the run's plan (:meth:`MemoryPlan.to_json`), which
+    this shard follows or refuses in one sentence; None for the shard that fixes it (its state
+    records it). ``cache_root``: this machine's own cache (local weights' digests)."""
+    from isotui.experiments import layer_pass
     from isotui.extract.memory_plan import MemoryPlan
 
     runs = ResultCache(cache_root)
-    if count == 1:
-        result = layerwise.measure(spec, runs)
-        try:
-            return result.key, runs.path_for(result.key).read_bytes()
-        except OSError:  # not kept here (a full disk): sent from memory
-            return result.key, runs.entry_bytes(result.to_json(), result.arrays)
-    prepared = layerwise.prepare(spec, runs)
+    prepared = layer_pass.prepare(spec, runs)
     check_shard_count(len(prepared.samples), count, f"shard {index}/{count}")
     who = f"shard {index}/{count}"
     fixed = MemoryPlan.from_json(plan) if plan is not None else None
@@ -694,12 +688,13 @@ def measure_for_driver(
 def keep_from_worker(
     cache_root: Path, run_key: str, index: int, count: int, data: bytes
 ) -> dict[str, Any] | None:
-    """Keep in the driver's cache the entry a sweep task sent (:func:`measure_for_driver`): the
-    shard state (beside it, the run's plan, recorded from the first state that comes: the
-    plan the later shards are sent), or the whole run's result when ``count`` is 1. Returns
+    """Keep in the driver's cache the entry a sweep task sent
+    (:func:`~isotui.experiments.layerwise.measure_for_driver`): the shard state (beside it,
+    the run's plan, recorded from the first state that comes: the plan the later shards are
+    sent), or the whole run's result when ``count`` is 1. Returns
     the run's plan (:meth:`MemoryPlan.to_json`; None for a whole run). One sentence (IsotuiError)
     when the bytes are not a whole entry of this run: nothing of them is kept."""
-    from isotui.experiments import layerwise
+    from isotui.experiments import layer_pass
 
     whole = count == 1
     cache = ResultCache(cache_root) if whole else shard_cache(cache_root)
@@ -711,7 +706,7 @@ def keep_from_worker(
         raise IsotuiError(f"{exc}; {what} measured on a Ray worker is lost") from None
     try:
         if whole:
-            if layerwise.read(cache, run_key) is None:
+            if layer_pass.read(cache, run_key) is None:
                 raise KeyError("not written")
             return None
         found = cache.get_payload(name)

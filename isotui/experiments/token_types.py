@@ -26,7 +26,7 @@ import numpy as np
 
 from isotui.errors import IsotuiError
 from isotui.experiments.base import Context, Experiment
-from isotui.experiments.cached import CachedRequest
+from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.params import param
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def measure_types(
 
     import torch
 
-    from isotui.experiments.layerwise import extract_options, load_prepared, prepare
+    from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
     from isotui.extract.forward import hidden_states
     from isotui.extract.loop import Batch, BatchLoop
     from isotui.extract.runner import resolve_max_length
@@ -263,7 +263,7 @@ def cached_types(
 ) -> TokenTypesResult:
     """:func:`measure_types` through the result cache (folder ``token-types``)."""
     from isotui.experiments.cached import cached_run, experiment_key, relabel_rows
-    from isotui.experiments.layerwise import prepare
+    from isotui.experiments.layer_pass import prepare
 
     prepared = prepare(spec, cache)
     result: TokenTypesResult = cached_run(

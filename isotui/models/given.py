@@ -3,8 +3,8 @@
 ``isotui.run(model, tokenizer=tok)`` measures ``model`` where it sits: it is never copied, moved
 or cast; it runs in eval mode during the run and gets its own train/eval flags back afterwards
 (:meth:`GivenModel.kept`). The run takes the same path as a model loaded by name: the spec
-carries the object (:attr:`isotui.spec.RunSpec.given`), :func:`isotui.experiments.layerwise.prepare`
-keys it by :meth:`GivenModel.fingerprint` and :func:`~isotui.experiments.layerwise.load_prepared`
+carries the object (:attr:`isotui.spec.RunSpec.given`), :func:`isotui.experiments.layer_pass.prepare`
+keys it by :meth:`GivenModel.fingerprint` and :func:`~isotui.experiments.layer_pass.load_prepared`
 hands :meth:`GivenModel.loaded` to the extraction instead of loading weights.
 
 Three kinds of object, each with its call convention:

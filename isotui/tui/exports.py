@@ -17,8 +17,8 @@ from isotui.results import ModelResult
 from isotui.store.export import write_csv
 
 if TYPE_CHECKING:
-    from isotui.tui.app import IsotuiApp
     from isotui.tui.figure_export import ScreenFigure
+    from isotui.tui.host import AppState
 
 EXPORT_DELIVERY = "isotui-export"  # the name of an export's delivery to the browser (isotui serve)
 
@@ -26,7 +26,7 @@ EXPORT_DELIVERY = "isotui-export"  # the name of an export's delivery to the bro
 class Exports:
     """Writes (or sends) the app's exports; every outcome is one notification."""
 
-    def __init__(self, app: IsotuiApp, folder: Path) -> None:
+    def __init__(self, app: AppState, folder: Path) -> None:
         self.app = app
         self.folder = folder
 

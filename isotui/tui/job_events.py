@@ -20,11 +20,10 @@ from textual.message import Message
 from isotui.backend import JobEvent, JobFailed, JobFinished, JobNotice, JobProgress, job_kind
 from isotui.render import shorten
 from isotui.sweep import SweepResult
-from isotui.tui.jobs import JobsTable
 from isotui.tui.wording import in_options_terms
 
 if TYPE_CHECKING:
-    from isotui.tui.app import IsotuiApp
+    from isotui.tui.host import AppState
 
 
 class BackendMessage(Message):
@@ -77,12 +76,12 @@ class EventRelay:
 class JobEventView:
     """What each backend event changes in the app: the jobs pane always, then per type."""
 
-    def __init__(self, app: IsotuiApp) -> None:
+    def __init__(self, app: AppState) -> None:
         self.app = app
 
     def handle(self, ev: JobEvent) -> None:
         try:
-            self.app.main_screen.query_one("#jobs", JobsTable).apply(ev)
+            self.app.main_screen.jobs().apply(ev)
         except NoMatches:  # the app is closing; the backend's last words have nowhere to go
             return
         self.on_event(ev)

@@ -19,13 +19,13 @@ from isotui.tui.wording import in_options_terms
 
 if TYPE_CHECKING:
     from isotui.results import ModelResult
-    from isotui.tui.app import IsotuiApp
+    from isotui.tui.host import AppState
 
 
 class LastSession:
     """``fresh``: start without the last session (it is overwritten on the next change)."""
 
-    def __init__(self, app: IsotuiApp, path: Path, *, fresh: bool = False) -> None:
+    def __init__(self, app: AppState, path: Path, *, fresh: bool = False) -> None:
         self.app = app
         self.path = path
         self.fresh = fresh
@@ -70,14 +70,14 @@ class LastSession:
             self.app.run_worker(lambda: self._read(session), thread=True, exclusive=True, group="session")
 
     def _read(self, session: Session) -> None:
-        from isotui.experiments import layerwise  # (after the first frame, on a worker thread)
+        from isotui.experiments import layer_pass  # (after the first frame, on a worker thread)
 
         app = self.app
         found: list[ModelResult] = []
         gone: list[str] = []
         for model, key in session.comparison:
             try:
-                result = layerwise.read(app.cache, key)
+                result = layer_pass.read(app.cache, key)
             except CacheProblem:
                 result = None
             if result is None:

@@ -15,18 +15,17 @@ from isotui.paths import resource_dir
 from isotui.presets import find_preset
 from isotui.spec import SPEC_OPTIONS, RunSpec, make_spec
 from isotui.sweep import SweepRequest
-from isotui.tui.jobs import JobsTable
 from isotui.tui.options import OptionsScreen
 from isotui.tui.wording import in_options_terms
 
 if TYPE_CHECKING:
-    from isotui.tui.app import IsotuiApp
+    from isotui.tui.host import AppState
 
 
 class Launcher:
     """Turns the user's picks into backend jobs (every refusal is one notification)."""
 
-    def __init__(self, app: IsotuiApp) -> None:
+    def __init__(self, app: AppState) -> None:
         self.app = app
 
     def spec_for(self, model: str, overrides: dict[str, Any] | None = None) -> RunSpec:
@@ -94,7 +93,7 @@ class Launcher:
     def cancel(self) -> None:
         """The job picked in the jobs pane (when it has the focus), else the newest in flight."""
         app = self.app
-        jobs = app.main_screen.query_one("#jobs", JobsTable)
+        jobs = app.main_screen.jobs()
         job = jobs.chosen_job() if jobs.has_focus else None
         if job is None or not jobs.records[job].active:
             job = jobs.latest_active()

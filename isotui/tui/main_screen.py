@@ -31,8 +31,8 @@ from isotui.tui.model_list import Entry
 from isotui.tui.models_pane import ModelsPane
 
 if TYPE_CHECKING:
-    from isotui.tui.app import IsotuiApp
     from isotui.tui.figure_export import ScreenFigure
+    from isotui.tui.host import AppState
 
 PLOT_METRICS = LAYER_METRICS  # the cycle of `m`: results.METRICS, declared once
 
@@ -51,8 +51,8 @@ class MainScreen(Screen[None]):
         super().__init__(id="_default")  # (the app's default screen)
 
     @property
-    def host(self) -> IsotuiApp:
-        return cast("IsotuiApp", self.app)
+    def host(self) -> AppState:
+        return cast("AppState", self.app)
 
     def compose(self) -> ComposeResult:
         host = self.host
@@ -85,6 +85,10 @@ class MainScreen(Screen[None]):
         self.host.last_session.reopen()
 
     # -- views ---------------------------------------------------------------------------------
+
+    def jobs(self) -> JobsTable:
+        """The jobs pane (NoMatches while the app closes)."""
+        return self.query_one("#jobs", JobsTable)
 
     def show_table(self) -> None:
         host = self.host
@@ -195,11 +199,11 @@ class MainScreen(Screen[None]):
 
     def open_cached(self, key: str) -> None:
         """Show a cached result at once (a file read: no model, no torch)."""
-        from isotui.experiments import layerwise  # (not needed for the first frame)
+        from isotui.experiments import layer_pass  # (not needed for the first frame)
 
         host = self.host
         try:
-            result = layerwise.read(host.cache, key)
+            result = layer_pass.read(host.cache, key)
         except CacheProblem as exc:
             host.notify(f"cached run {key[:12]}: {exc}", severity="error")
             return
