@@ -22,10 +22,11 @@ import io
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, overload
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import numpy as np
 
+from isotui.data.lazy import LazySamples
 from isotui.data.media import audio_frames, read_audio, read_image
 from isotui.errors import IsotuiError
 
@@ -209,7 +210,7 @@ def media_samples(spec: DataSpec, max_samples: int | None) -> HFMedia:
     return HFMedia.of(spec, ds, field, kind, max_samples)
 
 
-class HFMedia(Sequence[str]):
+class HFMedia(LazySamples):
     """The non-empty rows of an image or audio column, decoded on demand. Item ``i`` is its name,
     ``hf:...#ROW`` (what an error names); :meth:`image` and :meth:`audio` decode it."""
 
@@ -250,13 +251,7 @@ class HFMedia(Sequence[str]):
     def __len__(self) -> int:
         return len(self.rows)
 
-    @overload
-    def __getitem__(self, index: int) -> str: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[str]: ...
-    def __getitem__(self, index: int | slice) -> str | list[str]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
+    def _item(self, index: int) -> str:
         return f"{self.source}#{int(self.rows[index])}"
 
     def encoded(self, idx: Sequence[int]) -> list[dict[str, Any]]:

@@ -17,8 +17,8 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import overload
 
+from isotui.data.lazy import LazySamples
 from isotui.errors import IsotuiError
 from isotui.paths import builtin_corpus_path
 
@@ -149,7 +149,7 @@ class Samples(list[str]):
     source = ""  # the hf: spec they came from, for the sentence when the model takes no text
 
 
-class SyntheticSamples(Sequence[str]):
+class SyntheticSamples(LazySamples):
     """``synthetic:NAME#0`` .. ``#count-1``, made on demand: a large --max-samples costs nothing
     until each item is fed."""
 
@@ -161,17 +161,7 @@ class SyntheticSamples(Sequence[str]):
     def __len__(self) -> int:
         return self.size
 
-    @overload
-    def __getitem__(self, index: int) -> str: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[str]: ...
-    def __getitem__(self, index: int | slice) -> str | list[str]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self.size))]
-        if index < 0:
-            index += self.size
-        if not 0 <= index < self.size:
-            raise IndexError(index)
+    def _item(self, index: int) -> str:
         return f"synthetic:{self.name}#{index}"
 
     def __iter__(self) -> Iterator[str]:

@@ -15,8 +15,8 @@ import hashlib
 import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import overload
 
+from isotui.data.lazy import LazySamples
 from isotui.data.sources import DataSpec, cut_note, jsonl_value, line_cap, load_samples
 from isotui.errors import IsotuiError
 from isotui.paths import builtin_corpus_path
@@ -25,7 +25,7 @@ STREAM_AUTO_BYTES = 256 << 20  # a text or JSONL file larger than 256 MiB stream
 STREAMABLE = ("builtin", "text", "jsonl", "hf")
 
 
-class StreamedSamples(Sequence[str]):
+class StreamedSamples(LazySamples):
     """A text corpus read from its source on each iteration (see the module's doc).
 
     ``digest`` is the content hash, ``notes`` what reading did (cut samples); indexing walks the
@@ -58,18 +58,11 @@ class StreamedSamples(Sequence[str]):
     def __iter__(self) -> Iterator[str]:
         return (text[: self.cap] for text in self._read())
 
-    @overload
-    def __getitem__(self, index: int) -> str: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[str]: ...
-    def __getitem__(self, index: int | slice) -> str | list[str]:
-        if isinstance(index, slice):
-            return list(itertools.islice(self, *index.indices(self.size)))
-        if index < 0:
-            index += self.size
-        if not 0 <= index < self.size:
-            raise IndexError(index)
+    def _item(self, index: int) -> str:
         return next(itertools.islice(self, index, None))
+
+    def _items(self, indexes: range) -> list[str]:  # one pass over the file, not one per sample
+        return list(itertools.islice(self, indexes.start, indexes.stop, indexes.step))
 
     def _read(self) -> Iterator[str]:
         """The stripped non-empty samples, uncut, the first ``max_samples``."""
