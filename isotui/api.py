@@ -505,7 +505,7 @@ def _split(exp: Experiment, what: str, options: Mapping[str, Any]) -> tuple[dict
     """(run options, the experiment's parameters) from the keywords ``options``; a keyword the
     experiment does not take is said with the ones it does."""
     from isotui.experiments.params import make_params, params_of
-    from isotui.spec import options_for
+    from isotui.experiments.registry import options_for
 
     command = "run" if exp.command == "run" else exp.name
     run_names = [o.name for o in options_for(command)] if exp.run_flags else []

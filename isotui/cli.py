@@ -272,8 +272,8 @@ def _silence_stdout() -> None:
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """Config file settings, overridden by the flags that were given (:func:`isotui.service.run_settings`)."""
+    from isotui.experiments.registry import options_for
     from isotui.service import run_settings
-    from isotui.spec import options_for
 
     flags = {
         "models": args.models,

@@ -44,7 +44,7 @@ def stdout_console():
 def add_run_flags(p: argparse.ArgumentParser, command: str = "run") -> None:
     """The run options ``command`` (``run`` or an experiment's name) takes, as flags: what to
     measure and how (declared once, in :mod:`isotui.spec`)."""
-    from isotui.spec import options_for
+    from isotui.experiments.registry import options_for
 
     for option in options_for(command):
         kwargs: dict[str, Any] = {"help": option.help}

@@ -167,10 +167,11 @@ def spec_from_args(args: argparse.Namespace, model: str) -> RunSpec:
     """A validated :class:`~isotui.spec.RunSpec` from the run flags of the experiment ``args``
     names (every option it takes; unset ones keep their defaults); missing data said first."""
     from isotui.data.sources import check_source
+    from isotui.experiments.registry import options_for
     from isotui.spec import given_options, make_spec
 
     command = getattr(args, "experiment", None) or args.command
-    spec = make_spec(model, **given_options(vars(args), command))
+    spec = make_spec(model, **given_options(vars(args), options_for(command)))
     check_source(spec.data)
     check_outputs(args)
     return spec

@@ -73,10 +73,9 @@ def spec_for(
     """A validated :class:`~isotui.spec.RunSpec` of ``model`` from the run options ``options``
     gives (None or absent: the default) that ``experiment`` takes; missing data said first."""
     from isotui.data.sources import check_source
-    from isotui.spec import given_options, make_spec
+    from isotui.spec import given_options, make_spec, options_in
 
-    command = "run" if experiment.command == "run" else experiment.name
-    spec = make_spec(model, base_dir=base_dir, **given_options(options, command))
+    spec = make_spec(model, base_dir=base_dir, **given_options(options, options_in(experiment.run_options)))
     check_source(spec.data)
     return spec
 

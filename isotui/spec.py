@@ -12,7 +12,7 @@ dialog). Which experiments take it is said by each experiment: the scopes it dec
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -422,14 +422,6 @@ def options_in(scopes: tuple[str, ...]) -> tuple[RunOption, ...]:
     return tuple(o for o in RUN_OPTIONS if o.scope in scopes)
 
 
-def options_for(command: str) -> tuple[RunOption, ...]:
-    """The run options ``command`` (``run`` or an experiment's name) takes: those of the scopes
-    its registered experiment declares."""
-    from isotui.experiments.registry import get
-
-    return options_in(get(command).run_options)
-
-
 def make_spec(model: str, data: Any = "builtin", *, base_dir: Path | None = None, **options: Any) -> RunSpec:
     """Build a :class:`RunSpec` from run options as given (strings from flags, TOML values, the
     dialog's text); an option not given takes its default. Each bad value is one sentence naming
@@ -447,8 +439,9 @@ def make_spec(model: str, data: Any = "builtin", *, base_dir: Path | None = None
     return RunSpec(model=model, **values)
 
 
-def given_options(settings: Mapping[str, Any], command: str | None = None) -> dict[str, Any]:
-    """The run options ``settings`` (parsed flags, a config file's keys) gives, for ``command``
-    when named (else any): None means not given, so the option keeps its default."""
-    names = {o.name for o in (options_for(command) if command else RUN_OPTIONS)}
+def given_options(settings: Mapping[str, Any], options: Sequence[RunOption] = RUN_OPTIONS) -> dict[str, Any]:
+    """The run options ``settings`` (parsed flags, a config file's keys) gives among ``options``
+    (a command's: :func:`isotui.experiments.registry.options_for`; else any): None means not
+    given, so the option keeps its default."""
+    names = {o.name for o in options}
     return {k: v for k, v in settings.items() if k in names and v is not None}

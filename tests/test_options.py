@@ -14,10 +14,10 @@ import pytest
 
 from isotui.cli import build_parser, main
 from isotui.config import RUN_SETTINGS, load_run_config
-from isotui.experiments.registry import commands_taking
+from isotui.experiments.registry import commands_taking, options_for
 from isotui.results import LAYER_METRICS, METRICS, SE_FIELDS, LayerRow
 from isotui.settings import RUN_KEYS, load_settings
-from isotui.spec import MODEL, RUN_OPTIONS, RunSpec, make_spec, options_for
+from isotui.spec import MODEL, RUN_OPTIONS, RunSpec, make_spec
 
 from .conftest import corpus
 

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from isotui.experiments import plans
-from isotui.experiments.base import Context, Experiment
+from isotui.experiments.base import Arrays, Context, Experiment, OneModelJob, Payload, Rows
 from isotui.experiments.params import param
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 
@@ -85,7 +85,7 @@ class AttentionResult:
     arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     from_cache: bool = False
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> Payload:
         return {
             "schema": SCHEMA,
             "model": self.model,
@@ -275,20 +275,12 @@ def compute_attention(
 
 
 @dataclass(frozen=True)
-class AttentionRequest:
+class AttentionRequest(OneModelJob):
     """Queries, keys and attention sharpness of one model (``isotui experiment attention``)."""
 
     spec: RunSpec
     sample_size: int = 0
     kind: ClassVar[str] = "attention"
-
-    @property
-    def model(self) -> str:
-        return self.spec.model
-
-    @property
-    def device(self) -> str:
-        return self.spec.device
 
     def keys(self, cache_root: Path | None) -> list[str]:
         return [find_attention(self.spec, None, self.sample_size)[1]]
@@ -340,8 +332,8 @@ def _compute(
         sample_size=sample_size,
     )
     rows: list[AttentionRow] = []
-    arrays: dict[str, npt.NDArray[Any]] = {}
-    modules: list[dict[str, Any]] = []
+    arrays: Arrays = {}
+    modules: list[dict[str, object]] = []
     nan = math.nan
     for i, m in enumerate(ex.modules):
         modules.append({"component": m.site.component, "layer": m.site.layer, "attention": m.site.kind})
@@ -404,12 +396,12 @@ def _edges() -> npt.NDArray[np.float64]:
 # --- export and command-line options ------------------------------------------------------------
 
 
-def csv_rows(results: list[AttentionResult]) -> list[dict[str, Any]]:
+def csv_rows(results: list[AttentionResult]) -> Rows:
     """The ``--csv`` rows: one per model, layer and head."""
     return [asdict(r) for res in results for r in res.rows]
 
 
-def json_payload(results: list[AttentionResult]) -> dict[str, Any]:
+def json_payload(results: list[AttentionResult]) -> Payload:
     """The ``--json`` document: each result with its arrays as lists."""
     return {
         "results": [
@@ -425,7 +417,7 @@ class AttentionParams:
     heads: bool = param(False, switch=True, view=True, help="print every head, not heads averaged per layer")
 
 
-EXPERIMENT: Experiment[Any, AttentionRequest, AttentionResult] = Experiment(
+EXPERIMENT: Experiment[AttentionParams, AttentionRequest, AttentionResult] = Experiment(
     name="attention",
     help=HELP,
     request_type=AttentionRequest,

@@ -43,21 +43,28 @@ from isotui.experiments.params import NoParams
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 
 if TYPE_CHECKING:
+    from isotui.experiments.checkpoint import Checkpoint
+    from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
 
 Notice = Callable[[str], None]
-Rows = list[dict[str, Any]]
-Payload = dict[str, Any]
+Rows = list[dict[str, object]]  # the --csv rows, each a dict in column order
+Payload = dict[str, object]  # the --json document
 Arrays = dict[str, np.ndarray]
 Inputs = Literal["models", "series", "config"]
-Attempt = Callable[..., Any]  # (name, fn, *args) -> fn's value, or None once the failure is said
-PartProgress = Callable[[int, Any], AbstractContextManager[ProgressCallback]]
+PartProgress = Callable[[int, "Checkpoint"], AbstractContextManager[ProgressCallback]]
 
 R = TypeVar("R")  # what one request gives: its experiment's result (a list of them for final-norm)
 R_co = TypeVar("R_co", covariant=True)
 P = TypeVar("P")  # an experiment's parameters (the options its front ends take)
-Q = TypeVar("Q", bound="Request[Any]")  # an experiment's request: one job
+Q = TypeVar("Q", bound="Request[object]")  # an experiment's request: one job
 T = TypeVar("T")  # an experiment's result, as its rows, payload and views read it
+
+
+class Attempt(Protocol):
+    """``attempt(name, fn, *args)``: ``fn(*args)``'s value, or None once its failure is said."""
+
+    def __call__(self, name: str, fn: Callable[..., R], /, *args: object) -> R | None: ...
 
 
 def ignore_notice(_text: str) -> None:
@@ -116,6 +123,21 @@ class Request(Protocol[R_co]):
         ...
 
 
+class OneModelJob:
+    """What the jobs pane reads of a job over one model's run spec: the model it names and the
+    device lane it runs on (the layer run's, attention's and the cached experiments' requests)."""
+
+    spec: RunSpec
+
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+
 @dataclass(frozen=True)
 class Experiment(Generic[P, Q, T]):
     """One registered experiment (see the module's docstring for each field's meaning), generic
@@ -133,8 +155,11 @@ class Experiment(Generic[P, Q, T]):
     make_request: Callable[[Any, P], Q]  # (spec | series | None, params) -> request
     rows: Callable[[list[T]], Rows]  # of every request's results, flattened
     payload: Callable[[list[T]], Payload]
-    params: type[Any] = NoParams  # its own parameters (a dataclass of param() fields), P
-    decode: Callable[[Payload, Arrays], T | list[T]] | None = None  # one cache entry
+    # its own parameters (a dataclass of param() fields); the default fits only P = NoParams, a
+    # constraint on a type argument that a default cannot state
+    params: type[P] = NoParams  # type: ignore[assignment]
+    # one cache entry: its JSON as read back (json.loads' untyped value) and its arrays
+    decode: Callable[[dict[str, Any], Arrays], T | list[T]] | None = None
     check: Callable[[P], None] = lambda _params: None  # parameters said before any work
     command: str = "experiment"  # "run": a top-level command of its own
     # the scopes of run options it takes (isotui.spec: MODEL, LAYER_METRICS, RESERVOIR, SHARD);
@@ -144,6 +169,7 @@ class Experiment(Generic[P, Q, T]):
     what: str = "models"  # what the closing failure line counts
     # --dry-run: a request's memory plan from the config alone (isotui.experiments.plans); None
     # for an experiment that streams no model
+    # (untyped: the service reads it as a MemoryPlan, the experiments' plans give ExperimentPlans)
     plan: Callable[[Q], Any] | None = None
     # its tab in the app's lab: "module:attr" of a LabTab subclass (isotui.tui.lab_tab); None: no tab
     lab_tab: str | None = None

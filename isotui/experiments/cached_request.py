@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic
 
-from isotui.experiments.base import Context, R
+from isotui.experiments.base import Context, OneModelJob, R
 from isotui.experiments.cached import Notice, experiment_key, folder_cache, lookup, runs_cache
 from isotui.experiments.layer_pass import prepare
 
@@ -19,19 +19,11 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class CachedRequest(Generic[R]):
+class CachedRequest(OneModelJob, Generic[R]):
     """A job of an experiment cached in a folder of its own, keyed by the layer run's key plus its
     parameters (:mod:`isotui.experiments.cached`): final-norm, gradients."""
 
     spec: RunSpec
-
-    @property
-    def model(self) -> str:
-        return self.spec.model
-
-    @property
-    def device(self) -> str:
-        return self.spec.device
 
     def _measure(self, cache: ResultCache | None, context: Context) -> R:
         raise NotImplementedError

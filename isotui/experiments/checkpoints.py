@@ -8,15 +8,16 @@ heatmap and written as CSV (one row per checkpoint and layer, every metric).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
-from isotui.experiments.base import Context, Experiment, Notice
+from isotui.experiments.base import Context, Experiment, Notice, Payload, Rows
 from isotui.experiments.cached import runs_cache
 from isotui.experiments.params import param
 from isotui.experiments.series import Attempts, SeriesRequest, unpack_series
@@ -26,7 +27,11 @@ from isotui.spec import LAYER_METRICS, MODEL, RESERVOIR
 
 if TYPE_CHECKING:
     from isotui.experiments.base import PartProgress
+    from isotui.experiments.checkpoint import Checkpoint
+    from isotui.experiments.layerwise import LayersRequest
+    from isotui.experiments.series import Failures, SeriesSpec
     from isotui.extract.progress import StopCheck
+    from isotui.results import LayerRow, ModelResult
     from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
 
@@ -58,8 +63,8 @@ class CheckpointSeries:
     """The layer-wise results of a series' checkpoints, in series order."""
 
     series: str
-    checkpoints: list[Any]  # of series.Checkpoint
-    results: list[Any]  # of ModelResult
+    checkpoints: list[Checkpoint]
+    results: list[ModelResult]
 
     def steps(self) -> list[int]:
         return [c.step if c.step is not None else i for i, c in enumerate(self.checkpoints)]
@@ -69,7 +74,7 @@ class CheckpointSeries:
         return all(r.from_cache for r in self.results)
 
     @property
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> Rows:
         """The CSV rows (for the app's export)."""
         return self.csv_rows()
 
@@ -84,8 +89,8 @@ class CheckpointSeries:
                     out[labels.index(label), j] = getattr(row, metric, math.nan)  # NaN: a plug-in's it lacks
         return labels, out
 
-    def csv_rows(self) -> list[dict[str, Any]]:
-        out = []
+    def csv_rows(self) -> Rows:
+        out: Rows = []
         for ckpt, step, result in zip(self.checkpoints, self.steps(), self.results, strict=True):
             for row in result.rows:
                 out.append(
@@ -100,20 +105,20 @@ class CheckpointSeries:
         return out
 
 
-def _label(row: Any) -> str:
+def _label(row: LayerRow) -> str:
     return str(row.layer) if row.component == "model" else f"{row.component} {row.layer}"
 
 
 def run_series(
     series: str | None,
-    checkpoints: list[Any],
+    checkpoints: list[Checkpoint],
     base_spec: RunSpec,
     cache: ResultCache | None,
     *,
     progress: PartProgress | None = None,
     on_notice: Notice | None = None,
     should_stop: StopCheck | None = None,
-    failures: Any = None,
+    failures: Failures | None = None,
 ) -> CheckpointSeries | None:
     """Measure (or read from the cache) every checkpoint's layer table.
 
@@ -145,7 +150,9 @@ def run_series(
     return assemble_series(series, kept, results) if results else None
 
 
-def assemble_series(series: str | None, checkpoints: list[Any], results: list[Any]) -> CheckpointSeries:
+def assemble_series(
+    series: str | None, checkpoints: list[Checkpoint], results: list[ModelResult]
+) -> CheckpointSeries:
     """The series from its checkpoints' layer results; one architecture or one sentence."""
     from isotui.experiments.series import series_name
 
@@ -168,7 +175,7 @@ class CheckpointsRequest(SeriesRequest[CheckpointSeries]):
 
     kind: ClassVar[str] = "checkpoints"
 
-    def _parts(self) -> list[Any]:
+    def _parts(self) -> Sequence[LayersRequest]:
         from isotui.experiments.layerwise import LayersRequest
 
         return [LayersRequest(self.spec.with_model(c.model)) for c in self.checkpoints if not c.recorded]
@@ -184,7 +191,7 @@ class CheckpointsRequest(SeriesRequest[CheckpointSeries]):
 
         if cache_root is None and not all(c.recorded for c in self.checkpoints):
             return None
-        found = []
+        found: list[ModelResult] = []
         parts = iter(self._parts())
         for ckpt in self.checkpoints:
             hit = read_step(ckpt) if ckpt.recorded else next(parts).lookup(cache_root, notice)
@@ -206,12 +213,12 @@ class CheckpointsRequest(SeriesRequest[CheckpointSeries]):
         )
 
 
-def csv_rows(results: list[CheckpointSeries]) -> list[dict[str, Any]]:
+def csv_rows(results: list[CheckpointSeries]) -> Rows:
     """The ``--csv`` rows: one per checkpoint and layer, every metric."""
     return [row for result in results for row in result.csv_rows()]
 
 
-def json_payload(results: list[CheckpointSeries]) -> dict[str, Any]:
+def json_payload(results: list[CheckpointSeries]) -> Payload:
     """The ``--json`` document of the series (one per command)."""
     result = results[0]
     return {
@@ -228,11 +235,11 @@ class CheckpointsParams:
     metric: str = param("avg_cos", choices=METRICS, view=True, help="the heatmap's metric (CSV: all)")
 
 
-def _checkpoints_request(spec: Any, _params: CheckpointsParams) -> CheckpointsRequest:
+def _checkpoints_request(spec: SeriesSpec, _params: CheckpointsParams) -> CheckpointsRequest:
     return CheckpointsRequest(*unpack_series(spec))
 
 
-EXPERIMENT: Experiment[Any, CheckpointsRequest, CheckpointSeries] = Experiment(
+EXPERIMENT: Experiment[CheckpointsParams, CheckpointsRequest, CheckpointSeries] = Experiment(
     name="checkpoints",
     help=HELP,
     request_type=CheckpointsRequest,

@@ -11,15 +11,16 @@ rogue share) and gamma_k say whether the norm damps the dimensions that carry th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
-from isotui.experiments.base import Context, Experiment
+from isotui.experiments.base import Context, Experiment, Payload, Rows
 from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.params import param
 from isotui.spec import MODEL, RESERVOIR
@@ -27,7 +28,7 @@ from isotui.spec import MODEL, RESERVOIR
 if TYPE_CHECKING:
     import torch
 
-    from isotui.core.accumulator import LayerAccumulator, LayerStats
+    from isotui.core.accumulator import LayerAccumulator, LayerStats, Sums
     from isotui.experiments.cached import Notice
     from isotui.experiments.layer_pass import Prepared
     from isotui.extract.progress import ProgressCallback, StopCheck
@@ -38,6 +39,38 @@ HELP = "metrics before and after the final norm, per dimension (Machina & Mercer
 TOP = 5
 FOLDER = "final-norm"  # the result cache's folder for this experiment
 SCHEMA = 1
+
+Tensors = tuple["torch.Tensor", ...]
+
+
+class GainBias(TypedDict):
+    """A norm's gain and bias (zeros when it has none), float64."""
+
+    gain: npt.NDArray[np.float64]
+    bias: npt.NDArray[np.float64]
+
+
+class NormSite(GainBias):
+    """One norm measured: its name in the model and its kind (see :func:`norm_module`)."""
+
+    name: str
+    kind: str
+
+
+class NormFacts(TypedDict):
+    """What a pass over the norms knew besides the accumulators (see :func:`norms_state`)."""
+
+    model: str
+    data: str
+    n_samples: int
+    seconds: float
+    sites: list[NormSite]
+
+
+class NormsState(NormFacts):
+    """A (possibly merged) streamed state: per norm the [before, after] accumulator states."""
+
+    accumulators: list[list[Sums]]
 
 
 @dataclass
@@ -70,7 +103,7 @@ class FinalNormResult:
     # the standard error of the paired change avg_cos after - before (:func:`paired_change_se`);
     # NaN where it was not estimated (a result cached before issue 37, a reservoir too small)
     avg_cos_change_se: float = math.nan
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, object] = field(default_factory=dict)
     from_cache: bool = False
 
     def verdict(self) -> str:
@@ -283,7 +316,7 @@ class FinalNormRequest(CachedRequest[list[FinalNormResult]]):
     every_layer: bool = False
     kind: ClassVar[str] = "final-norm"
 
-    def _folder(self) -> tuple[str, int, dict[str, Any]]:
+    def _folder(self) -> tuple[str, int, dict[str, object]]:
         return FOLDER, SCHEMA, {"every_layer": self.every_layer}
 
     def _measure(self, cache: ResultCache | None, context: Context) -> list[FinalNormResult]:
@@ -300,9 +333,9 @@ class FinalNormRequest(CachedRequest[list[FinalNormResult]]):
 _STAT_ARRAYS = ("dim_contrib", "eigenvalues", "mean")
 
 
-def results_payload(results: list[FinalNormResult]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def results_payload(results: list[FinalNormResult]) -> tuple[Payload, dict[str, np.ndarray]]:
     """(JSON payload, arrays) of one run's results, for the cache."""
-    items: list[dict[str, Any]] = []
+    items: list[dict[str, object]] = []
     arrays: dict[str, npt.NDArray[np.float64]] = {}
     for i, r in enumerate(results):
         item = {k: v for k, v in asdict(r).items() if k not in ("before", "after", "from_cache")}
@@ -359,7 +392,7 @@ def norms_state(
     sample_ids: tuple[int, ...] | None = None,
     on_progress: ProgressCallback | None = None,
     should_stop: StopCheck | None = None,
-) -> dict[str, Any]:
+) -> NormsState:
     """:func:`measure_norms`'s streamed state over the samples ``sample_ids`` (global indices into
     ``spec``'s corpus; None: all): per norm its name, kind, gain, bias and the before/after
     accumulator states. Shards merge with :func:`merge_norms_states`; :func:`finish_norms` ends."""
@@ -367,7 +400,7 @@ def norms_state(
     return {**facts, "accumulators": [[a.state() for a in pair] for pair in accs]}
 
 
-def merge_norms_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_norms_states(states: list[NormsState]) -> NormsState:
     """One state from disjoint shards of the same corpus: accumulators merged, counts added."""
     from isotui.core.accumulator import LayerAccumulator
 
@@ -387,15 +420,16 @@ def merge_norms_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def finish_norms(state: dict[str, Any]) -> list[FinalNormResult]:
+def finish_norms(state: NormsState) -> list[FinalNormResult]:
     """The results of a (possibly merged) :func:`norms_state`."""
     from isotui.core.accumulator import LayerAccumulator
 
     accs = [[LayerAccumulator.from_state(s) for s in pair] for pair in state["accumulators"]]
-    return _finish_norms(accs, {k: v for k, v in state.items() if k != "accumulators"})
+    # a NormsState less its accumulators: its NormFacts
+    return _finish_norms(accs, cast("NormFacts", {k: v for k, v in state.items() if k != "accumulators"}))
 
 
-def _finish_norms(accs: list[list[LayerAccumulator]], facts: dict[str, Any]) -> list[FinalNormResult]:
+def _finish_norms(accs: list[list[LayerAccumulator]], facts: NormFacts) -> list[FinalNormResult]:
     out = []
     for site, (acc_in, acc_out) in zip(facts["sites"], accs, strict=True):
         change_se = paired_change_se(acc_in, acc_out)
@@ -410,7 +444,7 @@ def _stream_norms(
     should_stop: StopCheck | None,
     sample_ids: tuple[int, ...] | None,
     prepared: Prepared | None = None,
-) -> tuple[list[list[LayerAccumulator]], dict[str, Any]]:
+) -> tuple[list[list[LayerAccumulator]], NormFacts]:
     """Stream the batches; (per norm the [before, after] accumulators, the facts to finish)."""
     import dataclasses
     import time
@@ -436,11 +470,11 @@ def _stream_norms(
     opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
     loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
     loop.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
-    seen: dict[int, tuple[Any, Any]] = {}
-    blocks: dict[int, Any] = {}
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    blocks: dict[int, torch.Tensor] = {}
 
-    def hook(i: int) -> Any:
-        def keep(_m: Any, args: Any, out: Any) -> None:
+    def hook(i: int) -> Callable[[object, Tensors, torch.Tensor | Tensors], None]:
+        def keep(_m: object, args: Tensors, out: torch.Tensor | Tensors) -> None:
             seen[i] = (args[0], out[0] if isinstance(out, tuple) else out)
 
         return keep
@@ -451,8 +485,8 @@ def _stream_norms(
         parents = [n.rsplit(".", 2)[0] for n, _m, _k in sites]
         named = dict(model.named_modules())
 
-        def block_hook(i: int) -> Any:
-            def keep(_m: Any, _args: Any, out: Any) -> None:
+        def block_hook(i: int) -> Callable[[object, Tensors, torch.Tensor | Tensors], None]:
+            def keep(_m: object, _args: Tensors, out: torch.Tensor | Tensors) -> None:
                 blocks[i] = out[0] if isinstance(out, tuple) else out
 
             return keep
@@ -486,9 +520,9 @@ def _stream_norms(
                         "before attention and MLP, pre-LN); analyse its final norm without --every-layer"
                     )
         measured = 0
-        moved: dict[tuple[tuple[int, int], str], Any] = {}
+        moved: dict[tuple[tuple[int, int], str], torch.Tensor] = {}
 
-        def moved_once(key: tuple[int, int], t: Any, device: Any) -> Any:
+        def moved_once(key: tuple[int, int], t: torch.Tensor, device: torch.device) -> torch.Tensor:
             """Host tensor ``t`` on ``device``, moved once per batch (pinned, non-blocking: issue 26)."""
             if (key, str(device)) not in moved:
                 moved[(key, str(device))] = to_device(t, device)
@@ -517,7 +551,7 @@ def _stream_norms(
     loop.run(step, phase="", start=start)
     if not accs:
         raise IsotuiError("no sample reached the norm")
-    facts = {
+    facts: NormFacts = {
         "model": spec.model,
         "data": prepared.spec.data.describe(),
         "n_samples": loop.total,
@@ -527,7 +561,7 @@ def _stream_norms(
     return accs, facts
 
 
-def _gain_bias(module: torch.nn.Module) -> dict[str, npt.NDArray[np.float64]]:
+def _gain_bias(module: torch.nn.Module) -> GainBias:
     """A norm's gain and bias (zeros when it has none) as float64 arrays."""
     import torch
 
@@ -546,8 +580,8 @@ def _gain_bias(module: torch.nn.Module) -> dict[str, npt.NDArray[np.float64]]:
 
 
 def _result(
-    facts: dict[str, Any],
-    site: dict[str, Any],
+    facts: NormFacts,
+    site: NormSite,
     before: LayerStats,
     after: LayerStats,
     change_se: float = math.nan,
@@ -600,12 +634,12 @@ def _result(
 # --- export and command-line options ------------------------------------------------------------
 
 
-def csv_rows(results: list[FinalNormResult]) -> list[dict[str, Any]]:
+def csv_rows(results: list[FinalNormResult]) -> Rows:
     """The ``--csv`` rows: one per model, norm and hidden dimension."""
     return [asdict(d) for r in results for d in r.dims]
 
 
-def json_payload(results: list[FinalNormResult]) -> dict[str, Any]:
+def json_payload(results: list[FinalNormResult]) -> Payload:
     """The ``--json`` document: each norm's verdict, before/after metrics and dimensions."""
     return {
         "results": [
@@ -636,7 +670,7 @@ class FinalNormParams:
     )
 
 
-EXPERIMENT: Experiment[Any, FinalNormRequest, FinalNormResult] = Experiment(
+EXPERIMENT: Experiment[FinalNormParams, FinalNormRequest, FinalNormResult] = Experiment(
     name="final-norm",
     help=HELP,
     request_type=FinalNormRequest,

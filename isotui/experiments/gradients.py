@@ -24,11 +24,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
-from isotui.experiments.base import Context, Experiment
+from isotui.experiments.base import Arrays, Context, Experiment, Payload, Rows
 from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.params import param
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt
     import torch
 
+    from isotui.core.accumulator import Sums
     from isotui.core.gradients import GradAccumulator
     from isotui.experiments.cached import Notice
     from isotui.experiments.layer_pass import Prepared
@@ -78,14 +79,54 @@ class GradientRow:
     grad_top_share: float
 
 
+class GradientMeta(TypedDict, total=False):
+    """A gradient result's facts (every key set by a measurement; read with ``.get``)."""
+
+    data: str
+    n_samples: int
+    lm_class: str
+    loss_tokens: int
+    loss_per_token: float
+    special_tokens: str
+    dtype: str
+    seed: int
+    seconds: float
+    source: str  # a gradient result of the training's own backward (isotui.callbacks)
+    n_tokens: int
+
+
 @dataclass
 class GradientResult:
     model: str
     objective: str
     rows: list[GradientRow]
     notes: list[str] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: GradientMeta = field(default_factory=lambda: GradientMeta())
     from_cache: bool = False
+
+
+class GradientFacts(TypedDict):
+    """What a pass of gradients knew besides the accumulators (see :func:`gradients_state`)."""
+
+    model: str
+    objective: str
+    top_k: int
+    seed: int
+    model_notes: list[str]
+    data: str
+    n_samples: int
+    lm_class: str
+    loss_sum: float
+    loss_tokens: int
+    special_tokens: str
+    dtype: str
+    seconds: float
+
+
+class GradientsState(GradientFacts):
+    """A (possibly merged) streamed state: per layer the accumulator's state."""
+
+    accumulators: list[Sums]
 
 
 def cached_gradients(
@@ -126,7 +167,7 @@ class GradientsRequest(CachedRequest[GradientResult]):
     top_k: int = 10
     kind: ClassVar[str] = "gradients"
 
-    def _folder(self) -> tuple[str, int, dict[str, Any]]:
+    def _folder(self) -> tuple[str, int, dict[str, object]]:
         return FOLDER, SCHEMA, {"top_k": self.top_k}
 
     def _measure(self, cache: ResultCache | None, context: Context) -> GradientResult:
@@ -140,11 +181,15 @@ class GradientsRequest(CachedRequest[GradientResult]):
         )
 
 
-def gradients_from_payload(payload: dict[str, Any], _arrays: dict[str, Any]) -> GradientResult:
+def gradients_from_payload(payload: dict[str, Any], _arrays: Arrays) -> GradientResult:
     """The result a cache entry holds (the payload :func:`cached_gradients` stores)."""
     rows = [GradientRow(**r) for r in payload["rows"]]
     return GradientResult(
-        payload["model"], payload["objective"], rows, payload["notes"], dict(payload["meta"])
+        payload["model"],
+        payload["objective"],
+        rows,
+        payload["notes"],
+        cast("GradientMeta", dict(payload["meta"])),  # what its GradientResult stored
     )
 
 
@@ -203,7 +248,7 @@ def gradients_state(
     sample_ids: tuple[int, ...] | None = None,
     on_progress: ProgressCallback | None = None,
     should_stop: StopCheck | None = None,
-) -> dict[str, Any]:
+) -> GradientsState:
     """:func:`measure_gradients`'s streamed state over the samples ``sample_ids`` (global indices
     into ``spec``'s corpus, which also seed the masked-LM masks; None: all): per layer the
     accumulator state, and the loss sums. Shards merge with :func:`merge_gradients_states`."""
@@ -211,7 +256,7 @@ def gradients_state(
     return {**facts, "accumulators": [a.state() for a in accs]}
 
 
-def merge_gradients_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_gradients_states(states: list[GradientsState]) -> GradientsState:
     """One state from disjoint shards of the same corpus: accumulators merged, sums added."""
     from isotui.core.gradients import GradAccumulator
 
@@ -219,20 +264,25 @@ def merge_gradients_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     for other in states[1:]:
         for acc, s in zip(accs, other["accumulators"], strict=True):
             acc.merge(GradAccumulator.from_state(s))
-    added = ("loss_sum", "loss_tokens", "n_samples", "seconds")
     return {
         **states[0],
         "accumulators": [a.state() for a in accs],
-        **{k: sum(s[k] for s in states) for k in added},
+        "loss_sum": sum(s["loss_sum"] for s in states),
+        "loss_tokens": sum(s["loss_tokens"] for s in states),
+        "n_samples": sum(s["n_samples"] for s in states),
+        "seconds": sum(s["seconds"] for s in states),
     }
 
 
-def finish_gradients(state: dict[str, Any]) -> GradientResult:
+def finish_gradients(state: GradientsState) -> GradientResult:
     """The result of a (possibly merged) :func:`gradients_state`."""
     from isotui.core.gradients import GradAccumulator
 
     accs = [GradAccumulator.from_state(s) for s in state["accumulators"]]
-    return _finish_gradients(accs, {k: v for k, v in state.items() if k != "accumulators"})
+    # a GradientsState less its accumulators: its GradientFacts
+    return _finish_gradients(
+        accs, cast("GradientFacts", {k: v for k, v in state.items() if k != "accumulators"})
+    )
 
 
 def _stream_gradients(
@@ -242,7 +292,7 @@ def _stream_gradients(
     should_stop: StopCheck | None,
     sample_ids: tuple[int, ...] | None,
     prepared: Prepared | None = None,
-) -> tuple[list[GradAccumulator], dict[str, Any]]:
+) -> tuple[list[GradAccumulator], GradientFacts]:
     """Stream the batches forward and backward; (per layer the accumulator, the facts to finish)."""
     import dataclasses
     import time
@@ -265,6 +315,7 @@ def _stream_gradients(
 
     loaded, device = load_prepared(prepared, head="lm")
     model = loaded.model
+    # untyped: its stub's values (tuples) are not the model classes it holds
     masked_map: Any = AutoModelForMaskedLM._model_mapping
     objective = (
         "masked"
@@ -279,7 +330,8 @@ def _stream_gradients(
     loop.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
     acc_device = torch.device(device if device.startswith("cuda") else "cpu")
     accs: list[GradAccumulator] = []  # one per layer, made at the first batch
-    loss_sum: Any = 0.0  # a device tensor after the first batch: read once, at the end (issue 15)
+    # a device tensor after the first batch: read once, at the end (issue 15)
+    loss_sum: float | torch.Tensor = 0.0
     loss_tokens = 0
 
     def step(batch: Batch) -> int:
@@ -344,7 +396,7 @@ def _stream_gradients(
             f"no token of the {total} samples was kept: all were special tokens, padding or last "
             "tokens; use --special-tokens include or longer samples"
         )
-    facts = {
+    facts: GradientFacts = {
         "model": spec.model,
         "objective": objective,
         "top_k": top_k,
@@ -362,7 +414,7 @@ def _stream_gradients(
     return accs, facts
 
 
-def _finish_gradients(accs: list[GradAccumulator], facts: dict[str, Any]) -> GradientResult:
+def _finish_gradients(accs: list[GradAccumulator], facts: GradientFacts) -> GradientResult:
     from isotui.core.gradients import random_basis
 
     model, objective, top_k = facts["model"], facts["objective"], facts["top_k"]
@@ -457,12 +509,12 @@ def _notes(objective: str, top_k: int) -> list[str]:
 # --- export and command-line options ------------------------------------------------------------
 
 
-def csv_rows(results: list[GradientResult]) -> list[dict[str, Any]]:
+def csv_rows(results: list[GradientResult]) -> Rows:
     """The ``--csv`` rows: one per model and layer."""
     return [asdict(r) for res in results for r in res.rows]
 
 
-def json_payload(results: list[GradientResult]) -> dict[str, Any]:
+def json_payload(results: list[GradientResult]) -> Payload:
     """The ``--json`` document: each result as its fields."""
     return {"results": [{k: v for k, v in asdict(r).items() if k != "from_cache"} for r in results]}
 
@@ -484,7 +536,7 @@ class GradientsParams:
     top_k: int = param(10, parse=_top_k, help="principal directions of the activations (default 10)")
 
 
-EXPERIMENT: Experiment[Any, GradientsRequest, GradientResult] = Experiment(
+EXPERIMENT: Experiment[GradientsParams, GradientsRequest, GradientResult] = Experiment(
     name="gradients",
     help=HELP,
     request_type=GradientsRequest,

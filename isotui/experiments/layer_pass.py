@@ -143,7 +143,7 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
 NoticeCallback = Callable[[str], None]
 
 
-def _no_notice(_: str) -> None:
+def no_notice(_: str) -> None:
     """Default: drop notices."""
 
 
@@ -154,7 +154,7 @@ def read(cache: ResultCache, key: str) -> ModelResult | None:
 
 
 def lookup(
-    prepared: Prepared, cache: ResultCache | None, on_notice: NoticeCallback = _no_notice
+    prepared: Prepared, cache: ResultCache | None, on_notice: NoticeCallback = no_notice
 ) -> ModelResult | None:
     """The cached result for ``prepared``, or None; a damaged entry is reported and ignored."""
     hit: ModelResult | None = lookup_entry(cache, prepared.keys, ModelResult.from_json, on_notice)
@@ -167,7 +167,7 @@ def lookup(
     return hit
 
 
-def store(result: ModelResult, cache: ResultCache | None, on_notice: NoticeCallback = _no_notice) -> None:
+def store(result: ModelResult, cache: ResultCache | None, on_notice: NoticeCallback = no_notice) -> None:
     """Cache ``result``; a cache that cannot be written is reported, never fatal."""
     keep(cache, result.key, result.to_json(), result.arrays, on_notice)
 

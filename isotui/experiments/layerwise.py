@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from isotui.experiments import plans
-from isotui.experiments.base import Arrays, Context, Experiment, Notice, Payload, Rows
+from isotui.experiments.base import Arrays, Context, Experiment, Notice, OneModelJob, Payload, Rows
 from isotui.experiments.cached import runs_cache
 from isotui.experiments.half_check import HALF_DTYPES
 from isotui.experiments.layer_pass import (
     NoticeCallback,
     Prepared,
-    _no_notice,
     compute,
     lookup,
+    no_notice,
     prepare,
     store,
 )
@@ -47,7 +47,7 @@ def measure(
     """
     from isotui.extract.progress import Progress
 
-    notice = on_notice or _no_notice
+    notice = on_notice or no_notice
     on_progress(
         Progress(0, 0, 0, 0.0, stage="prepare", phase="resolving", detail="model, data and cache key")
     )
@@ -180,7 +180,7 @@ class LayersParams:
 
 
 @dataclass(frozen=True)
-class LayersRequest:
+class LayersRequest(OneModelJob):
     """Layer-wise anisotropy of one model (``isotui run``): the layer experiment's job. Its
     compute gives None for a shard (``--shard I/K``) that is not the last of its K.
 
@@ -195,14 +195,6 @@ class LayersRequest:
     _resolved: dict[str, Prepared] = field(default_factory=dict, compare=False, repr=False)
     save_sample: str | None = None  # --save-sample PATH: the reservoir sample written there
     kind: ClassVar[str] = "layers"
-
-    @property
-    def model(self) -> str:
-        return self.spec.model
-
-    @property
-    def device(self) -> str:
-        return self.spec.device
 
     def _prepare(self, cache: ResultCache | None) -> Prepared:
         """The spec resolved (names, data, dtype, key): once per request, so that a lookup and the

@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 from isotui.errors import IsotuiError
 
 P = TypeVar("P")
+V = TypeVar("V")
 
 
-def _as_given(value: Any) -> Any:
+def _as_given(value: V) -> V:
     return value
 
 
@@ -29,7 +30,7 @@ class Param:
     flag is ``--`` + name with dashes, plus ``short`` when given)."""
 
     name: str
-    default: Any
+    default: object
     help: str
     parse: Callable[[Any], Any] = _as_given
     choices: tuple[str, ...] = ()
@@ -37,14 +38,14 @@ class Param:
     metavar: str | None = None
     short: str | None = None  # ``-q``-style spelling on the command line
     nargs: str | None = None  # "?": the flag alone means ``const``
-    const: Any = None
+    const: object = None
     view: bool = False  # changes only what is shown, never a request
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
-    def value(self, given: Any) -> Any:
+    def value(self, given: object) -> object:
         """``given`` (None: not given) as the field's value; one sentence when it is bad."""
         if given is None:
             return self.default
@@ -84,7 +85,7 @@ def params_of(cls: type) -> tuple[Param, ...]:
     return tuple(out)
 
 
-def make_params(cls: type[P], given: Mapping[str, Any]) -> P:
+def make_params(cls: type[P], given: Mapping[str, object]) -> P:
     """An instance of ``cls`` from values as given (None or absent: the default), each checked
     in declaration order; a name ``cls`` does not declare is a :class:`TypeError` (the front end
     says unknown options in its own terms before calling this)."""

@@ -12,9 +12,10 @@ module by default), chosen by (sample, position) so every checkpoint contributes
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypedDict
 
 import numpy as np
 
@@ -22,8 +23,8 @@ from isotui.core.trajectory import BASES, common_basis, project
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
 from isotui.experiments.attention import SCHEMA as ATTENTION_SCHEMA
-from isotui.experiments.attention import AttentionRequest
-from isotui.experiments.base import Context, Experiment, Notice
+from isotui.experiments.attention import AttentionRequest, AttentionResult
+from isotui.experiments.base import Context, Experiment, Notice, Payload, Rows
 from isotui.experiments.params import param
 from isotui.experiments.series import Attempts, SeriesRequest, unpack_series
 from isotui.experiments.series import Checkpoint as Checkpoint  # the series' names, as before
@@ -32,6 +33,7 @@ from isotui.experiments.series import series_name as series_name
 
 if TYPE_CHECKING:
     from isotui.experiments.base import PartProgress
+    from isotui.experiments.series import Failures, SeriesSpec
     from isotui.extract.progress import StopCheck
     from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
@@ -77,13 +79,24 @@ class DynamicsRow:
         return [f.name for f in fields(cls)]
 
 
+class DynamicsMeta(TypedDict, total=False):
+    """A series' facts (see :func:`assemble`; empty until it is assembled)."""
+
+    data: str | None  # None: its first checkpoint's result did not say
+    n_samples: int | None
+    sample_size: int
+    from_cache: list[bool]  # per checkpoint
+    keys: list[str]  # each checkpoint's attention result (isotui show KEY)
+    notes: list[str]
+
+
 @dataclass
 class DynamicsResult:
     series: str
     checkpoints: list[Checkpoint]
     rows: list[DynamicsRow]
     sites: list[tuple[str, int, str]]  # (component, layer, attention) per module
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: DynamicsMeta = field(default_factory=lambda: DynamicsMeta())
 
     def steps(self) -> list[int]:
         return [c.step if c.step is not None else i for i, c in enumerate(self.checkpoints)]
@@ -118,11 +131,11 @@ class DynamicsResult:
         return q, k
 
 
-def dynamics(series: str, checkpoints: list[Checkpoint], results: list[Any]) -> DynamicsResult:
+def dynamics(series: str, checkpoints: list[Checkpoint], results: list[AttentionResult]) -> DynamicsResult:
     """Assemble the per-checkpoint attention results (with subsamples) into trajectories."""
     sites = [tuple(m.values()) for m in results[0].modules()]
 
-    def shapes(res: Any) -> list[Any]:
+    def shapes(res: AttentionResult) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         return [(res.arrays[f"q_bar.{i}"].shape, res.arrays[f"k_bar.{i}"].shape) for i in range(len(sites))]
 
     for ckpt, res in zip(checkpoints, results, strict=True):
@@ -199,7 +212,7 @@ def run_dynamics(
     progress: PartProgress | None = None,
     should_stop: StopCheck | None = None,
     on_notice: Notice | None = None,
-    failures: Any = None,
+    failures: Failures | None = None,
 ) -> DynamicsResult | None:
     """Measure every checkpoint (each cached on its own), then build the trajectories.
 
@@ -229,7 +242,7 @@ def run_dynamics(
 
 
 def assemble(
-    model: str | None, checkpoints: list[Checkpoint], results: list[Any], sample_size: int
+    model: str | None, checkpoints: list[Checkpoint], results: list[AttentionResult], sample_size: int
 ) -> DynamicsResult:
     """The series from its checkpoints' attention results (measured or cached)."""
     out = dynamics(model or series_name(checkpoints), checkpoints, results)
@@ -251,14 +264,14 @@ class DynamicsRequest(SeriesRequest[DynamicsResult]):
     sample_size: int = 256
     kind: ClassVar[str] = "qk-dynamics"
 
-    def _parts(self) -> list[Any]:
+    def _parts(self) -> Sequence[AttentionRequest]:
         return [AttentionRequest(self.spec.with_model(c.model), self.sample_size) for c in self.checkpoints]
 
     def lookup(self, cache_root: Path | None, notice: Notice) -> DynamicsResult | None:
         """Answered at once only when every checkpoint is cached."""
         if cache_root is None:
             return None
-        found = []
+        found: list[AttentionResult] = []
         for part in self._parts():
             hit = part.lookup(cache_root, notice)
             if hit is None:
@@ -286,9 +299,9 @@ class DynamicsRequest(SeriesRequest[DynamicsResult]):
 # --- export and command-line options ------------------------------------------------------------
 
 
-def csv_rows(results: list[DynamicsResult]) -> list[dict[str, Any]]:
+def csv_rows(results: list[DynamicsResult]) -> Rows:
     """The ``--csv`` rows: one per checkpoint and head; ``duplicate_of`` after the step."""
-    out = []
+    out: Rows = []
     for result in results:
         duplicates = {c.label: c.duplicate_of or "" for c in result.checkpoints}
         for r in result.rows:
@@ -299,7 +312,7 @@ def csv_rows(results: list[DynamicsResult]) -> list[dict[str, Any]]:
     return out
 
 
-def json_payload(results: list[DynamicsResult]) -> dict[str, Any]:
+def json_payload(results: list[DynamicsResult]) -> Payload:
     """The ``--json`` document of the series (one per command)."""
     result = results[0]
     return {
@@ -354,7 +367,7 @@ class DynamicsParams:
     basis: str = param("qk", choices=BASES, view=True, help="SVD of queries+keys (qk), or q or k only")
 
 
-def _dynamics_request(spec: Any, params: DynamicsParams) -> DynamicsRequest:
+def _dynamics_request(spec: SeriesSpec, params: DynamicsParams) -> DynamicsRequest:
     from isotui.experiments.recorded import refuse_recorded
 
     series, ckpts, base = unpack_series(spec)
@@ -362,7 +375,7 @@ def _dynamics_request(spec: Any, params: DynamicsParams) -> DynamicsRequest:
     return DynamicsRequest(series, ckpts, base, sample_size=params.sample)
 
 
-EXPERIMENT: Experiment[Any, DynamicsRequest, DynamicsResult] = Experiment(
+EXPERIMENT: Experiment[DynamicsParams, DynamicsRequest, DynamicsResult] = Experiment(
     name="qk-dynamics",
     help=HELP,
     request_type=DynamicsRequest,

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 if TYPE_CHECKING:
     from isotui.experiments.base import Experiment
+    from isotui.spec import RunOption
 
     AnyExperiment = Experiment[Any, Any, Any]  # each entry its own params, request and result
 
@@ -102,3 +103,11 @@ def cached_entries(root: Path, prefix: str) -> list[tuple[AnyExperiment, str]]:
         if e.folder is not None and e.decode is not None and (root / e.folder).is_dir()
         for path in sorted((root / e.folder).glob(f"{prefix}*.safetensors"))
     ]
+
+
+def options_for(command: str) -> tuple[RunOption, ...]:
+    """The run options ``command`` (``run`` or an experiment's name) takes: those of the scopes
+    its registered experiment declares."""
+    from isotui.spec import options_in
+
+    return options_in(get(command).run_options)

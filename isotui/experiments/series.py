@@ -12,15 +12,18 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Generic
+from typing import Generic, Protocol, TypeVar
 
 from isotui.errors import IsotuiError
-from isotui.experiments.base import Attempt, Context, PartProgress, R
+from isotui.experiments.base import Attempt, Context, PartProgress, R, Request
 from isotui.experiments.checkpoint import Checkpoint as Checkpoint  # importable from here too
 from isotui.experiments.checkpoint import series_folder as series_folder
 from isotui.experiments.checkpoint import step_of as step_of
 from isotui.extract.progress import Progress, ProgressCallback, no_progress
 from isotui.spec import RunSpec
+
+T = TypeVar("T")  # one checkpoint's result
+SeriesSpec = tuple[str | None, Sequence[Checkpoint], RunSpec]  # (series, checkpoints, base spec)
 
 
 def resolve_checkpoints(
@@ -133,12 +136,12 @@ def series_name(checkpoints: list[Checkpoint]) -> str:
 
 
 def measure_checkpoints(
-    checkpoints: list[Any],
-    measure_one: Callable[[Any, ProgressCallback], Any],
+    checkpoints: list[Checkpoint],
+    measure_one: Callable[[Checkpoint, ProgressCallback], T],
     *,
     progress: PartProgress | None = None,
     attempt: Attempt | None = None,
-) -> tuple[list[Any], list[Any]]:
+) -> tuple[list[Checkpoint], list[T]]:
     """(checkpoints kept, their results): ``measure_one(checkpoint, on_progress)`` for each.
 
     ``progress(i, checkpoint)``, if given, is a context manager yielding that checkpoint's
@@ -146,12 +149,12 @@ def measure_checkpoints(
     :meth:`isotui.results.ModelFailures.attempt`): a checkpoint that fails is said and left out;
     without it the first failure ends the series. A failure names its checkpoint.
     """
-    kept: list[Any] = []
-    results: list[Any] = []
+    kept: list[Checkpoint] = []
+    results: list[T] = []
     for i, ckpt in enumerate(checkpoints):
         with progress(i, ckpt) if progress else nullcontext(no_progress) as on_progress:
 
-            def one(ckpt: Any = ckpt, on_progress: ProgressCallback = on_progress) -> Any:
+            def one(ckpt: Checkpoint = ckpt, on_progress: ProgressCallback = on_progress) -> T:
                 try:
                     return measure_one(ckpt, on_progress)
                 except IsotuiError as exc:
@@ -164,7 +167,7 @@ def measure_checkpoints(
     return kept, results
 
 
-def unpack_series(spec: Any) -> tuple[str | None, tuple[Checkpoint, ...], RunSpec]:
+def unpack_series(spec: SeriesSpec) -> tuple[str | None, tuple[Checkpoint, ...], RunSpec]:
     """A series experiment's (series, checkpoints, spec) triple, its checkpoints as a tuple."""
     series, ckpts, base = spec
     return series, tuple(ckpts), base
@@ -174,7 +177,7 @@ def series_progress(on_progress: ProgressCallback, n: int) -> PartProgress:
     """Per checkpoint i of n, a context giving its progress callback: one bar for the whole series
     (checkpoint i's samples come after those before it)."""
 
-    def for_checkpoint(i: int, _ckpt: Any) -> AbstractContextManager[ProgressCallback]:
+    def for_checkpoint(i: int, _ckpt: Checkpoint) -> AbstractContextManager[ProgressCallback]:
         def post(p: Progress) -> None:
             if p.message:
                 on_progress(p)
@@ -204,7 +207,7 @@ class SeriesRequest(Generic[R]):
     def device(self) -> str:
         return self.spec.device
 
-    def _parts(self) -> list[Any]:
+    def _parts(self) -> Sequence[Request[object]]:
         """The requests of its checkpoints, each cached on its own."""
         raise NotImplementedError
 
@@ -219,6 +222,14 @@ class SeriesRequest(Generic[R]):
 
     def _progress(self, context: Context) -> PartProgress:
         return context.part_progress or series_progress(context.on_progress, len(self.checkpoints))
+
+
+class Failures(Protocol):
+    """What the series functions take as ``failures``: an ``attempt`` (:class:`Attempts`,
+    :class:`isotui.results.ModelFailures`)."""
+
+    @property
+    def attempt(self) -> Attempt: ...
 
 
 @dataclass(frozen=True)

@@ -19,18 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from isotui.errors import IsotuiError
-from isotui.experiments.base import Context, Experiment
+from isotui.experiments.base import Arrays, Context, Experiment, Payload, Rows
 from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.params import param
 
 if TYPE_CHECKING:
+    import torch
+
     from isotui.experiments.cached import Notice
+    from isotui.experiments.layer_pass import Prepared
+    from isotui.extract.loop import Batch, BatchLoop
+    from isotui.extract.memory_plan import MemoryPlan
     from isotui.extract.progress import ProgressCallback, StopCheck
     from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
@@ -60,7 +66,7 @@ class TypeRow:
 class TokenTypesResult:
     model: str
     rows: list[TypeRow]
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, object] = field(default_factory=dict)
     from_cache: bool = False
 
 
@@ -89,8 +95,8 @@ def by_layer(rows: list[TypeRow]) -> list[LayerTypes]:
     return list(layers.values())
 
 
-def _positive(name: str) -> Any:
-    def parse(value: Any) -> int:
+def _positive(name: str) -> Callable[[str | int], int]:
+    def parse(value: str | int) -> int:
         try:
             n = int(value)
         except (TypeError, ValueError):
@@ -112,7 +118,7 @@ class TokenTypesParams:
 class _Sums:
     """One layer's first-pass sums: of x, of u and of u squared (float64), and the count."""
 
-    def __init__(self, d: int, device: Any) -> None:
+    def __init__(self, d: int, device: torch.device) -> None:
         import torch
 
         self.x = torch.zeros(d, dtype=torch.float64, device=device)
@@ -121,7 +127,9 @@ class _Sums:
         self.n = 0
 
 
-def _kept(loop: Any, batch: Any, component: str, h: Any) -> tuple[Any, Any]:
+def _kept(
+    loop: BatchLoop, batch: Batch, component: str, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A (B, T, d) layer's kept vectors (float64) and their token ids, as the layer run keeps them."""
     if h.ndim != 3:
         raise IsotuiError("token-types reads layers of one vector per token; this model's are not")
@@ -141,7 +149,7 @@ def measure_types(
     top: int,
     on_progress: ProgressCallback | None = None,
     should_stop: StopCheck | None = None,
-    prepared: Any = None,
+    prepared: Prepared | None = None,
 ) -> TokenTypesResult:
     """The two passes of the module's doc over ``spec``'s data."""
     import time
@@ -150,7 +158,7 @@ def measure_types(
 
     from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
     from isotui.extract.forward import hidden_states
-    from isotui.extract.loop import Batch, BatchLoop
+    from isotui.extract.loop import BatchLoop
     from isotui.extract.runner import resolve_max_length
 
     started = time.perf_counter()
@@ -178,7 +186,7 @@ def measure_types(
         return batch.units
 
     loop.run(pass_one)
-    directions: dict[str, list[tuple[Any, int, float, float]]] = {}  # (m hat, k, n||m||, S_k)
+    directions: dict[str, list[tuple[torch.Tensor, int, float, float]]] = {}  # (m hat, k, n||m||, S_k)
     for component, sums in first.items():
         directions[component] = []
         for s in sums:
@@ -280,7 +288,7 @@ def cached_types(
     return result
 
 
-def decode(payload: dict[str, Any], _arrays: Any) -> TokenTypesResult:
+def decode(payload: dict[str, Any], _arrays: Arrays) -> TokenTypesResult:
     return TokenTypesResult(payload["model"], [TypeRow(**r) for r in payload["rows"]], dict(payload["meta"]))
 
 
@@ -291,10 +299,10 @@ class TokenTypesRequest(CachedRequest[TokenTypesResult]):
     top: int = 5
     kind: ClassVar[str] = "token-types"
 
-    def _folder(self) -> tuple[str, int, dict[str, Any]]:
+    def _folder(self) -> tuple[str, int, dict[str, object]]:
         return FOLDER, SCHEMA, {"top": self.top}
 
-    def _measure(self, cache: Any, context: Context) -> Any:
+    def _measure(self, cache: ResultCache | None, context: Context) -> TokenTypesResult:
         return cached_types(
             self.spec,
             cache,
@@ -305,27 +313,26 @@ class TokenTypesRequest(CachedRequest[TokenTypesResult]):
         )
 
 
-def csv_rows(results: list[TokenTypesResult]) -> list[dict[str, Any]]:
+def csv_rows(results: list[TokenTypesResult]) -> Rows:
     """The ``--csv`` rows: per model, layer, direction and rank."""
     return [asdict(row) for r in results for row in r.rows]
 
 
-def json_payload(results: list[TokenTypesResult]) -> dict[str, Any]:
+def json_payload(results: list[TokenTypesResult]) -> Payload:
     return {
         "results": [{"model": r.model, "rows": [asdict(x) for x in r.rows], "meta": r.meta} for r in results]
     }
 
 
-def _plan(request: TokenTypesRequest) -> Any:
+def _plan(request: TokenTypesRequest) -> MemoryPlan:
     """--dry-run: the layer run's plan (one batch's hidden states and a few d-vectors per layer
     fit within it; it also counts the reservoirs this experiment does not keep: an overstatement)."""
-    from isotui.experiments.layerwise import LayersRequest
     from isotui.experiments.plans import layers
 
-    return layers(LayersRequest(request.spec))
+    return layers(request)
 
 
-EXPERIMENT: Experiment[Any, TokenTypesRequest, TokenTypesResult] = Experiment(
+EXPERIMENT: Experiment[TokenTypesParams, TokenTypesRequest, TokenTypesResult] = Experiment(
     name="token-types",
     help=HELP,
     request_type=TokenTypesRequest,

@@ -20,23 +20,23 @@ from isotui.experiments.drift_block.store import _lookup, drift_cache
 from isotui.experiments.drift_block.sweep import _assemble, run_drift_block
 
 
-def make_request(_spec: Any, params: DriftBlockParams) -> DriftBlockRequest:
+def make_request(_spec: object, params: DriftBlockParams) -> DriftBlockRequest:
     """The request the parameters describe (drift-block reads no model: ``_spec`` is None)."""
     return DriftBlockRequest(config_from_params(params))
 
 
-def csv_rows(results: list[Any]) -> Rows:
+def csv_rows(results: list[DriftBlockResult]) -> Rows:
     """``--csv``: one row per (seed, N), seed by seed, the columns of :class:`DriftBlockRow`."""
     return [asdict(r) for result in results for r in result.rows]
 
 
-def json_payload(results: list[Any]) -> Payload:
+def json_payload(results: list[DriftBlockResult]) -> Payload:
     """``--json``: the sweep's document (one configuration, so one result)."""
     payload: Payload = results[0].to_json()
     return payload
 
 
-def decode(payload: Payload, arrays: Arrays) -> DriftBlockResult:
+def decode(payload: dict[str, Any], arrays: Arrays) -> DriftBlockResult:
     """One cache entry (one seed's sweep) as a result of that seed alone: the settings are read
     back from its rows (entries from before --block/--measure existed are post-ln, after-norm)."""
     rows = payload["rows"]
@@ -99,7 +99,7 @@ class DriftBlockRequest:
         return run_drift_block(self.config, cache, context.on_progress, context.should_stop)
 
 
-EXPERIMENT: Experiment[Any, DriftBlockRequest, DriftBlockResult] = Experiment(
+EXPERIMENT: Experiment[DriftBlockParams, DriftBlockRequest, DriftBlockResult] = Experiment(
     name="drift-block",
     help=HELP,
     request_type=DriftBlockRequest,

@@ -26,7 +26,7 @@ class BlockInputs:
     b_u: torch.Tensor  # (hidden,) the raw N(0, I) draw; the bias at norm N is N * b_u / ||b_u||
     kind: str = "post-ln"  # how ``run`` wires the block's modules (``DriftBlockConfig.block``)
     # (embeddings, ids, embeddings[ids]): the tokens' rows, gathered once for every N
-    _rows: tuple[Any, Any, Any] | None = field(default=None, repr=False)
+    _rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for input ``x``: BertLayer itself (post-ln), or its modules pre-LN."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from isotui.errors import IsotuiError
 from isotui.experiments.drift_block.config import DEFAULT_NORMS, DriftBlockConfig, parse_norms, parse_seeds
@@ -19,8 +18,8 @@ HELP = (
 )
 
 
-def _whole(flag: str) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
+def _whole(flag: str) -> Callable[[object], int]:
+    def parse(value: object) -> int:
         text = str(value).strip()
         try:
             return int(text)
@@ -30,14 +29,14 @@ def _whole(flag: str) -> Callable[[Any], int]:
     return parse
 
 
-def _init_std(value: Any) -> float:
+def _init_std(value: str | float) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
         raise IsotuiError(f"--init-std {value!r} must be a positive number, e.g. 0.02") from None
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     return str(value).strip()
 
 

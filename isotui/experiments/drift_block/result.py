@@ -168,7 +168,7 @@ class SeedRun:
         ]
 
 
-def _float(v: Any) -> float:
+def _float(v: float | None) -> float:
     return math.nan if v is None else float(v)
 
 
