@@ -494,7 +494,7 @@ def _cmd_show(args: argparse.Namespace, err) -> int:
     from isotui.experiments.layer_pass import read
     from isotui.paths import cache_dir
     from isotui.render import result_table
-    from isotui.store.cache import CacheProblem, ResultCache
+    from isotui.store.cache import ResultCache
     from isotui.store.export import write_csv, write_json
 
     prefix = args.key.strip()
@@ -513,19 +513,10 @@ def _cmd_show(args: argparse.Namespace, err) -> int:
     if len(matches) != 1:
         what = "no cached run" if not matches else f"{len(matches)} cached runs; give more characters"
         raise IsotuiError(f"key {prefix!r} matches {what} in {cache.root} (see `isotui cache ls`)")
-    from isotui.store.files import check_distinct, check_output
+    from isotui.cli_show import read_shown
 
-    for flag in ("csv", "json"):
-        value = getattr(args, flag)
-        if value:
-            check_output(value, f"--{flag}")
-    check_distinct([("--csv", args.csv), ("--json", args.json)])
-    try:
-        result = read(cache, matches[0].key)
-    except CacheProblem as problem:
-        raise IsotuiError(f"{problem}; remove it with `isotui cache rm {matches[0].key[:12]}`") from None
-    if result is None:
-        raise IsotuiError(f"cached run {matches[0].key[:12]} was removed meanwhile")
+    key = matches[0].key
+    result = read_shown(args, key, lambda: read(cache, key), "cached run")
     result.from_cache = True
     out = stdout_console()
     out.print(result_table(result, out.width))

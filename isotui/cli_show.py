@@ -8,9 +8,32 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from isotui.errors import IsotuiError
+
+T = TypeVar("T")
+
+
+def read_shown(args: argparse.Namespace, key: str, read: Callable[[], T | None], what: str) -> T:
+    """The cached ``what`` (``cached run``, ``cached result``) under ``key`` that ``isotui show``
+    prints, read with ``read()`` once its ``--csv``/``--json`` are known to be writable; a damaged
+    or vanished entry is one sentence."""
+    from isotui.store.cache import CacheProblem
+    from isotui.store.files import check_distinct, check_output
+
+    for flag in ("csv", "json"):
+        value = getattr(args, flag)
+        if value:
+            check_output(value, f"--{flag}")
+    check_distinct([("--csv", args.csv), ("--json", args.json)])
+    try:
+        result = read()
+    except CacheProblem as problem:
+        raise IsotuiError(f"{problem}; remove it with `isotui cache rm {key[:12]}`") from None
+    if result is None:
+        raise IsotuiError(f"{what} {key[:12]} was removed meanwhile")
+    return result
 
 
 def _defaults(build_parser: Callable[[], argparse.ArgumentParser], command: list[str]) -> argparse.Namespace:
@@ -34,9 +57,7 @@ def show_experiment_entry(
     from isotui.experiments.base import flatten
     from isotui.experiments.cached import read
     from isotui.experiments.registry import cached_entries
-    from isotui.store.cache import CacheProblem
     from isotui.store.export import write_dicts_csv, write_payload_json
-    from isotui.store.files import check_distinct, check_output
     from isotui.views import view_for
 
     prefix = args.key.strip()
@@ -49,18 +70,9 @@ def show_experiment_entry(
             "(see `isotui cache ls`)"
         )
     exp, key = found[0]
-    assert exp.decode is not None  # cached_entries lists the experiments that decode an entry
-    for flag in ("csv", "json"):
-        value = getattr(args, flag)
-        if value:
-            check_output(value, f"--{flag}")
-    check_distinct([("--csv", args.csv), ("--json", args.json)])
-    try:
-        result = read(exp.cache(root), key, exp.decode)
-    except CacheProblem as problem:
-        raise IsotuiError(f"{problem}; remove it with `isotui cache rm {key[:12]}`") from None
-    if result is None:
-        raise IsotuiError(f"cached result {key[:12]} was removed meanwhile")
+    decode = exp.decode
+    assert decode is not None  # cached_entries lists the experiments that decode an entry
+    result = read_shown(args, key, lambda: read(exp.cache(root), key, decode), "cached result")
     results = flatten([result])
     for r in results:
         if hasattr(r, "from_cache"):
