@@ -92,6 +92,16 @@ def _cpu_unless_gpu(request, monkeypatch, _cuda_present):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
+@pytest.fixture
+def app_tabs_only(monkeypatch):
+    """The registry less the experiments whose lab tab is not one of the app's own modules
+    (``isotui.tui.*``): the lab that the key lists and screenshots pin, whatever tabs others add."""
+    from isotui.experiments import registry
+
+    own = [e for e in registry.REGISTRY if e.lab_tab is None or e.lab_tab.startswith("isotui.tui.")]
+    monkeypatch.setattr(registry, "REGISTRY", tuple(own))
+
+
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     """No network, and a private result cache and config folder for every test."""

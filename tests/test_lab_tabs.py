@@ -175,7 +175,7 @@ TABS_BEFORE = [
 
 
 @pytest.fixture
-def with_demo(monkeypatch):
+def with_demo(monkeypatch, app_tabs_only):
     """The registry with the demo experiment added (as its one line in the table would)."""
     monkeypatch.setattr(registry, "REGISTRY", (*registry.REGISTRY, DEMO))
 
@@ -194,7 +194,7 @@ def _tabs(lab: LabScreen) -> list[tuple[str, str]]:
     return [(pane.id or "", str(tabbed.get_tab(pane).label)) for pane in tabbed.query("TabPane").results()]
 
 
-def test_the_registered_lab_is_the_one_it_was(tmp_path):
+def test_the_registered_lab_is_the_one_it_was(tmp_path, app_tabs_only):
     """Composed from today's registry, the lab has the same tabs, keys, key ids and order as when
     they were written out in lab.py, and the demo's tab is not among them."""
 

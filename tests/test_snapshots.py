@@ -21,6 +21,7 @@ from isotui.results import LayerRow, ModelResult
 from isotui.tui.app import IsotuiApp
 
 SIZES = [(80, 24), (120, 36)]
+pytestmark = pytest.mark.usefixtures("app_tabs_only")  # the lab's own tabs: another's tab re-pins nothing
 
 
 def fixture_result(model: str, n_layers: int, dim: int, bump: float) -> ModelResult:
