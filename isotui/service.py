@@ -116,7 +116,9 @@ def make_requests(
     return [experiment.request(base.with_model(name), params) for name in names]
 
 
-def plans(experiment: Experiment, requests: Sequence[Any]) -> list[tuple[str, str, MemoryPlan]]:
+def plans(
+    experiment: Experiment, requests: Sequence[Any]
+) -> list[tuple[str, str, MemoryPlan | ExperimentPlan]]:
     """``--dry-run``: each request's memory plan from the config alone, as (label, heading,
     plan); a series is planned from its first checkpoint (all share one architecture, and run
     one at a time)."""

@@ -417,7 +417,7 @@ class AttentionParams:
     heads: bool = param(False, switch=True, view=True, help="print every head, not heads averaged per layer")
 
 
-EXPERIMENT: Experiment[AttentionParams, AttentionRequest, AttentionResult] = Experiment(
+EXPERIMENT: Experiment[RunSpec, AttentionParams, AttentionRequest, AttentionResult] = Experiment(
     name="attention",
     help=HELP,
     request_type=AttentionRequest,

@@ -44,6 +44,7 @@ from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_
 
 if TYPE_CHECKING:
     from isotui.experiments.checkpoint import Checkpoint
+    from isotui.extract.memory_plan import ExperimentPlan, MemoryPlan
     from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
 
@@ -54,6 +55,7 @@ Arrays = dict[str, np.ndarray]
 Inputs = Literal["models", "series", "config"]
 PartProgress = Callable[[int, "Checkpoint"], AbstractContextManager[ProgressCallback]]
 
+S = TypeVar("S")  # what an experiment's request is made of: a RunSpec, a series triple or None
 R = TypeVar("R")  # what one request gives: its experiment's result (a list of them for final-norm)
 R_co = TypeVar("R_co", covariant=True)
 P = TypeVar("P")  # an experiment's parameters (the options its front ends take)
@@ -139,10 +141,11 @@ class OneModelJob:
 
 
 @dataclass(frozen=True)
-class Experiment(Generic[P, Q, T]):
+class Experiment(Generic[S, P, Q, T]):
     """One registered experiment (see the module's docstring for each field's meaning), generic
-    in its parameters ``P``, its request ``Q`` and its result ``T`` (a request of final-norm
-    gives a list of ``T``)."""
+    in its input ``S`` (a model's RunSpec, a series' (series, checkpoints, spec) triple, or None
+    for a config experiment), its parameters ``P``, its request ``Q`` and its result ``T`` (a
+    request of final-norm gives a list of ``T``)."""
 
     name: str  # the subcommand: `isotui experiment NAME` (or `isotui run` for layers)
     help: str
@@ -152,7 +155,7 @@ class Experiment(Generic[P, Q, T]):
     schema: int
     view: str  # the terminal view's name in isotui.views.VIEWS
     inputs: Inputs  # models (-m, repeatable), series (--model/--checkpoints) or config (own flags)
-    make_request: Callable[[Any, P], Q]  # (spec | series | None, params) -> request
+    make_request: Callable[[S, P], Q]  # (spec | series | None, params) -> request
     rows: Callable[[list[T]], Rows]  # of every request's results, flattened
     payload: Callable[[list[T]], Payload]
     # its own parameters (a dataclass of param() fields); the default fits only P = NoParams, a
@@ -169,8 +172,8 @@ class Experiment(Generic[P, Q, T]):
     what: str = "models"  # what the closing failure line counts
     # --dry-run: a request's memory plan from the config alone (isotui.experiments.plans); None
     # for an experiment that streams no model
-    # (untyped: the service reads it as a MemoryPlan, the experiments' plans give ExperimentPlans)
-    plan: Callable[[Q], Any] | None = None
+    # (the layer run's a MemoryPlan, the other experiments' an ExperimentPlan)
+    plan: Callable[[Q], MemoryPlan | ExperimentPlan] | None = None
     # its tab in the app's lab: "module:attr" of a LabTab subclass (isotui.tui.lab_tab); None: no tab
     lab_tab: str | None = None
 
@@ -179,7 +182,7 @@ class Experiment(Generic[P, Q, T]):
         """Whether it takes run options at all (the data and extraction flags of ``isotui run``)."""
         return bool(self.run_options)
 
-    def request(self, spec: Any, params: P) -> Q:
+    def request(self, spec: S, params: P) -> Q:
         """The request ``spec`` (a RunSpec; a (series, checkpoints, spec) triple; None for a
         config experiment, which reads its own parameters) and the parameters stand for."""
         return self.make_request(spec, params)

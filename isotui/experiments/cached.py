@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
 if TYPE_CHECKING:
+    from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
 
 Notice = Callable[[str], None]
@@ -33,7 +33,7 @@ def _ignore(_text: str) -> None:
     """Default: drop notices."""
 
 
-def relabel_rows(spec: Any) -> Callable[[Any], None]:
+def relabel_rows(spec: RunSpec) -> Callable[[Any], None]:
     """A cached result (with ``model``, ``meta`` and ``rows``) relabelled for ``spec``, the ask
     that found it: its model's name as asked, its data as described, marked from the cache."""
 
@@ -46,13 +46,13 @@ def relabel_rows(spec: Any) -> Callable[[Any], None]:
     return relabel
 
 
-def key_hash(fields: Mapping[str, Any]) -> str:
+def key_hash(fields: Mapping[str, object]) -> str:
     """A cache key: the sha256 of ``fields`` as JSON with sorted keys, its first 32 hex digits
     (every key of the result cache, so existing caches keep answering)."""
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def experiment_key(layer_key: str, folder: str, schema: int, params: Mapping[str, Any]) -> str:
+def experiment_key(layer_key: str, folder: str, schema: int, params: Mapping[str, object]) -> str:
     """The key of one experiment result: the run's key plus the experiment, schema and parameters."""
     return key_hash({"run": layer_key, "experiment": folder, "schema": schema, **params})
 
@@ -119,8 +119,8 @@ def lookup(
 def keep(
     cache: ResultCache | None,
     key: str,
-    payload: dict[str, Any],
-    arrays: dict[str, npt.NDArray[Any]],
+    payload: dict[str, object],
+    arrays: dict[str, np.ndarray],
     on_notice: Notice | None = None,
 ) -> None:
     """Store one result; a cache that cannot be written is said, never fatal."""
@@ -141,7 +141,7 @@ def cached_run(
     decode: Decode[T],
     relabel: Callable[[T], None],
     compute: Callable[[], T],
-    encode: Callable[[T], tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]],
+    encode: Callable[[T], tuple[dict[str, object], dict[str, np.ndarray]]],
     notice: Notice | None = None,
 ) -> T:
     """The cached result when there is one (``relabel`` gives it the names asked for now and

@@ -5,9 +5,10 @@ key with :func:`~isotui.experiments.layer_pass.prepare`), which the cached path 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic
+from typing import TYPE_CHECKING, Generic
 
 from isotui.experiments.base import Context, OneModelJob, R
 from isotui.experiments.cached import Notice, experiment_key, folder_cache, lookup, runs_cache
@@ -28,7 +29,7 @@ class CachedRequest(OneModelJob, Generic[R]):
     def _measure(self, cache: ResultCache | None, context: Context) -> R:
         raise NotImplementedError
 
-    def _folder(self) -> tuple[str, int, dict[str, Any]]:
+    def _folder(self) -> tuple[str, int, Mapping[str, object]]:
         raise NotImplementedError
 
     def keys(self, cache_root: Path | None) -> list[str]:

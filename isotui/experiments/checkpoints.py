@@ -239,7 +239,7 @@ def _checkpoints_request(spec: SeriesSpec, _params: CheckpointsParams) -> Checkp
     return CheckpointsRequest(*unpack_series(spec))
 
 
-EXPERIMENT: Experiment[CheckpointsParams, CheckpointsRequest, CheckpointSeries] = Experiment(
+EXPERIMENT: Experiment[SeriesSpec, CheckpointsParams, CheckpointsRequest, CheckpointSeries] = Experiment(
     name="checkpoints",
     help=HELP,
     request_type=CheckpointsRequest,

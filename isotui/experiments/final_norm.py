@@ -670,7 +670,7 @@ class FinalNormParams:
     )
 
 
-EXPERIMENT: Experiment[FinalNormParams, FinalNormRequest, FinalNormResult] = Experiment(
+EXPERIMENT: Experiment[RunSpec, FinalNormParams, FinalNormRequest, FinalNormResult] = Experiment(
     name="final-norm",
     help=HELP,
     request_type=FinalNormRequest,

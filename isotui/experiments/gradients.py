@@ -536,7 +536,7 @@ class GradientsParams:
     top_k: int = param(10, parse=_top_k, help="principal directions of the activations (default 10)")
 
 
-EXPERIMENT: Experiment[GradientsParams, GradientsRequest, GradientResult] = Experiment(
+EXPERIMENT: Experiment[RunSpec, GradientsParams, GradientsRequest, GradientResult] = Experiment(
     name="gradients",
     help=HELP,
     request_type=GradientsRequest,

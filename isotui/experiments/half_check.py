@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict, cast
 
 from isotui.errors import Cancelled, IsotuiError
 
@@ -36,6 +36,20 @@ def checked_metrics() -> tuple[str, ...]:
     from isotui.results import LAYER_METRICS
 
     return (*LAYER_METRICS, "top_rogue_share")
+
+
+class HalfCheck(TypedDict):
+    """The half-precision check of a run (its metadata's ``half_check``): the dtype, the samples
+    compared, and per metric the largest changes (or why it was skipped)."""
+
+    dtype: str
+    samples: int
+    of_samples: NotRequired[int]  # absent from entries cached before it was said
+    skipped: NotRequired[str]
+    max_rel_change: NotRequired[dict[str, float]]
+    max_abs_change: NotRequired[dict[str, float]]
+    max_se_change: NotRequired[dict[str, float]]
+    near_zero: NotRequired[list[str]]
 
 
 def changes(half: ModelResult, full: ModelResult) -> dict[str, dict[str, float]]:
@@ -88,7 +102,7 @@ def half_check(
     weights: int = 0,
     device: str | None = None,
     run: ModelResult | None = None,
-) -> dict[str, Any]:
+) -> HalfCheck:
     """Run the samples in float32 (no cache) and compare with ``run``, the half-precision run
     itself, when it has at most :data:`CHECK_MAX` samples; else run the first ones in ``dtype``
     and in float32. Only when the float32 copy fits (:func:`too_large`; ``weights``: the half
@@ -97,7 +111,7 @@ def half_check(
     this check is one of its steps, below it)."""
     k = min(CHECK_MAX, n_samples)
     small = replace(spec, max_samples=k, exact=False, shard=None)
-    check: dict[str, Any] = {"dtype": dtype, "samples": k, "of_samples": n_samples}
+    check: HalfCheck = {"dtype": dtype, "samples": k, "of_samples": n_samples}
     if why := too_large(spec, weights, device):
         check["skipped"] = why
         return check
@@ -110,13 +124,13 @@ def half_check(
     except (IsotuiError, RuntimeError, MemoryError) as exc:  # torch's out-of-memory is a RuntimeError
         check["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         return check
-    check |= changes(half, full)
+    check |= cast("HalfCheck", changes(half, full))  # only its max_*_change keys: what |= adds
     near_zero = [m for m in check["max_abs_change"] if all(abs(getattr(r, m)) < NEAR_ZERO for r in full.rows)]
     check["near_zero"] = near_zero
     return check
 
 
-def _change(check: dict[str, Any], name: str) -> str:
+def _change(check: HalfCheck, name: str) -> str:
     """One metric's change in its own terms: relative (absolute for a value near 0), and in units
     of the run's standard error where it has one."""
     if name in check.get("near_zero", ()):
@@ -127,7 +141,7 @@ def _change(check: dict[str, Any], name: str) -> str:
     return f"{name} {amount}" + (f" ({se:.1f} SE)" if se is not None else "")
 
 
-def _rank(check: dict[str, Any], name: str) -> float:
+def _rank(check: HalfCheck, name: str) -> float:
     """Where a metric's change ranks: its relative change; a metric near 0, whose relative change
     means nothing, by its change in SE units, 1 SE ranking with a 1% change."""
     if name in check.get("near_zero", ()):
@@ -135,7 +149,7 @@ def _rank(check: dict[str, Any], name: str) -> float:
     return float(check["max_rel_change"][name])
 
 
-def note(check: dict[str, Any]) -> str:
+def note(check: HalfCheck) -> str:
     """The check in one sentence, with what a paper should use."""
     dtype, k = check["dtype"], check["samples"]
     n = check.get("of_samples", k)

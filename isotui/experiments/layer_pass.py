@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
@@ -62,7 +62,7 @@ class Prepared:
         return (self.key, *self.legacy_keys)
 
 
-def run_key(key_fields: dict[str, Any]) -> str:
+def run_key(key_fields: Mapping[str, object]) -> str:
     """The hash of a run's resolved settings."""
     return key_hash(key_fields)
 
@@ -354,7 +354,19 @@ def compute(
     return result
 
 
-def loaded_facts(loaded: LoadedModel, device: str, load_s: float) -> dict[str, Any]:
+class LoadFacts(TypedDict):
+    """What :func:`loaded_facts` says of a loaded model."""
+
+    model_class: str
+    modality: str
+    device: str
+    load_s: float
+    threads: int
+    notes: list[str]
+    versions: dict[str, str]
+
+
+def loaded_facts(loaded: LoadedModel, device: str, load_s: float) -> LoadFacts:
     """What the table's metadata says about the loaded model (JSON: a shard keeps it with its
     partial state, so that the merged table says what a one-process run's says)."""
     import torch
@@ -375,7 +387,7 @@ def loaded_facts(loaded: LoadedModel, device: str, load_s: float) -> dict[str, A
     }
 
 
-def build_result(prepared: Prepared, ex: Extraction, facts: dict[str, Any]) -> ModelResult:
+def build_result(prepared: Prepared, ex: Extraction, facts: LoadFacts) -> ModelResult:
     """The layer table of an extraction (one pass, or merged shards) and the loaded model's
     ``facts`` (:func:`loaded_facts`)."""
     spec = prepared.spec

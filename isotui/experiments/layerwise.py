@@ -7,12 +7,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar, TypeVar
 
 from isotui.experiments import plans
 from isotui.experiments.base import Arrays, Context, Experiment, Notice, OneModelJob, Payload, Rows
 from isotui.experiments.cached import runs_cache
 from isotui.experiments.half_check import HALF_DTYPES
+from isotui.experiments.json_types import JsonObject
 from isotui.experiments.layer_pass import (
     NoticeCallback,
     Prepared,
@@ -108,7 +109,7 @@ def measure(
 
 
 def measure_for_driver(
-    spec: RunSpec, index: int, count: int, plan: dict[str, Any] | None, cache_root: Path
+    spec: RunSpec, index: int, count: int, plan: JsonObject | None, cache_root: Path
 ) -> tuple[str, bytes]:
     """A sweep task on a machine that does not see the driver's cache: the whole run (``count``
     1) or shard ``index`` of ``count`` (:func:`~isotui.experiments.shards.measure_shard_for_driver`,
@@ -138,7 +139,7 @@ def _wide(metric: str) -> str:
     return metric
 
 
-def _sample_path(value: Any) -> str:
+def _sample_path(value: object) -> str:
     """``--save-sample PATH``: a file name (``~`` expanded) that can be written, said before any
     work (a folder, a missing parent...)."""
     from isotui.errors import IsotuiError
@@ -275,7 +276,10 @@ class LayersRequest(OneModelJob):
         return result
 
 
-def request_for(job: Any) -> Any:
+J = TypeVar("J")  # a job that is already a request
+
+
+def request_for(job: RunSpec | J) -> LayersRequest | J:
     """The request of a job: a plain :class:`~isotui.spec.RunSpec` is a :class:`LayersRequest`;
     any other request is itself (so a front end that still submits specs needs no other branch)."""
     return LayersRequest(job) if isinstance(job, RunSpec) else job
@@ -284,13 +288,13 @@ def request_for(job: Any) -> Any:
 # --- the registry's entry (isotui run) ---------------------------------------------------------------
 
 
-def _layer_rows(results: list[Any]) -> Rows:
+def _layer_rows(results: list[ModelResult]) -> Rows:
     from isotui.store.export import layer_csv_rows
 
     return layer_csv_rows(results)
 
 
-def _layer_payload(results: list[Any]) -> Payload:
+def _layer_payload(results: list[ModelResult]) -> Payload:
     return {"results": [r.to_json() for r in results]}
 
 
@@ -298,7 +302,7 @@ def _layer_decode(payload: Payload, arrays: Arrays) -> ModelResult:
     return ModelResult.from_json(payload, arrays)
 
 
-EXPERIMENT: Experiment[Any, LayersRequest, ModelResult] = Experiment(
+EXPERIMENT: Experiment[RunSpec, LayersParams, LayersRequest, ModelResult] = Experiment(
     name="layers",
     help="measure layer-wise anisotropy of one or more models",
     request_type=LayersRequest,

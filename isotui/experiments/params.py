@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from isotui.errors import IsotuiError
 
@@ -60,8 +60,13 @@ class Param:
         return self.parse(given)
 
 
-def param(default: Any = None, **meta: Any) -> Any:
-    """A dataclass field declared as an experiment parameter (see :class:`Param`)."""
+@overload
+def param(default: None = None, **meta: object) -> None: ...
+@overload
+def param(default: V, **meta: object) -> V: ...
+def param(default: object = None, **meta: object) -> object:
+    """A dataclass field declared as an experiment parameter (see :class:`Param`); typed, as
+    :func:`dataclasses.field` is, as its default, the value the field holds."""
     return field(default=default, metadata={"param": meta | {"default": default}})
 
 

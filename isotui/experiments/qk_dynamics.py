@@ -375,7 +375,7 @@ def _dynamics_request(spec: SeriesSpec, params: DynamicsParams) -> DynamicsReque
     return DynamicsRequest(series, ckpts, base, sample_size=params.sample)
 
 
-EXPERIMENT: Experiment[DynamicsParams, DynamicsRequest, DynamicsResult] = Experiment(
+EXPERIMENT: Experiment[SeriesSpec, DynamicsParams, DynamicsRequest, DynamicsResult] = Experiment(
     name="qk-dynamics",
     help=HELP,
     request_type=DynamicsRequest,

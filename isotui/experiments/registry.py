@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from isotui.experiments.base import Experiment
     from isotui.spec import RunOption
 
-    AnyExperiment = Experiment[Any, Any, Any]  # each entry its own params, request and result
+    AnyExperiment = Experiment[Any, Any, Any, Any]  # each entry its own input, params, request and result
 
 TABLE: dict[str, str] = {
     "layers": "isotui.experiments.layerwise:EXPERIMENT",
@@ -58,7 +58,7 @@ def _registry() -> tuple[AnyExperiment, ...]:
     return registry
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> tuple[AnyExperiment, ...] | dict[str, AnyExperiment] | AnyExperiment:
     """``REGISTRY``, ``EXPERIMENTS`` and ``LAYERS``, resolved on first use."""
     if name == "REGISTRY":
         return _registry()

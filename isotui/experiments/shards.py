@@ -30,20 +30,21 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import numpy as np
 
 from isotui.errors import IsotuiError
+from isotui.experiments.json_types import JsonObject, JsonValue
 from isotui.extract.progress import Progress, ProgressCallback, StopCheck, never_stop, no_progress
 from isotui.store.cache import CacheProblem, CacheWriteError, ResultCache
 from isotui.store.files import claim_bytes
 
 if TYPE_CHECKING:
-    from isotui.experiments.layer_pass import Prepared
+    from isotui.experiments.layer_pass import LoadFacts, Prepared
     from isotui.extract.memory_plan import MemoryPlan
     from isotui.results import ModelResult
     from isotui.spec import RunSpec
@@ -54,6 +55,39 @@ _NAME = re.compile(r"^(?P<key>[0-9a-f]+)-(?P<index>\d+)-of-(?P<count>\d+)$")
 
 Notice = Callable[[str], None]
 _ZERO_DIM = "__zero_dim__"  # a layer's 0-d tensors, by name (stored as 1-element arrays)
+
+State = dict[str, object]  # an extract_state: "components" (per component, each layer's state) and the facts
+Components = dict[str, list[dict[str, object]]]  # a state's "components"
+
+
+class ShardMeta(TypedDict):
+    """A shard entry's ``meta``: its data and samples."""
+
+    data: str
+    n_samples: int
+    max_length: int | None
+    created: str
+
+
+class ShardHead(TypedDict):
+    """A shard entry's ``shard``: which shard of which run, its options and load facts."""
+
+    run: str
+    index: int
+    count: int
+    group: str
+    options: dict[str, object]
+    loaded: LoadFacts
+
+
+class ShardEntry(TypedDict):
+    """A shard's cache entry, as :func:`_run_shard` writes it (beside its arrays)."""
+
+    facts: dict[str, object]
+    layers: dict[str, list[dict[str, JsonValue]]]
+    model: str
+    meta: ShardMeta
+    shard: ShardHead
 
 
 def _quiet(_text: str) -> None:
@@ -168,7 +202,7 @@ def partial_key(run_key: str, index: int, count: int) -> str:
     return f"{run_key}-{index}-of-{count}"
 
 
-def _options(prepared: Prepared) -> dict[str, Any]:
+def _options(prepared: Prepared) -> dict[str, object]:
     """The resolved run options a shard's numbers depend on (what its run key hashes, readable;
     ``schema``: the layer metrics' schema, an isotui version's)."""
     from isotui.results import SCHEMA_VERSION
@@ -191,7 +225,7 @@ def _options(prepared: Prepared) -> dict[str, Any]:
 _NOT_FLAGS = {"schema": "the layer metrics' schema", "metrics": "the plug-in metrics"}
 
 
-def _said(value: Any) -> str:
+def _said(value: object) -> str:
     """An option's value as the command line gives it."""
     if value is None:
         return "not given"
@@ -202,7 +236,7 @@ def _said(value: Any) -> str:
     return str(value)
 
 
-def option_differences(here: dict[str, Any], theirs: dict[str, Any], where: str) -> list[str]:
+def option_differences(here: Mapping[str, object], theirs: Mapping[str, object], where: str) -> list[str]:
     """Each run option that differs, in the command line's terms: ``--max-length 32 here, 64
     in the cached shards`` (an option the other side did not record: ``not given``; the schema
     only when both recorded it, as states cached before it was recorded did not)."""
@@ -227,21 +261,22 @@ def _group(prepared: Prepared) -> str:
 # --- a partial state as a cache entry ---------------------------------------------------------------
 
 
-def state_payload(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def state_payload(state: Mapping[str, object]) -> tuple[dict[str, object], dict[str, np.ndarray]]:
     """An :func:`~isotui.extract.runner.extract_state` as JSON plus arrays (no pickle)."""
     import torch
 
     arrays: dict[str, np.ndarray] = {}
-    layers: dict[str, list[dict[str, Any]]] = {}
-    for component, states in state["components"].items():
+    layers: dict[str, list[dict[str, object]]] = {}
+    for component, states in cast("Components", state["components"]).items():  # extract_state's
         layers[component] = []
         for i, layer in enumerate(states):
-            scalars: dict[str, Any] = {_ZERO_DIM: []}
+            zero_dim: list[str] = []
+            scalars: dict[str, object] = {_ZERO_DIM: zero_dim}
             for name, value in layer.items():
                 if isinstance(value, torch.Tensor):
                     arrays[f"{component}.{i}.{name}"] = value.detach().cpu().contiguous().numpy()
                     if value.ndim == 0:  # the cache stores arrays of at least one dimension
-                        scalars[_ZERO_DIM].append(name)
+                        zero_dim.append(name)
                 else:
                     scalars[name] = value
             layers[component].append(scalars)
@@ -249,11 +284,11 @@ def state_payload(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.n
     return {"facts": facts, "layers": layers}, arrays
 
 
-def state_from_payload(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+def state_from_payload(payload: ShardEntry, arrays: dict[str, np.ndarray]) -> State:
     """The state :func:`state_payload` stored."""
     import torch
 
-    components: dict[str, list[dict[str, Any]]] = {}
+    components: Components = {}
     for component, layers in payload["layers"].items():
         components[component] = []
         for i, scalars in enumerate(layers):
@@ -262,7 +297,7 @@ def state_from_payload(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -
                 k[len(prefix) :]: torch.from_numpy(v) for k, v in arrays.items() if k.startswith(prefix)
             }
             kept = {k: v for k, v in scalars.items() if k != _ZERO_DIM}
-            for name in scalars.get(_ZERO_DIM, []):
+            for name in cast("list[str]", scalars.get(_ZERO_DIM, [])):  # as state_payload wrote it
                 tensors[name] = tensors[name].reshape(())
             components[component].append({**kept, **tensors})
     return {**payload["facts"], "components": components}
@@ -273,18 +308,19 @@ def state_from_payload(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -
 DAMAGE = (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError)
 
 
-def checked_state(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+def checked_state(payload: Mapping[str, object], arrays: dict[str, np.ndarray]) -> State:
     """The state of a cached shard, every layer's accumulator rebuilt from it once, so that a
     damaged entry (an array of a wrong shape, a missing field) raises one of :data:`DAMAGE` here
     and not in the merge."""
     from isotui.core.accumulator import LayerAccumulator
 
-    state = state_from_payload(payload, arrays)
-    for layers in state["components"].values():
+    entry = cast("ShardEntry", payload)  # as _run_shard wrote it; a damaged one raises below
+    state = state_from_payload(entry, arrays)
+    for layers in cast("Components", state["components"]).values():  # as state_from_payload made it
         for layer in layers:
             LayerAccumulator.from_state(layer, copy=False)  # checked, not copied
     seconds = [state.get(n, 0.0) for n in ("tokenise_s", "forward_s", "metrics_s")]
-    seconds.append(payload["shard"]["loaded"]["load_s"])
+    seconds.append(entry["shard"]["loaded"]["load_s"])
     if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in seconds):
         raise TypeError("timings that are not numbers")
     return state
@@ -312,12 +348,12 @@ class PartialRun:
     created: str  # the newest shard's
     size_bytes: int
     group: str = ""
-    options: tuple[tuple[str, Any], ...] = ()
+    options: tuple[tuple[str, object], ...] = ()
 
 
 def partial_runs(root: Path) -> list[PartialRun]:
     """Every partial run in the cache at ``root``, newest first (headers only)."""
-    found: dict[tuple[str, int], list[tuple[int, dict[str, Any], int, str]]] = {}
+    found: dict[tuple[str, int], list[tuple[int, ShardEntry, int, str]]] = {}
     cache = shard_cache(root)
     for entry in cache.scan().entries:
         m = _NAME.match(entry.key)
@@ -502,7 +538,7 @@ def _run_shard(
     on_progress: ProgressCallback,
     should_stop: StopCheck,
     settle: Callable[[MemoryPlan], MemoryPlan] | None = None,
-) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+) -> tuple[dict[str, object], dict[str, np.ndarray]]:
     """Load the model, stream this shard's samples, and return the entry to cache. ``settle``:
     how the shard comes to its run's plan (default: the plan file beside the states in
     ``cache_root``, :func:`_settle_plan`)."""
@@ -588,12 +624,12 @@ def merge_cached(
     cache = shard_cache(cache_root)
     runs = ResultCache(cache_root)
     on_progress(Progress(0, 0, 0, 0.0, message=f"merging the {count} shards of this run"))
-    loaded: list[dict[str, Any]] = []  # each shard's load facts
+    loaded: list[LoadFacts] = []  # each shard's load facts
     timings = dict.fromkeys(("tokenise_s", "forward_s", "metrics_s"), 0.0)  # every shard's work
     said: list[str] = []
     damaged: list[int] = []
 
-    def states() -> Iterator[dict[str, Any]]:
+    def states() -> Iterator[State]:
         """Each shard's state, read and checked when the merge asks for it (one at a time in
         memory); a damaged one is removed (it runs again) and the others are only checked."""
         for i in range(count):
@@ -619,7 +655,7 @@ def merge_cached(
             del found
             if not damaged:
                 for phase in timings:
-                    timings[phase] += state.get(phase, 0.0)
+                    timings[phase] += cast("float", state.get(phase, 0.0))  # a number: checked_state's check
                 yield state
             del state  # not held while the next one is read
 
@@ -630,7 +666,7 @@ def merge_cached(
         merged.update(timings)
         ex = finish_extraction(merged, own=True)  # one copy of the sums, not two (merge_bytes)
         ex.notes.append(f"merged from {count} shards")
-        facts = {**loaded[0], "load_s": sum(f["load_s"] for f in loaded)}
+        facts: LoadFacts = {**loaded[0], "load_s": sum(f["load_s"] for f in loaded)}
         result = layer_pass.build_result(prepared, ex, facts)
     except _Gone:
         hit = layer_pass.lookup(prepared, runs, on_notice)
@@ -661,7 +697,7 @@ class _Gone(Exception):
 
 
 def measure_shard_for_driver(
-    spec: RunSpec, index: int, count: int, plan: dict[str, Any] | None, cache_root: Path
+    spec: RunSpec, index: int, count: int, plan: JsonObject | None, cache_root: Path
 ) -> tuple[str, bytes]:
     """A sweep task's shard ``index`` of ``count`` (at least 2) on a machine that does not see
     the driver's cache (:func:`~isotui.experiments.layerwise.measure_for_driver`): measured here,
@@ -687,7 +723,7 @@ def measure_shard_for_driver(
 
 def keep_from_worker(
     cache_root: Path, run_key: str, index: int, count: int, data: bytes
-) -> dict[str, Any] | None:
+) -> JsonObject | None:
     """Keep in the driver's cache the entry a sweep task sent
     (:func:`~isotui.experiments.layerwise.measure_for_driver`): the shard state (beside it,
     the run's plan, recorded from the first state that comes: the plan the later shards are
@@ -716,7 +752,7 @@ def keep_from_worker(
         if (mine["run"], mine["index"], mine["count"]) != (run_key, index, count):
             raise ValueError(f"it is shard {mine['index']}/{mine['count']} of run {str(mine['run'])[:12]}")
         checked_state(*found)
-        plan: dict[str, Any] = found[0]["facts"]["memory_plan"]
+        plan = cast("JsonObject", found[0]["facts"]["memory_plan"])  # MemoryPlan.to_json's, as recorded
     except (CacheProblem, *DAMAGE) as exc:
         cache.remove(name)
         raise IsotuiError(f"the state of {what} sent by its Ray worker is damaged ({_why(exc)})") from None

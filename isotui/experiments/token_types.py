@@ -332,7 +332,7 @@ def _plan(request: TokenTypesRequest) -> MemoryPlan:
     return layers(request)
 
 
-EXPERIMENT: Experiment[TokenTypesParams, TokenTypesRequest, TokenTypesResult] = Experiment(
+EXPERIMENT: Experiment[RunSpec, TokenTypesParams, TokenTypesRequest, TokenTypesResult] = Experiment(
     name="token-types",
     help=HELP,
     request_type=TokenTypesRequest,

@@ -29,14 +29,22 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Protocol, TypedDict, cast
 
 from isotui.errors import Cancelled, IsotuiError
 
 if TYPE_CHECKING:
     import torch
+    from transformers import (
+        BertForMaskedLM,
+        DataCollatorForLanguageModeling,
+        GPT2LMHeadModel,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+    )
 
 HELP = (
     "pretrain a tiny BERT (masked LM) or GPT-2 (causal LM) from scratch on the built-in corpus, "
@@ -76,6 +84,62 @@ DEFAULTS: _Defaults = {
 }
 
 
+class _Printer(Protocol):
+    """Where a run's lines go (a rich Console on stderr)."""
+
+    def print(self, *objects: object, highlight: bool | None = None) -> None: ...
+
+
+class _Saves(Protocol):
+    """A model that saves itself (its keywords differ across transformers versions)."""
+
+    @property
+    def save_pretrained(self) -> Callable[..., object]: ...
+
+
+class RunCheckpoint(TypedDict):
+    """One checkpoint of ``train_tiny.json``."""
+
+    step: int
+    path: str
+    train_loss: float
+    loss_steps: int
+    lr: float
+    seconds: float
+
+
+class RunData(TypedDict):
+    """The corpus of ``train_tiny.json``."""
+
+    source: str
+    fingerprint: str
+    sentences: int
+    rows: int
+    tokens: int
+    padding_fraction: float
+    steps_per_epoch: int
+
+
+RunModel = TypedDict("RunModel", {"class": str, "parameters": int})  # "class": not a Python name
+
+
+class TrainRun(TypedDict):
+    """``train_tiny.json``: a run's settings, corpus, model, checkpoints and state."""
+
+    command: str
+    format: int
+    args: dict[str, object]
+    model: RunModel
+    data: RunData
+    device: str
+    torch_threads: int
+    versions: dict[str, str]
+    checkpoints: list[RunCheckpoint]
+    complete: bool
+    interrupted: bool
+    seconds: float
+
+
 class _TrainState(TypedDict):
     """What the checkpoints of a run need from the steps before them."""
 
@@ -109,7 +173,7 @@ class Settings:
     dropout: float
     seed: int
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> dict[str, object]:
         return {
             "arch": self.arch,
             "steps": self.steps,
@@ -182,7 +246,7 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def read_run(out: Path) -> dict[str, Any] | None:
+def read_run(out: Path) -> TrainRun | None:
     """The ``train_tiny.json`` of an earlier run in ``out``, or None if there is none (or it is
     not one of ours)."""
     try:
@@ -191,7 +255,7 @@ def read_run(out: Path) -> dict[str, Any] | None:
         return None
     if not isinstance(payload, dict) or payload.get("command") != "train-tiny":
         return None
-    return payload
+    return cast("TrainRun", payload)  # a train-tiny run's file, as train() wrote it
 
 
 def checkpoint_dirs(out: Path) -> list[Path]:
@@ -235,7 +299,7 @@ def prepare_out(out: Path, settings: Settings, force: bool) -> None:
     (out / RUN_FILE).unlink(missing_ok=True)
 
 
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
+def _write_json(path: Path, payload: TrainRun) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
@@ -261,7 +325,7 @@ def pack_rows(sentences: list[list[int]], seq_len: int, bos: int, sep: int, pad:
     return rows
 
 
-def build_model(settings: Settings, tokenizer: Any) -> Any:
+def build_model(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> BertForMaskedLM | GPT2LMHeadModel:
     """A randomly initialised BertForMaskedLM or GPT2LMHeadModel (transformers' own init)."""
     from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
@@ -295,7 +359,7 @@ def build_model(settings: Settings, tokenizer: Any) -> Any:
     return GPT2LMHeadModel(gpt_config)
 
 
-def _loss(model: Any, arch: str, batch: dict[str, Any]) -> Any:
+def _loss(model: PreTrainedModel, arch: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The training loss, with the vocabulary head applied only where there is a label.
 
     The same mean cross-entropy as ``model(**batch, labels=...)`` (masked tokens for BERT; next
@@ -304,21 +368,23 @@ def _loss(model: Any, arch: str, batch: dict[str, Any]) -> Any:
     import torch.nn.functional as F
 
     if arch == "bert":
-        hidden = model.bert(
+        bert = cast("BertForMaskedLM", model)  # build_model's model for "bert"
+        hidden = bert.bert(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             token_type_ids=batch["token_type_ids"],
         ).last_hidden_state
         labels = batch["labels"]
         keep = labels != -100
-        logits = model.cls(hidden[keep])
+        logits = bert.cls(hidden[keep])
         return F.cross_entropy(logits.float(), labels[keep])
-    hidden = model.transformer(
+    gpt2 = cast("GPT2LMHeadModel", model)  # build_model's model for "gpt2"
+    hidden = gpt2.transformer(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
     ).last_hidden_state
     targets = batch["labels"][:, 1:]
     keep = targets != -100
-    logits = model.lm_head(hidden[:, :-1][keep])
+    logits = gpt2.lm_head(hidden[:, :-1][keep])
     return F.cross_entropy(logits.float(), targets[keep])
 
 
@@ -326,7 +392,9 @@ class _Batches:
     """Deterministic batches: a seeded permutation of the rows per epoch (the last partial batch
     of an epoch is dropped), BERT masking from the collator's own seeded generator."""
 
-    def __init__(self, rows: Any, settings: Settings, tokenizer: Any, device: str) -> None:
+    def __init__(
+        self, rows: torch.Tensor, settings: Settings, tokenizer: PreTrainedTokenizerBase, device: str
+    ) -> None:
         import torch
 
         self.rows = rows  # LongTensor [n, seq_len]
@@ -336,7 +404,7 @@ class _Batches:
         self.pad = tokenizer.pad_token_id
         self.order = torch.Generator().manual_seed(settings.seed)
         self.perm: list[int] = []
-        self.collator = None
+        self.collator: DataCollatorForLanguageModeling | None = None
         if self.arch == "bert":
             from transformers import DataCollatorForLanguageModeling
 
@@ -345,7 +413,7 @@ class _Batches:
             )
             self.special = torch.isin(rows, torch.tensor(tokenizer.all_special_ids)).long()
 
-    def next(self) -> dict[str, Any]:
+    def next(self) -> dict[str, torch.Tensor]:
         import torch
 
         n = self.rows.shape[0]
@@ -375,7 +443,9 @@ class _Batches:
         return {k: v.to(self.device) for k, v in batch.items()}
 
 
-def _optimizer(model: Any, settings: Settings) -> tuple[Any, Any]:
+def _optimizer(
+    model: torch.nn.Module, settings: Settings
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW (no decay on biases and norms), linear warmup over 10% of the steps, then linear
     decay to 0 at the last step."""
     import torch
@@ -401,7 +471,7 @@ def _optimizer(model: Any, settings: Settings) -> tuple[Any, Any]:
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def _save_checkpoint(model: Any, tokenizer: Any, out: Path, step: int) -> Path:
+def _save_checkpoint(model: _Saves, tokenizer: PreTrainedTokenizerBase, out: Path, step: int) -> Path:
     """save_pretrained into a hidden temporary folder, then rename it into place."""
     import inspect
 
@@ -442,8 +512,8 @@ def _versions() -> dict[str, str]:
 
 
 def train(
-    settings: Settings, out: Path, *, device: str, err: Any = None, quiet: bool = True
-) -> dict[str, Any]:
+    settings: Settings, out: Path, *, device: str, err: _Printer | None = None, quiet: bool = True
+) -> TrainRun:
     """Train and save the checkpoints; return the run's JSON payload (also in ``out/train_tiny.json``).
 
     ``out`` must be ready (see :func:`prepare_out`). On KeyboardInterrupt or :class:`Cancelled`,
@@ -476,12 +546,13 @@ def train(
             f"into at --seq-len {s.seq_len}; use a smaller batch size"
         )
     torch.manual_seed(s.seed)
-    model = build_model(s, tokenizer).to(device)
+    built: torch.nn.Module = build_model(s, tokenizer)  # a Module: transformers wraps its .to untyped
+    model = cast("PreTrainedModel", built.to(device))  # .to gives the model itself
     n_params = sum(p.numel() for p in model.parameters())
     batches = _Batches(rows, s, tokenizer, device)
     opt, sched = _optimizer(model, s)
     real_tokens = int((rows != tokenizer.pad_token_id).sum())
-    payload: dict[str, Any] = {
+    payload: TrainRun = {
         "command": "train-tiny",
         "format": FORMAT,
         "args": s.as_json(),
@@ -540,7 +611,8 @@ def train(
 
     try:
         batch = batches.next()
-        model.eval()  # the init's loss, on the first batch (the same forward step 1 then trains on)
+        # the init's loss, on the first batch (the same forward step 1 then trains on)
+        model.eval()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
         with torch.no_grad():
             state["init_loss"] = float(_loss(model, s.arch, batch))
         checkpoint(0)
@@ -556,7 +628,7 @@ def train(
                     f"(it is {s.lr:g}) and train again with --force"
                 )
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
             state["lr"] = opt.param_groups[0]["lr"]
             opt.step()

@@ -20,7 +20,7 @@ from isotui.experiments.drift_block.store import _lookup, drift_cache
 from isotui.experiments.drift_block.sweep import _assemble, run_drift_block
 
 
-def make_request(_spec: object, params: DriftBlockParams) -> DriftBlockRequest:
+def make_request(_spec: None, params: DriftBlockParams) -> DriftBlockRequest:
     """The request the parameters describe (drift-block reads no model: ``_spec`` is None)."""
     return DriftBlockRequest(config_from_params(params))
 
@@ -99,7 +99,7 @@ class DriftBlockRequest:
         return run_drift_block(self.config, cache, context.on_progress, context.should_stop)
 
 
-EXPERIMENT: Experiment[DriftBlockParams, DriftBlockRequest, DriftBlockResult] = Experiment(
+EXPERIMENT: Experiment[None, DriftBlockParams, DriftBlockRequest, DriftBlockResult] = Experiment(
     name="drift-block",
     help=HELP,
     request_type=DriftBlockRequest,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from isotui.experiments.drift_block.config import DriftBlockConfig
 
 if TYPE_CHECKING:
     import torch
+    from transformers.models.bert.modeling_bert import BertCrossAttention, BertLayer, BertSelfAttention
 
 
 @dataclass
@@ -21,7 +22,7 @@ class BlockInputs:
     """What one seed draws: the embedding table, the block, the token ids and the bias direction."""
 
     embeddings: torch.Tensor  # (vocab, hidden) float32
-    block: Any  # transformers BertLayer (torch.nn.Module), eval mode; its submodules by name
+    block: BertLayer  # eval mode; its submodules by name
     ids: torch.Tensor  # (batch, seq_len) int64
     b_u: torch.Tensor  # (hidden,) the raw N(0, I) draw; the bias at norm N is N * b_u / ||b_u||
     kind: str = "post-ln"  # how ``run`` wires the block's modules (``DriftBlockConfig.block``)
@@ -101,7 +102,7 @@ def init_like_bert(module: torch.nn.Module, std: float, gen: torch.Generator) ->
                     bias.zero_()
 
 
-def _self_attention(block: Any) -> Any:
+def _self_attention(block: BertLayer) -> BertSelfAttention | BertCrossAttention:
     """The BertLayer's self-attention module (its ``query`` and ``key`` Linear layers are hooked)."""
     attn = block.attention.self
     if not all(hasattr(attn, n) for n in ("query", "key")):
@@ -109,9 +110,41 @@ def _self_attention(block: Any) -> Any:
     return attn
 
 
+class StepValues(TypedDict):
+    """One N's metrics: :class:`~isotui.experiments.drift_block.result.DriftBlockRow`'s, in its order."""
+
+    in_avg_cos: float
+    in_mean_norm: float
+    in_drift_norm: float
+    out_avg_cos: float
+    out_mean_norm: float
+    out_drift_norm: float
+    q_avg_cos: float
+    k_avg_cos: float
+    q_mean_norm: float
+    k_mean_norm: float
+    q_bar_norm: float
+    k_bar_norm: float
+    cos_qk_bar: float
+    q_avg_cos_heads: float
+    k_avg_cos_heads: float
+    cos_qk_bar_heads: float
+    score_mean: float
+    score_std: float
+    score_min: float
+    score_max: float
+    score_outside: int
+    softmax_max: float
+    softmax_median: float
+    softmax_min: float
+    softmax_max_peak: float
+    softmax_min_floor: float
+    entropy: float
+
+
 @dataclass
 class _Step:
-    values: dict[str, Any]  # DriftBlockRow's metrics (floats; score_outside an int)
+    values: StepValues  # DriftBlockRow's metrics
     head: dict[str, np.ndarray]  # metric -> (H,)
     hist: RangeHistogram  # counts (H, RANGE_BINS + 2) on this N's data-ranged grid
     position: np.ndarray  # (3, T)
@@ -126,8 +159,8 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
     attn = _self_attention(built.block)
     captured: dict[str, torch.Tensor] = {}
 
-    def grab(name: str) -> Callable[[Any, Any, torch.Tensor], None]:
-        def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> None:
+    def grab(name: str) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor], None]:
+        def hook(_module: torch.nn.Module, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
             captured[name] = output
 
         return hook
@@ -135,7 +168,7 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
     handles = [attn.query.register_forward_hook(grab("q")), attn.key.register_forward_hook(grab("k"))]
     if measure == "before-norm":
 
-        def grab_norm_input(_module: Any, inputs: tuple[torch.Tensor, ...]) -> None:
+        def grab_norm_input(_module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
             captured["pre_norm"] = inputs[0]
 
         handles.append(built.block.output.LayerNorm.register_forward_pre_hook(grab_norm_input))
@@ -161,7 +194,13 @@ def _measure(built: BlockInputs, norm: float, heads: int, device: str, measure: 
 
 
 def _statistics(
-    x: torch.Tensor, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, attn: Any, heads: int, device: str
+    x: torch.Tensor,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attn: BertSelfAttention | BertCrossAttention,
+    heads: int,
+    device: str,
 ) -> _Step:
     """Every statistic of one N from the block's input, output, queries and keys. On the CPU at
     one torch thread: its ops here are small or run in numpy, and each op split over threads
@@ -227,7 +266,7 @@ def _statistics(
     pooled_mean = ssum.sum() / n.sum()
     pooled_std = math.sqrt(max(ssq.sum() / n.sum() - pooled_mean**2, 0.0))
     denom = float(np.linalg.norm(q_mean) * np.linalg.norm(k_mean))
-    values = {
+    values: StepValues = {
         "in_avg_cos": in_cos,
         "in_mean_norm": in_norm,
         "in_drift_norm": in_drift,

@@ -124,7 +124,7 @@ class SeedRun:
     device: str
     from_cache: bool = False
 
-    def to_payload(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    def to_payload(self) -> tuple[dict[str, object], dict[str, np.ndarray]]:
         payload = {
             "seed": self.seed,
             "rows": [asdict(r) for r in self.rows],
@@ -235,7 +235,7 @@ class DriftBlockResult:
         mean: np.ndarray = self.softmax_position.mean(axis=0)
         return mean
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "experiment": FOLDER,
             "schema": SCHEMA,
