@@ -28,10 +28,13 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isotui.callbacks.own_backward import body
 from isotui.errors import IsotuiError
+
+if TYPE_CHECKING:
+    from isotui.experiments.recorded import GradientSource, SeriesRecord
 
 DEFAULT_EVERY = 100  # steps between probes: measured overhead on train-tiny's model in the docs
 DEFAULT_AT_END = True  # a probe at the training's last step too, wherever every= falls
@@ -140,7 +143,7 @@ class Probe:
         self.top_k = _whole(top_k, "top_k", 1)
         self.options = options
         self.out = Path(out).expanduser() if out is not None else None
-        self.record: dict[str, Any] | None = None
+        self.record: SeriesRecord | None = None
         self.done: set[int] = set()
         self.skipped: dict[int, str] = {}  # step -> why its probe failed (the training went on)
         self._said: set[str] = set()  # the failures said so far, each once
@@ -299,7 +302,7 @@ class Probe:
 
     def _gradients(
         self, model: Any, tokenizer: Any, own: Any, no_own: str, threads: int
-    ) -> tuple[Any, dict[str, Any]]:
+    ) -> tuple[Any, GradientSource]:
         """The gradients at this step: the step's own backward's, or the probe set's (a language
         model's loss: text, its tokenizer), and how."""
         import torch

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from isotui.experiments import plans
 from isotui.experiments.base import Arrays, Context, Experiment, OneModelJob, Payload, Rows
+from isotui.experiments.json_types import from_fields
 from isotui.experiments.params import param
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 
@@ -72,6 +74,23 @@ class AttentionRow:
         return [f.name for f in fields(cls)]
 
 
+class AttentionSite(TypedDict):
+    """One attention module of a result (``meta["modules"]``, in array-index order)."""
+
+    component: str
+    layer: int
+    attention: str  # self | cross
+
+
+class AttentionEntry(TypedDict):
+    """A cache entry's payload, as :meth:`AttentionResult.to_json` writes it."""
+
+    model: str
+    key: str
+    rows: list[dict[str, object]]  # each an AttentionRow's fields
+    meta: dict[str, object]
+
+
 @dataclass
 class AttentionResult:
     """Every head's row, the metadata, and per module: score histograms, Q_bar, K_bar and (for
@@ -95,11 +114,16 @@ class AttentionResult:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], arrays: dict[str, np.ndarray]) -> AttentionResult:
+    def from_json(cls, data: Mapping[str, object], arrays: dict[str, np.ndarray]) -> AttentionResult:
         """Read a cached entry back; ValueError/TypeError/KeyError if its structure is not the one
         this version writes (a valid checksum says the bytes are intact, not that they fit)."""
+        entry = cast("AttentionEntry", data)  # the cache checked its schema; _check checks the rest
         result = cls(
-            data["model"], data["key"], [AttentionRow(**r) for r in data["rows"]], data["meta"], arrays
+            entry["model"],
+            entry["key"],
+            [from_fields(AttentionRow, r) for r in entry["rows"]],
+            entry["meta"],
+            arrays,
         )
         result._check()
         return result
@@ -123,9 +147,9 @@ class AttentionResult:
         if any((r.component, r.layer, r.attention) not in sites for r in self.rows):
             raise ValueError("rows of modules the entry does not describe")
 
-    def modules(self) -> list[dict[str, Any]]:
+    def modules(self) -> list[AttentionSite]:
         """Each module's site (component, layer, attention kind) in array-index order."""
-        modules: list[dict[str, Any]] = self.meta["modules"]
+        modules: list[AttentionSite] = self.meta["modules"]
         return modules
 
     def module_rows(self, i: int) -> list[AttentionRow]:
@@ -333,7 +357,7 @@ def _compute(
     )
     rows: list[AttentionRow] = []
     arrays: Arrays = {}
-    modules: list[dict[str, object]] = []
+    modules: list[AttentionSite] = []
     nan = math.nan
     for i, m in enumerate(ex.modules):
         modules.append({"component": m.site.component, "layer": m.site.layer, "attention": m.site.kind})

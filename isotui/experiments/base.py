@@ -35,7 +35,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -163,7 +163,7 @@ class Experiment(Generic[S, P, Q, T]):
     # constraint on a type argument that a default cannot state
     params: type[P] = NoParams  # type: ignore[assignment]
     # one cache entry: its JSON as read back (json.loads' untyped value) and its arrays
-    decode: Callable[[dict[str, Any], Arrays], T | list[T]] | None = None
+    decode: Callable[[dict[str, object], Arrays], T | list[T]] | None = None
     check: Callable[[P], None] = lambda _params: None  # parameters said before any work
     command: str = "experiment"  # "run": a top-level command of its own
     # the scopes of run options it takes (isotui.spec: MODEL, LAYER_METRICS, RESERVOIR, SHARD);

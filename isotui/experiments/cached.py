@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 Notice = Callable[[str], None]
 T = TypeVar("T")
-Decode = Callable[[dict[str, Any], dict[str, np.ndarray]], T]
+Decode = Callable[[dict[str, object], dict[str, np.ndarray]], T]  # a cache entry's payload and arrays
 
 
 def _ignore(_text: str) -> None:

@@ -11,9 +11,9 @@ rogue share) and gamma_k say whether the norm damps the dimensions that carry th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
+from typing import TYPE_CHECKING, ClassVar, TypedDict, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +22,7 @@ from isotui.errors import IsotuiError
 from isotui.experiments import plans
 from isotui.experiments.base import Context, Experiment, Payload, Rows
 from isotui.experiments.cached_request import CachedRequest
+from isotui.experiments.json_types import from_fields
 from isotui.experiments.params import param
 from isotui.spec import MODEL, RESERVOIR
 
@@ -352,22 +353,34 @@ def results_payload(results: list[FinalNormResult]) -> tuple[Payload, dict[str, 
     return {"results": items}, arrays
 
 
-def results_from_payload(payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> list[FinalNormResult]:
+class FinalNormEntry(TypedDict):
+    """A cache entry's payload, as :func:`results_payload` writes it: per result its fields,
+    ``before`` and ``after`` its LayerStats' scalars (the arrays beside), ``dims`` its DimRows'."""
+
+    results: list[dict[str, object]]
+
+
+def results_from_payload(
+    payload: Mapping[str, object], arrays: dict[str, np.ndarray]
+) -> list[FinalNormResult]:
     """The results :func:`results_payload` stored."""
     from isotui.core.accumulator import LayerStats
 
+    entry = cast("FinalNormEntry", payload)  # the cache checked its schema: results_payload's
     out = []
-    for i, item in enumerate(payload["results"]):
+    for i, item in enumerate(entry["results"]):
         sides = {}
         for side in ("before", "after"):
-            fields_ = dict(item[side])
-            fields_["constant_dims"] = tuple(fields_.get("constant_dims", ()))
+            fields_ = dict(cast("dict[str, object]", item[side]))  # its LayerStats' scalars
+            fields_["constant_dims"] = tuple(cast("list[int]", fields_.get("constant_dims", ())))
             for name in _STAT_ARRAYS:
                 fields_[name] = arrays[f"{i}.{side}.{name}"]
-            sides[side] = LayerStats(**fields_)
+            sides[side] = from_fields(LayerStats, fields_)
         rest = {k: v for k, v in item.items() if k not in ("before", "after", "dims")}
-        dims = [DimRow(**d) for d in item["dims"]]
-        out.append(FinalNormResult(**rest, before=sides["before"], after=sides["after"], dims=dims))
+        dims = [from_fields(DimRow, d) for d in cast("list[dict[str, object]]", item["dims"])]
+        out.append(
+            from_fields(FinalNormResult, rest, before=sides["before"], after=sides["after"], dims=dims)
+        )
     return out
 
 

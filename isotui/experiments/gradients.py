@@ -22,7 +22,7 @@ Definitions that keep every number independent of batching:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 
@@ -30,6 +30,7 @@ from isotui.errors import IsotuiError
 from isotui.experiments import plans
 from isotui.experiments.base import Arrays, Context, Experiment, Payload, Rows
 from isotui.experiments.cached_request import CachedRequest
+from isotui.experiments.json_types import from_fields
 from isotui.experiments.params import param
 
 if TYPE_CHECKING:
@@ -181,15 +182,26 @@ class GradientsRequest(CachedRequest[GradientResult]):
         )
 
 
-def gradients_from_payload(payload: dict[str, Any], _arrays: Arrays) -> GradientResult:
+class GradientEntry(TypedDict):
+    """A cache entry's payload (or a recorded step's ``gradients.json``): a GradientResult's fields."""
+
+    model: str
+    objective: str
+    rows: list[dict[str, object]]  # each a GradientRow's fields
+    notes: list[str]
+    meta: dict[str, object]
+
+
+def gradients_from_payload(payload: Mapping[str, object], _arrays: Arrays) -> GradientResult:
     """The result a cache entry holds (the payload :func:`cached_gradients` stores)."""
-    rows = [GradientRow(**r) for r in payload["rows"]]
+    entry = cast("GradientEntry", payload)  # the cache checked its schema: cached_gradients' payload
+    rows = [from_fields(GradientRow, r) for r in entry["rows"]]
     return GradientResult(
-        payload["model"],
-        payload["objective"],
+        entry["model"],
+        entry["objective"],
         rows,
-        payload["notes"],
-        cast("GradientMeta", dict(payload["meta"])),  # what its GradientResult stored
+        entry["notes"],
+        cast("GradientMeta", dict(entry["meta"])),  # what its GradientResult stored
     )
 
 

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, TypedDict
+from typing import TYPE_CHECKING, ClassVar, TypedDict, cast
 
 import numpy as np
 
@@ -133,7 +133,8 @@ class DynamicsResult:
 
 def dynamics(series: str, checkpoints: list[Checkpoint], results: list[AttentionResult]) -> DynamicsResult:
     """Assemble the per-checkpoint attention results (with subsamples) into trajectories."""
-    sites = [tuple(m.values()) for m in results[0].modules()]
+    # each module's (component, layer, attention), in the order attention writes a site's keys
+    sites = [cast("tuple[str, int, str]", tuple(m.values())) for m in results[0].modules()]
 
     def shapes(res: AttentionResult) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         return [(res.arrays[f"q_bar.{i}"].shape, res.arrays[f"k_bar.{i}"].shape) for i in range(len(sites))]
@@ -192,7 +193,7 @@ def dynamics(series: str, checkpoints: list[Checkpoint], results: list[Attention
                 )
     for part in per_ckpt:
         rows += part
-    return DynamicsResult(series, checkpoints, rows, [tuple(s) for s in sites])
+    return DynamicsResult(series, checkpoints, rows, list(sites))
 
 
 def _xy(vector: np.ndarray, basis: np.ndarray) -> tuple[float, float]:

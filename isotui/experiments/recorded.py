@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict, cast
 
 from isotui.errors import IsotuiError
 
 if TYPE_CHECKING:
     from isotui.experiments.checkpoint import Checkpoint
+    from isotui.experiments.gradients import GradientMeta, GradientResult
+    from isotui.experiments.json_types import JsonValue
     from isotui.results import ModelResult
 
 SERIES_FILE = "isotui_series.json"
@@ -33,11 +36,44 @@ FORMAT = 1
 GRADIENTS_FILE = "gradients.json"  # a step's gradients experiment result, when probed with it
 
 
+class GradientSource(TypedDict):
+    """Where a step's gradients came from: ``source`` (``own-backward`` or ``probe-set``) and,
+    for the probe set's, ``why`` not from the step's own backward."""
+
+    source: str
+    why: NotRequired[str]
+
+
+class RecordedGradients(GradientSource):
+    """A step's ``gradients`` in the record: its file in the step's folder, and its source."""
+
+    file: str
+
+
+class StepEntry(TypedDict):
+    """One probed step in the record: its folder and cache key; the trainer's facts (seconds,
+    loss...) are further keys beside these."""
+
+    step: int
+    path: str
+    key: str
+    gradients: NotRequired[RecordedGradients]
+
+
+class SeriesRecord(TypedDict):
+    """The ``isotui_series.json`` of a recorded series (:func:`new_record`, :func:`write_step`)."""
+
+    command: str
+    format: int
+    probe: dict[str, object]  # what is probed: the data, the run options, when
+    steps: list[StepEntry]
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def read_record(out: Path) -> dict[str, Any] | None:
+def read_record(out: Path) -> SeriesRecord | None:
     """The ``isotui_series.json`` of a recorded series in ``out``, None if there is none."""
     try:
         payload = json.loads((Path(out) / SERIES_FILE).read_text(encoding="utf-8"))
@@ -45,10 +81,10 @@ def read_record(out: Path) -> dict[str, Any] | None:
         return None
     if not isinstance(payload, dict) or payload.get("command") != COMMAND:
         return None
-    return payload
+    return cast("SeriesRecord", payload)  # an isotui callback's record: its command says so
 
 
-def new_record(probe: dict[str, Any]) -> dict[str, Any]:
+def new_record(probe: dict[str, object]) -> SeriesRecord:
     """The JSON of a series about to be recorded: what is probed, no step yet."""
     return {"command": COMMAND, "format": FORMAT, "probe": probe, "steps": []}
 
@@ -81,13 +117,13 @@ def prepare_out(out: Path) -> None:
 
 def write_step(
     out: Path,
-    record: dict[str, Any],
+    record: SeriesRecord,
     step: int,
     result: ModelResult,
     *,
-    gradients: Any = None,
-    how: dict[str, Any] | None = None,
-    **facts: Any,
+    gradients: GradientResult | None = None,
+    how: GradientSource | None = None,
+    **facts: JsonValue,
 ) -> Path:
     """Store ``result`` (the layer run at ``step``) as a cache entry in ``out/step_NNNNNN`` and
     list it in the record (rewritten atomically); ``facts`` (seconds, loss...) go beside it.
@@ -100,11 +136,13 @@ def write_step(
 
     folder = Path(out) / step_dir_name(step)
     ResultCache(folder).put_payload(result.key, result.to_json(), result.arrays)
-    entry = {"step": step, "path": folder.name, "key": result.key, **facts}
+    # the facts beside the step's own keys (a StepEntry with more keys)
+    entry = cast("StepEntry", {"step": step, "path": folder.name, "key": result.key, **facts})
     if gradients is not None:
         payload = {k: v for k, v in asdict(gradients).items() if k != "from_cache"}
         (folder / GRADIENTS_FILE).write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-        entry["gradients"] = {"file": GRADIENTS_FILE, **(how or {})}
+        # how: its source, given with the gradients
+        entry["gradients"] = cast("RecordedGradients", {"file": GRADIENTS_FILE, **(how or {})})
     record["steps"] = [s for s in record["steps"] if s["step"] != step] + [entry]
     record["steps"].sort(key=lambda s: s["step"])
     tmp = Path(out) / f".{SERIES_FILE}.tmp-{os.getpid()}"
@@ -113,20 +151,21 @@ def write_step(
     return folder
 
 
-def recorded_gradients(path: Path) -> dict[int, Any]:
+def recorded_gradients(path: Path) -> dict[int, GradientResult]:
     """The gradients recorded in the series in ``path``: step -> GradientResult (its
     ``meta["source"]``: ``own-backward`` or ``probe-set``)."""
     from isotui.experiments.gradients import gradients_from_payload
 
-    record = read_record(path) or {"steps": []}
+    record = read_record(path)
     found = {}
-    for s in record["steps"]:
+    for s in record["steps"] if record is not None else []:
         if "gradients" in s:
             payload = json.loads(
                 (Path(path) / s["path"] / s["gradients"]["file"]).read_text(encoding="utf-8")
             )
             result = gradients_from_payload(payload, {})
-            result.meta = {**result.meta, **{k: v for k, v in s["gradients"].items() if k != "file"}}
+            source = {k: v for k, v in s["gradients"].items() if k != "file"}
+            result.meta = cast("GradientMeta", {**result.meta, **source})  # its source (and why) added
             found[int(s["step"])] = result
     return found
 
@@ -163,7 +202,7 @@ def read_step(checkpoint: Checkpoint) -> ModelResult:
     return found
 
 
-def refuse_recorded(checkpoints: list[Any], experiment: str) -> None:
+def refuse_recorded(checkpoints: Sequence[object], experiment: str) -> None:
     """One sentence when a series recorded during training is given to an experiment that needs
     the checkpoints' weights."""
     if any(getattr(c, "recorded", None) for c in checkpoints):

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypedDict, cast
 
 import numpy as np
 
 from isotui.errors import IsotuiError
 from isotui.experiments.base import Arrays, Context, Experiment, Payload, Rows
 from isotui.experiments.cached_request import CachedRequest
+from isotui.experiments.json_types import from_fields
 from isotui.experiments.params import param
 
 if TYPE_CHECKING:
@@ -288,8 +289,19 @@ def cached_types(
     return result
 
 
-def decode(payload: dict[str, Any], _arrays: Arrays) -> TokenTypesResult:
-    return TokenTypesResult(payload["model"], [TypeRow(**r) for r in payload["rows"]], dict(payload["meta"]))
+class TypesEntry(TypedDict):
+    """A cache entry's payload, as :func:`cached_types` stores it."""
+
+    model: str
+    rows: list[dict[str, object]]  # each a TypeRow's fields
+    meta: dict[str, object]
+
+
+def decode(payload: Mapping[str, object], _arrays: Arrays) -> TokenTypesResult:
+    entry = cast("TypesEntry", payload)  # the cache checked its schema: cached_types' payload
+    return TokenTypesResult(
+        entry["model"], [from_fields(TypeRow, r) for r in entry["rows"]], dict(entry["meta"])
+    )
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,15 @@ no CLI (its flags and keywords come from :class:`.params.DriftBlockParams`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar, cast
 
 from isotui.experiments.base import Arrays, Context, Experiment, Notice, Payload, Rows
 from isotui.experiments.drift_block.config import FOLDER, SCHEMA, DriftBlockConfig
 from isotui.experiments.drift_block.params import HELP, DriftBlockParams, config_from_params
-from isotui.experiments.drift_block.result import DriftBlockResult, SeedRun
+from isotui.experiments.drift_block.result import DriftBlockResult, SeedEntry, SeedRun
 from isotui.experiments.drift_block.store import _lookup, drift_cache
 from isotui.experiments.drift_block.sweep import _assemble, run_drift_block
 
@@ -36,10 +37,11 @@ def json_payload(results: list[DriftBlockResult]) -> Payload:
     return payload
 
 
-def decode(payload: dict[str, Any], arrays: Arrays) -> DriftBlockResult:
+def decode(payload: Mapping[str, object], arrays: Arrays) -> DriftBlockResult:
     """One cache entry (one seed's sweep) as a result of that seed alone: the settings are read
     back from its rows (entries from before --block/--measure existed are post-ln, after-norm)."""
-    rows = payload["rows"]
+    entry = cast("SeedEntry", payload)  # the cache checked its schema: SeedRun.to_payload's
+    rows = entry["rows"]
     first = rows[0]
     config = DriftBlockConfig(
         hidden=int(first["hidden"]),
@@ -50,7 +52,7 @@ def decode(payload: dict[str, Any], arrays: Arrays) -> DriftBlockResult:
         batch=int(first["batch"]),
         seq_len=int(first["seq_len"]),
         norms=tuple(float(r["norm"]) for r in rows),
-        seeds=(int(payload["seed"]),),
+        seeds=(int(entry["seed"]),),
         block=str(first.get("block", "post-ln")),
         measure=str(first.get("measure", "after-norm")),
     )

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import NotRequired, TypedDict, cast
 
 import numpy as np
 
 from isotui.core.attention import RangeHistogram
 from isotui.experiments.drift_block.config import FOLDER, SCHEMA, DriftBlockConfig, _version
+from isotui.experiments.json_types import from_fields
 
 SOFTMAX_STATS = ("max", "median", "min")  # the stat axis of softmax_position
 
@@ -107,6 +109,34 @@ class NormSummary:
     std: dict[str, float]
 
 
+class RowSettings(TypedDict):
+    """Of a cached row (a DriftBlockRow's fields, NaN as null), the sweep's settings and its N,
+    which a cache entry is read back with (``block`` and ``measure``: absent before they existed)."""
+
+    norm: float
+    hidden: int
+    heads: int
+    intermediate: int
+    init_std: float
+    vocab: int
+    batch: int
+    seq_len: int
+    block: NotRequired[str]
+    measure: NotRequired[str]
+
+
+class SeedEntry(TypedDict):
+    """One seed's cache entry, as :meth:`SeedRun.to_payload` writes it (beside its arrays)."""
+
+    seed: int
+    rows: list[RowSettings]  # each a DriftBlockRow's fields
+    n_star: float | None
+    notes: list[str]
+    seconds: float
+    device: str
+    created: str
+
+
 @dataclass
 class SeedRun:
     """One seed's sweep, as cached: rows, N*, and arrays indexed [N, ...]."""
@@ -140,23 +170,24 @@ class SeedRun:
             "softmax_position": self.softmax_position,
         }
         arrays.update({f"head.{k}": v for k, v in self.head.items()})
-        return _nan_to_none(payload), arrays
+        return cast("dict[str, object]", _nan_to_none(payload)), arrays  # a dict stays a dict
 
     @classmethod
-    def from_payload(cls, key: str, payload: dict[str, Any], arrays: dict[str, np.ndarray]) -> SeedRun:
-        rows = [DriftBlockRow(**_none_to_nan(r)) for r in payload["rows"]]
+    def from_payload(cls, key: str, payload: Mapping[str, object], arrays: dict[str, np.ndarray]) -> SeedRun:
+        entry = cast("SeedEntry", payload)  # the cache checked its schema: to_payload's
+        rows = [from_fields(DriftBlockRow, _none_to_nan(r)) for r in entry["rows"]]
         return cls(
-            seed=int(payload["seed"]),
+            seed=int(entry["seed"]),
             key=key,
             rows=rows,
-            n_star=_float(payload["n_star"]),
-            notes=list(payload["notes"]),
+            n_star=_float(entry["n_star"]),
+            notes=list(entry["notes"]),
             score_hist=arrays["score_hist"],
             score_grid=arrays["score_grid"],
             softmax_position=arrays["softmax_position"],
             head={k: arrays[f"head.{k}"] for k in HEAD_METRICS},
-            seconds=float(payload["seconds"]),
-            device=str(payload["device"]),
+            seconds=float(entry["seconds"]),
+            device=str(entry["device"]),
             from_cache=True,
         )
 
@@ -172,7 +203,7 @@ def _float(v: float | None) -> float:
     return math.nan if v is None else float(v)
 
 
-def _nan_to_none(value: Any) -> Any:
+def _nan_to_none(value: object) -> object:
     """JSON has no NaN: a non-finite float becomes null (lists and dicts walked)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -183,7 +214,7 @@ def _nan_to_none(value: Any) -> Any:
     return value
 
 
-def _none_to_nan(row: dict[str, Any]) -> dict[str, Any]:
+def _none_to_nan(row: Mapping[str, object]) -> dict[str, object]:
     return {k: (math.nan if v is None else v) for k, v in row.items()}
 
 
