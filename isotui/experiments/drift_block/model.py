@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -110,41 +110,9 @@ def _self_attention(block: BertLayer) -> BertSelfAttention | BertCrossAttention:
     return attn
 
 
-class StepValues(TypedDict):
-    """One N's metrics: :class:`~isotui.experiments.drift_block.result.DriftBlockRow`'s, in its order."""
-
-    in_avg_cos: float
-    in_mean_norm: float
-    in_drift_norm: float
-    out_avg_cos: float
-    out_mean_norm: float
-    out_drift_norm: float
-    q_avg_cos: float
-    k_avg_cos: float
-    q_mean_norm: float
-    k_mean_norm: float
-    q_bar_norm: float
-    k_bar_norm: float
-    cos_qk_bar: float
-    q_avg_cos_heads: float
-    k_avg_cos_heads: float
-    cos_qk_bar_heads: float
-    score_mean: float
-    score_std: float
-    score_min: float
-    score_max: float
-    score_outside: int
-    softmax_max: float
-    softmax_median: float
-    softmax_min: float
-    softmax_max_peak: float
-    softmax_min_floor: float
-    entropy: float
-
-
 @dataclass
 class _Step:
-    values: StepValues  # DriftBlockRow's metrics
+    values: dict[str, Any]  # DriftBlockRow's metrics, named as its fields (floats; score_outside an int)
     head: dict[str, np.ndarray]  # metric -> (H,)
     hist: RangeHistogram  # counts (H, RANGE_BINS + 2) on this N's data-ranged grid
     position: np.ndarray  # (3, T)
@@ -266,7 +234,7 @@ def _statistics(
     pooled_mean = ssum.sum() / n.sum()
     pooled_std = math.sqrt(max(ssq.sum() / n.sum() - pooled_mean**2, 0.0))
     denom = float(np.linalg.norm(q_mean) * np.linalg.norm(k_mean))
-    values: StepValues = {
+    values: dict[str, Any] = {
         "in_avg_cos": in_cos,
         "in_mean_norm": in_norm,
         "in_drift_norm": in_drift,
