@@ -24,7 +24,7 @@ from isotui.experiments.params import param
 from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_progress
 
 if TYPE_CHECKING:
-    from isotui.experiments.cached import Notice
+    from isotui.experiments.base import Notice
     from isotui.experiments.layer_pass import Prepared
     from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache

@@ -20,17 +20,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from isotui.experiments.base import Notice, ignore_notice
+
 if TYPE_CHECKING:
     from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
 
-Notice = Callable[[str], None]
 T = TypeVar("T")
 Decode = Callable[[dict[str, object], dict[str, np.ndarray]], T]  # a cache entry's payload and arrays
-
-
-def _ignore(_text: str) -> None:
-    """Default: drop notices."""
 
 
 def relabel_rows(spec: RunSpec) -> Callable[[Any], None]:
@@ -109,7 +106,7 @@ def lookup(
         try:
             hit = read(cache, key, decode)
         except CacheProblem as problem:
-            (notice or _ignore)(f"{problem}; {then}")
+            (notice or ignore_notice)(f"{problem}; {then}")
             return None
         if hit is not None:
             return hit
@@ -131,7 +128,7 @@ def keep(
     try:
         cache.put_payload(key, payload, arrays)
     except CacheWriteError as exc:  # the result itself is fine: said in one sentence, kept
-        (on_notice or _ignore)(str(exc))
+        (on_notice or ignore_notice)(str(exc))
 
 
 def cached_run(

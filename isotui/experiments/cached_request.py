@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic
 
-from isotui.experiments.base import Context, OneModelJob, R
-from isotui.experiments.cached import Notice, experiment_key, folder_cache, lookup, runs_cache
+from isotui.experiments.base import Context, Notice, OneModelJob, R
+from isotui.experiments.cached import experiment_key, folder_cache, lookup, runs_cache
 from isotui.experiments.layer_pass import prepare
 
 if TYPE_CHECKING:

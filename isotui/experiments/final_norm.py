@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from isotui.core.accumulator import LayerAccumulator, LayerStats, Sums
-    from isotui.experiments.cached import Notice
+    from isotui.experiments.base import Notice
     from isotui.experiments.layer_pass import Prepared
     from isotui.extract.progress import ProgressCallback, StopCheck
     from isotui.spec import RunSpec

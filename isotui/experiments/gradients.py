@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from isotui.core.accumulator import Sums
     from isotui.core.gradients import GradAccumulator
-    from isotui.experiments.cached import Notice
+    from isotui.experiments.base import Notice
     from isotui.experiments.layer_pass import Prepared
     from isotui.extract.progress import ProgressCallback, StopCheck
     from isotui.spec import RunSpec

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, TypedDict
@@ -22,6 +22,7 @@ from isotui.core.plugin import StreamingMetric
 from isotui.data.sources import fingerprint
 from isotui.data.stream import open_samples
 from isotui.errors import IsotuiError
+from isotui.experiments.base import Notice, ignore_notice
 from isotui.experiments.cached import keep, key_hash
 from isotui.experiments.cached import lookup as lookup_entry
 from isotui.experiments.cached import read as read_entry
@@ -140,13 +141,6 @@ def prepare(spec: RunSpec, cache: ResultCache | None = None) -> Prepared:
     return Prepared(spec, key, samples, model_fp, data_fp, dtype, device, max_length, legacy, metrics)
 
 
-NoticeCallback = Callable[[str], None]
-
-
-def no_notice(_: str) -> None:
-    """Default: drop notices."""
-
-
 def read(cache: ResultCache, key: str) -> ModelResult | None:
     """The layer run cached under ``key``, None if absent; CacheProblem if it cannot be used."""
     found: ModelResult | None = read_entry(cache, key, ModelResult.from_json)
@@ -154,7 +148,7 @@ def read(cache: ResultCache, key: str) -> ModelResult | None:
 
 
 def lookup(
-    prepared: Prepared, cache: ResultCache | None, on_notice: NoticeCallback = no_notice
+    prepared: Prepared, cache: ResultCache | None, on_notice: Notice = ignore_notice
 ) -> ModelResult | None:
     """The cached result for ``prepared``, or None; a damaged entry is reported and ignored."""
     hit: ModelResult | None = lookup_entry(cache, prepared.keys, ModelResult.from_json, on_notice)
@@ -167,7 +161,7 @@ def lookup(
     return hit
 
 
-def store(result: ModelResult, cache: ResultCache | None, on_notice: NoticeCallback = no_notice) -> None:
+def store(result: ModelResult, cache: ResultCache | None, on_notice: Notice = ignore_notice) -> None:
     """Cache ``result``; a cache that cannot be written is reported, never fatal."""
     keep(cache, result.key, result.to_json(), result.arrays, on_notice)
 

@@ -10,16 +10,23 @@ from pathlib import Path
 from typing import ClassVar, TypeVar
 
 from isotui.experiments import plans
-from isotui.experiments.base import Arrays, Context, Experiment, Notice, OneModelJob, Payload, Rows
+from isotui.experiments.base import (
+    Arrays,
+    Context,
+    Experiment,
+    Notice,
+    OneModelJob,
+    Payload,
+    Rows,
+    ignore_notice,
+)
 from isotui.experiments.cached import runs_cache
 from isotui.experiments.half_check import HALF_DTYPES
 from isotui.experiments.json_types import JsonObject
 from isotui.experiments.layer_pass import (
-    NoticeCallback,
     Prepared,
     compute,
     lookup,
-    no_notice,
     prepare,
     store,
 )
@@ -36,7 +43,7 @@ def measure(
     *,
     on_progress: ProgressCallback = no_progress,
     should_stop: StopCheck = never_stop,
-    on_notice: NoticeCallback | None = None,
+    on_notice: Notice | None = None,
     keep_sample: bool = False,
 ) -> ModelResult:
     """The layer-wise result for ``spec``: from ``cache`` when present, else computed and stored.
@@ -48,7 +55,7 @@ def measure(
     """
     from isotui.extract.progress import Progress
 
-    notice = on_notice or no_notice
+    notice = on_notice or ignore_notice
     on_progress(
         Progress(0, 0, 0, 0.0, stage="prepare", phase="resolving", detail="model, data and cache key")
     )

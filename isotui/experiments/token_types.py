@@ -34,7 +34,7 @@ from isotui.experiments.params import param
 if TYPE_CHECKING:
     import torch
 
-    from isotui.experiments.cached import Notice
+    from isotui.experiments.base import Notice
     from isotui.experiments.layer_pass import Prepared
     from isotui.extract.loop import Batch, BatchLoop
     from isotui.extract.memory_plan import MemoryPlan
