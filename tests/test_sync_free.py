@@ -755,3 +755,36 @@ def test_nonfinite_from_row_norms_counts_as_a_scan_of_every_value(monkeypatch, d
         values, rows = accumulator._nonfinite(x, norms)
         assert (int(values), int(rows.sum())) == (expect_values, expect_rows)
         assert rows.nonzero().flatten().tolist() == [7, 9, 11]
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_type_sums_match_numpy_on_both_paths(monkeypatch, traced):
+    """Self-similarity's per-type sums, with types repeated within a sample, zero vectors and
+    untracked units: the CPU's (groups of one counted as 1, issue 40) and the accelerators'
+    sync-free ones both equal numpy's sums over each (sample, type) group."""
+    import numpy as np
+    import torch
+
+    from isotui.core import accumulator
+    from isotui.core.accumulator import LayerAccumulator
+
+    monkeypatch.setattr(accumulator, "SYNC_FREE_ON_CPU", traced)
+    rng = np.random.default_rng(5)
+    m, d, k, b = 60, 6, 4, 5
+    x = rng.normal(size=(m, d))
+    x[rng.random(m) < 0.1] = 0.0
+    ids = np.sort(rng.integers(0, b, m))
+    types = rng.integers(-1, k, m)  # -1: untracked
+    acc = LayerAccumulator(d, torch.device("cpu"), full_cov=False, reservoir=8, types=k)
+    u = torch.from_numpy(x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-300))
+    nonzero = torch.from_numpy(np.linalg.norm(x, axis=1) > 0)
+    got = acc._type_sums(u, torch.from_numpy(ids), torch.from_numpy(types), nonzero)
+    live = (types >= 0) & nonzero.numpy()
+    for t in range(k):
+        at = live & (types == t)
+        assert got["type_n"][t].item() == at.sum()
+        np.testing.assert_allclose(got["type_u"][t].numpy(), u.numpy()[at].sum(0), atol=1e-12)
+        groups = [u.numpy()[at & (ids == s)] for s in range(b)]
+        within = sum(float(np.sum(g.sum(0) ** 2)) for g in groups)
+        assert got["type_within"][t].item() == pytest.approx(within, rel=1e-12)
+        assert got["type_within_n"][t].item() == sum(len(g) ** 2 for g in groups)

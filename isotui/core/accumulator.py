@@ -324,17 +324,67 @@ class LayerAccumulator:
         self, u: torch.Tensor, ids: torch.Tensor, type_index: torch.Tensor, nonzero: torch.Tensor
     ) -> Sums:
         """Per tracked type: sum of unit vectors, count, and the same-sample parts. Untracked
-        units (and zero vectors) go to a spare slot ``k`` that is dropped; the (sample, type)
-        groups are runs of the sorted keys, numbered 0..m-1 (no ``torch.unique``: its size is
-        read on the host)."""
+        units (and zero vectors) go to a spare slot ``k`` that is dropped. On the CPU the (sample,
+        type) groups are ``torch.unique``'s (their count is free to read); elsewhere
+        :meth:`_type_groups`'s."""
         import torch
 
-        k, m, f64 = self.types, len(u), torch.float64
+        k, f64 = self.types, torch.float64
         tracked = (type_index >= 0) & nonzero
         t = torch.where(tracked, type_index, k)
         type_u = torch.zeros((k + 1, self.dim), dtype=f64, device=self.device).index_add_(0, t, u)
         type_n = torch.zeros(k + 1, dtype=f64, device=self.device).index_add_(0, t, tracked.to(f64))
         key = torch.where(tracked, ids * k + t, -1)
+        if self.device.type == "cpu" and not SYNC_FREE_ON_CPU:  # counts are free to read here
+            within, within_n = self._type_within_cpu(u, key)
+        else:
+            per, per_n, owner = self._type_groups(u, key, t, tracked)
+            within = torch.zeros(k + 1, dtype=f64, device=self.device).index_add_(
+                0,
+                owner,
+                torch.einsum("ij,ij->i", per, per),  # no m x d temporary
+            )
+            within_n = torch.zeros(k + 1, dtype=f64, device=self.device).index_add_(0, owner, per_n * per_n)
+        return {
+            "type_u": type_u[:k],
+            "type_n": type_n[:k],
+            "type_within": within[:k],
+            "type_within_n": within_n[:k],
+        }
+
+    def _type_within_cpu(self, u: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per tracked type (slot ``k``: none), the same-sample parts sum_s ||S_ts||^2 and sum_s
+        n_ts^2 from ``key`` (sample * k + type; -1: untracked). Most (sample, type) groups are one
+        unit vector, whose ||S||^2 is 1: only the groups of two or more are summed as vectors
+        (in a batch of MiniLM's built-in corpus, 6 in 10 tracked tokens are alone in theirs)."""
+        import torch
+
+        k, f64 = self.types, torch.float64
+        groups, group, sizes = torch.unique(key, return_inverse=True, return_counts=True)
+        live = groups >= 0  # -1: the untracked units, dropped
+        owner = torch.where(live, groups % k, k)
+        n = sizes.to(f64)
+        within_n = torch.zeros(k + 1, dtype=f64).index_add_(0, owner, torch.where(live, n * n, 0.0))
+        alone = live & (sizes == 1)
+        within = torch.zeros(k + 1, dtype=f64).index_add_(0, owner, alone.to(f64))
+        shared = live & (sizes > 1)
+        rows = torch.nonzero(shared[group]).squeeze(1)
+        if len(rows):
+            slots = torch.cumsum(shared, 0) - 1  # group -> its row among the shared groups
+            per = torch.zeros((int(shared.sum()), self.dim), dtype=f64)
+            per.index_add_(0, slots[group[rows]], u[rows])
+            within.index_add_(0, owner[shared], torch.einsum("ij,ij->i", per, per))
+        return within, within_n
+
+    def _type_groups(
+        self, u: torch.Tensor, key: torch.Tensor, t: torch.Tensor, tracked: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per (sample, type) group, numbered 0..m-1 as runs of the sorted keys: its unit-vector
+        sum, its count and its type (``k``: untracked). Sizes from the shapes alone: nothing read
+        on the host (the accelerators' path)."""
+        import torch
+
+        k, m, f64 = self.types, len(u), torch.float64
         order = torch.sort(key, stable=True).indices
         sorted_key = key[order]
         starts = torch.ones(m, dtype=torch.int64, device=self.device)
@@ -343,18 +393,7 @@ class LayerAccumulator:
         per = torch.zeros((m, self.dim), dtype=f64, device=self.device).index_add_(0, group, u)
         per_n = torch.zeros(m, dtype=f64, device=self.device).index_add_(0, group, tracked.to(f64))
         owner = torch.full((m,), k, dtype=torch.int64, device=self.device).scatter_(0, group, t)
-        within = torch.zeros(k + 1, dtype=f64, device=self.device).index_add_(
-            0,
-            owner,
-            torch.einsum("ij,ij->i", per, per),  # no m x d temporary
-        )
-        within_n = torch.zeros(k + 1, dtype=f64, device=self.device).index_add_(0, owner, per_n * per_n)
-        return {
-            "type_u": type_u[:k],
-            "type_n": type_n[:k],
-            "type_within": within[:k],
-            "type_within_n": within_n[:k],
-        }
+        return per, per_n, owner
 
     def _shift_for(self, x64: torch.Tensor) -> torch.Tensor:
         """The fixed shift of the second moment: the first batch's mean (zeros if it is empty)."""
