@@ -8,17 +8,24 @@ load. Each row records `uptime`'s load averages before the pair and the threads 
 
     python benchmarks/process.py [--samples 1000] [--max-length 128] [--model minilm]
                                  [--threads 1,default] [--repeats 1] [--roots A,B]
+                                 [--modules GLOB ...]
 
 ``--roots``: checkouts of isotui to time against each other in the same run (before/after a
 change: each isotui process runs with that checkout first on PYTHONPATH), after the bare forward
 of each round. Each row's ``rest`` is the wall time outside the stages its process reports: for
 isotui, its imports before loading, the rows, the output and the interpreter's exit; for the bare
 forward, the interpreter's start and exit.
+
+``--modules GLOB`` (repeatable): each round also times `isotui run --modules GLOB ...` (the sites
+those globs name, e.g. MiniLM's 25: ``resid_post attn_out mlp_out
+'encoder.layer.*.intermediate.dense'``) right after the plain run, and prints its ratio to the
+plain run's (issue 40's target: 25 MiniLM sites <= 2.5x).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -62,6 +69,7 @@ def main() -> None:
     parser.add_argument("--threads", default="1,default", help="comma-separated: N or default")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--roots", default="", help="comma-separated isotui checkouts (default: installed)")
+    parser.add_argument("--modules", action="append", default=[], help="also time a run of these sites")
     args = parser.parse_args()
     roots = [r for r in args.roots.split(",") if r] or [""]
 
@@ -100,15 +108,21 @@ def main() -> None:
                 flags = [] if asked is None else ["--threads", str(asked)]
                 run = [sys.executable, "-m", "isotui", "run", "-m", args.model, "--data", f"text:{corpus}"]
                 run += ["--max-length", str(args.max_length), "--no-cache", "-q", "--json", str(out), *flags]
+                sites = [a for glob in args.modules for a in ("--modules", glob)]
                 for root in roots:
                     path = os.pathsep.join([root, env.get("PYTHONPATH", "")])
                     mine = {**env, "PYTHONPATH": path} if root else env
-                    ours_s, ours_cpu, _ = timed(run, mine)
-                    doc = json.loads(out.read_text(encoding="utf-8"))
-                    meta = doc["results"][0]["meta"] if "results" in doc else doc["meta"]
-                    meta["root"] = root or "installed"
-                    rows.append((setting, load, uptime(), bare, (bare_s, bare_cpu), meta, (ours_s, ours_cpu)))
-                    load = uptime()
+                    for extra in [[], sites] if sites else [[]]:
+                        ours_s, ours_cpu, _ = timed(run + extra, mine)
+                        doc = json.loads(out.read_text(encoding="utf-8"))
+                        meta = doc["results"][0]["meta"] if "results" in doc else doc["meta"]
+                        meta["root"] = (root or "installed") + (
+                            f" +{len(doc_rows(doc))} sites" if extra else ""
+                        )
+                        rows.append(
+                            (setting, load, uptime(), bare, (bare_s, bare_cpu), meta, (ours_s, ours_cpu))
+                        )
+                        load = uptime()
 
     print(
         f"model={args.model} samples={len(samples)} max_length={args.max_length} "
@@ -147,7 +161,27 @@ def main() -> None:
                 f"threads {setting} isotui {root}: best/best over {len(mine)} pair(s): wall {wall:.2f}x, "
                 f"cpu {cpu:.2f}x (pairs' wall ratios {', '.join(f'{x:.2f}' for x in ratios)})"
             )
+    if args.modules:  # each round's sites run over the plain run just before it
+        for setting in dict.fromkeys(r[0] for r in rows):
+            mine = [r for r in rows if r[0] == setting]
+            pairs = [
+                (a, b) for a, b in itertools.pairwise(mine) if b[5]["root"].startswith(f"{a[5]['root']} +")
+            ]
+            for plain, sited in pairs:
+                (wall, cpu), (plain_wall, plain_cpu) = sited[6], plain[6]
+                print(
+                    f"threads {setting} {sited[5]['root']} over the plain run: wall {wall / plain_wall:.2f}x "
+                    f"({wall:.1f} s against {plain_wall:.1f} s), cpu {cpu / plain_cpu:.2f}x"
+                )
     print("targets (issue 15): <= 1.10x at one thread; <= 1.15x at the default threads, idle machine")
+    if args.modules:
+        print("target (issue 40): 25 MiniLM sites <= 2.5x the plain run")
+
+
+def doc_rows(doc: dict) -> list:
+    """The layer rows of an `isotui run --json` file (one model)."""
+    result = doc["results"][0] if "results" in doc else doc
+    return result["rows"]
 
 
 if __name__ == "__main__":
