@@ -194,18 +194,21 @@ def iw_bootstrap(proj: torch.Tensor, order: torch.Tensor | None = None) -> npt.N
     counts = bootstrap_counts(len(proj), proj.device)
     rows = None if order is None else order.to(proj.device)
     block = max(1, -(-proj.shape[1] // 4))
-    log_z = []
-    for sign in (1.0, -1.0):
-        for start in range(0, proj.shape[1], block):
-            # the rows in key order: the same products summed in the same order, whatever order a
-            # merged or streamed reservoir holds them in
-            columns = proj[:, start : start + block]
-            part = (columns if rows is None else columns.index_select(0, rows)) * sign
-            top = part.max(dim=0).values
-            z = counts @ torch.exp(part - top).to(torch.float32)
-            del part
-            log_z.append(torch.log(z.to(top.dtype)) + top)
-    both = torch.cat(log_z, dim=1)  # B x 2d
+    log_z: dict[float, list[torch.Tensor]] = {1.0: [], -1.0: []}
+    for start in range(0, proj.shape[1], block):
+        # the rows in key order: the same products summed in the same order, whatever order a
+        # merged or streamed reservoir holds them in; one reordered copy serves both signs
+        columns = proj[:, start : start + block]
+        part = columns if rows is None else columns.index_select(0, rows)
+        for sign in (1.0, -1.0):
+            top = part.max(dim=0).values if sign > 0 else part.min(dim=0).values.neg_()
+            # sign * part - top, as (part - top) or (-part - top): negation is exact
+            shifted = part - top if sign > 0 else part.neg().sub_(top)
+            z = counts @ shifted.exp_().to(torch.float32)
+            del shifted
+            log_z[sign].append(torch.log(z.to(top.dtype)) + top)
+        del part
+    both = torch.cat(log_z[1.0] + log_z[-1.0], dim=1)  # B x 2d
     return torch.exp(both.min(dim=1).values - both.max(dim=1).values).cpu().numpy().astype(np.float64)
 
 
