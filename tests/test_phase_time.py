@@ -66,6 +66,38 @@ def test_pythia_12b_on_two_gpus_phase_by_phase(tmp_path):
     assert phases["seconds"].keys() == want.keys()
     for name, seconds in want.items():
         assert phases["seconds"][name] == pytest.approx(seconds, rel=1e-12), name
+    # per hidden state (issue 40: each site's accumulation and finalisation): 37 alike layers
+    assert len(phases["layers"]) == 37
+    for layer in phases["layers"]:
+        assert layer["sums"] == pytest.approx(want["sums"] / 37, rel=1e-12)
+        assert layer["finalisation"] == pytest.approx(want["finalisation"] / 37, rel=1e-12)
+
+
+def test_each_layer_costs_what_its_covariance_and_reservoir_make():
+    """A layer without its exact covariance has no d x d sums and no d x d eigh; its reservoir's
+    work is what is left: the per-layer parts say so, and add up to the phases."""
+    rates = NOMINAL["H100"]
+    work = phase_time.Work(
+        tokens=8192,
+        length=512,
+        batch_tokens=2048,
+        main="cuda:0",
+        weights={"cuda:0": 10**9},
+        weight_bytes=2,
+        embedding_weights=0,
+        blocks={"cuda:0": 2},
+        dim=2048,
+        layers=[("cuda:0", 2048, True, 4096), ("cuda:0", 2048, False, 4096), ("cuda:0", 512, True, 4096)],
+    )
+    got = phase_time.estimate(work, {"cuda:0": rates})
+    (exact_s, exact_f), (sampled_s, sampled_f), (small_s, small_f) = got.layers
+    products = phase_time.SUMS_PRODUCTS / rates.sums_flops
+    assert exact_s == pytest.approx(8192 * 2048**2 * products, rel=1e-12)
+    assert sampled_s == 0.0
+    assert small_s == pytest.approx(8192 * 512**2 * products, rel=1e-12)
+    assert exact_f - sampled_f == pytest.approx(rates.eigh_s(2048), rel=1e-9)  # the covariance's eigh
+    assert got.seconds["sums"] == pytest.approx(exact_s + small_s, rel=1e-12)
+    assert got.seconds["finalisation"] == pytest.approx(exact_f + sampled_f + small_f, rel=1e-12)
 
 
 def test_the_dry_run_says_the_time_per_phase(tmp_path, capsys):
@@ -78,6 +110,12 @@ def test_the_dry_run_says_the_time_per_phase(tmp_path, capsys):
     assert "cuda:0: NVIDIA H100, nominal" in line
     for phase in ("reading weights", "offloaded weights, every batch", "forward", "sums", "finalisation"):
         assert phase in line  # 23 GB of float16 weights, 20 GB on the GPU: some on the CPU or disk
+    # the layer table: each hidden state's estimated sums and finalisation
+    lines = printed.splitlines()
+    header = next(x for x in lines if x.startswith("layer ") and "covariance" in x)
+    assert header.split()[-2:] == ["sums", "finalise"]
+    rows = [x for x in lines[lines.index(header) + 1 :] if x.startswith("layer ")]
+    assert len(rows) == 37 and all(x.split()[-1] in ("s", "min", "h") for x in rows)
 
 
 def test_offloaded_weights_travel_once_per_batch():

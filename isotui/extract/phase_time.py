@@ -151,6 +151,9 @@ class PhaseTimes:
     devices: dict[str, str] = field(default_factory=dict)  # device -> its rates' name and source
     repeat: int = 1  # checkpoints of a series, each one such run
     bounded: bool = True  # tokens is the run's most (--max-samples); else a round number per which
+    # per hidden state or site, in the plan's order: (its sums' seconds, its finalisation's), the
+    # parts of the "sums" and "finalisation" phases (the dry run's table shows them per layer)
+    layers: list[tuple[float, float]] = field(default_factory=list)
 
     def total(self) -> float:
         return sum(self.seconds.values())
@@ -179,6 +182,7 @@ class PhaseTimes:
             "devices": dict(self.devices),
             "repeat": self.repeat,
             "bounded": self.bounded,
+            "layers": [{"sums": a, "finalisation": b} for a, b in self.layers],
         }
 
 
@@ -241,18 +245,16 @@ def estimate(work: Work, rates: Mapping[str, Rates] | None = None, repeat: int =
         flops = work.tokens * (2 * n_weights * share + 4 * work.length * work.dim * blocks)
         forward += flops / r.forward_flops
     times.seconds["forward"] = forward
-    sums = 0.0
-    final = 0.0
     for device, dim, exact, reservoir in work.layers:
         r = have.get(device) or run_on
         m = min(dim, reservoir, work.tokens)  # the reservoir holds at most the vectors there are
-        if exact:
-            sums += work.tokens * dim * dim * SUMS_PRODUCTS / r.sums_flops
-            final += r.eigh_s(dim)
+        sums = work.tokens * dim * dim * SUMS_PRODUCTS / r.sums_flops if exact else 0.0
+        final = r.eigh_s(dim) if exact else 0.0
         final += (SAMPLE_EIGHS + (2 * SE_GROUPS if m <= EIGEN_JACKKNIFE_MAX_DIM else 0)) * r.eigh_s(m)
         final += SAMPLE_PRODUCTS * 2 * m * dim * dim * r.float64_penalty / r.sums_flops + r.per_layer_s
-    times.seconds["sums"] = sums
-    times.seconds["finalisation"] = final
+        times.layers.append((sums, final))
+    times.seconds["sums"] = sum(s for s, _ in times.layers)
+    times.seconds["finalisation"] = sum(f for _, f in times.layers)
     return times
 
 
