@@ -44,6 +44,8 @@ class PhaseLine(Protocol):
 
     def line(self) -> str: ...
 
+    def layer_cells(self) -> list[tuple[str, str]]: ...
+
     def to_json(self) -> dict[str, Any]: ...
 
 
@@ -825,9 +827,7 @@ class MemoryPlan:
     def table(self) -> list[str]:
         """Per layer: device, d, exact covariance or not, reservoir, bytes and, where the plan has
         its time per phase, each layer's estimated sums and finalisation (``--dry-run``)."""
-        from isotui.extract.phase_time import duration
-
-        costs = self.phases.layers if self.phases is not None else []
+        costs = self.phases.layer_cells() if self.phases is not None else []
         timed = len(costs) == len(self.layers) > 0
         rows = [f"{'layer':<18} {'device':<8} {'d':>6} {'covariance':>10} {'reservoir':>9} {'bytes':>10}"]
         rows[0] += f" {'sums':>8} {'finalise':>8}" if timed else ""
@@ -836,7 +836,7 @@ class MemoryPlan:
                 f"{p.name:<18} {p.device:<8} {p.dim:>6} {'exact' if p.exact_cov else 'sampled':>10} "
                 f"{p.reservoir:>9,} {_size(p.bytes):>10}"
             )
-            rows[-1] += f" {duration(costs[i][0]):>8} {duration(costs[i][1]):>8}" if timed else ""
+            rows[-1] += f" {costs[i][0]:>8} {costs[i][1]:>8}" if timed else ""
         batch, final, per = self.batch_workspace(), self.finalisation(), self.per_device()
         peaks = self.peaks()
         if batch:

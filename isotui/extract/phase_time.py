@@ -175,6 +175,10 @@ class PhaseTimes:
             out += f", {duration(self.total() * self.repeat)} for its {self.repeat} checkpoints"
         return out
 
+    def layer_cells(self) -> list[tuple[str, str]]:
+        """Each layer's sums and finalisation as the plan's table shows them."""
+        return [(duration(sums), duration(final)) for sums, final in self.layers]
+
     def to_json(self) -> dict[str, object]:
         return {
             "tokens": self.tokens,
