@@ -204,8 +204,8 @@ def freeze_heap_at_exit() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code (0 ok, 2 bad input, 1 internal error, 130 interrupted)."""
     freeze_heap_at_exit()
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: `isotui figure` records it
+    typed = list(sys.argv[1:] if argv is None else argv)  # as typed: `isotui figure` records it
+    args = build_parser().parse_args(argv, argparse.Namespace(argv=typed))
     if _bounds_the_cpu(getattr(args, "max_memory", None)):  # before torch makes the heap large
         from isotui.extract.heap import hold_heap_to_live_bytes
 
@@ -270,8 +270,10 @@ def _silence_stdout() -> None:
         pass
 
 
-def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Config file settings, overridden by the flags that were given (:func:`isotui.service.run_settings`)."""
+def _settings(args: argparse.Namespace, config: Path | None) -> dict[str, Any]:
+    """``isotui run``'s settings: the config file ``config`` (resolved by
+    :func:`isotui.service.config_path`; None: none) under the flags that were given
+    (:func:`isotui.service.run_settings`)."""
     from isotui.experiments.registry import options_for
     from isotui.service import run_settings
 
@@ -282,36 +284,36 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "csv": args.csv,
         "json": args.json,
     }
-    return run_settings(args.config, flags)
-
-
-def _config_path(config: Path | None) -> Path | None:
-    """``config`` as given, or the bundled preset of that name (:func:`isotui.service.config_path`)."""
-    from isotui.service import config_path
-
-    return config_path(config)
+    return run_settings(config, flags)
 
 
 def _cmd_run(args: argparse.Namespace, err) -> int:
-    from isotui.cli_experiments import command_main
-    from isotui.experiments.registry import LAYERS
-
-    if getattr(args, "dry_run", False):
-        return _dry_run(args)
-    return command_main(LAYERS, before_report=_write_wide_csv, collect_fn=collect_run)(args, err)
-
-
-def _dry_run(args: argparse.Namespace) -> int:
-    """``isotui run --dry-run``: each model's memory plan from its config (``--json``: as JSON)."""
+    """``isotui run``: the settings (config file, then flags) made once into the layer
+    experiment's requests and the run's :class:`~isotui.cli_experiments.Outputs`, run by the one
+    loop of every experiment (:func:`isotui.cli_experiments.command_main`); the parsed flags
+    are read, never written."""
     from isotui import service
-    from isotui.cli_experiments import params_from_args, print_plans, refuse_files_in_dry_run
+    from isotui.cli_experiments import Outputs, command_main, params_from_args, print_plans
     from isotui.experiments.registry import LAYERS
+    from isotui.store.files import check_distinct, check_output
 
-    args.config = _config_path(args.config)
-    s = _settings(args)
-    refuse_files_in_dry_run({"csv": s.get("csv"), "wide_csv": args.wide_csv})
-    requests = service.layer_requests(s, args.config, params_from_args(LAYERS, args))
-    return print_plans(service.plans(LAYERS, requests), s.get("json"))
+    config = service.config_path(args.config)
+    s = _settings(args, config)
+    if getattr(args, "dry_run", False):  # each model's memory plan (--json: as JSON)
+        from isotui.cli_experiments import refuse_files_in_dry_run
+
+        refuse_files_in_dry_run({"csv": s.get("csv"), "wide_csv": args.wide_csv})
+        requests = service.layer_requests(s, config, params_from_args(LAYERS, args))
+        return print_plans(service.plans(LAYERS, requests), s.get("json"))
+    requests = service.layer_requests(s, config, params_from_args(LAYERS, args))
+    outputs = Outputs(s.get("csv"), s.get("json"), s.get("cache_dir"), bool(args.no_cache))
+    for flag, path in (("--csv", outputs.csv), ("--json", outputs.json)):  # before a long run, not after
+        if path:
+            check_output(path, flag)
+    named = [("--csv", outputs.csv), ("--json", outputs.json), ("--wide-csv", args.wide_csv)]
+    check_distinct([*named, ("--save-sample", getattr(args, "save_sample", None))])  # as typed
+    _wide_metric(args)  # --wide-csv said before any model runs
+    return command_main(LAYERS, args, err, outputs, requests=requests, before_report=_write_wide_csv)
 
 
 def _write_wide_csv(outcome, args: argparse.Namespace, err) -> None:
@@ -323,32 +325,6 @@ def _write_wide_csv(outcome, args: argparse.Namespace, err) -> None:
         names, rows = wide_rows(outcome.results, _wide_metric(args))
         dicts = [{"component": r[0], "layer": r[1], **dict(zip(names, r[2:], strict=True))} for r in rows]
         err.print(f"wrote {write_dicts_csv(dicts, Path(args.wide_csv))}", markup=False)
-
-
-def collect_run(args: argparse.Namespace, err, *, width: int = 200, on_table=None, on_error=None):
-    """``isotui run``'s work without its output: an :class:`~isotui.results.Outcome` with one
-    layer table per model that succeeded (``on_table`` sees each as soon as it is made) and one
-    sentence per model that failed (``on_error``): the settings (config file, then flags) make
-    the layer experiment's requests (:func:`isotui.service.layer_requests`), and the one loop of
-    every experiment (:func:`isotui.cli_experiments.collect`) runs them."""
-    from isotui import service
-    from isotui.cli_experiments import collect, params_from_args
-    from isotui.experiments.registry import LAYERS
-    from isotui.store.files import check_distinct, check_output
-
-    args.config = _config_path(args.config)
-    s = _settings(args)
-    params = params_from_args(LAYERS, args)
-    requests = service.layer_requests(s, args.config, params)
-    for key in ("csv", "json"):  # say it before a long run, not after
-        if s.get(key):
-            check_output(s[key], f"--{key}")
-    outputs = [("--csv", s.get("csv")), ("--json", s.get("json")), ("--wide-csv", args.wide_csv)]
-    check_distinct([*outputs, ("--save-sample", getattr(args, "save_sample", None))])  # as typed
-    args.csv, args.json = s.get("csv"), s.get("json")  # the config file may name them
-    _wide_metric(args)  # --wide-csv said before any model runs
-    args.cache_dir = s.get("cache_dir")  # the config file may name it
-    return collect(LAYERS, args, err, width=width, on_table=on_table, on_error=on_error, requests=requests)
 
 
 def _wide_metric(args: argparse.Namespace) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,6 +27,29 @@ TOP_LEVEL = {
     "figure": "isotui.cli_figure",
     "sweep": "isotui.cli_sweep",
 }
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where a command writes its results (``--csv``, ``--json``) and which cache it reads and
+    fills (``--cache-dir``, ``--no-cache``): made once, from the flags (``isotui run``: the
+    config file's settings under them), and handed to :func:`collect` and :func:`report`, so
+    that nothing is written back onto the parsed flags."""
+
+    csv: str | None = None
+    json: str | None = None
+    cache_dir: str | None = None
+    no_cache: bool = False
+
+    @classmethod
+    def of_flags(cls, args: argparse.Namespace) -> Outputs:
+        """The outputs the flags alone name (``isotui experiment NAME``, ``isotui figure``)."""
+        return cls(
+            getattr(args, "csv", None),
+            getattr(args, "json", None),
+            getattr(args, "cache_dir", None),
+            bool(getattr(args, "no_cache", False)),
+        )
 
 
 def add_common(p: argparse.ArgumentParser, *, cache: bool = True, device_seed: bool = True) -> None:
@@ -189,72 +213,73 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise IsotuiError(f"--{flag} {value} is a directory; give a file name")
 
 
-def report(outcome: Outcome, args: argparse.Namespace, err: Any) -> int:
+def report(outcome: Outcome, outputs: Outputs, err: Any) -> int:
     """Write a command's --csv and --json (when it measured anything); its exit code."""
     from isotui.cli_common import exit_code
 
-    write_outputs(outcome, args, err)
+    write_outputs(outcome, outputs, err)
     return exit_code(outcome, err)
 
 
-def write_outputs(outcome: Outcome, args: argparse.Namespace, err: Any) -> None:
+def write_outputs(outcome: Outcome, outputs: Outputs, err: Any) -> None:
     """A command's --csv and --json of the results it has (none: nothing written)."""
     from pathlib import Path
 
     from isotui.store.export import write_dicts_csv, write_payload_json
 
-    if outcome.results and getattr(args, "csv", None):
-        err.print(f"wrote {write_dicts_csv(outcome.rows, Path(args.csv))}", markup=False)
-    if outcome.results and getattr(args, "json", None):
-        err.print(f"wrote {write_payload_json(outcome.payload, Path(args.json))}", markup=False)
+    if outcome.results and outputs.csv:
+        err.print(f"wrote {write_dicts_csv(outcome.rows, Path(outputs.csv))}", markup=False)
+    if outcome.results and outputs.json:
+        err.print(f"wrote {write_payload_json(outcome.payload, Path(outputs.json))}", markup=False)
 
 
 def command_main(
     experiment: Experiment,
-    before_report: Callable[[Any, argparse.Namespace, Any], None] | None = None,
-    collect_fn: Callable[..., Outcome] | None = None,
-) -> Callable[[argparse.Namespace, Any], int]:
-    """A command's ``main(args, err)``: :func:`collect` (or ``collect_fn``) with the view's tables
-    printed as they come, a failed model's sentence printed and the next one tried, then
-    ``before_report`` (a command's extra outputs, e.g. run's --wide-csv) and :func:`report`."""
+    args: argparse.Namespace,
+    err: Any,
+    outputs: Outputs,
+    *,
+    requests: list[Any] | None = None,
+    before_report: Callable[[Outcome, argparse.Namespace, Any], None] | None = None,
+) -> int:
+    """A command's work and output: :func:`collect` (of ``requests``, default those the flags
+    make) with the view's tables printed as they come, a failed model's sentence printed and
+    the next one tried, then ``before_report`` (a command's extra outputs, e.g. run's
+    --wide-csv) and :func:`report` to ``outputs``; its exit code."""
+    from rich.text import Text
 
-    def main(args: argparse.Namespace, err: Any) -> int:
-        from rich.text import Text
+    from isotui.cli_common import print_error, stdout_console
+    from isotui.errors import Cancelled
+    from isotui.views import view_for
 
-        from isotui.cli_common import print_error, stdout_console
-        from isotui.errors import Cancelled
-        from isotui.views import view_for
+    out = stdout_console()
+    view = view_for(experiment)
 
-        out = stdout_console()
-        view = view_for(experiment)
+    def on_table(table: Any) -> None:
+        out.print(table, highlight=None if view.highlight else False)
+        if view.blank_line and not isinstance(table, Text):  # a figure ends the output
+            out.print()
 
-        def on_table(table: Any) -> None:
-            out.print(table, highlight=None if view.highlight else False)
-            if view.blank_line and not isinstance(table, Text):  # a figure ends the output
-                out.print()
-
-        def run(*a: Any, **k: Any) -> Outcome:
-            return collect_fn(*a, **k) if collect_fn else collect(experiment, *a, **k)
-
-        try:
-            outcome = run(
-                args,
-                err,
-                width=out.width,
-                on_table=on_table,
-                on_error=lambda _model, text: print_error(err, text),
-            )
-        except (KeyboardInterrupt, Cancelled) as stop:  # ^C: the models that finished are written
-            partial = getattr(stop, "partial_outcome", None)
-            if partial is not None and partial.results:
-                err.print(f"isotui: interrupted; writing the {len(partial.results)} result(s) that finished")
-                write_outputs(partial, args, err)
-            raise
-        if before_report is not None:
-            before_report(outcome, args, err)
-        return report(outcome, args, err)
-
-    return main
+    try:
+        outcome = collect(
+            experiment,
+            args,
+            err,
+            outputs=outputs,
+            width=out.width,
+            on_table=on_table,
+            on_error=lambda _model, text: print_error(err, text),
+            requests=requests,
+        )
+    except (KeyboardInterrupt, Cancelled) as stop:  # ^C: the models that finished are written
+        partial = getattr(stop, "partial_outcome", None)
+        if partial is not None and partial.results:
+            err.print(f"isotui: interrupted; writing the {len(partial.results)} result(s) that finished")
+            write_outputs(partial, outputs, err)
+        raise
+    if before_report is not None:
+        before_report(outcome, args, err)
+    return report(outcome, outputs, err)
 
 
 def progress_printer(err: Any, name: str, *, quiet: bool, verbose: bool = False) -> Any:
@@ -308,6 +333,7 @@ def collect(
     args: argparse.Namespace,
     err: Any,
     *,
+    outputs: Outputs | None = None,
     width: int = 200,
     on_table: Callable[[Any], None] | None = None,
     on_error: Callable[[str, str], None] | None = None,
@@ -317,7 +343,8 @@ def collect(
     :class:`~isotui.results.Outcome` with the tables of every request that succeeded
     (``on_table`` sees each as soon as it is made), one sentence per model (or checkpoint) that
     failed (``on_error``), and the experiment's CSV rows and JSON payload. ``requests``: made by
-    the caller (``isotui run`` reads a config file too); default :func:`make_requests`."""
+    the caller (``isotui run`` reads a config file too); default :func:`make_requests`.
+    ``outputs``: the cache to use (default: the flags' ``--cache-dir``/``--no-cache``)."""
     from isotui import service
     from isotui.errors import Cancelled
     from isotui.paths import cache_dir
@@ -342,8 +369,9 @@ def collect(
             if on_table:
                 on_table(table)
 
+    outputs = outputs or Outputs.of_flags(args)
     session = service.Session(
-        None if args.no_cache else cache_dir(args.cache_dir),
+        None if outputs.no_cache else cache_dir(outputs.cache_dir),
         bar=lambda name: progress(err, name, args),
         notice=notice,
         on_result=on_result,
@@ -430,7 +458,7 @@ def run(args: argparse.Namespace, err: Any) -> int | None:
         check_distinct([("--csv", getattr(args, "csv", None)), ("--json", getattr(args, "json", None))])
         if getattr(args, "dry_run", False):
             return dry_run(EXPERIMENTS[args.experiment], args, err)
-        return command_main(EXPERIMENTS[args.experiment])(args, err)
+        return command_main(EXPERIMENTS[args.experiment], args, err, Outputs.of_flags(args))
     if args.command in TOP_LEVEL:
         code: int = importlib.import_module(TOP_LEVEL[args.command]).main(args, err)
         return code

@@ -162,6 +162,7 @@ def main(args: argparse.Namespace, err: Any) -> int:
     if figure.experiment is None and (args.models or args.checkpoints):
         raise IsotuiError(f"{args.name} is drawn from a formula alone: it takes no -m or -c")
     results: list[Any] = []
+    runs: list[dict[str, Any]] = []  # a probe figure's measured runs, for its JSON
     outcome = None
     if figure.experiment is not None:
         from isotui.cli_experiments import collect
@@ -179,14 +180,15 @@ def main(args: argparse.Namespace, err: Any) -> int:
         else:
             outcome = collect(get(figure.experiment), ns, err, on_error=on_error)
         results = outcome.results
-        args.probe_runs = probe_runs(requests, ns, results)
+        runs = probe_runs(requests, ns, results)
         if not results:
             return exit_code(outcome, err)
     if figure.name == "godey2024-fig17":
         from isotui.paper_figures import parse_dims
 
         parse_dims(args.dims)
-    data, drawing = _render(figure, results, args, out.suffix.lower()[1:])
+    options = argparse.Namespace(**{**vars(args), "probe_runs": runs})  # the flags stay as parsed
+    data, drawing = _render(figure, results, options, out.suffix.lower()[1:])
     _write(out, data, drawing, args)
     for path in (out, out.with_suffix(".csv"), out.with_suffix(".json")):
         err.print(f"wrote {path}", highlight=False)

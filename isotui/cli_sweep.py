@@ -39,9 +39,7 @@ def run_args(args: argparse.Namespace, models: list[str]) -> argparse.Namespace:
     for flag in ("cache_dir", "csv", "json"):
         if getattr(args, flag, None):
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    ns = build_parser().parse_args(argv + (["-q"] if args.quiet else []))
-    ns.argv = argv
-    return ns
+    return build_parser().parse_args(argv + (["-q"] if args.quiet else []), argparse.Namespace(argv=argv))
 
 
 def main(args: argparse.Namespace, err: Any) -> int:
@@ -57,7 +55,7 @@ def main(args: argparse.Namespace, err: Any) -> int:
         config, [k for k in ("cache_dir", "csv", "json") if getattr(args, k)]
     )
     cache_root = cache_dir(args.cache_dir or settings_file.get("cache_dir"))
-    settings = _settings(run_args(args, runs))
+    settings = _settings(run_args(args, runs), config)
     for key in ("csv", "json"):  # the final run writes them: say it before the tasks, not after
         if settings.get(key):
             check_output(settings[key], f"--{key}")

@@ -334,3 +334,38 @@ def test_every_subcommand_help_says_what_it_does(capsys):
             main([*path, "--help"])
         out = " ".join(capsys.readouterr().out.split())
         assert description and " ".join(description.split()) in out, (path, out[:300])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_run_never_writes_onto_the_parsed_flags(tmp_path, tiny_models, data, monkeypatch, dry_run):
+    """The settings (config file, then flags) are carried as values: no command function writes
+    the config's json/cache_dir (or anything else) back onto the parsed Namespace."""
+    import copy
+
+    from isotui import cli
+
+    cfg = tmp_path / "job.toml"
+    cfg.write_text('json = "from_config.json"\ncache_dir = "from_config_cache"\nmax_samples = 6\n')
+    parsed: list[tuple[object, dict]] = []
+    parse_args = cli.Parser.parse_args
+
+    def recording(self, args=None, namespace=None):
+        ns = parse_args(self, args, namespace)
+        parsed.append((ns, copy.deepcopy(vars(ns))))
+        return ns
+
+    monkeypatch.setattr(cli.Parser, "parse_args", recording)
+    out_csv = tmp_path / "flag.csv"
+    argv = ["run", str(cfg), "-m", str(tiny_models["bert"]), "--data", f"text:{data}"]
+    argv += ["--max-samples", "3", "-q", *(["--dry-run"] if dry_run else ["--csv", str(out_csv)])]
+    assert cli.main(argv) == 0
+    (ns, before), *_ = parsed
+    assert vars(ns) == before
+    if dry_run:
+        assert not (tmp_path / "from_config_cache").exists()
+        return
+    payload = json.loads((tmp_path / "from_config.json").read_text())  # the config's json, beside it
+    assert payload["results"][0]["meta"]["n_samples"] == 3  # the flag over the config's 6
+    assert out_csv.is_file()
+    assert any((tmp_path / "from_config_cache" / "runs").iterdir())  # the config's cache folder

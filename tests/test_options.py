@@ -97,7 +97,7 @@ def test_a_declared_option_reaches_its_flags_config_key_settings_and_dialog(opti
             from isotui.spec import given_options
 
             args = build_parser().parse_args(["run", *argv])
-            spec = make_spec("minilm", **given_options(_settings(args)))
+            spec = make_spec("minilm", **given_options(_settings(args, None)))
         else:
             from isotui.cli_experiments import spec_from_args
 
