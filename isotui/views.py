@@ -441,10 +441,10 @@ def view_of(name: str) -> View:
 
 
 def view_for(experiment: Any) -> View:
-    """The view of ``experiment``: the one it names in :data:`VIEWS`, else its CSV rows as a
-    table (so a new experiment prints, exports and shows in ``isotui show`` with no view of its
-    own: one may be added here later)."""
-    found = VIEWS.get(experiment.view)
+    """The view of ``experiment``: the one it names in :data:`VIEWS` (its own name when it names
+    none), else its CSV rows as a table (so a new experiment prints, exports and shows in
+    ``isotui show`` with no view of its own: one may be added here later)."""
+    found = VIEWS.get(experiment.view or experiment.name)
     if found is not None:
         return found
 

@@ -448,8 +448,6 @@ EXPERIMENT: Experiment[RunSpec, AttentionParams, AttentionRequest, AttentionResu
     result_type=AttentionResult,
     folder=FOLDER,
     schema=SCHEMA,
-    view="attention",
-    inputs="models",
     make_request=lambda spec, _params: AttentionRequest(spec),
     rows=csv_rows,
     payload=json_payload,

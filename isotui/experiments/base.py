@@ -152,12 +152,13 @@ class Experiment(Generic[S, P, Q, T]):
     request_type: type[Q]
     result_type: type[T]
     folder: str | None  # cache folder under the root; None: its parts are cached by others
-    inputs: Inputs  # models (-m, repeatable), series (--model/--checkpoints) or config (own flags)
     make_request: Callable[[S, P], Q]  # (spec | series | None, params) -> request
     rows: Callable[[list[T]], Rows]  # of every request's results, flattened
     payload: Callable[[list[T]], Payload]
     schema: int = 1  # its cache entries' schema: raised when old entries cannot be read
-    # the terminal view's name in isotui.views.VIEWS; None: its CSV rows as a table
+    inputs: Inputs = "models"  # models (-m, repeatable), series (--model/--checkpoints) or config
+    # the terminal view's name in isotui.views.VIEWS; None: the one named as the experiment, else
+    # (no view of that name) its CSV rows as a table
     view: str | None = None
     # its own parameters (a dataclass of param() fields); the default fits only P = NoParams, a
     # constraint on a type argument that a default cannot state

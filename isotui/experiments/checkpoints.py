@@ -246,7 +246,6 @@ EXPERIMENT: Experiment[SeriesSpec, CheckpointsParams, CheckpointsRequest, Checkp
     result_type=CheckpointSeries,
     folder=None,  # each checkpoint is a layer run
     schema=SCHEMA_VERSION,
-    view="checkpoints",
     inputs="series",
     make_request=_checkpoints_request,
     rows=csv_rows,

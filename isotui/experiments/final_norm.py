@@ -690,8 +690,6 @@ EXPERIMENT: Experiment[RunSpec, FinalNormParams, FinalNormRequest, FinalNormResu
     result_type=FinalNormResult,  # a request gives a list: the final norm, or every block's
     folder=FOLDER,
     schema=SCHEMA,
-    view="final-norm",
-    inputs="models",
     make_request=lambda spec, params: FinalNormRequest(spec, every_layer=params.every_layer),
     rows=csv_rows,
     payload=json_payload,

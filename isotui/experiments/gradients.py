@@ -555,8 +555,6 @@ EXPERIMENT: Experiment[RunSpec, GradientsParams, GradientsRequest, GradientResul
     result_type=GradientResult,
     folder=FOLDER,
     schema=SCHEMA,
-    view="gradients",
-    inputs="models",
     make_request=lambda spec, params: GradientsRequest(spec, top_k=params.top_k),
     rows=csv_rows,
     payload=json_payload,

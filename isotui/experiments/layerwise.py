@@ -316,8 +316,6 @@ EXPERIMENT: Experiment[RunSpec, LayersParams, LayersRequest, ModelResult] = Expe
     result_type=ModelResult,
     folder="runs",
     schema=SCHEMA_VERSION,
-    view="layers",
-    inputs="models",
     make_request=lambda spec, params: LayersRequest(spec, save_sample=getattr(params, "save_sample", None)),
     rows=_layer_rows,
     payload=_layer_payload,

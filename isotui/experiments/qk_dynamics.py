@@ -383,7 +383,6 @@ EXPERIMENT: Experiment[SeriesSpec, DynamicsParams, DynamicsRequest, DynamicsResu
     result_type=DynamicsResult,
     folder=None,  # each checkpoint is an attention result
     schema=ATTENTION_SCHEMA,
-    view="qk-dynamics",
     inputs="series",
     make_request=_dynamics_request,
     rows=csv_rows,

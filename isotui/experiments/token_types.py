@@ -351,8 +351,6 @@ EXPERIMENT: Experiment[RunSpec, TokenTypesParams, TokenTypesRequest, TokenTypesR
     result_type=TokenTypesResult,
     folder=FOLDER,
     schema=SCHEMA,
-    view="token-types",
-    inputs="models",
     make_request=lambda spec, params: TokenTypesRequest(spec, top=params.top),
     rows=csv_rows,
     payload=json_payload,

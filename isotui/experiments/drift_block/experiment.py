@@ -108,7 +108,6 @@ EXPERIMENT: Experiment[None, DriftBlockParams, DriftBlockRequest, DriftBlockResu
     result_type=DriftBlockResult,
     folder=FOLDER,  # one entry per seed's sweep
     schema=SCHEMA,
-    view="drift-block",
     inputs="config",
     make_request=make_request,
     rows=csv_rows,
