@@ -76,8 +76,6 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
             data, every=every, at=at, max_samples=max_samples, metrics=metrics, out=out,
             experiments=experiments, top_k=top_k, at_end=at_end, **options,
         )  # fmt: skip
-        self.own: Any = None  # the coming step's own-backward hooks, when it is probed with gradients
-        self.no_own = "no training step ran before it"
         if model is not None and not isinstance(model, str) and not callable(model):
             raise IsotuiError(
                 f"model= is the LightningModule's attribute to measure (a name) or a function of the "
@@ -119,41 +117,28 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """Before a batch whose step is probed with gradients: hook its own backward, if it is one."""
         coming = trainer.global_step + 1
-        if not (
-            trainer.is_global_zero
-            and self.probe.gradients
-            and self.probe.due(coming, last=0 < trainer.max_steps <= coming)
-        ):
+        if not (trainer.is_global_zero and self.probe.wants_hooks(coming, trainer.max_steps)):
             return
         if not pl_module.automatic_optimization:
-            self.no_own = "manual optimisation (the module's training_step steps its optimizers itself)"
+            self.probe.no_own = "manual optimisation (the module's training_step steps its optimizers itself)"
         elif trainer.accumulate_grad_batches > 1:
-            self.no_own = f"gradient accumulation (accumulate_grad_batches={trainer.accumulate_grad_batches})"
+            accumulated = trainer.accumulate_grad_batches
+            self.probe.no_own = f"gradient accumulation (accumulate_grad_batches={accumulated})"
         else:
-            try:
-                self.own = self.probe.step_gradients(self.measured(pl_module), self._processing(pl_module)[0])
-            except Exception as exc:  # the probe set's gradients instead: the step is never harmed
-                self.no_own = f"its hooks could not be set ({type(exc).__name__}: {exc})"
+            self.probe.arm(self.measured(pl_module), self._processing(pl_module)[0])
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        try:
+        with self.probe.closing_step():
             self._probe(trainer, pl_module)
-        finally:
-            if self.own is not None:
-                self.own.disarm()
-            self.own, self.no_own = None, "no training step ran before it"
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """The training's last step, when no batch's end reached ``max_steps`` (``max_epochs``,
         early stopping, a time limit): probed now, with the weights it ended on, before the
         loggers are finalised."""
-        self.no_own = "probed at the end of training, after its last step"
-        try:
+        with self.probe.after_training():
             self._probe(trainer, pl_module, last=True)
-        finally:
-            self.no_own = "no training step ran before it"
 
     def _processing(self, pl_module: Any) -> tuple[Any, Any]:
         tokenizer = self.tokenizer if self.tokenizer is not None else getattr(pl_module, "tokenizer", None)
@@ -191,8 +176,6 @@ class IsotuiLightningCallback(Callback):  # type: ignore[misc]  # Lightning's ba
                 step,
                 tokenizer=tokenizer,
                 processor=processor,
-                own=self.own,
-                no_own=self.no_own,
                 epoch=int(trainer.current_epoch),
             )
 

@@ -42,6 +42,7 @@ DEFAULT_SAMPLES = 256  # probe-set samples: a few hundred, as the reservoir metr
 DEFAULT_METRICS = ("avg_cos", "drift_norm", "isoscore", "eff_rank")  # the scalars logged per layer
 EXPERIMENTS = ("layers", "gradients")  # what a probe can measure; the layers always
 GRAD_METRICS = ("grad_avg_cos", "grad_mean_norm", "top_share")  # logged per layer with gradients
+NO_STEP = "no training step ran before it"  # why a probe between steps has no step's own backward
 
 
 @contextmanager
@@ -147,6 +148,8 @@ class Probe:
         self.done: set[int] = set()
         self.skipped: dict[int, str] = {}  # step -> why its probe failed (the training went on)
         self._said: set[str] = set()  # the failures said so far, each once
+        self.own: Any = None  # the coming step's armed StepGradients, when it is probed with gradients
+        self.no_own = NO_STEP  # else why its gradients come from the probe set
 
     def due(self, step: int, *, last: bool = False) -> bool:
         """Whether ``step`` is probed (each step once); ``last``: it is the training's last step
@@ -222,14 +225,38 @@ class Probe:
             )
         return None
 
-    def step_gradients(self, model: Any, tokenizer: Any) -> Any:
-        """Hooks for the coming step's own backward (:class:`~isotui.callbacks.own_backward.StepGradients`),
-        armed; None when gradients are not asked for."""
-        if not self.gradients:
-            return None
+    def wants_hooks(self, coming: int, max_steps: int) -> bool:
+        """Whether the step ``coming`` is probed with gradients (``max_steps`` <= 0: no limit)."""
+        return self.gradients and self.due(coming, last=0 < max_steps <= coming)
+
+    def arm(self, model: Any, tokenizer: Any) -> None:
+        """Hook the coming step's own backward (:class:`~isotui.callbacks.own_backward.StepGradients`);
+        a failure leaves the probe set's gradients, said in ``no_own``: the step is never harmed."""
         from isotui.callbacks.own_backward import StepGradients
 
-        return StepGradients(model, tokenizer, self.top_k, int(self.options.get("seed", 0))).arm()
+        try:
+            self.own = StepGradients(model, tokenizer, self.top_k, int(self.options.get("seed", 0))).arm()
+        except Exception as exc:
+            self.no_own = f"its hooks could not be set ({type(exc).__name__}: {exc})"
+
+    @contextmanager
+    def closing_step(self) -> Iterator[None]:
+        """Around a step's probe: the step's hooks disarmed and dropped after it, however it ends."""
+        try:
+            yield
+        finally:
+            if self.own is not None:
+                self.own.disarm()
+            self.own, self.no_own = None, NO_STEP
+
+    @contextmanager
+    def after_training(self) -> Iterator[None]:
+        """Around the probe at the training's end, after its last step: no step's backward to read."""
+        self.no_own = "probed at the end of training, after its last step"
+        try:
+            yield
+        finally:
+            self.no_own = NO_STEP
 
     def measure(
         self,
@@ -238,22 +265,21 @@ class Probe:
         *,
         tokenizer: Any = None,
         processor: Any = None,
-        own: Any = None,
-        no_own: str = "no training step ran before it",
         **facts: Any,
     ) -> dict[str, float]:
         """Probe ``model`` at ``step``: the scalars to log (``isotui/METRIC/layer_L``, the
         encoder's and decoder's ``isotui/METRIC/encoder_layer_L``...), the layer run written to
         the series folder with ``facts`` beside it. With gradients: ``own`` (the step's
-        :class:`~isotui.callbacks.own_backward.StepGradients`, disarmed here) gives them, else
-        the gradients experiment runs on the probe set (``no_own`` or ``own``'s reason recorded).
+        :class:`~isotui.callbacks.own_backward.StepGradients`, disarmed here, see :meth:`arm`)
+        gives them, else the gradients experiment runs on the probe set (``no_own`` or ``own``'s
+        reason recorded).
         Mode, random states and threads as they were, whether it succeeds or fails."""
         import torch
 
         from isotui.api import Result, run
 
-        if own is not None:  # the step is over: the probe's own forwards are not its
-            own.disarm()
+        if self.own is not None:  # the step is over: the probe's own forwards are not its
+            self.own.disarm()
         started = time.perf_counter()
         threads = torch.get_num_threads()  # a run sets torch's threads for the process
         options = {"threads": threads, **self.options}  # by default on the training's threads
@@ -275,7 +301,7 @@ class Probe:
                 _refuse_non_finite(result)
                 gradients, how = None, None
                 if self.gradients:
-                    gradients, how = self._gradients(model, tokenizer, own, no_own, threads)
+                    gradients, how = self._gradients(model, tokenizer, self.own, self.no_own, threads)
                 seconds = time.perf_counter() - started
                 self.done.add(step)
                 if self.out is not None and self.record is not None:

@@ -95,8 +95,6 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
         self.tokenizer = tokenizer
         self.processor = processor
         self.trainer: Any = None
-        self.own: Any = None  # the coming step's own-backward hooks, when it is probed with gradients
-        self.no_own = "no training step ran before it"
 
     def attach(self, trainer: Any) -> IsotuiCallback:
         """Add this callback to ``trainer`` (once: not again if its callbacks hold it already) and
@@ -129,43 +127,29 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Before a step whose end is probed with gradients: hook its own backward, if it is one."""
         coming = state.global_step + 1
-        if not (
-            state.is_world_process_zero
-            and self.probe.gradients
-            and self.probe.due(coming, last=0 < state.max_steps <= coming)
-        ):
+        if not (state.is_world_process_zero and self.probe.wants_hooks(coming, state.max_steps)):
             return
         if args.gradient_accumulation_steps > 1:
-            self.no_own = (
+            self.probe.no_own = (
                 f"gradient accumulation ({args.gradient_accumulation_steps} batches per step, "
                 "gradient_accumulation_steps)"
             )
             return
-        try:
-            self.own = self.probe.step_gradients(kwargs["model"], self._processing(kwargs)[0])
-        except Exception as exc:  # the probe set's gradients instead: the step is never harmed
-            self.no_own = f"its hooks could not be set ({type(exc).__name__}: {exc})"
+        self.probe.arm(kwargs["model"], self._processing(kwargs)[0])
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # the last step: max_steps, or a callback before this one stopped the training here
         last = 0 < state.max_steps <= state.global_step or bool(control.should_training_stop)
-        try:
+        with self.probe.closing_step():
             self._probe(state, kwargs, control, last=last)
-        finally:
-            if self.own is not None:
-                self.own.disarm()
-            self.own, self.no_own = None, "no training step ran before it"
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The training stopped after its step's end (early stopping decides on the evaluation
         that follows it; a callback after this one): its last step probed now, before the trainer
         loads a best checkpoint back and before the reporters close at the end of training."""
         if control.should_training_stop or 0 < state.max_steps <= state.global_step:
-            self.no_own = "probed at the end of training, after its last step"
-            try:
+            with self.probe.after_training():
                 self._probe(state, kwargs, control, last=True)
-            finally:
-                self.no_own = "no training step ran before it"
 
     def _processing(self, kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if self.tokenizer is not None or self.processor is not None:
@@ -188,8 +172,7 @@ class IsotuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers' cl
         scalars = self.probe.attempt(
             step,
             lambda: self.probe.measure(
-                model, step, tokenizer=tokenizer, processor=processor, own=self.own,
-                no_own=self.no_own, epoch=state.epoch,
+                model, step, tokenizer=tokenizer, processor=processor, epoch=state.epoch
             ),
             logger.warning,
             model=model,
