@@ -1,7 +1,7 @@
 """What every paper figure shares (:mod:`isotui.paper_figures` and the figures of its two
 sibling modules, which it lists): the palette and markers, the drawing record, model names as a
-legend shows them, the legend's placement and the layers' x positions. matplotlib is never
-imported here: the functions take its objects.
+legend shows them, the legend's placement, the layers' x positions and a p-value axis over
+models. matplotlib is never imported here: the functions take its objects.
 """
 
 from __future__ import annotations
@@ -82,6 +82,19 @@ def layer_positions(n: int, depth: bool) -> list[float]:
 
 def _layer_runs(results: list[Any]) -> list[dict[str, Any]]:
     return [{"model": r.model, "key": r.key} for r in results]
+
+
+def pvalue_axis(fig: Any, ax: Any, pvalues: list[float], names: list[str]) -> None:
+    """A log p-value axis over models (one x per name, at 0, 1...): the 0.05 line, room below
+    the smallest p, and the names slanted where they would not fit side by side."""
+    ax.axhline(SIGNIFICANCE, color=NULL_COLOUR, linewidth=0.8, linestyle="--", label="p = 0.05")
+    ax.set_yscale("log")
+    finite = [p for p in pvalues if math.isfinite(p) and p > 0]
+    ax.set_ylim(min([*finite, SIGNIFICANCE]) / 3, 2.0)
+    slanted = sum(len(n) + 2 for n in names) * 0.06 > fig.get_figwidth() * 0.8  # 8 pt: ~0.06 in a letter
+    at = range(len(names))
+    ax.set_xticks(at, names, rotation=30 if slanted else 0, ha="right" if slanted else "center")
+    ax.set_xlim(-0.6, len(names) - 0.4)
 
 
 def drift_key(result: Any) -> str:

@@ -27,13 +27,13 @@ from isotui.figure_style import (
     MARKERS,
     NULL_COLOUR,
     OKABE_ITO,
-    SIGNIFICANCE,
     Drawing,
     Rows,
     _layer_runs,
     _legend,
     drift_key,
     layer_positions,
+    pvalue_axis,
     short_names,
 )
 
@@ -192,14 +192,7 @@ def draw_pvalues(fig: Any, results: list[Any], _options: Any) -> Drawing:
         if at:
             ax.scatter(x[at] - 0.12, [spearman[i] for i in at], label=label, zorder=3, **style)
     ax.scatter(x + 0.12, pearson, marker="s", color=OKABE_ITO[1], label="Pearson", zorder=3)
-    ax.axhline(SIGNIFICANCE, color=NULL_COLOUR, linewidth=0.8, linestyle="--", label="p = 0.05")
-    ax.set_yscale("log")
-    finite = [p for p in spearman + pearson if math.isfinite(p) and p > 0]
-    low = min([*finite, SIGNIFICANCE]) / 3
-    ax.set_ylim(low, 2.0)
-    slanted = sum(len(n) + 2 for n in names) * 0.06 > fig.get_figwidth() * 0.8  # 8 pt: ~0.06 in a letter
-    ax.set_xticks(x, names, rotation=30 if slanted else 0, ha="right" if slanted else "center")
-    ax.set_xlim(-0.6, len(results) - 0.4)
+    pvalue_axis(fig, ax, spearman + pearson, names)
     ax.set_ylabel("p-value (drift vs avg cos)")
     fig.legend(loc="outside upper center", ncols=3, handlelength=1.2)
     return Drawing(fig, rows, _layer_runs(results))

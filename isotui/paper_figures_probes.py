@@ -18,11 +18,11 @@ from isotui.errors import IsotuiError
 from isotui.figure_style import (
     NULL_COLOUR,
     OKABE_ITO,
-    SIGNIFICANCE,
     Drawing,
     Rows,
     _layer_runs,
     drift_key,
+    pvalue_axis,
     short_names,
 )
 
@@ -146,12 +146,9 @@ def draw_qk(fig: Any, results: list[Any], _options: Any) -> Drawing:
     return Drawing(fig, _curve_rows(result, QK_CURVES), _drift_runs(result))
 
 
-SOFTMAX_CURVES = ("softmax_max", "softmax_median", "softmax_min")
-EXTREME_CURVES = ("softmax_max_peak", "softmax_min_floor")
-
-
-def _softmax_axes(fig: Any, result: Any, curves: list[tuple[str, str]], ylabel: str) -> None:
-    """Softmax statistics against N on a log axis, the uniform row's 1/T as a grey line."""
+def _softmax_drawing(fig: Any, result: Any, curves: list[tuple[str, str]], ylabel: str) -> Drawing:
+    """Softmax statistics (``curves``: metric and label) against N on a log axis, the uniform
+    row's 1/T as a grey line; its rows: the curves per N, with that 1/T beside them."""
     norms = np.asarray(result.norms, dtype=np.float64)
     ax = fig.add_subplot()
     styles = ((OKABE_ITO[3], "-", "o"), (OKABE_ITO[0], "--", "s"), (OKABE_ITO[2], "-.", "^"))
@@ -178,6 +175,10 @@ def _softmax_axes(fig: Any, result: Any, curves: list[tuple[str, str]], ylabel: 
     ax.set_xlabel("bias norm N")
     ax.set_ylabel(ylabel)
     fig.legend(loc="outside upper center", ncols=len(curves) + 1, handlelength=1.8, columnspacing=1.0)
+    rows = _curve_rows(result, tuple(metric for metric, _ in curves))
+    for row in rows:
+        row["uniform"] = uniform
+    return Drawing(fig, rows, _drift_runs(result))
 
 
 def parse_at_norm(text: str | None, norms: Any) -> int | None:
@@ -240,11 +241,7 @@ def draw_softmax(fig: Any, results: list[Any], options: Any) -> Drawing:
     if index is not None:
         return _softmax_positions(fig, result, index)
     curves = [("softmax_max", "max"), ("softmax_median", "median"), ("softmax_min", "min")]
-    _softmax_axes(fig, result, curves, "softmax row value (mean)")
-    rows = _curve_rows(result, SOFTMAX_CURVES)
-    for row in rows:
-        row["uniform"] = 1.0 / result.config.seq_len
-    return Drawing(fig, rows, _drift_runs(result))
+    return _softmax_drawing(fig, result, curves, "softmax row value (mean)")
 
 
 def draw_softmax_extremes(fig: Any, results: list[Any], _options: Any) -> Drawing:
@@ -252,11 +249,7 @@ def draw_softmax_extremes(fig: Any, results: list[Any], _options: Any) -> Drawin
     row max and the smallest per-position mean row min; log scale, the uniform 1/T line."""
     result = results[0]
     curves = [("softmax_max_peak", "largest max"), ("softmax_min_floor", "smallest min")]
-    _softmax_axes(fig, result, curves, "softmax value (over positions)")
-    rows = _curve_rows(result, EXTREME_CURVES)
-    for row in rows:
-        row["uniform"] = 1.0 / result.config.seq_len
-    return Drawing(fig, rows, _drift_runs(result))
+    return _softmax_drawing(fig, result, curves, "softmax value (over positions)")
 
 
 # --- Godey et al. 2024, Fig. 16: Pearson p-values per model ---------------------------------------
@@ -282,13 +275,7 @@ def draw_pearson(fig: Any, results: list[Any], _options: Any) -> Drawing:
     pvalues = [r["pearson_p"] for r in rows]
     x = np.arange(len(results), dtype=float)
     ax.scatter(x, pvalues, marker="s", color=OKABE_ITO[1], label="Pearson", zorder=3)
-    ax.axhline(SIGNIFICANCE, color=NULL_COLOUR, linewidth=0.8, linestyle="--", label="p = 0.05")
-    ax.set_yscale("log")
-    finite = [p for p in pvalues if math.isfinite(p) and p > 0]
-    ax.set_ylim(min([*finite, SIGNIFICANCE]) / 3, 2.0)
-    slanted = sum(len(n) + 2 for n in names) * 0.06 > fig.get_figwidth() * 0.8  # 8 pt: ~0.06 in a letter
-    ax.set_xticks(x, names, rotation=30 if slanted else 0, ha="right" if slanted else "center")
-    ax.set_xlim(-0.6, len(results) - 0.4)
+    pvalue_axis(fig, ax, pvalues, names)
     ax.set_ylabel("Pearson p (drift vs avg cos)")
     fig.legend(loc="outside upper center", ncols=2, handlelength=1.2)
     return Drawing(fig, rows, _layer_runs(results))
