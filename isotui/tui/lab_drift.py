@@ -32,19 +32,6 @@ FIGURES = (
     "Fig. 9: softmax max, median, min per position at the cursor's N",
     "Fig. 10: softmax extremes over the sequence",
 )
-SETTING_NAMES = (
-    "hidden",
-    "heads",
-    "intermediate",
-    "init_std",
-    "vocab",
-    "batch",
-    "seq_len",
-    "norms",
-    "seeds",
-    "block",
-    "measure",
-)
 COLUMNS = (
     ("N", "norm"),
     ("in avg_cos", "in_avg_cos"),
@@ -76,14 +63,15 @@ def parse_settings(text: str) -> DriftBlockConfig:
     """A :class:`DriftBlockConfig` from ``key=value`` pairs; a bad pair is one sentence."""
     from isotui.errors import IsotuiError
     from isotui.experiments.drift_block import DriftBlockConfig, parse_norms, parse_seeds
+    from isotui.experiments.drift_block.config import SETTINGS
 
     values: dict[str, Any] = {}
     for item in text.split():
         name, sep, value = item.partition("=")
         name = name.replace("-", "_")
-        if not sep or name not in SETTING_NAMES:
+        if not sep or name not in SETTINGS:
             raise IsotuiError(
-                f"drift-block setting {item!r} is not NAME=VALUE with NAME one of {', '.join(SETTING_NAMES)}"
+                f"drift-block setting {item!r} is not NAME=VALUE with NAME one of {', '.join(SETTINGS)}"
             )
         try:
             if name == "norms":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import metadata
 from typing import Any
 
@@ -193,6 +193,12 @@ class DriftBlockConfig:
         from isotui.experiments.cached import key_hash
 
         return key_hash(fields_)
+
+
+# the settings that ``key=value`` words name (the lab's settings box), in the class's order
+SETTINGS = tuple(f.name for f in fields(DriftBlockConfig) if f.name != "device")
+# those that each row of a sweep repeats (the row's own N and seed stand apart)
+ROW_SETTINGS = tuple(name for name in SETTINGS if name not in ("norms", "seeds"))
 
 
 def _version(package: str) -> str:

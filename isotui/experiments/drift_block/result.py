@@ -11,7 +11,7 @@ from typing import NotRequired, TypedDict, cast
 import numpy as np
 
 from isotui.core.attention import RangeHistogram
-from isotui.experiments.drift_block.config import FOLDER, SCHEMA, DriftBlockConfig, _version
+from isotui.experiments.drift_block.config import FOLDER, ROW_SETTINGS, SCHEMA, DriftBlockConfig, _version
 from isotui.experiments.json_types import from_fields
 
 SOFTMAX_STATS = ("max", "median", "min")  # the stat axis of softmax_position
@@ -67,20 +67,7 @@ class DriftBlockRow:
         return [f.name for f in fields(cls) if f.name not in _NOT_METRICS]
 
 
-_NOT_METRICS = {
-    "seed",
-    "norm",
-    "n_star",
-    "hidden",
-    "heads",
-    "intermediate",
-    "init_std",
-    "vocab",
-    "batch",
-    "seq_len",
-    "block",
-    "measure",
-}
+_NOT_METRICS = {"seed", "norm", "n_star", *ROW_SETTINGS}
 
 HEAD_METRICS = (
     "q_avg_cos",
