@@ -50,6 +50,12 @@ class Table(RichTable):
         if caption:
             yield self._annotation(console, caption, Style.pick_first(self.caption_style, "table.caption"))
 
+    @classmethod
+    def titled(cls, title: str | Text) -> Table:
+        """A result's table as every view prints it: its title at the left, bold headers, no
+        padding at the edges."""
+        return cls(title=title, title_justify="left", header_style="bold", pad_edge=False)
+
     @staticmethod
     def _annotation(console: Console, text: Any, style: Any) -> Text:
         return console.render_str(text, style=style, highlight=False) if isinstance(text, str) else text
@@ -345,7 +351,7 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
         f"{meta.get('dtype')} on {meta.get('device')}  ({source})",
         style="table.title",
     )
-    table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
+    table = Table.titled(title)
     every = layer_columns(result.rows)
     columns = [c for c in every if c.min_width <= width]
     for c in columns:
@@ -405,10 +411,7 @@ def wide_rows(results: list[ModelResult], metric: str = "avg_cos") -> tuple[list
 def wide_table(results: list[ModelResult], metric: str = "avg_cos", width: int = 200) -> Table:
     """Layers (rows) by models (columns) for one metric; the per-model tables have the rest."""
     models, rows = wide_rows(results, metric)
-    table = Table(
-        title=f"[bold]{metric}[/] per layer, {len(models)} models", title_justify="left", header_style="bold"
-    )
-    table.pad_edge = False
+    table = Table.titled(f"[bold]{metric}[/] per layer, {len(models)} models")
     many = len({row[0] for row in rows}) > 1
     table.add_column("layer", justify="right", no_wrap=True)
     cell = max(8, min(24, (width - 10) // max(1, len(models)) - 3))

@@ -90,7 +90,7 @@ def attention_table(result: AttentionResult, width: int = 200, *, per_head: bool
         f"{amount(meta)}  {meta.get('dtype')} on {meta.get('device')}  ({source})",
         style="table.title",
     )
-    table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False)
+    table = Table.titled(title)
     many = len({m["component"] for m in result.modules()}) > 1
     rope = any(r.rope for r in result.rows)
     if per_head:
@@ -153,15 +153,12 @@ def dynamics_tables(result) -> list[Table]:
         ("entropy", "attention entropy (nats)", 2),
     ):
         values = result.layer_means(attr)
-        table = Table(
-            title=markup(
+        table = Table.titled(
+            markup(
                 f"[bold]{literal(shorten(result.series, 60))}[/]  {name} per layer, heads averaged  "
                 f"{literal(result.meta.get('data'))}, {result.meta.get('n_samples')} samples",
                 style="table.title",
-            ),
-            title_justify="left",
-            header_style="bold",
-            pad_edge=False,
+            )
         )
         table.add_column("checkpoint", justify="left", no_wrap=True)
         table.add_column("step", justify="right")

@@ -119,15 +119,12 @@ def heatmap(result: CheckpointSeries, metric: str) -> Any:
     finite = values[np.isfinite(values)]
     lo, hi = (float(finite.min()), float(finite.max())) if len(finite) else (0.0, 1.0)
     meta = result.results[0].meta
-    table = Table(
-        title=markup(
+    table = Table.titled(
+        markup(
             f"[bold]{literal(shorten(result.series, 50))}[/]  {metric} by layer (rows) and step (columns)  "
             f"{literal(meta.get('data'))}, {meta.get('n_samples')} samples",
             style="table.title",
-        ),
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
+        )
     )
     table.add_column("layer", justify="right")
     for step, ckpt in zip(result.steps(), result.checkpoints, strict=True):
@@ -163,16 +160,13 @@ def final_norm_table(result: FinalNormResult) -> Any:
     from isotui.experiments.final_norm import gain_correlation, signed
     from isotui.render import Table
 
-    metrics = Table(
-        title=markup(
+    metrics = Table.titled(
+        markup(
             f"[bold]{literal(result.model)}[/]  {literal(result.module)} ({result.kind})  "
             f"{literal(result.meta.get('data'))}, {result.meta.get('n_samples')} samples  "
             f"({_source(result)})",
             style="table.title",
-        ),
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
+        )
     )
     for h in ("", "n", "avg_cos", "centered", "drift", "norm", "isoscore", "erank", "top_pc"):
         metrics.add_column(h, justify="right")
@@ -188,12 +182,7 @@ def final_norm_table(result: FinalNormResult) -> Any:
             _f(s.eff_rank, 1),
             _f(s.top_pc_share, 3),
         )
-    dims = Table(
-        title=f"top {TOP} dimensions by share of avg_cos before the norm",
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
-    )
+    dims = Table.titled(f"top {TOP} dimensions by share of avg_cos before the norm")
     for h in ("dim", "x̄ before", "x̄ after", "gain γ", "bias β", "share before", "share after"):
         dims.add_column(h, justify="right")
     for r in sorted(result.dims, key=lambda r: -r.share_before)[:TOP]:
@@ -223,15 +212,12 @@ def per_block_table(results: list[FinalNormResult]) -> Any:
     from isotui.render import Table
 
     first = results[0]
-    table = Table(
-        title=markup(
+    table = Table.titled(
+        markup(
             f"[bold]{literal(first.model)}[/]  every block's output norm  "
             f"{literal(first.meta.get('data'))}, {first.meta.get('n_samples')} samples  ({_source(first)})",
             style="table.title",
-        ),
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
+        )
     )
     for h in (
         "layer",
@@ -271,15 +257,12 @@ def token_types_table(result: Any) -> Any:
     from isotui.render import Table
 
     m = result.meta
-    table = Table(
-        title=markup(
+    table = Table.titled(
+        markup(
             f"[bold]{literal(result.model)}[/]  {literal(m.get('data'))}, {m.get('n_samples')} samples  "
             f"({'cache' if result.from_cache else format(m.get('seconds', 0), '.1f') + ' s'})",
             style="table.title",
-        ),
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
+        )
     )
     for h, justify in (
         ("layer", "right"),
@@ -312,18 +295,15 @@ def gradients_table(result: GradientResult) -> Any:
 
     m = result.meta
     k = result.rows[0].top_k if result.rows else 0
-    table = Table(
-        title=markup(
+    table = Table.titled(
+        markup(
             f"[bold]{literal(result.model)}[/]  {m.get('lm_class')} ({result.objective} LM)  "
             f"{literal(m.get('data'))}, {m.get('n_samples')} samples, "
             f"loss {_f(m.get('loss_per_token', math.nan), 3)} nats/token "
             f"over {m.get('loss_tokens')} targets  "
             f"({'cache' if result.from_cache else format(m.get('seconds', 0), '.1f') + ' s'})",
             style="table.title",
-        ),
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
+        )
     )
     for h in ("layer", "n", "zero", "grad cos", "grad drift", "grad norm", "act cos"):
         table.add_column(h, justify="right")
