@@ -56,6 +56,13 @@ class Table(RichTable):
         padding at the edges."""
         return cls(title=title, title_justify="left", header_style="bold", pad_edge=False)
 
+    def captioned(self, caption: str | Text) -> Table:
+        """This table with ``caption`` under it, at the left as its title: the notes that end a
+        result's table wrap at the console's width, not the table's."""
+        self.caption = caption
+        self.caption_justify = "left"
+        return self
+
     @staticmethod
     def _annotation(console: Console, text: Any, style: Any) -> Text:
         return console.render_str(text, style=style, highlight=False) if isinstance(text, str) else text
@@ -385,9 +392,7 @@ def result_table(result: ModelResult, width: int = 200) -> Table:
     timing = timing_note(meta, result.write_seconds)
     if timing:
         notes.append(timing if not result.from_cache else f"time when computed: {timing[6:]}")
-    table.caption = plain("\n".join(notes), style="table.caption")
-    table.caption_justify = "left"
-    return table
+    return table.captioned(plain("\n".join(notes), style="table.caption"))
 
 
 def wide_rows(results: list[ModelResult], metric: str = "avg_cos") -> tuple[list[str], list[list[Any]]]:
@@ -421,12 +426,10 @@ def wide_table(results: list[ModelResult], metric: str = "avg_cos", width: int =
     for component, layer, *cells in rows:
         label = str(layer) if not many and component == "model" else f"{component} {layer}"
         table.add_row(label, *(_f(v, digits) if v is not None else "" for v in cells))
-    table.caption = (
+    return table.captioned(
         "depth differs between models: compare by row (layer index) or see the per-model tables; "
         "--wide METRIC shows another metric; --wide-csv writes this table"
     )
-    table.caption_justify = "left"
-    return table
 
 
 DUPLICATE_MARK = "*"  # a checkpoint serving another step's weights (its duplicate_of)

@@ -136,9 +136,7 @@ def attention_table(result: AttentionResult, width: int = 200, *, per_head: bool
         hidden = ", ".join(c.header for c in possible if c not in columns)
         notes.append(f"(narrow terminal: {hidden} hidden; --csv has them all)")
     notes.extend(meta.get("notes", []))
-    table.caption = plain("\n".join(notes), style="table.caption")
-    table.caption_justify = "left"
-    return table
+    return table.captioned(plain("\n".join(notes), style="table.caption"))
 
 
 def dynamics_tables(result) -> list[Table]:

@@ -143,9 +143,7 @@ def heatmap(result: CheckpointSeries, metric: str) -> Any:
     caption = f"darker = lower, lighter = higher ({lo:.3f} .. {hi:.3f}); columns: " + ", ".join(
         f"{s}={shorten(c.label, 24)}" for s, c in zip(result.steps(), result.checkpoints, strict=True)
     )
-    table.caption = plain(caption + duplicates_caption(result.checkpoints), style="table.caption")
-    table.caption_justify = "left"
-    return table
+    return table.captioned(plain(caption + duplicates_caption(result.checkpoints), style="table.caption"))
 
 
 def _source(result: FinalNormResult) -> str:
@@ -200,9 +198,7 @@ def final_norm_table(result: FinalNormResult) -> Any:
         )
     else:  # an untrained norm: said once, in the verdict below
         correlations = "Spearman(|x̄_k|, γ_k), Spearman(share_k, γ_k): none (every γ_k the same)"
-    dims.caption = correlations + "\n" + result.verdict()
-    dims.caption_justify = "left"
-    return Group(metrics, dims)
+    return Group(metrics, dims.captioned(correlations + "\n" + result.verdict()))
 
 
 def per_block_table(results: list[FinalNormResult]) -> Any:
@@ -244,12 +240,10 @@ def per_block_table(results: list[FinalNormResult]) -> Any:
             signed(top.share_after, 3),
             signed(top.gain, 4),
         )
-    table.caption = (
+    return table.captioned(
         "layer L: the norm that ends block L (its output is hidden-state row L); top dim: the dimension "
         "carrying most of avg_cos before the norm, its share before and after, and its gain γ"
     )
-    table.caption_justify = "left"
-    return table
 
 
 def token_types_table(result: Any) -> Any:
@@ -279,13 +273,11 @@ def token_types_table(result: Any) -> Any:
             f"{literal(repr(r.token))} {_f(r.share, 3)} ({r.count}, {_f(r.freq_share, 3)})" for r in rows
         )
         table.add_row(where, direction, markup(types))
-    table.caption = (
+    return table.captioned(
         "share: the type's part of the layer's mean direction (sum of its tokens' projections on it) "
         "or of its top rogue dimension K (sum of its tokens' unit-vector coordinate K); all types' "
         "shares sum to 1: a share well above the type's share of tokens marks a carrier"
     )
-    table.caption_justify = "left"
-    return table
 
 
 def gradients_table(result: GradientResult) -> Any:
@@ -324,9 +316,7 @@ def gradients_table(result: GradientResult) -> Any:
             _f(r.act_top_var, 3),
             _f(r.grad_top_share, 3),
         )
-    table.caption = plain("\n".join(result.notes), style="table.caption")
-    table.caption_justify = "left"
-    return table
+    return table.captioned(plain("\n".join(result.notes), style="table.caption"))
 
 
 def _g(x: float) -> str:
