@@ -101,3 +101,12 @@ def drift_key(result: Any) -> str:
     """The drift correlation a model's figure uses: over all its layers (encoder+decoder
     concatenated for an encoder-decoder, as the paper's T5)."""
     return max(result.drift, key=lambda k: k.count("+"))
+
+
+def drift_row(result: Any, *names: str) -> dict[str, Any]:
+    """A model's row of a drift-correlation figure's data: the model, the correlation it uses
+    (:func:`drift_key`), its number of layers and the statistics ``names``, in that order."""
+    key = drift_key(result)
+    d = result.drift[key]
+    row = {"model": result.model, "component": key, "n_layers": d.n_layers}
+    return row | {n: getattr(d, n) for n in names}

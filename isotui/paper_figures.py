@@ -32,6 +32,7 @@ from isotui.figure_style import (
     _layer_runs,
     _legend,
     drift_key,
+    drift_row,
     layer_positions,
     pvalue_axis,
     short_names,
@@ -156,28 +157,13 @@ def draw_pvalues(fig: Any, results: list[Any], _options: Any) -> Drawing:
     Monte Carlo resample was as extreme (hollow) or where a proven bound stands in for an exact
     count out of reach (filled): the true p lies below it."""
     ax = fig.add_subplot()
-    rows: Rows = []
     names = short_names([r.model for r in results])
-    spearman, pearson, methods = [], [], []
-    for result in results:
-        key = drift_key(result)
-        d = result.drift[key]
-        rows.append(
-            {
-                "model": result.model,
-                "component": key,
-                "n_layers": d.n_layers,
-                "spearman_rho": d.spearman_rho,
-                "spearman_p": d.spearman_p,
-                "spearman_p_method": d.spearman_p_method,
-                "pearson_r": d.pearson_r,
-                "pearson_p": d.pearson_p,
-                "spearman_p_bound": d.spearman_p_floored,
-            }
-        )
-        spearman.append(d.spearman_p)
-        pearson.append(d.pearson_p)
-        methods.append(d.spearman_p_method)
+    stats = ("spearman_rho", "spearman_p", "spearman_p_method", "pearson_r", "pearson_p")
+    rows: Rows = [
+        drift_row(r, *stats) | {"spearman_p_bound": r.drift[drift_key(r)].spearman_p_floored} for r in results
+    ]
+    spearman, pearson = [r["spearman_p"] for r in rows], [r["pearson_p"] for r in rows]
+    methods = [r["spearman_p_method"] for r in rows]
     x = np.arange(len(results), dtype=float)
     colour = OKABE_ITO[0]
     hollow = {"facecolors": "none", "edgecolors": colour}

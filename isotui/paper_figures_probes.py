@@ -21,7 +21,7 @@ from isotui.figure_style import (
     Drawing,
     Rows,
     _layer_runs,
-    drift_key,
+    drift_row,
     pvalue_axis,
     short_names,
 )
@@ -259,19 +259,7 @@ def draw_pearson(fig: Any, results: list[Any], _options: Any) -> Drawing:
     """Fig. 16: Pearson's p of drift norm vs avg cos over layers, per model, log scale, 0.05 line."""
     ax = fig.add_subplot()
     names = short_names([r.model for r in results])
-    rows: Rows = []
-    for result in results:
-        key = drift_key(result)
-        d = result.drift[key]
-        rows.append(
-            {
-                "model": result.model,
-                "component": key,
-                "n_layers": d.n_layers,
-                "pearson_r": d.pearson_r,
-                "pearson_p": d.pearson_p,
-            }
-        )
+    rows: Rows = [drift_row(result, "pearson_r", "pearson_p") for result in results]
     pvalues = [r["pearson_p"] for r in rows]
     x = np.arange(len(results), dtype=float)
     ax.scatter(x, pvalues, marker="s", color=OKABE_ITO[1], label="Pearson", zorder=3)
