@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
-from isotui.experiments.base import Context, Experiment, Payload, Rows
+from isotui.experiments.base import Arrays, Context, Experiment, Payload, Rows
 from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.json_types import from_fields
 from isotui.experiments.params import param
@@ -30,11 +30,9 @@ if TYPE_CHECKING:
     import torch
 
     from isotui.core.accumulator import LayerAccumulator, LayerStats, Sums
-    from isotui.experiments.base import Notice
     from isotui.experiments.layer_pass import Prepared
     from isotui.extract.progress import ProgressCallback, StopCheck
     from isotui.spec import RunSpec
-    from isotui.store.cache import ResultCache
 
 HELP = "metrics before and after the final norm, per dimension (Machina & Mercer 2024)"
 TOP = 5
@@ -273,42 +271,6 @@ def measure_final_norm(
     return measure_norms(spec, every_layer=False, on_progress=on_progress, should_stop=should_stop)[0]
 
 
-def cached_norms(
-    spec: RunSpec,
-    cache: ResultCache | None,
-    *,
-    every_layer: bool,
-    on_progress: ProgressCallback | None = None,
-    should_stop: StopCheck | None = None,
-    on_notice: Notice | None = None,
-) -> list[FinalNormResult]:
-    """:func:`measure_norms` through the result cache (folder ``final-norm``; ``cache`` from
-    :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
-    from isotui.experiments.cached import cached_run, experiment_key
-    from isotui.experiments.layer_pass import prepare
-
-    prepared = prepare(spec, cache)
-
-    def relabel(results: list[FinalNormResult]) -> None:
-        for r in results:
-            r.model, r.from_cache = spec.model, True
-            r.meta["data"] = spec.data.describe()
-            for d in r.dims:
-                d.model = spec.model
-
-    return cached_run(
-        cache,
-        [experiment_key(k, FOLDER, SCHEMA, {"every_layer": every_layer}) for k in prepared.keys],
-        decode=results_from_payload,
-        relabel=relabel,
-        compute=lambda: measure_norms(
-            spec, every_layer=every_layer, on_progress=on_progress, should_stop=should_stop, prepared=prepared
-        ),
-        encode=results_payload,
-        notice=on_notice,
-    )
-
-
 @dataclass(frozen=True)
 class FinalNormRequest(CachedRequest[list[FinalNormResult]]):
     """Metrics before and after the final norm (``isotui experiment final-norm``); its result is
@@ -320,15 +282,27 @@ class FinalNormRequest(CachedRequest[list[FinalNormResult]]):
     def _folder(self) -> tuple[str, int, dict[str, object]]:
         return FOLDER, SCHEMA, {"every_layer": self.every_layer}
 
-    def _measure(self, cache: ResultCache | None, context: Context) -> list[FinalNormResult]:
-        return cached_norms(
+    def _compute(self, prepared: Prepared, context: Context) -> list[FinalNormResult]:
+        return measure_norms(
             self.spec,
-            cache,
             every_layer=self.every_layer,
             on_progress=context.on_progress,
             should_stop=context.should_stop,
-            on_notice=context.notice,
+            prepared=prepared,
         )
+
+    def _encode(self, result: list[FinalNormResult]) -> tuple[dict[str, object], Arrays]:
+        return results_payload(result)
+
+    def _decode(self, payload: Mapping[str, object], arrays: Arrays) -> list[FinalNormResult]:
+        return results_from_payload(payload, arrays)
+
+    def _relabel(self, result: list[FinalNormResult]) -> None:
+        for r in result:
+            r.model, r.from_cache = self.spec.model, True
+            r.meta["data"] = self.spec.data.describe()
+            for d in r.dims:
+                d.model = self.spec.model
 
 
 _STAT_ARRAYS = ("dim_contrib", "eigenvalues", "mean")

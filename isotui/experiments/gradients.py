@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
     from isotui.core.accumulator import Sums
     from isotui.core.gradients import GradAccumulator
-    from isotui.experiments.base import Notice
     from isotui.experiments.layer_pass import Prepared
     from isotui.extract.progress import ProgressCallback, StopCheck
     from isotui.spec import RunSpec
@@ -130,37 +129,6 @@ class GradientsState(GradientFacts):
     accumulators: list[Sums]
 
 
-def cached_gradients(
-    spec: RunSpec,
-    cache: ResultCache | None,
-    *,
-    top_k: int = 10,
-    on_progress: ProgressCallback | None = None,
-    should_stop: StopCheck | None = None,
-    on_notice: Notice | None = None,
-) -> GradientResult:
-    """:func:`measure_gradients` through the result cache (folder ``gradients``; ``cache`` from
-    :func:`isotui.experiments.cached.experiment_cache`, None to recompute and store nothing)."""
-    from isotui.experiments.cached import cached_run, experiment_key, relabel_rows
-    from isotui.experiments.layer_pass import prepare
-
-    if spec.given is None:  # a model object: its head is checked where it is loaded
-        _refuse_bundled(spec.model)
-    prepared = prepare(spec, cache)
-    result: GradientResult = cached_run(
-        cache,
-        [experiment_key(k, FOLDER, SCHEMA, {"top_k": top_k}) for k in prepared.keys],
-        decode=gradients_from_payload,
-        relabel=relabel_rows(spec),
-        compute=lambda: measure_gradients(
-            spec, top_k=top_k, on_progress=on_progress, should_stop=should_stop, prepared=prepared
-        ),
-        encode=lambda result: ({k: v for k, v in asdict(result).items() if k != "from_cache"}, {}),
-        notice=on_notice,
-    )
-    return result
-
-
 @dataclass(frozen=True)
 class GradientsRequest(CachedRequest[GradientResult]):
     """Loss gradients w.r.t. hidden states (``isotui experiment gradients``)."""
@@ -172,14 +140,24 @@ class GradientsRequest(CachedRequest[GradientResult]):
         return FOLDER, SCHEMA, {"top_k": self.top_k}
 
     def _measure(self, cache: ResultCache | None, context: Context) -> GradientResult:
-        return cached_gradients(
+        if self.spec.given is None:  # a model object: its head is checked where it is loaded
+            _refuse_bundled(self.spec.model)
+        return super()._measure(cache, context)
+
+    def _compute(self, prepared: Prepared, context: Context) -> GradientResult:
+        return measure_gradients(
             self.spec,
-            cache,
             top_k=self.top_k,
             on_progress=context.on_progress,
             should_stop=context.should_stop,
-            on_notice=context.notice,
+            prepared=prepared,
         )
+
+    def _encode(self, result: GradientResult) -> tuple[dict[str, object], Arrays]:
+        return {k: v for k, v in asdict(result).items() if k != "from_cache"}, {}
+
+    def _decode(self, payload: Mapping[str, object], arrays: Arrays) -> GradientResult:
+        return gradients_from_payload(payload, arrays)
 
 
 class GradientEntry(TypedDict):
@@ -193,8 +171,8 @@ class GradientEntry(TypedDict):
 
 
 def gradients_from_payload(payload: Mapping[str, object], _arrays: Arrays) -> GradientResult:
-    """The result a cache entry holds (the payload :func:`cached_gradients` stores)."""
-    entry = cast("GradientEntry", payload)  # the cache checked its schema: cached_gradients' payload
+    """The result a cache entry holds (the payload :meth:`GradientsRequest._encode` stores)."""
+    entry = cast("GradientEntry", payload)  # the cache checked its schema: the request's payload
     rows = [from_fields(GradientRow, r) for r in entry["rows"]]
     return GradientResult(
         entry["model"],

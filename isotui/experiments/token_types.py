@@ -34,13 +34,11 @@ from isotui.experiments.params import param
 if TYPE_CHECKING:
     import torch
 
-    from isotui.experiments.base import Notice
     from isotui.experiments.layer_pass import Prepared
     from isotui.extract.loop import Batch, BatchLoop
     from isotui.extract.memory_plan import MemoryPlan
     from isotui.extract.progress import ProgressCallback, StopCheck
     from isotui.spec import RunSpec
-    from isotui.store.cache import ResultCache
 
 HELP = "which token types carry each layer's mean direction and its top rogue dimension"
 FOLDER = "token-types"
@@ -261,36 +259,8 @@ def measure_types(
     return TokenTypesResult(spec.model, rows, meta)
 
 
-def cached_types(
-    spec: RunSpec,
-    cache: ResultCache | None,
-    *,
-    top: int,
-    on_progress: ProgressCallback | None = None,
-    should_stop: StopCheck | None = None,
-    on_notice: Notice | None = None,
-) -> TokenTypesResult:
-    """:func:`measure_types` through the result cache (folder ``token-types``)."""
-    from isotui.experiments.cached import cached_run, experiment_key, relabel_rows
-    from isotui.experiments.layer_pass import prepare
-
-    prepared = prepare(spec, cache)
-    result: TokenTypesResult = cached_run(
-        cache,
-        [experiment_key(k, FOLDER, SCHEMA, {"top": top}) for k in prepared.keys],
-        decode=decode,
-        relabel=relabel_rows(spec),
-        compute=lambda: measure_types(
-            spec, top=top, on_progress=on_progress, should_stop=should_stop, prepared=prepared
-        ),
-        encode=lambda r: ({"model": r.model, "rows": [asdict(x) for x in r.rows], "meta": r.meta}, {}),
-        notice=on_notice,
-    )
-    return result
-
-
 class TypesEntry(TypedDict):
-    """A cache entry's payload, as :func:`cached_types` stores it."""
+    """A cache entry's payload, as :meth:`TokenTypesRequest._encode` stores it."""
 
     model: str
     rows: list[dict[str, object]]  # each a TypeRow's fields
@@ -298,7 +268,7 @@ class TypesEntry(TypedDict):
 
 
 def decode(payload: Mapping[str, object], _arrays: Arrays) -> TokenTypesResult:
-    entry = cast("TypesEntry", payload)  # the cache checked its schema: cached_types' payload
+    entry = cast("TypesEntry", payload)  # the cache checked its schema: the request's payload
     return TokenTypesResult(
         entry["model"], [from_fields(TypeRow, r) for r in entry["rows"]], dict(entry["meta"])
     )
@@ -314,15 +284,20 @@ class TokenTypesRequest(CachedRequest[TokenTypesResult]):
     def _folder(self) -> tuple[str, int, dict[str, object]]:
         return FOLDER, SCHEMA, {"top": self.top}
 
-    def _measure(self, cache: ResultCache | None, context: Context) -> TokenTypesResult:
-        return cached_types(
+    def _compute(self, prepared: Prepared, context: Context) -> TokenTypesResult:
+        return measure_types(
             self.spec,
-            cache,
             top=self.top,
             on_progress=context.on_progress,
             should_stop=context.should_stop,
-            on_notice=context.notice,
+            prepared=prepared,
         )
+
+    def _encode(self, result: TokenTypesResult) -> tuple[dict[str, object], Arrays]:
+        return {"model": result.model, "rows": [asdict(x) for x in result.rows], "meta": result.meta}, {}
+
+    def _decode(self, payload: Mapping[str, object], arrays: Arrays) -> TokenTypesResult:
+        return decode(payload, arrays)
 
 
 def csv_rows(results: list[TokenTypesResult]) -> Rows:
