@@ -31,7 +31,7 @@ from isotui.experiments import plans
 from isotui.experiments.base import Arrays, Context, Experiment, Payload, Rows
 from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.json_types import from_fields
-from isotui.experiments.params import param
+from isotui.experiments.params import param, positive
 
 if TYPE_CHECKING:
     import numpy as np
@@ -509,21 +509,13 @@ def json_payload(results: list[GradientResult]) -> Payload:
     return {"results": [{k: v for k, v in asdict(r).items() if k != "from_cache"} for r in results]}
 
 
-def _top_k(value: str | int) -> int:
-    try:
-        top_k = int(value)
-    except (TypeError, ValueError):
-        raise IsotuiError(f"top-k must be a positive integer (got {value!r})") from None
-    if top_k < 1:
-        raise IsotuiError(f"top-k must be a positive integer (got {top_k})")
-    return top_k
-
-
 @dataclass(frozen=True)
 class GradientsParams:
     """gradients' own parameters (the front ends add the models and the run options)."""
 
-    top_k: int = param(10, parse=_top_k, help="principal directions of the activations (default 10)")
+    top_k: int = param(
+        10, parse=positive("top-k"), help="principal directions of the activations (default 10)"
+    )
 
 
 EXPERIMENT: Experiment[RunSpec, GradientsParams, GradientsRequest, GradientResult] = Experiment(

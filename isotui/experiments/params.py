@@ -70,6 +70,22 @@ def param(default: object = None, **meta: object) -> object:
     return field(default=default, metadata={"param": meta | {"default": default}})
 
 
+def positive(flag: str) -> Callable[[str | int], int]:
+    """A parameter's ``parse``: a whole number of at least 1 (not a bool), else one sentence
+    naming ``flag``."""
+
+    def parse(value: str | int) -> int:
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            raise IsotuiError(f"{flag} must be a positive integer (got {value!r})") from None
+        if isinstance(value, bool) or n < 1:
+            raise IsotuiError(f"{flag} must be a positive integer (got {value!r})")
+        return n
+
+    return parse
+
+
 @dataclass(frozen=True)
 class NoParams:
     """The parameters of an experiment that has none of its own."""

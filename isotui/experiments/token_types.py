@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, ClassVar, TypedDict, cast
 
@@ -29,7 +29,7 @@ from isotui.errors import IsotuiError
 from isotui.experiments.base import Arrays, Context, Experiment, Payload, Rows
 from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.json_types import from_fields
-from isotui.experiments.params import param
+from isotui.experiments.params import param, positive
 
 if TYPE_CHECKING:
     import torch
@@ -94,24 +94,13 @@ def by_layer(rows: list[TypeRow]) -> list[LayerTypes]:
     return list(layers.values())
 
 
-def _positive(name: str) -> Callable[[str | int], int]:
-    def parse(value: str | int) -> int:
-        try:
-            n = int(value)
-        except (TypeError, ValueError):
-            raise IsotuiError(f"--{name} must be a positive integer (got {value!r})") from None
-        if isinstance(value, bool) or n < 1:
-            raise IsotuiError(f"--{name} must be a positive integer (got {value!r})")
-        return n
-
-    return parse
-
-
 @dataclass(frozen=True)
 class TokenTypesParams:
     """token-types' own parameters (the front ends add the models and the run options)."""
 
-    top: int = param(5, parse=_positive("top"), metavar="N", help="token types shown per layer and direction")
+    top: int = param(
+        5, parse=positive("--top"), metavar="N", help="token types shown per layer and direction"
+    )
 
 
 class _Sums:
