@@ -79,8 +79,10 @@ def positive(flag: str) -> Callable[[str | int], int]:
             n = int(value)
         except (TypeError, ValueError):
             raise IsotuiError(f"{flag} must be a positive integer (got {value!r})") from None
-        if isinstance(value, bool) or n < 1:
-            raise IsotuiError(f"{flag} must be a positive integer (got {value!r})")
+        if isinstance(value, bool) or n < 1:  # the number as parsed: the CLI and the API say the same
+            raise IsotuiError(
+                f"{flag} must be a positive integer (got {value if isinstance(value, bool) else n})"
+            )
         return n
 
     return parse
