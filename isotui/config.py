@@ -51,7 +51,7 @@ def load_run_config(path: Path, given: Collection[str] = ()) -> dict[str, Any]:
     command line names them (``given``: the settings the command line sets, which win anyway).
     """
     data = read_toml(path)
-    sweep = data.pop("sweep", None)  # `isotui sweep`'s own table (isotui.cli_sweep); a run ignores it
+    sweep = data.pop("sweep", None)  # `isotui sweep`'s own table (isotui.cli.sweep); a run ignores it
     if sweep is not None and not isinstance(sweep, dict):
         raise IsotuiError(f"config file {path}: 'sweep' must be a table ([sweep]), got {sweep!r}")
     for key, value in data.items():

@@ -5,7 +5,7 @@ Each run option is declared once, here: a :class:`RunSpec` field whose metadata 
 dialog). Which experiments take it is said by each experiment: the scopes it declares
 (``Experiment.run_options``; every experiment that streams a model takes the ``model`` scope:
 ``--data``, ``--device``, ``--max-samples``, ``--seed``...). The command line's flags
-(``cli_common.add_run_flags``), the config file's keys (``config.RUN_SETTINGS``), the settings file's
+(``cli.common.add_run_flags``), the config file's keys (``config.RUN_SETTINGS``), the settings file's
 ``[run]`` table, :func:`make_spec`, the options dialog and README's option table all read
 :data:`RUN_OPTIONS`; adding an option is one field.
 """

@@ -1,5 +1,5 @@
 """Sweeps: every (model, checkpoint, shard) task of a run config, run by a pool of local processes
-or by Ray; shared by ``isotui sweep`` (:mod:`isotui.cli_sweep`, a bar over tasks) and the app (a
+or by Ray; shared by ``isotui sweep`` (:mod:`isotui.cli.sweep`, a bar over tasks) and the app (a
 :class:`SweepRequest` job in the backend, one row over tasks in the jobs pane).
 
 A sweep config is a run config (:mod:`isotui.config`) plus a ``[sweep]`` table. Each task is the

@@ -8,7 +8,7 @@ request's spec, or in a list of those. The walk is closed over two hand-overs: t
 called it with the value, and the stop whose returned value (a settings dict, a spec, the
 requests) it was called with. A climb is a call on the walk into a higher import layer (the
 layers contract in pyproject.toml: a callback handed down), or from the shared experiment loop
-(``cli_experiments``) back into ``isotui run``'s own module (``cli``).
+(``cli.experiments``) back into ``isotui run``'s own module (``cli``).
 
     PYTHONPATH=. python scripts/walk.py run -m minilm --data text:FILE --max-samples 7919 -q
 
@@ -163,7 +163,7 @@ def walk(argv: Sequence[str], value: int) -> Walk:
     for caller, callee in sorted(calls, key=lambda c: order[c[1]]):
         if caller in on_walk and callee in on_walk:
             lo, hi = _layer_of(layers, caller[0]), _layer_of(layers, callee[0])
-            back = _module(caller[0]) == "isotui.cli_experiments" and _module(callee[0]) == "isotui.cli"
+            back = _module(caller[0]) == "isotui.cli.experiments" and _module(callee[0]) == "isotui.cli"
             if back or (lo is not None and hi is not None and hi < lo):
                 climbs.append((caller, callee))
     return Walk(code, sorted(on_walk, key=order.__getitem__), climbs)

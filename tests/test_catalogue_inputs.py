@@ -182,7 +182,7 @@ def test_an_internal_error_in_one_model_is_its_own(tmp_path, monkeypatch, capsys
 def test_a_failing_checkpoint_leaves_the_rest_of_the_series(tmp_path, capsys):
     from rich.console import Console
 
-    from isotui.cli_common import exit_code, print_error
+    from isotui.cli.common import exit_code, print_error
     from isotui.experiments.checkpoints import run_series
     from isotui.experiments.series import Checkpoint
     from isotui.results import ModelFailures, Outcome

@@ -11,7 +11,7 @@ import pytest
 
 base = pytest.importorskip("isotui.experiments.base")  # the contract (the registry's branch)
 
-from isotui.cli_experiments import add_common, add_param_flags, params_from_args  # noqa: E402
+from isotui.cli.experiments import add_common, add_param_flags, params_from_args  # noqa: E402
 from isotui.experiments.drift_block import DriftBlockConfig, run_drift_block  # noqa: E402
 from isotui.experiments.drift_block.experiment import EXPERIMENT  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from isotui.cli import main
-from isotui.cli_common import progress_printer
+from isotui.cli.common import progress_printer
 
 from .conftest import corpus
 

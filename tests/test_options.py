@@ -99,7 +99,7 @@ def test_a_declared_option_reaches_its_flags_config_key_settings_and_dialog(opti
             args = build_parser().parse_args(["run", *argv])
             spec = make_spec("minilm", **given_options(_settings(args, None)))
         else:
-            from isotui.cli_experiments import spec_from_args
+            from isotui.cli.experiments import spec_from_args
 
             series = ["-c", "a,b"] if command in ("checkpoints", "qk-dynamics") else []
             args = build_parser().parse_args(["experiment", command, *series, *argv])

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from isotui.cli import main
-from isotui.cli_common import progress_status
+from isotui.cli.common import progress_status
 from isotui.experiments import layerwise
 from isotui.extract.progress import PHASES, Progress
 from isotui.spec import make_spec

@@ -57,7 +57,7 @@ def test_a_registered_experiment_gets_a_subcommand(monkeypatch):
     _demo(monkeypatch)
     experiments = _subcommands(_subcommands(build_parser())["experiment"])
     assert "demo-exp" in experiments and "--top-k" in _flags(experiments["demo-exp"])
-    from isotui.cli_experiments import params_from_args
+    from isotui.cli.experiments import params_from_args
 
     demo = _demo(monkeypatch)
     args = build_parser().parse_args(["experiment", "demo-exp", "-m", "x", "--top-k", "3"])

@@ -252,7 +252,7 @@ def test_interrupt_keeps_whole_checkpoints(tmp_path, monkeypatch, capsys):
 
 def test_no_torch_at_import():
     code = (
-        "import sys, isotui.experiments.train_tiny as t, isotui.cli_experiments; "
+        "import sys, isotui.experiments.train_tiny as t, isotui.cli.experiments; "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'; "
         "print(t.HELP)"
     )

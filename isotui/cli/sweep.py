@@ -46,7 +46,7 @@ def main(args: argparse.Namespace, err: Any) -> int:
     """Plan, run the tasks (a bar over tasks), then the one ``isotui run`` over the runs. ^C
     while the tasks run: none starts after it, the running ones are terminated, exit 130."""
     from isotui.cli import _cmd_run, _settings
-    from isotui.cli_common import print_error
+    from isotui.cli.common import print_error
     from isotui.paths import cache_dir
     from isotui.store.files import check_distinct, check_output
 
@@ -178,7 +178,7 @@ def _run_tasks(
     and whether ^C stopped the sweep."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from isotui.cli_common import print_error
+    from isotui.cli.common import print_error
     from isotui.terminal import literal
 
     columns = (  # task names as typed: no markup or emoji codes read in them

@@ -1,6 +1,6 @@
 """``isotui figure NAME --out PATH.pdf|.svg|.png``: a paper's figure from cached (or computed) results.
 
-The results come through the experiments' one loop (:func:`isotui.cli_experiments.collect`, the
+The results come through the experiments' one loop (:func:`isotui.cli.experiments.collect`, the
 registry's layer run or checkpoint series: read from the cache, what is missing computed and
 stored); :mod:`isotui.paper_figures` draws them. Beside the figure go PATH.csv (exactly the
 plotted numbers) and PATH.json (the command, the settings and the run keys), so a figure can be
@@ -19,8 +19,8 @@ HELP = "draw a paper's figure (PDF, SVG or PNG) from cached or computed results;
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The figure's flags: which figure, where, how wide; the models or series and the run flags."""
-    from isotui.cli_common import add_run_flags
-    from isotui.cli_experiments import add_duplicates_flag, add_param_flags
+    from isotui.cli.common import add_run_flags
+    from isotui.cli.experiments import add_duplicates_flag, add_param_flags
     from isotui.core.trajectory import BASES
     from isotui.experiments.checkpoints import METRICS
     from isotui.experiments.drift_block.params import DriftBlockParams
@@ -110,11 +110,11 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
         ns.seed = "0" if args.seed is None else args.seed  # the run flags' "not given"
         ns.device = args.device or "auto"
         if args.at_norm is not None:  # said before the sweep runs
-            from isotui.cli_figure_probes import check_at_norm
+            from isotui.cli.figure_probes import check_at_norm
 
             check_at_norm(ns)
     elif experiment in ("final-norm", "gradients"):
-        from isotui.cli_figure_probes import model_args
+        from isotui.cli.figure_probes import model_args
 
         model_args(args, ns, experiment)
     else:
@@ -128,7 +128,7 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
 
 def main(args: argparse.Namespace, err: Any) -> int:
     """List the figures, or draw one: check the inputs, collect the results, write the three files."""
-    from isotui.cli_common import exit_code, print_error, stdout_console
+    from isotui.cli.common import exit_code, print_error, stdout_console
     from isotui.errors import IsotuiError
     from isotui.paper_figures import HEIGHTS, WIDTHS, check_out, check_pixels, check_sidecars, find
 
@@ -165,8 +165,8 @@ def main(args: argparse.Namespace, err: Any) -> int:
     runs: list[dict[str, Any]] = []  # a probe figure's measured runs, for its JSON
     outcome = None
     if figure.experiment is not None:
-        from isotui.cli_experiments import collect
-        from isotui.cli_figure_probes import collect_gradients, probe_runs
+        from isotui.cli.experiments import collect
+        from isotui.cli.figure_probes import collect_gradients, probe_runs
         from isotui.experiments.registry import get
 
         ns = _experiment_args(args, figure.experiment)

@@ -53,7 +53,7 @@ def show_experiment_entry(
     the command line's (:func:`isotui.cli.build_parser`), for the options a view reads."""
     from rich.text import Text
 
-    from isotui.cli_common import stdout_console
+    from isotui.cli.common import stdout_console
     from isotui.experiments.base import flatten
     from isotui.experiments.cached import read
     from isotui.experiments.registry import cached_entries

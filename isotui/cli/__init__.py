@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from isotui import __version__
-from isotui.cli_common import (
+from isotui.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
     add_run_flags,
@@ -65,12 +65,12 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--verbose", "-v", action="store_true", help="print each phase and the time breakdown on stderr"
     )
-    from isotui.cli_experiments import add_param_flags
+    from isotui.cli.experiments import add_param_flags
     from isotui.experiments.layerwise import LayersParams
 
     add_param_flags(p, LayersParams)
     p.add_argument("--wide-csv", metavar="PATH", help="write that layer x model table here as CSV")
-    from isotui.cli_experiments import add_dry_run_flag
+    from isotui.cli.experiments import add_dry_run_flag
 
     add_dry_run_flag(p)
 
@@ -160,7 +160,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = Parser):
     serve.add_argument(
         "--public-url", help="the page's address as the browser sees it (default http://HOST:PORT)"
     )
-    from isotui.cli_experiments import add_parsers
+    from isotui.cli.experiments import add_parsers
 
     add_parsers(sub)
     describe_commands(parser)
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return serve(args.host, args.port, public_url=args.public_url, fresh=args.fresh, err=err)
         if args.command:
-            from isotui.cli_experiments import run
+            from isotui.cli.experiments import run
 
             code = run(args, err)
             if code is not None:
@@ -289,18 +289,18 @@ def _settings(args: argparse.Namespace, config: Path | None) -> dict[str, Any]:
 
 def _cmd_run(args: argparse.Namespace, err) -> int:
     """``isotui run``: the settings (config file, then flags) made once into the layer
-    experiment's requests and the run's :class:`~isotui.cli_experiments.Outputs`, run by the one
-    loop of every experiment (:func:`isotui.cli_experiments.command_main`); the parsed flags
+    experiment's requests and the run's :class:`~isotui.cli.experiments.Outputs`, run by the one
+    loop of every experiment (:func:`isotui.cli.experiments.command_main`); the parsed flags
     are read, never written."""
     from isotui import service
-    from isotui.cli_experiments import Outputs, command_main, params_from_args, print_plans
+    from isotui.cli.experiments import Outputs, command_main, params_from_args, print_plans
     from isotui.experiments.registry import LAYERS
     from isotui.store.files import check_distinct, check_output
 
     config = service.config_path(args.config)
     s = _settings(args, config)
     if getattr(args, "dry_run", False):  # each model's memory plan (--json: as JSON)
-        from isotui.cli_experiments import refuse_files_in_dry_run
+        from isotui.cli.experiments import refuse_files_in_dry_run
 
         refuse_files_in_dry_run({"csv": s.get("csv"), "wide_csv": args.wide_csv})
         requests = service.layer_requests(s, config, params_from_args(LAYERS, args))
@@ -481,7 +481,7 @@ def _cmd_show(args: argparse.Namespace, err) -> int:
     cache = ResultCache(cache_dir(args.cache_dir))
     matches = [e for e in cache.entries() if e.key.startswith(prefix)]
     if not matches:  # any other experiment's cached result (attention, final-norm...)
-        from isotui.cli_show import show_experiment_entry
+        from isotui.cli.show import show_experiment_entry
 
         shown = show_experiment_entry(args, err, cache.root, build_parser)
         if shown is not None:
@@ -489,7 +489,7 @@ def _cmd_show(args: argparse.Namespace, err) -> int:
     if len(matches) != 1:
         what = "no cached run" if not matches else f"{len(matches)} cached runs; give more characters"
         raise IsotuiError(f"key {prefix!r} matches {what} in {cache.root} (see `isotui cache ls`)")
-    from isotui.cli_show import read_shown
+    from isotui.cli.show import read_shown
 
     key = matches[0].key
     result = read_shown(args, key, lambda: read(cache, key), "cached run")

@@ -2,7 +2,7 @@
 (the final-norm experiment) and ``gradient-energy`` (the gradients experiment, once per ``--ks``
 k, each run cached on its own), and the cache keys the figure's JSON names.
 
-Kept apart from :mod:`isotui.cli_figure` so that the figures of other experiments add their own
+Kept apart from :mod:`isotui.cli.figure` so that the figures of other experiments add their own
 cases without touching these.
 """
 
@@ -36,7 +36,7 @@ def model_args(args: argparse.Namespace, ns: argparse.Namespace, experiment: str
 def check_at_norm(ns: argparse.Namespace) -> None:
     """godey2024-fig9's ``--at-norm``: one of the sweep's N, checked against the drift block's
     own flags before anything runs."""
-    from isotui.cli_experiments import params_from_args
+    from isotui.cli.experiments import params_from_args
     from isotui.experiments.drift_block import config_from_params
     from isotui.experiments.registry import get
     from isotui.paper_figures_probes import parse_at_norm
@@ -50,7 +50,7 @@ def collect_gradients(
     """gradient-energy's runs: the model's gradients once per k of ``--ks`` (each its own cache
     entry), the smallest k first; its hidden size then checks the other k before they run, and a
     k the model cannot take is said in terms of ``--ks``. (The outcome, the requests measured.)"""
-    from isotui.cli_experiments import collect, make_requests
+    from isotui.cli.experiments import collect, make_requests
     from isotui.errors import IsotuiError
     from isotui.experiments.registry import get
     from isotui.paper_figures_probes import parse_ks
@@ -89,7 +89,7 @@ def probe_runs(
     figures (their results carry their keys)."""
     if ns.experiment not in ("final-norm", "gradients") or not results:
         return []
-    from isotui.cli_experiments import make_requests
+    from isotui.cli.experiments import make_requests
     from isotui.experiments.registry import get
     from isotui.paths import cache_dir
 

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from isotui.spec import RunSpec
 
 TOP_LEVEL = {
-    "train-tiny": "isotui.cli_train_tiny",
-    "figure": "isotui.cli_figure",
-    "sweep": "isotui.cli_sweep",
+    "train-tiny": "isotui.cli.train_tiny",
+    "figure": "isotui.cli.figure",
+    "sweep": "isotui.cli.sweep",
 }
 
 
@@ -106,7 +106,7 @@ def print_plans(entries: list[tuple[str, str, Any]], json_target: str | None) ->
     import json
     from pathlib import Path
 
-    from isotui.cli_common import stdout_console
+    from isotui.cli.common import stdout_console
 
     out = stdout_console()
     if json_target:
@@ -181,8 +181,8 @@ def params_from_args(experiment: Experiment, args: argparse.Namespace) -> Any:
 
 
 def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
-    """The run options experiment ``command`` takes (see :func:`isotui.cli_common.add_run_flags`)."""
-    from isotui.cli_common import add_run_flags as run_flags
+    """The run options experiment ``command`` takes (see :func:`isotui.cli.common.add_run_flags`)."""
+    from isotui.cli.common import add_run_flags as run_flags
 
     run_flags(p, command)
 
@@ -215,7 +215,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def report(outcome: Outcome, outputs: Outputs, err: Any) -> int:
     """Write a command's --csv and --json (when it measured anything); its exit code."""
-    from isotui.cli_common import exit_code
+    from isotui.cli.common import exit_code
 
     write_outputs(outcome, outputs, err)
     return exit_code(outcome, err)
@@ -248,7 +248,7 @@ def command_main(
     --wide-csv) and :func:`report` to ``outputs``; its exit code."""
     from rich.text import Text
 
-    from isotui.cli_common import print_error, stdout_console
+    from isotui.cli.common import print_error, stdout_console
     from isotui.errors import Cancelled
     from isotui.views import view_for
 
@@ -283,8 +283,8 @@ def command_main(
 
 
 def progress_printer(err: Any, name: str, *, quiet: bool, verbose: bool = False) -> Any:
-    """The headless progress bar (see :func:`isotui.cli_common.progress_printer`)."""
-    from isotui.cli_common import progress_printer as printer
+    """The headless progress bar (see :func:`isotui.cli.common.progress_printer`)."""
+    from isotui.cli.common import progress_printer as printer
 
     return printer(err, name, quiet=quiet, verbose=verbose)
 
