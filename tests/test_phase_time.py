@@ -116,6 +116,7 @@ def test_the_dry_run_says_the_time_per_phase(tmp_path, capsys):
     assert header.split()[-2:] == ["sums", "finalise"]
     rows = [x for x in lines[lines.index(header) + 1 :] if x.startswith("layer ")]
     assert len(rows) == 37 and all(x.split()[-1] in ("s", "min", "h") for x in rows)
+    assert all(len(x) <= 80 for x in [header, *rows])  # an 80-column terminal shows it unwrapped
 
 
 def test_offloaded_weights_travel_once_per_batch():

@@ -829,26 +829,27 @@ class MemoryPlan:
         its time per phase, each layer's estimated sums and finalisation (``--dry-run``)."""
         costs = self.phases.layer_cells() if self.phases is not None else []
         timed = len(costs) == len(self.layers) > 0
-        rows = [f"{'layer':<18} {'device':<8} {'d':>6} {'covariance':>10} {'reservoir':>9} {'bytes':>10}"]
-        rows[0] += f" {'sums':>8} {'finalise':>8}" if timed else ""
+        # 80 columns with the times: "encoder layer 23" and "cuda:15" are the widest name and device
+        rows = [f"{'layer':<16} {'device':<7} {'d':>6} {'covariance':>10} {'reservoir':>9} {'bytes':>10}"]
+        rows[0] += f" {'sums':>7} {'finalise':>8}" if timed else ""
         for i, p in enumerate(self.layers):
             rows.append(
-                f"{p.name:<18} {p.device:<8} {p.dim:>6} {'exact' if p.exact_cov else 'sampled':>10} "
+                f"{p.name:<16} {p.device:<7} {p.dim:>6} {'exact' if p.exact_cov else 'sampled':>10} "
                 f"{p.reservoir:>9,} {_size(p.bytes):>10}"
             )
-            rows[-1] += f" {costs[i][0]:>8} {costs[i][1]:>8}" if timed else ""
+            rows[-1] += f" {costs[i][0]:>7} {costs[i][1]:>8}" if timed else ""
         batch, final, per = self.batch_workspace(), self.finalisation(), self.per_device()
         peaks = self.peaks()
         if batch:
             rows += [
                 "",
-                f"{'device':<18} {'weights':>10} {'offload':>10} {'sums':>10} {'batch':>10} "
+                f"{'device':<14} {'weights':>10} {'offload':>10} {'sums':>10} {'batch':>10} "
                 f"{'finalising':>10} {'at most':>10}",
             ]
             for device in dict.fromkeys([*per, *peaks]):
                 sums = per.get(device, 0)
                 rows.append(
-                    f"{device:<18} {_size(self.weights.get(device, 0)):>10} "
+                    f"{device:<14} {_size(self.weights.get(device, 0)):>10} "
                     f"{_size(self.offload.get(device, 0)):>10} {_size(sums):>10} "
                     f"{_size(batch.get(device, 0)):>10} {_size(final.get(device, 0)):>10} "
                     f"{_size(peaks.get(device, 0)):>10}"
