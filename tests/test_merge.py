@@ -12,6 +12,7 @@ differently, about 1e-8 relative on the metrics; :func:`test_float32_products_ag
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -160,6 +161,47 @@ def test_layer_merge_of_synthetic_parts_matches_numpy_on_all_vectors(float64_pro
     chosen = torch.isin(keys, smallest)
     expect = torch.from_numpy(x).float()[chosen][torch.argsort(keys[chosen])]
     assert torch.equal(merged.res[torch.argsort(merged.res_keys)], expect)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_constant_dimensions_in_one_pass_and_merged_shards(dtype):
+    """A dimension is constant exactly where numpy's range over all vectors is 0, in one pass and
+    over merged shards: constant everywhere, constant in each shard at different values (not
+    constant), all zero, a spread of float32 subnormals, one value a step off, and a float64
+    value whose mean rounds (0.1 three times: its mean is not 0.1)."""
+    import torch
+
+    from isotui.core.accumulator import LayerAccumulator, sample_keys
+
+    rng = np.random.default_rng(1)
+    sizes = (40, 37, 3) if dtype == "float64" else (40, 37, 29)
+    n, d = sum(sizes), 6
+    x = torch.from_numpy(rng.normal(2.0, 1.0, size=(n, d))).to(getattr(torch, dtype))
+    x[:, 0] = 0.1
+    x[: sizes[0], 1], x[sizes[0] :, 1] = 1.5, -2.0
+    x[:, 2] = 0.0
+    if dtype == "float32":  # subnormals: 1 and 2 units of the smallest, squared ~1e-90 apart
+        x[:, 3] = torch.tensor([1.4e-45, 2.8e-45], dtype=torch.float32).repeat(n)[:n]
+    x[:, 4] = 0.75
+    x[n // 2, 4] = 0.75 + torch.finfo(x.dtype).eps  # two steps of the dtype's own grid above 0.75
+    want = tuple(int(k) for k in np.flatnonzero(np.ptp(x.to(torch.float64).numpy(), axis=0) == 0))
+    assert want == (0, 2)  # the data is what it says
+
+    def fed(rows: torch.Tensor, start: int) -> LayerAccumulator:
+        acc = LayerAccumulator(d, torch.device("cpu"), full_cov=True, reservoir=8)
+        for lo in range(0, len(rows), 16):
+            ids = torch.arange(start + lo, start + min(lo + 16, len(rows)))
+            keys = sample_keys(0, ids, torch.zeros_like(ids))
+            acc.commit(acc.partial(rows[lo : lo + 16], ids - ids[0], keys))
+        return acc
+
+    assert fed(x, 0).finalize().constant_dims == want
+    edges = np.cumsum((0, *sizes))
+    shards = [LayerAccumulator.from_state(fed(x[a:b], int(a)).state()) for a, b in itertools.pairwise(edges)]
+    merged = shards[0]
+    for other in shards[1:]:
+        merged.merge(other)
+    assert merged.finalize().constant_dims == want
 
 
 def test_recentre_matches_sums_around_the_new_shift():

@@ -193,8 +193,9 @@ class LayerAccumulator:
         self.shift: torch.Tensor | None = None  # first batch mean: keeps the 2nd moment stable
         self.sum_xs = torch.zeros(dim, dtype=f64, device=device)
         # per-dimension sum of squared shifted values in float64 (the float32 d x d product
-        # underflows for dimensions of scale ~1e-30, e.g. a LayerNorm gain near 0), and the
-        # range of each dimension, to tell an exactly constant dimension from a tiny spread
+        # underflows for dimensions of scale ~1e-30, e.g. a LayerNorm gain near 0); it is 0
+        # exactly for a constant dimension of float32 or narrower values (see constant_dims);
+        # float64 values keep each dimension's range instead (+-inf: not kept)
         self.sum_xs2 = torch.zeros(dim, dtype=f64, device=device)
         self.x_min = torch.full((dim,), math.inf, dtype=f64, device=device)
         self.x_max = torch.full((dim,), -math.inf, dtype=f64, device=device)
@@ -275,8 +276,8 @@ class LayerAccumulator:
             "sum_norm": norms.sum(),
             "within": (per_sample * per_sample).sum(),
         }
-        if len(x64):  # in the model's dtype, whose values float64 holds exactly: 1/6 the time
-            out["x_min"], out["x_max"] = xd.amin(0).to(torch.float64), xd.amax(0).to(torch.float64)
+        if len(x64) and xd.dtype == torch.float64:  # narrower values: sum_xs2 tells (constant_dims)
+            out["x_min"], out["x_max"] = xd.amin(0), xd.amax(0)
         if weights is not None:
             out |= self._sentences(x64, ids, per_sample, counts.to(torch.float64))
             if type_index is not None and self.types:
@@ -720,8 +721,23 @@ class LayerAccumulator:
         _layer_merge(self, other)
 
     def constant_dims(self) -> npt.NDArray[np.bool_]:
-        """Mask of dimensions in which every vector has exactly the same value."""
-        same: npt.NDArray[np.bool_] = (self.x_min == self.x_max).cpu().numpy()
+        """Mask of dimensions in which every vector has exactly the same value.
+
+        For float32 or narrower values (every model's hidden states but a float64 one) that is
+        where the shifted squares sum to exactly 0, with no range kept per batch (two passes
+        over each batch, 8% of its metrics' time on a CPU): the shift, the first batch's float64
+        mean, is exact for a constant dimension (m copies of a 24-bit value sum exactly in
+        float64, and m c / m = c), so each of its values shifts to 0; any other value shifts to
+        a float64 difference of at least ~1e-61 (values of float32's range, subnormals
+        included), whose square does not underflow. Shards merged: a dimension constant in all
+        of them has the same shift in each, and re-centring adds exactly 0. float64 values
+        (whose mean may round, and whose differences may square to 0) keep their range."""
+        import torch
+
+        if bool(torch.isfinite(self.x_min).any()):  # a range was kept: float64 values
+            same: npt.NDArray[np.bool_] = (self.x_min == self.x_max).cpu().numpy()
+        else:
+            same = (self.sum_xs2 == 0).cpu().numpy()
         return same & (self.n_all > 0)
 
 
