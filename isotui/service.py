@@ -21,7 +21,8 @@ from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_
 
 if TYPE_CHECKING:
     from isotui.experiments.base import Experiment
-    from isotui.extract.memory_plan import ExperimentPlan, MemoryPlan
+    from isotui.experiments.plans import ExperimentPlan
+    from isotui.extract.memory_plan import MemoryPlan
     from isotui.results import Outcome
     from isotui.spec import RunSpec
 

@@ -44,7 +44,8 @@ from isotui.extract.progress import ProgressCallback, StopCheck, never_stop, no_
 
 if TYPE_CHECKING:
     from isotui.experiments.checkpoint import Checkpoint
-    from isotui.extract.memory_plan import ExperimentPlan, MemoryPlan
+    from isotui.experiments.plans import ExperimentPlan
+    from isotui.extract.memory_plan import MemoryPlan
     from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
 
