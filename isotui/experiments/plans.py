@@ -221,19 +221,28 @@ class ExperimentPlan:
         }
 
 
+def norms_exact(sums: int, dim: int, budget: int | None) -> bool:
+    """final-norm's covariances, the dry run's and the run's choice: all ``sums`` (two per norm)
+    exact when they fit ``budget`` together with one batch partial (None: not measurable), else
+    none."""
+    from isotui.extract.memory_plan import cov_bytes, partial_bytes
+
+    return budget is None or sums * cov_bytes(dim) + partial_bytes(dim) <= budget
+
+
 def final_norm(request: PlannedFinalNorm) -> ExperimentPlan:
     """final-norm's sums: before and after each norm (the final one, or every block's), all on
     the device of the first norm's activations (the last block's for the final norm); exact
     covariances for all of them when they fit that device's budget together, else none (as the
     run decides after its first batch)."""
-    from isotui.extract.memory_plan import LayerPlan, cov_bytes, partial_bytes
+    from isotui.extract.memory_plan import LayerPlan, partial_bytes
 
     paper, every_layer, reservoir = _paper(request.spec), request.every_layer, request.spec.reservoir
     d, sites = paper.dim, paper.n_blocks if every_layer else 1
     on = paper.where[1 if every_layer else -1]
     on = on if on.startswith("cuda") else "cpu"  # offloaded blocks run on the main device's copy
     budget = paper.budgets.get(on)
-    full = budget is None or sites * 2 * cov_bytes(d) + partial_bytes(d) <= budget  # as the run decides
+    full = norms_exact(sites * 2, d, budget)  # as the run decides
     names = [f"block {i} norm" for i in range(sites)] if every_layer else ["final norm"]
     partial = [PartPlan("batch partial", on, d, "float64 d x d, a side at a time", partial_bytes(d))]
     parts = [

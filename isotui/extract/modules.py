@@ -57,11 +57,15 @@ SITE_NAMES = ("resid_post", "attn_out", "mlp_out", "norm_in")
 
 @dataclass(frozen=True)
 class Site:
-    """One tensor a ``--modules`` run reads: a module's output, or its input (named sites)."""
+    """One tensor a stream of sites reads (extract/runner.py): a module's output, or its input
+    (named sites; final-norm's norms)."""
 
     name: str  # the module's name in model.named_modules()
     module: Any
     read: str = OUTPUT
+    # the stack of positions it is in, whose mask keeps its tokens: "model", or an
+    # encoder-decoder's "encoder" or "decoder" (final-norm's; --modules reads one stack)
+    component: str = "model"
 
     @property
     def label(self) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -67,6 +67,10 @@ from isotui.extract.tokens import Tokens
 from isotui.models.loading import LoadedModel, final_norm_modules
 
 TOKEN_MAP_TYPES = ("segformer",)  # transformers whose stages are token grids, not conv maps
+
+# the memory plan of a stream's sums from its first batch's unit widths and sums' devices, per
+# component (see LayerStream's ``plan_sums``)
+SumsPlan = Callable[[dict[str, list[int]], dict[str, list[Any]]], MemoryPlan]
 
 
 @dataclass
@@ -150,9 +154,24 @@ def _inverse_counts(counts: np.ndarray | None) -> np.ndarray:
 class LayerStream:
     """The layers experiment's step on a :class:`BatchLoop`: each batch's hidden states, unit by
     unit, into one :class:`LayerAccumulator` per layer (during ``--exact``'s second pass, into
-    :class:`ExactPass`), all layers or none."""
+    :class:`ExactPass`), all layers or none; or, with ``sites`` (or ``--modules``), each
+    :class:`Site`'s tensor, one accumulator per site.
 
-    def __init__(self, loop: BatchLoop) -> None:
+    What another pass gives it (final-norm: each norm's input and output): ``sites``, read from
+    the first batch on; ``type_uniform`` False, no type-uniform weights nor self-similarity types
+    in the sums; ``plan_sums``, the memory plan of the sums in place of the layer run's
+    (:func:`_memory_plan`); ``returned_by``, site index -> (a module that must return that site's
+    very tensor, the sentence to raise when the first batch shows it does not)."""
+
+    def __init__(
+        self,
+        loop: BatchLoop,
+        *,
+        sites: Sequence[Site] | None = None,
+        type_uniform: bool = True,
+        plan_sums: SumsPlan | None = None,
+        returned_by: Mapping[int, tuple[Any, str]] | None = None,
+    ) -> None:
         self.loop = loop
         self.loaded = loop.loaded
         self.model = loop.model
@@ -180,10 +199,13 @@ class LayerStream:
         # last one, if any), once the first batch showed they give the very hidden states
         self.sites: dict[str, tuple[list[Any], Any]] | None = None
         self.final_norm_by: dict[str, str] = {}  # component -> the final norm module's name
-        # --modules: the sites the globs name (resolved at the first batch), and each one's row
-        # (the order they first ran in, during the first batch)
-        self.module_sites: list[Site] | None = None
-        self.module_rows: dict[int, int] = {}
+        # --modules: the sites the globs name (resolved at the first batch; or those given), and
+        # each one's component and row there (the order they first ran in, during the first batch)
+        self.module_sites: list[Site] | None = None if sites is None else list(sites)
+        self.module_rows: dict[int, tuple[str, int]] = {}
+        self.type_uniform = type_uniform
+        self.plan_sums = plan_sums
+        self.returned_by = dict(returned_by or {})
 
     @property
     def notes(self) -> list[str]:
@@ -201,7 +223,7 @@ class LayerStream:
     def prepare(self, samples: Sequence[str], modality: str, max_length: int) -> None:
         self.max_length = max_length
         self.loop.prepare(samples, modality, max_length)
-        self.type_weights = self._type_weights()
+        self.type_weights = self._type_weights() if self.type_uniform else {}
 
     def _type_weights(self) -> dict[str, np.ndarray]:
         """Per component, token id -> 1 / (how many kept tokens of the corpus have that id): the
@@ -255,7 +277,7 @@ class LayerStream:
         started = time.perf_counter()
         self.fold_s = 0.0
         index: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        if self.opts.modules:
+        if self.opts.modules or self.module_sites is not None:
             self._module_forward(batch, index)
             self.forward_s += time.perf_counter() - started - self.fold_s
             self.metrics_s += self.fold_s
@@ -364,10 +386,11 @@ class LayerStream:
             )
 
     def _module_forward(self, batch: Batch, index: dict[tuple[Any, ...], tuple[Any, ...]]) -> None:
-        """``--modules``: run the model with a hook on every site the globs name. The first batch
-        keeps what each site gives, orders the sites by when they first ran (the rows' order) and
-        makes the accumulators from those tensors; later batches fold each site in its hook. A
-        site must run once per forward pass and give a (batch, position, d) tensor."""
+        """``--modules`` (or the sites given): run the model with a hook on every site. The first
+        batch keeps what each site gives, orders the sites by when they first ran (the rows'
+        order, per component), checks ``returned_by`` and makes the accumulators from those
+        tensors; later batches fold each site in its hook. A site must run once per forward pass
+        and give a (batch, position, d) tensor."""
         import torch
 
         from isotui.extract.modules import read_value, resolve, site_tensor
@@ -386,6 +409,7 @@ class LayerStream:
         first = self.accs is None
         calls = [0] * len(sites)
         got: dict[int, Any] = {}  # first batch: site -> its tensor, in the order they ran
+        returned: dict[int, Any] = {}  # first batch: site -> what its returned_by module returned
 
         def hook_for(k: int) -> Any:
             def hook(_m: Any, *args: Any) -> None:
@@ -396,9 +420,12 @@ class LayerStream:
                 if first:  # kept to the end of the pass: a copy, whatever the model does in place
                     got[k] = tensor.clone()
                 else:
-                    self._fold(batch, index, "model", self.module_rows[k], tensor)
+                    self._fold(batch, index, *self.module_rows[k], tensor)
 
             return hook
+
+        def keep_returned(k: int) -> Any:
+            return lambda _m, _i, out: returned.__setitem__(k, out[0] if isinstance(out, tuple) else out)
 
         with Hooks() as hooks, self.loop.model_call(f"a batch of {self.loaded.modality}"):
             for k, site in enumerate(sites):
@@ -406,6 +433,8 @@ class LayerStream:
                     hooks.pre(site.module, hook_for(k), with_kwargs=True)
                 else:
                     hooks.forward(site.module, hook_for(k))
+            for k, (module, _sentence) in self.returned_by.items() if first else ():
+                hooks.forward(module, keep_returned(k))
             with torch.inference_mode():
                 if self.loaded.family.startswith("timm") or self.loaded.family == "module":
                     hidden_states(self.loaded, batch.inputs)  # their own forward
@@ -422,12 +451,17 @@ class LayerStream:
             )
         if not first:
             return
-        self.module_rows = {k: row for row, k in enumerate(got)}  # dicts keep the order they ran in
-        tensors = tuple(got.values())
-        self._first_batch({"model": tensors}, {})
+        by_component: dict[str, list[int]] = {}  # dicts keep the order they ran in
+        for k in got:
+            by_component.setdefault(sites[k].component, []).append(k)
+        self.module_rows = {k: (c, row) for c, ks in by_component.items() for row, k in enumerate(ks)}
+        self._first_batch({c: tuple(got[k] for k in ks) for c, ks in by_component.items()}, {})
+        for k, (_module, sentence) in self.returned_by.items():
+            if not torch.equal(got[k], returned[k]):
+                raise IsotuiError(sentence)
         with torch.inference_mode():
             for k, tensor in got.items():
-                self._fold(batch, index, "model", self.module_rows[k], tensor)
+                self._fold(batch, index, *self.module_rows[k], tensor)
 
     def _hooks_agree(
         self,
@@ -569,34 +603,37 @@ class LayerStream:
         where = {c: [_acc_device(h.device) for h in hidden] for c, hidden in components.items()}
         for dev in {str(d) for ds in where.values() for d in ds}:  # a model across several GPUs
             ensure_scheme(dev)
-        bounds = {c: [self._vector_bound(h) for h in hidden] for c, hidden in components.items()}
-        self.plan = _memory_plan(
-            self.loaded,
-            self.loop,
-            dims,
-            where,
-            asked,
-            self.opts.reservoir,
-            self.max_length or None,
-            bounds,
-            self.room,
-        )
-        if self.opts.settle_plan is not None:  # a shard: its run's one plan
-            self.plan = self.opts.settle_plan(self.plan)
+        if self.plan_sums is not None:  # another pass's plan (final-norm's)
+            self.plan = self.plan_sums(dims, where)
+        else:
+            bounds = {c: [self._vector_bound(h) for h in hidden] for c, hidden in components.items()}
+            self.plan = _memory_plan(
+                self.loaded,
+                self.loop,
+                dims,
+                where,
+                asked,
+                self.opts.reservoir,
+                self.max_length or None,
+                bounds,
+                self.room,
+            )
+            if self.opts.settle_plan is not None:  # a shard: its run's one plan
+                self.plan = self.opts.settle_plan(self.plan)
         self.n_tracked = max((p.types for p in self.plan.layers), default=0)
         self.reservoir_capped = any(p.reservoir < self.opts.reservoir for p in self.plan.layers)
         layer_plans = iter(self.plan.layers)
-        self.accs = {
+        self.accs = {  # each layer's sums where its plan puts them (the layer run's: ``where``)
             c: [
                 LayerAccumulator(
                     d,
-                    dev,
+                    torch.device(p.device),
                     full_cov=p.exact_cov,
                     reservoir=p.reservoir,
                     types=p.types,
                     metrics=self.opts.metrics,
                 )
-                for d, dev, p in zip(ds, where[c], layer_plans, strict=False)
+                for d, p in zip(ds, layer_plans, strict=False)
             ]
             for c, ds in dims.items()
         }
