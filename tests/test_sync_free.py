@@ -47,7 +47,7 @@ _DEVICE_FILES = {
 }
 # experiments' steps that also prepare the batch on the host (its masks and token ids are host
 # tensors: their nonzero / int / bool are no device reads): only explicit reads of a value count
-_STEP_FILES = {"experiments/final_norm.py": {"step"}, "experiments/gradients.py": {"step"}}
+_STEP_FILES = {"experiments/gradients.py": {"step"}}
 _STEP_READS = {"item", "cpu", "tolist", "numpy", "__float__", "__array__"}
 
 # calls that read a device value on the host (explicitly, or implicitly through Python)

@@ -11,7 +11,7 @@ rogue share) and gamma_k say whether the norm damps the dimensions that carry th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, ClassVar, TypedDict, cast
 
@@ -32,14 +32,13 @@ if TYPE_CHECKING:
     from isotui.core.accumulator import LayerAccumulator, LayerStats, Sums
     from isotui.experiments.layer_pass import Prepared
     from isotui.extract.progress import ProgressCallback, StopCheck
+    from isotui.extract.runner import SumsPlan
     from isotui.spec import RunSpec
 
 HELP = "metrics before and after the final norm, per dimension (Machina & Mercer 2024)"
 TOP = 5
 FOLDER = "final-norm"  # the result cache's folder for this experiment
 SCHEMA = 1
-
-Tensors = tuple["torch.Tensor", ...]
 
 
 class GainBias(TypedDict):
@@ -432,18 +431,18 @@ def _stream_norms(
     sample_ids: tuple[int, ...] | None,
     prepared: Prepared | None = None,
 ) -> tuple[list[list[LayerAccumulator]], NormFacts]:
-    """Stream the batches; (per norm the [before, after] accumulators, the facts to finish)."""
+    """Stream the batches; (per norm the [before, after] accumulators, the facts to finish).
+    The pass is the layer stream's (:class:`~isotui.extract.runner.LayerStream`) over two sites
+    per norm, its input and output, with no type-uniform weights and final-norm's memory plan
+    (:func:`_sums_plan`); with ``every_layer``, its first batch checks that each norm's output is
+    what its block returns."""
     import dataclasses
     import time
 
-    import torch
-
-    from isotui.core.accumulator import LayerAccumulator, sample_keys
     from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
-    from isotui.extract.device import to_device
-    from isotui.extract.loop import Batch, BatchLoop
-    from isotui.extract.memory_plan import cov_bytes, measured_budget, partial_bytes
-    from isotui.extract.runner import resolve_max_length
+    from isotui.extract.loop import BatchLoop
+    from isotui.extract.modules import INPUT, OUTPUT, Site
+    from isotui.extract.runner import LayerStream, resolve_max_length
 
     prepared = prepared or prepare(spec)
 
@@ -451,101 +450,72 @@ def _stream_norms(
     if loaded.family != "transformers" or loaded.modality != "text":
         raise IsotuiError("the final-norm analysis reads text transformers models; give a text model")
     model = loaded.model
-    sites = block_output_norms(model) if every_layer else [norm_module(model)]
-    if not sites:
+    norms = block_output_norms(model) if every_layer else [norm_module(model)]
+    if not norms:
         raise IsotuiError(f"{type(model).__name__} has no blocks with a norm to analyse")
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    sites = [
+        Site(name, module, read, _component(name, encoder_decoder))
+        for name, module, _kind in norms
+        for read in (INPUT, OUTPUT)
+    ]
+    returned_by: dict[int, tuple[object, str]] = {}
+    if every_layer:  # each block's own output, to check that its last norm is what it returns
+        named = dict(model.named_modules())
+        for i, (n, _m, _k) in enumerate(norms):
+            parent = n.rsplit(".", 2)[0]
+            block = named[".".join(n.split(".")[: len(parent.split(".")) + 1])]
+            returned_by[2 * i + 1] = (
+                block,
+                f"{n} is not what its block returns ({type(model).__name__} puts its norms "
+                "before attention and MLP, pre-LN); analyse its final norm without --every-layer",
+            )
     opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
     loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
-    loop.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
-    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    blocks: dict[int, torch.Tensor] = {}
-
-    def hook(i: int) -> Callable[[object, Tensors, torch.Tensor | Tensors], None]:
-        def keep(_m: object, args: Tensors, out: torch.Tensor | Tensors) -> None:
-            seen[i] = (args[0], out[0] if isinstance(out, tuple) else out)
-
-        return keep
-
-    for i, (_n, m, _k) in enumerate(sites):
-        loop.hooks.forward(m, hook(i))
-    if every_layer:  # each block's own output, to check that its last norm is what it returns
-        parents = [n.rsplit(".", 2)[0] for n, _m, _k in sites]
-        named = dict(model.named_modules())
-
-        def block_hook(i: int) -> Callable[[object, Tensors, torch.Tensor | Tensors], None]:
-            def keep(_m: object, _args: Tensors, out: torch.Tensor | Tensors) -> None:
-                blocks[i] = out[0] if isinstance(out, tuple) else out
-
-            return keep
-
-        for i, (n, _m, _k) in enumerate(sites):
-            block = named[".".join(n.split(".")[: len(parents[i].split(".")) + 1])]
-            loop.hooks.forward(block, block_hook(i))
-    accs: list[list[LayerAccumulator]] = []
-    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-
-    def step(batch: Batch) -> int:
-        """Both sides of every norm over one batch's kept tokens, each committed once."""
-        seen.clear()
-        with loop.model_call("a batch"), torch.inference_mode():
-            model(**batch.inputs, return_dict=True)
-        if not accs:
-            d, on = seen[0][0].shape[-1], seen[0][0].device
-            # the sums live beside the activations (no copy to the host per batch; issue 15), on
-            # the CPU when that is MPS (no float64): that device's free memory, less a margin
-            acc_device = torch.device("cpu") if on.type == "mps" else on
-            budget = measured_budget(str(acc_device))
-            full = budget is None or len(sites) * 2 * cov_bytes(d) + partial_bytes(d) <= budget
-            accs.extend(
-                [LayerAccumulator(d, acc_device, full_cov=full, reservoir=spec.reservoir) for _ in "ab"]
-                for _ in sites
-            )
-            for i, (n, _m, _k) in enumerate(sites):
-                if every_layer and not torch.equal(seen[i][1], blocks[i]):
-                    raise IsotuiError(
-                        f"{n} is not what its block returns ({type(model).__name__} puts its norms "
-                        "before attention and MLP, pre-LN); analyse its final norm without --every-layer"
-                    )
-        measured = 0
-        moved: dict[tuple[tuple[int, int], str], torch.Tensor] = {}
-
-        def moved_once(key: tuple[int, int], t: torch.Tensor, device: torch.device) -> torch.Tensor:
-            """Host tensor ``t`` on ``device``, moved once per batch (pinned, non-blocking: issue 26)."""
-            if (key, str(device)) not in moved:
-                moved[(key, str(device))] = to_device(t, device)
-            return moved[(key, str(device))]
-
-        for i, (n, _m, _k) in enumerate(sites):
-            x_in, x_out = seen[i]
-            first = n.split(".")[0]
-            component = "decoder" if "decoder" in first else ("encoder" if encoder_decoder else "model")
-            flat = loop.keep(batch.fed, component, x_in.shape[1]).flatten().nonzero().squeeze(1)
-            ids = flat // x_in.shape[1]
-            keys = sample_keys(spec.seed, batch.ids[ids], flat % x_in.shape[1])
-            for side, (acc, x) in enumerate(zip(accs[i], (x_in, x_out), strict=True)):
-                if not batch.pending((i, side)):  # a try of a batch holding these samples did it
-                    continue
-                vec = x.reshape(-1, x.shape[-1]).index_select(0, moved_once((i, 0), flat, x.device))
-                # committed at once (one side's batch sums at a time; see extract/loop.py)
-                at_ids, at_keys = moved_once((i, 1), ids, acc.device), moved_once((i, 2), keys, acc.device)
-                acc.commit(acc.partial(vec, at_ids, at_keys, None, None, x_in.shape[0]))
-                batch.committed((i, side))
-            if i == 0:
-                measured = int(flat.numel())  # the tokens measured (kept by the first norm)
-        return measured
-
+    stream = LayerStream(
+        loop, sites=sites, type_uniform=False, plan_sums=_sums_plan(spec.reservoir), returned_by=returned_by
+    )
+    stream.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
     start = time.perf_counter()
-    loop.run(step, phase="", start=start)
-    if not accs:
+    loop.run(stream, phase="", start=start)
+    if stream.accs is None:
         raise IsotuiError("no sample reached the norm")
+    accs = stream.accs
+    rows = stream.module_rows
+    pairs = [[accs[c][row] for c, row in (rows[2 * i], rows[2 * i + 1])] for i in range(len(norms))]
     facts: NormFacts = {
         "model": spec.model,
         "data": prepared.spec.data.describe(),
         "n_samples": loop.total,
         "seconds": time.perf_counter() - start,
-        "sites": [{"name": name, "kind": kind, **_gain_bias(module)} for name, module, kind in sites],
+        "sites": [{"name": name, "kind": kind, **_gain_bias(module)} for name, module, kind in norms],
     }
-    return accs, facts
+    return pairs, facts
+
+
+def _component(name: str, encoder_decoder: bool) -> str:
+    """The stack of positions a norm named ``name`` is in (its tokens' keep mask): an
+    encoder-decoder's ``decoder`` or ``encoder``, else ``model``."""
+    first = name.split(".")[0]
+    return "decoder" if "decoder" in first else ("encoder" if encoder_decoder else "model")
+
+
+def _sums_plan(reservoir: int) -> SumsPlan:
+    """final-norm's memory plan, what ``--dry-run`` says (:func:`~isotui.extract.memory_plan.
+    final_norm_plan`): every side's sums on the device of the first one's activations (the CPU
+    for MPS: ``where``), exact covariances for all of them when they fit that device's measured
+    budget together with one batch partial, else none; reservoirs of ``reservoir`` vectors."""
+    from isotui.extract.memory_plan import LayerPlan, MemoryPlan, measured_budget, norms_exact
+
+    def plan(dims: dict[str, list[int]], where: dict[str, list[object]]) -> MemoryPlan:
+        widths = [d for ds in dims.values() for d in ds]
+        on = str(next(iter(where.values()))[0])  # the sums live beside the activations (issue 15)
+        budget = measured_budget(on)
+        exact = norms_exact(len(widths), widths[0], budget)
+        layers = [LayerPlan(f"side {k}", d, on, exact, reservoir) for k, d in enumerate(widths)]
+        return MemoryPlan(layers, {on: budget}, reservoir_asked=reservoir)
+
+    return plan
 
 
 def _gain_bias(module: torch.nn.Module) -> GainBias:
