@@ -501,11 +501,12 @@ def _component(name: str, encoder_decoder: bool) -> str:
 
 
 def _sums_plan(reservoir: int) -> SumsPlan:
-    """final-norm's memory plan, what ``--dry-run`` says (:func:`~isotui.extract.memory_plan.
-    final_norm_plan`): every side's sums on the device of the first one's activations (the CPU
+    """final-norm's memory plan, what ``--dry-run`` says (:func:`isotui.experiments.plans.final_norm`):
+    every side's sums on the device of the first one's activations (the CPU
     for MPS: ``where``), exact covariances for all of them when they fit that device's measured
     budget together with one batch partial, else none; reservoirs of ``reservoir`` vectors."""
-    from isotui.extract.memory_plan import LayerPlan, MemoryPlan, measured_budget, norms_exact
+    from isotui.experiments.plans import norms_exact
+    from isotui.extract.memory_plan import LayerPlan, MemoryPlan, measured_budget
 
     def plan(dims: dict[str, list[int]], where: dict[str, list[object]]) -> MemoryPlan:
         widths = [d for ds in dims.values() for d in ds]

@@ -235,7 +235,7 @@ def final_norm(request: PlannedFinalNorm) -> ExperimentPlan:
     the device of the first norm's activations (the last block's for the final norm); exact
     covariances for all of them when they fit that device's budget together, else none (as the
     run decides after its first batch)."""
-    from isotui.extract.memory_plan import LayerPlan, partial_bytes
+    from isotui.extract.memory_plan import LayerPlan, cov_bytes, partial_bytes
 
     paper, every_layer, reservoir = _paper(request.spec), request.every_layer, request.spec.reservoir
     d, sites = paper.dim, paper.n_blocks if every_layer else 1

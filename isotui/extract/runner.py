@@ -444,11 +444,9 @@ class LayerStream:
         wrong = next((k for k, n in enumerate(calls) if n != 1), None)
         if wrong is not None:
             times = "did not run" if calls[wrong] == 0 else f"ran {calls[wrong]} times"
-            raise IsotuiError(
-                f"--modules: module {sites[wrong].label} {times} in a forward pass of "
-                f"{type(self.model).__name__}; isotui measures a module that runs once per pass: "
-                "leave it out of the globs"
-            )
+            said = f"module {sites[wrong].label} {times} in a forward pass of {type(self.model).__name__}"
+            said += "; isotui measures a module that runs once per pass"
+            raise IsotuiError(f"--modules: {said}: leave it out of the globs" if self.opts.modules else said)
         if not first:
             return
         by_component: dict[str, list[int]] = {}  # dicts keep the order they ran in
