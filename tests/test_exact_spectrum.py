@@ -93,6 +93,51 @@ def test_exact_covariance_gives_the_spectrum_and_the_directions(mean_norm, d):
     assert stats.avg_cos_centered == pytest.approx(_mean_cos(v), rel=1e-6, abs=1e-9)
 
 
+def test_eigenvalues_alone_where_no_metric_reads_the_directions(monkeypatch):
+    """Wider than the reservoir metrics go (SAMPLE_METRICS_MAX_DIM, here lowered to 16 so that a
+    24-wide cloud is wider), finalisation decomposes the covariance's eigenvalues alone, one layer
+    or several at once, and the spectrum is numpy's and the isoscore package's over every vector;
+    within that width the directions are there."""
+    import torch
+    from IsoScore import IsoScore
+
+    from isotui.core import accumulator
+    from isotui.core.exact_spectrum import exact_eigens
+
+    monkeypatch.setattr(accumulator, "SAMPLE_METRICS_MAX_DIM", 16)
+    clouds = [_cloud(3000, 24, mean_norm, seed=7) for mean_norm in (0.0, 4.0)]
+    accs = [_accumulate(x, RESERVOIR) for x in clouds]
+    assert not any(acc.needs_directions() for acc in accs)
+    alone = [acc.exact_eigen(directions=False) for acc in accs]
+    together = exact_eigens([acc.exact_eigen_inputs() for acc in accs], directions=False)
+    eighs: list[tuple[int, ...]] = []
+    real_eigh = torch.linalg.eigh
+
+    def counting(a, *args, **kwargs):
+        eighs.append(tuple(a.shape))
+        return real_eigh(a, *args, **kwargs)
+
+    for x, acc, one, both in zip(clouds, accs, alone, together, strict=True):
+        assert one.vecs is None and one.vecs_c is None and both.vecs is None
+        lam = np.linalg.eigvalsh(np.cov(x, rowvar=False))[::-1]
+        for values in (one.values, both.values):
+            np.testing.assert_allclose(values.numpy(), lam, rtol=1e-6, atol=1e-7 * lam[0])
+        eighs.clear()
+        monkeypatch.setattr(torch.linalg, "eigh", counting)
+        stats = acc.finalize()
+        monkeypatch.setattr(torch.linalg, "eigh", real_eigh)
+        assert eighs == []  # finalisation decomposed with eigenvectors nowhere
+        assert stats.spectrum_from == "all" and math.isnan(stats.iw)  # no reservoir metric this wide
+        np.testing.assert_allclose(stats.eigenvalues, lam, rtol=1e-6, atol=1e-7 * lam[0])
+        assert stats.isoscore == pytest.approx(float(IsoScore.IsoScore(x)), rel=1e-6)
+    monkeypatch.setattr(accumulator, "SAMPLE_METRICS_MAX_DIM", 24)
+    assert accs[0].needs_directions()
+    eigen = accs[0].exact_eigen(directions=accs[0].needs_directions())
+    assert eigen is not None and eigen.vecs is not None and eigen.vecs_c is not None
+    top = float(alone[0].values[0])  # the same eigenvalues either way, to float64 rounding
+    np.testing.assert_allclose(eigen.values.numpy(), alone[0].values.numpy(), rtol=0, atol=1e-12 * top)
+
+
 def test_the_sample_own_directions_differ():
     """Without the exact covariance the reservoir's own directions serve (the old way), and they
     give other values: what the exact path changes."""

@@ -520,7 +520,8 @@ class LayerAccumulator:
             # rank-deficient data, n <= d, the float32 batch products would blur the null space)
             eig = sample_eigenvalues(sample) if d > n_sample else eigenvalues(np.cov(sample, rowvar=False))
             spectrum_from = "all"
-        elif (exact := eigen or self.exact_eigen()) is not None:  # full_cov: one eigh each, on the device
+        elif (exact := eigen or self.exact_eigen(directions=self.needs_directions())) is not None:
+            # full_cov: one eigh each, on the device (eigenvalues alone where no metric reads vectors)
             eig = exact.values.cpu().numpy()
             spectrum_from = "all"
         elif sample is not None and n_sample >= 2:
@@ -626,11 +627,18 @@ class LayerAccumulator:
         not from the d x d sums: then no :meth:`exact_eigen` is needed."""
         return self.res is not None and 2 <= len(self.res) == self.n_all
 
-    def exact_eigen(self) -> ExactEigen | None:
+    def exact_eigen(self, *, directions: bool = True) -> ExactEigen | None:
         """The eigendecompositions of the exact covariance and X^T X over every vector (see
-        :mod:`isotui.core.exact_spectrum`); None when the d x d sums are not held (or n < 2)."""
+        :mod:`isotui.core.exact_spectrum`; without ``directions``, the covariance's eigenvalues
+        alone); None when the d x d sums are not held (or n < 2)."""
         sums = self.exact_eigen_inputs()
-        return None if sums is None else exact_eigen(*sums)
+        return None if sums is None else exact_eigen(*sums, directions=directions)
+
+    def needs_directions(self) -> bool:
+        """Whether :meth:`finalize` reads the exact eigenvectors: the reservoir metrics (I(W),
+        centred I(W), all-but-the-top) do, up to :data:`SAMPLE_METRICS_MAX_DIM` dims and where a
+        reservoir is kept; elsewhere the spectrum's eigenvalues are all it decomposes."""
+        return self.res is not None and self.dim <= SAMPLE_METRICS_MAX_DIM
 
     def exact_eigen_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
         """(gram, shift, sum_xs, n) for :func:`~isotui.core.exact_spectrum.exact_eigen`; None when
@@ -656,7 +664,9 @@ class LayerAccumulator:
         # the sample, on the accumulator's device (GPU: fast eigh); on the CPU the float64 host
         # copy itself (the same values), not a second one
         x = torch.from_numpy(sample) if self.res.device.type == "cpu" else self.res.to(torch.float64)
-        directions = None if exact is None else (exact.vecs, exact.vecs_c)
+        directions = None
+        if exact is not None and exact.vecs is not None and exact.vecs_c is not None:
+            directions = (exact.vecs, exact.vecs_c)
         return sample_metrics(x, mean, self.dim_std(n_all), self._se_groups(n_all), directions)
 
     def _se_groups(self, n_all: int) -> Groups | None:

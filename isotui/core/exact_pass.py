@@ -41,9 +41,10 @@ class ExactPass:
         self.live = torch.nonzero(std > 0).squeeze(1)  # indices, read once here: no mask per batch
         self.std = std[self.live]
         # full_cov holds the gram matrix; n >= 2 means a batch has set the shift
-        exact = acc.exact_eigen()
+        exact = acc.exact_eigen()  # with its directions (the default)
         self.eigen = exact is not None
         if exact is not None:
+            assert exact.vecs is not None and exact.vecs_c is not None
             self.vecs, self.vecs_c = exact.vecs, exact.vecs_c  # largest first
             self.top = self.vecs_c[:, : abtt_components(acc.dim)]
             # the products with the centred vectors are float32 (see isotui.core.products), I(W)'s

@@ -28,8 +28,10 @@ class ExactEigen:
     """The exact eigendecompositions of one layer (torch float64, on the accumulators' device)."""
 
     values: torch.Tensor  # the covariance's eigenvalues (scatter / (n - 1)), descending, >= 0
-    vecs_c: torch.Tensor  # their eigenvectors as columns, largest first (ABTT, centred I(W))
-    vecs: torch.Tensor  # eigenvectors of X^T X as columns, largest first (I(W))
+    # their eigenvectors as columns, largest first (ABTT, centred I(W)), and X^T X's (I(W)); None
+    # where no metric uses directions (eigenvalues alone: ``directions=False`` below)
+    vecs_c: torch.Tensor | None
+    vecs: torch.Tensor | None
 
 
 def moments(
@@ -48,26 +50,43 @@ def moments(
     return second, scatter
 
 
-def exact_eigen(gram: torch.Tensor, shift: torch.Tensor, sum_xs: torch.Tensor, n: int) -> ExactEigen:
+def exact_eigen(
+    gram: torch.Tensor, shift: torch.Tensor, sum_xs: torch.Tensor, n: int, *, directions: bool = True
+) -> ExactEigen:
     """The two ``eigh`` (never ``eig``: both matrices are symmetric) of :func:`moments`, on the
-    sums' own device (a GPU decomposes a d = 4,096 matrix in well under a second)."""
+    sums' own device (a GPU decomposes a d = 4,096 matrix in well under a second). Without
+    ``directions`` (no metric reads them: wider than the reservoir metrics go, or no reservoir),
+    the covariance's eigenvalues alone: one ``eigvalsh``, no eigenvectors and no X^T X, a
+    fraction of the time at the widths where it matters (d = 16,384)."""
     import torch
 
     second, scatter = moments(gram, shift, sum_xs, n)
+    if not directions:
+        return ExactEigen((torch.linalg.eigvalsh(scatter).flip(0) / (n - 1)).clamp_min(0.0), None, None)
     vals_c, vecs_c = torch.linalg.eigh(scatter)
     vecs = torch.linalg.eigh(second)[1]
     values = (vals_c.flip(0) / (n - 1)).clamp_min(0.0)
     return ExactEigen(values, vecs_c.flip(1), vecs.flip(1))
 
 
-def exact_eigens(sums: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]) -> list[ExactEigen]:
+def exact_eigens(
+    sums: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], *, directions: bool = True
+) -> list[ExactEigen]:
     """:func:`exact_eigen` of several layers of one d on one device in one batched ``eigh`` (a
     stack of every layer's scatter and X^T X): on a GPU one call instead of 2 L, each of which
-    would wait for the device to say it converged. ``sums``: (gram, shift, sum_xs, n) per layer."""
+    would wait for the device to say it converged. ``sums``: (gram, shift, sum_xs, n) per layer;
+    without ``directions``, one batched ``eigvalsh`` of the scatters."""
     import torch
 
     if len(sums) == 1:
-        return [exact_eigen(*sums[0])]
+        return [exact_eigen(*sums[0], directions=directions)]
+    if not directions:
+        scatters = torch.stack([moments(*s)[1] for s in sums])
+        vals = torch.linalg.eigvalsh(scatters)
+        return [
+            ExactEigen((v.flip(0) / (n - 1)).clamp_min(0.0), None, None)
+            for v, (_, _, _, n) in zip(vals, sums, strict=True)
+        ]
     mats = []
     for gram, shift, sum_xs, n in sums:
         second, scatter = moments(gram, shift, sum_xs, n)

@@ -105,9 +105,10 @@ def _batch_key(acc: LayerAccumulator) -> tuple[str, int] | None:
 
 
 def decompose(accs: Sequence[LayerAccumulator]) -> list[ExactEigen]:
-    """The exact eigendecompositions of ``accs`` (one d, one device) in one batched call."""
+    """The exact eigendecompositions of ``accs`` (one d, one device, the same
+    :meth:`~LayerAccumulator.needs_directions`) in one batched call."""
     sums = [acc.exact_eigen_inputs() for acc in accs]
-    return exact_eigens([s for s in sums if s is not None])
+    return exact_eigens([s for s in sums if s is not None], directions=accs[0].needs_directions())
 
 
 def _free(device: torch.device) -> None:
@@ -175,7 +176,10 @@ def finalize_all(
         end = k + 1
         if key is not None and k > 0:  # the first layer alone: its time is the rate
             limit = size.setdefault(key, first_batch(*key))
+            same = order[k][2].needs_directions()  # one batch decomposes with or without directions
             while end < len(order) and end - k < limit and _batch_key(order[end][2]) == key:
+                if order[end][2].needs_directions() != same:
+                    break
                 end += 1
             asked.setdefault(key, end - k)
         chunk = [acc for _, _, acc in order[k:end]]
