@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -66,11 +66,39 @@ from isotui.extract.tensor_cores import ensure_scheme
 from isotui.extract.tokens import Tokens
 from isotui.models.loading import LoadedModel, final_norm_modules
 
+if TYPE_CHECKING:
+    import torch
+
 TOKEN_MAP_TYPES = ("segformer",)  # transformers whose stages are token grids, not conv maps
 
 # the memory plan of a stream's sums from its first batch's unit widths and sums' devices, per
 # component (see LayerStream's ``plan_sums``)
 SumsPlan = Callable[[dict[str, list[int]], dict[str, list[Any]]], MemoryPlan]
+
+S = TypeVar("S")  # a fold's batch sums
+
+
+class TokenFold(Protocol, Generic[S]):
+    """One layer's fold of its kept tokens, in place of a :class:`LayerAccumulator` (see
+    :class:`TokenFolds`): ``partial`` makes one batch's sums from its kept vectors (m x d, on the
+    layer's device) and their token ids (m, on the host), ``commit`` adds them in (the loop's
+    out-of-memory back-off counts a batch once: extract/loop.py)."""
+
+    def partial(self, x: torch.Tensor, token_ids: torch.Tensor) -> S: ...
+
+    def commit(self, sums: S) -> None: ...
+
+
+@dataclass(frozen=True)
+class TokenFolds:
+    """What :class:`LayerStream` folds a pass's token layers into in place of its accumulators:
+    ``make(width, device)``, each layer's :class:`TokenFold` (on its plan's device); the sentences
+    to raise for a layer that is not a sequence of positions (``not_sequence``) or whose
+    positions are not the input's tokens (``not_tokens``: a downsampled stack)."""
+
+    make: Callable[[int, torch.device], TokenFold[Any]]
+    not_sequence: str
+    not_tokens: str
 
 
 @dataclass
@@ -161,7 +189,10 @@ class LayerStream:
     the first batch on; ``type_uniform`` False, no type-uniform weights nor self-similarity types
     in the sums; ``plan_sums``, the memory plan of the sums in place of the layer run's
     (:func:`_memory_plan`); ``returned_by``, site index -> (a module that must return that site's
-    very tensor, the sentence to raise when the first batch shows it does not)."""
+    very tensor, the sentence to raise when the first batch shows it does not). What token-types
+    gives it: ``token_folds``, each layer's kept vectors and their token ids folded into the
+    folds it makes (:attr:`folds`) instead of accumulators; a caller may replace those folds
+    between passes (its second pass)."""
 
     def __init__(
         self,
@@ -171,6 +202,7 @@ class LayerStream:
         type_uniform: bool = True,
         plan_sums: SumsPlan | None = None,
         returned_by: Mapping[int, tuple[Any, str]] | None = None,
+        token_folds: TokenFolds | None = None,
     ) -> None:
         self.loop = loop
         self.loaded = loop.loaded
@@ -206,6 +238,8 @@ class LayerStream:
         self.type_uniform = type_uniform
         self.plan_sums = plan_sums
         self.returned_by = dict(returned_by or {})
+        self.token_folds = token_folds
+        self.folds: dict[str, list[TokenFold[Any]]] | None = None  # made at the first batch
 
     @property
     def notes(self) -> list[str]:
@@ -282,7 +316,7 @@ class LayerStream:
             self.forward_s += time.perf_counter() - started - self.fold_s
             self.metrics_s += self.fold_s
             return batch.units
-        if self.accs is not None and self.sites is not None:
+        if self.plan is not None and self.sites is not None:
             self._hooked_forward(batch, index)
             self.forward_s += time.perf_counter() - started - self.fold_s
             self.metrics_s += self.fold_s
@@ -291,7 +325,7 @@ class LayerStream:
         seen: dict[str, dict[int, list[Any]]] = {}
         sites: Sites = {}
         with Hooks() as hooks, self.loop.model_call(f"a batch of {self.loaded.modality}"):
-            if self.accs is None:  # first batch: which final norm, if any, made the last hidden state
+            if self.plan is None:  # first batch: which final norm, if any, made the last hidden state
                 for name, module in final_norm_modules(self.model):
                     hooks.forward(module, (lambda key: lambda _m, _i, o: hook_out.__setitem__(key, o))(name))
                 sites = block_sites(self.loaded)  # and whether its blocks' hooks give every layer
@@ -302,10 +336,9 @@ class LayerStream:
                 components = hidden_states(self.loaded, batch.inputs)
         forwarded = time.perf_counter()
         self.forward_s += forwarded - started
-        if self.accs is None:
+        if self.plan is None:
             self._first_batch(components, hook_out)
             self.sites = self._hooks_agree(components, sites, seen, hook_out)
-        assert self.accs is not None
         with torch.inference_mode():
             for component, hidden in components.items():
                 for i, h in enumerate(hidden):
@@ -320,10 +353,16 @@ class LayerStream:
         ``--exact``'s second pass, its :class:`ExactPass`), committed at once, unless a try of
         a batch holding these samples already did. ``index``: this batch's kept units and keys,
         shared by the layers of one shape on one device (made once per batch, issue 15; each
-        layer's sums live on the device of its hidden states: the CPU when that is MPS)."""
+        layer's sums live on the device of its hidden states: the CPU when that is MPS). With
+        ``token_folds``, into the layer's :class:`TokenFold` instead (:meth:`_fold_tokens`)."""
         started = time.perf_counter()
         key = (component, i)
         if not batch.pending(key):
+            return
+        if self.folds is not None:
+            self._fold_tokens(batch, index, component, i, h)
+            batch.committed(key)
+            self.fold_s += time.perf_counter() - started
             return
         targets: Any = self.second if self.second is not None else self.accs
         acc = targets[component][i]
@@ -351,6 +390,24 @@ class LayerStream:
         acc.commit(acc.partial(vectors, local, keys, weights, types, h.shape[0]))
         batch.committed(key)
         self.fold_s += time.perf_counter() - started
+
+    def _fold_tokens(
+        self, batch: Batch, index: dict[tuple[Any, ...], tuple[Any, ...]], component: str, i: int, h: Any
+    ) -> None:
+        """Layer ``i`` of ``component`` into its :class:`TokenFold`: its kept vectors and their
+        token ids (``index``: made once per batch for the layers of one shape on one device)."""
+        assert self.folds is not None and self.token_folds is not None
+        shape = (component, *h.shape[1:], str(h.device))
+        if shape not in index:
+            flat, _local, _positions = self._index(batch.fed, component, h)
+            token_ids = self._token_ids(batch.fed, component, h, flat)
+            if token_ids is None:
+                folds = self.token_folds
+                raise IsotuiError(folds.not_sequence if h.ndim != 3 else folds.not_tokens)
+            index[shape] = (to_device(flat, h.device), token_ids)
+        flat, token_ids = index[shape]
+        fold = self.folds[component][i]
+        fold.commit(fold.partial(self._vectors(h, flat), token_ids))
 
     def _hooked_forward(self, batch: Batch, index: dict[tuple[Any, ...], tuple[Any, ...]]) -> None:
         """Run the model without ``output_hidden_states``, folding each layer in the hook of the
@@ -406,7 +463,7 @@ class LayerStream:
                 self.model, self.loaded.model_type, tuple(self.opts.modules or ()), self.notes
             )
         sites = self.module_sites
-        first = self.accs is None
+        first = self.plan is None
         calls = [0] * len(sites)
         got: dict[int, Any] = {}  # first batch: site -> its tensor, in the order they ran
         returned: dict[int, Any] = {}  # first batch: site -> what its returned_by module returned
@@ -533,11 +590,10 @@ class LayerStream:
         import torch
 
         table = self.type_weights.get(component)
-        key = "decoder_input_ids" if component == "decoder" else "input_ids"
-        token_ids = fed.inputs.get(key)
-        if table is None or token_ids is None or h.ndim != 3 or h.shape[1] != token_ids.shape[1]:
+        kept = self._token_ids(fed, component, h, flat)
+        if table is None or kept is None:
             return None, None
-        picked = token_ids.flatten()[flat].numpy()
+        picked = kept.numpy()
         inside = picked < len(table)
         w = np.where(inside, table[np.minimum(picked, len(table) - 1)], 0.0)
         slots = None
@@ -546,6 +602,16 @@ class LayerStream:
             slot = np.where(ok, self.tracked[np.minimum(picked, len(self.tracked) - 1)], -1)
             slots = torch.from_numpy(np.where(slot < self.n_tracked, slot, -1).astype(np.int64))
         return torch.from_numpy(w), slots
+
+    def _token_ids(self, fed: Fed, component: str, h: Any, flat: Any) -> torch.Tensor | None:
+        """The token ids of a token layer's kept units (``flat``), on the host; None for other
+        layers (maps, pooled vectors, CANINE's downsampled molecules: their units are not tokens).
+        The decoder of an encoder-decoder reads ``decoder_input_ids``."""
+        key = "decoder_input_ids" if component == "decoder" else "input_ids"
+        token_ids = fed.inputs.get(key)
+        if token_ids is None or h.ndim != 3 or h.shape[1] != token_ids.shape[1]:
+            return None
+        return token_ids.flatten()[flat]
 
     def _vectors(self, h: Any, flat: Any) -> Any:
         """The layer's unit vectors (m x d), in the order of :meth:`_index`."""
@@ -621,20 +687,27 @@ class LayerStream:
         self.n_tracked = max((p.types for p in self.plan.layers), default=0)
         self.reservoir_capped = any(p.reservoir < self.opts.reservoir for p in self.plan.layers)
         layer_plans = iter(self.plan.layers)
-        self.accs = {  # each layer's sums where its plan puts them (the layer run's: ``where``)
-            c: [
-                LayerAccumulator(
-                    d,
-                    torch.device(p.device),
-                    full_cov=p.exact_cov,
-                    reservoir=p.reservoir,
-                    types=p.types,
-                    metrics=self.opts.metrics,
-                )
-                for d, p in zip(ds, layer_plans, strict=False)
-            ]
-            for c, ds in dims.items()
-        }
+        if self.token_folds is not None:  # each layer's fold where its plan puts it
+            make = self.token_folds.make
+            self.folds = {
+                c: [make(d, torch.device(p.device)) for d, p in zip(ds, layer_plans, strict=False)]
+                for c, ds in dims.items()
+            }
+        else:
+            self.accs = {  # each layer's sums where its plan puts them (the layer run's: ``where``)
+                c: [
+                    LayerAccumulator(
+                        d,
+                        torch.device(p.device),
+                        full_cov=p.exact_cov,
+                        reservoir=p.reservoir,
+                        types=p.types,
+                        metrics=self.opts.metrics,
+                    )
+                    for d, p in zip(ds, layer_plans, strict=False)
+                ]
+                for c, ds in dims.items()
+            }
         for component, hidden in components.items():
             last = hidden[-1]
             self.final_norm[component] = False
