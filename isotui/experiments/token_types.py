@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     import torch
 
     from isotui.experiments.layer_pass import Prepared
-    from isotui.extract.loop import Batch, BatchLoop
     from isotui.extract.memory_plan import MemoryPlan
     from isotui.extract.progress import ProgressCallback, StopCheck
     from isotui.spec import RunSpec
@@ -43,6 +42,10 @@ if TYPE_CHECKING:
 HELP = "which token types carry each layer's mean direction and its top rogue dimension"
 FOLDER = "token-types"
 SCHEMA = 1
+
+# a batch's sums: of the first pass (x, u, u squared, count), of the second (per token id)
+_MomentSums = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor", int]
+_ShareSums = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclass
@@ -103,32 +106,83 @@ class TokenTypesParams:
     )
 
 
-class _Sums:
-    """One layer's first-pass sums: of x, of u and of u squared (float64), and the count."""
+class _Moments:
+    """One layer's first-pass sums (a :class:`~isotui.extract.runner.TokenFold`): of x, of u and
+    of u squared (float64), and the count."""
 
     def __init__(self, d: int, device: torch.device) -> None:
         import torch
 
+        self.device = device
         self.x = torch.zeros(d, dtype=torch.float64, device=device)
         self.u = torch.zeros(d, dtype=torch.float64, device=device)
         self.u2 = torch.zeros(d, dtype=torch.float64, device=device)
         self.n = 0
 
+    def partial(self, x: torch.Tensor, token_ids: torch.Tensor) -> _MomentSums:
+        x = x.to(self.device).double()
+        u = x / x.norm(dim=1, keepdim=True).clamp_min(1e-300)
+        return x.sum(0), u.sum(0), (u * u).sum(0), len(x)
 
-def _kept(
-    loop: BatchLoop, batch: Batch, component: str, h: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (B, T, d) layer's kept vectors (float64) and their token ids, as the layer run keeps them."""
-    if h.ndim != 3:
-        raise IsotuiError("token-types reads layers of one vector per token; this model's are not")
-    keep = loop.keep(batch.fed, component, h.shape[1])
-    key = "decoder_input_ids" if component == "decoder" else "input_ids"
-    ids = batch.fed.inputs[key]
-    if ids.shape[1] != h.shape[1]:
-        raise IsotuiError("token-types reads layers of one vector per input token; this model's are not")
-    flat = keep.flatten().nonzero().squeeze(1)
-    x = h.reshape(-1, h.shape[-1]).index_select(0, flat.to(h.device)).double()
-    return x, ids.flatten()[flat]
+    def commit(self, sums: _MomentSums) -> None:
+        x, u, u2, n = sums
+        self.x += x
+        self.u += u
+        self.u2 += u2
+        self.n += n
+
+
+class _Shares:
+    """One layer's second-pass sums (a :class:`~isotui.extract.runner.TokenFold`), per token id:
+    of <x, m/||m||> (``proj``), of u_k (``rogue``) and the count; with the first pass's direction
+    ``m_hat``, top rogue dimension ``k``, ``along`` (n ||m||) and ``s_k`` (S_k)."""
+
+    def __init__(self, first: _Moments, size: int) -> None:
+        import torch
+
+        n = first.n
+        mean = first.x / max(n, 1)
+        norm = float(mean.norm())
+        contrib = (first.u**2 - first.u2) / (n * (n - 1)) if n >= 2 else first.u * math.nan
+        self.device = first.device
+        self.k = int(torch.argmax(contrib))
+        self.m_hat = mean / norm if norm > 0 else mean
+        self.along = n * norm
+        self.s_k = float(first.u[self.k])
+        self.proj, self.rogue = np.zeros(size), np.zeros(size)
+        self.count = np.zeros(size, np.int64)
+
+    def partial(self, x: torch.Tensor, token_ids: torch.Tensor) -> _ShareSums:
+        x = x.to(self.device).double()
+        u_k = x[:, self.k] / x.norm(dim=1).clamp_min(1e-300)
+        ids = token_ids.numpy().astype(np.int64)
+        n = max(len(self.count), int(ids.max()) + 1 if len(ids) else 0)
+        proj = np.bincount(ids, (x @ self.m_hat).cpu().numpy(), minlength=n)
+        return proj, np.bincount(ids, u_k.cpu().numpy(), minlength=n), np.bincount(ids, minlength=n)
+
+    def commit(self, sums: _ShareSums) -> None:
+        proj, rogue, count = sums
+        grow = len(count) - len(self.count)
+        if grow > 0:  # ids past the tokenizer's length
+            self.proj = np.concatenate([self.proj, np.zeros(grow)])
+            self.rogue = np.concatenate([self.rogue, np.zeros(grow)])
+            self.count = np.concatenate([self.count, np.zeros(grow, np.int64)])
+        self.proj += proj
+        self.rogue += rogue
+        self.count += count
+
+
+def _sums_plan(dims: dict[str, list[int]], where: dict[str, list[object]]) -> MemoryPlan:
+    """The stream's plan of token-types' sums: a few d-vectors per layer on the device of its
+    hidden states (the CPU for MPS: ``where``), no covariance, no reservoir."""
+    from isotui.extract.memory_plan import LayerPlan, MemoryPlan
+
+    layers = [
+        LayerPlan(f"layer {i}" if c == "model" else f"{c} layer {i}", d, str(dev), False, 0)
+        for c, ds in dims.items()
+        for i, (d, dev) in enumerate(zip(ds, where[c], strict=True))
+    ]
+    return MemoryPlan(layers, {})
 
 
 def measure_types(
@@ -139,15 +193,14 @@ def measure_types(
     should_stop: StopCheck | None = None,
     prepared: Prepared | None = None,
 ) -> TokenTypesResult:
-    """The two passes of the module's doc over ``spec``'s data."""
+    """The two passes of the module's doc over ``spec``'s data, both the layer stream's
+    (:class:`~isotui.extract.runner.LayerStream`, every hidden state of each component, kept as
+    the layer run keeps them): into :class:`_Moments`, then :class:`_Shares`."""
     import time
 
-    import torch
-
     from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
-    from isotui.extract.forward import hidden_states
     from isotui.extract.loop import BatchLoop
-    from isotui.extract.runner import resolve_max_length
+    from isotui.extract.runner import LayerStream, TokenFolds, resolve_max_length
 
     started = time.perf_counter()
     prepared = prepared or prepare(spec)
@@ -157,67 +210,27 @@ def measure_types(
     if loaded.modality != "text":
         raise IsotuiError(f"token-types reads text models; {spec.model!r} reads {loaded.modality}")
     loop = BatchLoop(loaded, device, dataclasses.replace(extract_options(spec)), on_progress, should_stop)
-    loop.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
-    first: dict[str, list[_Sums]] = {}
-
-    def pass_one(batch: Batch) -> int:
-        with torch.inference_mode():
-            for component, hidden in hidden_states(loaded, batch.inputs).items():
-                sums = first.setdefault(component, [_Sums(h.shape[-1], h.device) for h in hidden])
-                for s, h in zip(sums, hidden, strict=True):
-                    x, _ = _kept(loop, batch, component, h)
-                    u = x / x.norm(dim=1, keepdim=True).clamp_min(1e-300)
-                    s.x += x.sum(0)
-                    s.u += u.sum(0)
-                    s.u2 += (u * u).sum(0)
-                    s.n += len(x)
-        return batch.units
-
-    loop.run(pass_one)
-    directions: dict[str, list[tuple[torch.Tensor, int, float, float]]] = {}  # (m hat, k, n||m||, S_k)
-    for component, sums in first.items():
-        directions[component] = []
-        for s in sums:
-            n = s.n
-            mean = s.x / max(n, 1)
-            norm = float(mean.norm())
-            contrib = (s.u**2 - s.u2) / (n * (n - 1)) if n >= 2 else s.u * math.nan
-            k = int(torch.argmax(contrib))
-            directions[component].append((mean / norm if norm > 0 else mean, k, n * norm, float(s.u[k])))
+    folds = TokenFolds(
+        _Moments,
+        not_sequence="token-types reads layers of one vector per token; this model's are not",
+        not_tokens="token-types reads layers of one vector per input token; this model's are not",
+    )
+    stream = LayerStream(loop, type_uniform=False, plan_sums=_sums_plan, token_folds=folds)
+    stream.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
+    loop.run(stream)
+    # the folds token-types' TokenFolds made: _Moments
+    first = cast("dict[str, list[_Moments]]", stream.folds or {})
     size = max(len(loaded.tokenizer), 1)
-    second: dict[str, list[list[np.ndarray]]] = {
-        c: [[np.zeros(size), np.zeros(size), np.zeros(size, np.int64)] for _ in ds]
-        for c, ds in directions.items()
-    }
-
-    def pass_two(batch: Batch) -> int:
-        with torch.inference_mode():
-            for component, hidden in hidden_states(loaded, batch.inputs).items():
-                for (m, k, _, _), parts, h in zip(
-                    directions[component], second[component], hidden, strict=True
-                ):
-                    x, ids = _kept(loop, batch, component, h)
-                    u_k = x[:, k] / x.norm(dim=1).clamp_min(1e-300)
-                    ids_np = ids.numpy().astype(np.int64)
-                    grow = int(ids_np.max()) + 1 if len(ids_np) else 0
-                    if grow > len(parts[0]):
-                        for j, dtype in enumerate((np.float64, np.float64, np.int64)):
-                            parts[j] = np.concatenate([parts[j], np.zeros(grow - len(parts[j]), dtype)])
-                    n = len(parts[0])
-                    parts[0] += np.bincount(ids_np, (x @ m).cpu().numpy(), minlength=n)
-                    parts[1] += np.bincount(ids_np, u_k.cpu().numpy(), minlength=n)
-                    parts[2] += np.bincount(ids_np, minlength=n)
-        return batch.units
-
-    loop.run(pass_two, phase="second pass")
+    second = {c: [_Shares(s, size) for s in sums] for c, sums in first.items()}
+    stream.folds = {c: list(shares) for c, shares in second.items()}
+    loop.run(stream, phase="second pass")
     rows: list[TypeRow] = []
     texts: dict[int, str] = {}
-    for component, ds in directions.items():
-        for layer, ((_, k, along, s_k), (proj, rogue, count)) in enumerate(
-            zip(ds, second[component], strict=True)
-        ):
+    for component, layers in second.items():
+        for layer, s in enumerate(layers):
+            count = s.count
             n = int(count.sum())
-            for direction, total, part in (("mean", along, proj), (f"rogue:{k}", s_k, rogue)):
+            for direction, total, part in (("mean", s.along, s.proj), (f"rogue:{s.k}", s.s_k, s.rogue)):
                 shares: np.ndarray = np.asarray(part / total) if total else np.full(len(part), math.nan)
                 seen = np.flatnonzero(count)
                 best = seen[np.lexsort((seen, -shares[seen]))][:top]
