@@ -41,7 +41,7 @@ _DEVICE_FILES = {
     "core/accumulator.py": None,
     "extract/runner.py": {"__call__", "_vectors"},
     "core/sampled.py": {"partial", "commit"},
-    "core/gradients.py": {"add"},
+    "core/gradients.py": {"add", "partial", "commit"},
     "core/attention.py": None,
     "extract/attention.py": {"probe_attention", "observe", "add", "_fold_pre_rope", "ids_on"},
 }

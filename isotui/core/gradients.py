@@ -66,6 +66,23 @@ class GradLayerStats:
     grad_top_share: float  # the most any k-dimensional subspace can hold (G's own top-k eigenvalues)
 
 
+@dataclass
+class GradSums:
+    """One batch's sums (:meth:`GradAccumulator.partial`), on the accumulator's device."""
+
+    n: int
+    n_grad: torch.Tensor
+    n_act: torch.Tensor
+    sum_gu: torch.Tensor
+    sum_g: torch.Tensor
+    sum_gnorm: torch.Tensor
+    g2: torch.Tensor
+    sum_xu: torch.Tensor
+    shift: torch.Tensor  # the activations' shift (the first batch's mean, or the accumulator's)
+    sum_xs: torch.Tensor
+    x2: torch.Tensor
+
+
 class GradAccumulator:
     """Streams one layer's (activation, gradient) pairs; ``finalize`` gives :class:`GradLayerStats`."""
 
@@ -91,36 +108,63 @@ class GradAccumulator:
     n_act = DeviceCount("Non-zero activations (a device read: once, at the end).")
 
     def add(self, x: torch.Tensor, g: torch.Tensor) -> None:
-        """Fold in m tokens: activations ``x`` and their gradients ``g`` (both m x d). Nothing is
-        read on the host (zero rows are masked, not dropped: a GPU never waits), and the d x d
-        products are float32, added into the float64 sums (see isotui.core.products)."""
+        """Fold in m tokens: activations ``x`` and their gradients ``g`` (both m x d), in one go
+        (:meth:`partial` then :meth:`commit`)."""
+        self.commit(self.partial(x, g))
+
+    def partial(self, x: torch.Tensor, g: torch.Tensor) -> GradSums | None:
+        """One batch's sums of m tokens: activations ``x`` and their gradients ``g`` (both
+        m x d); None for none. Nothing here changes the accumulator, so a batch whose sums ran
+        out of memory may be retried (:meth:`commit` adds them in). Nothing is read on the host
+        (zero rows are masked, not dropped: a GPU never waits), and the d x d products are
+        float32, added into the float64 sums (see isotui.core.products)."""
         import torch
 
         from isotui.core.products import gram
 
         if not len(x):
-            return
+            return None
         x64 = x.detach().to(self.device, torch.float64)
         g64 = g.detach().to(self.device, torch.float64)
         gn = torch.linalg.vector_norm(g64, dim=1)
         gz = gn > 0
         xn = torch.linalg.vector_norm(x64, dim=1)
         xz = xn > 0
-        self.n_all += len(x64)
-        self._n_grad += gz.sum()
-        self._n_act += xz.sum()
-        self.sum_gu += (g64 / torch.where(gz, gn, 1.0)[:, None]).sum(0)  # a zero row stays 0
-        self.sum_g += g64.sum(0)
-        self.sum_gnorm += gn.sum()
-        # G is not centred: its float32 rounding is relative to its own entries (the shares are
-        # ratios of positive sums, no cancellation)
-        self.g2 += gram(g64)
-        self.sum_xu += (x64 / torch.where(xz, xn, 1.0)[:, None]).sum(0)
+        # the first batch's mean shifts the activations' sums (set by its commit)
+        shift = x64.mean(0) if self.shift is None else self.shift
+        xs = x64 - shift
+        return GradSums(
+            n=len(x64),
+            n_grad=gz.sum(),
+            n_act=xz.sum(),
+            sum_gu=(g64 / torch.where(gz, gn, 1.0)[:, None]).sum(0),  # a zero row stays 0
+            sum_g=g64.sum(0),
+            sum_gnorm=gn.sum(),
+            # G is not centred: its float32 rounding is relative to its own entries (the shares
+            # are ratios of positive sums, no cancellation)
+            g2=gram(g64),
+            sum_xu=(x64 / torch.where(xz, xn, 1.0)[:, None]).sum(0),
+            shift=shift,
+            sum_xs=xs.sum(0),
+            x2=gram(xs),
+        )
+
+    def commit(self, sums: GradSums | None) -> None:
+        """Add one batch's :meth:`partial` sums (in place: no memory is asked for)."""
+        if sums is None:
+            return
+        self.n_all += sums.n
+        self._n_grad += sums.n_grad
+        self._n_act += sums.n_act
+        self.sum_gu += sums.sum_gu
+        self.sum_g += sums.sum_g
+        self.sum_gnorm += sums.sum_gnorm
+        self.g2 += sums.g2
+        self.sum_xu += sums.sum_xu
         if self.shift is None:
-            self.shift = x64.mean(0)
-        xs = x64 - self.shift
-        self.sum_xs += xs.sum(0)
-        self.x2 += gram(xs)
+            self.shift = sums.shift
+        self.sum_xs += sums.sum_xs
+        self.x2 += sums.x2
 
     _SUMS = ("sum_gu", "sum_g", "sum_gnorm", "g2", "sum_xu")
     _COUNTS = ("n_all", "n_grad", "n_act")
