@@ -58,6 +58,7 @@ from isotui.extract.memory_plan import (
 )
 from isotui.extract.memory_values import SELF_SIM_TYPES as SELF_SIM_TYPES  # importable from here too
 from isotui.extract.modules import Site
+from isotui.extract.objective import LMObjective
 from isotui.extract.planning import ExtractOptions, effective_max_length, selected_ids
 from isotui.extract.planning import position_limit as position_limit  # importable from here too
 from isotui.extract.planning import resolve_max_length as resolve_max_length
@@ -97,6 +98,32 @@ class TokenFolds:
     positions are not the input's tokens (``not_tokens``: a downsampled stack)."""
 
     make: Callable[[int, torch.device], TokenFold[Any]]
+    not_sequence: str
+    not_tokens: str
+
+
+class GradFold(Protocol, Generic[S]):
+    """One layer's fold of its kept (activation, loss gradient) pairs (see :class:`GradFolds`):
+    ``partial`` makes one batch's sums from the kept activations and their gradients (both
+    m x d, on the layer's device), ``commit`` adds them in (the loop's out-of-memory back-off
+    counts a batch once: extract/loop.py)."""
+
+    def partial(self, x: torch.Tensor, g: torch.Tensor) -> S: ...
+
+    def commit(self, sums: S) -> None: ...
+
+
+@dataclass(frozen=True)
+class GradFolds:
+    """What :class:`LayerStream` folds a backward pass into (with its ``objective``): every
+    hidden state (``output_hidden_states``, the model run with grad) and its gradient of the
+    objective's summed loss. ``make(width, device)``, each layer's :class:`GradFold`; ``check``
+    (every layer's width and device), the first batch's refusals before any fold is made; the
+    sentences to raise for hidden states that are not token sequences (``not_sequence``) or
+    not one vector per input token (``not_tokens``)."""
+
+    make: Callable[[int, torch.device], GradFold[Any]]
+    check: Callable[[list[int], list[torch.device]], None]
     not_sequence: str
     not_tokens: str
 
@@ -192,7 +219,11 @@ class LayerStream:
     very tensor, the sentence to raise when the first batch shows it does not). What token-types
     gives it: ``token_folds``, each layer's kept vectors and their token ids folded into the
     folds it makes (:attr:`folds`) instead of accumulators; a caller may replace those folds
-    between passes (its second pass)."""
+    between passes (its second pass). What gradients gives it: ``objective`` (the LM loss on
+    its labels, :mod:`isotui.extract.objective`) and ``grad_folds``, each batch run forward
+    and backward (:meth:`_backward`), each layer's kept (activation, gradient) pairs folded into
+    the folds it makes (:attr:`grad_folds_made`), the loss summed (:attr:`loss_sum`,
+    :attr:`loss_tokens`)."""
 
     def __init__(
         self,
@@ -203,7 +234,11 @@ class LayerStream:
         plan_sums: SumsPlan | None = None,
         returned_by: Mapping[int, tuple[Any, str]] | None = None,
         token_folds: TokenFolds | None = None,
+        objective: LMObjective | None = None,
+        grad_folds: GradFolds | None = None,
     ) -> None:
+        if grad_folds is not None and objective is None:
+            raise ValueError("a backward pass needs the objective whose loss it differentiates")
         self.loop = loop
         self.loaded = loop.loaded
         self.model = loop.model
@@ -240,6 +275,13 @@ class LayerStream:
         self.returned_by = dict(returned_by or {})
         self.token_folds = token_folds
         self.folds: dict[str, list[TokenFold[Any]]] | None = None  # made at the first batch
+        self.objective = objective
+        self.grad_folds = grad_folds
+        self.grad_folds_made: list[GradFold[Any]] | None = None  # made at the first batch
+        # the objective's summed loss (a device tensor after the first batch: read once, at the
+        # end, issue 15) and how many tokens it is taken over
+        self.loss_sum: float | torch.Tensor = 0.0
+        self.loss_tokens = 0
 
     @property
     def notes(self) -> list[str]:
@@ -308,6 +350,8 @@ class LayerStream:
         retried half skips the layers that already folded it; see extract/loop.py)."""
         import torch
 
+        if self.grad_folds is not None:
+            return self._backward(batch, self.grad_folds)
         started = time.perf_counter()
         self.fold_s = 0.0
         index: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -408,6 +452,63 @@ class LayerStream:
         flat, token_ids = index[shape]
         fold = self.folds[component][i]
         fold.commit(fold.partial(self._vectors(h, flat), token_ids))
+
+    def _backward(self, batch: Batch, grad_folds: GradFolds) -> int:
+        """Forward and backward over one batch: the objective's labels (and its input edit),
+        the model run with grad for every hidden state, each one's gradient of the summed loss;
+        each layer's kept (activation, gradient) pairs folded and committed at once, then the
+        loss (``batch.pending``: a retried half skips the parts that already folded it, so an
+        out-of-memory anywhere backs off and counts every sample once). Kept: the positions the
+        layer run keeps that the loss can depend on (:meth:`LMObjective.bearing`); returns how
+        many."""
+        import torch
+
+        objective = self.objective
+        assert objective is not None  # __init__ refuses grad_folds without it
+        device = self.loop.device
+        ids = batch.fed.inputs["input_ids"]
+        labels = objective.labels(batch, device)
+        keep = objective.bearing(self.loop.keep(batch.fed, "model", ids.shape[1]), labels)
+        started = time.perf_counter()
+        with self.loop.model_call("a batch"), torch.enable_grad():
+            out = self.model(**batch.inputs, output_hidden_states=True, return_dict=True)
+            hidden = tuple(out.hidden_states)
+            loss = objective.loss(out.logits, to_device(labels, device))
+            grads = torch.autograd.grad(loss, hidden, allow_unused=True)
+        forwarded = time.perf_counter()
+        self.forward_s += forwarded - started
+        missing = next((i for i, g in enumerate(grads) if g is None), None)
+        if missing is not None:
+            raise IsotuiError(
+                f"hidden state {missing} of model {type(self.model).__name__} is not on the path to "
+                "its loss, so it has no gradient"
+            )
+        if self.grad_folds_made is None:
+            if any(h.ndim != 3 for h in hidden):
+                raise IsotuiError(grad_folds.not_sequence)
+            dims = [int(h.shape[-1]) for h in hidden]
+            # each layer's sums on its hidden states' GPU (a split model's several), else on the
+            # run's GPU, else on the CPU
+            main = torch.device(device if device.startswith("cuda") else "cpu")
+            where = [h.device if h.device.type == "cuda" else main for h in hidden]
+            grad_folds.check(dims, where)
+            self.grad_folds_made = [grad_folds.make(d, w) for d, w in zip(dims, where, strict=True)]
+        if any(h.shape[1] != ids.shape[1] for h in hidden):
+            raise IsotuiError(grad_folds.not_tokens)
+        flat = to_device(keep.flatten().nonzero().squeeze(1), device)  # pinned, non-blocking (issue 26)
+        for i, (fold, h, g) in enumerate(zip(self.grad_folds_made, hidden, grads, strict=True)):
+            if not batch.pending(("model", i)):
+                continue
+            d = h.shape[-1]
+            at = flat.to(h.device)  # a split model's layers sit on several GPUs
+            fold.commit(fold.partial(h.detach().reshape(-1, d)[at], g.reshape(-1, d)[at]))
+            batch.committed(("model", i))
+        if batch.pending("loss"):
+            self.loss_sum = self.loss_sum + loss.detach().to(torch.float64)
+            self.loss_tokens += objective.tokens(labels)
+            batch.committed("loss")
+        self.metrics_s += time.perf_counter() - forwarded
+        return int(keep.sum())
 
     def _hooked_forward(self, batch: Batch, index: dict[tuple[Any, ...], tuple[Any, ...]]) -> None:
         """Run the model without ``output_hidden_states``, folding each layer in the hook of the
