@@ -42,12 +42,13 @@ _DEVICE_FILES = {
     "extract/runner.py": {"__call__", "_vectors"},
     "core/sampled.py": {"partial", "commit"},
     "core/gradients.py": {"add", "partial", "commit"},
+    "extract/objective.py": {"loss"},
     "core/attention.py": None,
     "extract/attention.py": {"probe_attention", "observe", "add", "_fold_pre_rope", "ids_on"},
 }
-# experiments' steps that also prepare the batch on the host (its masks and token ids are host
-# tensors: their nonzero / int / bool are no device reads): only explicit reads of a value count
-_STEP_FILES = {"experiments/gradients.py": {"step"}}
+# steps that also prepare the batch on the host (its masks and token ids are host tensors: their
+# nonzero / int / bool are no device reads): only explicit reads of a value count
+_STEP_FILES = {"extract/runner.py": {"_backward"}}
 _STEP_READS = {"item", "cpu", "tolist", "numpy", "__float__", "__array__"}
 
 # calls that read a device value on the host (explicitly, or implicitly through Python)
@@ -75,8 +76,8 @@ def _caller(call: str) -> tuple[str, str] | None:
         if in_package(path):
             name = f"{Path(path).parent.name}/{Path(path).name}"
             func = frame.f_code.co_name
-            if name in _STEP_FILES:
-                return (name, func) if func in _STEP_FILES[name] and call in _STEP_READS else None
+            if func in _STEP_FILES.get(name, ()):
+                return (name, func) if call in _STEP_READS else None
             if name not in _DEVICE_FILES:
                 return None
             funcs = _DEVICE_FILES[name]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
+from typing import TYPE_CHECKING, ClassVar, TypedDict, cast
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
@@ -32,6 +32,8 @@ from isotui.experiments.base import Arrays, Context, Experiment, Payload, Rows
 from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.json_types import from_fields
 from isotui.experiments.params import param, positive
+from isotui.extract.objective import MASK_RATE
+from isotui.extract.objective import mlm_mask as mlm_mask  # importable from here too
 
 if TYPE_CHECKING:
     import numpy as np
@@ -46,8 +48,6 @@ if TYPE_CHECKING:
     from isotui.store.cache import ResultCache
 
 HELP = "loss gradients w.r.t. hidden states: their anisotropy and share in the activations' top PCs"
-MASK_RATE = 0.15
-MASK_SALT = 0x6D6C6D  # separates the masking hash from the reservoir's (same seed)
 FOLDER = "gradients"  # the result cache's folder for this experiment
 SCHEMA = 1
 OFFLINE_LMS = (
@@ -194,30 +194,6 @@ def _refuse_bundled(model: str) -> None:
         )
 
 
-def mlm_mask(
-    seed: int, sample_ids: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor
-) -> torch.Tensor:
-    """Which positions to mask: (B, T) bool, a pure function of (seed, sample, position).
-
-    ``sample_ids`` (B,) are the samples' indices in the corpus, ``positions`` (T,), ``candidates``
-    (B, T) the maskable tokens (real, non-special). About ``MASK_RATE`` of them, and at least one
-    per sample that has any (the candidate with the smallest key).
-    """
-    import torch
-
-    from isotui.core.accumulator import sample_keys
-
-    b, t = candidates.shape
-    keys = sample_keys(seed + MASK_SALT, sample_ids[:, None].expand(b, t), positions[None, :].expand(b, t))
-    keys = torch.where(candidates, keys, torch.full_like(keys, 2.0))
-    masked = keys < MASK_RATE
-    lonely = candidates.any(1) & ~masked.any(1)
-    if bool(lonely.any()):
-        rows = lonely.nonzero().squeeze(1)
-        masked[rows, keys[rows].argmin(1)] = True
-    return masked
-
-
 def measure_gradients(
     spec: RunSpec,
     *,
@@ -283,17 +259,16 @@ def _stream_gradients(
     sample_ids: tuple[int, ...] | None,
     prepared: Prepared | None = None,
 ) -> tuple[list[GradAccumulator], GradientFacts]:
-    """Stream the batches forward and backward; (per layer the accumulator, the facts to finish)."""
+    """Stream the batches forward and backward (the layer stream's backward pass, with the model's
+    LM objective); (per layer the accumulator, the facts to finish)."""
     import dataclasses
     import time
 
-    import torch
-    from transformers import AutoModelForMaskedLM
-
+    from isotui.core.gradients import GradAccumulator
     from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
-    from isotui.extract.device import to_device
-    from isotui.extract.loop import Batch, BatchLoop, is_oom
-    from isotui.extract.runner import resolve_max_length
+    from isotui.extract.loop import BatchLoop
+    from isotui.extract.objective import lm_objective
+    from isotui.extract.runner import GradFolds, LayerStream, resolve_max_length
 
     if top_k < 1:
         raise IsotuiError(f"top-k must be a positive integer (got {top_k})")
@@ -305,81 +280,25 @@ def _stream_gradients(
 
     loaded, device = load_prepared(prepared, head="lm")
     model = loaded.model
-    # untyped: its stub's values (tuples) are not the model classes it holds
-    masked_map: Any = AutoModelForMaskedLM._model_mapping
-    objective = (
-        "masked"
-        if type(model.config) in masked_map and masked_map[type(model.config)] is type(model)
-        else "causal"
-    )
-    mask_id: Any = getattr(loaded.tokenizer, "mask_token_id", None)
-    if objective == "masked" and mask_id is None:
-        raise IsotuiError(f"the tokenizer of model {spec.model!r} has no mask token, so no masked-LM loss")
+    objective = lm_objective(loaded, spec.seed, spec.model)
     opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
     loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
-    loop.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
-    acc_device = torch.device(device if device.startswith("cuda") else "cpu")
     accs: list[GradAccumulator] = []  # one per layer, made at the first batch
-    # a device tensor after the first batch: read once, at the end (issue 15)
-    loss_sum: float | torch.Tensor = 0.0
-    loss_tokens = 0
 
-    def step(batch: Batch) -> int:
-        """Forward and backward over one batch; every layer's (activation, gradient) folded in."""
-        nonlocal loss_sum, loss_tokens
-        ids = batch.fed.inputs["input_ids"]
-        valid, special = batch.fed.valid, batch.fed.special
-        keep = valid if spec.special_tokens == "include" else valid & ~special
-        positions = torch.arange(ids.shape[1])
-        if objective == "masked":
-            masked = mlm_mask(spec.seed, batch.ids, positions, valid & ~special)
-            labels = torch.where(masked, ids, torch.full_like(ids, -100))
-            masked_ids = torch.where(masked, torch.full_like(ids, int(mask_id)), ids)
-            batch.inputs["input_ids"] = to_device(masked_ids, device)
-        else:  # position t predicts token t + 1
-            labels = torch.full_like(ids, -100)
-            labels[:, :-1] = torch.where(valid[:, 1:], ids[:, 1:], labels[:, 1:])
-            keep = keep & (labels != -100)  # the last token: no loss depends on it
-        with loop.model_call("a batch"), torch.enable_grad():
-            out = model(**batch.inputs, output_hidden_states=True, return_dict=True)
-            hidden = tuple(out.hidden_states)
-            logits = out.logits.float()
-            batch_loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]),
-                to_device(labels, device).reshape(-1),
-                ignore_index=-100,
-                reduction="sum",
-            )
-            grads = torch.autograd.grad(batch_loss, hidden, allow_unused=True)
-        if any(g is None for g in grads):
-            layer = next(i for i, g in enumerate(grads) if g is None)
-            raise IsotuiError(
-                f"hidden state {layer} of model {type(model).__name__} is not on the path to its loss, "
-                "so it has no gradient"
-            )
-        if not accs:
-            accs.extend(_accumulators(hidden, top_k, spec.model, acc_device))
-        if any(h.shape[1] != ids.shape[1] for h in hidden):
-            raise IsotuiError(f"model {spec.model!r} has layers that are not one vector per input token")
-        flat = to_device(keep.flatten().nonzero().squeeze(1), device)  # pinned, non-blocking (issue 26)
-        try:
-            for acc, h, g in zip(accs, hidden, grads, strict=True):
-                d = h.shape[-1]
-                at = flat.to(h.device)  # a split model's layers sit on several GPUs
-                acc.add(h.detach().reshape(-1, d)[at], g.reshape(-1, d)[at])
-        except Exception as exc:  # some layers hold the batch already: a retry would count it twice
-            if not is_oom(exc):
-                raise
-            raise IsotuiError(
-                f"out of {device} memory while adding a batch of {len(batch.idx)} samples to the "
-                "gradient sums; use a smaller --batch-size"
-            ) from None
-        loss_sum = loss_sum + batch_loss.detach().to(torch.float64)
-        loss_tokens += int((labels != -100).sum())
-        return int(keep.sum())
+    def make(dim: int, where: torch.device) -> GradAccumulator:
+        accs.append(GradAccumulator(dim, where))
+        return accs[-1]
 
+    folds = GradFolds(
+        make=make,
+        check=lambda dims, where: _check_layers(dims, where, top_k, spec.model),
+        not_sequence=f"model {spec.model!r} gives hidden states that are not token sequences",
+        not_tokens=f"model {spec.model!r} has layers that are not one vector per input token",
+    )
+    stream = LayerStream(loop, type_uniform=False, objective=objective, grad_folds=folds)
+    stream.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
     start = time.perf_counter()
-    loop.run(step, phase="", start=start)
+    loop.run(stream, phase="", start=start)
     total = loop.total
     if not accs or accs[0].n_all == 0:
         raise IsotuiError(
@@ -388,15 +307,15 @@ def _stream_gradients(
         )
     facts: GradientFacts = {
         "model": spec.model,
-        "objective": objective,
+        "objective": objective.kind,
         "top_k": top_k,
         "seed": spec.seed,
         "model_notes": list(loaded.notes),
         "data": prepared.spec.data.describe(),
         "n_samples": total,
         "lm_class": type(model).__name__,
-        "loss_sum": float(loss_sum),
-        "loss_tokens": loss_tokens,
+        "loss_sum": float(stream.loss_sum),
+        "loss_tokens": stream.loss_tokens,
         "special_tokens": spec.special_tokens,
         "dtype": prepared.dtype,
         "seconds": time.perf_counter() - start,
@@ -435,23 +354,15 @@ def _finish_gradients(accs: list[GradAccumulator], facts: GradientFacts) -> Grad
     )
 
 
-def _accumulators(
-    hidden: Sequence[torch.Tensor], top_k: int, model: str, device: torch.device
-) -> list[GradAccumulator]:
-    from isotui.core.gradients import GradAccumulator
-
-    dims = [int(h.shape[-1]) for h in hidden]
-    if any(h.ndim != 3 for h in hidden):
-        raise IsotuiError(f"model {model!r} gives hidden states that are not token sequences")
+def _check_layers(dims: Sequence[int], where: Sequence[torch.device], top_k: int, model: str) -> None:
+    """The first batch's refusals before the sums are made: a top-k not below every hidden
+    size, sums that do not fit (:func:`check_gradient_room`)."""
     if top_k >= min(dims):
         raise IsotuiError(
             f"--top-k {top_k} is not below the hidden size {min(dims)} of model {model!r}; "
             f"use --top-k {min(dims) - 1} or less"
         )
-    # each layer's sums on its hidden states' GPU (a split model's several), else on ``device``
-    where = [h.device if h.device.type == "cuda" else device for h in hidden]
     check_gradient_room(model, dims, [str(w) for w in where])
-    return [GradAccumulator(d, w) for d, w in zip(dims, where, strict=True)]
 
 
 def check_gradient_room(model: str, dims: Sequence[int], where: Sequence[str]) -> None:
