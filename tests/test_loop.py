@@ -151,6 +151,59 @@ def test_gradients_out_of_memory_while_folding_backs_off_and_counts_each_sample_
     assert result.meta["loss_per_token"] == pytest.approx(clean.meta["loss_per_token"], rel=1e-5)
 
 
+def _oom_on_second_sums(monkeypatch, cls) -> None:
+    """``cls()`` runs out of memory once, making the first batch's second layer's sums."""
+    import torch
+
+    original = cls.__init__
+    made: list[int] = []
+
+    def init(self, *args, **kwargs):
+        made.append(1)
+        if len(made) == 2:
+            raise torch.cuda.OutOfMemoryError(OOM)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__init__", init)
+
+
+def test_out_of_memory_making_the_first_sums_starts_the_batch_again(tiny_models, text_file, monkeypatch):
+    """Out of memory while the first batch makes its layers' sums (the second of them): the
+    halves start the first batch over, sums and all, and the numbers are a clean run's."""
+    from isotui.core.accumulator import LayerAccumulator
+    from isotui.experiments.final_norm import measure_final_norm
+
+    _, data = text_file
+    spec = make_spec(str(tiny_models["bert"]), data, max_length=40, batch_size=4)
+    clean = measure_final_norm(spec)
+    _oom_on_second_sums(monkeypatch, LayerAccumulator)
+    backed = measure_final_norm(spec)
+    for side in ("before", "after"):
+        a, b = getattr(clean, side), getattr(backed, side)
+        assert a.n_vectors == b.n_vectors > 9
+        assert _close(a.avg_cos, b.avg_cos) and _close(a.drift_norm, b.drift_norm)
+
+
+@pytest.mark.parametrize("name, objective", [("gpt2", "causal"), ("bert", "masked")])
+def test_gradients_out_of_memory_making_the_first_sums_starts_over(
+    lm_models,  # noqa: F811
+    text_file,
+    monkeypatch,
+    name,
+    objective,
+):
+    """Out of memory while the first batch makes the second layer's gradient sums: the halves
+    make every layer's sums again (none left from the failed try), every number autograd's."""
+    from isotui.core.gradients import GradAccumulator
+    from isotui.experiments.gradients import measure_gradients
+
+    texts, data = text_file
+    xs, gs = reference(lm_models[name], texts, objective)
+    _oom_on_second_sums(monkeypatch, GradAccumulator)
+    spec = make_spec(str(lm_models[name]), data, max_length=MAX_LEN, batch_size=4)
+    check_against_reference(measure_gradients(spec, top_k=TOP_K), xs, gs)
+
+
 def test_attention_probe_undoes_a_batch_the_model_did_not_finish(tiny_models, text_file, monkeypatch):
     """Out of memory in the second attention module: the first had folded the batch already;
     the retry must not count it twice."""

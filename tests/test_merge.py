@@ -204,6 +204,34 @@ def test_constant_dimensions_in_one_pass_and_merged_shards(dtype):
     assert merged.finalize().constant_dims == want
 
 
+def test_constant_dimensions_when_a_state_from_before_is_merged():
+    """A shard's state kept before ranges were dropped for float32 values (a finite range)
+    merged with one kept after (none): dimension 0 is constant in the old shard only, dimension
+    1 in both; the merge says what numpy's range over all vectors says, in either order."""
+    import torch
+
+    from isotui.core.accumulator import LayerAccumulator, sample_keys
+
+    old = torch.tensor([[1.0, 5.0, 0.3], [1.0, 5.0, 0.7]], dtype=torch.float32)
+    new = torch.tensor([[1.0, 5.0, 0.1], [2.0, 5.0, 0.9]], dtype=torch.float32)
+
+    def state(x: torch.Tensor, start: int, *, ranged: bool) -> dict:
+        acc = LayerAccumulator(3, torch.device("cpu"), full_cov=True, reservoir=4)
+        ids = torch.arange(start, start + len(x))
+        acc.commit(acc.partial(x, ids - start, sample_keys(0, ids, torch.zeros_like(ids))))
+        if ranged:  # as the version before kept it
+            acc.x_min, acc.x_max = x.amin(0).double(), x.amax(0).double()
+        return acc.state()
+
+    want = tuple(int(k) for k in np.flatnonzero(np.ptp(torch.cat([old, new]).numpy(), axis=0) == 0))
+    assert want == (1,)
+    pairs = [(state(old, 0, ranged=True), state(new, 2, ranged=False))]
+    for first, second in [*pairs, pairs[0][::-1]]:
+        merged = LayerAccumulator.from_state(first)
+        merged.merge(LayerAccumulator.from_state(second))
+        assert merged.finalize().constant_dims == want
+
+
 def test_recentre_matches_sums_around_the_new_shift():
     import torch
 

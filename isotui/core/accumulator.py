@@ -943,13 +943,22 @@ def _layer_merge(acc: LayerAccumulator, other: LayerAccumulator) -> None:
         for n, p in acc.plugins.items()
     }
     acc.plugin_states.update(merged)
+    # a state kept before ranges were dropped for float32 and narrower values (its range is
+    # finite) beside one kept after (+-inf): neither range covers every vector, so neither is
+    # kept and the shifted squares tell (constant_dims), as they do for both
+    ranged = [bool(torch.isfinite(a.x_min).any()) for a in (acc, other)]
+    unranged = acc.n_all > 0 and other.n_all > 0 and ranged[0] != ranged[1]
     for k in _LAYER_COUNTS:
         setattr(acc, k, getattr(acc, k) + getattr(other, k))
     acc.weighted = acc.weighted or other.weighted
     for k in _LAYER_SUMS:
         getattr(acc, k).add_(getattr(other, k).to(dev))
-    torch.minimum(acc.x_min, other.x_min.to(dev), out=acc.x_min)
-    torch.maximum(acc.x_max, other.x_max.to(dev), out=acc.x_max)
+    if unranged:
+        acc.x_min.fill_(math.inf)
+        acc.x_max.fill_(-math.inf)
+    else:
+        torch.minimum(acc.x_min, other.x_min.to(dev), out=acc.x_min)
+        torch.maximum(acc.x_max, other.x_max.to(dev), out=acc.x_max)
     if other.shift is not None:  # None: the other saw no vector, its shifted sums are zero
         o_s, o_s2 = other.sum_xs.to(dev), other.sum_xs2.to(dev)
         delta = None

@@ -283,14 +283,8 @@ def _stream_gradients(
     objective = lm_objective(loaded, spec.seed, spec.model)
     opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
     loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
-    accs: list[GradAccumulator] = []  # one per layer, made at the first batch
-
-    def make(dim: int, where: torch.device) -> GradAccumulator:
-        accs.append(GradAccumulator(dim, where))
-        return accs[-1]
-
     folds = GradFolds(
-        make=make,
+        make=GradAccumulator,  # one per layer, made at the first batch (all or, out of memory, none)
         check=lambda dims, where: _check_layers(dims, where, top_k, spec.model),
         not_sequence=f"model {spec.model!r} gives hidden states that are not token sequences",
         not_tokens=f"model {spec.model!r} has layers that are not one vector per input token",
@@ -300,6 +294,8 @@ def _stream_gradients(
     start = time.perf_counter()
     loop.run(stream, phase="", start=start)
     total = loop.total
+    # the folds this stream's GradFolds made: GradAccumulators
+    accs = cast("list[GradAccumulator]", stream.grad_folds_made or [])
     if not accs or accs[0].n_all == 0:
         raise IsotuiError(
             f"no token of the {total} samples was kept: all were special tokens, padding or last "

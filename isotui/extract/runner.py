@@ -397,8 +397,9 @@ class LayerStream:
         ``--exact``'s second pass, its :class:`ExactPass`), committed at once, unless a try of
         a batch holding these samples already did. ``index``: this batch's kept units and keys,
         shared by the layers of one shape on one device (made once per batch, issue 15; each
-        layer's sums live on the device of its hidden states: the CPU when that is MPS). With
-        ``token_folds``, into the layer's :class:`TokenFold` instead (:meth:`_fold_tokens`)."""
+        layer's sums live where its plan puts them: the layer run's on the device of its hidden
+        states, the CPU when that is MPS). With ``token_folds``, into the layer's
+        :class:`TokenFold` instead (:meth:`_fold_tokens`)."""
         started = time.perf_counter()
         key = (component, i)
         if not batch.pending(key):
@@ -768,11 +769,13 @@ class LayerStream:
         where = {c: [_acc_device(h.device) for h in hidden] for c, hidden in components.items()}
         for dev in {str(d) for ds in where.values() for d in ds}:  # a model across several GPUs
             ensure_scheme(dev)
+        # the plan is kept last, once every sum exists: it marks the first batch done, and a
+        # first batch that ran out of memory making its sums runs again from the start
         if self.plan_sums is not None:  # another pass's plan (final-norm's)
-            self.plan = self.plan_sums(dims, where)
+            plan = self.plan_sums(dims, where)
         else:
             bounds = {c: [self._vector_bound(h) for h in hidden] for c, hidden in components.items()}
-            self.plan = _memory_plan(
+            plan = _memory_plan(
                 self.loaded,
                 self.loop,
                 dims,
@@ -784,10 +787,8 @@ class LayerStream:
                 self.room,
             )
             if self.opts.settle_plan is not None:  # a shard: its run's one plan
-                self.plan = self.opts.settle_plan(self.plan)
-        self.n_tracked = max((p.types for p in self.plan.layers), default=0)
-        self.reservoir_capped = any(p.reservoir < self.opts.reservoir for p in self.plan.layers)
-        layer_plans = iter(self.plan.layers)
+                plan = self.opts.settle_plan(plan)
+        layer_plans = iter(plan.layers)
         if self.token_folds is not None:  # each layer's fold where its plan puts it
             make = self.token_folds.make
             self.folds = {
@@ -809,6 +810,9 @@ class LayerStream:
                 ]
                 for c, ds in dims.items()
             }
+        self.n_tracked = max((p.types for p in plan.layers), default=0)
+        self.reservoir_capped = any(p.reservoir < self.opts.reservoir for p in plan.layers)
+        self.plan = plan
         for component, hidden in components.items():
             last = hidden[-1]
             self.final_norm[component] = False
