@@ -21,7 +21,7 @@ from isotui.core.null import null_cos_quantile
 from isotui.core.plugin import StreamingMetric
 from isotui.data.sources import fingerprint
 from isotui.data.stream import open_samples
-from isotui.errors import IsotuiError
+from isotui.errors import IsotuiError, NoHeadError
 from isotui.experiments.base import Notice, ignore_notice
 from isotui.experiments.cached import keep, key_hash
 from isotui.experiments.cached import lookup as lookup_entry
@@ -255,7 +255,7 @@ def _given_loaded(spec: RunSpec, head: str | None) -> tuple[LoadedModel, str]:
         given.family != "transformers"
         or getattr(given.model, "get_output_embeddings", lambda: None)() is None
     ):
-        raise IsotuiError(
+        raise NoHeadError(
             f"model {spec.model!r} ({type(given.model).__name__}) has no language-model head: give the "
             "AutoModelForMaskedLM or AutoModelForCausalLM object"
         )

@@ -31,6 +31,7 @@ TABLE: dict[str, str] = {
     "final-norm": "isotui.experiments.final_norm:EXPERIMENT",
     "gradients": "isotui.experiments.gradients:EXPERIMENT",
     "token-types": "isotui.experiments.token_types:EXPERIMENT",
+    "ablate": "isotui.experiments.ablate.experiment:EXPERIMENT",
 }
 """Every registered experiment by name, in the order of the CLI's subcommands (the layer run
 first): ``get(name)`` imports that one experiment's module alone."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -228,3 +229,33 @@ def site_tensor(site: Site, value: Any, inputs: dict[str, Any]) -> Any:
         f"--modules: module {site.label} gives {said}, not a (batch, position, d) float tensor for "
         f"a batch of {batch}; leave it out of the globs"
     )
+
+
+def edit_hook(hooks: Any, site: Site, change: Callable[[Any], Any]) -> None:
+    """Hook ``site`` (on ``hooks``, an :class:`~isotui.extract.loop.Hooks`) so that the model
+    goes on with ``change(tensor)`` in place of the tensor the site gives: a module's output
+    (a tensor, or the first element of a tuple), or its input (the first positional argument,
+    or ``hidden_states``). Anything else is refused in one sentence naming the module."""
+    import torch
+
+    if site.read == INPUT:
+
+        def pre(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+            if args:
+                return (change(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
+
+        hooks.pre(site.module, pre, with_kwargs=True)
+        return
+
+    def post(_m: Any, _inputs: Any, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return change(out)
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return (change(out[0]), *out[1:])
+        raise IsotuiError(
+            f"module {site.label} gives a {type(out).__name__}, not a tensor or a tuple whose first "
+            "element is one, so isotui cannot change what it gives; choose another site"
+        )
+
+    hooks.forward(site.module, post)

@@ -128,6 +128,29 @@ class GradFolds:
     not_tokens: str
 
 
+@dataclass(frozen=True)
+class Edit:
+    """One more forward of each batch with ``site``'s tensor replaced by ``change(tensor)``
+    (the same shape and dtype), every later module reading the changed one (see :class:`Edits`)."""
+
+    site: Site
+    change: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Edits:
+    """What :class:`LayerStream` runs each batch as, in place of one forward (an ablation, issue
+    39): the model as it is (run 0), then once per edit (run k + 1: ``edits[k]``), on the same
+    inputs (a masked LM's same masks). Per run, every hidden state's kept tokens folded into a
+    :class:`LayerAccumulator` of their own (avg_cos, drift: :attr:`LayerStream.run_accs`), the
+    objective's summed loss when there is one (:attr:`LayerStream.run_loss`), and for an edited
+    run the summed ``1 - cos`` of each kept token's last hidden state against the unedited one
+    (:attr:`LayerStream.run_change`)."""
+
+    edits: Sequence[Edit]
+    not_sequence: str  # hidden states that are not (batch, position, d) token sequences
+
+
 @dataclass
 class Extraction:
     """Per-layer statistics per component (``model``, or ``encoder`` and ``decoder``) plus what
@@ -236,6 +259,7 @@ class LayerStream:
         token_folds: TokenFolds | None = None,
         objective: LMObjective | None = None,
         grad_folds: GradFolds | None = None,
+        edits: Edits | None = None,
     ) -> None:
         if grad_folds is not None and objective is None:
             raise ValueError("a backward pass needs the objective whose loss it differentiates")
@@ -282,6 +306,13 @@ class LayerStream:
         # end, issue 15) and how many tokens it is taken over
         self.loss_sum: float | torch.Tensor = 0.0
         self.loss_tokens = 0
+        self.edits = edits
+        # with edits: per run (0: unedited) its layers' accumulators, summed loss and (edited
+        # runs) summed final-state change over the kept tokens (how many: :attr:`kept_tokens`)
+        self.run_accs: list[list[LayerAccumulator]] | None = None
+        self.run_loss: list[float | torch.Tensor] = []
+        self.run_change: list[float | torch.Tensor] = []
+        self.kept_tokens = 0
 
     @property
     def notes(self) -> list[str]:
@@ -352,6 +383,8 @@ class LayerStream:
 
         if self.grad_folds is not None:
             return self._backward(batch, self.grad_folds)
+        if self.edits is not None:
+            return self._edited(batch, self.edits)
         started = time.perf_counter()
         self.fold_s = 0.0
         index: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -509,6 +542,77 @@ class LayerStream:
             self.loss_tokens += objective.tokens(labels)
             batch.committed("loss")
         self.metrics_s += time.perf_counter() - forwarded
+        return int(keep.sum())
+
+    def _edited(self, batch: Batch, edits: Edits) -> int:
+        """One batch run unedited and once per edit (:class:`Edits`), on the same inputs (the
+        objective's labels and input edit made once); each run's hidden states, loss and final
+        change folded and committed part by part (``batch.pending``: a retried half skips the
+        parts that already folded it, and runs the unedited model again for the final states it
+        compares with). Returns the batch's kept tokens."""
+        import torch
+
+        from isotui.extract.modules import edit_hook
+
+        device, objective = self.loop.device, self.objective
+        ids = batch.fed.inputs["input_ids"]
+        labels = None if objective is None else objective.labels(batch, device)
+        keep = self.loop.keep(batch.fed, "model", ids.shape[1])
+        flat = keep.flatten().nonzero().squeeze(1)
+        local = flat // ids.shape[1]
+        keys = sample_keys(self.opts.seed, batch.ids[local], flat % ids.shape[1])
+        clean: torch.Tensor | None = None
+        for run, edit in enumerate([None, *edits.edits]):
+            started = time.perf_counter()
+            with Hooks() as hooks, self.loop.model_call("a batch of text"), torch.inference_mode():
+                if edit is not None:
+                    edit_hook(hooks, edit.site, edit.change)
+                out = self.model(**batch.inputs, output_hidden_states=True, return_dict=True)
+                hidden = tuple(getattr(out, "hidden_states", None) or ())
+                loss = None
+                if objective is not None and labels is not None:
+                    loss = objective.loss(out.logits, to_device(labels, device))
+            forwarded = time.perf_counter()
+            self.forward_s += forwarded - started
+            if not hidden or any(h.ndim != 3 or h.shape[1] != ids.shape[1] for h in hidden):
+                raise IsotuiError(edits.not_sequence)
+            if self.run_accs is None:  # the first batch: every run's sums, all or none
+                accs = [
+                    [
+                        LayerAccumulator(h.shape[-1], _acc_device(h.device), full_cov=False, reservoir=0)
+                        for h in hidden
+                    ]
+                    for _ in range(len(edits.edits) + 1)
+                ]
+                self.run_loss = [0.0] * len(accs)
+                self.run_change = [0.0] * len(accs)
+                self.run_accs = accs
+            with torch.inference_mode():
+                for i, (acc, h) in enumerate(zip(self.run_accs[run], hidden, strict=True)):
+                    if batch.pending((run, i)):
+                        at = flat.to(h.device)
+                        x = h.reshape(-1, h.shape[-1]).index_select(0, at)
+                        acc.commit(acc.partial(x, local, keys, n_samples=h.shape[0]))
+                        batch.committed((run, i))
+                last = (
+                    hidden[-1].reshape(-1, hidden[-1].shape[-1]).index_select(0, flat.to(hidden[-1].device))
+                )
+                if run == 0:
+                    clean = last
+                elif batch.pending((run, "change")):
+                    assert clean is not None
+                    cos = torch.nn.functional.cosine_similarity(clean.double(), last.double(), dim=1)
+                    self.run_change[run] = self.run_change[run] + (1.0 - cos).sum()
+                    batch.committed((run, "change"))
+                if loss is not None and batch.pending((run, "loss")):
+                    self.run_loss[run] = self.run_loss[run] + loss.detach().to(torch.float64)
+                    batch.committed((run, "loss"))
+            self.metrics_s += time.perf_counter() - forwarded
+        if batch.pending("tokens"):
+            self.kept_tokens += int(keep.sum())
+            if labels is not None:
+                self.loss_tokens += LMObjective.tokens(labels)
+            batch.committed("tokens")
         return int(keep.sum())
 
     def _hooked_forward(self, batch: Batch, index: dict[tuple[Any, ...], tuple[Any, ...]]) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from isotui.errors import IsotuiError
+from isotui.errors import IsotuiError, NoHeadError
 from isotui.models.naming import ModelRef, bundled_minilm_dir
 from isotui.models.placement import quiet_accelerate as quiet_accelerate  # importable from here too
 from isotui.models.placement import tied_weights_bug as tied_weights_bug
@@ -334,7 +334,7 @@ def _load(
     torch_dtype = getattr(torch, dtype)
     if ref.kind == "timm" or (ref.kind == "random" and ref.random_source_kind == "timm"):
         if head:
-            raise IsotuiError(f"model {ref.name!r} is a timm image model, which has no language-model head")
+            raise NoHeadError(f"model {ref.name!r} is a timm image model, which has no language-model head")
         if placement is not None:
             raise IsotuiError(f"--device-map places transformers models; {ref.name!r} is a timm model")
         return _load_timm(ref, device=device, torch_dtype=torch_dtype, seed=seed)
@@ -734,8 +734,8 @@ def lm_class(config: Any, name: str) -> Any:
 
     if getattr(config, "is_encoder_decoder", False):
         raise IsotuiError(
-            f"model {name!r} is an encoder-decoder; the gradient experiment reads single-stack "
-            "language models (masked LM encoders or causal LM decoders)"
+            f"model {name!r} is an encoder-decoder; isotui's loss experiments (gradients, ablate) read "
+            "single-stack language models (masked LM encoders or causal LM decoders)"
         )
     masked, causal = AutoModelForMaskedLM._model_mapping, AutoModelForCausalLM._model_mapping
     if type(config) in masked and not getattr(config, "is_decoder", False):
@@ -745,13 +745,12 @@ def lm_class(config: Any, name: str) -> Any:
     base = _model_class(config)
     main = getattr(base, "main_input_name", "input_ids") if base is not None else "input_ids"
     if main != "input_ids":
-        raise IsotuiError(
-            f"model {name!r} takes {main!r}, not text: the gradient experiment needs a language model "
-            "(masked or causal LM)"
+        raise NoHeadError(
+            f"model {name!r} takes {main!r}, not text: a loss needs a language model (masked or causal LM)"
         )
-    raise IsotuiError(
+    raise NoHeadError(
         f"model {name!r} ({type(config).__name__}) has no masked or causal language-model class in "
-        "transformers, so it has no loss to differentiate"
+        "transformers, so it has no loss"
     )
 
 
@@ -760,7 +759,7 @@ def _check_head(model: Any, info: dict[str, Any], name: str) -> None:
     base = getattr(model, "base_model_prefix", "") or ""
     missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(f"{base}."))
     if missing:
-        raise IsotuiError(
+        raise NoHeadError(
             f"model {name!r} has no trained language-model head (its checkpoint lacks {missing[0]}"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             + f"); give the {type(model).__name__} checkpoint, or random:TYPE for an untrained one"

@@ -1,0 +1,230 @@
+"""ablate's two passes on the measurement layer (:class:`~isotui.extract.runner.LayerStream`):
+the sites' sums (mean, per-dimension share of avg_cos, exact covariance when ``pc:K`` is asked),
+then each batch run clean and once per edit (:class:`~isotui.extract.runner.Edits`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from isotui.errors import IsotuiError, NoHeadError
+from isotui.experiments.ablate.removal import Change, Removal, SiteMoments, changes, check_width
+from isotui.experiments.ablate.result import AblationCurves, AblationMeta, AblationResult, AblationRow
+
+if TYPE_CHECKING:
+    from isotui.core.accumulator import LayerAccumulator
+    from isotui.experiments.layer_pass import Prepared
+    from isotui.extract.memory_plan import MemoryPlan
+    from isotui.extract.modules import Site
+    from isotui.extract.objective import LMObjective
+    from isotui.extract.progress import ProgressCallback, StopCheck
+    from isotui.extract.runner import Edit, LayerStream, SumsPlan
+    from isotui.models.loading import LoadedModel
+    from isotui.spec import RunSpec
+
+NO_HEAD = "no loss: {why}; the rows give the representation columns only (loss columns nan)"
+
+
+def measure_ablation(
+    spec: RunSpec,
+    removals: Sequence[Removal],
+    modules: Sequence[str] = (),
+    *,
+    on_progress: ProgressCallback | None = None,
+    should_stop: StopCheck | None = None,
+    prepared: Prepared | None = None,
+) -> AblationResult:
+    """Remove each of ``removals`` at each site ``modules`` names (default: every block's
+    output), one site at a time, over ``spec``'s corpus."""
+    from isotui.experiments.layer_pass import extract_options, prepare
+    from isotui.extract.loop import BatchLoop
+    from isotui.extract.runner import Edit, Edits, LayerStream, resolve_max_length
+
+    start = time.perf_counter()
+    prepared = prepared or prepare(spec)
+    if spec.data.modality != "text":
+        raise IsotuiError("ablate reads language models; give text data")
+    loaded, device, objective, head_note = _load(prepared)
+    if getattr(loaded.model.config, "is_encoder_decoder", False):
+        raise IsotuiError(
+            f"model {spec.model!r} is an encoder-decoder; ablate reads single-stack models "
+            "(masked LM encoders or causal LM decoders)"
+        )
+    sites, layers = _sites(loaded, tuple(modules))
+    loop = BatchLoop(loaded, device, extract_options(spec), on_progress, should_stop)
+    need_cov = any(r.kind == "pc" for r in removals)
+    stream = LayerStream(loop, sites=sites, type_uniform=False, plan_sums=_sums_plan(need_cov, spec.model))
+    stream.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
+    loop.run(stream, phase="first pass: the sites' directions", start=start)
+    if stream.accs is None:
+        raise IsotuiError("no sample reached the sites")
+    accs = [stream.accs[c][row] for c, row in (stream.module_rows[k] for k in range(len(sites)))]
+    edits: list[Edit] = []
+    labels: list[tuple[int, Removal]] = []
+    for k, (site, acc) in enumerate(zip(sites, accs, strict=True)):
+        moments = _moments(acc, need_cov, site.label)
+        for j, removal in enumerate(removals):
+            check_width(removal, acc.dim, site.label)
+            rng = np.random.default_rng([spec.seed, k, j])
+            change, baseline = changes(removal, moments, rng)
+            edits += [Edit(site, change), Edit(site, baseline)]
+            labels.append((k, removal))
+    stream.edits = Edits(
+        edits, not_sequence=f"model {spec.model!r} gives hidden states that are not token sequences"
+    )
+    stream.objective = objective
+    loop.run(stream, phase="edited runs", start=start)
+    return _result(spec, prepared, loaded, objective, head_note, stream, sites, layers, labels, edits, start)
+
+
+def _load(prepared: Prepared) -> tuple[LoadedModel, str, LMObjective | None, str | None]:
+    """(model, device, its LM objective, the note said when it has none): with its LM head when
+    it has a trained one, else the base model and no loss."""
+    from isotui.experiments.layer_pass import load_prepared
+    from isotui.extract.objective import lm_objective
+    from isotui.models.naming import parse_model
+
+    spec = prepared.spec
+    if spec.given is None and parse_model(spec.model).kind == "bundled":
+        why = "the bundled MiniLM is a sentence encoder saved without its masked-LM head"
+        loaded, device = load_prepared(prepared)
+        return loaded, device, None, NO_HEAD.format(why=why)
+    try:
+        loaded, device = load_prepared(prepared, head="lm")
+    except NoHeadError as exc:
+        loaded, device = load_prepared(prepared)
+        return loaded, device, None, NO_HEAD.format(why=str(exc).split(";")[0])
+    return loaded, device, lm_objective(loaded, spec.seed, spec.model), None
+
+
+def _sites(loaded: LoadedModel, modules: tuple[str, ...]) -> tuple[list[Site], list[int]]:
+    """The sites ``modules`` names (every block's output when none), and the hidden state each
+    gives (block i's output: i + 1; -1 for another module)."""
+    from isotui.extract.forward import block_sites
+    from isotui.extract.modules import OUTPUT, Site, resolve
+
+    model = loaded.model
+    blocks = block_sites(loaded).get("model", [])
+    if modules:
+        sites = resolve(model, loaded.model_type, modules)
+    else:
+        if not blocks:
+            raise IsotuiError(
+                f"no stack of blocks was found in {type(model).__name__}: name the sites with --modules"
+            )
+        names = {id(m): n for n, m in model.named_modules()}
+        sites = [Site(names[id(b)], b, OUTPUT) for b in blocks]
+    at = {id(b): i + 1 for i, b in enumerate(blocks)}
+    return sites, [at.get(id(s.module), -1) if s.read == OUTPUT else -1 for s in sites]
+
+
+def _sums_plan(need_cov: bool, model: str) -> SumsPlan:
+    """The first pass's sums: every site's on the device of its activations, with an exact
+    covariance when a ``pc:K`` removal needs its directions (refused when they do not fit)."""
+    from isotui.extract.memory_plan import LayerPlan, MemoryPlan, cov_bytes, measured_budget, size_text
+
+    def plan(dims: dict[str, list[int]], where: dict[str, list[Any]]) -> MemoryPlan:
+        widths = [d for ds in dims.values() for d in ds]
+        on = [str(w) for ws in where.values() for w in ws]
+        budgets: dict[str, int | None] = {w: measured_budget(w) for w in dict.fromkeys(on)}
+        if need_cov:
+            for w, budget in budgets.items():
+                need = sum(cov_bytes(d) for d, o in zip(widths, on, strict=True) if o == w)
+                if budget is not None and need > budget:
+                    raise IsotuiError(
+                        f"--remove pc:K needs each site's exact covariance, {size_text(need)} on {w} for "
+                        f"model {model!r}, more than the {size_text(budget)} it has left; name fewer "
+                        "sites with --modules"
+                    )
+        layers = [
+            LayerPlan(f"site {k}", d, o, need_cov, 0) for k, (d, o) in enumerate(zip(widths, on, strict=True))
+        ]
+        return MemoryPlan(layers, budgets)
+
+    return plan
+
+
+def _moments(acc: LayerAccumulator, need_cov: bool, site: str) -> SiteMoments:
+    """A site's first-pass moments (see :class:`SiteMoments`)."""
+    stats = acc.finalize()
+    if acc.n_all < 2 or not np.all(np.isfinite(stats.mean)):
+        raise IsotuiError(f"site {site} kept {acc.n_all} finite vectors; ablate needs at least 2")
+    vecs = None
+    if need_cov:
+        eigen = acc.exact_eigen(directions=True)
+        assert eigen is not None and eigen.vecs_c is not None  # the plan kept the covariance
+        vecs = eigen.vecs_c.cpu().numpy()
+    return SiteMoments(np.asarray(stats.mean, np.float64), np.asarray(stats.dim_contrib, np.float64), vecs)
+
+
+def _curve(accs: list[LayerAccumulator]) -> tuple[list[float], list[float]]:
+    stats = [a.finalize() for a in accs]
+    return [float(s.avg_cos) for s in stats], [float(s.drift_norm) for s in stats]
+
+
+def _result(
+    spec: RunSpec,
+    prepared: Prepared,
+    loaded: LoadedModel,
+    objective: LMObjective | None,
+    head_note: str | None,
+    stream: LayerStream,
+    sites: list[Site],
+    layers: list[int],
+    labels: list[tuple[int, Removal]],
+    edits: list[Edit],
+    start: float,
+) -> AblationResult:
+    assert stream.run_accs is not None
+    tokens, kept = stream.loss_tokens, stream.kept_tokens
+
+    def loss(run: int) -> float:
+        return float(stream.run_loss[run]) / tokens if objective is not None and tokens else math.nan
+
+    avg_cos, drift = _curve(stream.run_accs[0])
+    rows: list[AblationRow] = []
+    curves: list[AblationCurves] = []
+    for n, (k, removal) in enumerate(labels):
+        run, base = 2 * n + 1, 2 * n + 2
+        cos_a, drift_a = _curve(stream.run_accs[run])
+        cos_r, drift_r = _curve(stream.run_accs[base])
+        change = edits[run - 1].change
+        assert isinstance(change, Change)
+        rows.append(
+            AblationRow(
+                spec.model,
+                sites[k].label,
+                removal.label,
+                loss(0),
+                loss(run),
+                loss(run) - loss(0),
+                float(stream.run_change[run]) / kept,
+                loss(base),
+                loss(base) - loss(0),
+                float(stream.run_change[base]) / kept,
+                cos_a[-1] / avg_cos[-1] if avg_cos[-1] else math.nan,
+                layers[k],
+                change.size,
+            )
+        )
+        curves.append(AblationCurves(cos_a, drift_a, cos_r, drift_r, list(change.dims)))
+    meta: AblationMeta = {
+        "data": prepared.spec.data.describe(),
+        "n_samples": stream.loop.total,
+        "n_tokens": kept,
+        "loss_tokens": tokens,
+        "lm_class": type(loaded.model).__name__,
+        "special_tokens": spec.special_tokens,
+        "dtype": prepared.dtype,
+        "seed": spec.seed,
+        "forwards": 1 + len(edits),
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    notes = [*loaded.notes, *([head_note] if head_note else []), *stream.notes]
+    return AblationResult(
+        spec.model, objective.kind if objective else "none", rows, curves, avg_cos, drift, notes, meta
+    )
