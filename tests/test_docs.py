@@ -122,9 +122,10 @@ def small(argv: list[str]) -> list[str]:
     argv = list(argv)
     if argv[1] == "train-tiny":
         return argv + TINY_TRAINING
-    # a checkpoint the docs name (runs/tiny/step_000400): the small training's last one
+    # a checkpoint the docs name (runs/tiny/step_000400, runs/tiny-gpt2/step_000060): the small
+    # training's last one
     last = f"step_{int(TINY_TRAINING[TINY_TRAINING.index('--steps') + 1]):06d}"
-    argv = [re.sub(r"(runs/tiny/)step_\d{6}$", rf"\g<1>{last}", a) for a in argv]
+    argv = [re.sub(r"(runs/tiny[\w-]*/)step_\d{6}$", rf"\g<1>{last}", a) for a in argv]
     if argv[1] in ("run", "experiment", "figure") and argv[1:3] != ["figure", "--list"]:
         if "--max-samples" in argv:
             argv[argv.index("--max-samples") + 1] = SMALL

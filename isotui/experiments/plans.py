@@ -387,3 +387,70 @@ def attention(request: PlannedProbe) -> ExperimentPlan:
         paper.source,
         caps,
     )
+
+
+class PlannedAblation(Planned, Protocol):
+    """ablate's request: its removals (each with a ``kind``) and the sites its globs name."""
+
+    @property
+    def remove(self) -> Sequence[Any]: ...
+
+    @property
+    def modules(self) -> Sequence[str]: ...
+
+
+def ablate(request: PlannedAblation) -> ExperimentPlan:
+    """ablate's sums and forwards: per site its first pass's sums (an exact covariance when a
+    ``pc:K`` removal needs its directions), then per run of the edited pass (the clean model, and
+    an edit and its random baseline per site and removal) every hidden state's vector sums; the
+    forward passes each batch makes. Sites named by globs are counted only when the model runs:
+    a dry run plans the default sites (every block's output) or module names without wildcards."""
+    from isotui.errors import NoHeadError
+    from isotui.extract.memory_plan import LayerPlan, fixed_bytes
+    from isotui.extract.modules import SITE_NAMES, has_wildcard
+
+    spec, modules = request.spec, tuple(request.modules)
+    if any(has_wildcard(m) or m in SITE_NAMES for m in modules):
+        raise IsotuiError(
+            "--dry-run plans from the model's config, and the sites a glob or a named site names are "
+            "known only when the model runs: drop --dry-run, or name the modules one by one"
+        )
+    try:
+        paper = _paper(spec, head="lm")
+    except NoHeadError:  # ablate runs without a loss then
+        paper = _paper(spec)
+    d, n_sites = paper.dim, len(modules) or paper.n_blocks
+    pc = any(r.kind == "pc" for r in request.remove)
+    rows = n_sites * len(request.remove)
+    on = next((w for w in paper.where if w.startswith("cuda")), "cpu")
+    site_bytes = LayerPlan("site", d, on, pc, 0).bytes
+    parts = [
+        PartPlan(f"site {k}", on, d, "vector sums" + (", exact covariance" if pc else ""), site_bytes)
+        for k in range(n_sites)
+    ]
+    run_bytes = (paper.n_blocks + 1) * fixed_bytes(d, 0)
+    parts += [
+        PartPlan(
+            "clean run" if k == 0 else f"run {k} ({'edit' if k % 2 else 'random'})",
+            on,
+            d,
+            f"vector sums of {paper.n_blocks + 1} hidden states",
+            run_bytes,
+        )
+        for k in range(1 + 2 * rows)
+    ]
+    forwards = 1 + 2 * rows
+    plan = ExperimentPlan(
+        "ablate",
+        parts,
+        {on: paper.budgets.get(on)},
+        paper.weights,
+        "every number, over every kept token: the sites' means, avg_cos shares and covariances; per run "
+        "the loss, the final states' change and every hidden state's avg_cos and drift",
+        "nothing (the random baselines' directions are seeded)",
+        f"{paper.batch}; each batch runs once in the first pass and {forwards} times in the second "
+        f"(the clean model, then an edit and its random baseline for each of {n_sites} sites x "
+        f"{len(request.remove)} removals)",
+        paper.source,
+    )
+    return plan

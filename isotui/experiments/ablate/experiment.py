@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from isotui.errors import IsotuiError
+from isotui.experiments import plans
 from isotui.experiments.ablate.removal import FORM, Removal, parse_removal
 from isotui.experiments.ablate.result import AblationResult, csv_rows, from_payload, json_payload
 from isotui.experiments.base import Arrays, Context, Experiment
@@ -126,4 +127,5 @@ EXPERIMENT: Experiment[RunSpec, AblateParams, AblateRequest, AblationResult] = E
     payload=json_payload,
     params=AblateParams,
     decode=from_payload,
+    plan=plans.ablate,
 )
