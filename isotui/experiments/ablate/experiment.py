@@ -17,8 +17,10 @@ from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.params import param
 
 if TYPE_CHECKING:
+    from isotui.experiments.ablate.measure import Known
     from isotui.experiments.layer_pass import Prepared
     from isotui.spec import RunSpec
+    from isotui.store.cache import ResultCache
 
 HELP = (
     "remove a direction at each site (mean, top PCs, rogue dims) and measure the loss and the geometry after"
@@ -96,7 +98,44 @@ class AblateRequest(CachedRequest[AblationResult]):
     def _folder(self) -> tuple[str, int, dict[str, object]]:
         return FOLDER, SCHEMA, {"remove": [r.label for r in self.remove], "modules": list(self.modules)}
 
-    def _compute(self, prepared: Prepared, context: Context) -> AblationResult:
+    def _measure(self, cache: ResultCache | None, context: Context) -> AblationResult:
+        """The whole result cached under the request's keys; else each (site, removal) row cached
+        on its own (under the layer run's key, the site and the removal) is taken as it is and the
+        others are measured, then the whole result and each new row are stored."""
+        from isotui.experiments.cached import cached_run, experiment_key, keep, lookup
+        from isotui.experiments.layer_pass import prepare
+
+        folder, schema, params = self._folder()
+        prepared = prepare(self.spec, cache)
+        found: set[tuple[str, str]] = set()
+
+        def row_key(site: str, removal: str) -> str:
+            return experiment_key(prepared.keys[0], folder, schema, {"site": site, "remove": removal})
+
+        def known(site: str, removal: str) -> AblationResult | None:
+            hit = lookup(cache, [row_key(site, removal)], from_payload, context.notice)
+            if hit is not None:
+                found.add((site, removal))
+            return hit
+
+        def compute() -> AblationResult:
+            result = self._compute_rows(prepared, context, known if cache is not None else None)
+            for i, row in enumerate(result.rows):
+                if (row.site, row.remove) not in found:
+                    keep(cache, row_key(row.site, row.remove), *self._encode(result.one(i)), context.notice)
+            return result
+
+        return cached_run(
+            cache,
+            [experiment_key(k, folder, schema, params) for k in prepared.keys],
+            decode=self._decode,
+            relabel=self._relabel,
+            compute=compute,
+            encode=self._encode,
+            notice=context.notice,
+        )
+
+    def _compute_rows(self, prepared: Prepared, context: Context, known: Known | None) -> AblationResult:
         from isotui.experiments.ablate.measure import measure_ablation
 
         return measure_ablation(
@@ -106,7 +145,11 @@ class AblateRequest(CachedRequest[AblationResult]):
             on_progress=context.on_progress,
             should_stop=context.should_stop,
             prepared=prepared,
+            known=known,
         )
+
+    def _compute(self, prepared: Prepared, context: Context) -> AblationResult:
+        return self._compute_rows(prepared, context, None)
 
     def _encode(self, result: AblationResult) -> tuple[dict[str, object], Arrays]:
         return result.to_payload(), {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from isotui.models.loading import LoadedModel
     from isotui.spec import RunSpec
 
+Known = Callable[[str, str], AblationResult | None]  # (site, removal) -> a one-row result, or None
 NO_HEAD = "no loss: {why}; the rows give the representation columns only (loss columns nan)"
 
 
@@ -37,9 +38,11 @@ def measure_ablation(
     on_progress: ProgressCallback | None = None,
     should_stop: StopCheck | None = None,
     prepared: Prepared | None = None,
+    known: Known | None = None,
 ) -> AblationResult:
     """Remove each of ``removals`` at each site ``modules`` names (default: every block's
-    output), one site at a time, over ``spec``'s corpus."""
+    output), one site at a time, over ``spec``'s corpus. ``known(site, removal)``: a row
+    measured before (a one-row result, from the cache), not measured again."""
     from isotui.experiments.layer_pass import extract_options, prepare
     from isotui.extract.loop import BatchLoop
     from isotui.extract.runner import Edit, Edits, LayerStream, resolve_max_length
@@ -55,30 +58,76 @@ def measure_ablation(
             "(masked LM encoders or causal LM decoders)"
         )
     sites, layers = _sites(loaded, tuple(modules))
+    asked = [(k, removal) for k in range(len(sites)) for removal in removals]
+    have = {(k, r): known(sites[k].label, r.label) if known else None for k, r in asked}
+    wanted = [(k, r) for k, r in asked if have[k, r] is None]
+    if not wanted:  # every row cached: the model was read for its sites' names alone
+        return _from_rows(spec, [have[a] for a in asked])
+    measured = sorted({k for k, _ in wanted})
     loop = BatchLoop(loaded, device, extract_options(spec), on_progress, should_stop)
-    need_cov = any(r.kind == "pc" for r in removals)
-    stream = LayerStream(loop, sites=sites, type_uniform=False, plan_sums=_sums_plan(need_cov, spec.model))
+    need_cov = any(r.kind == "pc" for _, r in wanted)
+    stream = LayerStream(
+        loop,
+        sites=[sites[k] for k in measured],
+        type_uniform=False,
+        plan_sums=_sums_plan(need_cov, spec.model),
+    )
     stream.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
     loop.run(stream, phase="first pass: the sites' directions", start=start)
     if stream.accs is None:
         raise IsotuiError("no sample reached the sites")
-    accs = [stream.accs[c][row] for c, row in (stream.module_rows[k] for k in range(len(sites)))]
+    moments: dict[int, SiteMoments] = {}
+    for n, k in enumerate(measured):
+        component, row = stream.module_rows[n]
+        acc = stream.accs[component][row]
+        for r in removals:
+            check_width(r, acc.dim, sites[k].label)
+        moments[k] = _moments(acc, need_cov, sites[k].label)
     edits: list[Edit] = []
-    labels: list[tuple[int, Removal]] = []
-    for k, (site, acc) in enumerate(zip(sites, accs, strict=True)):
-        moments = _moments(acc, need_cov, site.label)
-        for j, removal in enumerate(removals):
-            check_width(removal, acc.dim, site.label)
-            rng = np.random.default_rng([spec.seed, k, j])
-            change, baseline = changes(removal, moments, rng)
-            edits += [Edit(site, change), Edit(site, baseline)]
-            labels.append((k, removal))
+    for k, removal in wanted:
+        # seeded by the row's own names, so a row is the same whatever else a request asks
+        rng = np.random.default_rng([spec.seed, *_stable(sites[k].label, removal.label)])
+        change, baseline = changes(removal, moments[k], rng)
+        edits += [Edit(sites[k], change), Edit(sites[k], baseline)]
     stream.edits = Edits(
         edits, not_sequence=f"model {spec.model!r} gives hidden states that are not token sequences"
     )
     stream.objective = objective
     loop.run(stream, phase="edited runs", start=start)
-    return _result(spec, prepared, loaded, objective, head_note, stream, sites, layers, labels, edits, start)
+    new = _result(spec, prepared, loaded, objective, head_note, stream, sites, layers, wanted, edits, start)
+    got = dict(zip(wanted, (new.one(i) for i in range(len(wanted))), strict=True))
+    return _from_rows(spec, [got.get(a) or have[a] for a in asked], new)
+
+
+def _stable(*names: str) -> list[int]:
+    """Seed words from names (a hash that is the same in every process, unlike ``hash``)."""
+    import hashlib
+
+    digest = hashlib.sha256("\0".join(names).encode()).digest()
+    return [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
+
+
+def _from_rows(
+    spec: RunSpec, parts: Sequence[AblationResult | None], fresh: AblationResult | None = None
+) -> AblationResult:
+    """One result from one-row results (cached or just measured), in the order asked: the clean
+    curves, notes and meta of the measured one when there is one."""
+    rows = [p for p in parts if p is not None]
+    base = fresh or rows[0]
+    result = AblationResult(
+        spec.model,
+        base.objective,
+        [p.rows[0] for p in rows],
+        [p.curves[0] for p in rows],
+        base.avg_cos,
+        base.drift_norm,
+        list(base.notes),
+        base.meta,
+        from_cache=fresh is None,
+    )
+    for row in result.rows:
+        row.model = spec.model
+    return result
 
 
 def _load(prepared: Prepared) -> tuple[LoadedModel, str, LMObjective | None, str | None]:

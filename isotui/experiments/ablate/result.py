@@ -73,6 +73,20 @@ class AblationResult:
     def to_payload(self) -> dict[str, object]:
         return {k: v for k, v in asdict(self).items() if k != "from_cache"}
 
+    def one(self, i: int) -> AblationResult:
+        """Row ``i`` alone, with the clean curves, notes and meta: its cache entry of its own."""
+        return AblationResult(
+            self.model,
+            self.objective,
+            [self.rows[i]],
+            [self.curves[i]],
+            self.avg_cos,
+            self.drift_norm,
+            self.notes,
+            self.meta,
+            self.from_cache,
+        )
+
 
 class AblationEntry(TypedDict):
     """A cache entry's payload: an AblationResult's fields."""
