@@ -57,14 +57,17 @@ class Hooks:
     def __init__(self) -> None:
         self.handles: list[Any] = []
 
-    def forward(self, module: Any, hook: Callable[..., Any]) -> None:
-        """``hook(module, args, output)`` after ``module`` runs."""
-        self.handles.append(module.register_forward_hook(hook))
+    def forward(self, module: Any, hook: Callable[..., Any], *, prepend: bool = False) -> None:
+        """``hook(module, args, output)`` after ``module`` runs (with ``prepend``, before the
+        module's other forward hooks: what it returns is what they see)."""
+        self.handles.append(module.register_forward_hook(hook, prepend=prepend))
 
-    def pre(self, module: Any, hook: Callable[..., Any], *, with_kwargs: bool = False) -> None:
+    def pre(
+        self, module: Any, hook: Callable[..., Any], *, with_kwargs: bool = False, prepend: bool = False
+    ) -> None:
         """``hook(module, args)`` before ``module`` runs (``hook(module, args, kwargs)`` with
-        ``with_kwargs``)."""
-        self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=with_kwargs))
+        ``with_kwargs``; with ``prepend``, before the module's other pre-hooks)."""
+        self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=prepend))
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -235,7 +235,12 @@ def edit_hook(hooks: Any, site: Site, change: Callable[[Any], Any]) -> None:
     """Hook ``site`` (on ``hooks``, an :class:`~isotui.extract.loop.Hooks`) so that the model
     goes on with ``change(tensor)`` in place of the tensor the site gives: a module's output
     (a tensor, or the first element of a tuple), or its input (the first positional argument,
-    or ``hidden_states``). Anything else is refused in one sentence naming the module."""
+    or ``hidden_states``). Anything else is refused in one sentence naming the module.
+
+    Registered ahead of the module's other hooks: transformers (5.x) records ``hidden_states``
+    in forward hooks of its blocks, installed at the model's first forward, and a hook added
+    after them would change what the next block reads but not the hidden state recorded for
+    the site (the site's layer curve would be the unedited one)."""
     import torch
 
     if site.read == INPUT:
@@ -245,7 +250,7 @@ def edit_hook(hooks: Any, site: Site, change: Callable[[Any], Any]) -> None:
                 return (change(args[0]), *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
 
-        hooks.pre(site.module, pre, with_kwargs=True)
+        hooks.pre(site.module, pre, with_kwargs=True, prepend=True)
         return
 
     def post(_m: Any, _inputs: Any, out: Any) -> Any:
@@ -258,4 +263,4 @@ def edit_hook(hooks: Any, site: Site, change: Callable[[Any], Any]) -> None:
             "element is one, so isotui cannot change what it gives; choose another site"
         )
 
-    hooks.forward(site.module, post)
+    hooks.forward(site.module, post, prepend=True)

@@ -1,0 +1,336 @@
+"""``isotui experiment ablate`` (issue 39) against an independent computation.
+
+Every number is checked against plain torch run here, one sample at a time and without padding
+(Hugging Face's own ``labels=`` loss for a causal LM, a masked cross-entropy by hand for a masked
+LM, the edits as forward hooks written here) and numpy (the site's mean, covariance and
+eigenvectors, each dimension's share of avg_cos, avg_cos over all pairs of kept tokens). Only the
+random baselines' directions and the masked LM's masks are read from isotui (they are seeded
+conventions, not numbers to check); what they do to the loss is computed here.
+
+Bounds. The losses are float32 forwards (isotui's batched and padded, ours one sample at a
+time): measured, the clean loss agrees to ~5e-8 relative and a loss difference to ~6e-7 in
+absolute terms (the float32 resolution of a ~9 nat loss), so the clean loss is held to 1e-6
+relative (the issue asks 1e-4) and each delta to ``DELTA_ABS + 1e-5 |delta|`` (a tenth of the
+issue's 2% bar or less for every delta checked, which the test asserts too). Cosines and
+avg_cos are float64 sums of float32 vectors: 1e-7 absolute (measured ~1e-11).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+
+import isotui
+from isotui.cli import main
+
+from .conftest import corpus
+
+N = 30  # samples
+MAX_LEN = 32  # the tiny models' positions (train-tiny --seq-len)
+DELTA_ABS = 5e-6  # nats: ~10x the measured float32 disagreement of two ~9 nat losses
+COS_ABS = 1e-7
+GPT2_SITE = "transformer.h.0"
+BERT_SITE = "bert.encoder.layer.0"
+REMOVE = ["mean", "pc:2", "rogue:3", "dims:0,5"]
+
+
+@pytest.fixture(scope="session")
+def tiny_lms(tmp_path_factory):
+    """A 60-step train-tiny GPT-2 (causal LM) and BERT (masked LM): width 32, 2 blocks.
+    (Both use the bundled MiniLM's WordPiece tokenizer: [CLS] ... [SEP] around each sample,
+    the special tokens the kept tokens leave out.)"""
+    root = tmp_path_factory.mktemp("ablate-lms")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        for arch in ("gpt2", "bert"):
+            args = [
+                "train-tiny",
+                "--out",
+                str(root / arch),
+                "--arch",
+                arch,
+                "--steps",
+                "60",
+                "--save-at",
+                "60",
+            ]
+            tiny = ["--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", str(MAX_LEN), "--quiet"]
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert main([*args, *tiny]) == 0
+            out[arch] = root / arch / "step_000060"
+    return out
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    lines = corpus(N)
+    path = tmp_path_factory.mktemp("ablate-data") / "t.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return lines, f"text:{path}"
+
+
+def ablate(model, data, remove, modules, **options):
+    return isotui.experiment(
+        "ablate", model=str(model), data=data, remove=remove, modules=modules, max_length=MAX_LEN, **options
+    )
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """The (edit, random baseline) pairs isotui makes, in row order (to apply them ourselves)."""
+    from isotui.experiments.ablate import measure
+
+    made = []
+    original = measure.changes
+
+    def changes(removal, moments, rng):
+        pair = original(removal, moments, rng)
+        made.append(pair)
+        return pair
+
+    monkeypatch.setattr(measure, "changes", changes)
+    return made
+
+
+class Reference:
+    """The model run here one sample at a time; ``run(edit)`` gives the loss and every hidden
+    state's kept vectors (float64), with ``edit`` (a tensor -> tensor function) applied to the
+    site's output by a hook of ours."""
+
+    def __init__(self, folder, texts, arch, seed=0):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+
+        from isotui.extract.objective import mlm_mask
+
+        self.arch = arch
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        cls = AutoModelForMaskedLM if arch == "bert" else AutoModelForCausalLM
+        self.model = cls.from_pretrained(str(folder)).eval()
+        self.samples = []  # (input ids as fed, labels or None, kept positions, clean input ids)
+        for s, text in enumerate(texts):
+            enc = tok(
+                text,
+                truncation=True,
+                max_length=MAX_LEN,
+                return_special_tokens_mask=True,
+                return_tensors="pt",
+            )
+            ids, special = enc["input_ids"], enc["special_tokens_mask"].bool()
+            keep = ~special[0]
+            if arch == "bert":  # isotui's documented masks: mlm_mask(seed, sample, positions, candidates)
+                masked = mlm_mask(seed, torch.tensor([s]), torch.arange(ids.shape[1]), ~special)
+                labels = torch.where(masked, ids, -100)
+                self.samples.append((torch.where(masked, tok.mask_token_id, ids), labels, keep, ids))
+            else:
+                self.samples.append((ids, None, keep, ids))
+        if arch == "bert":
+            self.site = self.model.bert.encoder.layer[0]
+            self.layers = [self.model.bert.encoder.layer[0], self.model.bert.encoder.layer[1]]
+        else:
+            self.site = self.model.transformer.h[0]
+            self.layers = [self.model.transformer.h[0], self.model.transformer.ln_f]
+
+    def run(self, edit=None, clean_inputs=False):
+        """(mean loss per predicted token, [embeddings, site, last hidden state] kept vectors)."""
+        import torch
+
+        got: list[list[np.ndarray]] = [[], [], []]
+        keep_now = []
+
+        def first(t):
+            return t[0] if isinstance(t, tuple) else t
+
+        def edit_hook(_m, _args, out):
+            h = edit(first(out))
+            return (h, *out[1:]) if isinstance(out, tuple) else h
+
+        def record(i):
+            def hook(_m, args, out):
+                if i == 0:
+                    got[0].append(args[0][0][keep_now[-1]].double().numpy())
+                got[i + 1].append(first(out)[0][keep_now[-1]].double().numpy())
+
+            return hook
+
+        handles = [self.site.register_forward_hook(edit_hook)] if edit is not None else []
+        handles += [layer.register_forward_hook(record(i)) for i, layer in enumerate(self.layers)]
+        total, count = 0.0, 0
+        try:
+            with torch.no_grad():
+                for ids, labels, keep, clean in self.samples:
+                    keep_now.append(keep)
+                    if self.arch == "bert":
+                        logits = self.model(input_ids=clean if clean_inputs else ids).logits[0]
+                        at = labels[0] >= 0  # the masked positions: cross-entropy by hand
+                        logp = torch.log_softmax(logits[at].double(), -1)
+                        total += float(-logp[torch.arange(int(at.sum())), labels[0][at]].sum())
+                        count += int(at.sum())
+                    else:  # Hugging Face's own convention: the mean over the sample's predicted tokens
+                        out = self.model(input_ids=ids, labels=ids)
+                        total += float(out.loss) * (ids.shape[1] - 1)
+                        count += ids.shape[1] - 1
+        finally:
+            for h in handles:
+                h.remove()
+        return total / count, [np.concatenate(g) for g in got]
+
+
+def avg_cos(x):
+    """The mean cosine over all ordered pairs i != j (the full n x n matrix)."""
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    c = u @ u.T
+    n = len(u)
+    return float((c.sum() - np.trace(c)) / (n * (n - 1)))
+
+
+def final_change(clean, edited):
+    cos = (clean * edited).sum(1) / (np.linalg.norm(clean, axis=1) * np.linalg.norm(edited, axis=1))
+    return float(np.mean(1.0 - cos))
+
+
+def shift(v):
+    import torch
+
+    return lambda h: h - torch.as_tensor(v, dtype=h.dtype)
+
+
+def project_out(basis):
+    import torch
+
+    def edit(h):
+        b = torch.as_tensor(basis, dtype=h.dtype)
+        return h - (h @ b) @ b.T
+
+    return edit
+
+
+def set_dims(dims, values):
+    def edit(h):
+        import torch
+
+        h = h.clone()
+        h[..., list(dims)] = torch.as_tensor(values, dtype=h.dtype)
+        return h
+
+    return edit
+
+
+def check_delta(got, want, bar=True):
+    """``got`` within ``DELTA_ABS + 1e-5 |want|`` of ``want``; with ``bar``, a tolerance within
+    the issue's 2% of the delta (a removal's delta is large enough for that; a random
+    baseline's may not be)."""
+    tol = DELTA_ABS + 1e-5 * abs(want)
+    assert not bar or tol <= 0.02 * abs(want), f"delta {want} is too small to check to 2%"
+    assert abs(got - want) <= tol, f"{got} != {want} (tolerance {tol:.2g})"
+
+
+def check_run(row, curves, ref, clean_loss, clean_h, edit, random_edit, bar=True):
+    """One row against the reference: its edit's and its random baseline's loss, final change,
+    recovery and every layer's avg_cos and drift."""
+    loss_a, h_a = ref.run(edit)
+    loss_r, h_r = ref.run(random_edit)
+    check_delta(row.delta_loss, loss_a - clean_loss, bar)
+    check_delta(row.delta_loss_random, loss_r - clean_loss, bar=False)
+    assert row.loss_ablated == pytest.approx(loss_a, rel=1e-6)
+    assert row.loss_random == pytest.approx(loss_r, rel=1e-6)
+    assert row.final_change == pytest.approx(final_change(clean_h[-1], h_a[-1]), rel=1e-5, abs=COS_ABS)
+    assert row.final_change_random == pytest.approx(final_change(clean_h[-1], h_r[-1]), rel=1e-5, abs=COS_ABS)
+    assert row.recovery == pytest.approx(avg_cos(h_a[-1]) / avg_cos(clean_h[-1]), rel=1e-6)
+    assert row.layer == 1
+    for got, want in ((curves.avg_cos, h_a), (curves.avg_cos_random, h_r)):
+        assert got == pytest.approx([avg_cos(x) for x in want], abs=COS_ABS)
+    for got, want in ((curves.drift_norm, h_a), (curves.drift_norm_random, h_r)):
+        assert got == pytest.approx([np.linalg.norm(x.mean(0)) for x in want], rel=1e-5, abs=1e-7)
+
+
+def test_gpt2_every_removal_matches_plain_torch_and_numpy(tiny_lms, texts, captured):
+    lines, data = texts
+    result = ablate(tiny_lms["gpt2"], data, REMOVE, [GPT2_SITE]).result
+    ref = Reference(tiny_lms["gpt2"], lines, "gpt2")
+    clean_loss, clean_h = ref.run()
+    x = clean_h[1]  # the site's kept vectors: [CLS] and [SEP] left out
+    assert result.objective == "causal" and result.notes == []
+    assert result.meta["n_samples"] == N and result.meta["n_tokens"] == len(x)
+    assert result.meta["loss_tokens"] == sum(len(s[0][0]) - 1 for s in ref.samples)
+    assert [r.remove for r in result.rows] == REMOVE and {r.site for r in result.rows} == {GPT2_SITE}
+    for row in result.rows:  # (a) the clean loss: HF's labels= convention over the whole corpus
+        assert row.loss == pytest.approx(clean_loss, rel=1e-6)
+    assert result.avg_cos == pytest.approx([avg_cos(h) for h in clean_h], abs=COS_ABS)
+    assert result.drift_norm == pytest.approx([np.linalg.norm(h.mean(0)) for h in clean_h], rel=1e-5)
+
+    mean = x.mean(0)
+    vals, vecs = np.linalg.eigh(np.cov(x, rowvar=False))  # ascending
+    assert vals[-2] > 1.05 * vals[-3]  # the top 2 directions are well defined (up to sign)
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    n = len(u)
+    contrib = (u.sum(0) ** 2 - (u**2).sum(0)) / (n * (n - 1))
+    rogue = [int(i) for i in np.argsort(-contrib)[:3]]
+    assert contrib.sum() == pytest.approx(avg_cos(x), rel=1e-9)  # the shares add up to avg_cos
+    edits = [
+        shift(mean),
+        project_out(vecs[:, -2:]),
+        set_dims(rogue, mean[rogue]),
+        set_dims([0, 5], mean[[0, 5]]),
+    ]
+
+    assert len(captured) == 4
+    (m_edit, m_base), (p_edit, p_base), (r_edit, r_base), (d_edit, d_base) = captured
+    # the edits isotui made: numpy's mean; numpy's top-2 eigenvectors up to sign (the same
+    # projector); numpy's top-3 dimensions by share of avg_cos, and dims 0, 5, set to their means
+    np.testing.assert_allclose(m_edit.shift, mean, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.abs(p_edit.basis.T @ vecs[:, -2:][:, ::-1]), np.eye(2), atol=1e-5)
+    assert list(r_edit.dims) == rogue and list(d_edit.dims) == [0, 5]
+    np.testing.assert_allclose(r_edit.values, mean[rogue], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(d_edit.values, mean[[0, 5]], rtol=1e-5, atol=1e-7)
+    # the random baselines' sizes: a vector of the mean's norm, K orthonormal directions, as
+    # many distinct coordinates set to their own means
+    assert np.linalg.norm(m_base.shift) == pytest.approx(np.linalg.norm(mean), rel=1e-6)
+    assert p_base.basis.shape == (32, 2)
+    np.testing.assert_allclose(p_base.basis.T @ p_base.basis, np.eye(2), atol=1e-12)
+    for base, k in ((r_base, 3), (d_base, 2)):
+        assert len(set(base.dims)) == k and base.basis is None and base.shift is None
+        np.testing.assert_allclose(base.values, mean[list(base.dims)], rtol=1e-6, atol=1e-9)
+    baselines = [shift(m_base.shift), project_out(p_base.basis), set_dims(r_base.dims, r_base.values)]
+    baselines.append(set_dims(d_base.dims, d_base.values))
+
+    rows, curves = result.rows, result.curves
+    assert rows[0].removed == pytest.approx(np.linalg.norm(mean), rel=1e-6)
+    assert [r.removed for r in rows[1:]] == [2.0, 3.0, 2.0]
+    assert curves[2].dims == rogue and curves[3].dims == [0, 5]
+    assert curves[0].dims == curves[1].dims == []
+    for row, curve, edit, base in zip(rows, curves, edits, baselines, strict=True):
+        check_run(row, curve, ref, clean_loss, clean_h, edit, base)
+    # the mean removed at the site: its layer's vectors are centred (avg_cos near 0, no drift)
+    assert abs(curves[0].avg_cos[1]) < 0.01 and curves[0].drift_norm[1] < 1e-6
+
+
+def test_bert_masked_loss_and_mean_removal_match_plain_torch(tiny_lms, texts, captured):
+    lines, data = texts
+    result = ablate(tiny_lms["bert"], data, ["mean", "pc:1"], [BERT_SITE]).result
+    ref = Reference(tiny_lms["bert"], lines, "bert")
+    clean_loss, clean_h = ref.run()
+    assert result.objective == "masked"
+    assert result.meta["loss_tokens"] == sum(int((s[1] >= 0).sum()) for s in ref.samples)
+    assert result.rows[0].loss == pytest.approx(clean_loss, rel=1e-6)
+    # the clean curves are the masked inputs' (the run the edits are compared with)
+    assert result.avg_cos == pytest.approx([avg_cos(h) for h in clean_h], abs=COS_ABS)
+    # the directions come from the first pass, on the text as given (no masks), as every metric
+    _, unmasked = ref.run(clean_inputs=True)
+    x = unmasked[1]
+    (m_edit, m_base), (p_edit, p_base) = captured
+    np.testing.assert_allclose(m_edit.shift, x.mean(0), rtol=1e-5, atol=1e-7)
+    vals, vecs = np.linalg.eigh(np.cov(x, rowvar=False))
+    assert vals[-1] > 1.05 * vals[-2]
+    vecs = vecs[:, -1:]
+    assert abs(float(p_edit.basis[:, 0] @ vecs[:, 0])) == pytest.approx(1.0, abs=1e-6)
+    rows, curves = result.rows, result.curves
+    check_run(rows[0], curves[0], ref, clean_loss, clean_h, shift(x.mean(0)), shift(m_base.shift))
+    # the 60-step BERT barely uses its top direction: a delta of ~1e-5, held to DELTA_ABS only
+    check_run(
+        rows[1], curves[1], ref, clean_loss, clean_h, project_out(vecs), project_out(p_base.basis), False
+    )
