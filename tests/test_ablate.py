@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
+import re
 
 import numpy as np
 import pytest
 
 import isotui
 from isotui.cli import main
+from isotui.errors import IsotuiError
 
-from .conftest import corpus
+from .conftest import corpus, same
 
 N = 30  # samples
 MAX_LEN = 32  # the tiny models' positions (train-tiny --seq-len)
@@ -334,3 +337,136 @@ def test_bert_masked_loss_and_mean_removal_match_plain_torch(tiny_lms, texts, ca
     check_run(
         rows[1], curves[1], ref, clean_loss, clean_h, project_out(vecs), project_out(p_base.basis), False
     )
+
+
+def test_random_baseline_is_seeded_and_a_second_call_comes_from_the_cache(tiny_lms, texts):
+    _, data = texts
+    args = (tiny_lms["gpt2"], data, ["mean", "pc:2"], [GPT2_SITE])
+    first = ablate(*args).result
+    again = ablate(*args).result
+    assert not first.from_cache and again.from_cache
+    assert same(first.rows, again.rows) and same(first.curves, again.curves)
+    fresh = ablate(*args, cache=False).result  # computed again: the same random directions
+    assert not fresh.from_cache and same(fresh.rows, first.rows) and same(fresh.curves, first.curves)
+    other = ablate(*args, seed=1, cache=False).result
+    for a, b in zip(first.rows, other.rows, strict=True):
+        assert a.delta_loss == b.delta_loss and a.removed == b.removed  # the seed moves the baseline only
+        assert a.delta_loss_random != b.delta_loss_random
+
+
+def test_out_of_memory_in_an_edited_run_backs_off_and_counts_every_sample_once(tiny_lms, texts, monkeypatch):
+    """Out of memory in the first batch's third edited run (runs 0-2 committed that batch): the
+    halves run the model unedited again for the final states but fold nothing twice; every
+    number as a run without it (to float32 rounding: other batch shapes)."""
+    import torch
+
+    from isotui.experiments.ablate.experiment import parse_removals
+    from isotui.experiments.ablate.measure import measure_ablation
+    from isotui.experiments.ablate.removal import Change
+    from isotui.spec import make_spec
+
+    _, data = texts
+    spec = make_spec(str(tiny_lms["gpt2"]), data, max_length=MAX_LEN, batch_size=8)
+    removals = parse_removals(["mean", "pc:2"])
+    clean = measure_ablation(spec, removals, [GPT2_SITE])
+    original = Change.__call__
+    calls: list[int] = []
+
+    def call(self, h):
+        calls.append(h.shape[0])
+        if len(calls) == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(self, h)
+
+    monkeypatch.setattr(Change, "__call__", call)
+    events: list = []
+    backed = measure_ablation(spec, removals, [GPT2_SITE], on_progress=events.append)
+    assert calls[:3] == [8, 8, 8] and calls[3] == 4  # batch 1's runs 1-2, the failure, then halves
+    messages = [e.message for e in events if getattr(e, "message", None)]
+    assert any("out of memory on a batch of 8" in m for m in messages), messages
+    assert (
+        backed.meta["n_tokens"] == clean.meta["n_tokens"]
+        and backed.meta["loss_tokens"] == clean.meta["loss_tokens"]
+    )
+    for a, b in zip(clean.rows, backed.rows, strict=True):
+        for name in (
+            "loss",
+            "loss_ablated",
+            "loss_random",
+            "final_change",
+            "final_change_random",
+            "recovery",
+        ):
+            assert getattr(b, name) == pytest.approx(getattr(a, name), rel=1e-6), name
+        for name in ("delta_loss", "delta_loss_random"):
+            assert getattr(b, name) == pytest.approx(getattr(a, name), rel=1e-4, abs=DELTA_ABS / 10), name
+    for a, b in zip(clean.curves, backed.curves, strict=True):
+        assert b.avg_cos == pytest.approx(a.avg_cos, abs=COS_ABS)
+        assert b.avg_cos_random == pytest.approx(a.avg_cos_random, abs=COS_ABS)
+        assert b.drift_norm == pytest.approx(a.drift_norm, rel=1e-5)
+    assert backed.avg_cos == pytest.approx(clean.avg_cos, abs=COS_ABS)
+
+
+BAD_REMOVE = [
+    ("pc:0", "K is a whole number from 1"),
+    ("pc:x", "is not one of mean, pc:K"),
+    ("dims:", "is not one of mean, pc:K"),
+    ("foo", "is not one of mean, pc:K"),
+    ("pc:5000", "K is a whole number from 1 to 4,096"),
+    ("mean:2", "is not one of mean, pc:K"),
+    ("dims:1,1", "dims are distinct coordinates"),
+    ("pc:32", "site transformer.h.0 is 32 wide; K must be below 32"),
+    ("rogue:40", "K must be below 32"),
+    ("dims:0,32", "dimension 32 is not one of them"),
+]
+
+
+@pytest.mark.parametrize("value, says", BAD_REMOVE)
+def test_bad_remove_is_one_sentence_exit_2_and_an_isotui_error(tiny_lms, texts, capsys, value, says):
+    _, data = texts
+    model = str(tiny_lms["gpt2"])
+    args = [
+        "experiment",
+        "ablate",
+        "-m",
+        model,
+        "--data",
+        data,
+        "--remove",
+        value,
+        "--modules",
+        GPT2_SITE,
+        "-q",
+    ]
+    assert main([*args, "--max-samples", "4", "--max-length", str(MAX_LEN)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2  # one sentence (rich may wrap it once)
+    with pytest.raises(IsotuiError, match=re.escape(says)):
+        ablate(model, data, [value], [GPT2_SITE], max_samples=4)
+
+
+def test_a_glob_matching_nothing_an_encoder_decoder_and_other_data_are_refused(tiny_lms, texts):
+    _, data = texts
+    with pytest.raises(IsotuiError) as glob:
+        ablate(tiny_lms["gpt2"], data, ["mean"], ["transformer.nothing.*"], max_samples=4)
+    assert "transformer.nothing.*" in str(glob.value)
+    t5 = "random:t5:d_model=16,d_ff=32,num_layers=1,num_heads=2,d_kv=8"
+    with pytest.raises(IsotuiError, match="encoder-decoder"):
+        ablate(t5, data, ["mean"], [], max_samples=4)
+    with pytest.raises(IsotuiError, match="give text data"):
+        ablate(tiny_lms["gpt2"], "synthetic:images", ["mean"], [GPT2_SITE], max_samples=4)
+
+
+def test_bundled_minilm_has_no_loss_but_keeps_its_representation_columns(texts):
+    _, data = texts
+    result = isotui.experiment("ablate", model="minilm", data=data, remove=["mean"], max_samples=6)
+    res = result.result
+    assert res.objective == "none"
+    said = [n for n in res.notes if "no loss" in n]
+    assert len(said) == 1 and "MiniLM" in said[0]
+    assert len(res.rows) == 6  # every block's output, the default sites
+    for row in res.rows:
+        assert all(math.isnan(getattr(row, k)) for k in ("loss", "loss_ablated", "delta_loss", "loss_random"))
+        assert math.isfinite(row.final_change) and row.final_change > 0 and math.isfinite(row.recovery)
+    assert [r["layer"] for r in result.rows] == list(range(1, 7))
