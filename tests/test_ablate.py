@@ -470,3 +470,55 @@ def test_bundled_minilm_has_no_loss_but_keeps_its_representation_columns(texts):
         assert all(math.isnan(getattr(row, k)) for k in ("loss", "loss_ablated", "delta_loss", "loss_random"))
         assert math.isfinite(row.final_change) and row.final_change > 0 and math.isfinite(row.recovery)
     assert [r["layer"] for r in result.rows] == list(range(1, 7))
+
+
+def test_rows_cached_on_their_own_are_taken_and_only_the_others_measured(tiny_lms, texts):
+    """A request whose rows were partly measured before measures only the new ones (its
+    ``forwards``: 1 + 2 per measured row), and gives the cached rows as they were."""
+    _, data = texts
+    sites = [GPT2_SITE, "transformer.h.1"]
+    first = ablate(tiny_lms["gpt2"], data, ["mean"], sites).result
+    assert first.meta["forwards"] == 1 + 2 * 2
+    both = ablate(tiny_lms["gpt2"], data, ["pc:2", "mean"], sites).result
+    assert not both.from_cache and both.meta["forwards"] == 1 + 2 * 2  # the two pc:2 rows alone
+    assert [(r.site, r.remove) for r in both.rows] == [(s, w) for s in sites for w in ("pc:2", "mean")]
+    kept = {(r.site, r.remove): (r, c) for r, c in zip(both.rows, both.curves, strict=True)}
+    for row, curves in zip(first.rows, first.curves, strict=True):
+        assert same(kept[row.site, row.remove], (row, curves))
+    alone = ablate(tiny_lms["gpt2"], data, ["pc:2"], [GPT2_SITE]).result  # every row cached
+    assert alone.from_cache and same(alone.rows[0], kept[GPT2_SITE, "pc:2"][0])
+    fresh = ablate(tiny_lms["gpt2"], data, ["pc:2"], [GPT2_SITE], cache=False).result
+    assert same(fresh.rows, alone.rows) and same(fresh.curves, alone.curves)
+
+
+def test_an_input_site_is_edited_before_its_module_runs(tiny_lms, texts):
+    """A site read at a module's input (the named site ``norm_in``: every norm's input) is edited
+    by a pre-hook: the norm sees the edited tensor, the residual stream beside it does not. Its
+    loss against our own pre-hook on the same module subtracting numpy's mean of its kept inputs."""
+    import torch
+
+    lines, data = texts
+    result = ablate(tiny_lms["gpt2"], data, ["mean"], ["norm_in"]).result
+    (row,) = [r for r in result.rows if r.site == "transformer.h.0.ln_1 (input)"]
+    assert row.layer == -1
+    ref = Reference(tiny_lms["gpt2"], lines, "gpt2")
+    clean_loss, _ = ref.run()
+    module = ref.model.transformer.h[0].ln_1
+    seen = []
+    handle = module.register_forward_pre_hook(lambda _m, args: seen.append(args[0][0].double().numpy()))
+    try:
+        ref.run()
+    finally:
+        handle.remove()
+    kept = np.concatenate(
+        [x[keep.numpy()] for x, (_ids, _l, keep, _c) in zip(seen, ref.samples, strict=True)]
+    )
+    mean = torch.as_tensor(kept.mean(0), dtype=torch.float32)
+    assert row.removed == pytest.approx(float(np.linalg.norm(kept.mean(0))), rel=1e-6)
+    edited = module.register_forward_pre_hook(lambda _m, args: (args[0] - mean, *args[1:]))
+    try:
+        loss_a, _ = ref.run()
+    finally:
+        edited.remove()
+    assert row.loss == pytest.approx(clean_loss, rel=1e-6)
+    check_delta(row.delta_loss, loss_a - clean_loss)
