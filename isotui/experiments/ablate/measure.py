@@ -72,7 +72,9 @@ def measure_ablation(
         type_uniform=False,
         plan_sums=_sums_plan(need_cov, spec.model),
     )
-    stream.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
+    # the app's max length is a ceiling (cap_max_length): a shorter model runs at its own limit
+    length = resolve_max_length(loaded, spec.max_length, spec.model, cap=spec.cap_max_length)
+    stream.prepare(prepared.samples, "text", length)
     loop.run(stream, phase="first pass: the sites' directions", start=start)
     if stream.accs is None:
         raise IsotuiError("no sample reached the sites")
