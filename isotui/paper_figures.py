@@ -554,6 +554,13 @@ FIGURES: dict[str, PaperFigure] = {
             "gradients",
             _probe("draw_gradient_share"),
         ),
+        PaperFigure(
+            "ablation",
+            "ablate: the loss each removal (--remove) costs per site beside a random edit of its size, "
+            "and avg cos by layer after each",
+            "ablate",
+            _probe("draw_ablation"),
+        ),
         *_dynamics_figures(),
     )
 }

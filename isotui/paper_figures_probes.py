@@ -1,6 +1,6 @@
 """The probes' figures: the rest of the drift block (Godey et al. 2024 Figs. 7-10), the Pearson
-p-values (Fig. 16), the final norm per dimension (Machina & Mercer 2024) and the gradients' energy
-in the activations' top principal directions.
+p-values (Fig. 16), the final norm per dimension (Machina & Mercer 2024), the gradients' energy
+in the activations' top principal directions and what an ablation costs (``ablate``).
 
 Drawn as :mod:`isotui.paper_figures` draws (its defaults, palette and :class:`Drawing`); each
 function returns the figure and the rows of exactly the numbers it plots. matplotlib is imported
@@ -418,3 +418,119 @@ def draw_gradient_share(fig: Any, results: list[Any], options: Any) -> Drawing:
     ticks = list(range(0, len(layers), math.ceil(len(layers) / 8)))
     colorbar.set_ticks(ticks, labels=[names[i] for i in ticks])
     return Drawing(fig, rows, list(getattr(options, "probe_runs", [])))
+
+
+# --- ablate: what removing a direction costs, and the geometry after ------------------------------
+
+
+def _site_labels(rows: list[Any]) -> list[str]:
+    """The x labels of the sites: the hidden state each gives where every site is a block's
+    output (what the right panel's x axis counts), else the module names."""
+    sites = list(dict.fromkeys(r.site for r in rows))
+    layer = {r.site: r.layer for r in rows}
+    if all(layer[s] >= 0 for s in sites):
+        return [str(layer[s]) for s in sites]
+    return [s.rsplit(".", 2)[-1] if len(s) > 12 else s for s in sites]
+
+
+def draw_ablation(fig: Any, results: list[Any], options: Any) -> Drawing:
+    """Left: the loss each removal costs at each site (filled) beside the same-size random edit
+    (hollow, joined to it: the yardstick); right: avg cos by hidden state, clean and after each
+    edit (the edited site marked). A model with no LM head has no loss: the left panel is the
+    final state's change (1 - cos) instead."""
+    from matplotlib.lines import Line2D
+
+    result = _one_model(results, "ablation")
+    if not result.rows:
+        raise IsotuiError(f"the ablation of {result.model!r} has no rows (no site was removed)")
+    has_loss = any(math.isfinite(r.delta_loss) for r in result.rows)
+    panel, field = ("delta_loss", "delta_loss") if has_loss else ("final_change", "final_change")
+    removals = list(dict.fromkeys(r.remove for r in result.rows))
+    sites = list(dict.fromkeys(r.site for r in result.rows))
+    colour = {rem: OKABE_ITO[j % len(OKABE_ITO)] for j, rem in enumerate(removals)}
+    marker = {rem: ("o", "s", "^", "D", "v", "P")[j % 6] for j, rem in enumerate(removals)}
+    width = 0.8 / len(removals)
+    left, right = fig.subplots(1, 2)
+    rows: Rows = []
+    clean_loss = result.rows[0].loss
+    if has_loss:
+        rows.append(_ablation_row("clean_loss", result.model, value=clean_loss))
+    for r in result.rows:
+        x = sites.index(r.site) + (removals.index(r.remove) - (len(removals) - 1) / 2) * width
+        value, random = getattr(r, field), getattr(r, f"{field}_random")
+        c = colour[r.remove]
+        left.plot([x, x], [random, value], color=c, linewidth=0.6, zorder=2)
+        left.scatter([x], [random], marker=marker[r.remove], facecolors="none", edgecolors=c, zorder=3)
+        left.scatter([x], [value], marker=marker[r.remove], color=c, zorder=4)
+        rows.append(_ablation_row(panel, r.model, r.site, r.layer, r.remove, value=value, random=random))
+    left.axhline(0.0, color=NULL_COLOUR, linewidth=0.6, zorder=1)
+    labels = _site_labels(result.rows)
+    slanted = sum(len(t) + 2 for t in labels) * 0.06 > fig.get_figwidth() * 0.4
+    left.set_xticks(
+        range(len(sites)), labels, rotation=30 if slanted else 0, ha="right" if slanted else "center"
+    )
+    left.set_xlim(-0.6, len(sites) - 0.4)
+    by_layer = all(r.layer >= 0 for r in result.rows)
+    left.set_xlabel("site (its layer)" if by_layer else "site")
+    left.set_ylabel("Δ loss (nats/token)" if has_loss else "final change (1 − cos)")
+    if has_loss:
+        left.set_title(f"clean loss {clean_loss:.3f}", fontsize=7, pad=2)
+    layers = list(range(len(result.avg_cos)))
+    right.plot(layers, result.avg_cos, color="#000000", linewidth=1.4, zorder=3)
+    rows += [
+        _ablation_row("avg_cos", result.model, remove="clean", layer=h, value=v)
+        for h, v in zip(layers, result.avg_cos, strict=True)
+    ]
+    for r, curve in zip(result.rows, result.curves, strict=True):
+        c = colour[r.remove]
+        right.plot(layers, curve.avg_cos, color=c, linewidth=0.8, alpha=0.85, zorder=2)
+        if 0 <= r.layer < len(layers):
+            right.scatter([r.layer], [curve.avg_cos[r.layer]], marker=marker[r.remove], color=c, zorder=4)
+        rows += [
+            _ablation_row("avg_cos", r.model, r.site, r.layer, r.remove, layer=h, value=v)
+            for h, v in zip(layers, curve.avg_cos, strict=True)
+        ]
+    right.set_xlabel("layer (0: embeddings)" if fig.get_figwidth() > 5 else "layer")
+    right.set_ylabel("avg cos")
+    from matplotlib.ticker import MaxNLocator
+
+    right.xaxis.set_major_locator(MaxNLocator(integer=True))
+    handles = [Line2D([], [], color="#000000", linewidth=1.4, label="clean")]
+    handles += [
+        Line2D([], [], color=colour[rem], marker=marker[rem], linewidth=0.8, label=rem) for rem in removals
+    ]
+    handles.append(
+        Line2D([], [], color=NULL_COLOUR, marker="o", markerfacecolor="none", linewidth=0, label="random")
+    )
+    fig.legend(
+        handles=handles,
+        loc="outside upper center",
+        ncols=min(len(handles), 4 if fig.get_figwidth() < 5 else 8),
+        handlelength=1.4,
+        columnspacing=1.0,
+    )
+    return Drawing(fig, rows, list(getattr(options, "probe_runs", [])))
+
+
+def _ablation_row(
+    panel: str,
+    model: str,
+    site: str = "",
+    site_layer: int | str = "",
+    remove: str = "",
+    *,
+    layer: int | str = "",
+    value: float,
+    random: float | str = "",
+) -> dict[str, Any]:
+    """One plotted number of the ablation figure (its CSV row): empty where the panel has none."""
+    return {
+        "panel": panel,
+        "model": model,
+        "site": site,
+        "site_layer": site_layer,
+        "remove": remove,
+        "layer": layer,
+        "value": value,
+        "random": random,
+    }

@@ -23,12 +23,15 @@ from isotui.render import DUPLICATE_MARK, _f, duplicates_caption, shorten
 from isotui.terminal import literal, markup, plain
 
 if TYPE_CHECKING:
+    from isotui.experiments.ablate.result import AblationResult
     from isotui.experiments.checkpoints import CheckpointSeries
     from isotui.experiments.final_norm import FinalNormResult
     from isotui.experiments.gradients import GradientResult
     from isotui.experiments.qk_dynamics import DynamicsResult
 
 TOP = 5  # final-norm: the dimensions listed by their share of avg_cos
+# ablate: a site's name and a removal's, shortened in their middle (the table fits 80 columns)
+SITE_WIDTH, REMOVE_WIDTH = 22, 12
 
 
 @dataclass(frozen=True)
@@ -319,6 +322,57 @@ def gradients_table(result: GradientResult) -> Any:
     return table.captioned(plain("\n".join(result.notes), style="table.caption"))
 
 
+def _signed(x: float, digits: int) -> str:
+    """A change keeps its sign (``+0.0085``, ``-0.0021``); ``-`` where there is none."""
+    return "-" if x is None or not math.isfinite(x) else f"{x:+.{digits}f}"
+
+
+def ablation_table(result: AblationResult) -> Any:
+    """One row per site and removal: the loss it costs beside a random edit of its size, the
+    final state's change and the last layer's avg_cos kept; the clean loss said once, in the
+    title, so the table fits 80 columns (every column, the random edit's final change too:
+    ``--csv``)."""
+    from isotui.render import Table
+
+    m = result.meta
+    loss = result.rows[0].loss if result.rows else math.nan
+    said = (
+        f"clean loss {_f(loss, 3)} nats/token over {m.get('loss_tokens')} targets ({result.objective} LM)"
+        if math.isfinite(loss)
+        else "no LM head: no loss"
+    )
+    source = "cache" if result.from_cache else format(m.get("seconds", 0), ".1f") + " s"
+    table = Table.titled(
+        markup(
+            f"[bold]{literal(result.model)}[/]  {literal(m.get('data'))}, {m.get('n_samples')} samples, "
+            f"{said}  ({source})",
+            style="table.title",
+        )
+    )
+    table.add_column("site", justify="left", no_wrap=True)
+    table.add_column("remove", justify="left", no_wrap=True)
+    for h in ("Δ loss", "random", "final", "recovery"):
+        table.add_column(h, justify="right", no_wrap=True)
+    for r in result.rows:
+        table.add_row(
+            literal(shorten(r.site, SITE_WIDTH)),
+            literal(shorten(r.remove, REMOVE_WIDTH)),
+            _signed(r.delta_loss, 4),
+            _signed(r.delta_loss_random, 4),
+            _f(r.final_change, 4),
+            _f(r.recovery, 3),
+        )
+    return table.captioned(
+        plain(
+            "Δ loss: the loss with the site's direction removed minus the clean loss; random: the same "
+            "edit along random directions of its size; final: mean 1 - cos of the last hidden state, "
+            "clean against edited; recovery: the last layer's avg_cos after the edit over its clean "
+            "value" + "".join(f"\n{note}" for note in result.notes),
+            style="table.caption",
+        )
+    )
+
+
 def _g(x: float) -> str:
     """Gradient norms span decades: three significant digits."""
     return "-" if x is None or not math.isfinite(x) else f"{x:.3g}"
@@ -399,6 +453,7 @@ VIEWS: dict[str, View] = {
     ),
     "gradients": View(lambda result, _args, _width: [gradients_table(result)]),
     "token-types": View(lambda result, _args, _width: [token_types_table(result)]),
+    "ablate": View(lambda result, _args, _width: [ablation_table(result)]),
     "drift-block": View(
         _drift_tables, note=_drift_note, progress=_drift_progress, highlight=False, blank_line=False
     ),

@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from isotui.cli.common import add_run_flags
     from isotui.cli.experiments import add_duplicates_flag, add_param_flags
     from isotui.core.trajectory import BASES
+    from isotui.experiments.ablate.experiment import AblateParams
     from isotui.experiments.checkpoints import METRICS
     from isotui.experiments.drift_block.params import DriftBlockParams
     from isotui.experiments.qk_dynamics import DEFAULT_SAMPLE
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_flags(p, "run")
     group = p.add_argument_group("godey2024-fig6: the drift block (as isotui experiment drift-block)")
     add_param_flags(group, DriftBlockParams, skip=("device", "seed"))  # type: ignore[arg-type]
+    # the sites: the run flags' --modules (repeat it per glob), read as ablate reads its own
+    group = p.add_argument_group("ablation: the removals (as isotui experiment ablate; sites: --modules)")
+    add_param_flags(group, AblateParams, skip=("modules",))
     p.add_argument("--cache-dir", help="result cache (default ~/.cache/isotui, or $ISOTUI_CACHE_DIR)")
     p.add_argument("--no-cache", action="store_true", help="recompute, and store nothing")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress output")
@@ -113,7 +117,7 @@ def _experiment_args(args: argparse.Namespace, experiment: str) -> argparse.Name
             from isotui.cli.figure_probes import check_at_norm
 
             check_at_norm(ns)
-    elif experiment in ("final-norm", "gradients"):
+    elif experiment in ("final-norm", "gradients", "ablate"):
         from isotui.cli.figure_probes import model_args
 
         model_args(args, ns, experiment)
@@ -159,6 +163,8 @@ def main(args: argparse.Namespace, err: Any) -> int:
         raise IsotuiError(
             f"{chosen[0]} is for the trajectory figures (godey2024-fig11, 12, 19-22); {args.name} takes none"
         )
+    if args.remove is not None and figure.experiment != "ablate":
+        raise IsotuiError(f"--remove is for the ablation figure; {args.name} takes none")
     if figure.experiment is None and (args.models or args.checkpoints):
         raise IsotuiError(f"{args.name} is drawn from a formula alone: it takes no -m or -c")
     results: list[Any] = []

@@ -1,6 +1,7 @@
 """``isotui figure``'s part for the probes' figures over models: ``machina2024-final-norm``
-(the final-norm experiment) and ``gradient-energy`` (the gradients experiment, once per ``--ks``
-k, each run cached on its own), and the cache keys the figure's JSON names.
+(the final-norm experiment), ``gradient-energy`` (the gradients experiment, once per ``--ks``
+k, each run cached on its own) and ``ablation`` (the ablate experiment, ``--remove`` and
+``--modules`` as it parses them), and the cache keys the figure's JSON names.
 
 Kept apart from :mod:`isotui.cli.figure` so that the figures of other experiments add their own
 cases without touching these.
@@ -15,7 +16,7 @@ from typing import Any
 
 
 def model_args(args: argparse.Namespace, ns: argparse.Namespace, experiment: str) -> None:
-    """The figure's flags as ``isotui experiment final-norm|gradients`` would have parsed them:
+    """The figure's flags as ``isotui experiment final-norm|gradients|ablate`` would have parsed them:
     one model (the figure draws one), the final norm only, the first k for the parser's check."""
     from isotui.errors import IsotuiError
 
@@ -84,10 +85,10 @@ def collect_gradients(
 def probe_runs(
     requests: list[Any] | None, ns: argparse.Namespace, results: list[Any]
 ) -> list[dict[str, Any]]:
-    """The JSON's runs of a final-norm or gradients figure: each measured request's model, k and
-    cache key (its file in the cache's final-norm/ or gradients/ folder); empty for the other
+    """The JSON's runs of a final-norm, gradients or ablate figure: each measured request's model,
+    k and cache key (its file in the cache's final-norm/, gradients/ or ablate/ folder); empty for the other
     figures (their results carry their keys)."""
-    if ns.experiment not in ("final-norm", "gradients") or not results:
+    if ns.experiment not in ("final-norm", "gradients", "ablate") or not results:
         return []
     from isotui.cli.experiments import make_requests
     from isotui.experiments.registry import get
