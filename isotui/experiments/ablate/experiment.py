@@ -171,4 +171,5 @@ EXPERIMENT: Experiment[RunSpec, AblateParams, AblateRequest, AblationResult] = E
     params=AblateParams,
     decode=from_payload,
     plan=plans.ablate,
+    lab_tab="isotui.experiments.ablate.tab:AblateTab",
 )
