@@ -522,3 +522,23 @@ def test_an_input_site_is_edited_before_its_module_runs(tiny_lms, texts):
         edited.remove()
     assert row.loss == pytest.approx(clean_loss, rel=1e-6)
     check_delta(row.delta_loss, loss_a - clean_loss)
+
+
+@pytest.mark.parametrize("name", ["final-norm", "token-types", "gradients", "ablate"])
+def test_the_apps_max_length_is_a_ceiling_for_every_pass_on_the_layer(tiny_lms, texts, name):
+    """The app asks for its max length as a ceiling (``cap_max_length``): a model with fewer
+    positions (the tiny GPT-2's 32) runs at its own limit in every experiment that opens a text
+    pass (layer_pass.text_stream), as the layer run does; asked as a flag, it is refused."""
+    from dataclasses import replace
+
+    from isotui.experiments.base import Context
+    from isotui.experiments.registry import get
+    from isotui.spec import make_spec
+
+    _, data = texts
+    exp = get(name)
+    spec = make_spec(str(tiny_lms["gpt2"]), data=data, max_samples=6, max_length=4 * MAX_LEN)
+    with pytest.raises(IsotuiError, match="max.length"):
+        exp.request(spec, exp.params()).compute(Context())
+    capped = exp.request(replace(spec, cap_max_length=True), exp.params()).compute(Context())
+    assert capped is not None

@@ -436,13 +436,11 @@ def _stream_norms(
     per norm, its input and output, with no type-uniform weights and final-norm's memory plan
     (:func:`_sums_plan`); with ``every_layer``, its first batch checks that each norm's output is
     what its block returns."""
-    import dataclasses
     import time
 
-    from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
-    from isotui.extract.loop import BatchLoop
+    from isotui.experiments.layer_pass import load_prepared, prepare, text_stream
     from isotui.extract.modules import INPUT, OUTPUT, Site
-    from isotui.extract.runner import LayerStream, resolve_max_length
+    from isotui.extract.runner import LayerStream
 
     prepared = prepared or prepare(spec)
 
@@ -470,12 +468,22 @@ def _stream_norms(
                 f"{n} is not what its block returns ({type(model).__name__} puts its norms "
                 "before attention and MLP, pre-LN); analyse its final norm without --every-layer",
             )
-    opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
-    loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
-    stream = LayerStream(
-        loop, sites=sites, type_uniform=False, plan_sums=_sums_plan(spec.reservoir), returned_by=returned_by
+    stream = text_stream(
+        prepared,
+        loaded,
+        device,
+        lambda loop: LayerStream(
+            loop,
+            sites=sites,
+            type_uniform=False,
+            plan_sums=_sums_plan(spec.reservoir),
+            returned_by=returned_by,
+        ),
+        on_progress=on_progress,
+        should_stop=should_stop,
+        sample_ids=sample_ids,
     )
-    stream.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
+    loop = stream.loop
     start = time.perf_counter()
     loop.run(stream, phase="", start=start)
     if stream.accs is None:

@@ -261,14 +261,12 @@ def _stream_gradients(
 ) -> tuple[list[GradAccumulator], GradientFacts]:
     """Stream the batches forward and backward (the layer stream's backward pass, with the model's
     LM objective); (per layer the accumulator, the facts to finish)."""
-    import dataclasses
     import time
 
     from isotui.core.gradients import GradAccumulator
-    from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
-    from isotui.extract.loop import BatchLoop
+    from isotui.experiments.layer_pass import load_prepared, prepare, text_stream
     from isotui.extract.objective import lm_objective
-    from isotui.extract.runner import GradFolds, LayerStream, resolve_max_length
+    from isotui.extract.runner import GradFolds, LayerStream
 
     if top_k < 1:
         raise IsotuiError(f"top-k must be a positive integer (got {top_k})")
@@ -281,16 +279,22 @@ def _stream_gradients(
     loaded, device = load_prepared(prepared, head="lm")
     model = loaded.model
     objective = lm_objective(loaded, spec.seed, spec.model)
-    opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
-    loop = BatchLoop(loaded, device, opts, on_progress, should_stop)
     folds = GradFolds(
         make=GradAccumulator,  # one per layer, made at the first batch (all or, out of memory, none)
         check=lambda dims, where: _check_layers(dims, where, top_k, spec.model),
         not_sequence=f"model {spec.model!r} gives hidden states that are not token sequences",
         not_tokens=f"model {spec.model!r} has layers that are not one vector per input token",
     )
-    stream = LayerStream(loop, type_uniform=False, objective=objective, grad_folds=folds)
-    stream.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
+    stream = text_stream(
+        prepared,
+        loaded,
+        device,
+        lambda loop: LayerStream(loop, type_uniform=False, objective=objective, grad_folds=folds),
+        on_progress=on_progress,
+        should_stop=should_stop,
+        sample_ids=sample_ids,
+    )
+    loop = stream.loop
     start = time.perf_counter()
     loop.run(stream, phase="", start=start)
     total = loop.total

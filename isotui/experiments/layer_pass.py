@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, TypedDict
@@ -36,8 +36,9 @@ from isotui.store.cache import ResultCache
 from isotui.version import __version__
 
 if TYPE_CHECKING:
+    from isotui.extract.loop import BatchLoop
     from isotui.extract.planning import ExtractOptions
-    from isotui.extract.runner import Extraction
+    from isotui.extract.runner import Extraction, LayerStream
     from isotui.models.loading import LoadedModel
 
 
@@ -202,6 +203,34 @@ def extract_options(spec: RunSpec, metrics: tuple[StreamingMetric, ...] = ()) ->
         modules=spec.modules,
         metrics=metrics,
     )
+
+
+def text_stream(
+    prepared: Prepared,
+    loaded: LoadedModel,
+    device: str,
+    make: Callable[[BatchLoop], LayerStream],
+    *,
+    on_progress: ProgressCallback | None = None,
+    should_stop: StopCheck | None = None,
+    sample_ids: tuple[int, ...] | None = None,
+) -> LayerStream:
+    """One pass of a text model over the prepared corpus on the measurement layer, as every
+    experiment beside the layer run opens it: the loop (batches, devices, back-off, progress,
+    the samples ``sample_ids`` of a shard, None: all), the stream ``make`` builds on it (its
+    sites and folds), and the samples tokenised at the run's max length (one convention: the
+    app's a ceiling, a shorter model run at its own limit)."""
+    import dataclasses
+
+    from isotui.extract.loop import BatchLoop
+    from isotui.extract.planning import resolve_max_length
+
+    spec = prepared.spec
+    opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
+    stream = make(BatchLoop(loaded, device, opts, on_progress, should_stop))
+    length = resolve_max_length(loaded, spec.max_length, spec.model, cap=spec.cap_max_length)
+    stream.prepare(prepared.samples, "text", length)
+    return stream
 
 
 def load_prepared(prepared: Prepared, head: str | None = None) -> tuple[LoadedModel, str]:

@@ -17,7 +17,6 @@ types by share, with their token count and text.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -198,9 +197,8 @@ def measure_types(
     the layer run keeps them): into :class:`_Moments`, then :class:`_Shares`."""
     import time
 
-    from isotui.experiments.layer_pass import extract_options, load_prepared, prepare
-    from isotui.extract.loop import BatchLoop
-    from isotui.extract.runner import LayerStream, TokenFolds, resolve_max_length
+    from isotui.experiments.layer_pass import load_prepared, prepare, text_stream
+    from isotui.extract.runner import LayerStream, TokenFolds
 
     started = time.perf_counter()
     prepared = prepared or prepare(spec)
@@ -209,14 +207,20 @@ def measure_types(
     loaded, device = load_prepared(prepared)
     if loaded.modality != "text":
         raise IsotuiError(f"token-types reads text models; {spec.model!r} reads {loaded.modality}")
-    loop = BatchLoop(loaded, device, dataclasses.replace(extract_options(spec)), on_progress, should_stop)
     folds = TokenFolds(
         _Moments,
         not_sequence="token-types reads layers of one vector per token; this model's are not",
         not_tokens="token-types reads layers of one vector per input token; this model's are not",
     )
-    stream = LayerStream(loop, type_uniform=False, plan_sums=_sums_plan, token_folds=folds)
-    stream.prepare(prepared.samples, "text", resolve_max_length(loaded, spec.max_length, spec.model))
+    stream = text_stream(
+        prepared,
+        loaded,
+        device,
+        lambda loop: LayerStream(loop, type_uniform=False, plan_sums=_sums_plan, token_folds=folds),
+        on_progress=on_progress,
+        should_stop=should_stop,
+    )
+    loop = stream.loop
     loop.run(stream)
     # the folds token-types' TokenFolds made: _Moments
     first = cast("dict[str, list[_Moments]]", stream.folds or {})

@@ -43,9 +43,8 @@ def measure_ablation(
     """Remove each of ``removals`` at each site ``modules`` names (default: every block's
     output), one site at a time, over ``spec``'s corpus. ``known(site, removal)``: a row
     measured before (a one-row result, from the cache), not measured again."""
-    from isotui.experiments.layer_pass import extract_options, prepare
-    from isotui.extract.loop import BatchLoop
-    from isotui.extract.runner import Edit, Edits, LayerStream, resolve_max_length
+    from isotui.experiments.layer_pass import prepare, text_stream
+    from isotui.extract.runner import Edit, Edits, LayerStream
 
     start = time.perf_counter()
     prepared = prepared or prepare(spec)
@@ -64,17 +63,21 @@ def measure_ablation(
     if not wanted:  # every row cached: the model was read for its sites' names alone
         return _from_rows(spec, [have[a] for a in asked])
     measured = sorted({k for k, _ in wanted})
-    loop = BatchLoop(loaded, device, extract_options(spec), on_progress, should_stop)
     need_cov = any(r.kind == "pc" for _, r in wanted)
-    stream = LayerStream(
-        loop,
-        sites=[sites[k] for k in measured],
-        type_uniform=False,
-        plan_sums=_sums_plan(need_cov, spec.model),
+    stream = text_stream(
+        prepared,
+        loaded,
+        device,
+        lambda loop: LayerStream(
+            loop,
+            sites=[sites[k] for k in measured],
+            type_uniform=False,
+            plan_sums=_sums_plan(need_cov, spec.model),
+        ),
+        on_progress=on_progress,
+        should_stop=should_stop,
     )
-    # the app's max length is a ceiling (cap_max_length): a shorter model runs at its own limit
-    length = resolve_max_length(loaded, spec.max_length, spec.model, cap=spec.cap_max_length)
-    stream.prepare(prepared.samples, "text", length)
+    loop = stream.loop
     loop.run(stream, phase="first pass: the sites' directions", start=start)
     if stream.accs is None:
         raise IsotuiError("no sample reached the sites")
