@@ -148,7 +148,11 @@ def dry_run(experiment: Experiment, args: argparse.Namespace, err: Any) -> int:
     return print_plans(service.plans(experiment, requests), getattr(args, "json", None))
 
 
-def add_param_flags(p: argparse.ArgumentParser, params: type, skip: tuple[str, ...] = ()) -> None:
+def add_param_flags(
+    p: argparse._ActionsContainer,  # a parser or one of its groups: what add_argument is on
+    params: type,
+    skip: tuple[str, ...] = (),
+) -> None:
     """The flags of an experiment's parameters (:mod:`isotui.experiments.params`): each
     parameter's ``--name`` (and short spelling), its help, choices and on/off form; None when
     not given, so the parameter's own default (and check) applies."""

@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_duplicates_flag(p)
     add_run_flags(p, "run")
     group = p.add_argument_group("godey2024-fig6: the drift block (as isotui experiment drift-block)")
-    add_param_flags(group, DriftBlockParams, skip=("device", "seed"))  # type: ignore[arg-type]
+    add_param_flags(group, DriftBlockParams, skip=("device", "seed"))
     # the sites: the run flags' --modules (repeat it per glob), read as ablate reads its own
     group = p.add_argument_group("ablation: the removals (as isotui experiment ablate; sites: --modules)")
     add_param_flags(group, AblateParams, skip=("modules",))
