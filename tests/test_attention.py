@@ -226,7 +226,7 @@ def test_probe_leaves_the_model_output_unchanged(tiny_models):
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from isotui.extract.attention import PROBE, register_probe
+    from isotui.extract.attention_probe import PROBE, register_probe
 
     folder = tiny_models["gpt_neox"]
     tok = AutoTokenizer.from_pretrained(str(folder))

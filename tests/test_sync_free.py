@@ -39,12 +39,13 @@ TINY_BART = (
 # second pass and the gradient sums (folder/file: functions, None for all)
 _DEVICE_FILES = {
     "core/accumulator.py": None,
-    "extract/runner.py": {"__call__", "_vectors"},
+    "extract/runner.py": {"__call__", "_vectors", "_observe"},
     "core/sampled.py": {"partial", "commit"},
     "core/gradients.py": {"add", "partial", "commit"},
     "extract/objective.py": {"loss"},
     "core/attention.py": None,
-    "extract/attention.py": {"probe_attention", "observe", "add", "_fold_pre_rope", "ids_on"},
+    "extract/attention_probe.py": {"probe_attention"},
+    "extract/attention.py": {"partial", "add", "_fold_pre_rope"},
 }
 # steps that also prepare the batch on the host (its masks and token ids are host tensors: their
 # nonzero / int / bool are no device reads): only explicit reads of a value count
@@ -403,18 +404,17 @@ def test_the_gpus_subsample_is_the_cpus_and_numpys(tmp_path, monkeypatch):
     prepared = prepare(spec)
     loaded, device = load_prepared(prepared)
     seen: dict[tuple[str, str], list] = {}
-    original = probe._ModuleProbe.observe
+    original = probe._ModuleFold.partial
 
-    def spy(self, q, k, scores, probs, allowed):
-        keeps = self.run.keep(self.site, q.shape[2], k.shape[2])
-        ids = self.run.sample_ids.numpy()
-        for part, x, keep in (("q_sample", q, keeps[0]), ("k_sample", k, keeps[1])):
+    def spy(self, view):
+        ids = view.ids.cpu().numpy()
+        for part, x, keep in (("q_sample", view.q, view.q_keep), ("k_sample", view.k, view.k_keep)):
             bi, ti = np.nonzero(keep.cpu().numpy())
             vectors = x.float().cpu().numpy()[bi, :, ti, :]  # (n, H, d)
             seen.setdefault((self.site.name, part), []).append((ids[bi], ti, vectors))
-        return original(self, q, k, scores, probs, allowed)
+        return original(self, view)
 
-    monkeypatch.setattr(probe._ModuleProbe, "observe", spy)
+    monkeypatch.setattr(probe._ModuleFold, "partial", spy)
 
     def state(ids=None) -> dict:
         return probe.extract_attention_state(

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from isotui.errors import Cancelled, IsotuiError
@@ -68,6 +69,10 @@ class Hooks:
         """``hook(module, args)`` before ``module`` runs (``hook(module, args, kwargs)`` with
         ``with_kwargs``; with ``prepend``, before the module's other pre-hooks)."""
         self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=prepend))
+
+    def undo(self, fn: Callable[[], None]) -> None:
+        """``fn()`` when the hooks are removed: a change to the model that lives for one pass."""
+        self.handles.append(SimpleNamespace(remove=fn))
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -23,6 +23,7 @@ from isotui.core.accumulator import LayerAccumulator, LayerStats, sample_keys
 from isotui.core.exact_pass import ExactPass
 from isotui.core.sampled import EIGEN_JACKKNIFE_MAX_DIM, SE_GROUPS
 from isotui.errors import IsotuiError
+from isotui.extract.attention_probe import ModuleSite, install_probe
 from isotui.extract.device import available_memory, memory_in_use, to_device
 from isotui.extract.finalise import finalize_all, finalize_estimate_s
 from isotui.extract.forward import (
@@ -151,6 +152,44 @@ class Edits:
     not_sequence: str  # hidden states that are not (batch, position, d) token sequences
 
 
+@dataclass(frozen=True)
+class AttentionView:
+    """What an attention module computed on a batch (see :class:`AttentionFolds`), on the queries'
+    device: queries (B, H, T, d) and keys (B, Hkv, S, d) after rotary embedding, scores and
+    probabilities (B, H, T, S), the pairs the mask allows, the positions that count (B, T | S),
+    the sample ids (B,), and the queries and keys before rotary embedding (None: not read)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    scores: torch.Tensor
+    probs: torch.Tensor
+    allowed: torch.Tensor
+    q_keep: torch.Tensor
+    k_keep: torch.Tensor
+    ids: torch.Tensor
+    pre_q: torch.Tensor | None
+    pre_k: torch.Tensor | None
+
+
+class AttentionFold(Protocol, Generic[S]):
+    """One attention module's fold (see :class:`AttentionFolds`): ``partial`` makes what one
+    batch's :class:`AttentionView` adds, ``commit`` adds it in (the loop's out-of-memory back-off
+    counts a batch once per module: extract/loop.py)."""
+
+    def partial(self, view: AttentionView) -> S: ...
+
+    def commit(self, sums: S) -> None: ...
+
+
+@dataclass(frozen=True)
+class AttentionFolds:
+    """What :class:`LayerStream` folds a pass under the attention probe into (every attention
+    module of a transformers model: :mod:`isotui.extract.attention_probe`), in place of hidden
+    states: ``make(sites, devices)``, each module's :class:`AttentionFold`, made at ``prepare``."""
+
+    make: Callable[[list[ModuleSite], list[str]], list[AttentionFold[Any]]]
+
+
 @dataclass
 class Extraction:
     """Per-layer statistics per component (``model``, or ``encoder`` and ``decoder``) plus what
@@ -246,7 +285,9 @@ class LayerStream:
     its labels, :mod:`isotui.extract.objective`) and ``grad_folds``, each batch run forward
     and backward (:meth:`_backward`), each layer's kept (activation, gradient) pairs folded into
     the folds it makes (:attr:`grad_folds_made`), the loss summed (:attr:`loss_sum`,
-    :attr:`loss_tokens`)."""
+    :attr:`loss_tokens`). What the attention probe gives it: ``attention_folds``, each batch run
+    under the probe (:meth:`_probed`), each attention module's view folded into the fold it
+    makes (:attr:`attention_made`, by module name)."""
 
     def __init__(
         self,
@@ -260,6 +301,7 @@ class LayerStream:
         objective: LMObjective | None = None,
         grad_folds: GradFolds | None = None,
         edits: Edits | None = None,
+        attention_folds: AttentionFolds | None = None,
     ) -> None:
         if grad_folds is not None and objective is None:
             raise ValueError("a backward pass needs the objective whose loss it differentiates")
@@ -313,6 +355,9 @@ class LayerStream:
         self.run_loss: list[float | torch.Tensor] = []
         self.run_change: list[float | torch.Tensor] = []
         self.kept_tokens = 0
+        self.attention_folds = attention_folds
+        self.attention_made: dict[str, AttentionFold[Any]] = {}  # module name -> its fold (prepare)
+        self.probed: tuple[Batch, dict[Any, Any]] | None = None  # the batch under the probe, its masks
 
     @property
     def notes(self) -> list[str]:
@@ -331,6 +376,10 @@ class LayerStream:
         self.max_length = max_length
         self.loop.prepare(samples, modality, max_length)
         self.type_weights = self._type_weights() if self.type_uniform else {}
+        if self.attention_folds is not None:  # the probe stays in until the pass's hooks go
+            probed = install_probe(self.loaded, self.loop.hooks, self.loop.device, self._observe)
+            made = self.attention_folds.make([site for site, _ in probed], [where for _, where in probed])
+            self.attention_made = {site.name: f for (site, _), f in zip(probed, made, strict=True)}
 
     def _type_weights(self) -> dict[str, np.ndarray]:
         """Per component, token id -> 1 / (how many kept tokens of the corpus have that id): the
@@ -385,6 +434,8 @@ class LayerStream:
             return self._backward(batch, self.grad_folds)
         if self.edits is not None:
             return self._edited(batch, self.edits)
+        if self.attention_folds is not None:
+            return self._probed(batch)
         started = time.perf_counter()
         self.fold_s = 0.0
         index: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -614,6 +665,57 @@ class LayerStream:
                 self.loss_tokens += LMObjective.tokens(labels)
             batch.committed("tokens")
         return int(keep.sum())
+
+    def _probed(self, batch: Batch) -> int:
+        """Run one batch under the attention probe: each module's view folded as the module
+        attends (:meth:`_observe`)."""
+        import torch
+
+        self.probed = (batch, {})
+        with self.loop.model_call("a batch under the attention probe"), torch.inference_mode():
+            self.model(**batch.inputs, return_dict=True)
+        if not self.probed[1]:  # no module attended through the probe
+            raise IsotuiError(
+                f"{type(self.model).__name__} does not compute attention through transformers' "
+                "attention interface, so isotui cannot read its queries and keys"
+            )
+        return batch.units
+
+    def _observe(
+        self, site: ModuleSite, raw: dict[str, Any], q: Any, k: Any, scores: Any, probs: Any, allowed: Any
+    ) -> None:
+        """One module's attention on the batch into its fold, committed at once unless a try of
+        a batch holding these samples already did (``batch.pending``). Its masks and the sample
+        ids are moved to its device once per batch (issue 26: every module shares them)."""
+        assert self.probed is not None
+        batch, index = self.probed
+        pre_q, pre_k = raw.pop("q", None), raw.pop("k", None)
+        raw.clear()
+        if q.shape[0] != len(batch.idx):
+            raise IsotuiError(
+                f"{site.name} attends within windows ({q.shape[0]} windows for {len(batch.idx)} "
+                "samples, as Swin does); isotui's attention probe reads whole-sequence attention only"
+            )
+        if q.device.type == "mps":  # no float64 on MPS: measure on the CPU
+            q, k, scores, probs, allowed = (x.cpu() for x in (q, k, scores, probs, allowed))
+        index["seen"] = True
+        if not batch.pending(site.name):
+            return
+
+        def keep(component: str, width: int) -> Any:
+            key = (component, width, str(q.device))
+            if key not in index:
+                index[key] = to_device(self.loop.keep(batch.fed, component, width), q.device)
+            return index[key]
+
+        if str(q.device) not in index:  # the batch's sample ids there
+            index[str(q.device)] = to_device(batch.ids, q.device)
+        k_component = "encoder" if site.kind == "cross" else site.component  # whose keys it reads
+        keeps = keep(site.component, q.shape[2]), keep(k_component, k.shape[2])
+        ids = index[str(q.device)]
+        fold = self.attention_made[site.name]
+        fold.commit(fold.partial(AttentionView(q, k, scores, probs, allowed, *keeps, ids, pre_q, pre_k)))
+        batch.committed(site.name)
 
     def _hooked_forward(self, batch: Batch, index: dict[tuple[Any, ...], tuple[Any, ...]]) -> None:
         """Run the model without ``output_hidden_states``, folding each layer in the hook of the
