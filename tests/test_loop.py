@@ -260,6 +260,61 @@ def test_attention_probe_undoes_a_batch_the_model_did_not_finish(tiny_models, te
             assert torch.equal(ma[part]["keys"].sort().values, mb[part]["keys"].sort().values)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_attention_out_of_memory_mid_batch_counts_each_sample_once_per_module(
+    tiny_models, text_file, monkeypatch, name
+):
+    """Out of memory in the second attention module of the first batch, on the layer stream's
+    pass: the first module committed the whole batch and skips the retried halves, the second
+    folds the halves; every module sees each sample once and the result is a clean run's."""
+    import dataclasses
+
+    import torch
+    from transformers.models.bert.modeling_bert import BertSelfAttention
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    from isotui.experiments.attention import measure_attention
+    from isotui.extract import attention
+
+    _, data = text_file
+    spec = make_spec(str(tiny_models[name]), data, max_length=24, batch_size=4)
+    clean = measure_attention(spec, None, sample_size=16)
+    folded: list[tuple[int, int]] = []  # (layer, samples) per fold
+    partial = attention._ModuleFold.partial
+    monkeypatch.setattr(
+        attention._ModuleFold,
+        "partial",
+        lambda self, view: folded.append((self.site.layer, len(view.q))) or partial(self, view),
+    )
+    cls = GPT2Attention if name == "gpt2" else BertSelfAttention
+    forward, calls = cls.forward, [0]
+
+    def failing(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:  # the first batch, its second module: the first one has folded it
+            raise torch.cuda.OutOfMemoryError(OOM)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", failing)
+    events: list = []
+    backed = measure_attention(spec, None, sample_size=16, on_progress=events.append)
+    assert next(e.message for e in events if e.message).endswith("retrying with batches of 2")
+    assert folded[:3] == [(1, 4), (2, 2), (2, 2)]  # the halves skip layer 1, which has the batch
+    assert [sum(n for layer, n in folded if layer == i) for i in (1, 2)] == [9, 9]
+    assert backed.meta["n_tokens"] == clean.meta["n_tokens"]
+    assert len(backed.rows) == len(clean.rows) == 8
+    for a, b in zip(clean.rows, backed.rows, strict=True):
+        for f in dataclasses.fields(a):
+            va, vb = getattr(a, f.name), getattr(b, f.name)
+            assert _close(va, vb) if isinstance(va, float) else va == vb, f"{a.layer} {a.head} {f.name}"
+    assert clean.arrays.keys() == backed.arrays.keys()
+    for key, a in clean.arrays.items():
+        if key.startswith("hist"):
+            np.testing.assert_array_equal(a, backed.arrays[key])
+        else:  # the subsamples: the same tokens (keys are global), whatever the batching
+            np.testing.assert_allclose(a, backed.arrays[key], rtol=1e-6, atol=1e-9)
+
+
 def test_nothing_outside_the_engine_imports_its_private_names():
     """Experiments, front ends, benchmarks and scripts use the loop's public API only."""
     root = Path(__file__).resolve().parents[1]
