@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import os
 import re
 
 import numpy as np
@@ -538,7 +539,28 @@ def test_the_apps_max_length_is_a_ceiling_for_every_pass_on_the_layer(tiny_lms, 
     _, data = texts
     exp = get(name)
     spec = make_spec(str(tiny_lms["gpt2"]), data=data, max_samples=6, max_length=4 * MAX_LEN)
-    with pytest.raises(IsotuiError, match="max.length"):
+    with pytest.raises(IsotuiError, match=r"max.length"):
         exp.request(spec, exp.params()).compute(Context())
     capped = exp.request(replace(spec, cap_max_length=True), exp.params()).compute(Context())
     assert capped is not None
+
+
+@pytest.mark.slow
+def test_the_ablate_benchmark_times_both_sides_and_their_loss_changes_agree(tiny_lms, tmp_path):
+    """``benchmarks/ablate.py`` at a tiny size: the hand-written ablation and `isotui experiment
+    ablate` over the same text, the ratio, and each side's loss change (equal to float32
+    rounding: the plain script is the test's independent check of the mean removal, batched)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, str(root / "benchmarks" / "ablate.py"), str(tiny_lms["gpt2"]), "--samples", "20"]
+    argv += ["--max-length", str(MAX_LEN)]
+    env = dict(os.environ, PYTHONPATH=str(root), ISOTUI_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1].split()
+    ratio, plain_delta, ours_delta = last[-3], float(last[-2]), float(last[-1])
+    assert re.fullmatch(r"\d+\.\d\dx", ratio)
+    assert ours_delta == pytest.approx(plain_delta, rel=1e-3, abs=2e-6)
