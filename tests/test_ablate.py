@@ -564,3 +564,33 @@ def test_the_ablate_benchmark_times_both_sides_and_their_loss_changes_agree(tiny
     ratio, plain_delta, ours_delta = last[-3], float(last[-2]), float(last[-1])
     assert re.fullmatch(r"\d+\.\d\dx", ratio)
     assert ours_delta == pytest.approx(plain_delta, rel=1e-3, abs=2e-6)
+
+
+def test_sizes_are_refused_before_the_passes(monkeypatch):
+    """A removal wider than its site is refused at the first batch, not after the whole first
+    pass; more sites x removals than ablate takes are refused before any batch runs."""
+    from isotui.experiments.ablate.removal import MAX_ROWS
+    from isotui.extract.loop import BatchLoop
+
+    batches = []
+    attempt = BatchLoop._attempt
+
+    def counted(self, step, idx, ledger=None):
+        batches.append(len(idx))
+        return attempt(self, step, idx, ledger)
+
+    monkeypatch.setattr(BatchLoop, "_attempt", counted)
+    model = "random:gpt2:n_layer=2,n_embd=32,n_head=2"
+    run = {"model": model, "max_samples": 8, "batch_size": 2, "cache": False}
+    for remove, said in (("dims:0,40", "dimension 40 is not one of them"), ("pc:32", "K must be below 32")):
+        batches.clear()
+        with pytest.raises(IsotuiError, match=said):
+            isotui.experiment("ablate", remove=remove, modules="transformer.h.0", **run)
+        assert batches == [2]  # the first batch, not the first pass's four
+    batches.clear()
+    many = [f"dims:{i}" for i in range(MAX_ROWS // 2 + 1)]
+    with pytest.raises(IsotuiError, match=f"2 sites x {len(many)} removals .* at most {MAX_ROWS:,}"):
+        isotui.experiment("ablate", remove=many, **run)
+    assert batches == []
+    with pytest.raises(IsotuiError, match=f"{MAX_ROWS + 1} removals"):
+        isotui.experiment("ablate", remove=[f"dims:{i}" for i in range(MAX_ROWS + 1)], **run)

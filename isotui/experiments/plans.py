@@ -406,6 +406,7 @@ def ablate(request: PlannedAblation) -> ExperimentPlan:
     forward passes each batch makes. Sites named by globs are counted only when the model runs:
     a dry run plans the default sites (every block's output) or module names without wildcards."""
     from isotui.errors import NoHeadError
+    from isotui.experiments.ablate.removal import check_rows
     from isotui.extract.memory_plan import LayerPlan, fixed_bytes
     from isotui.extract.modules import SITE_NAMES, has_wildcard
 
@@ -420,6 +421,7 @@ def ablate(request: PlannedAblation) -> ExperimentPlan:
     except NoHeadError:  # ablate runs without a loss then
         paper = _paper(spec)
     d, n_sites = paper.dim, len(modules) or paper.n_blocks
+    check_rows(n_sites, len(request.remove))  # as the run refuses it
     pc = any(r.kind == "pc" for r in request.remove)
     rows = n_sites * len(request.remove)
     on = next((w for w in paper.where if w.startswith("cuda")), "cpu")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from isotui.errors import IsotuiError
 from isotui.experiments import plans
-from isotui.experiments.ablate.removal import FORM, Removal, parse_removal
+from isotui.experiments.ablate.removal import FORM, Removal, check_rows, parse_removal
 from isotui.experiments.ablate.result import AblationResult, csv_rows, from_payload, json_payload
 from isotui.experiments.base import Arrays, Context, Experiment
 from isotui.experiments.cached_request import CachedRequest
@@ -48,6 +48,7 @@ def parse_removals(value: object) -> tuple[Removal, ...]:
     if not words:
         raise IsotuiError(f"--remove needs one or more of {FORM}")
     removals = tuple(dict.fromkeys(parse_removal(w) for w in words))
+    check_rows(1, len(removals))
     return removals
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from isotui.errors import IsotuiError, NoHeadError
-from isotui.experiments.ablate.removal import Change, Removal, SiteMoments, changes, check_width
+from isotui.experiments.ablate.removal import Change, Removal, SiteMoments, changes, check_rows, check_width
 from isotui.experiments.ablate.result import AblationCurves, AblationMeta, AblationResult, AblationRow
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ def measure_ablation(
             "(masked LM encoders or causal LM decoders)"
         )
     sites, layers = _sites(loaded, tuple(modules))
+    check_rows(len(sites), len(removals))  # before any pass: the forwards each batch makes
     asked = [(k, removal) for k in range(len(sites)) for removal in removals]
     have = {(k, r): known(sites[k].label, r.label) if known else None for k, r in asked}
     wanted = [(k, r) for k, r in asked if have[k, r] is None]
@@ -64,6 +65,15 @@ def measure_ablation(
         return _from_rows(spec, [have[a] for a in asked])
     measured = sorted({k for k, _ in wanted})
     need_cov = any(r.kind == "pc" for _, r in wanted)
+
+    def widths(dims: dict[str, list[int]]) -> None:
+        """At the first batch (its sites' widths known, the rows ordered): every removal fits
+        every site, so a K or a coordinate too large is refused before the pass goes on."""
+        for n, k in enumerate(measured):
+            component, row = stream.module_rows[n]
+            for r in removals:
+                check_width(r, dims[component][row], sites[k].label)
+
     stream = text_stream(
         prepared,
         loaded,
@@ -72,7 +82,7 @@ def measure_ablation(
             loop,
             sites=[sites[k] for k in measured],
             type_uniform=False,
-            plan_sums=_sums_plan(need_cov, spec.model),
+            plan_sums=_sums_plan(need_cov, spec.model, widths),
         ),
         on_progress=on_progress,
         should_stop=should_stop,
@@ -176,12 +186,16 @@ def _sites(loaded: LoadedModel, modules: tuple[str, ...]) -> tuple[list[Site], l
     return sites, [at.get(id(s.module), -1) if s.read == OUTPUT else -1 for s in sites]
 
 
-def _sums_plan(need_cov: bool, model: str) -> SumsPlan:
+def _sums_plan(
+    need_cov: bool, model: str, check: Callable[[dict[str, list[int]]], None] = lambda _dims: None
+) -> SumsPlan:
     """The first pass's sums: every site's on the device of its activations, with an exact
-    covariance when a ``pc:K`` removal needs its directions (refused when they do not fit)."""
+    covariance when a ``pc:K`` removal needs its directions (refused when they do not fit);
+    ``check`` sees the sites' widths first (the first batch)."""
     from isotui.extract.memory_plan import LayerPlan, MemoryPlan, cov_bytes, measured_budget, size_text
 
     def plan(dims: dict[str, list[int]], where: dict[str, list[Any]]) -> MemoryPlan:
+        check(dims)
         widths = [d for ds in dims.values() for d in ds]
         on = [str(w) for ws in where.values() for w in ws]
         budgets: dict[str, int | None] = {w: measured_budget(w) for w in dict.fromkeys(on)}

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 KINDS = ("mean", "pc", "rogue", "dims")
 MAX_K = 4096  # directions or coordinates one removal names (checked before any work)
+# rows (sites x removals) one request measures: each batch runs 1 + 2 x rows forwards, and each
+# run keeps every hidden state's sums (checked before any work)
+MAX_ROWS = 1024
 FORM = "mean, pc:K, rogue:K or dims:I,J,... (K and the count of dims at most 4,096)"
 
 Vector = npt.NDArray[np.float64]
@@ -68,6 +71,16 @@ def parse_removal(text: str) -> Removal:
     if len(values) != 1 or not 1 <= values[0] <= MAX_K:
         raise IsotuiError(f"{bad}: K is a whole number from 1 to {MAX_K:,}")
     return Removal(kind, k=values[0])
+
+
+def check_rows(sites: int, removals: int) -> None:
+    """Refuse more (site, removal) rows than :data:`MAX_ROWS` (``removals`` alone: their count)."""
+    if sites * removals > MAX_ROWS:
+        said = f"{sites} sites x {removals} removals" if sites > 1 else f"{removals} removals"
+        raise IsotuiError(
+            f"--remove and --modules ask {said} = {sites * removals:,} rows, each two more forward passes "
+            f"of every batch; at most {MAX_ROWS:,} at once: name fewer sites or removals"
+        )
 
 
 def check_width(removal: Removal, dim: int, site: str) -> None:
