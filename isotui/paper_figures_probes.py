@@ -430,7 +430,10 @@ def _site_labels(rows: list[Any]) -> list[str]:
     layer = {r.site: r.layer for r in rows}
     if all(layer[s] >= 0 for s in sites):
         return [str(layer[s]) for s in sites]
-    return [s.rsplit(".", 2)[-1] if len(s) > 12 else s for s in sites]
+    from isotui.experiments.ablate.result import site_names
+
+    names = site_names(sites, 12, shared=False)  # tick labels: the part that differs
+    return [names[s] for s in sites]
 
 
 def draw_ablation(fig: Any, results: list[Any], options: Any) -> Drawing:

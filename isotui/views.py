@@ -353,9 +353,12 @@ def ablation_table(result: AblationResult) -> Any:
     table.add_column("remove", justify="left", no_wrap=True)
     for h in ("Δ loss", "random", "final", "recovery"):
         table.add_column(h, justify="right", no_wrap=True)
+    from isotui.experiments.ablate.result import site_names
+
+    names = site_names([r.site for r in result.rows], SITE_WIDTH)
     for r in result.rows:
         table.add_row(
-            literal(shorten(r.site, SITE_WIDTH)),
+            literal(names[r.site]),
             literal(shorten(r.remove, REMOVE_WIDTH)),
             _signed(r.delta_loss, 4),
             _signed(r.delta_loss_random, 4),

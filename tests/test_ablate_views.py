@@ -209,3 +209,39 @@ def test_lab_tab_runs_the_box_and_shows_the_rows(tmp_path):
             )
 
     asyncio.run(scenario())
+
+
+def test_sites_alike_but_for_their_middle_stay_apart_in_every_view(tmp_path):
+    """norm_in's or mlp_out's sites differ in the middle of their names: the terminal table, the
+    lab tab and the figure's ticks each name every site apart (the part all share dropped)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from rich.console import Console
+
+    from isotui.experiments.ablate.result import from_payload
+    from isotui.experiments.ablate.tab import table_cells
+    from isotui.paper_figures_probes import draw_ablation
+    from isotui.views import result_tables, show
+
+    result = from_payload(_reference(tmp_path, "mean"), {})
+    assert len(result.rows) == 2
+    for rows, names in (
+        (result.rows, [f"bert.encoder.layer.{i}.attention.output.LayerNorm (input)" for i in (0, 1)]),
+        (result.rows, [f"transformer.h.{i}.mlp" for i in (0, 1)]),
+    ):
+        for row, name in zip(rows, names, strict=True):
+            row.site, row.layer = name, -1
+        console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+        show(result_tables("ablate", [result], None, 80), console)
+        body = [line for line in console.export_text().splitlines() if "│" in line and "Δ loss" not in line]
+        shown = [line.strip("│").split("│")[0].strip() for line in body]
+        assert len(set(shown)) == 2, shown
+        tab = [cells[0].strip() for cells in table_cells(result)[1:]]
+        assert len(set(tab)) == 2, tab
+        fig = plt.figure(figsize=(3.3, 2.4))
+        draw_ablation(fig, [result], None)
+        ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+        plt.close(fig)
+        assert len(set(ticks)) == 2, ticks

@@ -119,6 +119,30 @@ def from_payload(payload: Mapping[str, object], _arrays: Arrays) -> AblationResu
 CSV_COLUMNS = tuple(f.name for f in fields(AblationRow))
 
 
+def _middle(name: str, width: int) -> str:
+    """A long name keeps its start and its end (``transf…h.11``), as every table shortens."""
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 2
+    return name[:head] + "…" + name[-(width - 1 - head) :]
+
+
+def site_names(sites: list[str], width: int, *, shared: bool = True) -> dict[str, str]:
+    """Each site's name as the views show it in ``width`` characters: shortened in its middle;
+    where that leaves two sites alike (``norm_in``'s modules, ``mlp_out``'s), or ``shared`` is
+    False, the part of their dotted names every site shares is dropped first, so each row says
+    which site it is."""
+    unique = list(dict.fromkeys(sites))
+    short = {s: _middle(s, width) for s in unique}
+    if len(unique) < 2 or (shared and len(set(short.values())) == len(unique)):
+        return short
+    parts = [s.split(".") for s in unique]
+    common = 0  # the dotted parts every name shares, each name keeping at least its last
+    while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+        common += 1
+    return {s: _middle(".".join(p[common:]), width) for s, p in zip(unique, parts, strict=True)}
+
+
 def csv_rows(results: list[AblationResult]) -> Rows:
     """``--csv``: one row per model, site and removal."""
     return [asdict(r) for res in results for r in res.rows]

@@ -76,10 +76,14 @@ def parse_box(text: str) -> tuple[tuple[Removal, ...], tuple[str, ...]]:
 def table_cells(result: AblationResult | None) -> list[tuple[str, ...]]:
     """The table as shown, its header first: one row per site and removal, the numbers
     right-aligned under their headers."""
+    from isotui.experiments.ablate.result import site_names
+
     columns: list[list[str]] = [[h] for h in COLUMNS]
-    for r in result.rows if result is not None else []:
+    rows = result.rows if result is not None else []
+    names = site_names([r.site for r in rows], SITE_WIDTH)
+    for r in rows:
         cells = (
-            shorten(r.site, SITE_WIDTH),
+            names[r.site],
             "-" if r.layer < 0 else str(r.layer),
             r.remove,
             _signed(r.delta_loss),
