@@ -594,3 +594,19 @@ def test_sizes_are_refused_before_the_passes(monkeypatch):
     assert batches == []
     with pytest.raises(IsotuiError, match=f"{MAX_ROWS + 1} removals"):
         isotui.experiment("ablate", remove=[f"dims:{i}" for i in range(MAX_ROWS + 1)], **run)
+
+
+def test_each_site_names_the_hidden_state_it_gives(tiny_lms, texts):
+    """``layer``: block i's output is hidden state i + 1, but GPT-2's last block (ln_f follows it:
+    its last hidden state is the norm's output) is none (-1); BERT's last block's output is its
+    last hidden state. Where a row names one, that hidden state after the edit is the centred
+    site: its mean's norm (drift) is ~0 after the mean is removed (GPT-2's: BERT's edited runs
+    read masked inputs, whose mean is not the unmasked text's the directions come from)."""
+    _, data = texts
+    gpt2 = ablate(tiny_lms["gpt2"], data, ["mean"], []).result
+    bert = ablate(tiny_lms["bert"], data, ["mean"], []).result
+    assert [r.layer for r in gpt2.rows] == [1, -1]
+    assert [r.layer for r in bert.rows] == [1, 2]
+    row, curves = gpt2.rows[0], gpt2.curves[0]
+    assert curves.drift_norm[1] < 1e-5 * row.removed
+    assert gpt2.drift_norm[1] == pytest.approx(row.removed, rel=1e-6)

@@ -60,8 +60,8 @@ def test_figure_plots_the_results_numbers(tmp_path):
         == [
             ("transformer.h.0", 1, "mean"),
             ("transformer.h.0", 1, "pc:2"),
-            ("transformer.h.1", 2, "mean"),
-            ("transformer.h.1", 2, "pc:2"),
+            ("transformer.h.1", -1, "mean"),  # ln_f follows the last block: no hidden state is its own
+            ("transformer.h.1", -1, "pc:2"),
         ]
     )
     for g, w in zip(got, want, strict=True):
@@ -183,7 +183,7 @@ def test_lab_tab_runs_the_box_and_shows_the_rows(tmp_path):
                 shown = [str(c).strip() for c in table.get_row_at(i)]
                 assert shown == [
                     r.site,
-                    str(r.layer),
+                    str(r.layer) if r.layer >= 0 else "-",  # no hidden state of its own
                     r.remove,
                     f"{r.delta_loss:+.4f}",
                     f"{r.delta_loss_random:+.4f}",

@@ -46,7 +46,7 @@ def parse_removals(value: object) -> tuple[Removal, ...]:
     except IsotuiError:
         raise IsotuiError(f"remove must be one or more of {FORM}, as strings (got {value!r})") from None
     if not words:
-        raise IsotuiError(f"--remove needs one or more of {FORM}")
+        raise IsotuiError(f"remove needs one or more of {FORM}")
     removals = tuple(dict.fromkeys(parse_removal(w) for w in words))
     check_rows(1, len(removals))
     return removals
@@ -61,7 +61,7 @@ def parse_sites(value: object) -> tuple[str, ...]:
             f"modules must be module name globs or named sites, as strings (got {value!r})"
         ) from None
     if len(words) > MAX_SITES:
-        raise IsotuiError(f"--modules names {len(words)} sites; at most {MAX_SITES} at once")
+        raise IsotuiError(f"modules names {len(words)} sites; at most {MAX_SITES} at once")
     return tuple(dict.fromkeys(words))
 
 

@@ -167,9 +167,11 @@ def _load(prepared: Prepared) -> tuple[LoadedModel, str, LMObjective | None, str
 
 def _sites(loaded: LoadedModel, modules: tuple[str, ...]) -> tuple[list[Site], list[int]]:
     """The sites ``modules`` names (every block's output when none), and the hidden state each
-    gives (block i's output: i + 1; -1 for another module)."""
+    gives (block i's input: i, its output: i + 1; -1 for another module, and for the last
+    block's output where a final norm follows it)."""
     from isotui.extract.forward import block_sites
-    from isotui.extract.modules import OUTPUT, Site, resolve
+    from isotui.extract.modules import INPUT, OUTPUT, Site, resolve
+    from isotui.models.loading import final_norm_modules
 
     model = loaded.model
     blocks = block_sites(loaded).get("model", [])
@@ -178,12 +180,16 @@ def _sites(loaded: LoadedModel, modules: tuple[str, ...]) -> tuple[list[Site], l
     else:
         if not blocks:
             raise IsotuiError(
-                f"no stack of blocks was found in {type(model).__name__}: name the sites with --modules"
+                f"no stack of blocks was found in {type(model).__name__}: name the sites (modules, --modules)"
             )
         names = {id(m): n for n, m in model.named_modules()}
         sites = [Site(names[id(b)], b, OUTPUT) for b in blocks]
-    at = {id(b): i + 1 for i, b in enumerate(blocks)}
-    return sites, [at.get(id(s.module), -1) if s.read == OUTPUT else -1 for s in sites]
+    # block i's input is hidden state i, its output hidden state i + 1, but for the last block
+    # of a model with a final norm (GPT-2's ln_f: its last hidden state is the norm's output)
+    normed = bool(final_norm_modules(model))
+    at = {(id(b), INPUT): i for i, b in enumerate(blocks)}
+    at |= {(id(b), OUTPUT): i + 1 for i, b in enumerate(blocks) if not (normed and i == len(blocks) - 1)}
+    return sites, [at.get((id(s.module), s.read), -1) for s in sites]
 
 
 def _sums_plan(
@@ -204,9 +210,9 @@ def _sums_plan(
                 need = sum(cov_bytes(d) for d, o in zip(widths, on, strict=True) if o == w)
                 if budget is not None and need > budget:
                     raise IsotuiError(
-                        f"--remove pc:K needs each site's exact covariance, {size_text(need)} on {w} for "
+                        f"remove pc:K needs each site's exact covariance, {size_text(need)} on {w} for "
                         f"model {model!r}, more than the {size_text(budget)} it has left; name fewer "
-                        "sites with --modules"
+                        "sites with modules (--modules)"
                     )
         layers = [
             LayerPlan(f"site {k}", d, o, need_cov, 0) for k, (d, o) in enumerate(zip(widths, on, strict=True))

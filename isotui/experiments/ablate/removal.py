@@ -55,7 +55,7 @@ class Removal:
 def parse_removal(text: str) -> Removal:
     """``text`` as a :class:`Removal`, or one sentence naming ``--remove``."""
     kind, _, arg = text.strip().partition(":")
-    bad = f"--remove {text!r} is not one of {FORM}"
+    bad = f"remove {text!r} is not one of {FORM}"
     if kind not in KINDS or (kind == "mean") != (not arg):
         raise IsotuiError(bad)
     if kind == "mean":
@@ -78,7 +78,7 @@ def check_rows(sites: int, removals: int) -> None:
     if sites * removals > MAX_ROWS:
         said = f"{sites} sites x {removals} removals" if sites > 1 else f"{removals} removals"
         raise IsotuiError(
-            f"--remove and --modules ask {said} = {sites * removals:,} rows, each two more forward passes "
+            f"remove and --modules ask {said} = {sites * removals:,} rows, each two more forward passes "
             f"of every batch; at most {MAX_ROWS:,} at once: name fewer sites or removals"
         )
 
@@ -86,10 +86,10 @@ def check_rows(sites: int, removals: int) -> None:
 def check_width(removal: Removal, dim: int, site: str) -> None:
     """Refuse a removal that names more directions or coordinates than ``site`` has (``dim``)."""
     if removal.kind in ("pc", "rogue") and removal.k >= dim:
-        raise IsotuiError(f"--remove {removal.label}: site {site} is {dim} wide; K must be below {dim}")
+        raise IsotuiError(f"remove {removal.label}: site {site} is {dim} wide; K must be below {dim}")
     if removal.kind == "dims" and max(removal.dims) >= dim:
         raise IsotuiError(
-            f"--remove {removal.label}: site {site} has coordinates 0 to {dim - 1}; "
+            f"remove {removal.label}: site {site} has coordinates 0 to {dim - 1}; "
             f"dimension {max(removal.dims)} is not one of them"
         )
 

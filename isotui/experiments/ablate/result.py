@@ -29,7 +29,7 @@ class AblationRow:
     delta_loss_random: float
     final_change_random: float
     recovery: float
-    layer: int  # the hidden state the site gives (a block's output), -1 for any other module
+    layer: int  # the hidden state the site gives (a block's input or output), else -1
     removed: float  # its size: the mean's norm, K directions, or the count of coordinates
 
 
@@ -54,7 +54,7 @@ class AblationMeta(TypedDict, total=False):
     special_tokens: str
     dtype: str
     seed: int
-    forwards: int  # forward passes per batch in the edited pass (1 + 2 per row)
+    forwards: int  # forward passes per batch in the edited pass (1 + 2 per row measured now)
     seconds: float
 
 

@@ -220,7 +220,7 @@ class AblateTab(PerModelLabTab):
         except IsotuiError as exc:
             from isotui.tui.wording import in_box_terms
 
-            said = str(exc).replace("--remove '", "'")  # the box's words, not the flag's
+            said = str(exc).replace("remove '", "'", 1)  # the box's words, not the keyword's
             self.host.notify(in_box_terms(said), severity="error")
             return False
         return super().run()
