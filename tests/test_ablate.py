@@ -610,3 +610,64 @@ def test_each_site_names_the_hidden_state_it_gives(tiny_lms, texts):
     row, curves = gpt2.rows[0], gpt2.curves[0]
     assert curves.drift_norm[1] < 1e-5 * row.removed
     assert gpt2.drift_norm[1] == pytest.approx(row.removed, rel=1e-6)
+
+
+def test_the_dry_run_says_the_forwards_the_run_makes(tiny_lms, texts, tmp_path, capsys):
+    """``--dry-run`` from the config alone: each batch once in the first pass and 1 + 2 x sites x
+    removals times in the second, as the run's meta counts them; the sites' sums hold an exact
+    covariance only when a pc:K asks for one; a glob is refused (its sites are known only when the
+    model runs), the default sites and plain module names are planned."""
+    import json
+
+    _, data = texts
+    model = str(tiny_lms["gpt2"])
+    out = tmp_path / "plan.json"
+    argv = ["experiment", "ablate", "-m", model, "--data", data, "--remove", "mean", "pc:2", "--dry-run"]
+    assert main([*argv, "--json", str(out)]) == 0
+    (plan,) = json.loads(out.read_text(encoding="utf-8")).values()  # keyed by the model's label
+    said = json.dumps(plan)
+    run = ablate(tiny_lms["gpt2"], data, ["mean", "pc:2"], []).result
+    assert run.meta["forwards"] == 1 + 2 * 2 * 2
+    assert f"{run.meta['forwards']} times in the second" in said
+    parts = {p["name"]: p for p in plan["parts"]}
+    assert (
+        set(parts) == {"2 sites", "clean run", "8 edited runs"}
+        and "exact covariance" in parts["2 sites"]["what"]
+    )
+    assert main([*argv[:-4], "--remove", "mean", "--modules", "transformer.h.*", "--dry-run"]) == 2
+    assert "known only when the model runs" in capsys.readouterr().err
+    assert main([*argv[:-4], "--remove", "mean", "--modules", "transformer.h.0", "--dry-run"]) == 0
+    assert "3 times in the second" in capsys.readouterr().out
+
+
+def test_a_site_returning_a_model_output_is_edited_in_it(tiny_lms, texts):
+    """A module that returns a transformers ModelOutput (BERT's whole encoder) is edited in its
+    first field, where it used to pass the first pass and fail the second: the loss moves as
+    subtracting the mean from the encoder's output in our own hook moves it."""
+    import torch
+
+    lines, data = texts
+    row = ablate(tiny_lms["bert"], data, ["mean"], ["bert.encoder"]).result.rows[0]
+    ref = Reference(tiny_lms["bert"], lines, "bert")
+    clean_loss, _ = ref.run()
+    seen: list[np.ndarray] = []
+    encoder = ref.model.bert.encoder
+    keep = encoder.register_forward_hook(lambda _m, _i, out: seen.append(out[0][0].double().numpy()))
+    try:
+        ref.run(clean_inputs=True)  # the directions come from the unmasked text
+    finally:
+        keep.remove()
+    kept = np.concatenate([x[k.numpy()] for x, (_ids, _l, k, _c) in zip(seen, ref.samples, strict=True)])
+    mean = torch.as_tensor(kept.mean(0), dtype=torch.float32)
+
+    def edit(_m, _i, out):
+        out["last_hidden_state"] = out["last_hidden_state"] - mean
+        return out
+
+    hook = encoder.register_forward_hook(edit)
+    try:
+        loss_a, _ = ref.run()
+    finally:
+        hook.remove()
+    assert row.layer == -1 and row.loss == pytest.approx(clean_loss, rel=1e-6)
+    check_delta(row.delta_loss, loss_a - clean_loss)

@@ -426,20 +426,18 @@ def ablate(request: PlannedAblation) -> ExperimentPlan:
     rows = n_sites * len(request.remove)
     on = next((w for w in paper.where if w.startswith("cuda")), "cpu")
     site_bytes = LayerPlan("site", d, on, pc, 0).bytes
-    parts = [
-        PartPlan(f"site {k}", on, d, "vector sums" + (", exact covariance" if pc else ""), site_bytes)
-        for k in range(n_sites)
-    ]
     run_bytes = (paper.n_blocks + 1) * fixed_bytes(d, 0)
-    parts += [
+    states = f"vector sums of {paper.n_blocks + 1} hidden states"
+    parts = [  # one line per kind of part (a thousand rows would be two thousand lines)
         PartPlan(
-            "clean run" if k == 0 else f"run {k} ({'edit' if k % 2 else 'random'})",
+            f"{n_sites} sites",
             on,
             d,
-            f"vector sums of {paper.n_blocks + 1} hidden states",
-            run_bytes,
-        )
-        for k in range(1 + 2 * rows)
+            "vector sums" + (", exact covariance" if pc else ""),
+            n_sites * site_bytes,
+        ),
+        PartPlan("clean run", on, d, states, run_bytes),
+        PartPlan(f"{2 * rows} edited runs", on, d, f"each: {states}", 2 * rows * run_bytes),
     ]
     forwards = 1 + 2 * rows
     plan = ExperimentPlan(

@@ -233,14 +233,11 @@ def site_tensor(site: Site, value: Any, inputs: dict[str, Any]) -> Any:
 
 def edit_hook(hooks: Any, site: Site, change: Callable[[Any], Any]) -> None:
     """Hook ``site`` (on ``hooks``, an :class:`~isotui.extract.loop.Hooks`) so that the model
-    goes on with ``change(tensor)`` in place of the tensor the site gives: a module's output
-    (a tensor, or the first element of a tuple), or its input (the first positional argument,
-    or ``hidden_states``). Anything else is refused in one sentence naming the module.
-
-    Registered ahead of the module's other hooks: transformers (5.x) records ``hidden_states``
-    in forward hooks of its blocks, installed at the model's first forward, and a hook added
-    after them would change what the next block reads but not the hidden state recorded for
-    the site (the site's layer curve would be the unedited one)."""
+    goes on with ``change(tensor)`` in place of the tensor the site gives: a module's output (a
+    tensor, or the first element of a tuple or of a transformers ModelOutput), or its input (the
+    first positional argument, or ``hidden_states``). Registered ahead of the model's own hooks
+    (transformers records hidden states in hooks), so what they record is the changed tensor.
+    Anything else is refused in one sentence naming the module."""
     import torch
 
     if site.read == INPUT:
@@ -258,6 +255,10 @@ def edit_hook(hooks: Any, site: Site, change: Callable[[Any], Any]) -> None:
             return change(out)
         if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
             return (change(out[0]), *out[1:])
+        if hasattr(out, "to_tuple") and len(out) and isinstance(out[0], torch.Tensor):  # a ModelOutput
+            first = next(iter(out.keys()))
+            out[first] = change(out[first])
+            return out
         raise IsotuiError(
             f"module {site.label} gives a {type(out).__name__}, not a tensor or a tuple whose first "
             "element is one, so isotui cannot change what it gives; choose another site"

@@ -615,14 +615,16 @@ class LayerStream:
         clean: torch.Tensor | None = None
         for run, edit in enumerate([None, *edits.edits]):
             started = time.perf_counter()
+            # a model split by --device-map keeps each hidden state where its block ran
             with Hooks() as hooks, self.loop.model_call("a batch of text"), torch.inference_mode():
                 if edit is not None:
                     edit_hook(hooks, edit.site, edit.change)
-                out = self.model(**batch.inputs, output_hidden_states=True, return_dict=True)
+                with layers_stay(self.model):
+                    out = self.model(**batch.inputs, output_hidden_states=True, return_dict=True)
                 hidden = tuple(getattr(out, "hidden_states", None) or ())
                 loss = None
                 if objective is not None and labels is not None:
-                    loss = objective.loss(out.logits, to_device(labels, device))
+                    loss = objective.loss(out.logits, to_device(labels, out.logits.device))
             forwarded = time.perf_counter()
             self.forward_s += forwarded - started
             if not hidden or any(h.ndim != 3 or h.shape[1] != ids.shape[1] for h in hidden):
