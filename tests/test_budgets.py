@@ -114,10 +114,10 @@ def test_attention_subsample_fits_each_modules_device(tiny_models, monkeypatch):
     those devices' (here two, one module each, named by hand since this machine has no GPU),
     and one size fits all, the tightest device's."""
     from isotui.experiments.attention import measure_attention
-    from isotui.extract import attention
+    from isotui.extract import attention, attention_probe
 
     devices = iter(["cuda:0", "cuda:1"])  # the two blocks' attention modules, in order
-    monkeypatch.setattr(attention, "_module_device", lambda _module, _run: next(devices))
+    monkeypatch.setattr(attention_probe, "_module_device", lambda _module, _run: next(devices))
     asked: list[str] = []
     per_position = 2 * 4 * 32  # one module's queries and keys, float32, hidden size 32
     room = {"cuda:0": 12 * per_position + 50, "cuda:1": 9 * per_position + 50}

@@ -83,10 +83,15 @@ def test_every_option_has_a_sample_here():
 def test_a_declared_option_reaches_its_flags_config_key_settings_and_dialog(option, tmp_path, monkeypatch):
     flag_text, toml_text, expected = SAMPLES[option.name]
     check = expected if callable(expected) else (lambda v: v == expected)
-    # the flag: on every command it applies to, on none of the others
+    # the flag: on every command it applies to, on none of the others (but an experiment whose
+    # own parameter of that name takes it: ablate's --modules, its sites)
+    from isotui.experiments.params import params_of
+    from isotui.experiments.registry import get
+
     taking = commands_taking(option.scope)
     for command in commands_taking(MODEL):
-        assert (option.flag in _flags(_subparser(command))) == (command in taking), command
+        own = command != "run" and option.name in {p.name for p in params_of(get(command).params)}
+        assert (option.flag in _flags(_subparser(command))) == (command in taking or own), command
     # ... and what the flag says becomes the spec's field (run: through _settings; experiments:
     # through spec_from_args)
     monkeypatch.chdir(tmp_path)
