@@ -671,3 +671,53 @@ def test_a_site_returning_a_model_output_is_edited_in_it(tiny_lms, texts):
         hook.remove()
     assert row.layer == -1 and row.loss == pytest.approx(clean_loss, rel=1e-6)
     check_delta(row.delta_loss, loss_a - clean_loss)
+
+
+def _flat(x):
+    """Every number of rows, curves and lists, in order."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(x):
+        return _flat(list(dataclasses.asdict(x).values()))
+    if isinstance(x, list | tuple):
+        return [v for item in x for v in _flat(item)]
+    return [float(x)] if isinstance(x, int | float) else []
+
+
+def test_shards_merge_to_the_one_process_numbers_and_then_answer_from_the_cache(tiny_lms, texts):
+    """``shard="I/K"``: each shard's first pass over every sample (the same directions), its
+    edited pass over its own slice; the last of the K merges them into the one-process result,
+    stored as an unsharded run's (a plain call then answers from the cache).
+
+    Bound. One sample per batch (``batch_size=1``) makes every forward, and each sample's
+    float32 loss sum, bit-identical in the shards and the plain run (the default batching pads
+    other batches, and a batch's loss is one float32 sum: measured, the losses then agree to
+    float32 rounding, ~4e-8 relative, the geometry to 1e-16). What is left is float64 sums of
+    30 samples' terms added in another order, and the accumulators' re-centring: ~1e-15 of a
+    sum, and the smallest number checked (a delta of ~7e-4 nats, from two ~9 nat losses) keeps
+    it under ~1e-11 relative; measured 6e-16. 1e-9 leaves room, and catches a sample counted
+    twice or lost (~3%)."""
+    from pathlib import Path
+
+    _, data = texts
+    args = (tiny_lms["gpt2"], data, ["mean", "pc:2"], [GPT2_SITE, "transformer.h.1"])
+    plain = ablate(*args, cache=False, batch_size=1).result
+    parts = [ablate(*args, shard=f"{i}/3", batch_size=1) for i in range(3)]
+    assert [len(p.results) for p in parts] == [0, 0, 1]  # the last to finish merges
+    merged = parts[-1].result
+    got, want = (
+        np.array(_flat([merged.rows, merged.curves, merged.avg_cos, merged.drift_norm])),
+        np.array(_flat([plain.rows, plain.curves, plain.avg_cos, plain.drift_norm])),
+    )
+    assert got.shape == want.shape and np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=0)
+    assert merged.meta["n_samples"] == N and merged.meta["n_tokens"] == plain.meta["n_tokens"]
+    assert "merged from 3 shards" in merged.notes
+    folder = Path(os.environ["ISOTUI_CACHE_DIR"]) / "ablate"
+    assert list(folder.glob("*.safetensors")) and not list(folder.glob("*-of-*")), "partial states removed"
+    again = ablate(*args, batch_size=1).result  # a plain call: the merged result, from the cache
+    assert again.from_cache and same(again.rows, merged.rows) and same(again.curves, merged.curves)
+    row = ablate(tiny_lms["gpt2"], data, ["pc:2"], ["transformer.h.1"], batch_size=1).result
+    assert row.from_cache and same(row.rows[0], merged.rows[-1])  # each row stored on its own too
+    with pytest.raises(IsotuiError, match=r"^shard 4/3 does not exist: shards count from 0 [^\n]*$"):
+        ablate(*args, shard="4/3")

@@ -65,7 +65,8 @@ def _digest(arrays: dict[str, np.ndarray], result: dict[str, Any]) -> str:
     for name in sorted(arrays):
         a = np.ascontiguousarray(arrays[name])
         h.update(f"{name}:{a.dtype.str}:{a.shape}".encode())
-        h.update(a.data.cast("B"))  # its bytes, not a copy of them
+        if a.size:  # an empty array (a sum with no reservoir) has no bytes, and no view to cast
+            h.update(a.data.cast("B"))  # its bytes, not a copy of them
     return h.hexdigest()
 
 

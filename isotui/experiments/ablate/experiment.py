@@ -15,9 +15,10 @@ from isotui.experiments.ablate.result import AblationResult, csv_rows, from_payl
 from isotui.experiments.base import Arrays, Context, Experiment
 from isotui.experiments.cached_request import CachedRequest
 from isotui.experiments.params import param
+from isotui.spec import MODEL, SHARD
 
 if TYPE_CHECKING:
-    from isotui.experiments.ablate.measure import Known
+    from isotui.experiments.ablate.measure import EditedSums, Known
     from isotui.experiments.layer_pass import Prepared
     from isotui.spec import RunSpec
     from isotui.store.cache import ResultCache
@@ -89,7 +90,7 @@ class AblateParams:
 
 
 @dataclass(frozen=True)
-class AblateRequest(CachedRequest[AblationResult]):
+class AblateRequest(CachedRequest["AblationResult | None"]):
     """Removals at sites, their loss and geometry (``isotui experiment ablate``)."""
 
     remove: tuple[Removal, ...] = (Removal("mean"),)
@@ -99,60 +100,95 @@ class AblateRequest(CachedRequest[AblationResult]):
     def _folder(self) -> tuple[str, int, dict[str, object]]:
         return FOLDER, SCHEMA, {"remove": [r.label for r in self.remove], "modules": list(self.modules)}
 
-    def _measure(self, cache: ResultCache | None, context: Context) -> AblationResult:
-        """The whole result cached under the request's keys; else each (site, removal) row cached
-        on its own (under the layer run's key, the site and the removal) is taken as it is and the
-        others are measured, then the whole result and each new row are stored."""
-        from isotui.experiments.cached import cached_run, experiment_key, keep, lookup
+    def _measure(self, cache: ResultCache | None, context: Context) -> AblationResult | None:
+        """The whole result cached under the request's keys; else, unsharded, each (site, removal)
+        row cached on its own (under the layer run's key, the site and the removal) is taken as
+        it is and the others are measured, then the whole result and each new row are stored.
+        A shard (``--shard I/K``) measures every row over its samples and keeps its partial
+        state; the last of the K, or a plain run finding all K, merges them (then stored as an
+        unsharded result); a shard that is not the last gives None (said in a notice)."""
+        from isotui.experiments.ablate import sharded
+        from isotui.experiments.cached import experiment_key, keep, lookup
         from isotui.experiments.layer_pass import prepare
+        from isotui.experiments.shards import check_shard_count, partial_key, shard_ids
 
         folder, schema, params = self._folder()
+        shard, notice = self.spec.shard, context.notice
+        if shard is not None and cache is None:
+            raise IsotuiError("--shard keeps each shard's partial state in the cache: drop --no-cache")
         prepared = prepare(self.spec, cache)
+        keys = [experiment_key(k, folder, schema, params) for k in prepared.keys]
         found: set[tuple[str, str]] = set()
 
         def row_key(site: str, removal: str) -> str:
             return experiment_key(prepared.keys[0], folder, schema, {"site": site, "remove": removal})
 
         def known(site: str, removal: str) -> AblationResult | None:
-            hit = lookup(cache, [row_key(site, removal)], from_payload, context.notice)
+            hit = lookup(cache, [row_key(site, removal)], from_payload, notice)
             if hit is not None:
                 found.add((site, removal))
             return hit
 
-        def compute() -> AblationResult:
-            result = self._compute_rows(prepared, context, known if cache is not None else None)
-            for i, row in enumerate(result.rows):
-                if (row.site, row.remove) not in found:
-                    keep(cache, row_key(row.site, row.remove), *self._encode(result.one(i)), context.notice)
-            return result
-
-        return cached_run(
-            cache,
-            [experiment_key(k, folder, schema, params) for k in prepared.keys],
-            decode=self._decode,
-            relabel=self._relabel,
-            compute=compute,
-            encode=self._encode,
-            notice=context.notice,
+        if shard is not None:
+            check_shard_count(len(prepared.samples), shard[1], f"shard {shard[0]}/{shard[1]}")
+        hit = lookup(cache, keys, self._decode, notice)
+        if hit is not None:
+            self._relabel(hit)
+            if shard is not None and cache is not None:
+                notice(
+                    f"this ablation of {self.spec.model} is cached whole already "
+                    f"(key {keys[0][:12]}): shard not run"
+                )
+                for count in sharded.counts(cache, keys[0]):
+                    sharded.forget(cache, keys[0], count)
+            return hit
+        if shard is not None and cache is not None:
+            index, count = shard
+            if cache.path_for(partial_key(keys[0], index, count)).is_file():
+                notice(f"shard {index}/{count} of {self.spec.model} is cached already")
+            else:
+                ids = shard_ids(len(prepared.samples), index, count)
+                part, sums = self._compute_rows(prepared, context, None, ids)
+                assert sums is not None  # no row known: every one measured
+                sharded.keep(cache, keys[0], index, count, part, sums)
+        merge = sharded.merged(cache, keys[0], notice) if cache is not None else None
+        if merge is None and shard is not None and cache is not None:
+            hit = lookup(cache, keys, self._decode, notice)  # merged by another shard meanwhile
+            if hit is not None:
+                self._relabel(hit)
+                return hit
+            got = sharded.have(cache, keys[0], shard[1])
+            notice(
+                f"shard {shard[0]}/{shard[1]} of {self.spec.model} is in the cache ({len(got)} of {shard[1]} "
+                f"shards: {', '.join(map(str, got))}); the last shard to finish merges them"
+            )
+            return None
+        result = (
+            merge[0]
+            if merge
+            else self._compute_rows(prepared, context, known if cache is not None else None)[0]
         )
+        keep(cache, keys[0], *self._encode(result), notice)
+        for i, row in enumerate(result.rows):
+            if (row.site, row.remove) not in found:
+                keep(cache, row_key(row.site, row.remove), *self._encode(result.one(i)), notice)
+        if merge and cache is not None and cache.path_for(keys[0]).is_file():
+            sharded.forget(cache, keys[0], merge[1])  # kept whole: the partial states are no longer needed
+        return result
 
-    def _compute_rows(self, prepared: Prepared, context: Context, known: Known | None) -> AblationResult:
-        from isotui.experiments.ablate.measure import measure_ablation
+    def _compute_rows(
+        self, prepared: Prepared, context: Context, known: Known | None, ids: tuple[int, ...] | None = None
+    ) -> tuple[AblationResult, EditedSums | None]:
+        from isotui.experiments.ablate.measure import measure_rows
 
-        return measure_ablation(
-            self.spec,
-            self.remove,
-            self.modules,
-            on_progress=context.on_progress,
-            should_stop=context.should_stop,
-            prepared=prepared,
-            known=known,
-        )
+        on_progress, stop = context.on_progress, context.should_stop
+        return measure_rows(self.spec, self.remove, self.modules, on_progress, stop, prepared, known, ids)
 
     def _compute(self, prepared: Prepared, context: Context) -> AblationResult:
-        return self._compute_rows(prepared, context, None)
+        return self._compute_rows(prepared, context, None)[0]
 
-    def _encode(self, result: AblationResult) -> tuple[dict[str, object], Arrays]:
+    def _encode(self, result: AblationResult | None) -> tuple[dict[str, object], Arrays]:
+        assert result is not None  # a shard that is not the last stores no result
         return result.to_payload(), {}
 
     def _decode(self, payload: Mapping[str, object], arrays: Arrays) -> AblationResult:
@@ -173,4 +209,5 @@ EXPERIMENT: Experiment[RunSpec, AblateParams, AblateRequest, AblationResult] = E
     decode=from_payload,
     plan=plans.ablate,
     lab_tab="isotui.experiments.ablate.tab:AblateTab",
+    run_options=(MODEL, SHARD),
 )

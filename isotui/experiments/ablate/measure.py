@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,6 +44,23 @@ def measure_ablation(
     """Remove each of ``removals`` at each site ``modules`` names (default: every block's
     output), one site at a time, over ``spec``'s corpus. ``known(site, removal)``: a row
     measured before (a one-row result, from the cache), not measured again."""
+    return measure_rows(spec, removals, modules, on_progress, should_stop, prepared, known)[0]
+
+
+def measure_rows(
+    spec: RunSpec,
+    removals: Sequence[Removal],
+    modules: Sequence[str],
+    on_progress: ProgressCallback | None,
+    should_stop: StopCheck | None,
+    prepared: Prepared | None,
+    known: Known | None,
+    sample_ids: tuple[int, ...] | None = None,
+) -> tuple[AblationResult, EditedSums | None]:
+    """:func:`measure_ablation`'s result and the edited pass's sums (None: every row known).
+    ``sample_ids``: a shard's (``--shard I/K``), whose first pass still reads every sample (so
+    every shard edits along the same directions) and whose edited pass reads its own alone;
+    its sums merge with the other shards' (:meth:`EditedSums.merge`, then :func:`fill`)."""
     from isotui.experiments.layer_pass import prepare, text_stream
     from isotui.extract.runner import Edit, Edits, LayerStream
 
@@ -62,7 +80,7 @@ def measure_ablation(
     have = {(k, r): known(sites[k].label, r.label) if known else None for k, r in asked}
     wanted = [(k, r) for k, r in asked if have[k, r] is None]
     if not wanted:  # every row cached: the model was read for its sites' names alone
-        return _from_rows(spec, [have[a] for a in asked])
+        return _from_rows(spec, [have[a] for a in asked]), None
     measured = sorted({k for k, _ in wanted})
     need_cov = any(r.kind == "pc" for _, r in wanted)
 
@@ -104,14 +122,29 @@ def measure_ablation(
         rng = np.random.default_rng([spec.seed, *_stable(sites[k].label, removal.label)])
         change, baseline = changes(removal, moments[k], rng)
         edits += [Edit(sites[k], change), Edit(sites[k], baseline)]
-    stream.edits = Edits(
+    edited = Edits(
         edits, not_sequence=f"model {spec.model!r} gives hidden states that are not token sequences"
     )
-    stream.objective = objective
-    loop.run(stream, phase="edited runs", start=start)
-    new = _result(spec, prepared, loaded, objective, head_note, stream, sites, layers, wanted, edits, start)
+    run = stream  # a shard's edited pass: its own samples alone, on a loop of their own
+    if sample_ids is not None:
+        run = text_stream(
+            prepared,
+            loaded,
+            device,
+            lambda loop: LayerStream(loop, type_uniform=False),
+            on_progress=on_progress,
+            should_stop=should_stop,
+            sample_ids=sample_ids,
+        )
+    run.edits, run.objective = edited, objective
+    run.loop.run(run, phase="edited runs", start=start)
+    sums = EditedSums.of(run)
+    notes = list(run.notes) if run is stream else list(dict.fromkeys([*stream.notes, *run.notes]))
+    new = _result(
+        spec, prepared, loaded, objective, head_note, sums, notes, sites, layers, wanted, edits, start
+    )
     got = dict(zip(wanted, (new.one(i) for i in range(len(wanted))), strict=True))
-    return _from_rows(spec, [got.get(a) or have[a] for a in asked], new)
+    return _from_rows(spec, [got.get(a) or have[a] for a in asked], new), sums
 
 
 def _stable(*names: str) -> list[int]:
@@ -240,57 +273,110 @@ def _curve(accs: list[LayerAccumulator]) -> tuple[list[float], list[float]]:
     return [float(s.avg_cos) for s in stats], [float(s.drift_norm) for s in stats]
 
 
+@dataclass
+class EditedSums:
+    """The edited pass's sums, per run (0: clean, then each edit): every hidden state's
+    accumulator, the summed loss and final change; and the kept and predicted tokens and the
+    samples they came from. They add across shards: :meth:`merge`, then :func:`fill`."""
+
+    accs: list[list[LayerAccumulator]]
+    loss: list[float]
+    change: list[float]
+    kept_tokens: int
+    loss_tokens: int
+    n_samples: int
+
+    @classmethod
+    def of(cls, stream: LayerStream) -> EditedSums:
+        assert stream.run_accs is not None
+        loss, change = ([float(x) for x in xs] for xs in (stream.run_loss, stream.run_change))
+        return cls(stream.run_accs, loss, change, stream.kept_tokens, stream.loss_tokens, stream.loop.total)
+
+    def merge(self, other: EditedSums) -> None:
+        for mine, theirs in zip(self.accs, other.accs, strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                a.merge(b)
+        self.loss = [a + b for a, b in zip(self.loss, other.loss, strict=True)]
+        self.change = [a + b for a, b in zip(self.change, other.change, strict=True)]
+        self.kept_tokens += other.kept_tokens
+        self.loss_tokens += other.loss_tokens
+        self.n_samples += other.n_samples
+
+    def state(self) -> dict[str, object]:
+        """As :func:`isotui.extract.runner.extract_state` lays a state out (components: each run's
+        accumulator states; the rest facts), for :func:`isotui.experiments.shards.state_payload`."""
+        components = {f"run{r}": [a.state() for a in accs] for r, accs in enumerate(self.accs)}
+        return {"components": components, "loss": self.loss, "change": self.change} | {
+            k: getattr(self, k) for k in ("kept_tokens", "loss_tokens", "n_samples")
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> EditedSums:
+        from isotui.core.accumulator import LayerAccumulator
+
+        runs = state["components"]
+        accs = [[LayerAccumulator.from_state(s) for s in runs[f"run{r}"]] for r in range(len(runs))]
+        counts = (int(state[k]) for k in ("kept_tokens", "loss_tokens", "n_samples"))
+        return cls(accs, [float(x) for x in state["loss"]], [float(x) for x in state["change"]], *counts)
+
+
+def fill(result: AblationResult, sums: EditedSums) -> AblationResult:
+    """``result``'s numbers (rows, curves, the clean curves, the token counts) from ``sums``:
+    its labels (sites, removals, layers, sizes, dims) are kept."""
+    tokens, kept = sums.loss_tokens, sums.kept_tokens
+
+    def loss(run: int) -> float:
+        return sums.loss[run] / tokens if result.objective != "none" and tokens else math.nan
+
+    result.avg_cos, result.drift_norm = _curve(sums.accs[0])
+    clean = result.avg_cos[-1]
+    for n, (row, curves) in enumerate(zip(result.rows, result.curves, strict=True)):
+        run, base = 2 * n + 1, 2 * n + 2
+        curves.avg_cos, curves.drift_norm = _curve(sums.accs[run])
+        curves.avg_cos_random, curves.drift_norm_random = _curve(sums.accs[base])
+        row.loss, row.loss_ablated, row.loss_random = loss(0), loss(run), loss(base)
+        row.delta_loss, row.delta_loss_random = loss(run) - loss(0), loss(base) - loss(0)
+        row.final_change, row.final_change_random = sums.change[run] / kept, sums.change[base] / kept
+        row.recovery = curves.avg_cos[-1] / clean if clean else math.nan
+    result.meta["n_samples"], result.meta["n_tokens"], result.meta["loss_tokens"] = (
+        sums.n_samples,
+        kept,
+        tokens,
+    )
+    return result
+
+
 def _result(
     spec: RunSpec,
     prepared: Prepared,
     loaded: LoadedModel,
     objective: LMObjective | None,
     head_note: str | None,
-    stream: LayerStream,
+    sums: EditedSums,
+    notes: list[str],
     sites: list[Site],
     layers: list[int],
     labels: list[tuple[int, Removal]],
     edits: list[Edit],
     start: float,
 ) -> AblationResult:
-    assert stream.run_accs is not None
-    tokens, kept = stream.loss_tokens, stream.kept_tokens
-
-    def loss(run: int) -> float:
-        return float(stream.run_loss[run]) / tokens if objective is not None and tokens else math.nan
-
-    avg_cos, drift = _curve(stream.run_accs[0])
     rows: list[AblationRow] = []
     curves: list[AblationCurves] = []
     for n, (k, removal) in enumerate(labels):
-        run, base = 2 * n + 1, 2 * n + 2
-        cos_a, drift_a = _curve(stream.run_accs[run])
-        cos_r, drift_r = _curve(stream.run_accs[base])
-        change = edits[run - 1].change
+        change = edits[2 * n].change
         assert isinstance(change, Change)
-        rows.append(
-            AblationRow(
-                spec.model,
-                sites[k].label,
-                removal.label,
-                loss(0),
-                loss(run),
-                loss(run) - loss(0),
-                float(stream.run_change[run]) / kept,
-                loss(base),
-                loss(base) - loss(0),
-                float(stream.run_change[base]) / kept,
-                cos_a[-1] / avg_cos[-1] if avg_cos[-1] else math.nan,
-                layers[k],
-                change.size,
-            )
+        nan = math.nan  # the numbers are fill's
+        row = AblationRow(
+            spec.model, sites[k].label, removal.label, nan, nan, nan, nan, nan, nan, nan, nan, 0, 0
         )
-        curves.append(AblationCurves(cos_a, drift_a, cos_r, drift_r, list(change.dims)))
+        row.layer, row.removed = layers[k], change.size
+        rows.append(row)
+        curves.append(AblationCurves([], [], [], [], list(change.dims)))
     meta: AblationMeta = {
         "data": prepared.spec.data.describe(),
-        "n_samples": stream.loop.total,
-        "n_tokens": kept,
-        "loss_tokens": tokens,
+        "n_samples": sums.n_samples,
+        "n_tokens": sums.kept_tokens,
+        "loss_tokens": sums.loss_tokens,
         "lm_class": type(loaded.model).__name__,
         "special_tokens": spec.special_tokens,
         "dtype": prepared.dtype,
@@ -298,7 +384,6 @@ def _result(
         "forwards": 1 + len(edits),
         "seconds": round(time.perf_counter() - start, 3),
     }
-    notes = [*loaded.notes, *([head_note] if head_note else []), *stream.notes]
-    return AblationResult(
-        spec.model, objective.kind if objective else "none", rows, curves, avg_cos, drift, notes, meta
-    )
+    notes = [*loaded.notes, *([head_note] if head_note else []), *notes]
+    kind = objective.kind if objective else "none"
+    return fill(AblationResult(spec.model, kind, rows, curves, [], [], notes, meta), sums)
