@@ -263,11 +263,14 @@ def experiment(
     **options: Any,
 ) -> Result | Results:
     """One of the experiments of ``isotui experiment NAME`` (attention, final-norm, gradients,
-    qk-dynamics, checkpoints, drift-block), with its flags as keywords (``max_samples=200``,
-    ``every_layer=True``, ``checkpoints=["step1000", "step2000"]``...). Experiments over models
+    qk-dynamics, checkpoints, drift-block, token-types, ablate), with its flags as keywords
+    (``max_samples=200``, ``every_layer=True``, ``checkpoints=["step1000", "step2000"]``...).
+    Experiments over models
     take ``model`` (a name, or a list: :class:`Results`; or a model object with ``tokenizer=``
     or ``processor=`` and ``name=``, as :func:`run` takes one); the series experiments take
-    ``model`` and ``checkpoints`` (and ``skip_duplicates``); drift-block takes its own sizes."""
+    ``model`` and ``checkpoints`` (and ``skip_duplicates``); drift-block takes its own sizes.
+    ``shard="I/K"`` (ablate, as :func:`run`): a shard that is not the last keeps its partial
+    state and gives no results (``.results == []``); the last gives the merged one."""
     from isotui import service
     from isotui.experiments.registry import EXPERIMENTS
 

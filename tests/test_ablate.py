@@ -721,3 +721,21 @@ def test_shards_merge_to_the_one_process_numbers_and_then_answer_from_the_cache(
     assert row.from_cache and same(row.rows[0], merged.rows[-1])  # each row stored on its own too
     with pytest.raises(IsotuiError, match=r"^shard 4/3 does not exist: shards count from 0 [^\n]*$"):
         ablate(*args, shard="4/3")
+
+
+def test_a_merge_names_the_model_as_its_run_asks_and_leaves_no_partial_state(tiny_lms, texts, tmp_path):
+    """The merging shard's result names the model as that run asks (a shard before it may have
+    named the same folder otherwise), and once the whole result is kept no partial state of its
+    key is left: not the merged K's, not an unfinished set of another K."""
+    from pathlib import Path
+
+    _, data = texts
+    link = tmp_path / "same-model"
+    link.symlink_to(tiny_lms["gpt2"], target_is_directory=True)
+    args = (data, ["mean"], [GPT2_SITE])
+    assert ablate(tiny_lms["gpt2"], *args, shard="0/3").results == []  # another K, never finished
+    assert ablate(tiny_lms["gpt2"], *args, shard="0/2").results == []
+    merged = ablate(link, *args, shard="1/2").result
+    assert merged.model == str(link) and {r.model for r in merged.rows} == {str(link)}
+    folder = Path(os.environ["ISOTUI_CACHE_DIR"]) / "ablate"
+    assert not list(folder.glob("*-of-*")), "every partial state of the key removed"

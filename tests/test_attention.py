@@ -323,3 +323,16 @@ def test_bad_models_say_one_sentence(capsys):
     assert main([*args, "--max-samples", "2", "-q"]) == 2
     err = capsys.readouterr().err
     assert "transformers model" in err and "Traceback" not in err
+
+
+def test_an_attention_module_shared_across_layers_is_refused_not_read_once():
+    """ALBERT runs one attention module for every layer: the probe reads a module once per pass,
+    so its second call in one forward is refused in one sentence (it used to fold only the
+    first call, or before that all of them into one layer, silently)."""
+    import isotui
+    from isotui.errors import IsotuiError
+
+    model = "random:albert:num_hidden_layers=3,hidden_size=32,num_attention_heads=2,"
+    model += "intermediate_size=64,embedding_size=16"
+    with pytest.raises(IsotuiError, match="attends more than once in one forward pass"):
+        isotui.experiment("attention", model=model, max_samples=6, cache=False, progress=False)

@@ -235,6 +235,9 @@ def write_outputs(outcome: Outcome, outputs: Outputs, err: Any) -> None:
         err.print(f"wrote {write_dicts_csv(outcome.rows, Path(outputs.csv))}", markup=False)
     if outcome.results and outputs.json:
         err.print(f"wrote {write_payload_json(outcome.payload, Path(outputs.json))}", markup=False)
+    asked = [f"--{flag} {path}" for flag, path in (("csv", outputs.csv), ("json", outputs.json)) if path]
+    if not outcome.results and asked:  # a shard that is not the last, or every model failed
+        err.print(f"nothing written to {' and '.join(asked)}: no result to write", markup=False)
 
 
 def command_main(

@@ -701,6 +701,13 @@ class LayerStream:
         if q.device.type == "mps":  # no float64 on MPS: measure on the CPU
             q, k, scores, probs, allowed = (x.cpu() for x in (q, k, scores, probs, allowed))
         index["seen"] = True
+        called = index.setdefault("called", set())
+        if site.name in called:  # its second call in one forward: the fold would miss or mix them
+            raise IsotuiError(
+                f"{site.name} attends more than once in one forward pass (one module shared across "
+                "layers, as ALBERT's is): isotui's attention probe reads each attention module once per pass"
+            )
+        called.add(site.name)
         if not batch.pending(site.name):
             return
 

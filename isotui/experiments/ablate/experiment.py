@@ -139,8 +139,7 @@ class AblateRequest(CachedRequest["AblationResult | None"]):
                     f"this ablation of {self.spec.model} is cached whole already "
                     f"(key {keys[0][:12]}): shard not run"
                 )
-                for count in sharded.counts(cache, keys[0]):
-                    sharded.forget(cache, keys[0], count)
+                sharded.forget(cache, keys[0])
             return hit
         if shard is not None and cache is not None:
             index, count = shard
@@ -163,17 +162,18 @@ class AblateRequest(CachedRequest["AblationResult | None"]):
                 f"shards: {', '.join(map(str, got))}); the last shard to finish merges them"
             )
             return None
-        result = (
-            merge[0]
-            if merge
-            else self._compute_rows(prepared, context, known if cache is not None else None)[0]
-        )
+        if merge:  # named as this run asks (the shards may have named the model otherwise)
+            result = merge[0]
+            self._relabel(result)
+            result.from_cache = False
+        else:
+            result = self._compute_rows(prepared, context, known if cache is not None else None)[0]
         keep(cache, keys[0], *self._encode(result), notice)
         for i, row in enumerate(result.rows):
             if (row.site, row.remove) not in found:
                 keep(cache, row_key(row.site, row.remove), *self._encode(result.one(i)), notice)
-        if merge and cache is not None and cache.path_for(keys[0]).is_file():
-            sharded.forget(cache, keys[0], merge[1])  # kept whole: the partial states are no longer needed
+        if cache is not None and cache.path_for(keys[0]).is_file():
+            sharded.forget(cache, keys[0])  # kept whole: no partial state is read again
         return result
 
     def _compute_rows(

@@ -87,6 +87,8 @@ def merged(cache: ResultCache, key: str, notice: Notice) -> tuple[AblationResult
     return None
 
 
-def forget(cache: ResultCache, key: str, count: int) -> None:
-    for i in range(count):
-        cache.remove(partial_key(key, i, count))
+def forget(cache: ResultCache, key: str) -> None:
+    """Every partial state of ``key``, whatever its K and complete or not: once the whole result
+    is kept, none of them is read again (an unfinished set, another K, a damaged one's peers)."""
+    for path in cache.runs.glob(f"{key}-*-of-*.safetensors"):
+        cache.remove(path.name.removesuffix(".safetensors"))
