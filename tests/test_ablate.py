@@ -529,7 +529,8 @@ def test_an_input_site_is_edited_before_its_module_runs(tiny_lms, texts):
 def test_the_apps_max_length_is_a_ceiling_for_every_pass_on_the_layer(tiny_lms, texts, name):
     """The app asks for its max length as a ceiling (``cap_max_length``): a model with fewer
     positions (the tiny GPT-2's 32) runs at its own limit in every experiment that opens a text
-    pass (layer_pass.text_stream), as the layer run does; asked as a flag, it is refused."""
+    pass (layer_pass.text_stream), and says so, as the layer run does; asked as a flag, it is
+    refused."""
     from dataclasses import replace
 
     from isotui.experiments.base import Context
@@ -541,8 +542,11 @@ def test_the_apps_max_length_is_a_ceiling_for_every_pass_on_the_layer(tiny_lms, 
     spec = make_spec(str(tiny_lms["gpt2"]), data=data, max_samples=6, max_length=4 * MAX_LEN)
     with pytest.raises(IsotuiError, match=r"max.length"):
         exp.request(spec, exp.params()).compute(Context())
-    capped = exp.request(replace(spec, cap_max_length=True), exp.params()).compute(Context())
+    said: list[str] = []
+    context = Context(on_progress=lambda p: said.append(p.message) if p.stage == "notice" else None)
+    capped = exp.request(replace(spec, cap_max_length=True), exp.params()).compute(context)
     assert capped is not None
+    assert f"capped at its {MAX_LEN} positions" in " ".join(said)  # said, as the layer run says it
 
 
 @pytest.mark.slow

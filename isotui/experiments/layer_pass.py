@@ -223,12 +223,13 @@ def text_stream(
     import dataclasses
 
     from isotui.extract.loop import BatchLoop
-    from isotui.extract.planning import resolve_max_length
+    from isotui.extract.planning import effective_max_length
 
     spec = prepared.spec
     opts = dataclasses.replace(extract_options(spec), sample_ids=sample_ids)
     stream = make(BatchLoop(loaded, device, opts, on_progress, should_stop))
-    length = resolve_max_length(loaded, spec.max_length, spec.model, cap=spec.cap_max_length)
+    # a capped ceiling said once, as the layer run says it (the app shows it as a notice)
+    length = effective_max_length(loaded, opts, spec.model, on_progress or no_progress)
     stream.prepare(prepared.samples, "text", length)
     return stream
 

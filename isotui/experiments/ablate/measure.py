@@ -336,7 +336,8 @@ def fill(result: AblationResult, sums: EditedSums) -> AblationResult:
         curves.avg_cos_random, curves.drift_norm_random = _curve(sums.accs[base])
         row.loss, row.loss_ablated, row.loss_random = loss(0), loss(run), loss(base)
         row.delta_loss, row.delta_loss_random = loss(run) - loss(0), loss(base) - loss(0)
-        row.final_change, row.final_change_random = sums.change[run] / kept, sums.change[base] / kept
+        if kept:  # else nan: no kept token (a shard of samples that are all special tokens)
+            row.final_change, row.final_change_random = sums.change[run] / kept, sums.change[base] / kept
         row.recovery = curves.avg_cos[-1] / clean if clean else math.nan
     result.meta["n_samples"], result.meta["n_tokens"], result.meta["loss_tokens"] = (
         sums.n_samples,
