@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -98,16 +96,6 @@ def plain(corpus: str, model_dir: str, site: str, max_length: int, threads: int)
     print(json.dumps({"delta_loss": (losses["mean"] - losses["clean"]) / tokens, "tokens": tokens}))
 
 
-def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
-    start = time.perf_counter()
-    proc = subprocess.run(
-        argv, capture_output=True, text=True, env=env, check=False, cwd=tempfile.gettempdir()
-    )
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(argv)} failed:\n{proc.stderr}")
-    return time.perf_counter() - start, proc.stdout
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir")
@@ -126,6 +114,9 @@ def main() -> None:
 
     from isotui.data.sources import load_samples, parse_data
 
+    sys.path.insert(0, str(HERE))
+    from process import timed, uptime  # whole processes and load averages, as process.py times them
+
     samples = load_samples(parse_data("builtin"), args.samples, args.max_length)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     rows = []
@@ -139,9 +130,9 @@ def main() -> None:
         hand = [sys.executable, __file__, args.model_dir, "--plain", "--corpus", str(corpus)]
         hand += ["--site", args.site, "--max-length", str(args.max_length), "--threads", str(args.threads)]
         for _ in range(args.repeats):
-            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            plain_s, plain_out = timed(hand, env)
-            ours_s, _ = timed(mine, env)
+            load = uptime()
+            plain_s, _cpu, plain_out = timed(hand, env)
+            ours_s, _cpu, _ = timed(mine, env)
             row = json.loads(out.read_text(encoding="utf-8"))["results"][0]["rows"][0]
             rows.append((load, plain_s, ours_s, json.loads(plain_out)["delta_loss"], row["delta_loss"]))
     print(f"model={args.model_dir} site={args.site} samples={len(samples)} threads={args.threads}")
